@@ -1,0 +1,3 @@
+from kapitsa.cli import main
+
+main()

@@ -1,0 +1,158 @@
+"""The `kapitsa` command line. Commands are thin: parse, call the owning package, render.
+
+Heavy modules (mlx, textual, fastapi) are imported inside the command that needs them, so
+`kapitsa --help` and `kapitsa --version` stay fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+from kapitsa import __version__
+from kapitsa.errors import KapitsaError, NotBuilt
+
+app = typer.Typer(
+    name="kapitsa",
+    help="Local inference for hybrid Qwen3.5 / Nemotron-H models on MLX, and a launcher for coding agents.",
+    no_args_is_help=False,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+_state = {"debug": False}
+
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Catalog alias (27b, 27b:6bit), HF repo id, folder or .gguf file.")]
+SpecOpt = Annotated[str, typer.Option("--speculative", help="none|ngram|mtp|draft|block|auto")]
+AgentArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed through to the agent (after --).")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"kapitsa {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    """With no command, open the TUI."""
+    _state["debug"] = debug
+    if ctx.invoked_subcommand is None:
+        from kapitsa.tui.app import run_tui
+
+        run_tui()
+
+
+def not_built(what: str) -> NoReturn:
+    raise NotBuilt(f"`kapitsa {what}` is not built yet in this version ({__version__}).")
+
+
+@app.command()
+def run(
+    prompt_arg: Annotated[str | None, typer.Argument(metavar="PROMPT", help="The prompt (or use --prompt / --prompt-file).")] = None,
+    model: ModelOpt = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt text.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="Read the prompt from a file.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Maximum tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    speculative: SpecOpt = "none",
+) -> None:
+    """Generate from a prompt and stream the answer."""
+    not_built("run")
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Bind address. Non-loopback needs a token.")] = "127.0.0.1",
+    port: Annotated[int | None, typer.Option("--port", help="Port (default 8484).")] = None,
+    speculative: SpecOpt = "none",
+) -> None:
+    """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
+    not_built("serve")
+
+
+@app.command()
+def doctor(json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False) -> None:
+    """Check this machine: GPU, memory, which models fit and with how much context."""
+    not_built("doctor")
+
+
+@app.command()
+def pull(model: Annotated[str, typer.Argument(help="Catalog alias or HF repo id.")]) -> None:
+    """Download a model into the Hugging Face cache."""
+    not_built("pull")
+
+
+@app.command("ls")
+def list_models(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List downloaded models."""
+    not_built("ls")
+
+
+@app.command("rm")
+def remove_model(model: Annotated[str, typer.Argument(help="Catalog alias or HF repo id.")]) -> None:
+    """Delete a downloaded model from the Hugging Face cache."""
+    not_built("rm")
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+    submit: Annotated[bool, typer.Option("--submit", help="Show the results and post them after confirmation.")] = False,
+    compare: Annotated[list[str] | None, typer.Option("--compare", help="Also bench this OpenAI-compatible URL.")] = None,
+) -> None:
+    """Measure decode/prefill speed, cache hits and concurrency on this machine."""
+    not_built("bench")
+
+
+@app.command()
+def env(shell: Annotated[str | None, typer.Option("--shell", help="bash, zsh, fish or powershell (default: detected).")] = None) -> None:
+    """Print export lines pointing IDEs and SDKs at the local server."""
+    not_built("env")
+
+
+@app.command()
+def token(action: Annotated[str, typer.Argument(help="show | rotate | clear")] = "show") -> None:
+    """Manage the API token kept in the OS keyring."""
+    not_built("token")
+
+
+def _agent_command(name: str, summary: str) -> None:
+    def command(
+        args: AgentArgs = None,
+        model: ModelOpt = None,
+        speculative: SpecOpt = "none",
+    ) -> None:
+        not_built(name)
+
+    command.__doc__ = summary
+    app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+
+
+_agent_command("claude", "Launch Claude Code on a local model.")
+_agent_command("codex", "Launch OpenAI Codex CLI on a local model.")
+_agent_command("opencode", "Launch opencode on a local model.")
+_agent_command("pi", "Launch the pi coding agent on a local model.")
+
+
+def main() -> None:
+    try:
+        app()
+    except KapitsaError as err:
+        if _state["debug"]:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,33 @@
+"""The headless engine: models, loading, caches, sampler, scheduler, engine thread.
+
+Nothing here imports a UI, web or CLI framework (an import-linter contract enforces it), so the
+engine runs bare on a GPU machine. Everything outside the engine talks to it through `EngineClient`.
+"""
+
+from kapitsa.engine.client import EngineClient
+from kapitsa.engine.types import (
+    EngineStats,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+
+__all__ = [
+    "EngineClient",
+    "EngineStats",
+    "ErrorEvent",
+    "Event",
+    "FinishEvent",
+    "GenerationRequest",
+    "ModelInfo",
+    "SamplingParams",
+    "TokenEvent",
+    "TokenLogprob",
+    "Usage",
+]

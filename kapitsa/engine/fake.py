@@ -1,0 +1,177 @@
+"""`FakeEngine`: a scripted `EngineClient` for server, TUI, launcher and agent tests.
+
+Replies are queued with `enqueue` and consumed in order; with none queued it echoes a fixed text.
+Token ids are the UTF-8 bytes of the text, so counts are deterministic and easy to reason about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from kapitsa.engine.types import (
+    EngineStats,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    ModelInfo,
+    TokenEvent,
+    Usage,
+)
+
+DEFAULT_REPLY = "Hello from the fake engine."
+
+
+@dataclass(slots=True, frozen=True)
+class ScriptedReply:
+    chunks: tuple[str, ...]
+    finish_reason: FinishReason = "stop"
+    error: Exception | None = None
+    delay_s: float = 0.0  # pause before each chunk (lets tests disconnect mid-stream)
+    cached_tokens: int = 0
+
+
+class FakeEngine:
+    """An `EngineClient` that plays back scripted replies."""
+
+    def __init__(self, *, model: ModelInfo | None = None, default_reply: str = DEFAULT_REPLY) -> None:
+        self.model = model or ModelInfo(
+            id="fake", family="fake", context_length=32768, max_output_tokens=8192, tool_call_format="hermes"
+        )
+        self.default_reply = default_reply
+        self.requests: list[GenerationRequest] = []  # every request seen, in order
+        self._script: deque[ScriptedReply] = deque()
+        self._active: dict[str, asyncio.Event] = {}
+        self._finished = 0
+        self._generated = 0
+        self.alive = True
+
+    def enqueue(
+        self,
+        text: str | list[str],
+        *,
+        finish_reason: FinishReason = "stop",
+        delay_s: float = 0.0,
+        cached_tokens: int = 0,
+    ) -> None:
+        """Queue one reply; a list streams as those chunks, a string as one chunk per word."""
+        chunks = tuple(text) if isinstance(text, list) else _split_words(text)
+        self._script.append(ScriptedReply(chunks, finish_reason, None, delay_s, cached_tokens))
+
+    def enqueue_error(self, error: Exception) -> None:
+        self._script.append(ScriptedReply((), "error", error))
+
+    def _next_reply(self) -> ScriptedReply:
+        return self._script.popleft() if self._script else ScriptedReply(_split_words(self.default_reply))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        self.requests.append(request)
+        reply = self._next_reply()
+        prompt_tokens = await self.count_tokens(request)
+        self._active[request.request_id] = aborted = asyncio.Event()
+        started = time.perf_counter()
+        emitted: list[int] = []
+        try:
+            if reply.error is not None:
+                yield ErrorEvent(request.request_id, reply.error)
+                return
+            finish: FinishReason = reply.finish_reason
+            limit = request.sampling.max_tokens
+            for chunk in _apply_stop(reply.chunks, request.sampling.stop):
+                if reply.delay_s:
+                    await asyncio.sleep(reply.delay_s)
+                else:
+                    await asyncio.sleep(0)
+                if aborted.is_set():
+                    finish = "abort"
+                    break
+                ids = tuple(chunk.encode())
+                if limit is not None and len(emitted) + len(ids) > limit:
+                    ids = ids[: limit - len(emitted)]
+                    chunk = bytes(ids).decode(errors="ignore")
+                    finish = "length"
+                emitted.extend(ids)
+                self._generated += len(ids)
+                yield TokenEvent(request.request_id, ids, chunk)
+                if finish == "length":
+                    break
+            usage = Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=len(emitted),
+                cached_tokens=min(reply.cached_tokens, prompt_tokens),
+                decode_seconds=time.perf_counter() - started,
+            )
+            stop_hit = _stop_hit(reply.chunks, request.sampling.stop)
+            if stop_hit and finish == "stop":
+                yield FinishEvent(request.request_id, "stop", usage, stop_sequence=stop_hit)
+            else:
+                yield FinishEvent(request.request_id, finish, usage)
+        finally:
+            self._active.pop(request.request_id, None)
+            self._finished += 1
+
+    async def abort(self, request_id: str) -> None:
+        event = self._active.get(request_id)
+        if event is not None:
+            event.set()
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        return len(_render(request).encode())
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            alive=self.alive,
+            model=self.model.id,
+            active_requests=len(self._active),
+            generated_tokens=self._generated,
+            requests_finished=self._finished,
+        )
+
+    def models(self) -> list[ModelInfo]:
+        return [self.model]
+
+    def with_model(self, **changes: object) -> FakeEngine:
+        self.model = replace(self.model, **changes)  # type: ignore[arg-type]
+        return self
+
+
+def _split_words(text: str) -> tuple[str, ...]:
+    words = text.split(" ")
+    return tuple(w if i == len(words) - 1 else w + " " for i, w in enumerate(words)) if text else ()
+
+
+def _render(request: GenerationRequest) -> str:
+    if request.prompt is not None:
+        return request.prompt
+    if request.prompt_token_ids is not None:
+        return "x" * len(request.prompt_token_ids)
+    return json.dumps([request.messages, request.tools], sort_keys=True, default=str)
+
+
+def _stop_hit(chunks: tuple[str, ...], stops: tuple[str, ...]) -> str | None:
+    text = "".join(chunks)
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    return min(hits)[1] if hits else None
+
+
+def _apply_stop(chunks: tuple[str, ...], stops: tuple[str, ...]) -> tuple[str, ...]:
+    """Cut the scripted text at the first stop string, as the real engine does."""
+    hit = _stop_hit(chunks, stops)
+    if hit is None:
+        return chunks
+    cut = "".join(chunks).find(hit)
+    out, pos = [], 0
+    for chunk in chunks:
+        if pos + len(chunk) >= cut:
+            if cut > pos:
+                out.append(chunk[: cut - pos])
+            break
+        out.append(chunk)
+        pos += len(chunk)
+    return tuple(out)

@@ -1,0 +1,182 @@
+"""Values that cross the `EngineClient` boundary: requests in, events and stats out.
+
+Plain frozen dataclasses (no pydantic): the server translates its wire models into these.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to pick tokens. `temperature == 0` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None  # None = up to the context window
+    logprobs: int | None = None  # number of top alternatives to report per token (0 = only the chosen)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationRequest:
+    """One generation. Exactly one of `prompt`, `prompt_token_ids` or `messages` is set.
+
+    `messages`/`tools` are rendered by the model's own chat template (Hugging Face semantics);
+    `chat_template_kwargs` carries extras such as `enable_thinking`.
+    """
+
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    model: str | None = None  # None = the engine's default model
+    request_id: str = field(default_factory=new_request_id)
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids or messages must be given")
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob) alternatives, best first
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not recomputed)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """New tokens and the text they complete. `text` may be empty while bytes or a possible stop
+    string are held back; the held text arrives in a later event."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillProgressEvent:
+    """Prompt processing advanced (sent between prefill chunks); lets servers keep streams alive."""
+
+    request_id: str
+    processed_tokens: int
+    total_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class FinishEvent:
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended the output, if any
+
+
+@dataclass(slots=True, frozen=True)
+class ErrorEvent:
+    """An error travels as a value; consumers re-raise `error` where they handle it."""
+
+    request_id: str
+    error: Exception
+
+
+Event = TokenEvent | PrefillProgressEvent | FinishEvent | ErrorEvent
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    id: str
+    family: str  # "qwen3_5" | "nemotron_h" | "fake"
+    context_length: int
+    max_output_tokens: int
+    tool_call_format: str = "hermes"  # "qwen3_coder" | "hermes" | "nemotron"
+    supports_thinking: bool = False
+    path: str | None = None
+    quantization: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    alive: bool = True
+    model: str | None = None
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    active_requests: int = 0
+    queued_requests: int = 0
+    batch_size: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+    checkpoints_in_memory: int = 0
+    checkpoint_bytes_in_memory: int = 0
+    checkpoints_on_disk: int = 0
+    checkpoint_bytes_on_disk: int = 0
+    memory_in_use_bytes: int = 0
+    memory_peak_bytes: int = 0
+    memory_limit_bytes: int = 0
+    speculative: str = "none"
+    draft_acceptance_rate: float = 0.0
+    tokens_per_step: float = 0.0
+    requests_finished: int = 0
+    requests_failed: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.prompt_tokens_cached + self.prompt_tokens_computed
+        return self.prompt_tokens_cached / total if total else 0.0

@@ -1,0 +1,1 @@
+"""kapitsa.server"""
