@@ -1,0 +1,66 @@
+"""Adaptive draft length (hybrid-engine.md §5.6): pick k maximising expected tokens per unit of
+verify cost, from a measured cost curve c(T) and running per-depth acceptance."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def default_cost_curve(max_tokens: int, *, per_token: float = 0.08) -> list[float]:
+    """c(T) relative to one decode step. Verify of T tokens reads the weights once, so on
+    bandwidth-bound hardware the extra rows are cheap; refine by measuring `c` at load."""
+    return [1.0 + per_token * (t - 1) for t in range(1, max_tokens + 2)]
+
+
+@dataclass(slots=True)
+class DraftLengthController:
+    max_draft: int = 8
+    decay: float = 0.9  # EWMA weight of history
+    margin: float = 0.05  # speculate only if it beats plain decode by this much
+    cost: list[float] = field(default_factory=list)  # cost[T-1] = c(T)
+    alphas: list[float] = field(default_factory=list)  # P(accept depth i | accepted depth i-1)
+    probe_every: int = 16  # when speculation is off, try one short draft this often to re-measure
+    _steps_off: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.cost:
+            self.cost = default_cost_curve(self.max_draft)
+        if len(self.cost) < self.max_draft + 1:
+            raise ValueError("cost curve must cover T = 1..max_draft+1")
+        if not self.alphas:
+            self.alphas = [0.6] * self.max_draft
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= self.alphas[i]
+            total += reach
+        return total
+
+    def choose(self) -> int:
+        """The draft length to use next; 0 means plain decoding is better right now."""
+        base = 1.0 / self.cost[0]
+        best_k, best = 0, base * (1 + self.margin)
+        for k in range(1, self.max_draft + 1):
+            rate = self.expected_tokens(k) / self.cost[k]
+            if rate > best:
+                best_k, best = k, rate
+        if best_k == 0:
+            self._steps_off += 1
+            if self._steps_off >= self.probe_every:
+                self._steps_off = 0
+                return 1
+        return best_k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Fold one verify step in: depths < accepted passed, depth `accepted` failed (if proposed)."""
+        for i in range(min(proposed, self.max_draft)):
+            if i > accepted:
+                break
+            hit = 1.0 if i < accepted else 0.0
+            self.alphas[i] = self.decay * self.alphas[i] + (1 - self.decay) * hit
+
+    def set_cost_curve(self, cost: Sequence[float]) -> None:
+        base = cost[0]
+        self.cost = [c / base for c in cost]

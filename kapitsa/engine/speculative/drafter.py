@@ -1,0 +1,37 @@
+"""The drafter interface: given the committed tokens, propose what comes next."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(slots=True, frozen=True)
+class Draft:
+    """A chain of proposed tokens.
+
+    `probs` is the drafter's distribution q at each position ([k, V], already shaped by the same
+    temperature/top-p as the target) when the drafter sampled its tokens; None means the tokens are
+    point masses (n-gram lookup, argmax drafts), which acceptance treats as q = one-hot.
+    """
+
+    tokens: tuple[int, ...]
+    probs: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        """Propose up to `max_tokens` tokens that follow `context` (prompt + committed output)."""
+        ...
+
+    def observe(self, new_tokens: Sequence[int]) -> None:
+        """Tell the drafter which tokens were committed since the last call."""
+        ...

@@ -1,0 +1,124 @@
+"""Draft trees: nodes in DFS preorder (parent[t] < t, subtrees contiguous), the attention mask of
+ancestors, and walking a verified tree to the accepted path (hybrid-engine.md §5.5)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kapitsa.engine.speculative.acceptance import AcceptResult, accept_siblings_sampled
+
+
+@dataclass(slots=True, frozen=True)
+class DraftTree:
+    """Node 0 is the root: the last committed token. Every other node is a draft token."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]  # parents[0] == -1
+
+    def __post_init__(self) -> None:
+        if not self.tokens or self.parents[0] != -1 or len(self.tokens) != len(self.parents):
+            raise ValueError("a draft tree needs a root with parent -1 and one parent per node")
+        if any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
+            raise ValueError("nodes must be in preorder: parent[t] < t")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        out = [0] * len(self)
+        for i in range(1, len(self)):
+            out[i] = out[self.parents[i]] + 1
+        return out
+
+    def children(self, node: int) -> list[int]:
+        return [i for i in range(node + 1, len(self)) if self.parents[i] == node]
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[T, T] bool: row t may attend to column j iff j is t or an ancestor of t."""
+        mask = np.eye(len(self), dtype=bool)
+        for i in range(1, len(self)):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node != -1:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    @staticmethod
+    def chain(root: int, tokens: Sequence[int]) -> DraftTree:
+        return DraftTree((root, *map(int, tokens)), tuple(range(-1, len(tokens))))
+
+
+def accept_tree_greedy(tree: DraftTree, target_argmax: Sequence[int]) -> tuple[list[int], AcceptResult]:
+    """Follow the child whose token equals the target's argmax at each node.
+
+    Returns the accepted node path (root first) and the tokens to commit.
+    """
+    node, path = 0, [0]
+    while True:
+        want = int(target_argmax[node])
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            accepted = tuple(tree.tokens[i] for i in path[1:])
+            return path, AcceptResult(len(accepted), accepted + (want,))
+        node = nxt
+        path.append(node)
+
+
+def accept_tree_sampled(
+    tree: DraftTree, target_probs: np.ndarray, rng: np.random.Generator
+) -> tuple[list[int], AcceptResult]:
+    """Sampling over a tree of deterministic drafts; `target_probs[t]` is p after node t."""
+    node, path = 0, [0]
+    while True:
+        kids = tree.children(node)
+        token, hit = accept_siblings_sampled([tree.tokens[c] for c in kids], target_probs[node], rng)
+        if not hit:
+            accepted = tuple(tree.tokens[i] for i in path[1:])
+            return path, AcceptResult(len(accepted), accepted + (token,))
+        node = next(c for c in kids if tree.tokens[c] == token)
+        path.append(node)
+
+
+Expand = Callable[[tuple[int, ...]], Sequence[tuple[int, float]]]
+
+
+def build_best_first(root: int, expand: Expand, *, budget: int, top_k: int = 4) -> DraftTree:
+    """EAGLE-2-style: grow the nodes with the best summed log-prob until `budget` draft nodes.
+
+    `expand(path_tokens)` returns (token, logprob) candidates after that path (root excluded).
+    """
+    entries: list[tuple[float, int, tuple[int, ...], int]] = []  # (-score, tiebreak, path, parent)
+    counter = 0
+    for token, lp in list(expand(()))[:top_k]:
+        heapq.heappush(entries, (-lp, counter, (int(token),), 0))
+        counter += 1
+    chosen: list[tuple[tuple[int, ...], float]] = []
+    while entries and len(chosen) < budget:
+        neg, _, path, _ = heapq.heappop(entries)
+        chosen.append((path, -neg))
+        for token, lp in list(expand(path))[:top_k]:
+            heapq.heappush(entries, (neg - lp, counter, (*path, int(token)), 0))
+            counter += 1
+    return _tree_from_paths(root, [p for p, _ in chosen])
+
+
+def _tree_from_paths(root: int, paths: list[tuple[int, ...]]) -> DraftTree:
+    # Preorder by sorting paths lexicographically on their token sequences keeps subtrees contiguous.
+    index: dict[tuple[int, ...], int] = {(): 0}
+    tokens, parents = [root], [-1]
+    for path in sorted(set(paths)):
+        for depth in range(1, len(path) + 1):
+            prefix = path[:depth]
+            if prefix not in index:
+                index[prefix] = len(tokens)
+                tokens.append(prefix[-1])
+                parents.append(index[prefix[:-1]])
+    return DraftTree(tuple(tokens), tuple(parents))

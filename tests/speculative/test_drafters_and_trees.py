@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import numpy as np
+
+from kapitsa.engine.speculative import NGramDrafter
+from kapitsa.engine.speculative.controller import DraftLengthController
+from kapitsa.engine.speculative.tree import (
+    DraftTree,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    build_best_first,
+)
+
+
+def test_ngram_copies_what_followed_the_latest_earlier_match() -> None:
+    d = NGramDrafter(min_n=2, max_n=3)
+    ctx = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert d.propose(ctx, 4).tokens == (4, 5, 9, 9)
+    # incremental: extend the context, the index follows
+    assert d.propose([*ctx, 4], 2).tokens == (5, 9)
+    # no earlier occurrence -> nothing
+    assert d.propose([7, 8, 6], 4).tokens == ()
+    # prefers the longest suffix match
+    d2 = NGramDrafter(min_n=1, max_n=3)
+    assert d2.propose([5, 6, 7, 1, 6, 7, 2, 6, 7], 1).tokens == (2,)
+    assert d2.propose([5, 6, 7, 1, 9, 5, 6, 7], 2).tokens == (1, 9)
+
+
+def test_tree_preorder_masks_and_greedy_walk() -> None:
+    # root(10) -> a(1) -> c(3); root -> b(2)
+    tree = DraftTree((10, 1, 3, 2), (-1, 0, 1, 0))
+    mask = tree.ancestor_mask()
+    assert mask[2].tolist() == [True, True, True, False]
+    assert mask[3].tolist() == [True, False, False, True]
+    assert tree.depths() == [0, 1, 2, 1]
+    path, res = accept_tree_greedy(tree, [1, 3, 8, 0])
+    assert path == [0, 1, 2] and res.tokens == (1, 3, 8)
+    path, res = accept_tree_greedy(tree, [2, 0, 0, 5])
+    assert path == [0, 3] and res.tokens == (2, 5)
+    path, res = accept_tree_greedy(tree, [7, 0, 0, 0])
+    assert path == [0] and res.tokens == (7,)
+
+
+def test_tree_sampling_first_token_follows_p() -> None:
+    tree = DraftTree((0, 1, 2, 3), (-1, 0, 0, 0))
+    p = np.array([0.1, 0.4, 0.05, 0.25, 0.2])
+    rng = np.random.default_rng(0)
+    counts = np.zeros(5)
+    for _ in range(20000):
+        _, res = accept_tree_sampled(tree, np.tile(p, (4, 1)), rng)
+        counts[res.tokens[0]] += 1
+    assert 0.5 * np.abs(counts / counts.sum() - p).sum() < 0.02
+
+
+def test_best_first_tree_respects_budget_and_order() -> None:
+    def expand(path):
+        return [(len(path) * 10 + 1, -0.1), (len(path) * 10 + 2, -2.0)]
+
+    tree = build_best_first(99, expand, budget=4, top_k=2)
+    assert len(tree) == 5 and tree.tokens[0] == 99
+    assert tree.tokens[1:4] == (1, 11, 21)  # the confident chain first
+
+
+def test_controller_turns_speculation_up_and_down() -> None:
+    c = DraftLengthController(max_draft=6)
+    for _ in range(60):
+        c.update(6, 6)
+    assert c.choose() == 6
+    for _ in range(80):
+        c.update(c.max_draft, 0)
+    assert c.choose() == 0
+    assert any(c.choose() == 1 for _ in range(c.probe_every))  # it probes again
