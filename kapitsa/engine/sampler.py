@@ -1,0 +1,144 @@
+"""Token selection: logits processors, seeded sampling and top-k logprobs, one sequence at a time.
+
+Each sequence owns a `SequenceSampler` with its own PRNG key stream, so a seeded request draws the
+same tokens whether it runs alone or next to other requests. Greedy rows of a batch take a shared
+argmax fast path (`sample_batch`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kapitsa.engine.types import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True, frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float  # log-probability under the model's raw distribution
+    top: tuple[tuple[int, float], ...] = ()  # best alternatives (id, logprob), when asked for
+
+
+class SequenceSampler:
+    """Picks the next token of one sequence from its logits row.
+
+    Args:
+        params: the request's sampling parameters.
+        prompt_ids: the prompt, which the repetition penalty also covers (as in Hugging Face).
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+        self._prompt_ids = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
+        self._output_counts: Counter[int] = Counter()
+        bias = params.logit_bias
+        self._bias_ids = mx.array([i for i, _ in bias], dtype=mx.int32) if bias else None
+        self._bias_values = mx.array([b for _, b in bias], dtype=mx.float32) if bias else None
+
+    @property
+    def is_greedy_plain(self) -> bool:
+        """True when the pick is a bare argmax of the raw logits (no processor changes it)."""
+        p = self.params
+        return p.temperature == 0 and not self._changes_logits()
+
+    def _changes_logits(self) -> bool:
+        p = self.params
+        return bool(
+            p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        )
+
+    def observe(self, token_id: int) -> None:
+        """Record a generated token (penalties count output tokens)."""
+        self._output_counts[token_id] += 1
+
+    def process(self, logits: mx.array) -> mx.array:
+        """Apply bias and penalties to a [V] float32 logits row."""
+        if self._bias_ids is not None:
+            logits = logits.at[self._bias_ids].add(self._bias_values)
+        p = self.params
+        if p.repetition_penalty != 1.0:
+            seen = sorted(set(self._prompt_ids) | set(self._output_counts))
+            if seen:
+                ids = mx.array(seen, dtype=mx.int32)
+                vals = logits[ids]
+                vals = mx.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                logits = logits.at[ids].add(vals - logits[ids])
+        if (p.presence_penalty or p.frequency_penalty) and self._output_counts:
+            ids = mx.array(list(self._output_counts), dtype=mx.int32)
+            counts = mx.array(list(self._output_counts.values()), dtype=mx.float32)
+            logits = logits.at[ids].subtract(p.presence_penalty + p.frequency_penalty * counts)
+        return logits
+
+    def _next_key(self) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def choose(self, logits: mx.array) -> mx.array:
+        """The chosen token id (a 0-d array) from a processed [V] row."""
+        p = self.params
+        if p.temperature == 0:
+            return mx.argmax(logits)
+        key = self._next_key()  # drawn even when filters leave one choice, so the stream stays aligned
+        logits = filter_logits(logits / p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+        return mx.random.categorical(logits, key=key)
+
+    def sample(self, logits: mx.array) -> SampledToken:
+        """Pick from a [V] logits row of any float dtype."""
+        row = logits.astype(mx.float32)
+        token = self.choose(self.process(row))
+        return self._finish(row, token)
+
+    def _finish(self, row: mx.array, token: mx.array) -> SampledToken:
+        wants_logprobs = self.params.logprobs is not None
+        if not wants_logprobs:
+            token_id = int(token.item())
+            self.observe(token_id)
+            return SampledToken(token_id, 0.0)
+        logprobs = row - mx.logsumexp(row)
+        top_n = self.params.logprobs or 0
+        top_ids = mx.argsort(-logprobs)[:top_n] if top_n else None
+        mx.eval(token, logprobs, *(x for x in (top_ids,) if x is not None))
+        token_id = int(token.item())
+        self.observe(token_id)
+        top: tuple[tuple[int, float], ...] = ()
+        if top_ids is not None:
+            top_list = top_ids.tolist()
+            top = tuple(zip(top_list, logprobs[top_ids].tolist(), strict=True))
+        return SampledToken(token_id, float(logprobs[token_id].item()), top)
+
+
+def filter_logits(logits: mx.array, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> mx.array:
+    """Mask a temperature-scaled [V] row to -inf outside top-k, the top-p nucleus and min-p."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = mx.sort(logits)[-top_k]
+        logits = mx.where(logits < kth, _NEG_INF, logits)
+    if top_p < 1.0:
+        order = mx.argsort(-logits)
+        probs = mx.softmax(logits[order])
+        # keep a token while the mass before it is below top_p (the first token always stays)
+        mass_before = mx.cumsum(probs) - probs
+        drop = (mass_before >= top_p)[mx.argsort(order)]  # back to vocabulary order
+        logits = mx.where(drop, _NEG_INF, logits)
+    if min_p > 0.0:
+        probs = mx.softmax(logits)
+        logits = mx.where(probs < min_p * probs.max(), _NEG_INF, logits)
+    return logits
+
+
+def sample_batch(samplers: Sequence[SequenceSampler], logits: mx.array) -> list[SampledToken]:
+    """Pick one token per row of [B, V] logits; plain greedy rows share one argmax."""
+    if all(s.is_greedy_plain and s.params.logprobs is None for s in samplers):
+        ids = mx.argmax(logits, axis=-1).tolist()
+        for sampler, token_id in zip(samplers, ids, strict=True):
+            sampler.observe(token_id)
+        return [SampledToken(t, 0.0) for t in ids]
+    return [sampler.sample(logits[i]) for i, sampler in enumerate(samplers)]

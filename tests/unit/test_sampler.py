@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from kapitsa.engine.sampler import SequenceSampler, filter_logits, sample_batch
+from kapitsa.engine.types import SamplingParams
+
+
+def _logits(seed: int = 0, vocab: int = 64) -> mx.array:
+    return mx.random.normal((vocab,), key=mx.random.key(seed)) * 3
+
+
+def test_greedy_is_argmax() -> None:
+    logits = _logits()
+    token = SequenceSampler(SamplingParams()).sample(logits)
+    assert token.token_id == int(mx.argmax(logits).item())
+
+
+def test_same_seed_same_tokens_and_independent_of_neighbours() -> None:
+    params = SamplingParams(temperature=1.0, seed=42)
+    rows = [_logits(i) for i in range(20)]
+    alone = SequenceSampler(params)
+    first = [alone.sample(r).token_id for r in rows]
+    again = SequenceSampler(params)
+    neighbour = SequenceSampler(SamplingParams(temperature=1.0, seed=7))
+    batched = []
+    for r in rows:
+        picks = sample_batch([neighbour, again], mx.stack([r, r]))
+        batched.append(picks[1].token_id)
+    assert batched == first
+    other = SequenceSampler(SamplingParams(temperature=1.0, seed=43))
+    assert [other.sample(r).token_id for r in rows] != first
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    logits = _logits(3)
+    best = int(mx.argmax(logits).item())
+    for params in (SamplingParams(temperature=2.0, top_k=1, seed=1), SamplingParams(temperature=2.0, top_p=1e-6, seed=1)):
+        sampler = SequenceSampler(params)
+        assert {sampler.sample(logits).token_id for _ in range(10)} == {best}
+
+
+def test_filters_keep_the_expected_sets() -> None:
+    logits = mx.log(mx.array([0.5, 0.3, 0.15, 0.05]))
+    kept = lambda x: [i for i, v in enumerate(x.tolist()) if v != float("-inf")]  # noqa: E731
+    assert kept(filter_logits(logits, top_k=2)) == [0, 1]
+    assert kept(filter_logits(logits, top_p=0.8)) == [0, 1]
+    assert kept(filter_logits(logits, top_p=0.81)) == [0, 1, 2]
+    assert kept(filter_logits(logits, min_p=0.5)) == [0, 1]
+
+
+def test_logit_bias_and_penalties() -> None:
+    logits = mx.zeros((8,))
+    sampler = SequenceSampler(SamplingParams(logit_bias=((5, 10.0),)))
+    assert sampler.sample(logits).token_id == 5
+    rows = mx.array([3.0, 2.9, 0.0, 0.0])
+    penal = SequenceSampler(SamplingParams(frequency_penalty=0.5))
+    assert penal.sample(rows).token_id == 0
+    assert penal.sample(rows).token_id == 1  # 3.0 - 0.5 < 2.9
+    rep = SequenceSampler(SamplingParams(repetition_penalty=2.0), prompt_ids=[0])
+    assert rep.sample(rows).token_id == 1  # 3.0 / 2 < 2.9
+    pres = SequenceSampler(SamplingParams(presence_penalty=1.0))
+    assert [pres.sample(rows).token_id for _ in range(2)] == [0, 1]
+
+
+def test_logprobs_are_normalised_and_sorted() -> None:
+    logits = _logits(5)
+    token = SequenceSampler(SamplingParams(logprobs=3)).sample(logits)
+    expected = (logits - mx.logsumexp(logits)).tolist()
+    assert token.logprob == pytest.approx(max(expected), abs=1e-5)
+    assert [t for t, _ in token.top][0] == token.token_id
+    lps = [lp for _, lp in token.top]
+    assert lps == sorted(lps, reverse=True) and len(lps) == 3
+    assert math.isclose(sum(math.exp(x) for x in expected), 1.0, rel_tol=1e-4)
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = mx.log(mx.array([0.7, 0.2, 0.1]))
+    sampler = SequenceSampler(SamplingParams(temperature=1.0, seed=0))
+    picks = [sampler.sample(logits).token_id for _ in range(600)]
+    assert abs(picks.count(0) / 600 - 0.7) < 0.07
