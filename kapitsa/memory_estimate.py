@@ -1,0 +1,119 @@
+"""How much memory a hybrid model needs, and how much context fits in a given budget.
+
+memory = weights + KV per token × context + recurrent state (fixed per sequence)
+         + recurrent checkpoints kept by the prefix cache + activation workspace + headroom
+
+Only the attention layers grow with context. Gated DeltaNet and Mamba-2 layers hold a fixed state
+per sequence (fp32 SSM state plus bf16 conv window, as in mlx-lm and ../shared/docs/hybrid-engine.md
+§4), and every prefix-cache checkpoint costs one more copy of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kapitsa.catalog import Architecture
+
+Verdict = Literal["fits", "tight", "too_big"]
+
+KV_BYTES = 2  # bf16 K and V
+STATE_BYTES = 4  # SSM state stays fp32 (bf16 drifts)
+CONV_BYTES = 2
+DEFAULT_CHECKPOINTS = 4  # e.g. system prompt + tools, last user turn, two periodic (hybrid-engine.md §5.7)
+DEFAULT_PREFILL_CHUNK = 2048
+HEADROOM_BYTES = 1 << 30  # the rest of the process, allocator fragmentation
+COMFORTABLE_CONTEXT = 65536  # coding agents send 20k+ tokens on the first turn (real-agents.md §2)
+MINIMUM_CONTEXT = 8192
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryEstimate:
+    usable_bytes: int
+    weights_bytes: int
+    kv_bytes_per_token: int
+    state_bytes: int  # recurrent state of one sequence
+    checkpoint_bytes: int
+    workspace_bytes: int
+    headroom_bytes: int
+    max_context: int  # tokens that fit, capped at the model's context window
+    verdict: Verdict
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Everything but the KV cache."""
+        return self.weights_bytes + self.state_bytes + self.checkpoint_bytes + self.workspace_bytes + self.headroom_bytes
+
+
+def kv_bytes_per_token(arch: Architecture) -> int:
+    return arch.attention_layers * 2 * arch.num_kv_heads * arch.head_dim * KV_BYTES
+
+
+def gdn_layer_state_bytes(arch: Architecture) -> int:
+    ssm = arch.linear_value_heads * arch.linear_value_dim * arch.linear_key_dim * STATE_BYTES
+    conv_channels = 2 * arch.linear_key_heads * arch.linear_key_dim + arch.linear_value_heads * arch.linear_value_dim
+    return ssm + (arch.conv_kernel - 1) * conv_channels * CONV_BYTES
+
+
+def mamba_layer_state_bytes(arch: Architecture) -> int:
+    ssm = arch.mamba_heads * arch.mamba_head_dim * arch.mamba_state_size * STATE_BYTES
+    conv_channels = arch.mamba_heads * arch.mamba_head_dim + 2 * arch.mamba_groups * arch.mamba_state_size
+    return ssm + (arch.conv_kernel - 1) * conv_channels * CONV_BYTES
+
+
+def recurrent_state_bytes(arch: Architecture) -> int:
+    """Fixed per-sequence state of all recurrent layers (= the size of one prefix-cache checkpoint)."""
+    return arch.linear_layers * gdn_layer_state_bytes(arch) + arch.mamba_layers * mamba_layer_state_bytes(arch)
+
+
+def weights_bytes(arch: Architecture, bits_per_weight: float) -> int:
+    return int(arch.params_b * 1e9 * bits_per_weight / 8)
+
+
+def workspace_bytes(arch: Architecture, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """Activations of one prefill chunk plus the last position's fp32 logits.
+
+    Rule of thumb: about 16 hidden-sized fp32 buffers per chunk token are alive at the peak of a block
+    (residual, norms, q/k/v or GDN projections, the MLP's gate and up halves).
+    """
+    return prefill_chunk * arch.hidden_size * 4 * 16 + arch.vocab_size * 4 * 2
+
+
+def sequence_bytes(arch: Architecture, context_tokens: int) -> int:
+    """Cache memory of one sequence holding `context_tokens`: its KV plus its recurrent state."""
+    return kv_bytes_per_token(arch) * context_tokens + recurrent_state_bytes(arch)
+
+
+def estimate(arch: Architecture, *, usable_bytes: int, weight_bytes: int,
+             num_checkpoints: int = DEFAULT_CHECKPOINTS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             headroom_bytes: int = HEADROOM_BYTES) -> MemoryEstimate:
+    """How much context one sequence can hold in `usable_bytes`, and whether the model fits at all."""
+    state = recurrent_state_bytes(arch)
+    partial = MemoryEstimate(usable_bytes=usable_bytes, weights_bytes=weight_bytes,
+                             kv_bytes_per_token=kv_bytes_per_token(arch), state_bytes=state,
+                             checkpoint_bytes=num_checkpoints * state,
+                             workspace_bytes=workspace_bytes(arch, prefill_chunk), headroom_bytes=headroom_bytes,
+                             max_context=0, verdict="too_big")
+    free = usable_bytes - partial.fixed_bytes
+    max_context = _context_that_fits(arch, free, partial.kv_bytes_per_token)
+    return MemoryEstimate(**{**_as_dict(partial), "max_context": max_context,
+                             "verdict": _verdict(arch, free, max_context)})
+
+
+def _context_that_fits(arch: Architecture, free: int, kv_per_token: int) -> int:
+    if free <= 0:
+        return 0
+    if kv_per_token == 0:
+        return arch.context_length
+    return min(arch.context_length, free // kv_per_token)
+
+
+def _verdict(arch: Architecture, free: int, max_context: int) -> Verdict:
+    comfortable = min(COMFORTABLE_CONTEXT, arch.context_length)
+    if free <= 0 or max_context < min(MINIMUM_CONTEXT, arch.context_length):
+        return "too_big"
+    return "fits" if max_context >= comfortable else "tight"
+
+
+def _as_dict(est: MemoryEstimate) -> dict[str, object]:
+    return {name: getattr(est, name) for name in MemoryEstimate.__slots__}  # type: ignore[attr-defined]

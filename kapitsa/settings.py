@@ -1,0 +1,80 @@
+"""User settings: `KAPITSA_*` environment variables override the config file, which overrides defaults.
+
+The config file is `config.toml` in the user config folder (`~/Library/Application Support/kapitsa` on
+macOS, `$XDG_CONFIG_HOME/kapitsa` on Linux), or the file `KAPITSA_CONFIG` names. Example:
+
+    default_model = "27b"
+    port = 8484
+
+    [catalog.my-27b]            # a user catalog entry (same keys as kapitsa/catalog.toml)
+    name = "My 27B fine-tune"
+    ...
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from kapitsa.errors import KapitsaError
+
+APP_NAME = "kapitsa"
+DEFAULT_PORT = 8484
+
+
+def config_file_path() -> Path:
+    override = os.environ.get("KAPITSA_CONFIG")
+    return Path(override).expanduser() if override else Path(platformdirs.user_config_dir(APP_NAME)) / "config.toml"
+
+
+class KapitsaSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KAPITSA_", extra="ignore")
+
+    default_model: str = "demo"
+    """Model used when a command gets no `--model` (catalog alias, HF repo id, or folder)."""
+
+    host: str = "127.0.0.1"
+    """Address launchers use to reach (and start) the local server."""
+
+    port: int = Field(DEFAULT_PORT, ge=1, le=65535)
+    """Port launchers try first for a new server; the next free one is used when it is taken."""
+
+    server_start_timeout_s: float = Field(600.0, gt=0)
+    """How long a launcher waits for a server it started to answer `/health` (loading big weights is slow)."""
+
+    state_dir: Path = Path(platformdirs.user_state_dir(APP_NAME))
+    """kapitsa's own files: server logs, the Codex model catalog, pi backups, the token fallback file."""
+
+    catalog: dict[str, dict[str, Any]] = {}
+    """User catalog entries, merged over the built-in ones (same keys as kapitsa/catalog.toml)."""
+
+    num_checkpoints: int = Field(4, ge=0)
+    """Recurrent-state checkpoints the memory estimate reserves for the prefix cache."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file_path()))
+
+
+def load_settings(**overrides: Any) -> KapitsaSettings:
+    """Read settings; a malformed config file becomes a KapitsaError naming the file."""
+    try:
+        return KapitsaSettings(**overrides)
+    except ValidationError as err:
+        raise KapitsaError(f"invalid settings (config file {config_file_path()} or KAPITSA_* variables): {err}") from err
+    except ValueError as err:  # TOML syntax errors
+        raise KapitsaError(f"cannot read the config file {config_file_path()}: {err}") from err
