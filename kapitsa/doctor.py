@@ -1,0 +1,280 @@
+"""`kapitsa doctor`: what this machine has, and which catalog models fit in it with how much context.
+
+`probe_hardware()` reads the machine; `build_report(hardware, catalog)` is pure, so the TUI and the
+tests can run it on recorded profiles (`RECORDED_PROFILES`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from kapitsa import memory_estimate
+from kapitsa.catalog import Catalog, CatalogEntry, Quant, arch_for_folder, package_model_path, weight_bytes_on_disk
+from kapitsa.errors import KapitsaError
+
+GiB = 1 << 30
+MIN_MACOS = (14, 0)
+Backend = Literal["metal", "cuda", "cpu", "none"]
+
+
+@dataclass(slots=True, frozen=True)
+class HardwareProfile:
+    os_name: str  # "macOS 15.3", "Linux 6.8.0"
+    machine: str  # "arm64", "x86_64"
+    chip: str  # "Apple M4 Pro", "AMD EPYC"
+    is_apple_silicon: bool
+    total_memory_bytes: int
+    usable_memory_bytes: int  # what a model may use: Metal's recommended working set on a Mac
+    usable_memory_source: str
+    backend: Backend
+    gpu: str
+    mlx_version: str | None
+    disk_free_bytes: int
+    disk_path: str
+    macos_version: tuple[int, ...] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFit:
+    ref: str  # "27b" or "27b:6bit": what to pass to --model
+    alias: str
+    name: str
+    quant: str | None
+    repo_id: str | None
+    weights_bytes: int | None
+    max_context: int | None
+    verdict: Literal["fits", "tight", "too_big", "unavailable"]
+    estimated: bool = False  # architecture numbers not from a primary config
+    note: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class DoctorReport:
+    hardware: HardwareProfile
+    models: tuple[ModelFit, ...]
+    recommended: str | None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_json_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _profile(name: str, chip: str, total_gib: int, usable_bytes: int, macos: str) -> HardwareProfile:
+    return HardwareProfile(os_name=f"macOS {macos}", machine="arm64", chip=chip, is_apple_silicon=True,
+                           total_memory_bytes=total_gib * GiB, usable_memory_bytes=usable_bytes,
+                           usable_memory_source="Metal recommended working set (recorded)", backend="metal",
+                           gpu=f"{chip} GPU", mlx_version="0.32.4", disk_free_bytes=500 * 10**9, disk_path="~",
+                           macos_version=tuple(int(p) for p in macos.split(".")))
+
+
+# recommendedMaxWorkingSetSize as reported by Metal: 2/3 of RAM on a 16 GB Mac (10922.67 MB in
+# llama.cpp logs), 3/4 on mid-size ones, 107.52 GiB measured on a 128 GB M5 Max (antirez/ds4#893).
+RECORDED_PROFILES: dict[str, HardwareProfile] = {
+    "m1-pro-16gb": _profile("m1-pro-16gb", "Apple M1 Pro", 16, int(10922.67 * 2**20), "14.6"),
+    "m4-pro-48gb": _profile("m4-pro-48gb", "Apple M4 Pro", 48, 36 * GiB, "15.3"),
+    "m5-max-128gb": _profile("m5-max-128gb", "Apple M5 Max", 128, int(107.52 * GiB), "26.1"),
+}
+
+
+def probe_hardware(disk_path: Path | None = None) -> HardwareProfile:
+    """Read this machine. Never raises for a missing MLX or an unknown platform: it reports them."""
+    system, machine = platform.system(), platform.machine()
+    macos = tuple(int(p) for p in platform.mac_ver()[0].split(".") if p) if system == "Darwin" else None
+    total = _total_memory_bytes()
+    mlx_version, backend, device = _mlx_info()
+    usable, source = _usable_memory(backend, device, total)
+    path = disk_path or _hf_cache_dir()
+    return HardwareProfile(
+        os_name=f"macOS {'.'.join(map(str, macos or ()))}" if system == "Darwin" else f"{system} {platform.release()}",
+        machine=machine, chip=_chip_name(system, device), is_apple_silicon=system == "Darwin" and machine == "arm64",
+        total_memory_bytes=total, usable_memory_bytes=usable, usable_memory_source=source, backend=backend,
+        gpu=_gpu_name(backend, device), mlx_version=mlx_version, disk_free_bytes=_disk_free(path),
+        disk_path=str(path), macos_version=macos)
+
+
+def _mlx_info() -> tuple[str | None, Backend, dict[str, object]]:
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return None, "none", {}
+    backend: Backend = "cpu"
+    if mx.metal.is_available():
+        backend = "metal"
+    elif hasattr(mx, "cuda") and mx.cuda.is_available():
+        backend = "cuda"
+    try:
+        device = dict(mx.device_info())
+    except (RuntimeError, AttributeError):
+        device = {}
+    return mx.__version__, backend, device
+
+
+def _usable_memory(backend: Backend, device: dict[str, object], total: int) -> tuple[int, str]:
+    if backend == "metal" and "max_recommended_working_set_size" in device:
+        return int(device["max_recommended_working_set_size"]), "Metal recommended working set"  # type: ignore[call-overload]
+    if backend == "cuda" and "memory_size" in device:
+        return int(device["memory_size"]), "CUDA device memory"  # type: ignore[call-overload]
+    available = _meminfo_bytes("MemAvailable")
+    if available:
+        return available, "system RAM available now (CPU backend)"
+    return total, "system RAM (CPU backend)"
+
+
+def _meminfo_bytes(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _chip_name(system: str, device: dict[str, object]) -> str:
+    if system == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return str(device.get("device_name") or platform.processor() or "unknown")
+
+
+def _gpu_name(backend: Backend, device: dict[str, object]) -> str:
+    if backend in ("metal", "cuda"):
+        return str(device.get("device_name", backend))
+    return "none usable by MLX (CPU backend)"
+
+
+def _hf_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    path = Path(constants.HF_HUB_CACHE)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _disk_free(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def build_report(hardware: HardwareProfile, catalog: Catalog, *, num_checkpoints: int = 4) -> DoctorReport:
+    """Per model and quant: fits or not, and the longest context that fits. Pure: no I/O but the demo's folder."""
+    fits = tuple(fit for entry in catalog for fit in _entry_fits(entry, hardware, num_checkpoints))
+    return DoctorReport(hardware=hardware, models=fits, recommended=_recommend(catalog, fits),
+                        warnings=tuple(_warnings(hardware, fits)))
+
+
+def _entry_fits(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) -> list[ModelFit]:
+    if entry.package_path is not None:
+        return [_package_fit(entry, hw, num_checkpoints)]
+    return [_quant_fit(entry, quant, hw, num_checkpoints) for quant in entry.quants]
+
+
+def _quant_fit(entry: CatalogEntry, quant: Quant, hw: HardwareProfile, num_checkpoints: int) -> ModelFit:
+    assert entry.arch is not None
+    weights = memory_estimate.weights_bytes(entry.arch, quant.bits_per_weight)
+    est = memory_estimate.estimate(entry.arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights,
+                                   num_checkpoints=num_checkpoints)
+    ref = entry.alias if quant.name == entry.default_quant else f"{entry.alias}:{quant.name}"
+    return ModelFit(ref=ref, alias=entry.alias, name=entry.name, quant=quant.name, repo_id=quant.repo_id,
+                    weights_bytes=weights, max_context=est.max_context, verdict=est.verdict, estimated=entry.estimated)
+
+
+def _package_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) -> ModelFit:
+    try:
+        folder = package_model_path(entry)
+        arch = arch_for_folder(folder)
+    except KapitsaError as err:
+        return ModelFit(ref=entry.alias, alias=entry.alias, name=entry.name, quant=None, repo_id=None,
+                        weights_bytes=None, max_context=None, verdict="unavailable", note=str(err))
+    weights = weight_bytes_on_disk(folder)
+    est = memory_estimate.estimate(arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights,
+                                   num_checkpoints=num_checkpoints)
+    return ModelFit(ref=entry.alias, alias=entry.alias, name=entry.name, quant=None, repo_id=None,
+                    weights_bytes=weights, max_context=est.max_context, verdict=est.verdict, note=f"in {folder}")
+
+
+def _recommend(catalog: Catalog, fits: tuple[ModelFit, ...]) -> str | None:
+    """The most capable model whose default quant fits comfortably; else the most capable that fits at all."""
+    ranks = {entry.alias: entry.rank for entry in catalog}
+    for wanted in ("fits", "tight"):
+        candidates = [f for f in fits if f.verdict == wanted and f.ref == f.alias]
+        if candidates:
+            return max(candidates, key=lambda f: (ranks[f.alias], f.max_context or 0)).ref
+    return None
+
+
+def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...]) -> list[str]:
+    warnings: list[str] = []
+    if hw.macos_version is None:
+        warnings.append(f"not macOS ({hw.os_name}): MLX runs on the {hw.backend.upper()} backend here; "
+                        "fine for development and CI, far slower than an Apple GPU")
+    elif not hw.is_apple_silicon:
+        warnings.append("not Apple silicon: MLX needs an M-series Mac for Metal")
+    elif hw.macos_version < MIN_MACOS:
+        warnings.append(f"{hw.os_name} is older than macOS 14 (Sonoma), the oldest MLX supports")
+    if hw.mlx_version is None:
+        warnings.append("MLX is not installed: nothing can run")
+    if not any(f.verdict in ("fits", "tight") and f.alias != "demo" for f in fits):
+        warnings.append("no catalog model fits in this machine's usable memory; only the demo will run")
+    return warnings
+
+
+def _size(num_bytes: int | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 1e9:.1f} GB"
+
+
+def _context(tokens: int | None) -> str:
+    if not tokens:
+        return "-"
+    return f"{tokens // 1024}K" if tokens >= 1024 else str(tokens)
+
+
+def render_report(report: DoctorReport) -> str:
+    """The human-readable doctor report (the CLI prints it; `--json` prints `to_json_dict()` instead)."""
+    hw = report.hardware
+    lines = [
+        f"Machine    {hw.chip} ({hw.machine}), {hw.os_name}",
+        f"Memory     {_size(hw.total_memory_bytes)} total, {_size(hw.usable_memory_bytes)} usable "
+        f"({hw.usable_memory_source})",
+        f"GPU        {hw.gpu}",
+        f"MLX        {hw.mlx_version or 'not installed'} (backend: {hw.backend})",
+        f"Disk       {_size(hw.disk_free_bytes)} free at {hw.disk_path}",
+        "",
+        f"{'MODEL':<20} {'WEIGHTS':>9} {'MAX CONTEXT':>12}  VERDICT",
+    ]
+    for fit in report.models:
+        approx = "~" if fit.estimated else " "
+        verdict = fit.verdict.replace("_", " ")
+        note = f"  {fit.note}" if fit.verdict == "unavailable" else ""
+        lines.append(f"{fit.ref:<20} {approx}{_size(fit.weights_bytes):>8} {_context(fit.max_context):>12}  {verdict}{note}")
+    lines += ["", f"Recommended: {report.recommended or 'none fits'}"]
+    lines += [f"warning: {w}" for w in report.warnings]
+    if any(f.estimated for f in report.models):
+        lines.append("(~: layer shapes assumed, not read from the model's config.json)")
+    return "\n".join(lines)
