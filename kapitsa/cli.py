@@ -112,10 +112,20 @@ def bench(
     model: ModelOpt = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     submit: Annotated[bool, typer.Option("--submit", help="Show the results and post them after confirmation.")] = False,
-    compare: Annotated[list[str] | None, typer.Option("--compare", help="Also bench this OpenAI-compatible URL.")] = None,
+    compare: Annotated[list[str] | None, typer.Option("--compare", help="Also bench this OpenAI-compatible URL (URL#model picks a model).")] = None,
+    local: Annotated[bool, typer.Option("--local/--no-local", help="Bench the local in-process engine too.")] = True,
+    quick: Annotated[bool, typer.Option("--quick", help="Small workloads: a fast smoke run.")] = False,
+    speculative: SpecOpt = "none",
+    results_url: Annotated[str | None, typer.Option("--results-url", help="Where --submit posts (or KAPITSA_BENCH_RESULTS_URL).")] = None,
 ) -> None:
     """Measure decode/prefill speed, cache hits and concurrency on this machine."""
-    not_built("bench")
+    from kapitsa.bench.command import BenchOptions, bench_main
+
+    if not local and not compare:
+        raise typer.BadParameter("--no-local needs at least one --compare URL")
+    options = BenchOptions(model=model, json_out=json_out, submit=submit, compare=tuple(compare or ()), local=local,
+                           quick=quick, speculative=speculative, results_url=results_url)
+    bench_main(options, confirm=lambda question: typer.confirm(question, default=False, err=True))
 
 
 @app.command()

@@ -16,8 +16,14 @@ from kapitsa.bench.submit import report_json, resolve_results_url, save_report, 
 from kapitsa.bench.targets import BenchTarget, EngineTarget, HttpTarget
 from kapitsa.bench.workloads import BenchConfig
 
-QUICK_CONFIG = BenchConfig(short_prompt_words=16, long_prompt_words=256, decode_tokens=16, replay_turns=4,
-                           replay_context_words=200, concurrent_tokens=16)
+QUICK_CONFIG = BenchConfig(
+    short_prompt_words=16,
+    long_prompt_words=256,
+    decode_tokens=16,
+    replay_turns=4,
+    replay_context_words=200,
+    concurrent_tokens=16,
+)
 
 
 @dataclass(slots=True, frozen=True)

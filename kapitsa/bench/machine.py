@@ -41,7 +41,9 @@ def _mlx_backend() -> str | None:
 def _chip_name() -> str | None:
     if sys.platform == "darwin":
         try:
-            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            )
             return out.stdout.strip() or None
         except OSError:
             return None

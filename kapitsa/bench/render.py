@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kapitsa.bench.schema import WORKLOAD_METRICS, BenchReport, EngineResult, Metric
+from kapitsa.bench.schema import BenchReport, EngineResult, Metric
 
 # The headline metrics shown in tables; `--json` has them all.
 HEADLINE: tuple[tuple[str, str, str], ...] = (
@@ -44,14 +44,20 @@ def table_rows(report: BenchReport) -> list[list[str]]:
 def render_text(report: BenchReport) -> str:
     rows = table_rows(report)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join([_machine_line(report), "", *lines, *_notes(report)])
 
 
 def _engine_label(engine: EngineResult) -> str:
-    return f"{engine.name} ({engine.model})" if engine.model and engine.model not in engine.name else engine.name
+    return (
+        f"{engine.name} ({engine.model})" if engine.model and engine.model not in engine.name else engine.name
+    )
 
 
 def _machine_line(report: BenchReport) -> str:
@@ -61,6 +67,10 @@ def _machine_line(report: BenchReport) -> str:
 
 
 def _notes(report: BenchReport) -> list[str]:
-    notes = [f"{e.name}: {w.name} {w.status}: {w.note}" for e in report.engines for w in e.workloads
-             if w.note and w.status != "ok"]
+    notes = [
+        f"{e.name}: {w.name} {w.status}: {w.note}"
+        for e in report.engines
+        for w in e.workloads
+        if w.note and w.status != "ok"
+    ]
     return ["", *notes] if notes else []

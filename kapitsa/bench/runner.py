@@ -15,7 +15,15 @@ from kapitsa.bench.workloads import BenchConfig, agent_replay_prefixes, nonce, s
 
 ProgressCallback = Callable[[str, int, int], None]  # (workload name, index, total)
 
-WORKLOAD_NAMES = ("decode_short", "decode_long", "prefill", "ttft_cold_warm", "agent_replay", "concurrent_4", "speculative")
+WORKLOAD_NAMES = (
+    "decode_short",
+    "decode_long",
+    "prefill",
+    "ttft_cold_warm",
+    "agent_replay",
+    "concurrent_4",
+    "speculative",
+)
 
 
 async def run_bench(
@@ -24,8 +32,12 @@ async def run_bench(
     """Run every workload in order against `target`."""
     seen: list[StreamResult] = []  # every completion, for the speculative totals
     steps: dict[str, Callable[[], Awaitable[WorkloadResult]]] = {
-        "decode_short": lambda: _decode(target, config, seen, name="decode_short", words=config.short_prompt_words),
-        "decode_long": lambda: _decode(target, config, seen, name="decode_long", words=config.long_prompt_words),
+        "decode_short": lambda: _decode(
+            target, config, seen, name="decode_short", words=config.short_prompt_words
+        ),
+        "decode_long": lambda: _decode(
+            target, config, seen, name="decode_long", words=config.long_prompt_words
+        ),
         "prefill": lambda: _prefill(target, config, seen),
         "ttft_cold_warm": lambda: _ttft_cold_warm(target, config, seen),
         "agent_replay": lambda: _agent_replay(target, config, seen),
@@ -48,17 +60,25 @@ async def _guarded(name: str, step: Callable[[], Awaitable[WorkloadResult]]) -> 
         return WorkloadResult(name=name, status="error", note=f"{type(err).__name__}: {err}")
 
 
-async def _complete(target: BenchTarget, seen: list[StreamResult], messages: list, max_tokens: int) -> StreamResult:
+async def _complete(
+    target: BenchTarget, seen: list[StreamResult], messages: list, max_tokens: int
+) -> StreamResult:
     result = await target.complete(messages, max_tokens=max_tokens)
     seen.append(result)
     return result
 
 
-async def _decode(target: BenchTarget, config: BenchConfig, seen: list[StreamResult], *, name: str, words: int) -> WorkloadResult:
+async def _decode(
+    target: BenchTarget, config: BenchConfig, seen: list[StreamResult], *, name: str, words: int
+) -> WorkloadResult:
     messages = single_turn(words, seed=1, run_nonce=nonce())
     r = await _complete(target, seen, messages, config.decode_tokens)
-    metrics = {"decode_tok_s": decode_rate(r), "ttft_s": _round(r.ttft_s), "prompt_tokens": r.prompt_tokens,
-               "completion_tokens": r.completion_tokens}
+    metrics = {
+        "decode_tok_s": decode_rate(r),
+        "ttft_s": _round(r.ttft_s),
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+    }
     return WorkloadResult(name=name, metrics=metrics)
 
 
@@ -69,49 +89,76 @@ async def _prefill(target: BenchTarget, config: BenchConfig, seen: list[StreamRe
     return WorkloadResult(name="prefill", metrics=metrics)
 
 
-async def _ttft_cold_warm(target: BenchTarget, config: BenchConfig, seen: list[StreamResult]) -> WorkloadResult:
+async def _ttft_cold_warm(
+    target: BenchTarget, config: BenchConfig, seen: list[StreamResult]
+) -> WorkloadResult:
     messages = single_turn(config.long_prompt_words, seed=3, run_nonce=nonce())
     cold = await _complete(target, seen, messages, 1)
     warm = await _complete(target, seen, messages, 1)
     speedup = cold.ttft_s / warm.ttft_s if warm.ttft_s > 0 else None
-    metrics = {"ttft_cold_s": _round(cold.ttft_s), "ttft_warm_s": _round(warm.ttft_s), "warm_speedup": _round(speedup),
-               "cached_tokens_warm": warm.cached_tokens, "prompt_tokens": cold.prompt_tokens}
+    metrics = {
+        "ttft_cold_s": _round(cold.ttft_s),
+        "ttft_warm_s": _round(warm.ttft_s),
+        "warm_speedup": _round(speedup),
+        "cached_tokens_warm": warm.cached_tokens,
+        "prompt_tokens": cold.prompt_tokens,
+    }
     return WorkloadResult(name="ttft_cold_warm", metrics=metrics)
 
 
 async def _agent_replay(target: BenchTarget, config: BenchConfig, seen: list[StreamResult]) -> WorkloadResult:
-    prefixes = agent_replay_prefixes(config.replay_turns, context_words=config.replay_context_words, run_nonce=nonce())
+    prefixes = agent_replay_prefixes(
+        config.replay_turns, context_words=config.replay_context_words, run_nonce=nonce()
+    )
     turns = [await _complete(target, seen, messages, 16) for messages in prefixes]
     prompt_total = _sum_known([t.prompt_tokens for t in turns])
     cached_total = _sum_known([t.cached_tokens for t in turns])
     hit_pct = 100.0 * cached_total / prompt_total if prompt_total and cached_total is not None else None
-    metrics = {"cache_hit_pct": _round(hit_pct), "turns": len(turns), "prompt_tokens": prompt_total,
-               "cached_tokens": cached_total, "mean_ttft_s": _round(sum(t.ttft_s for t in turns) / len(turns))}
+    metrics = {
+        "cache_hit_pct": _round(hit_pct),
+        "turns": len(turns),
+        "prompt_tokens": prompt_total,
+        "cached_tokens": cached_total,
+        "mean_ttft_s": _round(sum(t.ttft_s for t in turns) / len(turns)),
+    }
     note = None if cached_total is not None else "the endpoint does not report cached prompt tokens"
     return WorkloadResult(name="agent_replay", metrics=metrics, note=note)
 
 
 async def _concurrent(target: BenchTarget, config: BenchConfig, seen: list[StreamResult]) -> WorkloadResult:
-    prompts = [single_turn(config.short_prompt_words, seed=4 + i, run_nonce=nonce()) for i in range(config.concurrent_streams)]
+    prompts = [
+        single_turn(config.short_prompt_words, seed=4 + i, run_nonce=nonce())
+        for i in range(config.concurrent_streams)
+    ]
     started = time.perf_counter()
     results = await asyncio.gather(*(_complete(target, seen, p, config.concurrent_tokens) for p in prompts))
     wall_s = time.perf_counter() - started
     completion = sum(r.completion_tokens for r in results)
-    metrics = {"aggregate_tok_s": _round(completion / wall_s if wall_s > 0 else None), "streams": len(results),
-               "completion_tokens": completion, "wall_s": _round(wall_s)}
+    metrics = {
+        "aggregate_tok_s": _round(completion / wall_s if wall_s > 0 else None),
+        "streams": len(results),
+        "completion_tokens": completion,
+        "wall_s": _round(wall_s),
+    }
     return WorkloadResult(name="concurrent_4", metrics=metrics)
 
 
 async def _speculative(target: BenchTarget, seen: list[StreamResult]) -> WorkloadResult:
     mode = target.speculative()
     if mode is None:
-        return WorkloadResult(name="speculative", status="skipped", note="the endpoint does not report speculative decoding")
+        return WorkloadResult(
+            name="speculative", status="skipped", note="the endpoint does not report speculative decoding"
+        )
     if mode == "none":
         return WorkloadResult(name="speculative", status="skipped", note="speculative decoding is off")
     proposed = _sum_known([r.draft_proposed for r in seen]) or 0
     accepted = _sum_known([r.draft_accepted for r in seen]) or 0
     pct = 100.0 * accepted / proposed if proposed else None
-    metrics = {"acceptance_pct": _round(pct), "draft_tokens_proposed": proposed, "draft_tokens_accepted": accepted}
+    metrics = {
+        "acceptance_pct": _round(pct),
+        "draft_tokens_proposed": proposed,
+        "draft_tokens_accepted": accepted,
+    }
     return WorkloadResult(name="speculative", metrics=metrics, note=f"mode: {mode}")
 
 

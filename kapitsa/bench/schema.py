@@ -72,7 +72,9 @@ def report_from_dict(data: Any) -> BenchReport:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA_NAME:
         raise InvalidRequest(f"not a {SCHEMA_NAME} report")
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise InvalidRequest(f"unsupported schema_version {data.get('schema_version')!r} (expected {SCHEMA_VERSION})")
+        raise InvalidRequest(
+            f"unsupported schema_version {data.get('schema_version')!r} (expected {SCHEMA_VERSION})"
+        )
     try:
         engines = [_engine_from_dict(e) for e in data["engines"]]
         return BenchReport(

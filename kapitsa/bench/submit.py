@@ -58,16 +58,24 @@ def resolve_results_url(explicit: str | None) -> str | None:
     return explicit or os.environ.get(RESULTS_URL_ENV) or None
 
 
-def submit_report(report: BenchReport, *, url: str | None, path: Path, timeout_s: float = 15.0) -> SubmitResult:
+def submit_report(
+    report: BenchReport, *, url: str | None, path: Path, timeout_s: float = 15.0
+) -> SubmitResult:
     """POST the report as JSON to `url`. Offline → not posted, file kept; a refusal → `KapitsaError`."""
     if not url:
-        return SubmitResult(False, path, f"no results URL configured (set {RESULTS_URL_ENV} or --results-url); kept {path}")
+        return SubmitResult(
+            False, path, f"no results URL configured (set {RESULTS_URL_ENV} or --results-url); kept {path}"
+        )
     try:
         response = httpx.post(url, json=report.to_dict(), timeout=timeout_s)
     except httpx.TransportError as err:
-        return SubmitResult(False, path, f"offline: could not reach {url} ({type(err).__name__}); kept {path}")
+        return SubmitResult(
+            False, path, f"offline: could not reach {url} ({type(err).__name__}); kept {path}"
+        )
     if not response.is_success:
-        raise KapitsaError(f"{url} refused the results ({response.status_code}: {response.text[:200]}); kept {path}")
+        raise KapitsaError(
+            f"{url} refused the results ({response.status_code}: {response.text[:200]}); kept {path}"
+        )
     return SubmitResult(True, path, f"submitted to {url}{_receipt(response)}; kept {path}")
 
 

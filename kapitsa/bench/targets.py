@@ -149,7 +149,9 @@ class HttpTarget:
             ids = []
         if len(ids) > 1:
             listed = ", ".join(ids[:8])
-            raise InvalidRequest(f"{self.url} serves several models ({listed}); pick one with {self.url}#MODEL")
+            raise InvalidRequest(
+                f"{self.url} serves several models ({listed}); pick one with {self.url}#MODEL"
+            )
         self.model = ids[0] if ids else None
 
     async def complete(self, messages: list[Message], *, max_tokens: int) -> StreamResult:
@@ -197,7 +199,9 @@ async def _read_sse(response: httpx.Response, *, started: float) -> StreamResult
             content_chunks += 1
             first = first or time.perf_counter()
     ended = time.perf_counter()
-    return _result_from_openai_usage(usage, content_chunks, ttft_s=(first or ended) - started, total_s=ended - started)
+    return _result_from_openai_usage(
+        usage, content_chunks, ttft_s=(first or ended) - started, total_s=ended - started
+    )
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:

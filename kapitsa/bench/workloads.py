@@ -14,9 +14,41 @@ from typing import Any
 Message = dict[str, str]
 
 _WORDS = (
-    "cache", "token", "layer", "state", "batch", "model", "prompt", "kernel", "tensor", "stream",
-    "server", "client", "engine", "memory", "thread", "queue", "python", "metal", "decode", "prefill",
-    "the", "a", "of", "and", "to", "in", "is", "that", "for", "with", "on", "as", "it", "by", "this",
+    "cache",
+    "token",
+    "layer",
+    "state",
+    "batch",
+    "model",
+    "prompt",
+    "kernel",
+    "tensor",
+    "stream",
+    "server",
+    "client",
+    "engine",
+    "memory",
+    "thread",
+    "queue",
+    "python",
+    "metal",
+    "decode",
+    "prefill",
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "with",
+    "on",
+    "as",
+    "it",
+    "by",
+    "this",
 )
 
 
@@ -58,19 +90,29 @@ def single_turn(num_words: int, *, seed: int, run_nonce: str) -> list[Message]:
 
 
 _REPLAY_TURNS = (
-    ("The test in tests/test_cache.py fails with a KeyError. Find out why.",
-     "I will read the test and the cache module first.\n<tool>read tests/test_cache.py</tool>"),
-    ("<tool_result>def test_evict():\n    cache = LRU(2)\n    cache.put('a', 1)\n    cache.put('b', 2)\n"
-     "    cache.put('c', 3)\n    assert cache.get('a') is None</tool_result>",
-     "The test expects 'a' to be evicted. Let me look at LRU.put.\n<tool>read kapitsa/cache.py</tool>"),
-    ("<tool_result>def put(self, key, value):\n    self.data[key] = value\n    if len(self.data) > self.size:\n"
-     "        del self.data[self.order.pop()]</tool_result>",
-     "`order.pop()` removes the newest key, not the oldest. It should be `pop(0)`.\n<tool>edit kapitsa/cache.py</tool>"),
-    ("<tool_result>edited 1 line</tool_result>", "Now I run the test again.\n<tool>run pytest tests/test_cache.py</tool>"),
-    ("<tool_result>1 passed in 0.02s</tool_result>",
-     "The test passes. The bug was that eviction dropped the most recent key instead of the oldest."),
-    ("Thanks. Also add a test for updating an existing key.",
-     "<tool>edit tests/test_cache.py</tool>"),
+    (
+        "The test in tests/test_cache.py fails with a KeyError. Find out why.",
+        "I will read the test and the cache module first.\n<tool>read tests/test_cache.py</tool>",
+    ),
+    (
+        "<tool_result>def test_evict():\n    cache = LRU(2)\n    cache.put('a', 1)\n    cache.put('b', 2)\n"
+        "    cache.put('c', 3)\n    assert cache.get('a') is None</tool_result>",
+        "The test expects 'a' to be evicted. Let me look at LRU.put.\n<tool>read kapitsa/cache.py</tool>",
+    ),
+    (
+        "<tool_result>def put(self, key, value):\n    self.data[key] = value\n    if len(self.data) > self.size:\n"
+        "        del self.data[self.order.pop()]</tool_result>",
+        "`order.pop()` removes the newest key, not the oldest. It should be `pop(0)`.\n<tool>edit kapitsa/cache.py</tool>",
+    ),
+    (
+        "<tool_result>edited 1 line</tool_result>",
+        "Now I run the test again.\n<tool>run pytest tests/test_cache.py</tool>",
+    ),
+    (
+        "<tool_result>1 passed in 0.02s</tool_result>",
+        "The test passes. The bug was that eviction dropped the most recent key instead of the oldest.",
+    ),
+    ("Thanks. Also add a test for updating an existing key.", "<tool>edit tests/test_cache.py</tool>"),
     ("<tool_result>edited 6 lines</tool_result>", "<tool>run pytest tests/test_cache.py</tool>"),
     ("<tool_result>2 passed in 0.02s</tool_result>", "Both tests pass."),
 )

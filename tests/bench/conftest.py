@@ -90,11 +90,26 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mlx_lm_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `mlx_lm.server` serving the tiny checkpoint; yields its base URL."""
     port = free_port()
-    env = {**os.environ, "HF_HOME": str(tmp_path_factory.mktemp("hf-home"))}  # an empty cache: one model listed
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path_factory.mktemp("hf-home")),
+    }  # an empty cache: one model listed
     log = (tmp_path_factory.mktemp("mlx-server") / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm.server", "--model", str(tiny_llama_dir), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            str(tiny_llama_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:

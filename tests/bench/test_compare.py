@@ -53,7 +53,17 @@ async def test_workloads_against_mlx_lm_server(mlx_lm_server: str) -> None:
 
 def test_cli_compare_json_and_submit(mlx_lm_server: str, receiver, bench_dir) -> None:
     """`kapitsa bench --no-local --compare URL --json --submit` prints JSON, asks, posts, keeps the file."""
-    args = ["bench", "--no-local", "--quick", "--compare", mlx_lm_server, "--json", "--submit", "--results-url", receiver.url]
+    args = [
+        "bench",
+        "--no-local",
+        "--quick",
+        "--compare",
+        mlx_lm_server,
+        "--json",
+        "--submit",
+        "--results-url",
+        receiver.url,
+    ]
     result = CliRunner().invoke(app, args, input="y\n", catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
@@ -64,7 +74,16 @@ def test_cli_compare_json_and_submit(mlx_lm_server: str, receiver, bench_dir) ->
 
 
 def test_cli_submit_declined_posts_nothing(mlx_lm_server: str, receiver) -> None:
-    args = ["bench", "--no-local", "--quick", "--compare", mlx_lm_server, "--submit", "--results-url", receiver.url]
+    args = [
+        "bench",
+        "--no-local",
+        "--quick",
+        "--compare",
+        mlx_lm_server,
+        "--submit",
+        "--results-url",
+        receiver.url,
+    ]
     result = CliRunner().invoke(app, args, input="n\n", catch_exceptions=False)
     assert result.exit_code == 0
     assert "decode tok/s (short prompt)" in result.stdout

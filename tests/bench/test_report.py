@@ -15,15 +15,31 @@ from kapitsa.bench.workloads import BenchConfig
 from kapitsa.engine.fake import FakeEngine
 from kapitsa.errors import InvalidRequest, KapitsaError
 
-SMALL = BenchConfig(short_prompt_words=8, long_prompt_words=32, decode_tokens=4, replay_turns=2,
-                    replay_context_words=16, concurrent_tokens=4)
+SMALL = BenchConfig(
+    short_prompt_words=8,
+    long_prompt_words=32,
+    decode_tokens=4,
+    replay_turns=2,
+    replay_context_words=16,
+    concurrent_tokens=4,
+)
 
 
 async def _report() -> BenchReport:
     engine_result = await run_bench(EngineTarget(FakeEngine()), SMALL)
-    return BenchReport(machine={"os": "Linux", "arch": "x86_64", "chip": "test", "cpu_count": 2,
-                                "memory_bytes": 2**34, "mlx": "0.0", "mlx_backend": "cpu"},
-                       config=SMALL.to_dict(), engines=[engine_result])
+    return BenchReport(
+        machine={
+            "os": "Linux",
+            "arch": "x86_64",
+            "chip": "test",
+            "cpu_count": 2,
+            "memory_bytes": 2**34,
+            "mlx": "0.0",
+            "mlx_backend": "cpu",
+        },
+        config=SMALL.to_dict(),
+        engines=[engine_result],
+    )
 
 
 class TestSchema:
@@ -39,7 +55,10 @@ class TestSchema:
             (lambda d: d.update(schema="other"), "not a kapitsa-bench report"),
             (lambda d: d.update(schema_version=99), "unsupported schema_version"),
             (lambda d: d["engines"][0]["workloads"][0].update(name="bogus"), "unknown workload"),
-            (lambda d: d["engines"][0]["workloads"][0]["metrics"].update(decode_tok_s="fast"), "number or null"),
+            (
+                lambda d: d["engines"][0]["workloads"][0]["metrics"].update(decode_tok_s="fast"),
+                "number or null",
+            ),
             (lambda d: d["engines"][0]["workloads"][0]["metrics"].update(made_up=1), "unknown metric"),
             (lambda d: d.pop("machine"), "malformed"),
         ],

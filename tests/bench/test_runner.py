@@ -12,13 +12,21 @@ from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import EngineStats
 from kapitsa.errors import EngineBusy
 
-SMALL = BenchConfig(short_prompt_words=8, long_prompt_words=64, decode_tokens=8, replay_turns=3,
-                    replay_context_words=32, concurrent_tokens=8)
+SMALL = BenchConfig(
+    short_prompt_words=8,
+    long_prompt_words=64,
+    decode_tokens=8,
+    replay_turns=3,
+    replay_context_words=32,
+    concurrent_tokens=8,
+)
 
 
 async def test_every_workload_runs_in_order_with_its_metrics() -> None:
     seen: list[str] = []
-    result = await run_bench(EngineTarget(FakeEngine()), SMALL, on_progress=lambda name, i, n: seen.append(name))
+    result = await run_bench(
+        EngineTarget(FakeEngine()), SMALL, on_progress=lambda name, i, n: seen.append(name)
+    )
     assert seen == list(WORKLOAD_NAMES)
     assert [w.name for w in result.workloads] == list(WORKLOAD_NAMES)
     for workload in result.workloads:
@@ -33,7 +41,9 @@ async def test_agent_replay_hit_rate_comes_from_reported_cached_tokens(monkeypat
     monkeypatch.setattr("kapitsa.bench.runner.nonce", lambda: "[n]")
     engine = FakeEngine()
     target = EngineTarget(engine)
-    prefixes = agent_replay_prefixes(SMALL.replay_turns, context_words=SMALL.replay_context_words, run_nonce="[n]")
+    prefixes = agent_replay_prefixes(
+        SMALL.replay_turns, context_words=SMALL.replay_context_words, run_nonce="[n]"
+    )
     sizes = [await engine.count_tokens(_req(p)) for p in prefixes]
     for _ in range(6):  # decode_short, decode_long, prefill, cold, warm: no cache; replay turn 1: none
         engine.enqueue("x y")

@@ -20,9 +20,16 @@ def write_tiny_llama(path: Path, *, seed: int = 0) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     config = {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256 + len(SPECIAL_TOKENS),
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256 + len(SPECIAL_TOKENS),
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
         "eos_token_id": 256 + SPECIAL_TOKENS.index("<|im_end|>"),
     }
     (path / "config.json").write_text(json.dumps(config))
@@ -44,7 +51,14 @@ def _write_tokenizer(path: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+            }
+        )
+    )
