@@ -1,0 +1,362 @@
+"""Per-sequence model state for hybrid models, batched, with checkpoints and replay rollback.
+
+A `HybridCache` holds one entry per model layer: `KVCache` for attention layers,
+`RecurrentCache` (conv rows + float32 recurrent state) for GDN / Mamba-2 layers, `None` for
+stateless layers (MLP, MoE). Row b of every array belongs to sequence b of the batch.
+
+Batches are ragged and right-padded: a forward over `inputs [B, T]` with `lengths[b] <= T`
+consumes only the first `lengths[b]` tokens of row b. Attention writes K/V at each sequence's own
+offset (`offsets[b] + t`) and masks keys beyond it; recurrent layers freeze the state on padded
+steps and take the conv rows at each sequence's end, so every sequence ends exactly where it would
+have ended alone. `offsets[b]` (tokens held) is shared by all layers.
+
+Speculative decoding rolls back by replay (hybrid-engine.md §5.2): a forward with
+`record=True` keeps, per recurrent layer, the state before the pass and the per-token kernel
+inputs; `rollback(n)` then drops the last `n[b]` tokens: attention just lowers the offset (the
+slots become scratch), recurrent layers re-run only their recurrence over the kept prefix from the
+saved state. MLX arrays are immutable, so `checkpoint()` is a set of references, not a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import mlx.core as mx
+
+from kapitsa.engine.ops.conv import conv_state_after
+
+KV_STEP = 256  # KV buffers grow in multiples of this many positions
+
+
+@dataclass
+class StepInfo:
+    """What the layers of one forward need to know about the batch (built by `HybridCache.begin`)."""
+
+    T: int
+    lengths: list[int]  # tokens consumed per row (<= T)
+    offsets: list[int]  # tokens already held per row before this forward
+    record: bool = False  # keep replay records for `rollback`
+
+    @property
+    def ragged(self) -> bool:
+        return any(n != self.T for n in self.lengths)
+
+    @property
+    def uniform_offsets(self) -> bool:
+        return len(set(self.offsets)) <= 1
+
+    @cached_property
+    def recurrent_mask(self) -> mx.array | None:
+        """`[B, T]` bool, True on real tokens; None when no row is padded."""
+        if not self.ragged:
+            return None
+        return mx.arange(self.T)[None, :] < mx.array(self.lengths)[:, None]
+
+    @property
+    def kept(self) -> list[int] | None:
+        """Per-row token counts for conv-state gathering; None when every row used all T."""
+        return list(self.lengths) if self.ragged else None
+
+    @property
+    def rope_offsets(self) -> int | mx.array:
+        return self.offsets[0] if self.uniform_offsets else mx.array(self.offsets, dtype=mx.int32)
+
+    @property
+    def kv_len(self) -> int:
+        return max(self.offsets) + self.T
+
+    @cached_property
+    def attention_mask(self) -> mx.array | str | None:
+        """Key position p is visible to query t of row b iff p <= offsets[b] + t."""
+        if self.uniform_offsets:
+            return "causal" if self.T > 1 else None
+        limit = mx.array(self.offsets)[:, None] + mx.arange(self.T)[None, :]  # [B, T]
+        return (mx.arange(self.kv_len)[None, None, :] <= limit[..., None])[:, None]  # [B,1,T,L]
+
+
+def full_step(batch: int, T: int, lengths: Sequence[int] | None = None) -> StepInfo:
+    """StepInfo of a cache-less forward (all sequences start at position 0)."""
+    return StepInfo(T, list(lengths) if lengths is not None else [T] * batch, [0] * batch)
+
+
+class KVCache:
+    """K/V of one attention layer: `[B, Hkv, capacity, D]`, positions >= offsets[b] are scratch."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int):
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    def update(self, k: mx.array, v: mx.array, info: StepInfo) -> tuple[mx.array, mx.array]:
+        """Write `k, v [B, Hkv, T, D]` at each row's offset; return the keys/values to attend."""
+        B, _, T, _ = k.shape
+        self._reserve(B, info.kv_len, k.dtype)
+        if info.uniform_offsets:
+            start = info.offsets[0]
+            self.keys = mx.slice_update(self.keys, k, mx.array([start]), (2,))
+            self.values = mx.slice_update(self.values, v, mx.array([start]), (2,))
+        else:
+            pos = (mx.array(info.offsets)[:, None] + mx.arange(T))[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, pos, k, axis=2)
+            self.values = mx.put_along_axis(self.values, pos, v, axis=2)
+        return self.keys[:, :, : info.kv_len], self.values[:, :, : info.kv_len]
+
+    def _reserve(self, batch: int, needed: int, dtype: mx.Dtype) -> None:
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if needed <= have:
+            return
+        grow = -(-(needed - have) // KV_STEP) * KV_STEP
+        shape = (batch, self.n_kv_heads, grow, self.head_dim)
+        pad_k, pad_v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+        if self.keys is None:
+            self.keys, self.values = pad_k, pad_v
+        else:
+            self.keys = mx.concatenate([self.keys, pad_k], axis=2)
+            self.values = mx.concatenate([self.values, pad_v], axis=2)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+@dataclass
+class ReplayRecord:
+    """Kept by a recurrent layer during a recorded forward (see module docstring)."""
+
+    conv_in: mx.array  # [B, K-1+T, C]: conv rows before the pass + the new pre-conv rows
+    kernel: int  # conv kernel size K
+    replay: Callable[[mx.array], mx.array]  # mask [B, T] -> state after the masked prefix
+
+
+@dataclass
+class RecurrentCache:
+    """Conv rows `[B, K-1, C]` (activation dtype) and recurrent state (float32) of one layer.
+
+    `state_shape` is the per-sequence state shape ([Hv, Dv, Dk] for GDN, [H, P, N] for Mamba-2);
+    None arrays mean "zeros" (a sequence that has seen no tokens).
+    """
+
+    conv_shape: tuple[int, int]
+    state_shape: tuple[int, ...]
+    conv: mx.array | None = None
+    state: mx.array | None = None
+    record: ReplayRecord | None = field(default=None, repr=False)
+
+    def zeros(self, batch: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        return (mx.zeros((batch, *self.conv_shape), dtype), mx.zeros((batch, *self.state_shape), mx.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.conv, self.state) if a is not None)
+
+
+LayerCache = KVCache | RecurrentCache | None
+
+
+@dataclass(frozen=True)
+class CacheCheckpoint:
+    """Recurrent state of every layer plus the offsets, by reference (no copy).
+
+    Restoring is exact as long as the KV slots below these offsets were not rewritten since, i.e.
+    the cache was not rolled back below the checkpoint and then advanced (KV slots below an offset
+    are never written otherwise)."""
+
+    offsets: tuple[int, ...]
+    recurrent: tuple[tuple[mx.array | None, mx.array | None] | None, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for pair in self.recurrent if pair for a in pair if a is not None)
+
+
+class HybridCache:
+    """All layers' state for a batch of sequences. Build it with `model.make_cache(batch_size)`.
+
+    Lifecycle of one forward (the model does this): `info = cache.begin(T, lengths, record)`,
+    layers read/write their entry, `cache.end(info)` advances `offsets[b] += lengths[b]`.
+    """
+
+    def __init__(self, layers: Sequence[LayerCache], batch_size: int = 1):
+        self.layers: list[LayerCache] = list(layers)
+        self.offsets: list[int] = [0] * batch_size
+        self._last: StepInfo | None = None  # the latest forward, for rollback
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.offsets)
+
+    # -- forward protocol -------------------------------------------------------------------
+    def begin(self, T: int, lengths: Sequence[int] | None = None, record: bool = False) -> StepInfo:
+        lengths = list(lengths) if lengths is not None else [T] * self.batch_size
+        if len(lengths) != self.batch_size or any(not 0 <= n <= T for n in lengths):
+            raise ValueError(f"lengths {lengths} do not fit a batch of {self.batch_size} rows of {T} tokens")
+        for layer in self._recurrent():
+            layer.record = None  # a new forward invalidates the previous pass's replay records
+        return StepInfo(T, lengths, list(self.offsets), record)
+
+    def end(self, info: StepInfo) -> None:
+        self.offsets = [o + n for o, n in zip(info.offsets, info.lengths)]
+        self._last = info
+
+    # -- speculative decoding ---------------------------------------------------------------
+    def rollback(self, n: int | Sequence[int]) -> None:
+        """Forget the last `n[b]` tokens of the latest forward (which must have been recorded
+        unless every n[b] is 0). Afterwards the cache equals one that never saw them."""
+        drop = [n] * self.batch_size if isinstance(n, int) else list(n)
+        info = self._last
+        if not any(drop):
+            return self.commit()
+        if info is None or not info.record:
+            raise ValueError("rollback needs the previous forward to run with record=True")
+        if len(drop) != self.batch_size or any(not 0 <= d <= k for d, k in zip(drop, info.lengths)):
+            raise ValueError(f"cannot drop {drop} tokens from a forward that consumed {info.lengths}")
+        kept = [k - d for k, d in zip(info.lengths, drop)]
+        mask = mx.arange(info.T)[None, :] < mx.array(kept)[:, None]
+        for layer in self._recurrent():
+            rec = layer.record
+            layer.conv = conv_state_after(rec.conv_in, kept, rec.kernel)
+            layer.state = rec.replay(mask)
+            layer.record = None
+        self.offsets = [o - d for o, d in zip(self.offsets, drop)]
+        self._last = None
+
+    def commit(self) -> None:
+        """Keep everything the latest forward consumed and free its replay records."""
+        for layer in self._recurrent():
+            layer.record = None
+        self._last = None
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def checkpoint(self) -> CacheCheckpoint:
+        rec = tuple((c.conv, c.state) if isinstance(c, RecurrentCache) else None for c in self.layers)
+        return CacheCheckpoint(tuple(self.offsets), rec)
+
+    def restore(self, ckpt: CacheCheckpoint) -> None:
+        if len(ckpt.offsets) != self.batch_size or len(ckpt.recurrent) != len(self.layers):
+            raise ValueError("checkpoint belongs to a cache of another shape")
+        for layer, pair in zip(self.layers, ckpt.recurrent):
+            if isinstance(layer, RecurrentCache):
+                layer.conv, layer.state = pair
+                layer.record = None
+        self.offsets = list(ckpt.offsets)
+        self._last = None
+
+    # -- continuous batching ----------------------------------------------------------------
+    def extract(self, i: int) -> HybridCache:
+        """Sequence i alone (a new cache; KV trimmed to its length)."""
+        return self.select([i])
+
+    def select(self, rows: Sequence[int]) -> HybridCache:
+        """A new cache holding the given rows, in that order."""
+        idx = mx.array(list(rows), dtype=mx.int32)
+        out = HybridCache([_clone_empty(c) for c in self.layers], len(rows))
+        out.offsets = [self.offsets[r] for r in rows]
+        keep = _round_up(max(out.offsets, default=0))
+        for src, dst in zip(self.layers, out.layers):
+            if isinstance(src, KVCache) and src.keys is not None:
+                dst.keys, dst.values = src.keys[idx, :, :keep], src.values[idx, :, :keep]
+            elif isinstance(src, RecurrentCache):
+                dst.conv = None if src.conv is None else src.conv[idx]
+                dst.state = None if src.state is None else src.state[idx]
+        return out
+
+    def filter(self, rows: Sequence[int]) -> None:
+        """Keep only the given rows (sequences leaving the batch), in place."""
+        kept = self.select(rows)
+        self.layers, self.offsets, self._last = kept.layers, kept.offsets, None
+
+    def extend(self, other: HybridCache) -> None:
+        """Append other's sequences to this batch, in place."""
+        merged = HybridCache.merge([self, other])
+        self.layers, self.offsets, self._last = merged.layers, merged.offsets, None
+
+    @staticmethod
+    def merge(caches: Sequence[HybridCache]) -> HybridCache:
+        """One batch made of all rows of `caches`, in order (same model required)."""
+        if not caches or len({len(c.layers) for c in caches}) != 1:
+            raise ValueError("merge needs caches of the same model")
+        out = HybridCache([_clone_empty(c) for c in caches[0].layers], sum(c.batch_size for c in caches))
+        out.offsets = [o for c in caches for o in c.offsets]
+        for i, dst in enumerate(out.layers):
+            parts = [c.layers[i] for c in caches]
+            if isinstance(dst, KVCache):
+                _merge_kv(dst, parts, [c.batch_size for c in caches], _round_up(max(out.offsets, default=0)))
+            elif isinstance(dst, RecurrentCache):
+                _merge_recurrent(dst, parts, [c.batch_size for c in caches])
+        return out
+
+    # -- memory -----------------------------------------------------------------------------
+    def _recurrent(self) -> list[RecurrentCache]:
+        return [c for c in self.layers if isinstance(c, RecurrentCache)]
+
+    @property
+    def kv_nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers if isinstance(c, KVCache))
+
+    @property
+    def recurrent_nbytes(self) -> int:
+        return sum(c.nbytes for c in self._recurrent())
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_nbytes + self.recurrent_nbytes
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every array the cache holds (for `mx.eval`)."""
+        out: list[mx.array] = []
+        for c in self.layers:
+            if isinstance(c, KVCache) and c.keys is not None:
+                out += [c.keys, c.values]
+            elif isinstance(c, RecurrentCache):
+                out += [a for a in (c.conv, c.state) if a is not None]
+        return out
+
+
+def _round_up(n: int) -> int:
+    return max(-(-n // KV_STEP) * KV_STEP, 0)
+
+
+def _clone_empty(c: LayerCache) -> LayerCache:
+    if isinstance(c, KVCache):
+        return KVCache(c.n_kv_heads, c.head_dim)
+    if isinstance(c, RecurrentCache):
+        return RecurrentCache(c.conv_shape, c.state_shape)
+    return None
+
+
+def _merge_kv(dst: KVCache, parts: list[KVCache], sizes: list[int], capacity: int) -> None:
+    dtype = next((p.keys.dtype for p in parts if p.keys is not None), None)
+    if dtype is None or capacity == 0:
+        return
+    keys, values = [], []
+    for p, b in zip(parts, sizes):
+        shape = (b, dst.n_kv_heads, capacity, dst.head_dim)
+        if p.keys is None:
+            keys.append(mx.zeros(shape, dtype))
+            values.append(mx.zeros(shape, dtype))
+            continue
+        have = min(p.keys.shape[2], capacity)
+        pad = [(0, 0), (0, 0), (0, capacity - have), (0, 0)]
+        keys.append(mx.pad(p.keys[:, :, :have], pad))
+        values.append(mx.pad(p.values[:, :, :have], pad))
+    dst.keys, dst.values = mx.concatenate(keys), mx.concatenate(values)
+
+
+def _merge_recurrent(dst: RecurrentCache, parts: list[RecurrentCache], sizes: list[int]) -> None:
+    dtype = next((p.conv.dtype for p in parts if p.conv is not None), None)
+    if dtype is None:
+        return
+    convs, states = [], []
+    for p, b in zip(parts, sizes):
+        zc, zs = dst.zeros(b, dtype) if p.conv is None or p.state is None else (None, None)
+        convs.append(p.conv if p.conv is not None else zc)
+        states.append(p.state if p.state is not None else zs)
+    dst.conv, dst.state = mx.concatenate(convs), mx.concatenate(states)

@@ -1,0 +1,134 @@
+"""What every kapitsa model module shares: config parsing, attention, and the forward protocol.
+
+Model module contract (the loader relies on it):
+
+- `ModelArgs.from_dict(config: dict)` takes config.json as published (unknown keys ignored).
+- `Model(args)` is an `nn.Module` with
+  - `__call__(inputs [B, T] int32, cache: HybridCache | None = None, *, lengths=None,
+    record=False) -> logits [B, T, V]`;
+  - `forward(...)` with the same arguments (plus `taps`) -> `ForwardOutput` holding the hidden
+    states before the final norm (and chosen layers' outputs, for drafters); `logits(hidden)`
+    turns pre-norm hidden states into logits, `final_norm(hidden)` applies the last norm only;
+  - `sanitize(weights) -> weights`: the only place that renames or reshapes checkpoint tensors;
+  - `make_cache(batch_size=1) -> HybridCache`, `layers`, `model_type`;
+  - `quant_predicate(path, module) -> bool | dict` (False: keep unquantized; a dict overrides
+    group size / bits) and `cast_predicate(path) -> bool` (False: keep the stored float32).
+- `lengths[b]` (host ints) is how many tokens of row b are real (right padding); see cache.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.cache import HybridCache, KVCache, StepInfo, full_step
+from kapitsa.engine.ops.rope import Rope
+from kapitsa.errors import CheckpointError
+
+
+def known_fields(cls: type, params: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `params` that are fields of dataclass `cls` (config.json has many extras)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in params.items() if k in names}
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise CheckpointError(message)
+
+
+@dataclass
+class ForwardOutput:
+    hidden: mx.array  # [B, T, hidden] output of the last layer, before the final norm
+    taps: dict[int, mx.array] = field(default_factory=dict)  # layer index -> that layer's output
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over a ragged `KVCache`.
+
+    `gated`: q_proj also emits a per-head output gate (Qwen3.5: out * sigmoid(gate)).
+    `qk_norm_eps`: RMS-normalise q and k per head (Qwen). `rope`: None means no positions (Nemotron-H).
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *, bias: bool = False,
+                 gated: bool = False, qk_norm_eps: float | None = None, rope: Rope | None = None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.gated = heads, kv_heads, head_dim, gated
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, heads * head_dim * (2 if gated else 1), bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, info: StepInfo, cache: KVCache | None) -> mx.array:
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.heads, -1)
+        if self.gated:
+            q, gate = mx.split(q, 2, axis=-1)
+        k = self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        if self.rope is not None:
+            q, k = self.rope(q, info.rope_offsets), self.rope(k, info.rope_offsets)
+        if cache is not None:
+            k, v = cache.update(k, v, info)
+        mask = info.attention_mask
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        if self.gated:
+            out = out * mx.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
+
+
+class HybridLM(nn.Module):
+    """Forward protocol shared by the families. Subclasses provide `backbone_parts()` ->
+    (embedding, layers, final norm), `head()` -> (embedding-as-linear or lm_head), and
+    `make_layer_cache(layer)`; each layer is called as `layer(h, info, layer_cache)`."""
+
+    def __call__(self, inputs: mx.array, cache: HybridCache | None = None, *,
+                 lengths: list[int] | None = None, record: bool = False) -> mx.array:
+        return self.logits(self.forward(inputs, cache, lengths=lengths, record=record).hidden)
+
+    def forward(self, inputs: mx.array, cache: HybridCache | None = None, *, lengths: list[int] | None = None,
+                record: bool = False, taps: tuple[int, ...] = ()) -> ForwardOutput:
+        embed, layers, _ = self.backbone_parts()
+        B, T = inputs.shape
+        if cache is None:
+            info = full_step(B, T, lengths)
+        else:
+            if cache.batch_size != B:
+                raise ValueError(f"cache holds {cache.batch_size} sequences, inputs has {B} rows")
+            info = cache.begin(T, lengths, record)
+        h = embed(inputs)
+        out = ForwardOutput(h)
+        for i, layer in enumerate(layers):
+            h = layer(h, info, None if cache is None else cache[i])
+            if i in taps:
+                out.taps[i] = h
+        if cache is not None:
+            cache.end(info)
+        out.hidden = h
+        return out
+
+    def final_norm(self, hidden: mx.array) -> mx.array:
+        return self.backbone_parts()[2](hidden)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Pre-norm hidden states `[..., hidden]` -> logits `[..., vocab]`."""
+        return self.head()(self.final_norm(hidden))
+
+    def make_cache(self, batch_size: int = 1) -> HybridCache:
+        return HybridCache([self.make_layer_cache(l) for l in self.layers], batch_size)
+
+    def cast_predicate(self, path: str) -> bool:
+        return not any(s in path for s in ("A_log", "e_score_correction_bias"))

@@ -1,0 +1,321 @@
+"""Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers + gated attention.
+
+Serves model_type qwen3_5, qwen3_5_moe (vision-language wrappers: the text model lives under
+`language_model.`, the vision tower is dropped), qwen3_5_text, qwen3_5_moe_text and qwen3_next
+(flat). Parameter paths match mlx-lm's, so MLX checkpoints load as published.
+
+MTP: `mtp.*` tensors are kept. When a checkpoint ships them, `sanitize` attaches `self.mtp`
+(an `MTPHead`) and returns its weights under `mtp.`; see `MTPHead` for how to run it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
+from kapitsa.engine.models.base import Attention, HybridLM, known_fields, require
+from kapitsa.engine.models.qwen_weights import sanitize_qwen
+from kapitsa.engine.ops.conv import causal_conv, conv_state_after
+from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
+from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
+from kapitsa.engine.ops.norm import GatedRMSNorm
+from kapitsa.engine.ops.rope import Rope
+
+WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    intermediate_size: int = 0
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    linear_num_value_heads: int = 32
+    linear_num_key_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    layer_types: list[str] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    mtp_num_hidden_layers: int = 0
+    max_position_embeddings: int = 262144
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        text = dict(config.get("text_config") or config)
+        text["model_type"] = config.get("model_type", text.get("model_type", "qwen3_5"))
+        if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        for key in ("mlp_only_layers",):
+            text[key] = text.get(key) or []
+        return cls(**known_fields(cls, text))
+
+    def __post_init__(self) -> None:
+        rope = self.rope_parameters or {}
+        self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
+        self.partial_rotary_factor = float(rope.get("partial_rotary_factor", self.partial_rotary_factor))
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            self.rope_scaling = rope
+        if self.layer_types is None:
+            every = self.full_attention_interval
+            self.layer_types = [
+                "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(self.num_hidden_layers)
+            ]
+        require(len(self.layer_types) == self.num_hidden_layers, "layer_types does not match num_hidden_layers")
+        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
+        require(not unknown, f"unknown Qwen layer types {sorted(unknown)}")
+        require(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+                "linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @property
+    def wrapped(self) -> bool:
+        return self.model_type in WRAPPED_TYPES
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention layer. Qwen3-Next packs the projections per key head (`in_proj_qkvz`,
+    `in_proj_ba`); Qwen3.5 keeps them apart (`in_proj_qkv`, `_z`, `_b`, `_a`)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.nk, self.nv = a.linear_num_key_heads, a.linear_num_value_heads
+        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        self.kernel = a.linear_conv_kernel_dim
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.packed = a.model_type == "qwen3_next"
+        if self.packed:
+            self.in_proj_qkvz = nn.Linear(a.hidden_size, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(a.hidden_size, 2 * self.nv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(a.hidden_size, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(a.hidden_size, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(a.hidden_size, self.nv, bias=False)
+            self.in_proj_a = nn.Linear(a.hidden_size, self.nv, bias=False)
+        self.dt_bias = mx.ones((self.nv,))
+        self.A_log = mx.zeros((self.nv,))
+        self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, a.hidden_size, bias=False)
+
+    def _project(self, x: mx.array):
+        B, T, _ = x.shape
+        if not self.packed:
+            z = self.in_proj_z(x).reshape(B, T, self.nv, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        per = self.nv // self.nk
+        qkvz = self.in_proj_qkvz(x).reshape(B, T, self.nk, -1)
+        q, k, v, z = mx.split(qkvz, [self.dk, 2 * self.dk, 2 * self.dk + per * self.dv], axis=-1)
+        b, a = mx.split(self.in_proj_ba(x).reshape(B, T, self.nk, 2 * per), [per], axis=-1)
+        qkv = mx.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+        return qkv, z.reshape(B, T, self.nv, self.dv), b.reshape(B, T, self.nv), a.reshape(B, T, self.nv)
+
+    def __call__(self, x: mx.array, info: StepInfo, cache: RecurrentCache | None) -> mx.array:
+        B, T, _ = x.shape
+        qkv, z, b, a = self._project(x)
+        conv_state, s0 = (cache.conv, cache.state) if cache is not None else (None, None)
+        if conv_state is None:
+            conv_state, s0 = mx.zeros((B, self.kernel - 1, self.conv_dim), qkv.dtype), None
+        conv_in = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = nn.silu(causal_conv(conv_in, self.conv1d.weight))
+        q, k, v = mx.split(conv_out, [self.nk * self.dk, 2 * self.nk * self.dk], axis=-1)
+        q, k = l2norm_qk(q.reshape(B, T, self.nk, self.dk), k.reshape(B, T, self.nk, self.dk))
+        v = v.reshape(B, T, self.nv, self.dv)
+        g, beta = gdn_decay(self.A_log, a, self.dt_bias), mx.sigmoid(b)
+        if s0 is None:
+            s0 = mx.zeros((B, self.nv, self.dv, self.dk), mx.float32)
+        y, state = gated_delta(q, k, v, g, beta, s0, info.recurrent_mask)
+        if cache is not None:
+            cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
+            if info.record:
+                replay = lambda m: gated_delta(q, k, v, g, beta, s0, m)[1]  # noqa: E731
+                cache.record = ReplayRecord(conv_in, self.kernel, replay)
+        return self.out_proj(self.norm(y, z).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoe(nn.Module):
+    """Softmax top-k routed SwiGLU experts plus a shared expert scaled by sigmoid(shared_expert_gate)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = a.num_experts_per_tok, a.norm_topk_prob
+        self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(a.hidden_size, a.moe_intermediate_size, a.num_experts)
+        self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        inds = topk_indices(probs, self.top_k)
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        routed = (self.switch_mlp(x, inds) * scores[..., None].astype(x.dtype)).sum(axis=-2)
+        return routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, kind: str, moe: bool):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(a)
+        else:
+            rope = Rope(int(a.head_dim * a.partial_rotary_factor), a.rope_theta, a.rope_scaling)
+            self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                                       bias=a.attention_bias, gated=True, qk_norm_eps=a.rms_norm_eps, rope=rope)
+        self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.mlp = SparseMoe(a) if moe else MLP(a.hidden_size, a.intermediate_size)
+
+    @property
+    def is_linear(self) -> bool:
+        return self.kind == "linear_attention"
+
+    def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), info, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = [DecoderLayer(a, kind, a.is_moe_layer(i)) for i, kind in enumerate(a.layer_types)]
+        self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.model = Backbone(a)
+        if not a.tie_word_embeddings:
+            self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+
+
+class MTPHead(nn.Module):
+    """Qwen multi-token-prediction head (one full-attention layer).
+
+    To predict token t+2 from position t: `h = model.mtp_forward(next_ids, hidden, cache)` with
+    `next_ids[:, j]` = token t+1+j and `hidden[:, j]` = the target's hidden at t+j after the final
+    norm (`model.final_norm(out.hidden)`); then `model.mtp_logits(h)`. Its cache is
+    `model.make_mtp_cache(batch)` (attention only: rollback by `rollback(n)` needs no record).
+    """
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.layers = [DecoderLayer(a, "full_attention", a.num_experts > 0) for _ in range(a.mtp_num_hidden_layers)]
+        self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+
+
+class Model(HybridLM):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args, self.model_type = args, args.model_type
+        if args.wrapped:
+            self.language_model = LanguageModel(args)
+        else:
+            self.model = Backbone(args)
+            if not args.tie_word_embeddings:
+                self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = None
+
+    @property
+    def _text(self) -> nn.Module:
+        return self.language_model if self.args.wrapped else self
+
+    def backbone_parts(self):
+        m = self._text.model
+        return m.embed_tokens, m.layers, m.norm
+
+    def head(self):
+        text = self._text
+        return text.model.embed_tokens.as_linear if self.args.tie_word_embeddings else text.lm_head
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self._text.model.layers
+
+    def make_layer_cache(self, layer: DecoderLayer):
+        a = self.args
+        if layer.is_linear:
+            gdn = layer.linear_attn
+            return RecurrentCache((gdn.kernel - 1, gdn.conv_dim), (gdn.nv, gdn.dv, gdn.dk))
+        return KVCache(a.num_key_value_heads, a.head_dim)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        out = sanitize_qwen(weights, self.args)
+        if self.mtp is None and any(k.startswith("mtp.") for k in out):
+            layers = {int(m.group(1)) for k in out if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
+            self.args.mtp_num_hidden_layers = max(layers, default=-1) + 1
+            self.mtp = MTPHead(self.args)
+        return out
+
+    # -- MTP -------------------------------------------------------------------------------
+    def make_mtp_cache(self, batch_size: int = 1) -> HybridCache:
+        a = self.args
+        return HybridCache([KVCache(a.num_key_value_heads, a.head_dim) for _ in self.mtp.layers], batch_size)
+
+    def mtp_forward(self, next_ids: mx.array, hidden: mx.array, cache: HybridCache | None = None,
+                    *, lengths: list[int] | None = None) -> mx.array:
+        if self.mtp is None:
+            raise ValueError("this checkpoint ships no MTP weights")
+        embed = self.backbone_parts()[0](next_ids)
+        h = self.mtp.fc(mx.concatenate(
+            [self.mtp.pre_fc_norm_embedding(embed), self.mtp.pre_fc_norm_hidden(hidden)], axis=-1))
+        B, T = next_ids.shape
+        info = cache.begin(T, lengths) if cache is not None else full_step(B, T, lengths)
+        for i, layer in enumerate(self.mtp.layers):
+            h = layer(h, info, None if cache is None else cache[i])
+        if cache is not None:
+            cache.end(info)
+        return h
+
+    def mtp_logits(self, hidden: mx.array) -> mx.array:
+        return self.head()(self.mtp.norm(hidden))
+
+    # -- loader hooks ----------------------------------------------------------------------
+    def quant_predicate(self, path: str, module: nn.Module) -> bool | dict:
+        """Router and shared-expert gates stay in full precision (tiny, and routing is sensitive)."""
+        return not (path.endswith("mlp.gate") or path.endswith("shared_expert_gate"))

@@ -1,0 +1,144 @@
+"""Routed experts: stacked per-expert weights run with `mx.gather_mm` / `mx.gather_qmm`.
+
+Parameter names (`weight`, `scales`, `biases`, `bias`) and layouts (`[E, out, in]`) match
+mlx-lm's, so MLX checkpoints published by mlx-community load unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_SORT_THRESHOLD = 64  # token-expert pairs above which grouping rows by expert pays off
+
+
+class SwitchLinear(nn.Module):
+    """E linear maps `[E, out, in]`; row i of x goes through expert `indices[i]`."""
+
+    def __init__(self, in_dims: int, out_dims: int, num_experts: int, bias: bool = False):
+        super().__init__()
+        scale = math.sqrt(1 / in_dims)
+        self.weight = mx.random.uniform(-scale, scale, (num_experts, out_dims, in_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, out_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        out = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        if "bias" in self:
+            out = out + mx.expand_dims(self["bias"][indices], -2)
+        return out
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedSwitchLinear:
+        return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """`SwitchLinear` with quantized expert weights (affine, mxfp4, nvfp4, ... as `mx.quantize`)."""
+
+    def __init__(self, in_dims, out_dims, num_experts, bias=False, group_size=64, bits=4, mode="affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        parts = mx.quantize(mx.zeros((num_experts, out_dims, in_dims)), group_size, bits, mode=mode)
+        self.weight, self.scales = parts[0], parts[1]
+        if len(parts) > 2 and parts[2] is not None:
+            self.biases = parts[2]
+        if bias:
+            self.bias = mx.zeros((num_experts, out_dims))
+        self.freeze()
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        out = mx.gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+        if "bias" in self:
+            out = out + mx.expand_dims(self["bias"][indices], -2)
+        return out
+
+    @classmethod
+    def from_switch_linear(cls, layer: SwitchLinear, group_size: int, bits: int, mode: str):
+        E, out_dims, in_dims = layer.weight.shape
+        q = cls(in_dims, out_dims, E, "bias" in layer, group_size, bits, mode)
+        parts = mx.quantize(layer.weight, group_size, bits, mode=mode)
+        q.weight, q.scales = parts[0], parts[1]
+        if "biases" in q:
+            q.biases = parts[2]
+        if "bias" in layer:
+            q.bias = layer.bias
+        return q
+
+
+def _expert_rows(x: mx.array, indices: mx.array):
+    """Flatten (token, slot) pairs and sort them by expert so each expert's rows are contiguous."""
+    k = indices.shape[-1]
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    return x.flatten(0, -3)[order // k], flat[order], mx.argsort(order)
+
+
+def _run_experts(x: mx.array, indices: mx.array, body) -> mx.array:
+    """x `[..., D]`, indices `[..., k]` -> `[..., k, D_out]`: `body(x_rows, idx, sorted)`."""
+    x = mx.expand_dims(x, (-2, -3))
+    if indices.size < _SORT_THRESHOLD:
+        return body(x, indices, False).squeeze(-2)
+    rows, idx, inverse = _expert_rows(x, indices)
+    out = body(rows, idx, True)[inverse]
+    return mx.unflatten(out.squeeze(-2), 0, indices.shape)
+
+
+class SwitchGLU(nn.Module):
+    """SwiGLU experts (Qwen MoE): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dims: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
+        self.up_proj = SwitchLinear(dims, hidden, num_experts)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        def body(rows, idx, srt):
+            h = nn.silu(self.gate_proj(rows, idx, srt)) * self.up_proj(rows, idx, srt)
+            return self.down_proj(h, idx, srt)
+
+        return _run_experts(x, indices, body)
+
+
+class SwitchReluSquared(nn.Module):
+    """Non-gated relu^2 experts (Nemotron-H MoE): fc2(relu(fc1(x))^2)."""
+
+    def __init__(self, dims: int, hidden: int, num_experts: int, bias: bool = False):
+        super().__init__()
+        self.fc1 = SwitchLinear(dims, hidden, num_experts, bias)
+        self.fc2 = SwitchLinear(hidden, dims, num_experts, bias)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        def body(rows, idx, srt):
+            return self.fc2(mx.square(nn.relu(self.fc1(rows, idx, srt))), idx, srt)
+
+        return _run_experts(x, indices, body)
+
+
+def experts_reference(x: mx.array, indices: mx.array, expert_fn) -> mx.array:
+    """Definition: `out[..., j, :] = expert_fn(e, x)` for e = indices[..., j]; a loop over experts
+    with dense masks. Used by the tests to pin the gather paths."""
+    out = None
+    for e in range(int(indices.max().item()) + 1):
+        y = expert_fn(e, x)[..., None, :]  # [..., 1, D]
+        hit = (indices == e)[..., None]
+        out = mx.where(hit, y, 0.0) if out is None else out + mx.where(hit, y, 0.0)
+    return out
+
+
+def topk_indices(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest scores along the last axis (unordered)."""
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]

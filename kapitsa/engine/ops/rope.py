@@ -1,0 +1,85 @@
+"""Rotary position embedding with per-sequence offsets (ragged batches) and partial rotation.
+
+`rope_reference` is the definition (NeoX "rotate half" layout, as Qwen uses); `Rope` calls
+`mx.fast.rope`, which accepts one offset per batch row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+
+from kapitsa.errors import UnsupportedModel
+
+
+def rope_frequencies(dims: int, base: float, scaling: dict[str, Any] | None) -> mx.array:
+    """Inverse frequencies `[dims/2]` for the rotated part, after the config's scaling rule."""
+    inv = 1.0 / (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default", "mrope"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_frequencies(inv, dims, base, scaling)
+    raise UnsupportedModel(f"rope scaling {kind!r} is not supported (default, linear, yarn are)")
+
+
+def _yarn_frequencies(inv: mx.array, dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    factor = float(scaling["factor"])
+    original = float(scaling.get("original_max_position_embeddings", 4096))
+    beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    ramp = (mx.arange(dims // 2, dtype=mx.float32) - low) / max(high - low, 1e-3)
+    extrapolate = 1.0 - mx.clip(ramp, 0.0, 1.0)
+    return inv / factor * (1 - extrapolate) + inv * extrapolate
+
+
+def yarn_mscale(scaling: dict[str, Any] | None) -> float:
+    """YaRN scales cos/sin (so q·k by its square) by `0.1 ln(factor) + 1`, as transformers does."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    factor = float(scaling["factor"])
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_reference(x: mx.array, dims: int, inv_freq: mx.array, offsets: mx.array | int) -> mx.array:
+    """x `[B, H, T, D]`; rotate the first `dims` features at positions `offset_b + t`."""
+    B, _, T, _ = x.shape
+    offsets = mx.broadcast_to(mx.array(offsets, dtype=mx.int32).reshape(-1), (B,))
+    pos = (offsets[:, None] + mx.arange(T)).astype(mx.float32)  # [B, T]
+    angles = pos[..., None] * inv_freq  # [B, T, dims/2]
+    cos, sin = mx.cos(angles)[:, None], mx.sin(angles)[:, None]
+    rot, rest = x[..., :dims].astype(mx.float32), x[..., dims:]
+    x1, x2 = rot[..., : dims // 2], rot[..., dims // 2 :]
+    rotated = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return mx.concatenate([rotated.astype(x.dtype), rest], axis=-1)
+
+
+class Rope:
+    """Callable `(x [B,H,T,D], offsets int | [B] int32) -> x` (not a Module: no parameters)."""
+
+    def __init__(self, dims: int, base: float, scaling: dict[str, Any] | None = None):
+        self.dims = dims
+        self.base = base
+        self.inv_freq = rope_frequencies(dims, base, scaling)
+        self.mscale = yarn_mscale(scaling)
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        # mx.fast.rope takes periods (1 / inverse frequency) when the frequencies are not plain base^-i
+        self._periods = None if kind in (None, "default", "mrope") else 1.0 / self.inv_freq
+
+    def __call__(self, x: mx.array, offsets: mx.array | int) -> mx.array:
+        if self.mscale != 1.0:
+            x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], axis=-1)
+        if self._periods is None:
+            return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=offsets)
+        return mx.fast.rope(
+            x, self.dims, traditional=False, base=None, scale=1.0, offset=offsets, freqs=self._periods
+        )

@@ -1,0 +1,111 @@
+"""Mamba-2 selective state space scan (Nemotron-H).
+
+Per head h (group g = h // (H/G)), state S `[P, N]` float32, per step t:
+
+    dt = clip(softplus(dt_raw + dt_bias), lo, hi);  S = exp(dt * A) S + dt x_t B_t^T;  y_t = S C_t + D x_t
+
+with A = -exp(A_log). Padding (`mask[b, t] == False`) is expressed as dt = 0, which makes the step
+the identity on S; that is how ragged right-padded batches keep every sequence's own state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def ssm_dt(
+    dt: mx.array, dt_bias: mx.array, limit: tuple[float, float], mask: mx.array | None = None
+) -> mx.array:
+    """Discretisation step `[B, T, H]` in float32; zero on masked (padding) steps."""
+    dt = nn.softplus(dt.astype(mx.float32) + dt_bias.astype(mx.float32))
+    lo, hi = limit
+    if lo > 0.0 or math.isfinite(hi):
+        dt = mx.clip(dt, lo, hi)
+    if mask is not None:
+        dt = mx.where(mask[..., None], dt, 0.0)
+    return dt
+
+
+def _heads(m: mx.array, heads: int) -> mx.array:
+    """`[..., G, N]` -> `[..., H, N]` (each group serves H/G consecutive heads)."""
+    groups = m.shape[-2]
+    return mx.repeat(m, heads // groups, axis=-2) if groups != heads else m
+
+
+def ssm_scan_reference(
+    x: mx.array,
+    dt: mx.array,
+    A_log: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array,
+    state: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Step-by-step scan. x `[B,T,H,P]`, dt `[B,T,H]` from `ssm_dt`, B,C `[B,T,G,N]`,
+    state `[B,H,P,N]`. Returns (y `[B,T,H,P]` in x's dtype, final state float32)."""
+    b, T, H, P = x.shape
+    N = B.shape[-1]
+    if state is None:
+        state = mx.zeros((b, H, P, N), dtype=mx.float32)
+    A = -mx.exp(A_log.astype(mx.float32))
+    Bh, Ch = _heads(B, H).astype(mx.float32), _heads(C, H).astype(mx.float32)
+    xf = x.astype(mx.float32)
+    ys = []
+    for t in range(T):
+        decay = mx.exp(dt[:, t] * A)[..., None, None]
+        inject = (dt[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :]
+        state = state * decay + inject
+        ys.append((state @ Ch[:, t, :, :, None])[..., 0])
+    y = mx.stack(ys, axis=1) + xf * D.astype(mx.float32)[:, None]
+    return y.astype(x.dtype), state
+
+
+def ssm_scan(
+    x: mx.array,
+    dt: mx.array,
+    A_log: mx.array,
+    B: mx.array,
+    C: mx.array,
+    D: mx.array,
+    state: mx.array | None = None,
+    chunk: int = 64,
+) -> tuple[mx.array, mx.array]:
+    """Same contract as `ssm_scan_reference`: one step for T == 1, else the chunked SSD form
+    (quadratic within a chunk, recurrent across chunks), all in float32."""
+    if x.shape[1] == 1:
+        return ssm_scan_reference(x, dt, A_log, B, C, D, state)
+    b, T, H, P = x.shape
+    N = B.shape[-1]
+    if state is None:
+        state = mx.zeros((b, H, P, N), dtype=mx.float32)
+    A = -mx.exp(A_log.astype(mx.float32))
+    xf = x.astype(mx.float32)
+    Bh, Ch = _heads(B, H).astype(mx.float32), _heads(C, H).astype(mx.float32)
+    ys = []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        y, state = _ssd_chunk(xf[:, start:end], dt[:, start:end], A, Bh[:, start:end], Ch[:, start:end], state)
+        ys.append(y)
+    y = mx.concatenate(ys, axis=1) + xf * D.astype(mx.float32)[:, None]
+    return y.astype(x.dtype), state
+
+
+def _ssd_chunk(x, dt, A, Bh, Ch, state):
+    """One chunk. x `[b,L,H,P]`, dt `[b,L,H]`, Bh/Ch `[b,L,H,N]`, state `[b,H,P,N]`."""
+    L = x.shape[1]
+    log_decay = mx.cumsum(dt * A, axis=1).transpose(0, 2, 1)  # [b,H,L]: sum of dt*A up to t
+    diff = log_decay[..., :, None] - log_decay[..., None, :]  # [b,H,t,s]
+    causal = mx.tril(mx.ones((L, L), dtype=mx.bool_))
+    weights = mx.exp(mx.where(causal, diff, -mx.inf))  # decay from s to t, 0 above the diagonal
+    ch, bh = Ch.transpose(0, 2, 1, 3), Bh.transpose(0, 2, 1, 3)  # [b,H,L,N]
+    scores = (ch @ bh.swapaxes(-1, -2)) * weights  # [b,H,t,s]
+    dtx = (dt[..., None] * x).transpose(0, 2, 1, 3)  # [b,H,L,P]
+    y = scores @ dtx  # intra-chunk
+    y = y + mx.exp(log_decay)[..., None] * (ch @ state.swapaxes(-1, -2))  # carried state
+    to_end = mx.exp(log_decay[..., -1:] - log_decay)  # [b,H,L]
+    new_state = mx.exp(log_decay[..., -1])[..., None, None] * state
+    new_state = new_state + (dtx * to_end[..., None]).swapaxes(-1, -2) @ bh
+    return y.transpose(0, 2, 1, 3), new_state
