@@ -1,0 +1,157 @@
+"""Anthropic Messages request → chat-template messages and tools (pure functions)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kapitsa.errors import InvalidRequest
+from kapitsa.server.prompt import fold_system_messages, strip_attribution
+
+_UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+_SKIPPED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result", "tool_reference")
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user", "assistant", "system"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int = Field(1, ge=1)
+
+
+def system_text(system: str | list[dict[str, Any]] | None) -> str:
+    """The system prompt, without Claude Code's per-conversation attribution block."""
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        return strip_attribution(system)
+    texts = [strip_attribution(_block_text(b)) for b in system if b.get("type", "text") == "text"]
+    return "\n".join(t for t in texts if t.strip())
+
+
+def _block_text(block: dict[str, Any]) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequest("A text block needs a string `text`.")
+    return text
+
+
+def _result_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidRequest("tool_result `content` must be a string or a list of blocks.")
+    texts = []
+    for block in content:
+        if not isinstance(block, dict):
+            raise InvalidRequest("tool_result content blocks must be objects.")
+        if block.get("type") == "text":
+            texts.append(_block_text(block))
+        elif block.get("type") in _UNSUPPORTED_BLOCKS:
+            raise InvalidRequest(f"`{block.get('type')}` blocks are not supported: the served model reads text only.")
+    return "\n".join(texts)
+
+
+def _user_messages(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool results become `tool` messages (in order); the remaining text one user message after them."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "tool_result":
+            text = _result_text(block.get("content"))
+            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                        "content": f"Error: {text}" if block.get("is_error") and not text.startswith("Error") else text})
+        elif kind == "text":
+            texts.append(_block_text(block))
+        elif kind in _UNSUPPORTED_BLOCKS:
+            raise InvalidRequest(f"`{kind}` blocks are not supported: the served model reads text only.")
+        elif kind not in _SKIPPED_BLOCKS:
+            raise InvalidRequest(f"Unsupported content block type `{kind}` in a user message.")
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_message(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    texts, thoughts, calls = [], [], []
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(_block_text(block))
+        elif kind == "thinking":
+            thoughts.append(str(block.get("thinking", "")))
+        elif kind == "tool_use":
+            arguments = block.get("input") if isinstance(block.get("input"), dict) else {}
+            calls.append({"id": str(block.get("id", "")), "type": "function", "function": {"name": str(block.get("name", "")), "arguments": arguments}})
+        elif kind not in _SKIPPED_BLOCKS:
+            raise InvalidRequest(f"Unsupported content block type `{kind}` in an assistant message.")
+    message["content"] = "\n".join(texts)
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
+    system = system_text(body.system)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    for m in body.messages:
+        if isinstance(m.content, str):
+            content = strip_attribution(m.content) if m.role == "system" else m.content
+            messages.append({"role": m.role, "content": content})
+        elif m.role == "assistant":
+            messages.append(_assistant_message(m.content))
+        elif m.role == "system":
+            messages.append({"role": "system", "content": system_text(m.content)})
+        else:
+            messages.extend(_user_messages(m.content))
+    return fold_system_messages(messages)
+
+
+def chat_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
+    choice = (body.tool_choice or {}).get("type", "auto")
+    if choice == "none":
+        return None
+    tools = []
+    for tool in body.tools or []:
+        # Server tools (web_search_2025…, bash_2025…) have their own `type`; the local model cannot run them.
+        if tool.get("type") not in (None, "custom") or not isinstance(tool.get("name"), str):
+            continue
+        schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {"type": "object", "properties": {}}
+        tools.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "", "parameters": schema}})
+    if choice == "tool":
+        name = (body.tool_choice or {}).get("name")
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise InvalidRequest(f"tool_choice names `{name}`, which is not among the tools.")
+    return tools or None
+
+
+def thinking_choice(body: MessagesRequest) -> bool | None:
+    kind = (body.thinking or {}).get("type")
+    return None if kind is None else kind != "disabled"

@@ -1,0 +1,62 @@
+"""`create_app(client, settings)`: the FastAPI app. Routes live in one module per API; this wires them up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from kapitsa import __version__
+from kapitsa.engine.client import EngineClient
+from kapitsa.server import anthropic, openai_chat, openai_completions, openai_responses
+from kapitsa.server.common import ServerState, now, state_of
+from kapitsa.server.errors import install_error_handlers
+from kapitsa.server.metrics import prometheus_text
+from kapitsa.server.security import SecurityMiddleware
+from kapitsa.server.settings import ServerSettings
+
+
+def create_app(client: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
+    """The HTTP app over `client`. Security (Host, Origin, token, content type, body cap) wraps every route."""
+    settings = settings or ServerSettings()
+    app = FastAPI(title="kapitsa", version=__version__, docs_url=None, redoc_url=None)
+    app.state.kapitsa = ServerState(client=client, settings=settings)
+    install_error_handlers(app)
+    for module in (openai_chat, openai_completions, openai_responses, anthropic):
+        app.include_router(module.router)
+    _add_service_routes(app)
+    app.add_middleware(SecurityMiddleware, settings=settings)
+    return app
+
+
+def _add_service_routes(app: FastAPI) -> None:
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> dict[str, str]:
+        # Claude Code sends `HEAD /` as a preconnect before its first request.
+        return {"name": "kapitsa", "version": __version__}
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        stats = state_of(request).client.stats()
+        body: dict[str, Any] = {"status": "ok" if stats.alive else "dead", "model": stats.model,
+                                "active_requests": stats.active_requests, "queued_requests": stats.queued_requests}
+        return JSONResponse(body, status_code=200 if stats.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(state_of(request).client.stats()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        models = state_of(request).client.models()
+        return {"object": "list", "data": [_model_entry(m) for m in models]}
+
+
+def _model_entry(model: Any) -> dict[str, Any]:
+    return {
+        "id": model.id, "object": "model", "created": now(), "owned_by": "kapitsa",
+        # Anthropic's /v1/models shape shares `id`; these extras let launchers size context windows.
+        "type": "model", "display_name": model.id,
+        "context_length": model.context_length, "max_output_tokens": model.max_output_tokens,
+    }

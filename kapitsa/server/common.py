@@ -1,0 +1,139 @@
+"""Helpers every API module shares: model lookup, sampling validation, SSE framing, and request context."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from kapitsa.engine.client import EngineClient
+from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams, Usage
+from kapitsa.errors import InvalidRequest, ModelNotFound
+from kapitsa.server.settings import ServerSettings
+from kapitsa.server.streaming import GenerationRun
+
+# Claude Code asks for these names in edge cases (haiku side queries, subagents); they mean "the default".
+_ANTHROPIC_ALIASES = ("claude", "haiku", "sonnet", "opus")
+
+
+@dataclass(slots=True)
+class ServerState:
+    client: EngineClient
+    settings: ServerSettings
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.kapitsa  # type: ignore[no-any-return]
+
+
+def resolve_model(client: EngineClient, name: str | None, *, anthropic: bool = False) -> ModelInfo:
+    """The served model `name` refers to. Empty means the default; Anthropic model names map to it too."""
+    models = client.models()
+    if not models:
+        raise ModelNotFound("No model is loaded.")
+    if not name:
+        return models[0]
+    for info in models:
+        if name == info.id or (info.path is not None and name == info.path):
+            return info
+    if anthropic and any(alias in name.lower() for alias in _ANTHROPIC_ALIASES):
+        return models[0]
+    served = ", ".join(m.id for m in models)
+    raise ModelNotFound(f"The model `{name}` does not exist here. This server serves: {served}.")
+
+
+def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
+    """`SamplingParams` from request fields (None = default); out-of-range values become a 400."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    max_tokens = given.get("max_tokens")
+    if max_tokens is not None and max_tokens > model.context_length:
+        raise _param_error("max_tokens", f"max_tokens is {max_tokens}, more than the context window ({model.context_length}).")
+    if "stop" in given:
+        given["stop"] = tuple(given["stop"])
+    try:
+        return SamplingParams(**given)
+    except ValueError as exc:
+        raise _param_error(str(exc).split(" ")[0], str(exc)) from None
+
+
+def _param_error(param: str, message: str) -> InvalidRequest:
+    err = InvalidRequest(message)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+def thinking_kwargs(enabled: bool | None) -> tuple[tuple[str, Any], ...]:
+    return () if enabled is None else (("enable_thinking", enabled),)
+
+
+def thinking_active(model: ModelInfo, enabled: bool | None) -> bool:
+    """Whether the output starts inside reasoning (the template opened `<think>` in the prompt)."""
+    return model.supports_thinking if enabled is None else enabled and model.supports_thinking
+
+
+async def start_run(request: Request, gen: GenerationRequest) -> GenerationRun:
+    state = state_of(request)
+    run = GenerationRun(state.client, gen, request.receive, keepalive_s=state.settings.keepalive_s)
+    await run.start(first_event_wait_s=state.settings.first_event_wait_s)
+    return run
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_COMMENT = b": keep-alive\n\n"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage_cached(usage: Usage) -> int:
+    return min(usage.cached_tokens, usage.prompt_tokens)
+
+
+def flatten_text(content: Any, *, allowed: tuple[str, ...] = ("text", "input_text", "output_text")) -> str:
+    """Text of a string or a list of content parts; image parts are refused (text-only models)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+        text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
+        if kind in allowed and isinstance(text, str):
+            texts.append(text)
+        elif kind in ("image", "image_url", "input_image", "input_audio", "file", "input_file", "document"):
+            raise InvalidRequest(f"`{kind}` content is not supported: the served model reads text only.")
+    return "\n".join(texts)
+
+
+@dataclass(slots=True)
+class Step:
+    """What one engine event means for a response: parsed parts, or a keep-alive, or the end."""
+
+    parts: list[Any]
+    logprobs: tuple[Any, ...] | None = None
+    keepalive: bool = False
+    final: Any = None  # FinishEvent | ErrorEvent on the last step
+
+
+async def steps(run: GenerationRun, parser: Any) -> Any:
+    """Engine events of `run` → `Step`s through `parser` (an `OutputParser`)."""
+    from kapitsa.engine.types import PrefillProgressEvent, TokenEvent
+
+    async for event in run.events():
+        if event is None or isinstance(event, PrefillProgressEvent):
+            yield Step([], keepalive=True)
+        elif isinstance(event, TokenEvent):
+            yield Step(parser.feed(event.text), event.logprobs)
+        else:
+            yield Step(parser.finish(), final=event)

@@ -1,0 +1,287 @@
+"""`POST /v1/chat/completions`: parse → `GenerationRequest` → stream or collect → chat.completion(.chunk)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, ModelInfo, TokenLogprob, Usage
+from kapitsa.errors import InvalidRequest, KapitsaError
+from kapitsa.server.common import (
+    SSE_COMMENT,
+    SSE_HEADERS,
+    Step,
+    flatten_text,
+    make_sampling,
+    now,
+    resolve_model,
+    sse,
+    start_run,
+    state_of,
+    steps,
+    thinking_active,
+    thinking_kwargs,
+    usage_cached,
+)
+from kapitsa.server.errors import api_error_from_kapitsa, openai_error_body
+from kapitsa.server.openai_models import ChatMessage, ChatRequest
+from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
+from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
+from kapitsa.server.streaming import ClientGone, GenerationRun
+from kapitsa.server.tool_calls import ToolCall
+
+router = APIRouter()
+
+
+# ---- request translation -------------------------------------------------------------------------------
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages → chat-template messages (HF semantics: tool-call arguments as dicts)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        text = flatten_text(m.content)
+        if m.role in ("tool", "function"):
+            out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id or m.name or ""})
+        elif m.role == "assistant":
+            out.append(_assistant_message(m, text))
+        else:
+            out.append({"role": m.role, "content": text})
+    return out
+
+
+def _assistant_message(m: ChatMessage, text: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    reasoning = m.reasoning_content or m.reasoning
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id or "", "type": "function", "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)}}
+            for c in m.tool_calls
+        ]
+    return message
+
+
+def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
+    """The function tools the model may call, after `tool_choice` (a named tool narrows the list)."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or [] if t.type == "function" and t.function]
+    if body.tool_choice == "none" or not tools:
+        return None
+    if isinstance(body.tool_choice, dict):
+        name = (body.tool_choice.get("function") or {}).get("name") or body.tool_choice.get("name")
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise _invalid("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
+    return tools
+
+
+def _invalid(param: str, message: str) -> InvalidRequest:
+    err = InvalidRequest(message)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+def chat_thinking(body: ChatRequest) -> bool | None:
+    kwargs = body.chat_template_kwargs or {}
+    if isinstance(kwargs.get("enable_thinking"), bool):
+        return bool(kwargs["enable_thinking"])
+    if body.enable_thinking is not None:
+        return body.enable_thinking
+    if body.reasoning_effort is not None:
+        return body.reasoning_effort != "none"
+    return None
+
+
+def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequest:
+    messages = chat_messages(body.messages)
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
+        if fmt.type == "json_schema" and not isinstance(schema, dict):
+            raise _invalid("response_format", "response_format json_schema needs `json_schema.schema`.")
+        messages.insert(0, {"role": "system", "content": json_mode_instruction(schema)})
+    messages = fold_system_messages(messages)
+    if not messages:
+        raise _invalid("messages", "messages holds no user or assistant message.")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    sampling = make_sampling(
+        model,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=stop,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
+    return GenerationRequest(
+        messages=tuple(messages), tools=tuple(chat_tools(body) or ()) or None, sampling=sampling, model=model.id,
+        chat_template_kwargs=thinking_kwargs(chat_thinking(body)),
+        request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+    )
+
+
+# ---- response rendering (pure) -------------------------------------------------------------------------
+
+
+def openai_usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage_cached(usage)},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def finish_reason(finish: FinishEvent, has_tool_calls: bool) -> str:
+    if has_tool_calls and finish.finish_reason in ("stop", "tool_calls"):
+        return "tool_calls"
+    return "length" if finish.finish_reason == "length" else "stop"
+
+
+def logprob_entries(items: tuple[TokenLogprob, ...] | None) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for _, t, p in lp.top],
+        }
+        for lp in items or ()
+    ]
+
+
+def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+class ChatChunker:
+    """Turns `Step`s into `chat.completion.chunk` SSE frames: role first, finish_reason last, then usage, [DONE]."""
+
+    def __init__(self, *, completion_id: str, model: str, include_usage: bool, want_logprobs: bool) -> None:
+        self.base = {"id": completion_id, "object": "chat.completion.chunk", "created": now(), "model": model, "system_fingerprint": None}
+        self.include_usage = include_usage
+        self.want_logprobs = want_logprobs
+        self.tool_calls = 0
+
+    def chunk(self, delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        body = {**self.base, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def opening(self) -> bytes:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def step(self, step: Step) -> list[bytes]:
+        frames = [self.chunk(d) for d in self._deltas(step.parts)]
+        if self.want_logprobs and step.logprobs:
+            frames.append(self.chunk({}, logprobs={"content": logprob_entries(step.logprobs)}))
+        return frames
+
+    def _deltas(self, parts: list[Any]) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for part in parts:
+            if isinstance(part, TextPart):
+                deltas.append({"content": part.text})
+            elif isinstance(part, ReasoningPart):
+                deltas.append({"reasoning_content": part.text})
+            elif isinstance(part, ToolCall):
+                deltas.append({"tool_calls": [tool_call_dict(part, self.tool_calls)]})
+                self.tool_calls += 1
+        return deltas
+
+    def closing(self, finish: FinishEvent) -> list[bytes]:
+        frames = [self.chunk({}, finish=finish_reason(finish, self.tool_calls > 0))]
+        if self.include_usage:
+            frames.append(sse({**self.base, "choices": [], "usage": openai_usage(finish.usage)}))
+        return frames + [b"data: [DONE]\n\n"]
+
+    def failure(self, error: Exception) -> list[bytes]:
+        return failure_frames(error)
+
+
+def failure_frames(error: Exception) -> list[bytes]:
+    """A mid-stream failure: one error object in OpenAI's shape, then [DONE] (vLLM's convention)."""
+    err = api_error_from_kapitsa(error) if isinstance(error, KapitsaError) else None
+    body = openai_error_body(err) if err else {
+        "error": {"message": f"Generation failed: {error}", "type": "server_error", "param": None, "code": "engine_error"}
+    }
+    return [sse(body), b"data: [DONE]\n\n"]
+
+
+def completion_body(completion_id: str, model: str, parts: list[Any], logprobs: list[Any], finish: FinishEvent) -> dict[str, Any]:
+    text = "".join(p.text for p in parts if isinstance(p, TextPart))
+    reasoning = "".join(p.text for p in parts if isinstance(p, ReasoningPart))
+    calls = [p for p in parts if isinstance(p, ToolCall)]
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [tool_call_dict(c) for c in calls]
+    choice = {"index": 0, "message": message, "logprobs": {"content": logprobs} if logprobs else None, "finish_reason": finish_reason(finish, bool(calls))}
+    return {"id": completion_id, "object": "chat.completion", "created": now(), "model": model, "system_fingerprint": None,
+            "choices": [choice], "usage": openai_usage(finish.usage)}
+
+
+# ---- route ---------------------------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Any:
+    client = state_of(request).client
+    model = resolve_model(client, body.model)
+    gen = to_generation_request(body, model)
+    parser = OutputParser(thinking=thinking_active(model, chat_thinking(body)), tools=list(gen.tools or []) or None)
+    run = await start_run(request, gen)
+    if not body.stream:
+        return await _collect(run, parser, model.id, want_logprobs=bool(body.logprobs))
+    chunker = ChatChunker(
+        completion_id=gen.request_id, model=model.id,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage), want_logprobs=bool(body.logprobs),
+    )
+    return StreamingResponse(_stream(run, parser, chunker), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _collect(run: GenerationRun, parser: OutputParser, model: str, *, want_logprobs: bool) -> JSONResponse:
+    parts: list[Any] = []
+    logprobs: list[Any] = []
+    try:
+        async for step in steps(run, parser):
+            parts.extend(step.parts)
+            if want_logprobs:
+                logprobs.extend(logprob_entries(step.logprobs))
+            if isinstance(step.final, ErrorEvent):
+                raise step.final.error
+            if isinstance(step.final, FinishEvent):
+                return JSONResponse(completion_body(run.request.request_id, model, parts, logprobs, step.final))
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    finally:
+        await run.close()
+    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+
+
+async def _stream(run: GenerationRun, parser: OutputParser, chunker: ChatChunker) -> AsyncIterator[bytes]:
+    try:
+        yield chunker.opening()
+        async for step in steps(run, parser):
+            if step.keepalive:
+                yield SSE_COMMENT
+                continue
+            for frame in chunker.step(step):
+                yield frame
+            if isinstance(step.final, FinishEvent):
+                for frame in chunker.closing(step.final):
+                    yield frame
+            elif isinstance(step.final, ErrorEvent):
+                for frame in chunker.failure(step.final.error):
+                    yield frame
+    except ClientGone:
+        return
+    finally:
+        await run.close()

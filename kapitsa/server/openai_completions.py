@@ -1,0 +1,130 @@
+"""`POST /v1/completions`: raw text in, raw text out (no chat template, no reasoning or tool parsing)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, ModelInfo, TokenLogprob
+from kapitsa.errors import InvalidRequest
+from kapitsa.server.common import SSE_COMMENT, SSE_HEADERS, make_sampling, now, resolve_model, sse, start_run, state_of, steps
+from kapitsa.server.openai_chat import failure_frames, openai_usage
+from kapitsa.server.openai_models import CompletionRequest
+from kapitsa.server.output import TextPart
+from kapitsa.server.streaming import ClientGone, GenerationRun
+
+router = APIRouter()
+
+
+class RawParser:
+    """The model's text as is."""
+
+    def feed(self, text: str) -> list[TextPart]:
+        return [TextPart(text)] if text else []
+
+    def finish(self) -> list[TextPart]:
+        return []
+
+
+def to_generation_request(body: CompletionRequest, model: ModelInfo) -> GenerationRequest:
+    if body.suffix:
+        raise InvalidRequest("`suffix` (fill-in-the-middle) is not supported.")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise InvalidRequest("Only one prompt per request is supported.")
+        prompt = prompt[0]
+    if not prompt:
+        raise InvalidRequest("`prompt` is empty.")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    sampling = make_sampling(
+        model, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=stop, max_tokens=body.max_tokens or 16,
+        logprobs=body.logprobs,
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+    if isinstance(prompt, str):
+        return GenerationRequest(prompt=prompt, sampling=sampling, model=model.id, request_id=request_id)
+    return GenerationRequest(prompt_token_ids=tuple(prompt), sampling=sampling, model=model.id, request_id=request_id)  # type: ignore[arg-type]
+
+
+def legacy_logprobs(items: list[TokenLogprob]) -> dict[str, Any] | None:
+    if not items:
+        return None
+    offsets, pos = [], 0
+    for lp in items:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+def _finish(finish: FinishEvent) -> str:
+    return "length" if finish.finish_reason == "length" else "stop"
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    model = resolve_model(state_of(request).client, body.model)
+    gen = to_generation_request(body, model)
+    echo = gen.prompt if body.echo and gen.prompt is not None else ""
+    run = await start_run(request, gen)
+    base = {"id": gen.request_id, "object": "text_completion", "created": now(), "model": model.id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(run, base, echo, include_usage), media_type="text/event-stream", headers=SSE_HEADERS)
+    return await _collect(run, base, echo)
+
+
+async def _collect(run: GenerationRun, base: dict[str, Any], echo: str) -> JSONResponse:
+    texts, logprobs = [echo], []
+    try:
+        async for step in steps(run, RawParser()):
+            texts += [p.text for p in step.parts]
+            logprobs += list(step.logprobs or ())
+            if isinstance(step.final, ErrorEvent):
+                raise step.final.error
+            if isinstance(step.final, FinishEvent):
+                choice = {"index": 0, "text": "".join(texts), "logprobs": legacy_logprobs(logprobs), "finish_reason": _finish(step.final)}
+                return JSONResponse({**base, "choices": [choice], "usage": openai_usage(step.final.usage)})
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    finally:
+        await run.close()
+    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+
+
+async def _stream(run: GenerationRun, base: dict[str, Any], echo: str, include_usage: bool) -> AsyncIterator[bytes]:
+    def frame(text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        body = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        return sse({**body, "usage": None} if include_usage else body)
+
+    try:
+        if echo:
+            yield frame(echo)
+        async for step in steps(run, RawParser()):
+            if step.keepalive:
+                yield SSE_COMMENT
+            for part in step.parts:
+                yield frame(part.text, logprobs=legacy_logprobs(list(step.logprobs or ())))
+            if isinstance(step.final, FinishEvent):
+                yield frame("", _finish(step.final))
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": openai_usage(step.final.usage)})
+                yield b"data: [DONE]\n\n"
+            elif isinstance(step.final, ErrorEvent):
+                for chunk in failure_frames(step.final.error):
+                    yield chunk
+    except ClientGone:
+        return
+    finally:
+        await run.close()

@@ -1,0 +1,97 @@
+"""Wire models (pydantic, `extra="ignore"`) for OpenAI chat completions and completions requests."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Lenient(BaseModel):
+    # Unknown fields are dropped for client compatibility; NaN/inf never pass as numbers.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class FunctionCallIn(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Lenient):
+    type: str = "function"
+    function: FunctionDef | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingFields(_Lenient):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    enable_thinking: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None

@@ -1,0 +1,75 @@
+"""Model text → typed parts (reasoning, answer text, tool calls), chunk by chunk. One parser per generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kapitsa.server.reasoning import ThinkSplitter
+from kapitsa.server.tool_calls import ToolCall, ToolCallParser
+
+
+@dataclass(slots=True, frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningPart:
+    text: str
+
+
+Part = TextPart | ReasoningPart | ToolCall
+
+
+class OutputParser:
+    """Splits `<think>` first, then finds tool calls in the answer (only when the request declared tools)."""
+
+    def __init__(self, *, thinking: bool, tools: list[dict[str, Any]] | None) -> None:
+        self._think = ThinkSplitter(starts_in_reasoning=thinking)
+        self._tools = ToolCallParser(tools) if tools else None
+        self.tool_calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[Part]:
+        return self._route(self._think.feed(text), final=False)
+
+    def finish(self) -> list[Part]:
+        return self._route(self._think.flush(), final=True)
+
+    def _route(self, pieces: list[tuple[str, str]], *, final: bool) -> list[Part]:
+        parts: list[Part] = []
+        for channel, text in pieces:
+            if channel == "reasoning":
+                parts.append(ReasoningPart(text))
+            else:
+                parts.extend(self._content(text))
+        if final:
+            parts.extend(self._content_flush())
+        return _merge(parts)
+
+    def _content(self, text: str) -> list[Part]:
+        if self._tools is None:
+            return [TextPart(text)]
+        return [self._wrap(x) for x in self._tools.feed(text)]
+
+    def _content_flush(self) -> list[Part]:
+        return [] if self._tools is None else [self._wrap(x) for x in self._tools.flush()]
+
+    def _wrap(self, item: str | ToolCall) -> Part:
+        if isinstance(item, ToolCall):
+            self.tool_calls.append(item)
+            return item
+        return TextPart(item)
+
+
+def _merge(parts: list[Part]) -> list[Part]:
+    merged: list[Part] = []
+    for part in parts:
+        last = merged[-1] if merged else None
+        if isinstance(part, TextPart) and isinstance(last, TextPart):
+            merged[-1] = TextPart(last.text + part.text)
+        elif isinstance(part, ReasoningPart) and isinstance(last, ReasoningPart):
+            merged[-1] = ReasoningPart(last.text + part.text)
+        elif not isinstance(part, (TextPart, ReasoningPart)) or part.text:
+            merged.append(part)
+    return merged

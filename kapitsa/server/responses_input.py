@@ -1,0 +1,151 @@
+"""Responses API request → chat-template messages and tools (pure functions).
+
+Codex is stateless over HTTP: every turn re-sends the whole history as items (`message`, `function_call`,
+`function_call_output`, `reasoning`, …), with `store: false` and no `previous_response_id`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kapitsa.errors import InvalidRequest
+from kapitsa.server.common import flatten_text
+from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
+
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+_IGNORED_ITEMS = ("web_search_call", "local_shell_call", "local_shell_call_output", "compaction", "item_reference",
+                  "file_search_call", "image_generation_call", "mcp_list_tools", "ghost_snapshot")
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = ""
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    stream: bool = False
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return flatten_text([p for p in content if isinstance(p, dict)], allowed=_TEXT_PARTS)
+    return flatten_text(content)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """Items → messages: consecutive calls join one assistant turn; reasoning rides on the next assistant turn."""
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    messages: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    pending_reasoning = ""
+    for item in items:
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            pending_reasoning += _reasoning_text(item)
+        elif kind == "message":
+            messages.append({"role": _role(item.get("role")), "content": _text(item.get("content"))})
+        elif kind in ("function_call", "custom_tool_call"):
+            _append_call(messages, item)
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            messages.append({"role": "tool", "content": _text(item.get("output")), "tool_call_id": str(item.get("call_id", ""))})
+        elif kind not in _IGNORED_ITEMS:
+            raise InvalidRequest(f"Unsupported input item type `{kind}`.")
+        if pending_reasoning and messages and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = pending_reasoning
+            pending_reasoning = ""
+    return messages
+
+
+def _role(role: Any) -> str:
+    if role not in ("user", "assistant", "system", "developer"):
+        raise InvalidRequest(f"Unsupported message role `{role}`.")
+    return str(role)
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    # Our own reasoning items carry the text in `content` and, for clients that only echo it, `encrypted_content`.
+    text = _text(item.get("content") or [])
+    if not text and isinstance(item.get("encrypted_content"), str):
+        text = item["encrypted_content"]
+    return text or _text(item.get("summary") or [])
+
+
+def _append_call(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
+    if item.get("type") == "custom_tool_call":
+        arguments: Any = {"input": item.get("input", "")}
+    else:
+        arguments = parse_arguments(item.get("arguments", ""))
+    call = {"id": str(item.get("call_id", "")), "type": "function", "function": {"name": str(item.get("name", "")), "arguments": arguments}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def function_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]], dict[str, str], set[str]]:
+    """Chat-template tools; tool name → namespace for tools inside a `namespace`; names of freeform tools."""
+    tools: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
+    custom: set[str] = set()
+    for tool in body.tools or []:
+        kind = tool.get("type")
+        if kind == "function" and isinstance(tool.get("name"), str):
+            tools.append(_function(tool))
+        elif kind == "namespace":
+            for inner in tool.get("tools") or []:
+                if isinstance(inner, dict) and inner.get("type") == "function" and isinstance(inner.get("name"), str):
+                    tools.append(_function(inner))
+                    namespaces[inner["name"]] = str(tool.get("name", ""))
+        elif kind == "custom" and isinstance(tool.get("name"), str):
+            custom.add(tool["name"])
+            schema = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+            tools.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""), "parameters": schema}})
+    return _apply_choice(body.tool_choice, tools), namespaces, custom
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {"type": "object", "properties": {}}
+    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "", "parameters": params}}
+
+
+def _apply_choice(choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if choice == "none":
+        return []
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        named = [t for t in tools if t["function"]["name"] == choice.get("name")]
+        if not named:
+            raise InvalidRequest(f"tool_choice names `{choice.get('name')}`, which is not among the tools.")
+        return named
+    return tools
+
+
+def thinking_choice(body: ResponsesRequest) -> bool | None:
+    effort = (body.reasoning or {}).get("effort")
+    return None if effort is None else effort != "none"
+
+
+def build_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    if body.previous_response_id:
+        raise InvalidRequest("previous_response_id is not supported: this server stores no responses; send the full input.")
+    messages = input_messages(body)
+    fmt = (body.text or {}).get("format") or {}
+    if fmt.get("type") in ("json_object", "json_schema"):
+        schema = fmt.get("schema") if fmt.get("type") == "json_schema" else None
+        if fmt.get("type") == "json_schema" and not isinstance(schema, dict):
+            raise InvalidRequest("text.format json_schema needs a `schema` object.")
+        messages.insert(0, {"role": "system", "content": json_mode_instruction(schema)})
+    messages = fold_system_messages(messages)
+    if not any(m["role"] != "system" for m in messages):
+        raise InvalidRequest("`input` holds no message.")
+    return messages

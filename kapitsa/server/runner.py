@@ -1,0 +1,50 @@
+"""Running the app under uvicorn: bind checks, graceful drain, and the address banner."""
+
+from __future__ import annotations
+
+import sys
+
+import uvicorn
+
+from kapitsa.engine.client import EngineClient
+from kapitsa.errors import InvalidRequest
+from kapitsa.server.app import create_app
+from kapitsa.server.security import is_loopback_host
+from kapitsa.server.settings import ServerSettings
+
+_HEADER_LIMIT = 64 * 1024  # uvicorn's h11 header cap, in bytes (431 above it)
+
+
+def check_bind(settings: ServerSettings) -> None:
+    """A non-loopback bind without a token would hand the machine's model to the whole network."""
+    if not is_loopback_host(settings.host) and not settings.api_key:
+        raise InvalidRequest(
+            f"Refusing to listen on {settings.host} without a token: set KAPITSA_API_KEY (clients then send it as "
+            "`Authorization: Bearer …` or `x-api-key`), or bind to 127.0.0.1."
+        )
+
+
+def make_server(client: EngineClient, settings: ServerSettings) -> uvicorn.Server:
+    check_bind(settings)
+    config = uvicorn.Config(
+        create_app(client, settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.drain_s) or None,
+        h11_max_incomplete_event_size=_HEADER_LIMIT,
+        server_header=False,
+        lifespan="off",
+    )
+    return uvicorn.Server(config)
+
+
+def serve_forever(client: EngineClient, settings: ServerSettings) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight streams get `drain_s` to finish."""
+    server = make_server(client, settings)
+    if not is_loopback_host(settings.host):
+        print(f"WARNING: kapitsa is listening on {settings.host}:{settings.port}, reachable from the network "
+              "(token required on every request).", file=sys.stderr)
+    print(f"kapitsa serving {', '.join(m.id for m in client.models())} on http://{settings.host}:{settings.port}", file=sys.stderr)
+    server.run()

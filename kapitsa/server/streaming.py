@@ -1,0 +1,139 @@
+"""One generation seen from a route: engine events through a queue, keep-alives, and abort on disconnect.
+
+The engine iterator runs in its own task and a watcher task waits for the client's `http.disconnect`, so a
+client that goes away aborts the generation at once, even during a long prefill when nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from kapitsa.engine.client import EngineClient
+from kapitsa.engine.types import ErrorEvent, Event, FinishEvent, GenerationRequest
+from kapitsa.errors import KapitsaError
+
+log = logging.getLogger("kapitsa.server")
+
+Receive = Callable[[], Awaitable[Any]]
+KEEPALIVE = None  # yielded by `GenerationRun.events` when nothing happened for `keepalive_s`
+
+
+class ClientGone(Exception):
+    """The client disconnected; the generation was aborted."""
+
+
+class GenerationRun:
+    def __init__(self, client: EngineClient, request: GenerationRequest, receive: Receive, *, keepalive_s: float) -> None:
+        self.client = client
+        self.request = request
+        self.keepalive_s = keepalive_s
+        self._receive = receive
+        self._queue: asyncio.Queue[Event | BaseException] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._peeked: list[Event] = []
+        self.finished = False
+        self.disconnected = False
+
+    async def start(self, *, first_event_wait_s: float) -> None:
+        """Start generating; wait briefly for the first event so a request error can still become a 4xx.
+
+        Raises the `KapitsaError` of an error that arrives within the wait.
+        """
+        self._tasks = [asyncio.create_task(self._produce()), asyncio.create_task(self._watch())]
+        try:
+            item = await asyncio.wait_for(self._queue.get(), first_event_wait_s) if first_event_wait_s else None
+        except TimeoutError:
+            return
+        if item is None:
+            return
+        event = self._check(item)
+        if isinstance(event, ErrorEvent) and isinstance(event.error, KapitsaError):
+            await self.close()
+            raise event.error
+        self._peeked.append(event)
+
+    async def events(self) -> AsyncIterator[Event | None]:
+        """Engine events in order, `KEEPALIVE` after each quiet `keepalive_s`; ends after the final event.
+
+        Raises `ClientGone` when the client disconnected.
+        """
+        while self._peeked:
+            event = self._peeked.pop(0)
+            yield event
+            if self._is_final(event):
+                return
+        while True:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), self.keepalive_s)
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
+            event = self._check(item)
+            yield event
+            if self._is_final(event):
+                return
+
+    async def collect(self) -> tuple[list[Event], Event]:
+        """All events of a non-streaming request: the token events and the final event."""
+        tokens: list[Event] = []
+        async for event in self.events():
+            if event is None:
+                continue
+            if self._is_final(event):
+                return tokens, event
+            tokens.append(event)
+        raise RuntimeError("generation ended without a final event")  # pragma: no cover
+
+    async def close(self) -> None:
+        """Abort if still running and stop both tasks. Safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            with contextlib.suppress(Exception):
+                await self.client.abort(self.request.request_id)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    def _check(self, item: Event | BaseException) -> Event:
+        if isinstance(item, ClientGone):
+            raise item
+        if isinstance(item, BaseException):
+            return ErrorEvent(self.request.request_id, item if isinstance(item, Exception) else RuntimeError(str(item)))
+        return item
+
+    def _is_final(self, event: Event) -> bool:
+        if isinstance(event, (FinishEvent, ErrorEvent)):
+            self.finished = True
+            return True
+        return False
+
+    async def _produce(self) -> None:
+        events = self.client.generate(self.request)
+        try:
+            async for event in events:
+                await self._queue.put(event)
+        except Exception as exc:  # validation errors are raised by `generate`; others travel as events
+            await self._queue.put(exc)
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message.get("type") == "http.disconnect":
+                self.disconnected = True
+                log.info("client disconnected; aborting %s", self.request.request_id)
+                if not self.finished:
+                    with contextlib.suppress(Exception):
+                        await self.client.abort(self.request.request_id)
+                await self._queue.put(ClientGone())
+                return
