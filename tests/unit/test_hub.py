@@ -1,0 +1,127 @@
+"""kapitsa pull / ls / rm against a fake hub on 127.0.0.1 (never the real one)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from fake_hub import FakeHub, FakeRepo
+from huggingface_hub import constants
+
+from kapitsa import hub
+from kapitsa.catalog import load_catalog
+from kapitsa.errors import CheckpointError, KapitsaError, ModelNotFound
+
+REPO = "test-org/Tiny-Model-4bit"
+WEIGHTS = bytes(range(256)) * 400  # 100 KiB: an LFS file
+FILES = {"config.json": b'{"model_type": "qwen3_5"}', "model.safetensors": WEIGHTS, "tokenizer.json": b"{}"}
+
+
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch):
+    fake = FakeHub(repos={REPO: FakeRepo(dict(FILES))})
+    url = fake.start()
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def catalog():
+    return load_catalog({"tiny": {"name": "Tiny", "model_type": "qwen3_5", "params_b": 0.0001,
+                                  "active_params_b": 0.0001, "context_length": 4096, "max_output": 1024,
+                                  "hidden_size": 64, "vocab_size": 256, "attention_layers": 1, "num_kv_heads": 1,
+                                  "head_dim": 16, "quants": {"4bit": REPO}}})
+
+
+def test_pull_downloads_verifies_and_reports_progress(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    seen: list[hub.PullProgress] = []
+    result = hub.pull("tiny", catalog=catalog, cache_dir=tmp_path, on_progress=seen.append)
+    assert result.repo_id == REPO and result.commit == fake_hub.repos[REPO].commit
+    assert {p.name for p in result.path.iterdir()} == set(FILES)
+    assert (result.path / "model.safetensors").read_bytes() == WEIGHTS
+    assert result.downloaded_bytes == result.num_bytes == sum(map(len, FILES.values()))
+    assert seen[-1].bytes_done == seen[-1].bytes_total == result.num_bytes
+    assert all(a.bytes_done <= b.bytes_done for a, b in zip(seen, seen[1:], strict=False))
+
+
+def test_second_pull_is_served_from_the_cache(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    fake_hub.requests.clear()
+    again = hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    assert again.downloaded_bytes == 0
+    assert not [r for r in fake_hub.requests if r[0] == "GET" and "/resolve/" in r[1]]
+
+
+def test_interrupted_download_resumes_in_the_same_pull(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    fake_hub.cut_after["model.safetensors"] = 28_672
+    result = hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    assert (result.path / "model.safetensors").read_bytes() == WEIGHTS
+    ranges = [r[2] for r in fake_hub.requests if r[0] == "GET" and r[1].endswith("model.safetensors")]
+    assert ranges == [None, "bytes=28672-"]
+
+
+def test_failed_pull_resumes_on_the_next_pull(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    fake_hub.cut_after["model.safetensors"] = 40_960
+    fake_hub.fail_gets["model.safetensors"] = 1  # the automatic retry fails: the pull gives up
+    with pytest.raises(KapitsaError, match="Run the pull again to resume"):
+        hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    partial = list(tmp_path.rglob("*.incomplete"))
+    assert len(partial) == 1 and partial[0].stat().st_size == 40_960
+    fake_hub.requests.clear()
+    result = hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    assert (result.path / "model.safetensors").read_bytes() == WEIGHTS
+    gets = [r for r in fake_hub.requests if r[0] == "GET" and r[1].endswith("model.safetensors")]
+    assert [r[2] for r in gets] == ["bytes=40960-"]
+    assert not list(tmp_path.rglob("*.incomplete"))
+
+
+def test_corrupt_file_is_rejected_and_deleted(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    fake_hub.corrupt.add("model.safetensors")
+    with pytest.raises(CheckpointError, match="failed verification"):
+        hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    assert not [p for p in tmp_path.rglob("model.safetensors") if p.exists()]
+    fake_hub.corrupt.clear()
+    assert (hub.pull("tiny", catalog=catalog, cache_dir=tmp_path).path / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_unknown_repo_is_model_not_found(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound, match="not found"):
+        hub.pull("test-org/missing", catalog=catalog, cache_dir=tmp_path)
+
+
+def test_offline_mode_uses_the_cache_or_says_why(fake_hub: FakeHub, catalog, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE"):
+        hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    first = hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    fake_hub.requests.clear()
+    assert hub.pull("tiny", catalog=catalog, cache_dir=tmp_path).path == first.path
+    assert fake_hub.requests == []
+
+
+def test_ls_and_rm(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    assert hub.list_local(catalog=catalog, cache_dir=tmp_path) == []
+    hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    [local] = hub.list_local(catalog=catalog, cache_dir=tmp_path)
+    assert local.repo_id == REPO and local.refs == ("tiny",) and local.size_bytes >= len(WEIGHTS)
+    removed = hub.remove("tiny", catalog=catalog, cache_dir=tmp_path)
+    assert removed.freed_bytes >= len(WEIGHTS)
+    assert hub.list_local(catalog=catalog, cache_dir=tmp_path) == []
+    with pytest.raises(ModelNotFound):
+        hub.remove("tiny", catalog=catalog, cache_dir=tmp_path)
+
+
+def test_allow_patterns_pick_one_file(fake_hub: FakeHub, tmp_path: Path) -> None:
+    cat = load_catalog({"g": {"name": "G", "params_b": 1, "active_params_b": 1, "context_length": 8, "max_output": 8,
+                              "hidden_size": 8, "vocab_size": 8, "attention_layers": 1, "num_kv_heads": 1,
+                              "head_dim": 8, "quants": {"q8_0": {"repo": REPO, "allow_patterns": ["*.json"]}}}})
+    result = hub.pull("g", catalog=cat, cache_dir=tmp_path)
+    assert {p.name for p in result.path.iterdir()} == {"config.json", "tokenizer.json"}
+    assert os.environ["HF_ENDPOINT"].startswith("http://127.0.0.1:")
