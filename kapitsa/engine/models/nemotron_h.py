@@ -1,0 +1,277 @@
+"""Nemotron-H: Mamba-2 mixers, attention (no positions), relu^2 MLPs, routed MoE with shared
+experts, and the latent MoE of the larger Nemotron-3 models (routed experts run in a smaller
+`moe_latent_size` space between `fc1_latent_proj` and `fc2_latent_proj`; the shared expert and
+the router see the full hidden state). Dory-class dense models are patterns without `E`.
+
+The layer stack comes from `hybrid_override_pattern` (`M` Mamba-2, `*` attention, `-` MLP,
+`E` MoE) or `layers_block_type` / `layer_types`. Parameter paths match mlx-lm's.
+
+MTP: the checkpoint's `mtp.*` tensors are taken out of the load by `sanitize` and kept, converted
+the same way, in `model.mtp_weights` (a dict of arrays, not parameters of this module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.cache import KVCache, RecurrentCache, ReplayRecord, StepInfo
+from kapitsa.engine.models.base import Attention, HybridLM, known_fields, require
+from kapitsa.engine.models.nemotron_weights import sanitize_nemotron
+from kapitsa.engine.ops.conv import causal_conv, conv_state_after
+from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
+from kapitsa.engine.ops.norm import GroupGatedRMSNorm
+from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
+
+_BLOCK_CHARS = {
+    "linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "moe": "E", "mlp": "-",
+}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    pattern: str
+    head_dim: int | None = None
+    attention_bias: bool = False
+    intermediate_size: int = 0
+    mlp_bias: bool = False
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    layer_norm_epsilon: float = 1e-5
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    n_shared_experts: int | None = None
+    moe_latent_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        params = dict(config)
+        params["pattern"] = _pattern(config)
+        # Older configs spell some Mamba fields with a `mamba_` prefix.
+        for old, new in (("mamba_n_groups", "n_groups"), ("mamba_d_conv", "conv_kernel"),
+                         ("mamba_conv_bias", "use_conv_bias"), ("mamba_dt_limit", "time_step_limit")):
+            if old in params and new not in params:
+                params[new] = params[old]
+        return cls(**known_fields(cls, params))
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        lo, hi = self.time_step_limit if self.time_step_limit is not None else (0.0, float("inf"))
+        self.time_step_limit = (float(lo), float(hi))
+        require(self.mamba_num_heads % self.n_groups == 0, "mamba_num_heads must be a multiple of n_groups")
+        if "E" in self.pattern:
+            require(self.n_routed_experts > 0 and self.num_experts_per_tok > 0, "MoE layers need n_routed_experts")
+            require(self.n_routed_experts % self.n_group == 0, "n_routed_experts must be a multiple of n_group")
+
+
+def _pattern(config: dict[str, Any]) -> str:
+    pattern = config.get("hybrid_override_pattern")
+    if pattern is None:
+        blocks = config.get("layers_block_type") or config.get("layer_types")
+        require(blocks is not None, "config has neither hybrid_override_pattern nor layers_block_type")
+        unknown = sorted(set(blocks) - _BLOCK_CHARS.keys())
+        require(not unknown, f"unknown Nemotron-H block types {unknown}")
+        pattern = "".join(_BLOCK_CHARS[b] for b in blocks)
+    pattern = "".join(pattern)
+    require(bool(pattern) and set(pattern) <= set("M*-E"), f"bad hybrid_override_pattern {pattern!r}")
+    return pattern
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.heads, self.head_dim, self.state_size = a.mamba_num_heads, a.mamba_head_dim, a.ssm_state_size
+        self.groups, self.kernel, self.limit = a.n_groups, a.conv_kernel, a.time_step_limit
+        self.inner = self.heads * self.head_dim
+        self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        self.in_proj = nn.Linear(a.hidden_size, self.inner + self.conv_dim + self.heads, bias=a.use_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=a.use_conv_bias)
+        self.dt_bias = mx.ones((self.heads,))
+        self.A_log = mx.zeros((self.heads,))
+        self.D = mx.ones((self.heads,))
+        self.norm = GroupGatedRMSNorm(self.inner, a.layer_norm_epsilon, self.inner // self.groups)
+        self.out_proj = nn.Linear(self.inner, a.hidden_size, bias=a.use_bias)
+
+    def __call__(self, x: mx.array, info: StepInfo, cache: RecurrentCache | None) -> mx.array:
+        B, T, _ = x.shape
+        gate, xbc, dt = mx.split(self.in_proj(x), [self.inner, self.inner + self.conv_dim], axis=-1)
+        conv_state, s0 = (cache.conv, cache.state) if cache is not None else (None, None)
+        if conv_state is None:
+            conv_state, s0 = mx.zeros((B, self.kernel - 1, self.conv_dim), xbc.dtype), None
+        conv_in = mx.concatenate([conv_state, xbc], axis=1)
+        conv_out = nn.silu(causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias")))
+        xs, Bm, Cm = mx.split(conv_out, [self.inner, self.inner + self.groups * self.state_size], axis=-1)
+        xs = xs.reshape(B, T, self.heads, self.head_dim)
+        Bm = Bm.reshape(B, T, self.groups, self.state_size)
+        Cm = Cm.reshape(B, T, self.groups, self.state_size)
+        step = ssm_dt(dt, self.dt_bias, self.limit, info.recurrent_mask)  # 0 on padding: state frozen
+        if s0 is None:
+            s0 = mx.zeros((B, self.heads, self.head_dim, self.state_size), mx.float32)
+        y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0)
+        if cache is not None:
+            cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
+            if info.record:
+                replay = lambda m: ssm_scan(xs, step * m[..., None], self.A_log, Bm, Cm, self.D, s0)[1]  # noqa: E731
+                cache.record = ReplayRecord(conv_in, self.kernel, replay)
+        return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate))
+
+
+class ReluSquaredMLP(nn.Module):
+    def __init__(self, dims: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.up_proj = nn.Linear(dims, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dims, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(mx.square(nn.relu(self.up_proj(x))))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; experts chosen on score + e_score_correction_bias within the best
+    `topk_group` of `n_group` groups; weights are the plain scores (normalised, scaled)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.weight = mx.zeros((a.n_routed_experts, a.hidden_size))
+        self.e_score_correction_bias = mx.zeros((a.n_routed_experts,))
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        a = self.a
+        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
+        choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        if a.n_group > 1:
+            grouped = mx.unflatten(choice, -1, (a.n_group, -1))
+            group_score = mx.topk(grouped, 2, axis=-1).sum(axis=-1)  # [..., n_group]
+            dropped = mx.argpartition(group_score, kth=a.n_group - a.topk_group - 1, axis=-1)
+            dropped = dropped[..., : a.n_group - a.topk_group]
+            grouped = mx.put_along_axis(grouped, dropped[..., None], mx.array(-mx.inf), axis=-2)
+            choice = grouped.flatten(-2)
+        inds = topk_indices(choice, a.num_experts_per_tok)
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return inds, weights * a.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        expert_dims = a.moe_latent_size or a.hidden_size
+        self.gate = Router(a)
+        self.switch_mlp = SwitchReluSquared(expert_dims, a.moe_intermediate_size, a.n_routed_experts, a.mlp_bias)
+        if a.n_shared_experts:
+            self.shared_experts = ReluSquaredMLP(a.hidden_size, a.moe_shared_expert_intermediate_size, a.mlp_bias)
+        if a.moe_latent_size:
+            self.fc1_latent_proj = nn.Linear(a.hidden_size, a.moe_latent_size, bias=a.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(a.moe_latent_size, a.hidden_size, bias=a.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, weights = self.gate(x)
+        routed_in = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
+        y = self.switch_mlp(routed_in, inds)
+        y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+        if "fc2_latent_proj" in self:
+            y = self.fc2_latent_proj(y)
+        if "shared_experts" in self:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs, block_type: str):
+        super().__init__()
+        self.block_type = block_type
+        self.norm = nn.RMSNorm(a.hidden_size, eps=a.layer_norm_epsilon)
+        if block_type == "M":
+            self.mixer = Mamba2Mixer(a)
+        elif block_type == "*":
+            self.mixer = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                                   bias=a.attention_bias)
+        elif block_type == "-":
+            self.mixer = ReluSquaredMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+        else:
+            self.mixer = MoE(a)
+
+    def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        h = self.norm(x)
+        if self.block_type in "M*":
+            return x + self.mixer(h, info, cache)
+        return x + self.mixer(h)
+
+
+class Backbone(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embeddings = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = [Block(a, ch) for ch in a.pattern]
+        self.norm_f = nn.RMSNorm(a.hidden_size, eps=a.layer_norm_epsilon)
+
+
+class Model(HybridLM):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args, self.model_type = args, args.model_type
+        self.backbone = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        object.__setattr__(self, "_mtp_weights", {})  # a plain attribute, not module parameters
+
+    @property
+    def mtp_weights(self) -> dict[str, mx.array]:
+        """`mtp.*` tensors of the checkpoint (after `sanitize`), kept for a Nemotron MTP drafter."""
+        return self._mtp_weights
+
+    def backbone_parts(self):
+        return self.backbone.embeddings, self.backbone.layers, self.backbone.norm_f
+
+    def head(self):
+        return self.backbone.embeddings.as_linear if self.args.tie_word_embeddings else self.lm_head
+
+    @property
+    def layers(self) -> list[Block]:
+        return self.backbone.layers
+
+    def make_layer_cache(self, layer: Block):
+        if layer.block_type == "M":
+            m = layer.mixer
+            return RecurrentCache((m.kernel - 1, m.conv_dim), (m.heads, m.head_dim, m.state_size))
+        if layer.block_type == "*":
+            return KVCache(self.args.num_key_value_heads, self.args.head_dim)
+        return None
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        main, mtp = sanitize_nemotron(weights, self.args)
+        if mtp:
+            object.__setattr__(self, "_mtp_weights", mtp)  # not a parameter: kept beside the model
+        return main
+
+    def quant_predicate(self, path: str, module: nn.Module) -> bool | dict:
+        """The router (`mixer.gate`) is not an nn.Linear and stays float; everything else may quantize."""
+        return not path.endswith("mixer.gate")
+
+    def cast_predicate(self, path: str) -> bool:
+        return not (path.endswith("mixer.gate.weight") or "A_log" in path or "e_score_correction_bias" in path)

@@ -1,0 +1,52 @@
+"""Build our model and mlx-lm's from the same config and the same HF-named weights."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+
+from kapitsa.engine.models import get_model_module
+from tests.models.hf_weights import nemotron_config, nemotron_weights, qwen_config, qwen_weights
+
+ARCHS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_moe", "nemotron_latent", "nemotron_dense")
+
+
+def config_and_weights(arch: str, seed: int = 0, mtp: bool = False) -> tuple[dict, dict]:
+    if arch.startswith("qwen"):
+        kind = {"qwen3_5_dense": "dense", "qwen3_5_moe": "moe", "qwen3_next": "next"}[arch]
+        cfg = qwen_config(kind)
+        # mlx-lm reads fused experts for qwen3_5_moe and per-expert tensors for qwen3_next
+        return cfg, qwen_weights(cfg, seed, mtp=mtp, fused_experts=kind != "next")
+    cfg = nemotron_config(arch.split("_")[1])
+    return cfg, nemotron_weights(cfg, seed, mtp=mtp)
+
+
+def build_ours(arch: str, seed: int = 0, mtp: bool = False):
+    cfg, w = config_and_weights(arch, seed, mtp)
+    module = get_model_module(cfg["model_type"])
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.load_weights(list(model.sanitize(dict(w)).items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def build_mlx_lm(arch: str, seed: int = 0):
+    cfg, w = config_and_weights(arch, seed)
+    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.load_weights(list(model.sanitize(dict(w)).items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy(model, prompt: list[int], n: int, cache) -> tuple[list[int], list[mx.array]]:
+    """n greedy tokens after `prompt`; returns the tokens and each step's logits row."""
+    logits = model(mx.array([prompt]), cache=cache)[:, -1]
+    tokens, rows = [], []
+    for _ in range(n):
+        rows.append(logits[0])
+        tok = int(mx.argmax(logits[0]).item())
+        tokens.append(tok)
+        logits = model(mx.array([[tok]]), cache=cache)[:, -1]
+    return tokens, rows
