@@ -1,0 +1,156 @@
+"""`InProcessEngine`: the `EngineClient` over an engine thread in this process.
+
+Requests are rendered and tokenized in a worker thread (never on the event loop, never on the
+engine thread), checked against the context window before anything is queued, then handed to the
+engine thread; its events come back through an asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import mlx.core as mx
+
+from kapitsa.engine.decode import DecodeStrategy
+from kapitsa.engine.engine import Engine, EngineConfig
+from kapitsa.engine.memory import check_context
+from kapitsa.engine.prepare import prepare_prompt
+from kapitsa.engine.sequence import Sequence
+from kapitsa.engine.stop import StopMatcher
+from kapitsa.engine.types import EngineStats, ErrorEvent, Event, FinishEvent, GenerationRequest, ModelInfo
+from kapitsa.errors import ContextOverflow, InvalidRequest
+
+
+class InProcessEngine:
+    """An `EngineClient` backed by an `Engine` thread.
+
+    Args:
+        model: a kapitsa model (models/base.py protocol).
+        tokenizer: encodes prompts, renders chat templates, makes incremental detokenizers.
+        info: what `models()` reports (id, context length, ...).
+        eos_token_ids: tokens that end a generation.
+        config: engine settings.
+        decode: the decode strategy (plain, or a speculative decoder).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        info: ModelInfo,
+        *,
+        eos_token_ids: frozenset[int] | set[int] | tuple[int, ...] = (),
+        config: EngineConfig | None = None,
+        decode: DecodeStrategy | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.engine = Engine(model, config, decode=decode)
+
+    # EngineClient
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        seq = await asyncio.to_thread(self._make_sequence, request)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        seq.emit = _threadsafe_put(loop, events)
+        self.engine.submit(seq)
+        done = False
+        try:
+            while not done:
+                event = await events.get()
+                done = isinstance(event, FinishEvent | ErrorEvent)
+                yield event
+        finally:
+            if not done:
+                self.engine.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        prepared = await asyncio.to_thread(prepare_prompt, self.tokenizer, request)
+        return len(prepared.ids)
+
+    def stats(self) -> EngineStats:
+        e = self.engine
+        s = e.stats
+        prefix, disk = e.prefix, e.prefix.disk if e.prefix is not None else None
+        return EngineStats(
+            alive=e.alive,
+            model=self.info.id,
+            prefill_tok_s=s.prefill_tok_s,
+            decode_tok_s=s.decode_tok_s,
+            active_requests=e.scheduler.num_running,
+            queued_requests=len(e.scheduler.waiting),
+            batch_size=len(e.scheduler.decoding),
+            prompt_tokens_cached=s.prompt_cached,
+            prompt_tokens_computed=s.prompt_computed,
+            generated_tokens=s.generated,
+            checkpoints_in_memory=prefix.num_checkpoints if prefix is not None else 0,
+            checkpoint_bytes_in_memory=prefix.nbytes if prefix is not None else 0,
+            checkpoints_on_disk=len(disk) if disk is not None else 0,
+            checkpoint_bytes_on_disk=disk.nbytes if disk is not None else 0,
+            memory_in_use_bytes=mx.get_active_memory(),
+            memory_peak_bytes=mx.get_peak_memory(),
+            memory_limit_bytes=e.memory.limit_bytes,
+            speculative=getattr(e.decode_strategy, "name", "custom"),
+            tokens_per_step=s.tokens_per_step,
+            requests_finished=s.finished,
+            requests_failed=s.failed,
+        )
+
+    def models(self) -> list[ModelInfo]:
+        return [self.info]
+
+    def close(self) -> None:
+        """Stop the engine thread (flushing the prefix cache to its disk tier)."""
+        self.engine.shutdown()
+
+    # helpers
+
+    def _make_sequence(self, request: GenerationRequest) -> Sequence:
+        prepared = prepare_prompt(self.tokenizer, request)
+        if not prepared.ids:
+            raise InvalidRequest("the prompt is empty")
+        context = self.info.context_length
+        params = request.sampling
+        check_context(len(prepared.ids), params.max_tokens, context)
+        reserve = self.engine.memory.reserve_tokens(len(prepared.ids), params.max_tokens, context)
+        nbytes = self.engine.memory.sequence_bytes(reserve)
+        if not self.engine.memory.fits_ever(nbytes):
+            raise ContextOverflow(len(prepared.ids), context, self.engine.memory.describe_shortfall(nbytes))
+        room = context - len(prepared.ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(room, self.info.max_output_tokens)
+        return Sequence(
+            request=request,
+            prompt_ids=prepared.ids,
+            emit=_drop,
+            sampler=None,
+            detokenizer=self.tokenizer.detokenizer(),
+            stop=StopMatcher(params.stop),
+            max_tokens=max_tokens,
+            boundaries=prepared.boundaries,
+            eos_ids=self.eos_token_ids,
+            token_text=self._token_text,
+            reserved_tokens=reserve,
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _drop(_event: Event) -> None:
+    return None
+
+
+def _threadsafe_put(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
+    def put(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody is listening
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return put

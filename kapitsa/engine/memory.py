@@ -1,0 +1,120 @@
+"""Memory admission: what a request will hold, against what the device can give.
+
+A sequence holds KV for every token it keeps (attention layers), one recurrent state (GDN / Mamba
+layers, fixed size) and scratch for a prefill chunk. The context window is checked first, before
+any compute; then memory: a request that could never fit is refused outright, one that does not fit
+now waits for running requests to finish (the engine turns a long wait into `EngineBusy`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kapitsa.errors import ContextOverflow
+
+GIB = 1024**3
+# Tokens reserved for a request that did not set max_tokens; it may grow past them while memory lasts.
+DEFAULT_OUTPUT_RESERVE = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class StateSizes:
+    """Per-sequence state of one model, in bytes."""
+
+    kv_bytes_per_token: int
+    recurrent_bytes: int
+    activation_bytes_per_token: int = 0  # scratch per prompt token of a prefill chunk
+
+
+def device_memory_limit() -> int:
+    """The memory MLX may use on this device: Metal's recommended working set, else system RAM."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, context_length: int) -> None:
+    """Raise `ContextOverflow` when the prompt (plus the requested output) exceeds the window."""
+    if prompt_tokens >= context_length:
+        raise ContextOverflow(
+            prompt_tokens,
+            context_length,
+            f"prompt is too long: {prompt_tokens} tokens, the model's context is {context_length} tokens "
+            "(and at least one token must be left to generate)",
+        )
+    if max_tokens is not None and prompt_tokens + max_tokens > context_length:
+        raise ContextOverflow(
+            prompt_tokens,
+            context_length,
+            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {prompt_tokens + max_tokens} "
+            f"tokens, more than the model's context of {context_length}; lower max_tokens",
+        )
+
+
+class MemoryBudget:
+    """Tracks bytes reserved by admitted sequences against the device limit.
+
+    Args:
+        sizes: the model's per-sequence state sizes.
+        limit_bytes: what MLX may use in all (weights included).
+        weights_bytes: memory already taken by the weights and other fixed buffers.
+        prefill_chunk: tokens per prefill chunk (bounds activation scratch).
+    """
+
+    def __init__(self, sizes: StateSizes, *, limit_bytes: int, weights_bytes: int, prefill_chunk: int) -> None:
+        self.sizes = sizes
+        self.limit_bytes = limit_bytes
+        self.weights_bytes = weights_bytes
+        self.prefill_chunk = prefill_chunk
+        self.reserved_bytes = 0
+
+    @property
+    def available_bytes(self) -> int:
+        """Bytes for sequences and the prefix cache, with nothing admitted."""
+        return max(0, self.limit_bytes - self.weights_bytes)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.available_bytes - self.reserved_bytes
+
+    def sequence_bytes(self, tokens: int) -> int:
+        """What one sequence of `tokens` tokens holds (KV, recurrent state, prefill scratch)."""
+        s = self.sizes
+        scratch = s.activation_bytes_per_token * min(tokens, self.prefill_chunk)
+        return s.kv_bytes_per_token * tokens + s.recurrent_bytes + scratch
+
+    def reserve_tokens(self, prompt_tokens: int, max_tokens: int | None, context_length: int) -> int:
+        """Tokens to reserve for a request: its prompt plus its output allowance."""
+        room = context_length - prompt_tokens
+        output = min(max_tokens, room) if max_tokens is not None else min(DEFAULT_OUTPUT_RESERVE, room)
+        return prompt_tokens + output
+
+    def fits_ever(self, nbytes: int) -> bool:
+        return nbytes <= self.available_bytes
+
+    def fits_now(self, nbytes: int, *, other_bytes: int = 0) -> bool:
+        """Whether `nbytes` more fit next to what is reserved and `other_bytes` (e.g. the prefix cache)."""
+        return self.reserved_bytes + other_bytes + nbytes <= self.available_bytes
+
+    def reserve(self, nbytes: int) -> None:
+        self.reserved_bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.reserved_bytes = max(0, self.reserved_bytes - nbytes)
+
+    def describe_shortfall(self, nbytes: int) -> str:
+        return (
+            f"this request needs {nbytes / GIB:.2f} GiB for its KV cache and recurrent state, "
+            f"but only {self.available_bytes / GIB:.2f} GiB is available next to the model "
+            f"({self.limit_bytes / GIB:.2f} GiB limit, {self.weights_bytes / GIB:.2f} GiB of weights); "
+            "use a shorter prompt, a lower max_tokens or a smaller quantization"
+        )

@@ -1,0 +1,112 @@
+"""The model seen by the engine: prefill chunks, batched decode steps, and the cache surgery the
+prefix cache needs (KV spans out, recurrent state out, a batch-1 cache rebuilt from both).
+
+Works on any model that follows `kapitsa.engine.models.base` (`forward`, `logits`, `make_cache`)
+with a `HybridCache` (ragged, right-padded rows; `[B, Hkv, capacity, D]` KV buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache
+from kapitsa.engine.memory import StateSizes
+from kapitsa.engine.prefix_cache import PrefixMatch
+
+KV_AXIS = 2  # token axis of KV buffers
+
+
+class ModelRunner:
+    """Runs one model. Owned by the engine thread (MLX is not shared across threads)."""
+
+    def __init__(self, model, *, dtype: mx.Dtype | None = None) -> None:  # noqa: ANN001 - any HybridLM
+        self.model = model
+        probe = model.make_cache(1)
+        self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
+        self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]
+        self.dtype = dtype or _param_dtype(model)
+
+    # forward
+
+    def prefill(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
+        """Feed `tokens` to a batch-1 cache; return the logits after the last one ([V])."""
+        inputs = mx.array([list(tokens)], dtype=mx.int32)
+        hidden = self.model.forward(inputs, cache).hidden
+        logits = self.model.logits(hidden[:, -1:, :])[0, -1]
+        mx.eval(logits, *cache.state_arrays())
+        return logits
+
+    def decode(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
+        """One token per row of the batch cache; returns logits [B, V]."""
+        inputs = mx.array([[t] for t in tokens], dtype=mx.int32)
+        logits = self.model(inputs, cache)[:, -1, :]
+        mx.eval(logits)
+        return logits
+
+    # cache surgery
+
+    def new_cache(self) -> HybridCache:
+        return self.model.make_cache(1)
+
+    def kv_span(self, cache: HybridCache, start: int, end: int) -> tuple[mx.array, ...]:
+        """K and V of every attention layer for positions [start, end) of a batch-1 cache."""
+        out: list[mx.array] = []
+        for i in self.kv_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, KVCache) and layer.keys is not None and layer.values is not None
+            out += [layer.keys[:, :, start:end], layer.values[:, :, start:end]]
+        return tuple(out)
+
+    def recurrent_state(self, cache: HybridCache) -> tuple[mx.array, ...]:
+        """(conv, state) of every recurrent layer of a batch-1 cache, by reference."""
+        out: list[mx.array] = []
+        for i in self.recurrent_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, RecurrentCache) and layer.conv is not None and layer.state is not None
+            out += [layer.conv, layer.state]
+        return tuple(out)
+
+    def restore(self, match: PrefixMatch) -> HybridCache:
+        """A batch-1 cache holding `match.pos` tokens: KV copied in, recurrent state shared."""
+        cache = self.model.make_cache(1)
+        kv = iter(match.kv)
+        for i in self.kv_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, KVCache)
+            layer.keys, layer.values = next(kv), next(kv)
+        rec = iter(match.recurrent)
+        for i in self.recurrent_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, RecurrentCache)
+            layer.conv, layer.state = next(rec), next(rec)
+        cache.offsets = [match.pos]
+        mx.eval(*cache.state_arrays())
+        return cache
+
+    # sizes
+
+    def state_sizes(self) -> StateSizes:
+        """Bytes per token of KV and bytes of one recurrent state, measured on a 1-token forward."""
+        cache = self.model.make_cache(1)
+        self.model(mx.array([[0]], dtype=mx.int32), cache)
+        mx.eval(*cache.state_arrays())
+        kv_per_token = 0
+        for i in self.kv_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, KVCache) and layer.keys is not None
+            kv_per_token += 2 * layer.keys[:, :, :1].nbytes
+        hidden = int(getattr(getattr(self.model, "args", None), "hidden_size", 0) or 0)
+        # prefill scratch per chunk token: a few float32 rows of hidden size (residual, MLP widening)
+        activation = 16 * hidden * 4
+        return StateSizes(kv_per_token, cache.recurrent_nbytes, activation)
+
+
+def _param_dtype(model) -> mx.Dtype:  # noqa: ANN001
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32

@@ -1,0 +1,96 @@
+"""One request inside the engine: its tokens, where it stands, and how its output is shaped."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kapitsa.engine.sampler import SequenceSampler
+from kapitsa.engine.stop import StopMatcher
+from kapitsa.engine.types import Event, FinishReason, GenerationRequest
+
+
+class Detokenizer(Protocol):
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character."""
+
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, not admitted (memory)
+    PREFILLING = "prefilling"  # prompt chunks being processed, own batch-1 cache
+    DECODING = "decoding"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, frozen=True)
+class Boundary:
+    """A prompt position where the prefix cache should take a recurrent checkpoint."""
+
+    pos: int
+    kind: str  # "system" | "turn" | "periodic" | "branch"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    prompt_ids: list[int]
+    emit: Callable[[Event], None]
+    sampler: SequenceSampler | None  # made on the engine thread (it holds MLX arrays)
+    detokenizer: Detokenizer
+    stop: StopMatcher
+    max_tokens: int  # generation limit (request's, or what the context leaves)
+    boundaries: list[Boundary] = field(default_factory=list)
+    eos_ids: frozenset[int] = frozenset()
+    token_text: Callable[[int], str] = str  # one token's text, for logprobs
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    num_processed: int = 0  # tokens folded into the cache (prompt, then fed output)
+    cache: Any = None  # batch-1 model cache while prefilling
+    reserved_bytes: int = 0
+    reserved_tokens: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    prefill_started: float = 0.0
+    prefill_done_at: float = 0.0
+    pending_logits: Any = None  # next-token logits of an exact prefix-cache hit
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_remaining(self) -> int:
+        return len(self.prompt_ids) - self.num_processed
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def next_chunk_end(self, chunk: int) -> int:
+        """Where the next prefill chunk ends: `chunk` tokens on, or the next checkpoint boundary."""
+        end = min(self.num_processed + chunk, len(self.prompt_ids))
+        for boundary in self.boundaries:
+            if self.num_processed < boundary.pos < end:
+                return boundary.pos
+        return end
+
+    def boundary_at(self, pos: int) -> Boundary | None:
+        return next((b for b in self.boundaries if b.pos == pos), None)

@@ -1,0 +1,89 @@
+"""Stand-ins for engine tests: a byte-level tokenizer with a ChatML template, tiny random models."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from typing import Any
+
+import mlx.core as mx
+
+EOS = 1
+OFFSET = 3  # ids 0..2 are special; byte b is id b + 3
+
+
+class ByteDetokenizer:
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, token_id: int) -> str:
+        if token_id < OFFSET or token_id >= OFFSET + 256:
+            return ""
+        return self._decoder.decode(bytes([token_id - OFFSET]))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class ByteTokenizer:
+    eos_token_ids = frozenset({EOS})
+
+    def encode(self, text: str) -> list[int]:
+        return [b + OFFSET for b in text.encode()]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - OFFSET for i in ids if OFFSET <= i < OFFSET + 256).decode(errors="replace")
+
+    def detokenizer(self) -> ByteDetokenizer:
+        return ByteDetokenizer()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools=None, add_generation_prompt=True, **kwargs: Any) -> str:
+        out = []
+        if tools:
+            out.append(f"<|tools|>{json.dumps(tools)}\n")
+        for m in messages:
+            out.append(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n")
+        return "".join(out)
+
+
+def tiny_model(kind: str):
+    """A tiny random model of `kind`, float32, deterministic."""
+    from kapitsa.engine.models import get_model_module
+    from kapitsa.engine.tiny import tiny_config
+
+    config = tiny_config(kind)
+    module = get_model_module(config["model_type"])
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+import pytest  # noqa: E402
+
+from kapitsa.engine.engine import EngineConfig  # noqa: E402
+from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
+from kapitsa.engine.types import ModelInfo  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen_model():
+    return tiny_model("qwen3_5")
+
+
+@pytest.fixture
+def make_client():
+    """make_client(model, **engine_config) -> InProcessEngine with the byte tokenizer; closed after."""
+    made: list[InProcessEngine] = []
+
+    def make(model, *, context_length: int = 4096, **cfg) -> InProcessEngine:
+        info = ModelInfo(id="tiny", family="test", context_length=context_length, max_output_tokens=1024)
+        client = InProcessEngine(model, ByteTokenizer(), info, eos_token_ids={EOS}, config=EngineConfig(**cfg))
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
