@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from kapitsa.engine.types import (
@@ -21,6 +21,7 @@ from kapitsa.engine.types import (
     FinishReason,
     GenerationRequest,
     ModelInfo,
+    PrefillProgressEvent,
     TokenEvent,
     Usage,
 )
@@ -35,16 +36,24 @@ class ScriptedReply:
     error: Exception | None = None
     delay_s: float = 0.0  # pause before each chunk (lets tests disconnect mid-stream)
     cached_tokens: int = 0
+    prefill_s: float = 0.0  # simulated prompt processing time, reported as PrefillProgressEvents
+
+
+Responder = Callable[[GenerationRequest], "str | list[str] | None"]
+"""Computes a reply from the request when nothing is queued (None = use the default reply)."""
 
 
 class FakeEngine:
     """An `EngineClient` that plays back scripted replies."""
 
-    def __init__(self, *, model: ModelInfo | None = None, default_reply: str = DEFAULT_REPLY) -> None:
+    def __init__(
+        self, *, model: ModelInfo | None = None, default_reply: str = DEFAULT_REPLY, responder: Responder | None = None
+    ) -> None:
         self.model = model or ModelInfo(
             id="fake", family="fake", context_length=32768, max_output_tokens=8192, tool_call_format="hermes"
         )
         self.default_reply = default_reply
+        self.responder = responder
         self.requests: list[GenerationRequest] = []  # every request seen, in order
         self._script: deque[ScriptedReply] = deque()
         self._active: dict[str, asyncio.Event] = {}
@@ -59,20 +68,26 @@ class FakeEngine:
         finish_reason: FinishReason = "stop",
         delay_s: float = 0.0,
         cached_tokens: int = 0,
+        prefill_s: float = 0.0,
     ) -> None:
         """Queue one reply; a list streams as those chunks, a string as one chunk per word."""
         chunks = tuple(text) if isinstance(text, list) else _split_words(text)
-        self._script.append(ScriptedReply(chunks, finish_reason, None, delay_s, cached_tokens))
+        self._script.append(ScriptedReply(chunks, finish_reason, None, delay_s, cached_tokens, prefill_s))
 
     def enqueue_error(self, error: Exception) -> None:
         self._script.append(ScriptedReply((), "error", error))
 
-    def _next_reply(self) -> ScriptedReply:
-        return self._script.popleft() if self._script else ScriptedReply(_split_words(self.default_reply))
+    def _next_reply(self, request: GenerationRequest) -> ScriptedReply:
+        if self._script:
+            return self._script.popleft()
+        text = self.responder(request) if self.responder is not None else None
+        if text is not None:
+            return ScriptedReply(tuple(text) if isinstance(text, list) else _split_words(text))
+        return ScriptedReply(_split_words(self.default_reply))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         self.requests.append(request)
-        reply = self._next_reply()
+        reply = self._next_reply(request)
         prompt_tokens = await self.count_tokens(request)
         self._active[request.request_id] = aborted = asyncio.Event()
         started = time.perf_counter()
@@ -82,6 +97,8 @@ class FakeEngine:
                 yield ErrorEvent(request.request_id, reply.error)
                 return
             finish: FinishReason = reply.finish_reason
+            async for progress in _prefill(request.request_id, prompt_tokens, reply.prefill_s, aborted):
+                yield progress
             limit = request.sampling.max_tokens
             for chunk in _apply_stop(reply.chunks, request.sampling.stop):
                 if reply.delay_s:
@@ -139,6 +156,19 @@ class FakeEngine:
     def with_model(self, **changes: object) -> FakeEngine:
         self.model = replace(self.model, **changes)  # type: ignore[arg-type]
         return self
+
+
+async def _prefill(
+    request_id: str, prompt_tokens: int, seconds: float, aborted: asyncio.Event
+) -> AsyncIterator[PrefillProgressEvent]:
+    """Sleep `seconds` in ten steps, reporting progress after each (stops early when aborted)."""
+    if seconds <= 0:
+        return
+    for step in range(1, 11):
+        await asyncio.sleep(seconds / 10)
+        if aborted.is_set():
+            return
+        yield PrefillProgressEvent(request_id, prompt_tokens * step // 10, prompt_tokens)
 
 
 def _split_words(text: str) -> tuple[str, ...]:

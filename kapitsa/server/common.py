@@ -136,4 +136,5 @@ async def steps(run: GenerationRun, parser: Any) -> Any:
         elif isinstance(event, TokenEvent):
             yield Step(parser.feed(event.text), event.logprobs)
         else:
-            yield Step(parser.finish(), final=event)
+            truncated = getattr(event, "finish_reason", None) == "length"
+            yield Step(parser.finish(truncated=truncated), final=event)

@@ -26,7 +26,7 @@ class RawParser:
     def feed(self, text: str) -> list[TextPart]:
         return [TextPart(text)] if text else []
 
-    def finish(self) -> list[TextPart]:
+    def finish(self, *, truncated: bool = False) -> list[TextPart]:
         return []
 
 

@@ -29,11 +29,14 @@ class OutputParser:
         self._think = ThinkSplitter(starts_in_reasoning=thinking)
         self._tools = ToolCallParser(tools) if tools else None
         self.tool_calls: list[ToolCall] = []
+        self._truncated = False
 
     def feed(self, text: str) -> list[Part]:
         return self._route(self._think.feed(text), final=False)
 
-    def finish(self) -> list[Part]:
+    def finish(self, *, truncated: bool = False) -> list[Part]:
+        """The rest of the output; `truncated` when the token limit cut it."""
+        self._truncated = truncated
         return self._route(self._think.flush(), final=True)
 
     def _route(self, pieces: list[tuple[str, str]], *, final: bool) -> list[Part]:
@@ -53,7 +56,7 @@ class OutputParser:
         return [self._wrap(x) for x in self._tools.feed(text)]
 
     def _content_flush(self) -> list[Part]:
-        return [] if self._tools is None else [self._wrap(x) for x in self._tools.flush()]
+        return [] if self._tools is None else [self._wrap(x) for x in self._tools.flush(truncated=self._truncated)]
 
     def _wrap(self, item: str | ToolCall) -> Part:
         if isinstance(item, ToolCall):

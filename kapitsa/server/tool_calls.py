@@ -67,13 +67,14 @@ class ToolCallParser:
                 break
         return out
 
-    def flush(self) -> list[str | ToolCall]:
-        """At the end of output: an unclosed block still counts if it parses (EOS often eats the close tag)."""
+    def flush(self, *, truncated: bool = False) -> list[str | ToolCall]:
+        """At the end of output: an unclosed block still counts if it parses (EOS often eats the close tag),
+        unless the output was cut by the token limit, when the block is surely incomplete."""
         text, self._buffer = self._buffer, ""
         if self._open is None:
             return [text] if text.strip() or (text and not self.calls_seen) else []
         opened, self._open = self._open, None
-        calls = self._parse_block(opened, text)
+        calls = [] if truncated else self._parse_block(opened, text)
         return list(calls) if calls else [opened + text]
 
     def _scan_text(self, out: list[str | ToolCall]) -> bool:

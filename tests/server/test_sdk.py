@@ -1,0 +1,187 @@
+"""The official `openai` and `anthropic` SDKs against a real uvicorn server with the scripted FakeEngine."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from kapitsa.engine.fake import FakeEngine
+from kapitsa.engine.types import ModelInfo
+
+from server_harness import LiveServer, live_server
+
+BASH = {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}, "required": ["command"]}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "Bash", "description": "run", "parameters": BASH}}]
+XML_CALL = "<tool_call>\n<function=Bash>\n<parameter=command>\necho hi > out.txt\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.fixture
+def oai(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.v1, api_key="x", max_retries=0, timeout=10)
+
+
+@pytest.fixture
+def claude(live: LiveServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0, timeout=10)
+
+
+def test_models_lists_the_engine_model(oai: openai.OpenAI) -> None:
+    assert [m.id for m in oai.models.list()] == ["fake"]
+
+
+def test_chat_non_stream_shape_and_cached_usage(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue("Hello world", cached_tokens=5)
+    out = oai.chat.completions.create(model="fake", messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                                      max_completion_tokens=50)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.content == "Hello world"
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens_details.cached_tokens == 5
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    sent = live.engine.requests[-1]
+    assert sent.messages[0] == {"role": "system", "content": "be brief"}  # developer → system
+    assert sent.sampling.max_tokens == 50
+
+
+def test_chat_stream_order_with_reasoning_tool_call_and_usage(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue(["<thi", "nk>let me", " think</th", "ink>\n\nOK ", XML_CALL[:20], XML_CALL[20:]])
+    stream = oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "go"}], tools=CHAT_TOOLS,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert reasoning == "let me think"
+    assert content == "OK "
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].id and calls[0].function.name == "Bash"
+    assert json.loads(calls[0].function.arguments) == {"command": "echo hi > out.txt", "timeout": 30}
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["tool_calls"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_chat_tool_round_trip_reaches_the_template(live: LiveServer, oai: openai.OpenAI) -> None:
+    oai.chat.completions.create(model="fake", tools=CHAT_TOOLS, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "go"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"ls"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+    ])
+    sent = live.engine.requests[-1]
+    assert sent.messages[1]["tool_calls"][0]["function"]["arguments"] == {"command": "ls"}
+    assert sent.messages[2] == {"role": "tool", "content": "a.txt", "tool_call_id": "c1"}
+    assert sent.tools[0]["function"]["name"] == "Bash"
+
+
+def test_chat_logprobs_and_json_mode(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue('{"a": 1}')
+    out = oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "json"}], logprobs=True, top_logprobs=2,
+                                      response_format={"type": "json_object"})
+    assert json.loads(out.choices[0].message.content) == {"a": 1}
+    assert live.engine.requests[-1].sampling.logprobs == 2
+    assert "JSON" in live.engine.requests[-1].messages[0]["content"]
+
+
+def test_completions_stream_and_not(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue("one two")
+    out = oai.completions.create(model="fake", prompt="Say", max_tokens=20)
+    assert out.object == "text_completion" and out.choices[0].text == "one two"
+    assert live.engine.requests[-1].prompt == "Say"
+    live.engine.enqueue("<think>raw</think> text")
+    chunks = list(oai.completions.create(model="fake", prompt="Say", max_tokens=50, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "<think>raw</think> text"  # raw: nothing parsed
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_responses_stream_event_order(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue("<think>hmm</think>Sure. " + XML_CALL, cached_tokens=3)
+    tools = [{"type": "function", "name": "Bash", "parameters": BASH, "strict": False}]
+    events = list(oai.responses.create(model="fake", input=[
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sys"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]},
+    ], tools=tools, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["reasoning", "message", "function_call"]
+    assert json.loads(done[2].arguments) == {"command": "echo hi > out.txt", "timeout": 30}
+    final = events[-1].response
+    assert final.usage.input_tokens_details.cached_tokens == 3
+    assert kinds.index("response.function_call_arguments.done") < kinds.index("response.completed")
+
+
+def test_responses_non_stream_and_history_items(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue("done")
+    out = oai.responses.create(model="fake", instructions="be nice", input=[
+        {"type": "message", "role": "user", "content": "go"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "earlier thought"},
+        {"type": "function_call", "call_id": "c1", "name": "Bash", "arguments": '{"command":"ls"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+    ])
+    assert out.status == "completed" and out.output_text == "done"
+    sent = live.engine.requests[-1].messages
+    assert sent[0] == {"role": "system", "content": "be nice"}
+    assert sent[2]["tool_calls"][0]["function"]["arguments"] == {"command": "ls"}
+    assert sent[2]["reasoning_content"] == "earlier thought"
+    assert sent[3] == {"role": "tool", "content": "a.txt", "tool_call_id": "c1"}
+
+
+def test_messages_non_stream_with_thinking_tool_use_and_cache(live: LiveServer, claude: anthropic.Anthropic) -> None:
+    live.engine.enqueue("<think>ponder</think>Running it." + XML_CALL, cached_tokens=7)
+    msg = claude.messages.create(model="claude-kapitsa-test", max_tokens=1000, system=[{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+                                 messages=[{"role": "user", "content": "go"}],
+                                 tools=[{"name": "Bash", "description": "run", "input_schema": BASH}])
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"]
+    assert msg.content[2].input == {"command": "echo hi > out.txt", "timeout": 30}
+    assert msg.stop_reason == "tool_use"
+    assert msg.usage.cache_read_input_tokens == 7
+    assert msg.model == "claude-kapitsa-test"  # Claude names map to the default model, and are echoed
+
+
+def test_messages_stream_event_order(live: LiveServer, claude: anthropic.Anthropic) -> None:
+    live.engine.enqueue("<think>a</think>Hello there")
+    with claude.messages.stream(model="fake", max_tokens=100, messages=[{"role": "user", "content": "hi"}]) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds[-2] == "message_delta"
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[1].text == "Hello there" and final.stop_reason == "end_turn"
+    assert final.usage.input_tokens > 0
+
+
+def test_messages_stop_sequence_and_tool_result_history(live: LiveServer, claude: anthropic.Anthropic) -> None:
+    live.engine.enqueue("one two STOP three")
+    msg = claude.messages.create(model="fake", max_tokens=100, stop_sequences=["STOP"], messages=[
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
+                                           {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "a.txt"}]},
+                                     {"type": "text", "text": "next"}]},
+    ])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "STOP"
+    assert msg.content[0].text == "one two "
+    sent = live.engine.requests[-1].messages
+    assert sent[1]["reasoning_content"] == "t" and sent[1]["tool_calls"][0]["function"]["arguments"] == {"command": "ls"}
+    assert sent[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"}
+    assert sent[3] == {"role": "user", "content": "next"}
+
+
+def test_count_tokens(live: LiveServer, claude: anthropic.Anthropic) -> None:
+    out = claude.messages.count_tokens(model="fake", messages=[{"role": "user", "content": "hi"}])
+    assert out.input_tokens > 0
+
+
+def test_thinking_model_starts_in_reasoning() -> None:
+    engine = FakeEngine(model=ModelInfo(id="q", family="fake", context_length=4096, max_output_tokens=1024, supports_thinking=True))
+    engine.enqueue("planning</think>\n\nanswer")
+    with live_server(engine) as live:
+        out = openai.OpenAI(base_url=live.v1, api_key="x", max_retries=0).chat.completions.create(
+            model="q", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "answer"
+    assert out.choices[0].message.reasoning_content == "planning"  # type: ignore[attr-defined]
