@@ -102,6 +102,8 @@ class HybridLM(nn.Module):
     def forward(self, inputs: mx.array, cache: HybridCache | None = None, *, lengths: list[int] | None = None,
                 record: bool = False, taps: tuple[int, ...] = ()) -> ForwardOutput:
         embed, layers, _ = self.backbone_parts()
+        if inputs.ndim != 2:
+            raise ValueError(f"inputs must be [batch, tokens], got shape {inputs.shape}")
         B, T = inputs.shape
         if cache is None:
             info = full_step(B, T, lengths)

@@ -1,0 +1,95 @@
+"""Ragged right-padded batches give every sequence what it gets alone; join/leave helpers."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kapitsa.engine.cache import HybridCache
+from tests.models.builders import ARCHS, build_ours
+
+PROMPTS = [[5, 9, 14, 3, 77, 120, 8], [200, 4, 4, 31], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+TOL = 1e-4
+
+
+def _pad(prompts):
+    T = max(map(len, prompts))
+    return mx.array([p + [0] * (T - len(p)) for p in prompts]), [len(p) for p in prompts]
+
+
+def _alone(model, prompt, steps):
+    """Logits of the last prompt token, then of `steps` greedy decode steps, running alone."""
+    cache = model.make_cache()
+    rows = [model(mx.array([prompt]), cache)[0, -1]]
+    for _ in range(steps):
+        tok = int(mx.argmax(rows[-1]).item())
+        rows.append(model(mx.array([[tok]]), cache)[0, -1])
+    return rows, cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_prefill_and_decode_equal_single(arch):
+    model = build_ours(arch)
+    alone = [_alone(model, p, 4) for p in PROMPTS]
+    cache = model.make_cache(len(PROMPTS))
+    tokens, lengths = _pad(PROMPTS)
+    logits = model(tokens, cache, lengths=lengths)
+    assert cache.offsets == lengths
+    rows = [logits[b, n - 1] for b, n in enumerate(lengths)]
+    for step in range(5):
+        for b in range(len(PROMPTS)):
+            assert mx.abs(rows[b] - alone[b][0][step]).max().item() < TOL, (arch, step, b)
+        if step < 4:
+            nxt = mx.array([[int(mx.argmax(r).item())] for r in rows])
+            rows = list(model(nxt, cache)[:, -1])
+    # the recurrent state of each row equals its solo run's state
+    for b, (_, solo) in enumerate(alone):
+        for mine, theirs in zip(cache.select([b]).layers, solo.layers):
+            if hasattr(mine, "state") and mine.state is not None:
+                assert mx.abs(mine.state - theirs.state).max().item() < TOL
+                assert mx.abs(mine.conv - theirs.conv).max().item() < TOL
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "nemotron_moe"])
+def test_join_leave_extract_merge(arch):
+    model = build_ours(arch)
+    solo = []
+    for p in PROMPTS:
+        c = model.make_cache()
+        model(mx.array([p]), c)
+        solo.append(c)
+    batch = HybridCache.merge(solo)  # three sequences of different lengths join
+    assert batch.offsets == [len(p) for p in PROMPTS]
+    batch.filter([2, 0])  # the middle one leaves
+    late = model.make_cache()
+    model(mx.array([[9, 9, 9]]), late)
+    batch.extend(late)  # another joins
+    assert batch.offsets == [len(PROMPTS[2]), len(PROMPTS[0]), 3]
+    step = mx.array([[42], [42], [42]])
+    got = model(step, batch)[:, -1]
+    for row, c in enumerate([solo[2], solo[0], late]):
+        want = model(mx.array([[42]]), c)[0, -1]
+        assert mx.abs(got[row] - want).max().item() < TOL
+    one = batch.extract(1)
+    assert one.batch_size == 1 and one.offsets == [len(PROMPTS[0]) + 1]
+    assert batch.nbytes > one.nbytes > 0 and batch.recurrent_nbytes > 0 and batch.kv_nbytes > 0
+
+
+def test_merge_with_an_empty_sequence():
+    model = build_ours("qwen3_5_dense")
+    full = model.make_cache()
+    model(mx.array([[5, 6, 7]]), full)
+    batch = HybridCache.merge([full, model.make_cache()])
+    got = model(mx.array([[1, 2, 3], [4, 0, 0]]), batch, lengths=[3, 1])
+    fresh = model.make_cache()
+    want = model(mx.array([[4]]), fresh)[0, -1]
+    assert mx.abs(got[1, 0] - want).max().item() < TOL
+
+
+def test_bad_lengths_are_rejected():
+    model = build_ours("nemotron_dense")
+    cache = model.make_cache(2)
+    with pytest.raises(ValueError):
+        model(mx.array([[1, 2], [3, 4]]), cache, lengths=[3, 1])
+    with pytest.raises(ValueError):
+        model(mx.array([[1, 2]]), cache)
