@@ -86,25 +86,33 @@ def serve(
 @app.command()
 def doctor(json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False) -> None:
     """Check this machine: GPU, memory, which models fit and with how much context."""
-    not_built("doctor")
+    from kapitsa.model_commands import cmd_doctor
+
+    cmd_doctor(json_out)
 
 
 @app.command()
 def pull(model: Annotated[str, typer.Argument(help="Catalog alias or HF repo id.")]) -> None:
-    """Download a model into the Hugging Face cache."""
-    not_built("pull")
+    """Download a model into the Hugging Face cache (resumable, verified)."""
+    from kapitsa.model_commands import cmd_pull
+
+    cmd_pull(model)
 
 
 @app.command("ls")
 def list_models(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List downloaded models."""
-    not_built("ls")
+    from kapitsa.model_commands import cmd_ls
+
+    cmd_ls(json_out)
 
 
 @app.command("rm")
 def remove_model(model: Annotated[str, typer.Argument(help="Catalog alias or HF repo id.")]) -> None:
     """Delete a downloaded model from the Hugging Face cache."""
-    not_built("rm")
+    from kapitsa.model_commands import cmd_rm
+
+    cmd_rm(model)
 
 
 @app.command()
@@ -131,13 +139,17 @@ def bench(
 @app.command()
 def env(shell: Annotated[str | None, typer.Option("--shell", help="bash, zsh, fish or powershell (default: detected).")] = None) -> None:
     """Print export lines pointing IDEs and SDKs at the local server."""
-    not_built("env")
+    from kapitsa.model_commands import cmd_env
+
+    cmd_env(shell)
 
 
 @app.command()
 def token(action: Annotated[str, typer.Argument(help="show | rotate | clear")] = "show") -> None:
     """Manage the API token kept in the OS keyring."""
-    not_built("token")
+    from kapitsa.model_commands import cmd_token
+
+    cmd_token(action)
 
 
 def _agent_command(name: str, summary: str) -> None:
@@ -146,7 +158,22 @@ def _agent_command(name: str, summary: str) -> None:
         model: ModelOpt = None,
         speculative: SpecOpt = "none",
     ) -> None:
-        not_built(name)
+        from kapitsa.model_commands import cmd_agent
+
+        cmd_agent(name, model, list(args or []), speculative)
+
+    def pi_command(
+        args: AgentArgs = None,
+        model: ModelOpt = None,
+        speculative: SpecOpt = "none",
+        restore: Annotated[bool, typer.Option("--restore", help="Undo kapitsa's change to pi's models.json.")] = False,
+    ) -> None:
+        from kapitsa.model_commands import cmd_agent
+
+        cmd_agent(name, model, list(args or []), speculative, restore=restore)
+
+    if name == "pi":
+        command = pi_command  # type: ignore[assignment]
 
     command.__doc__ = summary
     app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)

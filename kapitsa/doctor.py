@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Literal
 
 from kapitsa import memory_estimate
-from kapitsa.catalog import Catalog, CatalogEntry, Quant, arch_for_folder, package_model_path, weight_bytes_on_disk
+from kapitsa.catalog import (
+    Catalog,
+    CatalogEntry,
+    Quant,
+    arch_for_folder,
+    package_model_path,
+    weight_bytes_on_disk,
+)
 from kapitsa.errors import KapitsaError
 
 GiB = 1 << 30

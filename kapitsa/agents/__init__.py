@@ -1,1 +1,1 @@
-"""kapitsa.agents"""
+"""Coding-agent launchers: one module per agent, shared server and config-file handling."""
