@@ -1,0 +1,1 @@
+"""Screens: one class per file."""

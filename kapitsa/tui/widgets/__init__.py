@@ -1,0 +1,1 @@
+"""Widgets: one class per file."""
