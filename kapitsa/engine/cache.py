@@ -203,7 +203,7 @@ class HybridCache:
         return StepInfo(T, lengths, list(self.offsets), record)
 
     def end(self, info: StepInfo) -> None:
-        self.offsets = [o + n for o, n in zip(info.offsets, info.lengths)]
+        self.offsets = [o + n for o, n in zip(info.offsets, info.lengths, strict=True)]
         self._last = info
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -216,16 +216,18 @@ class HybridCache:
             return self.commit()
         if info is None or not info.record:
             raise ValueError("rollback needs the previous forward to run with record=True")
-        if len(drop) != self.batch_size or any(not 0 <= d <= k for d, k in zip(drop, info.lengths)):
+        if len(drop) != self.batch_size or any(
+            not 0 <= d <= k for d, k in zip(drop, info.lengths, strict=True)
+        ):
             raise ValueError(f"cannot drop {drop} tokens from a forward that consumed {info.lengths}")
-        kept = [k - d for k, d in zip(info.lengths, drop)]
+        kept = [k - d for k, d in zip(info.lengths, drop, strict=True)]
         mask = mx.arange(info.T)[None, :] < mx.array(kept)[:, None]
         for layer in self._recurrent():
             rec = layer.record
             layer.conv = conv_state_after(rec.conv_in, kept, rec.kernel)
             layer.state = rec.replay(mask)
             layer.record = None
-        self.offsets = [o - d for o, d in zip(self.offsets, drop)]
+        self.offsets = [o - d for o, d in zip(self.offsets, drop, strict=True)]
         self._last = None
 
     def commit(self) -> None:
@@ -242,7 +244,7 @@ class HybridCache:
     def restore(self, ckpt: CacheCheckpoint) -> None:
         if len(ckpt.offsets) != self.batch_size or len(ckpt.recurrent) != len(self.layers):
             raise ValueError("checkpoint belongs to a cache of another shape")
-        for layer, pair in zip(self.layers, ckpt.recurrent):
+        for layer, pair in zip(self.layers, ckpt.recurrent, strict=True):
             if isinstance(layer, RecurrentCache):
                 layer.conv, layer.state = pair
                 layer.record = None
@@ -260,7 +262,7 @@ class HybridCache:
         out = HybridCache([_clone_empty(c) for c in self.layers], len(rows))
         out.offsets = [self.offsets[r] for r in rows]
         keep = _round_up(max(out.offsets, default=0))
-        for src, dst in zip(self.layers, out.layers):
+        for src, dst in zip(self.layers, out.layers, strict=True):
             if isinstance(src, KVCache) and src.keys is not None:
                 dst.keys, dst.values = src.keys[idx, :, :keep], src.values[idx, :, :keep]
             elif isinstance(src, RecurrentCache):
@@ -337,7 +339,7 @@ def _merge_kv(dst: KVCache, parts: list[KVCache], sizes: list[int], capacity: in
     if dtype is None or capacity == 0:
         return
     keys, values = [], []
-    for p, b in zip(parts, sizes):
+    for p, b in zip(parts, sizes, strict=True):
         shape = (b, dst.n_kv_heads, capacity, dst.head_dim)
         if p.keys is None:
             keys.append(mx.zeros(shape, dtype))
@@ -355,7 +357,7 @@ def _merge_recurrent(dst: RecurrentCache, parts: list[RecurrentCache], sizes: li
     if dtype is None:
         return
     convs, states = [], []
-    for p, b in zip(parts, sizes):
+    for p, b in zip(parts, sizes, strict=True):
         zc, zs = dst.zeros(b, dtype) if p.conv is None or p.state is None else (None, None)
         convs.append(p.conv if p.conv is not None else zc)
         states.append(p.state if p.state is not None else zs)

@@ -33,23 +33,43 @@ def qwen_config(kind: str) -> dict:
         "full_attention_interval": 2,
         "tie_word_embeddings": False,
         "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                            "mrope_section": [2, 1, 1]},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+        },
     }
     if kind in ("moe", "next"):
-        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                    shared_expert_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1)
+        text.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        )
     if kind == "next":
-        text.update(model_type="qwen3_next", rope_theta=10000.0, partial_rotary_factor=0.5,
-                    mlp_only_layers=[], full_attention_interval=2)
+        text.update(
+            model_type="qwen3_next",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,
+            mlp_only_layers=[],
+            full_attention_interval=2,
+        )
         text.pop("rope_parameters")
         text["layer_types"] = ["linear_attention", "full_attention"] * 2
         return text
     model_type = "qwen3_5_moe" if kind == "moe" else "qwen3_5"
     text["model_type"] = model_type + "_text"
     text["layer_types"] = ["linear_attention", "full_attention"] * 2
-    return {"model_type": model_type, "text_config": text, "vision_config": {"depth": 1},
-            "tie_word_embeddings": False, "unknown_key": 1}
+    return {
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": {"depth": 1},
+        "tie_word_embeddings": False,
+        "unknown_key": 1,
+    }
 
 
 class _Rand:
@@ -72,8 +92,11 @@ def qwen_weights(config: dict, seed: int = 0, mtp: bool = False, fused_experts: 
     r = _Rand(seed)
     H, V = t["hidden_size"], t["vocab_size"]
     pre = "model.language_model." if wrapped else "model."
-    w = {f"{pre}embed_tokens.weight": r.normal((V, H)), f"{pre}norm.weight": r.normal((H,), 0.1),
-         "lm_head.weight": r.linear(V, H)}
+    w = {
+        f"{pre}embed_tokens.weight": r.normal((V, H)),
+        f"{pre}norm.weight": r.normal((H,), 0.1),
+        "lm_head.weight": r.linear(V, H),
+    }
     if wrapped:
         w["model.visual.patch_embed.proj.weight"] = r.normal((8, 3))  # must be dropped
     for i, kind in enumerate(t["layer_types"]):
@@ -119,21 +142,27 @@ def _qwen_layer(w, r, t, p, kind, packed, fused_experts):
         w[a + "k_norm.weight"] = r.normal((D,), 0.1)
     m = p + "mlp."
     if t.get("num_experts", 0) > 0:
-        E, I, S = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
+        E, inner, S = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
         w[m + "gate.weight"] = r.linear(E, H)
         if fused_experts:
-            w[m + "experts.gate_up_proj"] = mx.stack([mx.concatenate([r.linear(I, H), r.linear(I, H)]) for _ in range(E)])
-            w[m + "experts.down_proj"] = mx.stack([r.linear(H, I) for _ in range(E)])
+            w[m + "experts.gate_up_proj"] = mx.stack(
+                [mx.concatenate([r.linear(inner, H), r.linear(inner, H)]) for _ in range(E)]
+            )
+            w[m + "experts.down_proj"] = mx.stack([r.linear(H, inner) for _ in range(E)])
         else:
             for e in range(E):
-                for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                for n, shape in (
+                    ("gate_proj", (inner, H)),
+                    ("up_proj", (inner, H)),
+                    ("down_proj", (H, inner)),
+                ):
                     w[f"{m}experts.{e}.{n}.weight"] = r.linear(*shape)
         for n, shape in (("gate_proj", (S, H)), ("up_proj", (S, H)), ("down_proj", (H, S))):
             w[f"{m}shared_expert.{n}.weight"] = r.linear(*shape)
         w[m + "shared_expert_gate.weight"] = r.linear(1, H)
     else:
-        I = t["intermediate_size"]
-        for n, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        inner = t["intermediate_size"]
+        for n, shape in (("gate_proj", (inner, H)), ("up_proj", (inner, H)), ("down_proj", (H, inner))):
             w[f"{m}{n}.weight"] = r.linear(*shape)
 
 
@@ -167,9 +196,17 @@ def nemotron_config(kind: str) -> dict:
     if kind == "dense":
         c["hybrid_override_pattern"] = "M-M*-M"
         return c
-    c.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-             moe_shared_expert_intermediate_size=48, n_shared_experts=1, n_group=1, topk_group=1,
-             norm_topk_prob=True, routed_scaling_factor=2.5)
+    c.update(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
     c["layers_block_type"] = ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "moe"]
     if kind == "latent":
         c["moe_latent_size"] = 32
@@ -179,10 +216,15 @@ def nemotron_config(kind: str) -> dict:
 def nemotron_weights(config: dict, seed: int = 0, mtp: bool = False) -> dict:
     r = _Rand(seed)
     H, V = config["hidden_size"], config["vocab_size"]
-    w = {"backbone.embeddings.weight": r.normal((V, H)), "backbone.norm_f.weight": 1.0 + r.normal((H,), 0.1),
-         "lm_head.weight": r.linear(V, H)}
+    w = {
+        "backbone.embeddings.weight": r.normal((V, H)),
+        "backbone.norm_f.weight": 1.0 + r.normal((H,), 0.1),
+        "lm_head.weight": r.linear(V, H),
+    }
     pattern = config.get("hybrid_override_pattern") or "".join(
-        {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}[b] for b in config["layers_block_type"])
+        {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}[b]
+        for b in config["layers_block_type"]
+    )
     for i, ch in enumerate(pattern):
         _nemotron_block(w, r, config, f"backbone.layers.{i}.", ch)
     if mtp:
@@ -196,7 +238,13 @@ def _nemotron_block(w, r, c, p, ch):
     w[p + "norm.weight"] = 1.0 + r.normal((H,), 0.1)
     m = p + "mixer."
     if ch == "M":
-        nh, hd, N, G, K = c["mamba_num_heads"], c["mamba_head_dim"], c["ssm_state_size"], c["n_groups"], c["conv_kernel"]
+        nh, hd, N, G, K = (
+            c["mamba_num_heads"],
+            c["mamba_head_dim"],
+            c["ssm_state_size"],
+            c["n_groups"],
+            c["conv_kernel"],
+        )
         inner, conv = nh * hd, nh * hd + 2 * G * N
         w[m + "in_proj.weight"] = r.linear(inner + conv + nh, H)
         w[m + "conv1d.weight"] = r.normal((conv, 1, K), 0.5)
@@ -216,13 +264,17 @@ def _nemotron_block(w, r, c, p, ch):
         w[m + "up_proj.weight"] = r.linear(c["intermediate_size"], H)
         w[m + "down_proj.weight"] = r.linear(H, c["intermediate_size"])
     else:
-        E, I, S = c["n_routed_experts"], c["moe_intermediate_size"], c["moe_shared_expert_intermediate_size"]
+        E, inner, S = (
+            c["n_routed_experts"],
+            c["moe_intermediate_size"],
+            c["moe_shared_expert_intermediate_size"],
+        )
         L = c.get("moe_latent_size") or H
         w[m + "gate.weight"] = r.linear(E, H)
         w[m + "gate.e_score_correction_bias"] = r.normal((E,), 0.1)
         for e in range(E):
-            w[f"{m}experts.{e}.up_proj.weight"] = r.linear(I, L)
-            w[f"{m}experts.{e}.down_proj.weight"] = r.linear(L, I)
+            w[f"{m}experts.{e}.up_proj.weight"] = r.linear(inner, L)
+            w[f"{m}experts.{e}.down_proj.weight"] = r.linear(L, inner)
         w[m + "shared_experts.up_proj.weight"] = r.linear(S, H)
         w[m + "shared_experts.down_proj.weight"] = r.linear(H, S)
         if c.get("moe_latent_size"):

@@ -44,7 +44,7 @@ def test_batched_prefill_and_decode_equal_single(arch):
             rows = list(model(nxt, cache)[:, -1])
     # the recurrent state of each row equals its solo run's state
     for b, (_, solo) in enumerate(alone):
-        for mine, theirs in zip(cache.select([b]).layers, solo.layers):
+        for mine, theirs in zip(cache.select([b]).layers, solo.layers, strict=True):
             if hasattr(mine, "state") and mine.state is not None:
                 assert mx.abs(mine.state - theirs.state).max().item() < TOL
                 assert mx.abs(mine.conv - theirs.conv).max().item() < TOL

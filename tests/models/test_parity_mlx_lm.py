@@ -27,7 +27,7 @@ def test_64_greedy_tokens_match_mlx_lm(arch):
     want, want_rows = greedy(ref, PROMPT, 64, make_prompt_cache(ref))
     assert got == want
     assert len(set(got)) > 8  # a real continuation, not one token repeated
-    assert max(mx.abs(a - b).max().item() for a, b in zip(got_rows, want_rows)) < 1e-4
+    assert max(mx.abs(a - b).max().item() for a, b in zip(got_rows, want_rows, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_dense", "nemotron_moe"])

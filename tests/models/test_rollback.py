@@ -20,7 +20,7 @@ def _continue(model, cache):
 
 
 def _diff(xs, ys):
-    return max(mx.abs(x - y).max().item() for x, y in zip(xs, ys))
+    return max(mx.abs(x - y).max().item() for x, y in zip(xs, ys, strict=True))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -93,7 +93,9 @@ def test_greedy_speculative_loop_equals_plain_greedy(arch):
     out = [int(mx.argmax(model(mx.array([PROMPT]), cache)[0, -1]).item())]
     while len(out) < 30:
         good = rng.randint(0, 4)
-        draft = [ref[len(out) + i] if i < good and len(out) + i < 30 else rng.randrange(256) for i in range(4)]
+        draft = [
+            ref[len(out) + i] if i < good and len(out) + i < 30 else rng.randrange(256) for i in range(4)
+        ]
         target = mx.argmax(model(mx.array([[out[-1]] + draft]), cache, record=True)[0], axis=-1).tolist()
         n = 0
         while n < 4 and draft[n] == target[n]:

@@ -54,8 +54,18 @@ class Attention(nn.Module):
     `qk_norm_eps`: RMS-normalise q and k per head (Qwen). `rope`: None means no positions (Nemotron-H).
     """
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *, bias: bool = False,
-                 gated: bool = False, qk_norm_eps: float | None = None, rope: Rope | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        gated: bool = False,
+        qk_norm_eps: float | None = None,
+        rope: Rope | None = None,
+    ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.gated = heads, kv_heads, head_dim, gated
         self.scale = head_dim**-0.5
@@ -95,12 +105,25 @@ class HybridLM(nn.Module):
     (embedding, layers, final norm), `head()` -> (embedding-as-linear or lm_head), and
     `make_layer_cache(layer)`; each layer is called as `layer(h, info, layer_cache)`."""
 
-    def __call__(self, inputs: mx.array, cache: HybridCache | None = None, *,
-                 lengths: list[int] | None = None, record: bool = False) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: HybridCache | None = None,
+        *,
+        lengths: list[int] | None = None,
+        record: bool = False,
+    ) -> mx.array:
         return self.logits(self.forward(inputs, cache, lengths=lengths, record=record).hidden)
 
-    def forward(self, inputs: mx.array, cache: HybridCache | None = None, *, lengths: list[int] | None = None,
-                record: bool = False, taps: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward(
+        self,
+        inputs: mx.array,
+        cache: HybridCache | None = None,
+        *,
+        lengths: list[int] | None = None,
+        record: bool = False,
+        taps: tuple[int, ...] = (),
+    ) -> ForwardOutput:
         embed, layers, _ = self.backbone_parts()
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [batch, tokens], got shape {inputs.shape}")
@@ -130,7 +153,7 @@ class HybridLM(nn.Module):
         return self.head()(self.final_norm(hidden))
 
     def make_cache(self, batch_size: int = 1) -> HybridCache:
-        return HybridCache([self.make_layer_cache(l) for l in self.layers], batch_size)
+        return HybridCache([self.make_layer_cache(layer) for layer in self.layers], batch_size)
 
     def cast_predicate(self, path: str) -> bool:
         return not any(s in path for s in ("A_log", "e_score_correction_bias"))

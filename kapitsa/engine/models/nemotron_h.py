@@ -27,7 +27,12 @@ from kapitsa.engine.ops.norm import GroupGatedRMSNorm
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
 
 _BLOCK_CHARS = {
-    "linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "moe": "E", "mlp": "-",
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "moe": "E",
+    "mlp": "-",
 }
 
 
@@ -70,8 +75,12 @@ class ModelArgs:
         params = dict(config)
         params["pattern"] = _pattern(config)
         # Older configs spell some Mamba fields with a `mamba_` prefix.
-        for old, new in (("mamba_n_groups", "n_groups"), ("mamba_d_conv", "conv_kernel"),
-                         ("mamba_conv_bias", "use_conv_bias"), ("mamba_dt_limit", "time_step_limit")):
+        for old, new in (
+            ("mamba_n_groups", "n_groups"),
+            ("mamba_d_conv", "conv_kernel"),
+            ("mamba_conv_bias", "use_conv_bias"),
+            ("mamba_dt_limit", "time_step_limit"),
+        ):
             if old in params and new not in params:
                 params[new] = params[old]
         return cls(**known_fields(cls, params))
@@ -83,8 +92,12 @@ class ModelArgs:
         self.time_step_limit = (float(lo), float(hi))
         require(self.mamba_num_heads % self.n_groups == 0, "mamba_num_heads must be a multiple of n_groups")
         if "E" in self.pattern:
-            require(self.n_routed_experts > 0 and self.num_experts_per_tok > 0, "MoE layers need n_routed_experts")
-            require(self.n_routed_experts % self.n_group == 0, "n_routed_experts must be a multiple of n_group")
+            require(
+                self.n_routed_experts > 0 and self.num_experts_per_tok > 0, "MoE layers need n_routed_experts"
+            )
+            require(
+                self.n_routed_experts % self.n_group == 0, "n_routed_experts must be a multiple of n_group"
+            )
 
 
 def _pattern(config: dict[str, Any]) -> str:
@@ -108,7 +121,9 @@ class Mamba2Mixer(nn.Module):
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
         self.in_proj = nn.Linear(a.hidden_size, self.inner + self.conv_dim + self.heads, bias=a.use_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=a.use_conv_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=a.use_conv_bias
+        )
         self.dt_bias = mx.ones((self.heads,))
         self.A_log = mx.zeros((self.heads,))
         self.D = mx.ones((self.heads,))
@@ -182,9 +197,13 @@ class MoE(nn.Module):
         super().__init__()
         expert_dims = a.moe_latent_size or a.hidden_size
         self.gate = Router(a)
-        self.switch_mlp = SwitchReluSquared(expert_dims, a.moe_intermediate_size, a.n_routed_experts, a.mlp_bias)
+        self.switch_mlp = SwitchReluSquared(
+            expert_dims, a.moe_intermediate_size, a.n_routed_experts, a.mlp_bias
+        )
         if a.n_shared_experts:
-            self.shared_experts = ReluSquaredMLP(a.hidden_size, a.moe_shared_expert_intermediate_size, a.mlp_bias)
+            self.shared_experts = ReluSquaredMLP(
+                a.hidden_size, a.moe_shared_expert_intermediate_size, a.mlp_bias
+            )
         if a.moe_latent_size:
             self.fc1_latent_proj = nn.Linear(a.hidden_size, a.moe_latent_size, bias=a.mlp_bias)
             self.fc2_latent_proj = nn.Linear(a.moe_latent_size, a.hidden_size, bias=a.mlp_bias)
@@ -209,8 +228,9 @@ class Block(nn.Module):
         if block_type == "M":
             self.mixer = Mamba2Mixer(a)
         elif block_type == "*":
-            self.mixer = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                   bias=a.attention_bias)
+            self.mixer = Attention(
+                a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, bias=a.attention_bias
+            )
         elif block_type == "-":
             self.mixer = ReluSquaredMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
         else:
@@ -274,4 +294,6 @@ class Model(HybridLM):
         return not path.endswith("mixer.gate")
 
     def cast_predicate(self, path: str) -> bool:
-        return not (path.endswith("mixer.gate.weight") or "A_log" in path or "e_score_correction_bias" in path)
+        return not (
+            path.endswith("mixer.gate.weight") or "A_log" in path or "e_score_correction_bias" in path
+        )

@@ -82,20 +82,27 @@ class ModelArgs:
         if self.layer_types is None:
             every = self.full_attention_interval
             self.layer_types = [
-                "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(self.num_hidden_layers)
+                "full_attention" if (i + 1) % every == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
             ]
-        require(len(self.layer_types) == self.num_hidden_layers, "layer_types does not match num_hidden_layers")
+        require(
+            len(self.layer_types) == self.num_hidden_layers, "layer_types does not match num_hidden_layers"
+        )
         unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
         require(not unknown, f"unknown Qwen layer types {sorted(unknown)}")
-        require(self.linear_num_value_heads % self.linear_num_key_heads == 0,
-                "linear_num_value_heads must be a multiple of linear_num_key_heads")
+        require(
+            self.linear_num_value_heads % self.linear_num_key_heads == 0,
+            "linear_num_value_heads must be a multiple of linear_num_key_heads",
+        )
 
     @property
     def wrapped(self) -> bool:
         return self.model_type in WRAPPED_TYPES
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return (
+            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
 
 
 class GatedDeltaNet(nn.Module):
@@ -199,8 +206,16 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(a)
         else:
             rope = Rope(int(a.head_dim * a.partial_rotary_factor), a.rope_theta, a.rope_scaling)
-            self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                       bias=a.attention_bias, gated=True, qk_norm_eps=a.rms_norm_eps, rope=rope)
+            self.self_attn = Attention(
+                a.hidden_size,
+                a.num_attention_heads,
+                a.num_key_value_heads,
+                a.head_dim,
+                bias=a.attention_bias,
+                gated=True,
+                qk_norm_eps=a.rms_norm_eps,
+                rope=rope,
+            )
         self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.mlp = SparseMoe(a) if moe else MLP(a.hidden_size, a.intermediate_size)
@@ -245,7 +260,9 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
-        self.layers = [DecoderLayer(a, "full_attention", a.num_experts > 0) for _ in range(a.mtp_num_hidden_layers)]
+        self.layers = [
+            DecoderLayer(a, "full_attention", a.num_experts > 0) for _ in range(a.mtp_num_hidden_layers)
+        ]
         self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
 
 
@@ -297,13 +314,22 @@ class Model(HybridLM):
         a = self.args
         return HybridCache([KVCache(a.num_key_value_heads, a.head_dim) for _ in self.mtp.layers], batch_size)
 
-    def mtp_forward(self, next_ids: mx.array, hidden: mx.array, cache: HybridCache | None = None,
-                    *, lengths: list[int] | None = None) -> mx.array:
+    def mtp_forward(
+        self,
+        next_ids: mx.array,
+        hidden: mx.array,
+        cache: HybridCache | None = None,
+        *,
+        lengths: list[int] | None = None,
+    ) -> mx.array:
         if self.mtp is None:
             raise ValueError("this checkpoint ships no MTP weights")
         embed = self.backbone_parts()[0](next_ids)
-        h = self.mtp.fc(mx.concatenate(
-            [self.mtp.pre_fc_norm_embedding(embed), self.mtp.pre_fc_norm_hidden(hidden)], axis=-1))
+        h = self.mtp.fc(
+            mx.concatenate(
+                [self.mtp.pre_fc_norm_embedding(embed), self.mtp.pre_fc_norm_hidden(hidden)], axis=-1
+            )
+        )
         B, T = next_ids.shape
         info = cache.begin(T, lengths) if cache is not None else full_step(B, T, lengths)
         for i, layer in enumerate(self.mtp.layers):

@@ -27,8 +27,12 @@ _ZERO_CENTRED = (
 
 def _canonical(key: str) -> str:
     """Strip the wrapper prefixes: `model.language_model.X` / `language_model.model.X` -> `model.X`."""
-    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                     ("language_model.lm_head.", "lm_head."), ("language_model.", "")):
+    for old, new in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("language_model.", ""),
+    ):
         if key.startswith(old):
             return new + key[len(old) :]
     return key

@@ -25,12 +25,16 @@ class SwitchLinear(nn.Module):
             self.bias = mx.zeros((num_experts, out_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        out = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        out = mx.gather_mm(
+            x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
+        )
         if "bias" in self:
             out = out + mx.expand_dims(self["bias"][indices], -2)
         return out
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedSwitchLinear:
+    def to_quantized(
+        self, group_size: int = 64, bits: int = 4, mode: str = "affine"
+    ) -> QuantizedSwitchLinear:
         return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
 
 

@@ -87,7 +87,9 @@ def ssm_scan(
     ys = []
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
-        y, state = _ssd_chunk(xf[:, start:end], dt[:, start:end], A, Bh[:, start:end], Ch[:, start:end], state)
+        y, state = _ssd_chunk(
+            xf[:, start:end], dt[:, start:end], A, Bh[:, start:end], Ch[:, start:end], state
+        )
         ys.append(y)
     y = mx.concatenate(ys, axis=1) + xf * D.astype(mx.float32)[:, None]
     return y.astype(x.dtype), state
