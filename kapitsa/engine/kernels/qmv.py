@@ -47,53 +47,77 @@ __device__ __forceinline__ float kq_e4m3(unsigned v) {
 }
 """
 
-# Each lane handles 32-value chunks: BITS consecutive uint32 words of the row's bit stream.
+# A block of WARPS warps handles WARPS output rows. x is staged tile by tile in shared memory as
+# float, padded to 33 floats per 32 values so lane l reading its chunk hits bank (l + j) % 32.
+# Each lane owns 32-value chunks: BITS consecutive uint32 words of the row's bit stream, loaded
+# with 16-byte loads when BITS is a multiple of 4.
 _SOURCE = r"""
-  constexpr int WORDS_PER_CHUNK = BITS;           // 32 values * BITS bits / 32
-  constexpr int CHUNKS = K / 32;
+  constexpr int CHUNKS_PER_TILE = TILE / 32;
   constexpr int GROUPS = K / GS;
+  constexpr int SUB = GS < 32 ? GS : 32;
+  extern __shared__ float xs_tile[];              // [M][CHUNKS_PER_TILE][33]
   const int lane = threadIdx.x & 31;
-  const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (row >= N) return;
-  const uint32_t* wrow = w + (size_t)row * (K / 32 * BITS);
+  const int warp = threadIdx.x >> 5;
+  const int row = blockIdx.x * WARPS + warp;
+  const bool active = row < N;
+  const uint32_t* wrow = w + (size_t)(active ? row : 0) * (K / 32 * BITS);
   float acc[M];
   #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  for (int c = lane; c < CHUNKS; c += 32) {
-    uint32_t words[WORDS_PER_CHUNK];
-    #pragma unroll
-    for (int i = 0; i < WORDS_PER_CHUNK; ++i) words[i] = wrow[c * WORDS_PER_CHUNK + i];
-    // A chunk holds 32 / SUB groups' worth of values (SUB = 16 for nvfp4, else 32).
-    constexpr int SUB = GS < 32 ? GS : 32;
-    #pragma unroll
-    for (int part = 0; part < 32 / SUB; ++part) {
-      const int g = (c * 32 + part * SUB) / GS;
-      float scale, bias = 0.f;
-      if (MODE == 0) { scale = (float)scales[row * GROUPS + g]; bias = (float)biases[row * GROUPS + g]; }
-      else if (MODE == 1) { scale = ldexpf(1.f, (int)((const uint8_t*)scales)[row * GROUPS + g] - 127); }
-      else { scale = kq_e4m3(((const uint8_t*)scales)[row * GROUPS + g]); }
-      float dot[M], xs[M];
-      #pragma unroll
-      for (int m = 0; m < M; ++m) { dot[m] = 0.f; xs[m] = 0.f; }
-      #pragma unroll
-      for (int jj = 0; jj < SUB; ++jj) {
-        const int j = part * SUB + jj;
-        const int off = j * BITS, wi = off >> 5, sh = off & 31;
-        uint32_t q = words[wi] >> sh;
-        if (sh + BITS > 32) q |= words[wi + 1] << (32 - sh);
-        q &= (1u << BITS) - 1u;
-        const float qv = MODE == 0 ? (float)q : kq_e2m1(q);
+  for (int t0 = 0; t0 < K; t0 += TILE) {
+    const int tile_len = min(TILE, K - t0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < M * tile_len; i += blockDim.x) {
+      const int m = i / tile_len, v = i - m * tile_len;
+      xs_tile[(m * CHUNKS_PER_TILE + (v >> 5)) * 33 + (v & 31)] = (float)x[m * K + t0 + v];
+    }
+    __syncthreads();
+    if (!active) continue;
+    for (int cl = lane; cl < (tile_len >> 5); cl += 32) {
+      const int c = (t0 >> 5) + cl;
+      uint32_t words[BITS];
+      if constexpr (BITS % 4 == 0) {
+        const uint4* src = reinterpret_cast<const uint4*>(wrow + c * BITS);
         #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float xv = (float)x[m * K + c * 32 + j];
-          dot[m] += qv * xv;
-          xs[m] += xv;
+        for (int i = 0; i < BITS / 4; ++i) {
+          uint4 u = src[i];
+          words[4 * i] = u.x; words[4 * i + 1] = u.y; words[4 * i + 2] = u.z; words[4 * i + 3] = u.w;
         }
+      } else {
+        #pragma unroll
+        for (int i = 0; i < BITS; ++i) words[i] = wrow[c * BITS + i];
       }
       #pragma unroll
-      for (int m = 0; m < M; ++m) acc[m] += scale * dot[m] + bias * xs[m];
+      for (int part = 0; part < 32 / SUB; ++part) {
+        const int g = (c * 32 + part * SUB) / GS;
+        float scale, bias = 0.f;
+        if (MODE == 0) { scale = (float)scales[row * GROUPS + g]; bias = (float)biases[row * GROUPS + g]; }
+        else if (MODE == 1) { scale = ldexpf(1.f, (int)((const uint8_t*)scales)[row * GROUPS + g] - 127); }
+        else { scale = kq_e4m3(((const uint8_t*)scales)[row * GROUPS + g]); }
+        float dot[M], xsum[M];
+        #pragma unroll
+        for (int m = 0; m < M; ++m) { dot[m] = 0.f; xsum[m] = 0.f; }
+        #pragma unroll
+        for (int jj = 0; jj < SUB; ++jj) {
+          const int j = part * SUB + jj;
+          const int off = j * BITS, wi = off >> 5, sh = off & 31;
+          uint32_t q = words[wi] >> sh;
+          if (sh + BITS > 32) q |= words[wi + 1] << (32 - sh);
+          q &= (1u << BITS) - 1u;
+          const float qv = MODE == 0 ? (float)q : kq_e2m1(q);
+          #pragma unroll
+          for (int m = 0; m < M; ++m) {
+            const float xv = xs_tile[(m * CHUNKS_PER_TILE + cl) * 33 + j];
+            dot[m] += qv * xv;
+            xsum[m] += xv;
+          }
+        }
+        #pragma unroll
+        for (int m = 0; m < M; ++m) acc[m] += scale * dot[m] + bias * xsum[m];
+      }
     }
   }
+  if (!active) return;
   #pragma unroll
   for (int m = 0; m < M; ++m) {
     float v = acc[m];
@@ -103,17 +127,28 @@ _SOURCE = r"""
   }
 """
 
+WARPS = 8
+SHARED_BYTES = 40 * 1024  # stays under the 48 KiB available without an opt-in
+
+
+def _tile_for(rows: int) -> int:
+    """Largest multiple of 32 values whose padded x tile for `rows` rows fits SHARED_BYTES."""
+    per_value = rows * 4 * 33 / 32
+    return max(32, int(SHARED_BYTES / per_value) // 32 * 32)
+
+
 _MODES = {"affine": 0, "mxfp4": 1, "nvfp4": 2}
 
 
 @functools.cache
-def _cuda_kernel(mode: int):
+def _cuda_kernel(mode: int, shared_bytes: int):
     return mx.fast.cuda_kernel(
         name=f"kapitsa_qmv_m{mode}",
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],
         source=_SOURCE,
         header=_HEADER,
+        shared_memory=shared_bytes,
     )
 
 
@@ -143,7 +178,10 @@ def qmv(
     mode_id = _MODES[mode]
     # fp4 modes have no bias; a one-element stand-in keeps one kernel signature for every mode.
     inputs = [x, w, scales, biases if mode_id == 0 else mx.zeros((1,), x.dtype)]
-    return _cuda_kernel(mode_id)(
+    tile = min(_tile_for(rows), k)
+    shared_bytes = rows * (tile // 32) * 33 * 4
+    blocks = (n + WARPS - 1) // WARPS
+    return _cuda_kernel(mode_id, shared_bytes)(
         inputs=inputs,
         template=[
             ("T", x.dtype),
@@ -153,9 +191,11 @@ def qmv(
             ("GS", group_size),
             ("BITS", bits),
             ("MODE", mode_id),
+            ("TILE", tile),
+            ("WARPS", WARPS),
         ],
-        grid=(n * 32, 1, 1),
-        threadgroup=(256, 1, 1),
+        grid=(blocks * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[x.dtype],
     )[0]

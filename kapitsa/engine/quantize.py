@@ -1,0 +1,118 @@
+"""Quantization: restoring MLX-format quantized checkpoints, and quantizing float ones on load.
+
+MLX checkpoints (as mlx-lm / the mlx-community publish them) carry
+`"quantization": {"group_size": 64, "bits": 4, "mode": "affine", "<module path>": {...} | false}`;
+per-module entries override the default for that module (or keep it in full precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from kapitsa.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    """How to store the weights: `mode`/`bits`/`group_size` for quantized, or a float `dtype`."""
+
+    name: str  # "4bit", "mxfp4", "bf16", ...
+    mode: str = "affine"
+    bits: int = 0
+    group_size: int = 0
+    dtype: str | None = None  # set for float-only specs ("bfloat16", "float16", "float32")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype is None
+
+
+QUANT_SPECS: dict[str, QuantSpec] = {
+    **{f"{b}bit": QuantSpec(f"{b}bit", "affine", b, 64) for b in (2, 3, 4, 5, 6, 8)},
+    "mxfp4": QuantSpec("mxfp4", "mxfp4", 4, 32),
+    "nvfp4": QuantSpec("nvfp4", "nvfp4", 4, 16),
+    "mxfp8": QuantSpec("mxfp8", "mxfp8", 8, 32),
+    "bf16": QuantSpec("bf16", dtype="bfloat16"),
+    "fp16": QuantSpec("fp16", dtype="float16"),
+    "fp32": QuantSpec("fp32", dtype="float32"),
+}
+
+
+def parse_quant_spec(name: str) -> QuantSpec:
+    spec = QUANT_SPECS.get(name.strip().lower())
+    if spec is None:
+        raise InvalidRequest(f"unknown quantization {name!r}; choose one of: {', '.join(QUANT_SPECS)}")
+    return spec
+
+
+def checkpoint_quantization(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The MLX `quantization` block of a config, if the checkpoint is MLX-quantized."""
+    block = config.get("quantization")
+    if isinstance(block, dict) and "bits" in block:
+        return block
+    block = config.get("quantization_config")
+    if isinstance(block, dict) and "bits" in block and "group_size" in block and "quant_method" not in block:
+        return block
+    return None
+
+
+def describe_quantization(block: Mapping[str, Any]) -> str:
+    mode = block.get("mode", "affine")
+    return f"{block['bits']}bit" if mode == "affine" else str(mode)
+
+
+def restore_checkpoint_quantization(model: nn.Module, block: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:
+    """Turn the modules the checkpoint stores quantized into quantized modules (before loading)."""
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if path in block:  # a per-module override: its own bits/group size, or False
+            return block[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(
+        model,
+        group_size=block.get("group_size"),
+        bits=block["bits"],
+        mode=block.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _model_predicate(model: nn.Module) -> Callable[[str, nn.Module], bool | dict]:
+    hook = getattr(model, "quant_predicate", None)
+    return hook if callable(hook) else (lambda path, module: True)
+
+
+def quantize_model(model: nn.Module, spec: QuantSpec) -> dict[str, Any]:
+    """Quantize a loaded float model in place; return the config `quantization` block that
+    describes the result (the form MLX checkpoints store)."""
+    allowed = _model_predicate(model)
+    overrides: dict[str, Any] = {}
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % spec.group_size:
+            return False
+        verdict = allowed(path, module)
+        if verdict is not True:
+            overrides[path] = verdict
+        return verdict
+
+    nn.quantize(model, group_size=spec.group_size, bits=spec.bits, mode=spec.mode, class_predicate=predicate)
+    return {"group_size": spec.group_size, "bits": spec.bits, "mode": spec.mode, **overrides}
+
+
+def cast_model(model: nn.Module, dtype: str) -> None:
+    """Cast floating parameters to `dtype`, except those the model keeps in float32 (`cast_predicate`)."""
+    target = getattr(mx, dtype)
+    keep: Callable[[str], bool] = getattr(model, "cast_predicate", lambda path: True)
+    params = [
+        (path, value.astype(target) if mx.issubdtype(value.dtype, mx.floating) and keep(path) else value)
+        for path, value in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(params))
