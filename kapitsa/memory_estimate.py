@@ -2,6 +2,7 @@
 
 memory = weights + KV per token × context + recurrent state (fixed per sequence)
          + recurrent checkpoints kept by the prefix cache + activation workspace + headroom
+         + one attention layer's K/V again (a cache update writes the new buffer before the old one goes)
 
 Only the attention layers grow with context. Gated DeltaNet and Mamba-2 layers hold a fixed state
 per sequence (fp32 SSM state plus bf16 conv window, as in mlx-lm and ../shared/docs/hybrid-engine.md
@@ -45,25 +46,33 @@ class MemoryEstimate:
         return self.weights_bytes + self.state_bytes + self.checkpoint_bytes + self.workspace_bytes + self.headroom_bytes
 
 
-def kv_bytes_per_token(arch: Architecture) -> int:
-    return arch.attention_layers * 2 * arch.num_kv_heads * arch.head_dim * KV_BYTES
+def kv_bytes_per_token(arch: Architecture, dtype_bytes: int = KV_BYTES) -> int:
+    return arch.attention_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype_bytes
 
 
-def gdn_layer_state_bytes(arch: Architecture) -> int:
+def gdn_layer_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) -> int:
     ssm = arch.linear_value_heads * arch.linear_value_dim * arch.linear_key_dim * STATE_BYTES
     conv_channels = 2 * arch.linear_key_heads * arch.linear_key_dim + arch.linear_value_heads * arch.linear_value_dim
-    return ssm + (arch.conv_kernel - 1) * conv_channels * CONV_BYTES
+    return ssm + (arch.conv_kernel - 1) * conv_channels * conv_bytes
 
 
-def mamba_layer_state_bytes(arch: Architecture) -> int:
+def mamba_layer_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) -> int:
     ssm = arch.mamba_heads * arch.mamba_head_dim * arch.mamba_state_size * STATE_BYTES
     conv_channels = arch.mamba_heads * arch.mamba_head_dim + 2 * arch.mamba_groups * arch.mamba_state_size
-    return ssm + (arch.conv_kernel - 1) * conv_channels * CONV_BYTES
+    return ssm + (arch.conv_kernel - 1) * conv_channels * conv_bytes
 
 
-def recurrent_state_bytes(arch: Architecture) -> int:
+def recurrent_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) -> int:
     """Fixed per-sequence state of all recurrent layers (= the size of one prefix-cache checkpoint)."""
-    return arch.linear_layers * gdn_layer_state_bytes(arch) + arch.mamba_layers * mamba_layer_state_bytes(arch)
+    return (arch.linear_layers * gdn_layer_state_bytes(arch, conv_bytes)
+            + arch.mamba_layers * mamba_layer_state_bytes(arch, conv_bytes))
+
+
+def update_transient_bytes(arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
+    """A K/V update produces the layer's new buffer while the old one is still alive: one layer's K/V extra."""
+    if arch.attention_layers == 0:
+        return 0
+    return kv_bytes_per_token(arch, dtype_bytes) // arch.attention_layers * context_tokens
 
 
 def weights_bytes(arch: Architecture, bits_per_weight: float) -> int:
@@ -79,9 +88,15 @@ def workspace_bytes(arch: Architecture, prefill_chunk: int = DEFAULT_PREFILL_CHU
     return prefill_chunk * arch.hidden_size * 4 * 16 + arch.vocab_size * 4 * 2
 
 
-def sequence_bytes(arch: Architecture, context_tokens: int) -> int:
+def sequence_bytes(arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
     """Cache memory of one sequence holding `context_tokens`: its KV plus its recurrent state."""
-    return kv_bytes_per_token(arch) * context_tokens + recurrent_state_bytes(arch)
+    return kv_bytes_per_token(arch, dtype_bytes) * context_tokens + recurrent_state_bytes(arch, dtype_bytes)
+
+
+def decode_peak_bytes(arch: Architecture, *, weight_bytes: int, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
+    """Peak memory while decoding one sequence at `context_tokens`: what the tiny-run test measures."""
+    return (weight_bytes + sequence_bytes(arch, context_tokens, dtype_bytes)
+            + update_transient_bytes(arch, context_tokens, dtype_bytes) + workspace_bytes(arch, prefill_chunk=1))
 
 
 def estimate(arch: Architecture, *, usable_bytes: int, weight_bytes: int,
@@ -95,7 +110,8 @@ def estimate(arch: Architecture, *, usable_bytes: int, weight_bytes: int,
                              workspace_bytes=workspace_bytes(arch, prefill_chunk), headroom_bytes=headroom_bytes,
                              max_context=0, verdict="too_big")
     free = usable_bytes - partial.fixed_bytes
-    max_context = _context_that_fits(arch, free, partial.kv_bytes_per_token)
+    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1)
+    max_context = _context_that_fits(arch, free, per_token)
     return MemoryEstimate(**{**_as_dict(partial), "max_context": max_context,
                              "verdict": _verdict(arch, free, max_context)})
 

@@ -1,0 +1,69 @@
+"""The memory estimate against measured peak memory of real tiny runs (MLX on CPU), within 10%."""
+
+from __future__ import annotations
+
+import pytest
+
+from kapitsa import memory_estimate as me
+from kapitsa.catalog import load_catalog
+
+mx = pytest.importorskip("mlx.core")
+
+
+def _measured_decode_peak(kind: str, context: int, dtype) -> tuple[int, int, object]:
+    from mlx.utils import tree_flatten
+
+    from kapitsa.catalog import arch_from_config
+    from kapitsa.engine.models import get_model_module
+    from kapitsa.engine.tiny import tiny_config
+
+    config = tiny_config(kind)
+    module = get_model_module(config["model_type"])
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    cache = model.make_cache(1)
+    tokens = mx.random.randint(3, 200, (1, context))
+    for start in range(0, context, 256):
+        mx.eval(model(tokens[:, start:start + 256], cache=cache))
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    token = mx.array([[5]])
+    for _ in range(4):
+        token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1)[:, None]
+        mx.eval(token)
+    return mx.get_peak_memory(), weights, arch_from_config(config)
+
+
+@pytest.mark.parametrize(("kind", "dtype_name"), [("qwen3_5", "bfloat16"), ("nemotron_h", "float32")])
+def test_estimate_matches_measured_peak_of_a_tiny_run(kind: str, dtype_name: str) -> None:
+    context = 1024
+    peak, weights, arch = _measured_decode_peak(kind, context, getattr(mx, dtype_name))
+    dtype_bytes = 2 if dtype_name == "bfloat16" else 4
+    allocated = -(-(context + 4) // 256) * 256  # KV buffers grow in steps of 256 positions
+    estimate = me.decode_peak_bytes(arch, weight_bytes=weights, context_tokens=allocated, dtype_bytes=dtype_bytes)
+    assert abs(estimate - peak) / peak < 0.10, (estimate, peak)
+
+
+def test_max_context_follows_memory_and_caps_at_the_window() -> None:
+    arch = load_catalog().get("27b").arch
+    assert arch is not None
+    weights = me.weights_bytes(arch, 4.5)
+    small = me.estimate(arch, usable_bytes=24 * 2**30, weight_bytes=weights)
+    big = me.estimate(arch, usable_bytes=100 * 2**30, weight_bytes=weights)
+    assert 0 < small.max_context < big.max_context == arch.context_length
+    per_token = small.kv_bytes_per_token + me.update_transient_bytes(arch, 1)
+    assert small.fixed_bytes + small.max_context * per_token <= small.usable_bytes
+    assert small.fixed_bytes + (small.max_context + 1) * per_token > small.usable_bytes
+    tiny_budget = me.estimate(arch, usable_bytes=weights // 2, weight_bytes=weights)
+    assert (tiny_budget.max_context, tiny_budget.verdict) == (0, "too_big")
+
+
+def test_checkpoints_cost_recurrent_state_each() -> None:
+    arch = load_catalog().get("lightning").arch
+    assert arch is not None
+    none = me.estimate(arch, usable_bytes=64 * 2**30, weight_bytes=10**9, num_checkpoints=0)
+    eight = me.estimate(arch, usable_bytes=64 * 2**30, weight_bytes=10**9, num_checkpoints=8)
+    assert eight.checkpoint_bytes - none.checkpoint_bytes == 8 * me.recurrent_state_bytes(arch)
