@@ -153,11 +153,22 @@ def _cuda_kernel(mode: int, shared_bytes: int):
 
 
 def supports(x: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
+    """Whether the custom kernel can run this call (right backend, shapes and format)."""
     if backend() != "cuda" or x.ndim != 2 or x.shape[0] > MAX_ROWS or mode not in _MODES:
         return False
     if mode == "affine":
         return bits in AFFINE_BITS and group_size % 32 == 0
     return bits == 4 and x.shape[1] % 32 == 0 and group_size in (16, 32)
+
+
+def prefer_kernel(rows: int, *, bits: int, mode: str) -> bool:
+    """Whether the kernel beat MLX's stock quantized_matmul on the H200 for this case.
+
+    Measured (docs/bench/qmv-h200.md): affine 4-bit with 2-8 rows is faster (a 27B-shaped chain at
+    4 rows: 44 ms vs 54 ms); one row is on par (893 vs 937 GB/s) and 16 rows or 8-bit are slower,
+    so those keep the stock kernel. Speculative verify (a few rows) is the case this serves.
+    """
+    return mode == "affine" and bits == 4 and 2 <= rows <= 8
 
 
 def qmv(
