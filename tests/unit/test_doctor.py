@@ -1,0 +1,87 @@
+"""doctor on recorded hardware profiles and on this machine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from kapitsa.catalog import load_catalog
+from kapitsa.cli import app
+from kapitsa.doctor import RECORDED_PROFILES, build_report, probe_hardware, render_report
+
+
+def _verdicts(profile_name: str) -> dict[str, str]:
+    report = build_report(RECORDED_PROFILES[profile_name], load_catalog())
+    return {fit.ref: fit.verdict for fit in report.models}
+
+
+def test_16gb_m1_pro_runs_small_models_only() -> None:
+    report = build_report(RECORDED_PROFILES["m1-pro-16gb"], load_catalog())
+    verdicts = {f.ref: f.verdict for f in report.models}
+    assert verdicts["4b"] == "fits"
+    assert verdicts["27b"] == verdicts["35b"] == verdicts["flash-next"] == "too_big"
+    assert report.recommended == "4b"
+    assert report.warnings == ()
+
+
+def test_48gb_m4_pro_runs_27b_but_not_80b() -> None:
+    report = build_report(RECORDED_PROFILES["m4-pro-48gb"], load_catalog())
+    verdicts = {f.ref: f.verdict for f in report.models}
+    assert verdicts["27b"] == verdicts["35b"] == verdicts["lightning"] == "fits"
+    assert verdicts["27b:bf16"] == verdicts["flash-next"] == "too_big"
+    assert report.recommended in {"27b", "lightning"}
+
+
+def test_128gb_m5_max_runs_everything_at_4bit() -> None:
+    report = build_report(RECORDED_PROFILES["m5-max-128gb"], load_catalog())
+    defaults = {f.ref: f for f in report.models if f.ref == f.alias and f.alias != "demo"}
+    assert all(f.verdict == "fits" for f in defaults.values())
+    assert defaults["flash-next"].max_context == 262144
+    assert report.recommended == "super-vl"
+
+
+def test_more_memory_never_means_less_context() -> None:
+    small = build_report(RECORDED_PROFILES["m4-pro-48gb"], load_catalog())
+    big = build_report(RECORDED_PROFILES["m5-max-128gb"], load_catalog())
+    for a, b in zip(small.models, big.models, strict=True):
+        assert (a.max_context or 0) <= (b.max_context or 0), a.ref
+
+
+def test_warnings_for_old_macos_and_intel_macs() -> None:
+    base = RECORDED_PROFILES["m4-pro-48gb"]
+    old = build_report(replace(base, os_name="macOS 13.6", macos_version=(13, 6)), load_catalog())
+    assert any("older than macOS 14" in w for w in old.warnings)
+    intel = build_report(replace(base, machine="x86_64", is_apple_silicon=False), load_catalog())
+    assert any("not Apple silicon" in w for w in intel.warnings)
+
+
+def test_doctor_on_this_machine_is_truthful() -> None:
+    hw = probe_hardware()
+    assert hw.total_memory_bytes > 0 and 0 < hw.usable_memory_bytes <= hw.total_memory_bytes
+    assert hw.mlx_version is not None
+    report = build_report(hw, load_catalog())
+    text = render_report(report)
+    assert hw.chip in text and "Recommended:" in text
+    if hw.macos_version is None:
+        assert hw.backend in ("cpu", "cuda") and any("not macOS" in w for w in report.warnings)
+    json.dumps(report.to_json_dict())
+
+
+def test_cli_doctor_json_and_text() -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["doctor", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert {"hardware", "models", "recommended", "warnings"} <= set(data)
+    assert {m["alias"] for m in data["models"]} >= {"4b", "27b", "bolt", "demo"}
+    text = runner.invoke(app, ["doctor"], catch_exceptions=False)
+    assert text.exit_code == 0 and "MAX CONTEXT" in text.output
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED_PROFILES))
+def test_recorded_profiles_use_the_metal_working_set(name: str) -> None:
+    hw = RECORDED_PROFILES[name]
+    assert hw.backend == "metal" and hw.usable_memory_bytes < hw.total_memory_bytes
