@@ -1,0 +1,18 @@
+# Developer shortcuts. The test command itself is `bash scripts/test.sh` (what CI runs).
+PY := .venv/bin/python
+
+.PHONY: test check lock
+
+test:
+	bash scripts/test.sh
+
+# Lint, formatting and the engine's import boundary.
+check:
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	.venv/bin/lint-imports
+
+# After editing dependencies in pyproject.toml: refresh uv.lock and the Homebrew formula.
+lock:
+	.venv/bin/uv lock
+	$(PY) tools/gen_formula.py
