@@ -67,7 +67,9 @@ def describe_quantization(block: Mapping[str, Any]) -> str:
     return f"{block['bits']}bit" if mode == "affine" else str(mode)
 
 
-def restore_checkpoint_quantization(model: nn.Module, block: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:
+def restore_checkpoint_quantization(
+    model: nn.Module, block: Mapping[str, Any], weights: Mapping[str, mx.array]
+) -> None:
     """Turn the modules the checkpoint stores quantized into quantized modules (before loading)."""
 
     def predicate(path: str, module: nn.Module) -> bool | dict:

@@ -165,7 +165,6 @@ _NEMOTRON: dict[str, Any] = {
     "ssm_state_size": 16,
     "tie_word_embeddings": False,
     "time_step_floor": 0.0001,
-    "time_step_limit": [0.0, float("inf")],
     "time_step_max": 0.1,
     "time_step_min": 0.001,
     "topk_group": 1,

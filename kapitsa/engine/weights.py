@@ -13,13 +13,20 @@ from kapitsa.errors import CheckpointError, UnsupportedModel
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def _decode_special_floats(obj: dict[str, Any]) -> Any:
+    # transformers v5 writes non-finite floats as {"__float__": "Infinity"}
+    if obj.keys() == {"__float__"}:
+        return float(obj["__float__"])
+    return obj
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face or MLX model folder?")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        config = json.loads(path.read_text(encoding="utf-8"), object_hook=_decode_special_floats)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")

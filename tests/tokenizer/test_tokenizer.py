@@ -106,8 +106,6 @@ TEXTS = ["héllo wörld", "日本語のテキスト", "emoji 🙂🚀👍🏽 mi
 def test_detokenizer_streams_whole_characters_only(text, family_folder, request):
     tok = Tokenizer.from_folder(request.getfixturevalue(family_folder))
     ids = tok.encode(text)
-    singles = [tok.decode([i]) for i in ids]
-    assert any("\ufffd" in s for s in singles) or text.isascii() or True  # byte splits happen for most
     detok = tok.detokenizer()
     pieces = [detok.add(i) for i in ids]
     pieces.append(detok.flush())
