@@ -84,7 +84,7 @@ def prepare_launch(agent: str, model_ref: str, args: list[str], *, settings: Kap
     if module is None:
         raise KapitsaError(f"unknown agent {agent!r}; known: {', '.join(AGENTS)}")
     env_in = dict(os.environ if environ is None else environ)
-    binary = find_binary(module.BINARY, module.INSTALL, module.EXTRA_DIRS)
+    binary = find_binary(module.BINARY, module.INSTALL, module.EXTRA_DIRS, env_in.get("PATH"))
     model = resolve_model(model_ref, load_catalog(settings.catalog))
     local_path = ensure_weights(model) if ensure_weights else None
     server = ensure_server(model_ref=model_ref, wanted_ids=(model_ref, model.display_name, model.repo_id or ""),

@@ -24,7 +24,8 @@ MARKER = "_kapitsa"
 
 def models_file(environ: Mapping[str, str]) -> Path:
     agent_dir = environ.get("PI_CODING_AGENT_DIR")
-    return (Path(agent_dir).expanduser() if agent_dir else Path.home() / ".pi" / "agent") / "models.json"
+    home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()
+    return (Path(agent_dir).expanduser() if agent_dir else home / ".pi" / "agent") / "models.json"
 
 
 def managed_file(environ: Mapping[str, str], state_dir: Path) -> ManagedFile:

@@ -73,6 +73,11 @@ def ensure_server(*, model_ref: str, wanted_ids: Iterable[str], host: str, first
                        "servers; set KAPITSA_PORT to another range")
 
 
+def serve_command(model_ref: str, host: str, port: int, serve_args: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "kapitsa", "serve", "--model", model_ref, "--host", host, "--port", str(port),
+            *serve_args]
+
+
 def start_server(*, model_ref: str, wanted: tuple[str, ...], host: str, port: int, api_key: str | None,
                  log_dir: Path, timeout_s: float, environ: Mapping[str, str] | None = None,
                  serve_args: tuple[str, ...] = ()) -> ServerHandle:
@@ -81,7 +86,7 @@ def start_server(*, model_ref: str, wanted: tuple[str, ...], host: str, port: in
     env = dict(environ if environ is not None else os.environ)
     if api_key:
         env["KAPITSA_API_KEY"] = api_key
-    cmd = [sys.executable, "-m", "kapitsa", "serve", "--model", model_ref, "--host", host, "--port", str(port), *serve_args]
+    cmd = serve_command(model_ref, host, port, serve_args)
     with log_path.open("ab") as log:
         # A new session: the server outlives this launcher (which exec()s into the agent) and its terminal.
         process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
