@@ -115,9 +115,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return ApiError(400, "The request body is not valid JSON.")
-    param = ".".join(loc) or None
-    where = f" at `{param}`" if param else ""
-    return ApiError(400, f"Invalid request{where}: {first.get('msg', 'invalid value')}", param=param)
+    where = f" at `{'.'.join(loc)}`" if loc else ""
+    return ApiError(400, f"Invalid request{where}: {first.get('msg', 'invalid value')}", param=loc[0] if loc else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
