@@ -100,7 +100,8 @@ def qwen_weights(config: dict, seed: int = 0, mtp: bool = False, fused_experts: 
     if wrapped:
         w["model.visual.patch_embed.proj.weight"] = r.normal((8, 3))  # must be dropped
     for i, kind in enumerate(t["layer_types"]):
-        _qwen_layer(w, r, t, f"{pre}layers.{i}.", kind, packed=not wrapped, fused_experts=fused_experts)
+        packed = t.get("model_type") == "qwen3_next"
+        _qwen_layer(w, r, t, f"{pre}layers.{i}.", kind, packed=packed, fused_experts=fused_experts)
     if mtp:
         w["mtp.fc.weight"] = r.linear(H, 2 * H)
         for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
