@@ -29,7 +29,7 @@ class LiveScreen(Screen):
 
     def on_mount(self) -> None:
         self.sub_title = "live"
-        self.watch(self.app, "stats", self.show_stats, init=True)
+        self.watch(self.app, "engine_stats", self.show_stats, init=True)
         self.watch(self.app, "engine_status", self.show_status, init=True)
 
     def show_status(self, status: str) -> None:

@@ -1,0 +1,57 @@
+"""Live panels: stats polled from `EngineClient.stats()` fill the sparklines, requests and cache panels."""
+
+from __future__ import annotations
+
+from textual.widgets import Sparkline
+from tui_support import BUSY_STATS, of_type, settle, wait_until
+
+from kapitsa.tui.messages import StatsPolled
+from kapitsa.tui.widgets.cache_panel import CachePanel
+from kapitsa.tui.widgets.rate_panel import RatePanel
+from kapitsa.tui.widgets.requests_panel import RequestsPanel
+
+
+def _text(widget) -> str:
+    return str(widget.render())
+
+
+async def test_polled_stats_fill_every_panel(make_app, messages) -> None:
+    """Check that a running engine's counters reach the decode/prefill sparklines, requests and cache panels."""
+    app = make_app()
+    async with app.run_test(size=(80, 24), message_hook=messages.append) as pilot:
+        await settle(pilot)
+        await pilot.press("s")
+        await wait_until(pilot, lambda: app.engine_status == "running")
+        await pilot.press("2")
+        await wait_until(pilot, lambda: len(of_type(messages, StatsPolled)) >= 3)
+        await pilot.pause()
+        screen = app.screen
+        assert screen.id == "live"
+        decode = screen.query_one("#decode-rate", RatePanel)
+        assert list(decode.history)[-1] == BUSY_STATS.decode_tok_s
+        assert decode.query_one(Sparkline).data[-1] == BUSY_STATS.decode_tok_s
+        assert "42.2 tok/s" in _text(decode.query_one(".rate-value"))
+        assert list(screen.query_one("#prefill-rate", RatePanel).history)[-1] == 812.5
+        requests = _text(screen.query_one(RequestsPanel))
+        assert "active        2" in requests and "queued      1" in requests and "batch         2" in requests
+        assert "ngram · 62% accepted" in requests
+        cache = _text(screen.query_one(CachePanel))
+        assert "reused     7500" in cache and "computed     2500" in cache
+        assert "hit rate         75.0%" in cache
+        assert "3 in memory (48.0 MiB)" in cache and "5 on disk (80.0 MiB)" in cache
+        assert "3.0 GiB in use / 36.0 GiB" in cache
+        assert "running  4b at http://127.0.0.1:" in _text(screen.query_one("#live-status"))
+
+
+async def test_stopping_the_engine_stops_polling(make_app, messages) -> None:
+    app = make_app()
+    async with app.run_test(size=(80, 24), message_hook=messages.append) as pilot:
+        await settle(pilot)
+        await pilot.press("s")
+        await wait_until(pilot, lambda: len(of_type(messages, StatsPolled)) >= 1)
+        await pilot.press("s")
+        await wait_until(pilot, lambda: app.engine_status == "stopped")
+        polled = len(of_type(messages, StatsPolled))
+        await pilot.pause(0.7)  # longer than one poll interval
+        assert len(of_type(messages, StatsPolled)) == polled
+        assert app.engine_stats is None
