@@ -111,7 +111,7 @@ def capture_base_instructions(binary: str, environ: Mapping[str, str]) -> str | 
            *provider_overrides(probe), "-m", probe.model_id, "reply with ok"]
     try:
         subprocess.run(cmd, env={**environ, API_KEY_ENV: "probe"}, stdin=subprocess.DEVNULL,
-                       capture_output=True, timeout=_CAPTURE_TIMEOUT_S, cwd=Path.home())
+                       capture_output=True, timeout=_CAPTURE_TIMEOUT_S, cwd=environ.get("HOME") or Path.home())
     except (OSError, subprocess.SubprocessError):
         pass
     finally:
