@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from typing import Any
 
 import mlx.core as mx
 
-EOS = 1
+EOS = 1  # "<|im_end|>"
 OFFSET = 3  # ids 0..2 are special; byte b is id b + 3
+SPECIAL = {"<|im_end|>": 1, "<|im_start|>": 2}
+_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL) + ")")
 
 
 class ByteDetokenizer:
@@ -26,10 +29,15 @@ class ByteDetokenizer:
 
 
 class ByteTokenizer:
+    """Bytes as tokens, ChatML markers as single special tokens (as real tokenizers have them)."""
+
     eos_token_ids = frozenset({EOS})
 
     def encode(self, text: str) -> list[int]:
-        return [b + OFFSET for b in text.encode()]
+        ids: list[int] = []
+        for part in _SPLIT.split(text):
+            ids += [SPECIAL[part]] if part in SPECIAL else [b + OFFSET for b in part.encode()]
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i - OFFSET for i in ids if OFFSET <= i < OFFSET + 256).decode(errors="replace")
@@ -40,7 +48,7 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], *, tools=None, add_generation_prompt=True, **kwargs: Any) -> str:
         out = []
         if tools:
-            out.append(f"<|tools|>{json.dumps(tools)}\n")
+            out.append(f"<|im_start|>system\n{json.dumps(tools)}<|im_end|>\n")
         for m in messages:
             out.append(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n")
         if add_generation_prompt:
@@ -68,9 +76,25 @@ from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
 from kapitsa.engine.types import ModelInfo  # noqa: E402
 
 
+FAMILIES = ("qwen3_5", "nemotron_h")
+_MODELS: dict[str, object] = {}
+
+
 @pytest.fixture(scope="session")
 def qwen_model():
-    return tiny_model("qwen3_5")
+    return _cached_model("qwen3_5")
+
+
+@pytest.fixture(params=FAMILIES)
+def family_model(request):
+    """Each family's tiny model in turn."""
+    return _cached_model(request.param)
+
+
+def _cached_model(kind: str):
+    if kind not in _MODELS:
+        _MODELS[kind] = tiny_model(kind)
+    return _MODELS[kind]
 
 
 @pytest.fixture
@@ -80,6 +104,7 @@ def make_client():
 
     def make(model, *, context_length: int = 4096, **cfg) -> InProcessEngine:
         info = ModelInfo(id="tiny", family="test", context_length=context_length, max_output_tokens=1024)
+        cfg.setdefault("prefill_chunk", 64)  # the CPU reference GDN scan grows faster than linear in T
         client = InProcessEngine(model, ByteTokenizer(), info, eos_token_ids={EOS}, config=EngineConfig(**cfg))
         made.append(client)
         return client

@@ -1,0 +1,49 @@
+"""Continuous batching: a sequence's greedy output does not depend on its batch neighbours."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kapitsa.engine.types import FinishEvent, GenerationRequest, PrefillProgressEvent, SamplingParams, TokenEvent
+
+PROMPTS = [
+    "hi",
+    "The quick brown fox jumps over the lazy dog. " * 2,
+    "def add(x, y):\n    return x + y\n" * 8,
+    "A longer prompt that needs several prefill chunks. " * 6,
+]
+
+
+async def collect(client, request):
+    ids, events = [], []
+    async for event in client.generate(request):
+        events.append(event)
+        if isinstance(event, TokenEvent):
+            ids.extend(event.token_ids)
+    return ids, events
+
+
+def _request(prompt: str, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def test_batched_equals_single_stream(family_model, make_client) -> None:
+    client = make_client(family_model, prefill_chunk=64, prefix_cache_bytes=0)
+    lengths = [10, 6, 14, 8]  # different lengths: sequences leave the batch at different steps
+    alone = [(await collect(client, _request(p, n)))[0] for p, n in zip(PROMPTS, lengths, strict=True)]
+    together = await asyncio.gather(*(collect(client, _request(p, n)) for p, n in zip(PROMPTS, lengths, strict=True)))
+    assert [ids for ids, _ in together] == alone
+    assert [len(ids) for ids in alone] == lengths
+    long_events = together[3][1]
+    assert any(isinstance(e, PrefillProgressEvent) for e in long_events)  # prefilled in chunks
+    assert all(isinstance(events[-1], FinishEvent) for _, events in together)
+
+
+async def test_requests_join_a_running_batch(qwen_model, make_client) -> None:
+    client = make_client(qwen_model, prefill_chunk=32, prefix_cache_bytes=0)
+    alone = [(await collect(client, _request(p, 12)))[0] for p in PROMPTS[:3]]
+    first = asyncio.create_task(collect(client, _request(PROMPTS[0], 12)))
+    await asyncio.sleep(0.05)  # the first is decoding when the others arrive
+    rest = await asyncio.gather(*(collect(client, _request(p, 12)) for p in PROMPTS[1:3]))
+    assert [(await first)[0], *(ids for ids, _ in rest)] == alone
+    assert client.stats().requests_finished == 6
