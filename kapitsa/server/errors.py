@@ -26,6 +26,7 @@ from kapitsa.errors import (
     ModelNotFound,
     UnsupportedModel,
 )
+from kapitsa.server.streaming import ClientGone
 
 log = logging.getLogger("kapitsa.server")
 
@@ -137,6 +138,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         return error_response(request.scope["path"], ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody is listening; the generation is already aborted
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

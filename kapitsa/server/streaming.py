@@ -48,8 +48,9 @@ class GenerationRun:
             item = await asyncio.wait_for(self._queue.get(), first_event_wait_s) if first_event_wait_s else None
         except TimeoutError:
             return
-        if item is None:
-            return
+        if isinstance(item, ClientGone):
+            await self.close()
+            raise item
         event = self._check(item)
         if isinstance(event, ErrorEvent) and isinstance(event.error, KapitsaError):
             await self.close()
