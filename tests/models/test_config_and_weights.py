@@ -146,3 +146,42 @@ def test_hidden_states_and_taps():
     assert mx.array_equal(model.logits(out.hidden), model(x)).item()
     assert mx.array_equal(out.taps[last], out.hidden).item()
     assert not mx.array_equal(out.taps[0], out.hidden).item()
+
+
+def test_mtp_dedicated_embeddings_are_used():
+    cfg, hf = config_and_weights("qwen3_5_dense", mtp=True)
+    hf["mtp.embed_tokens.weight"] = mx.zeros_like(hf["model.language_model.embed_tokens.weight"])
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(cfg))
+    model.load_weights(list(model.sanitize(hf).items()), strict=True)
+    assert "embed_tokens" in model.mtp
+    hidden = mx.zeros((1, 2, 64))
+    a = model.mtp_forward(mx.array([[1, 2]]), hidden)
+    b = model.mtp_forward(mx.array([[3, 4]]), hidden)
+    assert mx.array_equal(a, b).item()  # zero embeddings: the token no longer matters
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "nemotron_moe"])
+def test_bfloat16_and_quantized_models_run_on_cpu(arch):
+    from mlx.utils import tree_unflatten
+
+    model = build_ours(arch)
+    params = [
+        (p, v.astype(mx.bfloat16) if model.cast_predicate(p) else v)
+        for p, v in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(params))
+    cache = model.make_cache(2)
+    model(mx.array([[1, 2, 3, 4], [5, 6, 0, 0]]), cache, lengths=[4, 2])
+    model(mx.array([[7, 8, 9], [1, 2, 3]]), cache, record=True)
+    cache.rollback([1, 2])
+    out = model(mx.array([[3], [4]]), cache)
+    assert out.dtype == mx.bfloat16 and not mx.isnan(out).any().item()
+    recurrent = [c for c in cache.layers if c is not None and hasattr(c, "state")]
+    assert all(c.state.dtype == mx.float32 and c.conv.dtype == mx.bfloat16 for c in recurrent)
+    nn.quantize(
+        model,
+        group_size=32,
+        bits=4,
+        class_predicate=lambda p, m: hasattr(m, "to_quantized") and model.quant_predicate(p, m),
+    )
+    assert not mx.isnan(model(mx.array([[1, 2, 3]]))).any().item()

@@ -120,3 +120,22 @@ def test_checkpoint_restore(arch):
     assert ckpt.nbytes == sum(c.state.nbytes + c.conv.nbytes for c in recurrent)
     held = [pair for pair in ckpt.recurrent if pair]
     assert all(a is not None for pair in held for a in pair)
+
+
+def test_rollback_after_a_padded_verify_batch():
+    """Drafts of different lengths are padded to one T; rollback counts from each row's length."""
+    model = build_ours("qwen3_5_moe")
+    cache = model.make_cache(2)
+    model(mx.array([PROMPT, PROMPT[::-1]]), cache)
+    drafts = mx.array([DRAFT[:5], DRAFT[:3] + [0, 0]])
+    model(drafts, cache, lengths=[5, 3], record=True)
+    cache.rollback([1, 2])
+    assert cache.offsets == [len(PROMPT) + 4, len(PROMPT) + 1]
+    step = model(mx.array([[77], [77]]), cache)[:, -1]
+    for b, kept in enumerate([DRAFT[:4], DRAFT[:1]]):
+        solo = model.make_cache()
+        model(mx.array([(PROMPT if b == 0 else PROMPT[::-1]) + kept]), solo)
+        assert mx.abs(step[b] - model(mx.array([[77]]), solo)[0, -1]).max().item() < 1e-4
+    with pytest.raises(ValueError):  # cannot drop more than the row consumed
+        model(drafts, cache, lengths=[5, 3], record=True)
+        cache.rollback([0, 4])

@@ -307,6 +307,8 @@ class Model(HybridLM):
             layers = {int(m.group(1)) for k in out if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
             self.args.mtp_num_hidden_layers = max(layers, default=-1) + 1
             self.mtp = MTPHead(self.args)
+            if "mtp.embed_tokens.weight" in out:  # `mtp_use_dedicated_embeddings`
+                self.mtp.embed_tokens = nn.Embedding(self.args.vocab_size, self.args.hidden_size)
         return out
 
     # -- MTP -------------------------------------------------------------------------------
@@ -324,7 +326,8 @@ class Model(HybridLM):
     ) -> mx.array:
         if self.mtp is None:
             raise ValueError("this checkpoint ships no MTP weights")
-        embed = self.backbone_parts()[0](next_ids)
+        embed_tokens = self.mtp.get("embed_tokens") or self.backbone_parts()[0]
+        embed = embed_tokens(next_ids)
         h = self.mtp.fc(
             mx.concatenate(
                 [self.mtp.pre_fc_norm_embedding(embed), self.mtp.pre_fc_norm_hidden(hidden)], axis=-1

@@ -14,6 +14,14 @@ import mlx.nn as nn
 _SORT_THRESHOLD = 64  # token-expert pairs above which grouping rows by expert pays off
 
 
+def _cpu_only() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return not (mx.metal.is_available() or (cuda is not None and cuda.is_available()))
+
+
+_CPU_GATHER_FP32_ONLY = _cpu_only()
+
+
 class SwitchLinear(nn.Module):
     """E linear maps `[E, out, in]`; row i of x goes through expert `indices[i]`."""
 
@@ -25,9 +33,17 @@ class SwitchLinear(nn.Module):
             self.bias = mx.zeros((num_experts, out_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        out = mx.gather_mm(
-            x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
-        )
+        weight = self["weight"]
+        if _CPU_GATHER_FP32_ONLY and weight.dtype != mx.float32:
+            # MLX's CPU gather_mm takes float32 only: compute in float32 there and cast back
+            out = mx.gather_mm(
+                x.astype(mx.float32),
+                weight.astype(mx.float32).swapaxes(-1, -2),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            ).astype(x.dtype)
+        else:
+            out = mx.gather_mm(x, weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             out = out + mx.expand_dims(self["bias"][indices], -2)
         return out
