@@ -69,7 +69,11 @@ def run(
     speculative: SpecOpt = "none",
 ) -> None:
     """Generate from a prompt and stream the answer."""
-    not_built("run")
+    from kapitsa.run_cmd import RunOptions, cmd_run
+
+    cmd_run(RunOptions(model=model, prompt=prompt, prompt_file=prompt_file, prompt_arg=prompt_arg, raw=raw,
+                       max_tokens=max_tokens, temperature=temperature, seed=seed, json_out=json_out,
+                       speculative=speculative))
 
 
 @app.command()

@@ -8,6 +8,7 @@ engine thread; its events come back through an asyncio queue per request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,6 +17,7 @@ import mlx.core as mx
 
 from kapitsa.engine.decode import DecodeStrategy
 from kapitsa.engine.engine import Engine, EngineConfig
+from kapitsa.engine.loading import LoadedModel, load_model
 from kapitsa.engine.memory import check_context
 from kapitsa.engine.prepare import prepare_prompt
 from kapitsa.engine.sequence import Sequence
@@ -50,6 +52,24 @@ class InProcessEngine:
         self.info = info
         self.eos_token_ids = frozenset(eos_token_ids)
         self.engine = Engine(model, config, decode=decode)
+
+    @classmethod
+    def from_loaded(
+        cls, loaded: LoadedModel, *, config: EngineConfig | None = None, decode: DecodeStrategy | None = None
+    ) -> InProcessEngine:
+        """An engine over a model from `load_model`; the disk tier is keyed by its path and quantization."""
+        config = config or EngineConfig()
+        if config.model_key == EngineConfig().model_key:
+            key = f"{loaded.path.resolve()}|{loaded.info.quantization}|{loaded.info.id}"
+            config = dataclasses.replace(config, model_key=key)
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            loaded.info,
+            eos_token_ids=loaded.tokenizer.eos_token_ids,
+            config=config,
+            decode=decode,
+        )
 
     # EngineClient
 
@@ -142,6 +162,22 @@ class InProcessEngine:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def open_engine(
+    spec: str,
+    *,
+    quantize: str | None = None,
+    model_id: str | None = None,
+    config: EngineConfig | None = None,
+    decode: DecodeStrategy | None = None,
+) -> InProcessEngine:
+    """Load a model (folder, .gguf file or cached HF repo id; see `load_model`) and start its engine.
+
+    Catalog aliases ("27b", "demo") are resolved outside the engine (kapitsa.run_cmd.load_for_spec).
+    """
+    loaded = load_model(spec, quantize=quantize, model_id=model_id)
+    return InProcessEngine.from_loaded(loaded, config=config, decode=decode)
 
 
 def _drop(_event: Event) -> None:

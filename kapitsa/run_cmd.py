@@ -1,0 +1,153 @@
+"""`kapitsa run`: load a model, generate from one prompt, stream the answer or print one JSON object."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kapitsa.errors import InvalidRequest, KapitsaError
+
+
+@dataclass(slots=True, frozen=True)
+class RunOptions:
+    model: str | None
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    prompt_arg: str | None = None
+    raw: bool = False
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int | None = None
+    json_out: bool = False
+    speculative: str = "none"
+
+
+@dataclass(slots=True, frozen=True)
+class RunResult:
+    model: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int
+    finish_reason: str
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def read_prompt(options: RunOptions) -> str:
+    """The one prompt given as an argument, `--prompt` or `--prompt-file` ("-" reads stdin)."""
+    given = [p for p in (options.prompt_arg, options.prompt) if p is not None]
+    if options.prompt_file is not None:
+        try:
+            given.append(sys.stdin.read() if str(options.prompt_file) == "-" else options.prompt_file.read_text("utf-8"))
+        except (OSError, UnicodeDecodeError) as err:
+            raise InvalidRequest(f"cannot read the prompt file {options.prompt_file}: {err}") from err
+    if len(given) != 1:
+        raise InvalidRequest("give exactly one prompt: an argument, --prompt TEXT or --prompt-file FILE")
+    if not given[0]:
+        raise InvalidRequest("the prompt is empty")
+    return given[0]
+
+
+def load_for_spec(spec: str):  # noqa: ANN201 - LoadedModel, imported lazily (MLX)
+    """Load a catalog alias ("27b", "27b:6bit", "demo"), a folder, a .gguf file or a cached HF repo id."""
+    from kapitsa.catalog import load_catalog, parse_model_ref, resolve_model
+    from kapitsa.engine.loading import load_model
+    from kapitsa.settings import load_settings
+
+    name, _quant = parse_model_ref(spec)
+    catalog = load_catalog(load_settings().catalog)
+    if name.lower() not in catalog.entries:
+        return load_model(spec)  # load_model handles paths, repo ids and ":4bit"-style suffixes
+    resolved = resolve_model(spec, catalog)
+    source = resolved.path if resolved.kind == "path" else resolved.repo_id
+    return load_model(str(source), model_id=resolved.display_name)
+
+
+def default_model() -> str:
+    from kapitsa.settings import load_settings
+
+    return load_settings().default_model
+
+
+def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None) -> RunResult:
+    """Run one generation; stream text through `write` (stdout) unless `--json`, then print JSON."""
+    from kapitsa.engine.engine import EngineConfig
+    from kapitsa.engine.inprocess import InProcessEngine
+
+    text = read_prompt(options)
+    if options.speculative != "none":
+        raise KapitsaError(f"--speculative {options.speculative} is not available in `kapitsa run` yet; use none")
+    out = write or _stdout_write
+    loaded = load_for_spec(options.model or default_model())
+    # One prompt, no follow-up: the prefix cache would only cost copies.
+    client = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0))
+    try:
+        request = make_request(text, options)
+        result = asyncio.run(generate(client, request, None if options.json_out else out))
+    finally:
+        client.close()
+    if options.json_out:
+        out(json.dumps(asdict(result), ensure_ascii=False) + "\n")
+    else:
+        out("\n")
+    return result
+
+
+def make_request(text: str, options: RunOptions):  # noqa: ANN201 - GenerationRequest
+    from kapitsa.engine.types import GenerationRequest, SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=options.temperature, seed=options.seed, max_tokens=options.max_tokens)
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from err
+    if options.raw:
+        return GenerationRequest(prompt=text, sampling=sampling)
+    return GenerationRequest(messages=({"role": "user", "content": text},), sampling=sampling)
+
+
+async def generate(client, request, on_text: Callable[[str], object] | None) -> RunResult:  # noqa: ANN001
+    """Drive one request through an `EngineClient`, streaming text; raises the stream's error."""
+    from kapitsa.engine.types import ErrorEvent, FinishEvent, TokenEvent
+
+    parts: list[str] = []
+    ids: list[int] = []
+    async for event in client.generate(request):
+        if isinstance(event, TokenEvent):
+            parts.append(event.text)
+            ids.extend(event.token_ids)
+            if on_text is not None and event.text:
+                on_text(event.text)
+        elif isinstance(event, ErrorEvent):
+            raise event.error
+        elif isinstance(event, FinishEvent):
+            return _result(client.models()[0].id, "".join(parts), ids, event)
+    raise KapitsaError("the engine ended the stream without finishing it")
+
+
+def _result(model: str, text: str, ids: list[int], finish) -> RunResult:  # noqa: ANN001
+    usage = finish.usage
+    computed = usage.prompt_tokens - usage.cached_tokens
+    # the first token comes out of the prefill; decode speed counts the tokens after it
+    decoded = max(usage.completion_tokens - 1, 0)
+    return RunResult(
+        model=model,
+        text=text,
+        token_ids=ids,
+        prompt_tokens=usage.prompt_tokens,
+        generation_tokens=usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+        finish_reason=finish.finish_reason,
+        prefill_tok_s=round(computed / usage.prefill_seconds, 2) if usage.prefill_seconds > 0 else 0.0,
+        decode_tok_s=round(decoded / usage.decode_seconds, 2) if usage.decode_seconds > 0 else 0.0,
+    )
+
+
+def _stdout_write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
