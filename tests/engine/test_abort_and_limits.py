@@ -1,0 +1,121 @@
+"""Aborts release everything and leave neighbours alone; limits fail fast with clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import mlx.core as mx
+import pytest
+
+from kapitsa.engine.types import (
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    PrefillProgressEvent,
+    SamplingParams,
+    TokenEvent,
+)
+from kapitsa.errors import ContextOverflow, EngineBusy
+
+LONG_PROMPT = "A prompt long enough to need many prefill chunks. " * 12
+
+
+async def collect(client, request):
+    ids, events = [], []
+    async for event in client.generate(request):
+        events.append(event)
+        if isinstance(event, TokenEvent):
+            ids.extend(event.token_ids)
+    return ids, events
+
+
+def _req(prompt: str, n: int, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, sampling=SamplingParams(max_tokens=n, ignore_eos=True, **kw))
+
+
+async def _abort_after(client, request, *, when) -> list:
+    """Run `request`, abort it at the first event for which `when(event)` holds; return its events."""
+    events = []
+    async for event in client.generate(request):
+        events.append(event)
+        if when(event):
+            await client.abort(request.request_id)
+    return events
+
+
+async def _settle(client) -> int:
+    for _ in range(200):
+        if client.stats().active_requests == 0 and client.stats().queued_requests == 0:
+            break
+        await asyncio.sleep(0.01)
+    gc.collect()
+    return mx.get_active_memory()
+
+
+async def test_abort_mid_prefill_and_mid_decode_frees_memory(family_model, make_client) -> None:
+    client = make_client(family_model, prefill_chunk=32, prefix_cache_bytes=0)
+    alone, _ = await collect(client, _req("neighbour", 30))
+    baseline = await _settle(client)
+    neighbour = asyncio.create_task(collect(client, _req("neighbour", 30)))
+    mid_prefill = _abort_after(client, _req(LONG_PROMPT, 20), when=lambda e: isinstance(e, PrefillProgressEvent))
+    decoded = []
+    mid_decode = _abort_after(
+        client, _req("decode me", 100), when=lambda e: isinstance(e, TokenEvent) and decoded.append(e) is None and len(decoded) == 3
+    )
+    prefill_events, decode_events = await asyncio.gather(mid_prefill, mid_decode)
+    assert prefill_events[-1].finish_reason == "abort" and not any(isinstance(e, TokenEvent) for e in prefill_events)
+    assert decode_events[-1].finish_reason == "abort"
+    assert 3 <= decode_events[-1].usage.completion_tokens < 100
+    ids, events = await neighbour
+    assert ids == alone and events[-1].finish_reason == "length"
+    assert await _settle(client) <= baseline
+    assert client.engine.memory.reserved_bytes == 0 and client.engine.batch is None
+
+
+async def test_closing_the_stream_aborts(qwen_model, make_client) -> None:
+    client = make_client(qwen_model, prefix_cache_bytes=0)
+    stream = client.generate(_req("hello", 500))
+    async for event in stream:
+        if isinstance(event, TokenEvent):
+            break
+    await stream.aclose()
+    await _settle(client)
+    stats = client.stats()
+    assert stats.active_requests == 0 and stats.requests_finished == 1
+    assert stats.generated_tokens < 500
+
+
+async def test_overlong_prompt_fails_before_any_compute(qwen_model, make_client) -> None:
+    client = make_client(qwen_model, context_length=64)
+    with pytest.raises(ContextOverflow, match="prompt is too long: 100 tokens"):
+        await collect(client, _req("x" * 100, 5))
+    with pytest.raises(ContextOverflow, match="plus max_tokens"):
+        await collect(client, _req("x" * 40, 30))
+    assert await client.count_tokens(_req("x" * 100, 5)) == 100
+    with pytest.raises(ContextOverflow):
+        await collect(client, _req("x" * 64, 1))  # no room left for even one token
+    assert client.stats().prompt_tokens_computed == 0
+    ids, _ = await collect(client, _req("x" * 40, 24))  # exactly fills the window
+    assert len(ids) == 24
+
+
+async def test_request_that_can_never_fit_memory_is_refused(qwen_model, make_client) -> None:
+    client = make_client(qwen_model, memory_limit_bytes=mx.get_active_memory() + 20_000)
+    with pytest.raises(ContextOverflow, match="GiB is available"):
+        await collect(client, _req("x" * 200, 200))
+    assert client.stats().prompt_tokens_computed == 0
+
+
+async def test_memory_short_now_waits_then_reports_busy(qwen_model, make_client) -> None:
+    probe = make_client(qwen_model)
+    one = probe.engine.memory.sequence_bytes(probe.engine.memory.reserve_tokens(5, 200, 4096))
+    client = make_client(
+        qwen_model, memory_limit_bytes=mx.get_active_memory() + int(one * 1.5), queue_timeout_s=0.2, prefix_cache_bytes=0
+    )
+    first = asyncio.create_task(collect(client, _req("first", 200)))
+    await asyncio.sleep(0.05)
+    _, events = await collect(client, _req("other", 200))
+    assert isinstance(events[-1], ErrorEvent) and isinstance(events[-1].error, EngineBusy)
+    ids, events = await first
+    assert len(ids) == 200 and isinstance(events[-1], FinishEvent)
