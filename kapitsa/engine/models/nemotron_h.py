@@ -23,7 +23,7 @@ from kapitsa.engine.models.base import Attention, HybridLM, known_fields, requir
 from kapitsa.engine.models.nemotron_weights import sanitize_nemotron
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
-from kapitsa.engine.ops.norm import GroupGatedRMSNorm
+from kapitsa.engine.ops.norm import GroupGatedRMSNorm, relu_squared
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
 
 _BLOCK_CHARS = {
@@ -161,7 +161,7 @@ class ReluSquaredMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dims, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(mx.square(nn.relu(self.up_proj(x))))
+        return self.down_proj(relu_squared(self.up_proj(x)))
 
 
 class Router(nn.Module):

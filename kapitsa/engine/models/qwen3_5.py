@@ -23,7 +23,7 @@ from kapitsa.engine.models.qwen_weights import sanitize_qwen
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
 from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
-from kapitsa.engine.ops.norm import GatedRMSNorm
+from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
@@ -174,7 +174,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dims, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoe(nn.Module):

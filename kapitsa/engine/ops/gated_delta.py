@@ -10,10 +10,13 @@ accepted prefix). q/k arrive L2-normalised with the `Dk^-0.5` readout scale fold
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
 
+@partial(mx.compile, shapeless=True)  # one fused kernel per decode step instead of six
 def gdn_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     """Linear-space decay `g = exp(-exp(A_log) * softplus(a + dt_bias))`, float32 `[B, T, Hv]`."""
     return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus((a + dt_bias).astype(mx.float32)))

@@ -11,6 +11,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine.ops.norm import relu_squared, silu_mul
+
 _SORT_THRESHOLD = 64  # token-expert pairs above which grouping rows by expert pays off
 
 
@@ -127,7 +129,7 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         def body(rows, idx, srt):
-            h = nn.silu(self.gate_proj(rows, idx, srt)) * self.up_proj(rows, idx, srt)
+            h = silu_mul(self.gate_proj(rows, idx, srt), self.up_proj(rows, idx, srt))
             return self.down_proj(h, idx, srt)
 
         return _run_experts(x, indices, body)
@@ -143,7 +145,7 @@ class SwitchReluSquared(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         def body(rows, idx, srt):
-            return self.fc2(mx.square(nn.relu(self.fc1(rows, idx, srt))), idx, srt)
+            return self.fc2(relu_squared(self.fc1(rows, idx, srt)), idx, srt)
 
         return _run_experts(x, indices, body)
 

@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
+
+
+@partial(mx.compile, shapeless=True)
+def _times_silu_f32(normed: mx.array, gate: mx.array) -> mx.array:
+    gate = gate.astype(mx.float32)
+    return (normed.astype(mx.float32) * (gate * mx.sigmoid(gate))).astype(normed.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def silu_mul(gate: mx.array, x: mx.array) -> mx.array:
+    """`silu(gate) * x` as one kernel (SwiGLU MLPs, the Mamba-2 output gate)."""
+    return nn.silu(gate) * x
+
+
+@partial(mx.compile, shapeless=True)
+def relu_squared(x: mx.array) -> mx.array:
+    return mx.square(nn.relu(x))
 
 
 class GatedRMSNorm(nn.Module):
@@ -15,9 +34,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = mx.ones((dims,))
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x, self.weight, self.eps)
-        gate = gate.astype(mx.float32)
-        return (normed.astype(mx.float32) * (gate * mx.sigmoid(gate))).astype(x.dtype)
+        return _times_silu_f32(mx.fast.rms_norm(x, self.weight, self.eps), gate)
 
 
 class GroupGatedRMSNorm(nn.Module):
@@ -30,7 +47,7 @@ class GroupGatedRMSNorm(nn.Module):
         self.weight = mx.ones((dims,))
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        x = x * nn.silu(gate)
+        x = silu_mul(gate, x)
         grouped = mx.unflatten(x, -1, (-1, self.group_size))
         grouped = mx.fast.rms_norm(grouped, None, self.eps)
         return self.weight * grouped.flatten(-2)
