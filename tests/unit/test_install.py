@@ -90,6 +90,18 @@ def _assert_installed(home: Path, env: dict[str, str]) -> None:
     assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
 
 
+# Imports every module of the installed package: a runtime import that pyproject.toml does not declare fails here.
+IMPORT_ALL = """
+import importlib, pkgutil, kapitsa
+for info in pkgutil.walk_packages(kapitsa.__path__, "kapitsa."):
+    if info.name != "kapitsa.__main__":  # importing it runs the CLI
+        try:
+            importlib.import_module(info.name)
+        except ImportError as err:
+            print(f"{info.name}: {err!r}")
+"""
+
+
 def test_install_rerun_and_uninstall_with_uv(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = _env(home, tools=_tools_with(tmp_path, uv=_uv()))
@@ -97,6 +109,17 @@ def test_install_rerun_and_uninstall_with_uv(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stdout + first.stderr
     assert "(uv)" in first.stdout and "is not on your PATH" in first.stdout
     _assert_installed(home, env)
+    broken = subprocess.run(
+        [str(home / ".kapitsa/venv/bin/python"), "-c", IMPORT_ALL],
+        env=env,
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert broken.returncode == 0 and broken.stdout == "", (
+        "missing runtime dependencies:\n" + broken.stdout + broken.stderr
+    )
 
     settings = home / ".kapitsa/settings.toml"
     settings.write_text("# user settings survive re-installs and --uninstall\n")
@@ -176,3 +199,13 @@ def test_platform_checks(
     result = _install(_env(tmp_path / "home", tools=tools), "--from", str(ROOT))
     assert result.returncode == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "home/.kapitsa").exists()
+
+
+def test_readme_quick_start_is_what_install_and_ci_run() -> None:
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme[
+        readme.index("## Quick start") : readme.index("\n## ", readme.index("## Quick start") + 1)
+    ]
+    blocks = [b.split("\n```", 1)[0].strip() for b in quick_start.split("```sh\n")[1:]]
+    assert blocks == ["sh install.sh && ~/.local/bin/kapitsa", "bash scripts/test.sh"]
+    assert "exec bash scripts/test.sh" in (ROOT / ".ci/run").read_text()
