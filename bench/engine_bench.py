@@ -40,7 +40,12 @@ async def timed(client: InProcessEngine, request: GenerationRequest) -> dict:
             raise event.error
         elif isinstance(event, FinishEvent):
             end = time.perf_counter()
-            return {"text": text, "ttft_s": (first or end) - start, "total_s": end - start, "usage": event.usage}
+            return {
+                "text": text,
+                "ttft_s": (first or end) - start,
+                "total_s": end - start,
+                "usage": event.usage,
+            }
     raise RuntimeError("stream ended without a finish event")
 
 
@@ -51,14 +56,18 @@ def conversation(tokenizer, target_tokens: int, turns: int) -> list[dict]:  # no
         lines.append(FILLER.format(i=len(lines)))
         messages = [{"role": "system", "content": "\n".join(lines)}]
         for t in range(turns):
-            messages += [{"role": "user", "content": f"Step {t}: inspect module_{t}.py."},
-                         {"role": "assistant", "content": f"Module {t} looks fine."}]
+            messages += [
+                {"role": "user", "content": f"Step {t}: inspect module_{t}.py."},
+                {"role": "assistant", "content": f"Module {t} looks fine."},
+            ]
         if len(tokenizer.encode(tokenizer.apply_chat_template(messages))) >= target_tokens:
             return messages
 
 
 def request(messages: list[dict], max_tokens: int) -> GenerationRequest:
-    return GenerationRequest(messages=tuple(messages), sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return GenerationRequest(
+        messages=tuple(messages), sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 async def bench_ttft(loaded, args) -> dict:  # noqa: ANN001
@@ -68,12 +77,17 @@ async def bench_ttft(loaded, args) -> dict:  # noqa: ANN001
     warm_engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk))
     try:
         reply = await timed(warm_engine, request(turn_n, 16))
-        next_turn = [*turn_n, {"role": "assistant", "content": reply["text"]},
-                     {"role": "user", "content": "Step 5: run the tests again."}]
+        next_turn = [
+            *turn_n,
+            {"role": "assistant", "content": reply["text"]},
+            {"role": "user", "content": "Step 5: run the tests again."},
+        ]
         warm = await timed(warm_engine, request(next_turn, 1))
     finally:
         warm_engine.close()
-    cold_engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0))
+    cold_engine = InProcessEngine.from_loaded(
+        loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0)
+    )
     try:
         cold = await timed(cold_engine, request(next_turn, 1))
     finally:
@@ -89,10 +103,17 @@ async def bench_ttft(loaded, args) -> dict:  # noqa: ANN001
 
 async def bench_concurrency(loaded, args) -> dict:  # noqa: ANN001
     """N streams at once vs the same N one after another (no prefix cache, so neither side reuses)."""
-    prompts = [[{"role": "user", "content": f"Request {i}: summarise module_{i}.py in detail. " * 4}] for i in range(args.streams)]
-    engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0))
+    prompts = [
+        [{"role": "user", "content": f"Request {i}: summarise module_{i}.py in detail. " * 4}]
+        for i in range(args.streams)
+    ]
+    engine = InProcessEngine.from_loaded(
+        loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0)
+    )
     try:
-        await timed(engine, request(prompts[0], 4))  # warm-up: first-call compilation is not the engine's cost
+        await timed(
+            engine, request(prompts[0], 4)
+        )  # warm-up: first-call compilation is not the engine's cost
         start = time.perf_counter()
         sequential = [await timed(engine, request(p, args.max_tokens)) for p in prompts]
         sequential_s = time.perf_counter() - start
@@ -114,14 +135,26 @@ async def bench_concurrency(loaded, args) -> dict:  # noqa: ANN001
 
 async def bench_model(spec: str, args) -> dict:  # noqa: ANN001
     loaded = load_model(spec)
-    return {"model": loaded.info.id, "ttft": await bench_ttft(loaded, args), "concurrency": await bench_concurrency(loaded, args)}
+    return {
+        "model": loaded.info.id,
+        "ttft": await bench_ttft(loaded, args),
+        "concurrency": await bench_concurrency(loaded, args),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a model folder, .gguf or cached repo id (default: tiny random checkpoints)")
-    parser.add_argument("--kind", action="append", help="tiny checkpoint kind(s) (default: qwen3_5 and nemotron_h)")
-    parser.add_argument("--context", type=int, default=4096, help="tokens in the conversation before turn N+1")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", help="a model folder, .gguf or cached repo id (default: tiny random checkpoints)"
+    )
+    parser.add_argument(
+        "--kind", action="append", help="tiny checkpoint kind(s) (default: qwen3_5 and nemotron_h)"
+    )
+    parser.add_argument(
+        "--context", type=int, default=4096, help="tokens in the conversation before turn N+1"
+    )
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=512)
@@ -142,10 +175,12 @@ def main() -> None:
         return
     for r in results:
         t, c = r["ttft"], r["concurrency"]
-        print(f"{r.get('kind', r['model'])}: turn N+1 TTFT warm {t['ttft_warm_s']:.3f}s vs cold {t['ttft_cold_s']:.3f}s "
-              f"= {100 * t['warm_over_cold']:.1f}% ({t['cached_tokens']}/{t['prompt_tokens']} prompt tokens cached); "
-              f"{c['streams']} streams concurrent {c['concurrent_s']:.2f}s vs sequential {c['sequential_s']:.2f}s "
-              f"= {100 * c['concurrent_over_sequential']:.0f}% (same outputs: {c['same_outputs']})")
+        print(
+            f"{r.get('kind', r['model'])}: turn N+1 TTFT warm {t['ttft_warm_s']:.3f}s vs cold {t['ttft_cold_s']:.3f}s "
+            f"= {100 * t['warm_over_cold']:.1f}% ({t['cached_tokens']}/{t['prompt_tokens']} prompt tokens cached); "
+            f"{c['streams']} streams concurrent {c['concurrent_s']:.2f}s vs sequential {c['sequential_s']:.2f}s "
+            f"= {100 * c['concurrent_over_sequential']:.0f}% (same outputs: {c['same_outputs']})"
+        )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,11 @@ def read_prompt(options: RunOptions) -> str:
     given = [p for p in (options.prompt_arg, options.prompt) if p is not None]
     if options.prompt_file is not None:
         try:
-            given.append(sys.stdin.read() if str(options.prompt_file) == "-" else options.prompt_file.read_text("utf-8"))
+            given.append(
+                sys.stdin.read()
+                if str(options.prompt_file) == "-"
+                else options.prompt_file.read_text("utf-8")
+            )
         except (OSError, UnicodeDecodeError) as err:
             raise InvalidRequest(f"cannot read the prompt file {options.prompt_file}: {err}") from err
     if len(given) != 1:
@@ -82,7 +86,9 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
 
     text = read_prompt(options)
     if options.speculative != "none":
-        raise KapitsaError(f"--speculative {options.speculative} is not available in `kapitsa run` yet; use none")
+        raise KapitsaError(
+            f"--speculative {options.speculative} is not available in `kapitsa run` yet; use none"
+        )
     out = write or _stdout_write
     loaded = load_for_spec(options.model or default_model())
     # One prompt, no follow-up: the prefix cache would only cost copies.
@@ -103,7 +109,9 @@ def make_request(text: str, options: RunOptions):  # noqa: ANN201 - GenerationRe
     from kapitsa.engine.types import GenerationRequest, SamplingParams
 
     try:
-        sampling = SamplingParams(temperature=options.temperature, seed=options.seed, max_tokens=options.max_tokens)
+        sampling = SamplingParams(
+            temperature=options.temperature, seed=options.seed, max_tokens=options.max_tokens
+        )
     except ValueError as err:
         raise InvalidRequest(str(err)) from err
     if options.raw:

@@ -18,7 +18,9 @@ from kapitsa.engine.sequence import Sequence
 
 
 class DecodeStrategy(Protocol):
-    def step(self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]) -> list[list[SampledToken]]:
+    def step(
+        self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]
+    ) -> list[list[SampledToken]]:
         """Advance every sequence of the batch.
 
         Args:
@@ -36,6 +38,8 @@ class DecodeStrategy(Protocol):
 class PlainDecode:
     name = "none"
 
-    def step(self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]) -> list[list[SampledToken]]:
+    def step(
+        self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]
+    ) -> list[list[SampledToken]]:
         logits = runner.decode(cache, [seq.output_ids[-1] for seq in sequences])
         return [[pick] for pick in sample_batch([seq.sampler for seq in sequences], logits)]

@@ -19,8 +19,8 @@ import mlx.core as mx
 
 from kapitsa.engine.cache import HybridCache
 from kapitsa.engine.decode import DecodeStrategy, PlainDecode
-from kapitsa.engine.output import emit_tokens
 from kapitsa.engine.memory import MemoryBudget, device_memory_limit
+from kapitsa.engine.output import emit_tokens
 from kapitsa.engine.prefix_cache import PrefixCache
 from kapitsa.engine.prefix_disk import DiskTier
 from kapitsa.engine.runner import ModelRunner
@@ -74,14 +74,19 @@ class Engine:
         decode: how a decode step is made (plain, or a speculative decoder).
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, *, decode: DecodeStrategy | None = None) -> None:  # noqa: ANN001
+    def __init__(
+        self, model, config: EngineConfig | None = None, *, decode: DecodeStrategy | None = None
+    ) -> None:  # noqa: ANN001
         self.config = config or EngineConfig()
         self.runner = ModelRunner(model)
         self.decode_strategy = decode or PlainDecode()
         sizes = self.runner.state_sizes()
         limit = self.config.memory_limit_bytes or device_memory_limit()
         self.memory = MemoryBudget(
-            sizes, limit_bytes=limit, weights_bytes=mx.get_active_memory(), prefill_chunk=self.config.prefill_chunk
+            sizes,
+            limit_bytes=limit,
+            weights_bytes=mx.get_active_memory(),
+            prefill_chunk=self.config.prefill_chunk,
         )
         self.prefix = self._make_prefix_cache()
         self.checkpoint_interval = self.config.checkpoint_interval or _periodic_interval(
@@ -103,7 +108,11 @@ class Engine:
             return None
         disk = None
         if self.config.disk_cache_dir is not None and self.config.disk_cache_bytes > 0:
-            disk = DiskTier(self.config.disk_cache_dir, model_key=self.config.model_key, budget_bytes=self.config.disk_cache_bytes)
+            disk = DiskTier(
+                self.config.disk_cache_dir,
+                model_key=self.config.model_key,
+                budget_bytes=self.config.disk_cache_bytes,
+            )
         return PrefixCache(budget_bytes=budget, disk=disk)
 
     # --- API used from other threads ---------------------------------------------------
@@ -155,7 +164,9 @@ class Engine:
             if isinstance(item, _Abort):
                 self._abort(item.request_id)
             elif len(self.scheduler.waiting) >= self.config.max_queued:
-                item.emit(ErrorEvent(item.request_id, EngineBusy("too many requests are queued; retry later")))
+                item.emit(
+                    ErrorEvent(item.request_id, EngineBusy("too many requests are queued; retry later"))
+                )
             else:
                 self.scheduler.add(item)
 
@@ -181,7 +192,11 @@ class Engine:
                 if time.perf_counter() - seq.arrival > self.config.queue_timeout_s:
                     self.scheduler.remove(seq)
                     seq.status = SequenceStatus.FINISHED
-                    seq.emit(ErrorEvent(seq.request_id, EngineBusy("not enough memory for this request now; retry later")))
+                    seq.emit(
+                        ErrorEvent(
+                            seq.request_id, EngineBusy("not enough memory for this request now; retry later")
+                        )
+                    )
                     self.stats.failed += 1
                 return  # keep arrival order: later requests wait behind this one
             self.memory.reserve(nbytes)
@@ -266,7 +281,9 @@ class Engine:
         for pos in range((seq.num_processed // step + 1) * step, seq.num_prompt_tokens, step):
             extra.append(Boundary(pos, "periodic"))
         known = {b.pos for b in seq.boundaries}
-        seq.boundaries = sorted([*seq.boundaries, *(b for b in extra if b.pos not in known)], key=lambda b: b.pos)
+        seq.boundaries = sorted(
+            [*seq.boundaries, *(b for b in extra if b.pos not in known)], key=lambda b: b.pos
+        )
 
     def _maybe_checkpoint(self, seq: Sequence, pos: int, logits: mx.array | None) -> None:
         boundary = seq.boundary_at(pos)

@@ -8,8 +8,8 @@ engine thread; its events come back through an asyncio queue per request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -145,7 +145,9 @@ class InProcessEngine:
         if not self.engine.memory.fits_ever(nbytes):
             raise ContextOverflow(len(prepared.ids), context, self.engine.memory.describe_shortfall(nbytes))
         room = context - len(prepared.ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else min(room, self.info.max_output_tokens)
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else min(room, self.info.max_output_tokens)
+        )
         return Sequence(
             request=request,
             prompt_ids=prepared.ids,

@@ -70,7 +70,9 @@ class MemoryBudget:
         prefill_chunk: tokens per prefill chunk (bounds activation scratch).
     """
 
-    def __init__(self, sizes: StateSizes, *, limit_bytes: int, weights_bytes: int, prefill_chunk: int) -> None:
+    def __init__(
+        self, sizes: StateSizes, *, limit_bytes: int, weights_bytes: int, prefill_chunk: int
+    ) -> None:
         self.sizes = sizes
         self.limit_bytes = limit_bytes
         self.weights_bytes = weights_bytes

@@ -219,7 +219,12 @@ class PrefixCache:
         lower_kv = tuple(_detach(_slice(a, offset, None, self.kv_axis)) for a in node.kv)
         upper = _Node(node.tokens[:offset], upper_kv, node.start, parent=parent, last_used=node.last_used)
         parent.children[upper.tokens[0]] = upper
-        node.tokens, node.kv, node.start, node.parent = node.tokens[offset:], lower_kv, node.start + offset, upper
+        node.tokens, node.kv, node.start, node.parent = (
+            node.tokens[offset:],
+            lower_kv,
+            node.start + offset,
+            upper,
+        )
         upper.children[node.tokens[0]] = node
         return upper
 
@@ -275,7 +280,9 @@ class PrefixCache:
         assert self.disk is not None
         path = self._path_to(node)
         tokens = tuple(t for n in path for t in n.tokens)
-        kv = tuple(mx.concatenate(parts, axis=self.kv_axis) for parts in zip(*(n.kv for n in path), strict=True))
+        kv = tuple(
+            mx.concatenate(parts, axis=self.kv_axis) for parts in zip(*(n.kv for n in path), strict=True)
+        )
         self.disk.save(StoredPrefix(tokens, kv, ck.recurrent, ck.next_logits, ck.kind))
 
     def flush_to_disk(self) -> None:

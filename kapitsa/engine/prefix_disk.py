@@ -9,6 +9,7 @@ deleting the least recently used files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -183,10 +184,8 @@ class DiskTier:
     def _touch(self, entry: _Entry) -> None:
         newest = max((e.last_used for e in self._entries.values()), default=0.0)
         entry.last_used = max(time.time(), newest + 0.001)  # strictly newest, even within one clock tick
-        try:
+        with contextlib.suppress(OSError):
             os.utime(entry.path, (entry.last_used, entry.last_used))
-        except OSError:
-            pass
 
     def _make_room(self, incoming: int) -> None:
         while self._entries and self.nbytes + incoming > self.budget_bytes:

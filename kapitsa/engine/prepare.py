@@ -48,7 +48,12 @@ def prepare_prompt(tokenizer: PromptTokenizer, request: GenerationRequest) -> Pr
     return PreparedPrompt(ids, message_boundaries(tokenizer, request, messages, ids))
 
 
-def _render(tokenizer: PromptTokenizer, request: GenerationRequest, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: PromptTokenizer,
+    request: GenerationRequest,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+) -> str:
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -82,7 +87,11 @@ def message_boundaries(
 
 
 def _try_ids(
-    tokenizer: PromptTokenizer, request: GenerationRequest, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False
+    tokenizer: PromptTokenizer,
+    request: GenerationRequest,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
 ) -> list[int] | None:
     try:
         return tokenizer.encode(_render(tokenizer, request, messages, add_generation_prompt))

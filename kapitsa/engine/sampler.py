@@ -52,9 +52,7 @@ class SequenceSampler:
 
     def _changes_logits(self) -> bool:
         p = self.params
-        return bool(
-            p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        )
+        return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
 
     def observe(self, token_id: int) -> None:
         """Record a generated token (penalties count output tokens)."""

@@ -52,7 +52,9 @@ def _earliest(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for stop in stops:
         index = text.find(stop)
-        if index >= 0 and (best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1]))):
+        if index >= 0 and (
+            best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1]))
+        ):
             best = (index, stop)
     return best
 

@@ -45,7 +45,9 @@ class ByteTokenizer:
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer()
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools=None, add_generation_prompt=True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, tools=None, add_generation_prompt=True, **kwargs: Any
+    ) -> str:
         out = []
         if tools:
             out.append(f"<|im_start|>system\n{json.dumps(tools)}<|im_end|>\n")
@@ -74,7 +76,6 @@ import pytest  # noqa: E402
 from kapitsa.engine.engine import EngineConfig  # noqa: E402
 from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
 from kapitsa.engine.types import ModelInfo  # noqa: E402
-
 
 FAMILIES = ("qwen3_5", "nemotron_h")
 _MODELS: dict[str, object] = {}
@@ -105,7 +106,9 @@ def make_client():
     def make(model, *, context_length: int = 4096, **cfg) -> InProcessEngine:
         info = ModelInfo(id="tiny", family="test", context_length=context_length, max_output_tokens=1024)
         cfg.setdefault("prefill_chunk", 64)  # the CPU reference GDN scan grows faster than linear in T
-        client = InProcessEngine(model, ByteTokenizer(), info, eos_token_ids={EOS}, config=EngineConfig(**cfg))
+        client = InProcessEngine(
+            model, ByteTokenizer(), info, eos_token_ids={EOS}, config=EngineConfig(**cfg)
+        )
         made.append(client)
         return client
 

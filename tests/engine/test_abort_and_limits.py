@@ -58,13 +58,19 @@ async def test_abort_mid_prefill_and_mid_decode_frees_memory(family_model, make_
     alone, _ = await collect(client, _req("neighbour", 30))
     baseline = await _settle(client)
     neighbour = asyncio.create_task(collect(client, _req("neighbour", 30)))
-    mid_prefill = _abort_after(client, _req(LONG_PROMPT, 20), when=lambda e: isinstance(e, PrefillProgressEvent))
+    mid_prefill = _abort_after(
+        client, _req(LONG_PROMPT, 20), when=lambda e: isinstance(e, PrefillProgressEvent)
+    )
     decoded = []
     mid_decode = _abort_after(
-        client, _req("decode me", 100), when=lambda e: isinstance(e, TokenEvent) and decoded.append(e) is None and len(decoded) == 3
+        client,
+        _req("decode me", 100),
+        when=lambda e: isinstance(e, TokenEvent) and decoded.append(e) is None and len(decoded) == 3,
     )
     prefill_events, decode_events = await asyncio.gather(mid_prefill, mid_decode)
-    assert prefill_events[-1].finish_reason == "abort" and not any(isinstance(e, TokenEvent) for e in prefill_events)
+    assert prefill_events[-1].finish_reason == "abort" and not any(
+        isinstance(e, TokenEvent) for e in prefill_events
+    )
     assert decode_events[-1].finish_reason == "abort"
     assert 3 <= decode_events[-1].usage.completion_tokens < 100
     ids, events = await neighbour
@@ -111,7 +117,10 @@ async def test_memory_short_now_waits_then_reports_busy(qwen_model, make_client)
     probe = make_client(qwen_model)
     one = probe.engine.memory.sequence_bytes(probe.engine.memory.reserve_tokens(5, 200, 4096))
     client = make_client(
-        qwen_model, memory_limit_bytes=mx.get_active_memory() + int(one * 1.5), queue_timeout_s=0.2, prefix_cache_bytes=0
+        qwen_model,
+        memory_limit_bytes=mx.get_active_memory() + int(one * 1.5),
+        queue_timeout_s=0.2,
+        prefix_cache_bytes=0,
     )
     first = asyncio.create_task(collect(client, _req("first", 200)))
     await asyncio.sleep(0.05)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from kapitsa.engine.types import FinishEvent, GenerationRequest, PrefillProgressEvent, SamplingParams, TokenEvent
+from kapitsa.engine.types import (
+    FinishEvent,
+    GenerationRequest,
+    PrefillProgressEvent,
+    SamplingParams,
+    TokenEvent,
+)
 
 PROMPTS = [
     "hi",
@@ -31,7 +37,9 @@ async def test_batched_equals_single_stream(family_model, make_client) -> None:
     client = make_client(family_model, prefill_chunk=64, prefix_cache_bytes=0)
     lengths = [10, 6, 14, 8]  # different lengths: sequences leave the batch at different steps
     alone = [(await collect(client, _request(p, n)))[0] for p, n in zip(PROMPTS, lengths, strict=True)]
-    together = await asyncio.gather(*(collect(client, _request(p, n)) for p, n in zip(PROMPTS, lengths, strict=True)))
+    together = await asyncio.gather(
+        *(collect(client, _request(p, n)) for p, n in zip(PROMPTS, lengths, strict=True))
+    )
     assert [ids for ids, _ in together] == alone
     assert [len(ids) for ids in alone] == lengths
     long_events = together[3][1]

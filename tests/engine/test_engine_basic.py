@@ -11,7 +11,9 @@ async def _run(client, request):
 
 async def test_generates_and_finishes(qwen_model, make_client) -> None:
     client = make_client(qwen_model)
-    ids, events = await _run(client, GenerationRequest(prompt="hello world", sampling=SamplingParams(max_tokens=8)))
+    ids, events = await _run(
+        client, GenerationRequest(prompt="hello world", sampling=SamplingParams(max_tokens=8))
+    )
     assert len(ids) == 8
     assert isinstance(events[-1], FinishEvent) and events[-1].finish_reason == "length"
     assert events[-1].usage.prompt_tokens == 11

@@ -4,10 +4,9 @@ almost all of their prompt, and the disk tier survives a restart and corrupt fil
 from __future__ import annotations
 
 import pytest
+from conftest import OFFSET, ByteTokenizer  # noqa: I001
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-
-from conftest import OFFSET, ByteTokenizer  # noqa: I001
 
 SYSTEM = "You are a careful coding agent. Follow the rules below exactly.\n" + "".join(
     f"Rule {i}: keep answers short, cite file paths.\n" for i in range(20)
@@ -71,9 +70,14 @@ async def test_diverging_reply_falls_back_to_the_turn_checkpoint(qwen_model, mak
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}]
     text, _, first = await chat(client, messages)
     # the agent rewrites the reply (as thinking templates drop reasoning): the final checkpoint misses
-    messages += [{"role": "assistant", "content": "something else entirely"}, {"role": "user", "content": "next"}]
+    messages += [
+        {"role": "assistant", "content": "something else entirely"},
+        {"role": "user", "content": "next"},
+    ]
     _, ids, second = await chat(client, messages)
-    assert second.usage.cached_tokens == first.usage.prompt_tokens - len(ByteTokenizer().encode("<|im_start|>assistant\n"))
+    assert second.usage.cached_tokens == first.usage.prompt_tokens - len(
+        ByteTokenizer().encode("<|im_start|>assistant\n")
+    )
     cold_ids = (await chat(make_client(qwen_model, prefix_cache_bytes=0), messages))[1]
     assert ids == cold_ids
 
@@ -124,7 +128,13 @@ async def test_disk_tier_budget(qwen_model, make_client, tmp_path, budget_files)
     probe.close()
     one_file = max(p.stat().st_size for p in (tmp_path / "probe").rglob("*.safetensors"))
     budget = int(one_file * (budget_files + 0.5))
-    client = make_client(qwen_model, disk_cache_dir=tmp_path / "b", model_key="m", disk_cache_bytes=budget, prefix_cache_bytes=1)
+    client = make_client(
+        qwen_model,
+        disk_cache_dir=tmp_path / "b",
+        model_key="m",
+        disk_cache_bytes=budget,
+        prefix_cache_bytes=1,
+    )
     for i in range(4):
         await chat(client, [{"role": "user", "content": f"{i}" * 300}])
         total = sum(p.stat().st_size for p in (tmp_path / "b").rglob("*.safetensors"))

@@ -58,7 +58,9 @@ async def test_ten_turn_agent_conversation_reuses_its_prompt(client) -> None:
         usages.append(usage)
     later = usages[1:]
     computed = sum(u.prompt_tokens - u.cached_tokens for u in later)
-    assert computed <= 0.05 * sum(u.prompt_tokens for u in later), [(u.prompt_tokens, u.cached_tokens) for u in later]
+    assert computed <= 0.05 * sum(u.prompt_tokens for u in later), [
+        (u.prompt_tokens, u.cached_tokens) for u in later
+    ]
 
 
 def test_kapitsa_run_json(checkpoint, capsys) -> None:
@@ -67,8 +69,17 @@ def test_kapitsa_run_json(checkpoint, capsys) -> None:
     result = cmd_run(RunOptions(model=str(checkpoint), prompt="Hello", max_tokens=5, json_out=True))
     printed = json.loads(capsys.readouterr().out)
     assert printed["token_ids"] == result.token_ids and len(result.token_ids) == result.generation_tokens
-    assert {"text", "token_ids", "prompt_tokens", "generation_tokens", "prefill_tok_s", "decode_tok_s"} <= set(printed)
+    assert {
+        "text",
+        "token_ids",
+        "prompt_tokens",
+        "generation_tokens",
+        "prefill_tok_s",
+        "decode_tok_s",
+    } <= set(printed)
     assert printed["prompt_tokens"] > 1 and printed["generation_tokens"] <= 5
     streamed = []
-    again = cmd_run(RunOptions(model=str(checkpoint), prompt_arg="Hello", max_tokens=5), write=streamed.append)
+    again = cmd_run(
+        RunOptions(model=str(checkpoint), prompt_arg="Hello", max_tokens=5), write=streamed.append
+    )
     assert "".join(streamed).rstrip("\n") == again.text and again.token_ids == result.token_ids

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-
 from conftest import ByteTokenizer  # noqa: I001
+
+from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
 
 async def run(client, request):
@@ -48,7 +48,9 @@ async def test_stop_string_spanning_tokens_ends_the_output(qwen_model, make_clie
     assert printable, "need two adjacent printable characters in the greedy output"
     cut = printable[len(printable) // 2]
     stop = full[cut - 1 : cut + 1]  # two characters: two byte tokens, so the match spans a boundary
-    request = GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))
+    request = GenerationRequest(
+        prompt="hi", sampling=SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,))
+    )
     _, stopped_text, events = await run(client, request)
     finish = events[-1]
     assert isinstance(finish, FinishEvent) and finish.finish_reason == "stop" and finish.stop_sequence == stop
@@ -57,8 +59,13 @@ async def test_stop_string_spanning_tokens_ends_the_output(qwen_model, make_clie
 
 async def test_stop_token_ids_and_logprobs(qwen_model, make_client) -> None:
     client = make_client(qwen_model)
-    ids, _, _ = await run(client, GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=6, ignore_eos=True)))
-    request = GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=6, stop_token_ids=(ids[2],), logprobs=2, ignore_eos=True))
+    ids, _, _ = await run(
+        client, GenerationRequest(prompt="hi", sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    )
+    request = GenerationRequest(
+        prompt="hi",
+        sampling=SamplingParams(max_tokens=6, stop_token_ids=(ids[2],), logprobs=2, ignore_eos=True),
+    )
     got, _, events = await run(client, request)
     assert got == ids[: ids.index(ids[2]) + 1]
     assert events[-1].finish_reason == "stop"

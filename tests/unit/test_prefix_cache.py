@@ -116,12 +116,16 @@ def test_disk_tier_survives_restart(tmp_path) -> None:
     cache = PrefixCache(budget_bytes=1 << 20, disk=disk)
     _insert(cache, toks[:40], 4.0, next_logits=mx.ones((8,)))
     cache.flush_to_disk()
-    restarted = PrefixCache(budget_bytes=1 << 20, disk=DiskTier(tmp_path, model_key="m1", budget_bytes=1 << 20))
+    restarted = PrefixCache(
+        budget_bytes=1 << 20, disk=DiskTier(tmp_path, model_key="m1", budget_bytes=1 << 20)
+    )
     match = restarted.lookup(toks)
     assert match.from_disk and match.pos == 40 and _kv_tokens(match) == toks[:40]
     assert match.recurrent[0].tolist() == [[4.0] * 4]
     assert restarted.lookup(toks).pos == 40 and not restarted.lookup(toks).from_disk  # now in memory
-    other_model = PrefixCache(budget_bytes=1 << 20, disk=DiskTier(tmp_path, model_key="m2", budget_bytes=1 << 20))
+    other_model = PrefixCache(
+        budget_bytes=1 << 20, disk=DiskTier(tmp_path, model_key="m2", budget_bytes=1 << 20)
+    )
     assert other_model.lookup(toks) is None
 
 

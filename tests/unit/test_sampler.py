@@ -38,7 +38,10 @@ def test_same_seed_same_tokens_and_independent_of_neighbours() -> None:
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     logits = _logits(3)
     best = int(mx.argmax(logits).item())
-    for params in (SamplingParams(temperature=2.0, top_k=1, seed=1), SamplingParams(temperature=2.0, top_p=1e-6, seed=1)):
+    for params in (
+        SamplingParams(temperature=2.0, top_k=1, seed=1),
+        SamplingParams(temperature=2.0, top_p=1e-6, seed=1),
+    ):
         sampler = SequenceSampler(params)
         assert {sampler.sample(logits).token_id for _ in range(10)} == {best}
 
