@@ -1,0 +1,298 @@
+"""GGUF files (as llama.cpp's convert_hf_to_gguf.py writes them) back to a Hugging Face config
+and Hugging Face tensor names, so the model's own `sanitize` takes them like any checkpoint.
+
+Architectures: qwen35, qwen35moe, qwen3next (Qwen3.5 / Qwen3-Next) and nemotron_h,
+nemotron_h_moe. Quantized tensors are dequantized (gguf_quants) and later re-quantized to MLX.
+The conversions undone here are llama.cpp's: A_log stored as -exp(A_log), Qwen norms stored as
+1 + w, conv weights squeezed to [C, K], Qwen3.5 value heads reordered from grouped to tiled,
+Qwen3-Next `in_proj_qkvz` split into attn_qkv/attn_gate, experts stacked per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+from kapitsa.engine.gguf_config import config_from_gguf, metadata_of
+from kapitsa.engine.gguf_quants import dequantize
+from kapitsa.engine.gguf_tokenizer import tokenizer_from_gguf
+from kapitsa.engine.tokenizer import Tokenizer
+from kapitsa.errors import CheckpointError, UnsupportedModel
+
+QWEN_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+NEMOTRON_ARCHS = ("nemotron_h", "nemotron_h_moe")
+SUPPORTED_ARCHS = QWEN_ARCHS + NEMOTRON_ARCHS
+
+# the MLX quantization a GGUF's predominant tensor type maps to (None: keep floats)
+_MLX_QUANTIZATION = {
+    GGMLQuantizationType.Q8_0: "8bit",
+    GGMLQuantizationType.Q6_K: "6bit",
+    GGMLQuantizationType.Q5_K: "5bit",
+    GGMLQuantizationType.Q5_0: "5bit",
+    GGMLQuantizationType.Q4_K: "4bit",
+    GGMLQuantizationType.Q4_0: "4bit",
+    GGMLQuantizationType.Q4_1: "4bit",
+    GGMLQuantizationType.MXFP4: "mxfp4",
+    GGMLQuantizationType.Q3_K: "3bit",
+    GGMLQuantizationType.Q2_K: "2bit",
+}
+
+_QWEN_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+}
+
+_NEMOTRON_BLOCK_NAMES = {
+    "attn_norm.weight": "norm.weight",
+    "ssm_in.weight": "mixer.in_proj.weight",
+    "ssm_conv1d.weight": "mixer.conv1d.weight",
+    "ssm_conv1d.bias": "mixer.conv1d.bias",
+    "ssm_dt.bias": "mixer.dt_bias",
+    "ssm_a": "mixer.A_log",
+    "ssm_d": "mixer.D",
+    "ssm_norm.weight": "mixer.norm.weight",
+    "ssm_out.weight": "mixer.out_proj.weight",
+    "attn_q.weight": "mixer.q_proj.weight",
+    "attn_k.weight": "mixer.k_proj.weight",
+    "attn_v.weight": "mixer.v_proj.weight",
+    "attn_output.weight": "mixer.o_proj.weight",
+    "ffn_up.weight": "mixer.up_proj.weight",
+    "ffn_down.weight": "mixer.down_proj.weight",
+    "ffn_gate_inp.weight": "mixer.gate.weight",
+    "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+    "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
+    "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight",
+    "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFCheckpoint:
+    config: dict[str, Any]  # a Hugging Face config.json equivalent
+    weights: dict[str, mx.array]  # Hugging Face tensor names
+    tokenizer: Tokenizer
+    suggested_quantization: str | None  # MLX quantization matching the file's, e.g. "8bit"
+
+
+def _open(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _suggested_quantization(reader: GGUFReader) -> str | None:
+    bytes_by_type: dict[GGMLQuantizationType, int] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) >= 2:
+            bytes_by_type[tensor.tensor_type] = bytes_by_type.get(tensor.tensor_type, 0) + int(tensor.n_bytes)
+    if not bytes_by_type:
+        return None
+    return _MLX_QUANTIZATION.get(max(bytes_by_type, key=bytes_by_type.__getitem__))
+
+
+def read_gguf(path: Path) -> GGUFCheckpoint:
+    """Read a GGUF file of a supported architecture.
+
+    Raises:
+        CheckpointError: unreadable or inconsistent file.
+        UnsupportedModel: a GGUF of another architecture.
+    """
+    reader = _open(path)
+    meta = metadata_of(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModel(
+            f"{path.name} is a GGUF of architecture {arch!r}; kapitsa runs GGUF architectures: "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+    raw = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(
+        arch, meta, {n: tuple(int(x) for x in reversed(t.shape)) for n, t in raw.items()}
+    )
+    tensors = {name: dequantize(t.data, t.tensor_type) for name, t in raw.items()}
+    stored_dtypes = {name: _FLOAT_TYPES.get(t.tensor_type, mx.bfloat16) for name, t in raw.items()}
+    convert = _qwen_weights if arch in QWEN_ARCHS else _nemotron_weights
+    # a float GGUF keeps its precision; dequantized blocks become bf16 until re-quantized
+    dtype = mx.bfloat16 if any(d == mx.bfloat16 for d in stored_dtypes.values()) else _widest(stored_dtypes)
+    return GGUFCheckpoint(
+        config=config,
+        weights={name: _to_mx(values, dtype) for name, values in convert(tensors, config).items()},
+        tokenizer=tokenizer_from_gguf(meta, config),
+        suggested_quantization=_suggested_quantization(reader),
+    )
+
+
+_FLOAT_TYPES = {
+    GGMLQuantizationType.F32: mx.float32,
+    GGMLQuantizationType.F16: mx.float16,
+    GGMLQuantizationType.BF16: mx.bfloat16,
+}
+
+
+def _widest(dtypes: dict[str, mx.Dtype]) -> mx.Dtype:
+    return mx.float16 if any(d == mx.float16 for d in dtypes.values()) else mx.float32
+
+
+def _to_mx(values: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    # 1-D tensors (norms, biases, A, D) stay float32 as llama.cpp stores them
+    return mx.array(values) if values.ndim == 1 else mx.array(values).astype(dtype)
+
+
+def _split_block_name(name: str) -> tuple[int, str] | None:
+    if not name.startswith("blk."):
+        return None
+    _, index, rest = name.split(".", 2)
+    return int(index), rest
+
+
+def _untile_v_heads(x: np.ndarray, axis: int, num_k_heads: int, v_per_k: int, head_dim: int) -> np.ndarray:
+    """Inverse of llama.cpp's grouped -> tiled value-head reorder along `axis`."""
+    x = np.moveaxis(x, axis, 0)
+    rest = x.shape[1:]
+    x = x.reshape(v_per_k, num_k_heads, head_dim, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.moveaxis(x, 0, axis)
+
+
+def _qwen_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
+    weights: dict[str, np.ndarray] = {}
+    n_layers = config["num_hidden_layers"]
+    for name, values in tensors.items():
+        if name == "token_embd.weight":
+            weights["model.embed_tokens.weight"] = values
+        elif name == "output.weight":
+            weights["lm_head.weight"] = values
+        elif name == "output_norm.weight":
+            weights["model.norm.weight"] = values - 1.0
+        elif (parsed := _split_block_name(name)) is not None and parsed[0] < n_layers:  # later blocks: MTP
+            index, rest = parsed
+            for hf_name, hf_values in _qwen_block_tensor(rest, values, tensors, index, config):
+                weights[f"model.layers.{index}.{hf_name}"] = hf_values
+    return weights
+
+
+def _qwen_block_tensor(
+    rest: str, values: np.ndarray, tensors: dict[str, np.ndarray], index: int, config: dict[str, Any]
+):
+    if rest == "ffn_gate_exps.weight":
+        up = tensors[f"blk.{index}.ffn_up_exps.weight"]
+        yield "mlp.experts.gate_up_proj", np.concatenate([values, up], axis=1)  # [E, 2I, H]
+        return
+    if rest == "ffn_up_exps.weight":
+        return  # joined with ffn_gate_exps
+    hf_name = _QWEN_BLOCK_NAMES.get(rest)
+    if hf_name is None:
+        raise CheckpointError(f"unexpected tensor blk.{index}.{rest} in a Qwen GGUF")
+    if hf_name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
+        values = values - 1.0  # llama.cpp folds Qwen's (1 + w) norms
+    elif rest == "ssm_a":
+        values = np.log(-values)  # stored as -exp(A_log)
+    elif rest == "ssm_conv1d.weight":
+        values = values[:, None, :]  # [C, K] -> [C, 1, K]
+    if config["model_type"] == "qwen3_next":
+        if rest == "attn_qkv.weight":
+            yield (
+                "linear_attn.in_proj_qkvz.weight",
+                _qwen_next_qkvz(values, tensors[f"blk.{index}.attn_gate.weight"], config),
+            )
+            return
+        if rest == "attn_gate.weight":
+            return  # joined with attn_qkv
+    else:
+        values = _qwen35_untile(rest, values, config)
+    yield hf_name, values
+
+
+def _qwen35_untile(rest: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if nk == nv or not rest.startswith(("attn_qkv", "attn_gate", "ssm_")):
+        return values
+    dk, dv, per = config["linear_key_head_dim"], config["linear_value_head_dim"], nv // nk
+    if rest in ("attn_qkv.weight", "ssm_conv1d.weight"):
+        qk = 2 * nk * dk
+        return np.concatenate([values[:qk], _untile_v_heads(values[qk:], 0, nk, per, dv)], axis=0)
+    if rest == "attn_gate.weight":
+        return _untile_v_heads(values, 0, nk, per, dv)
+    if rest in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias"):
+        return _untile_v_heads(values, 0, nk, per, 1)
+    if rest == "ssm_out.weight":
+        return _untile_v_heads(values, 1, nk, per, dv)
+    return values
+
+
+def _qwen_next_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """Re-interleave [q; k; v] and z into Qwen3-Next's per-key-head [q_h, k_h, v_h, z_h] rows."""
+    nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    per_head_v = config["linear_num_value_heads"] // nk * config["linear_value_head_dim"]
+    hidden = qkv.shape[1]
+    q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk], axis=0)
+    parts = [p.reshape(nk, -1, hidden) for p in (q, k, v, z)]  # [nk, rows_per_head, hidden]
+    assert parts[2].shape[1] == per_head_v
+    return np.concatenate(parts, axis=1).reshape(-1, hidden)
+
+
+def _nemotron_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
+    weights: dict[str, np.ndarray] = {}
+    n_layers = len(config["hybrid_override_pattern"])
+    top_level = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
+                 "output.weight": "lm_head.weight"}  # fmt: skip
+    for name, values in tensors.items():
+        if name in top_level:
+            weights[top_level[name]] = values
+        elif (parsed := _split_block_name(name)) is not None and parsed[0] < n_layers:  # later blocks: MTP
+            index, rest = parsed
+            for hf_name, hf_values in _nemotron_block_tensor(rest, values):
+                weights[f"backbone.layers.{index}.{hf_name}"] = hf_values
+    return weights
+
+
+def _nemotron_block_tensor(rest: str, values: np.ndarray):
+    if rest in ("ffn_up_exps.weight", "ffn_down_exps.weight"):
+        projection = rest.split("_")[1]  # "up" / "down"
+        for e in range(values.shape[0]):
+            yield f"mixer.experts.{e}.{projection}_proj.weight", values[e]
+        return
+    hf_name = _NEMOTRON_BLOCK_NAMES.get(rest)
+    if hf_name is None:
+        raise CheckpointError(f"unexpected tensor blk.N.{rest} in a Nemotron-H GGUF")
+    if rest == "ssm_a":
+        values = np.log(-values.reshape(-1))  # stored as -exp(A_log), shape [H, 1]
+    elif rest == "ssm_d":
+        values = values.reshape(-1)
+    elif rest == "ssm_norm.weight":
+        values = values.reshape(-1)  # stored per group [G, inner / G]
+    elif rest == "ssm_conv1d.weight":
+        values = values[:, None, :]
+    yield hf_name, values
