@@ -102,6 +102,24 @@ for info in pkgutil.walk_packages(kapitsa.__path__, "kapitsa."):
 """
 
 
+def _unpackaged_files(venv: Path) -> list[str]:
+    """Tracked files of kapitsa/ and metal/ (data included: catalog, styles, demo weights) missing from the install."""
+    if not (ROOT / ".git").exists():
+        return []
+    tracked = subprocess.run(
+        ["git", "ls-files", "kapitsa", "metal"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    (site,) = venv.glob("lib/python3*/site-packages")
+    missing = []
+    for name in tracked.stdout.splitlines():
+        installed = (
+            site / name.replace("metal/", "kapitsa/_metal/", 1) if name.startswith("metal/") else site / name
+        )
+        if (ROOT / name).is_file() and not installed.is_file():
+            missing.append(name)
+    return missing
+
+
 def test_install_rerun_and_uninstall_with_uv(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = _env(home, tools=_tools_with(tmp_path, uv=_uv()))
