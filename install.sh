@@ -134,11 +134,9 @@ uninstall() {
   return 0
 }
 
-main() {
-  source_dir=""
-  package=""
-  extra=""
-  action=install
+# Sets action, source_dir, package and extra from the command line.
+parse_args() {
+  action=install source_dir="" package="" extra=""
   while [ $# -gt 0 ]; do
     case "$1" in
       --from) [ $# -ge 2 ] || die "--from needs a path"; source_dir=$2; shift 2 ;;
@@ -149,11 +147,11 @@ main() {
       *) die "unknown option: $1 (see --help)" ;;
     esac
   done
-  if [ "$action" = uninstall ]; then
-    uninstall
-    return 0
-  fi
   [ -z "$source_dir" ] || [ -z "$package" ] || die "give --from or --package, not both"
+}
+
+# Prints what to hand to pip: a checkout folder, or a requirement on the published package.
+resolve_spec() {
   if [ -z "$source_dir" ] && [ -z "$package" ]; then
     here=$(cd "$(dirname "$0")" && pwd)
     if is_checkout "$here"; then source_dir=$here; else package=kapitsa; fi
@@ -161,18 +159,32 @@ main() {
   if [ -n "$source_dir" ]; then
     source_dir=$(cd "$source_dir" 2>/dev/null && pwd) || die "--from: no such folder"
     is_checkout "$source_dir" || die "$source_dir is not a kapitsa checkout (no pyproject.toml naming kapitsa)"
-    spec="$source_dir"
-  else
-    spec="$package"
   fi
   if [ -n "$extra" ]; then
     [ "$(uname -s)" = Linux ] || die "--cuda is for Linux with an NVIDIA GPU"
-    case "$spec" in
-      */*) spec="kapitsa$extra @ file://$spec" ;;
-      *) spec=$(printf '%s' "$spec" | sed "s/^kapitsa/kapitsa$extra/") ;;
-    esac
   fi
+  if [ -n "$source_dir" ]; then
+    if [ -n "$extra" ]; then printf '%s\n' "kapitsa$extra @ file://$source_dir"; else printf '%s\n' "$source_dir"; fi
+  else
+    printf '%s\n' "$package" | sed "s/^kapitsa/kapitsa$extra/"
+  fi
+}
 
+report_path() {
+  case ":$PATH:" in
+    *":$KAPITSA_BIN_DIR:"*) say "start it with: kapitsa" ;;
+    *) say "$KAPITSA_BIN_DIR is not on your PATH: start it with $LINK, or add to your shell profile:"
+       say "  export PATH=\"$KAPITSA_BIN_DIR:\$PATH\"" ;;
+  esac
+}
+
+main() {
+  parse_args "$@"
+  if [ "$action" = uninstall ]; then
+    uninstall
+    return 0
+  fi
+  spec=$(resolve_spec)
   check_platform
   check_link_is_ours
   UV=$(command -v uv 2>/dev/null || true)
@@ -182,11 +194,7 @@ main() {
   [ -x "$VENV/bin/kapitsa" ] || die "the install finished but $VENV/bin/kapitsa is missing"
   link_command
   say "installed: $("$LINK" --version) -> $LINK"
-  case ":$PATH:" in
-    *":$KAPITSA_BIN_DIR:"*) say "start it with: kapitsa" ;;
-    *) say "$KAPITSA_BIN_DIR is not on your PATH: start it with $LINK, or add to your shell profile:"
-       say "  export PATH=\"$KAPITSA_BIN_DIR:\$PATH\"" ;;
-  esac
+  report_path
 }
 
 main "$@"

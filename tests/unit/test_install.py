@@ -227,3 +227,27 @@ def test_readme_quick_start_is_what_install_and_ci_run() -> None:
     blocks = [b.split("\n```", 1)[0].strip() for b in quick_start.split("```sh\n")[1:]]
     assert blocks == ["sh install.sh && ~/.local/bin/kapitsa", "bash scripts/test.sh"]
     assert "exec bash scripts/test.sh" in (ROOT / ".ci/run").read_text()
+
+
+FAKE_UV = """
+echo "$*" >> "$(dirname "$0")/calls"
+if [ "$1" = venv ]; then eval venv=\\${$#}; mkdir -p "$venv/bin"; ln -sf "$KAPITSA_PYTHON" "$venv/bin/python"; exit 0; fi
+exit 3
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "requirement"),
+    [
+        (["--package", "kapitsa==9.9"], "kapitsa==9.9"),
+        (["--cuda", "--package", "kapitsa==9.9"], "kapitsa[cuda]==9.9"),
+        (["--from", f"{ROOT}/kapitsa/.."], str(ROOT)),
+        (["--cuda", "--from", str(ROOT)], f"kapitsa[cuda] @ file://{ROOT}"),
+    ],
+)
+def test_what_gets_installed(tmp_path: Path, args: list[str], requirement: str) -> None:
+    tools = _tools_with(tmp_path, uv=FAKE_UV)  # records the calls; the install itself then fails
+    result = _install(_env(tmp_path / "home", tools=tools), *args)
+    assert result.returncode != 0
+    install_call = (tools / "calls").read_text().splitlines()[-1]
+    assert install_call.startswith("pip install ") and install_call.endswith(f" {requirement}")
