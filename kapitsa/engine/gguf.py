@@ -10,6 +10,7 @@ Qwen3-Next `in_proj_qkvz` split into attn_qkv/attn_gate, experts stacked per ten
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,14 +143,14 @@ def read_gguf(path: Path) -> GGUFCheckpoint:
     config = config_from_gguf(
         arch, meta, {n: tuple(int(x) for x in reversed(t.shape)) for n, t in raw.items()}
     )
-    tensors = {name: dequantize(t.data, t.tensor_type) for name, t in raw.items()}
+    tensors = _LazyDequantized(raw)
     stored_dtypes = {name: _FLOAT_TYPES.get(t.tensor_type, mx.bfloat16) for name, t in raw.items()}
     convert = _qwen_weights if arch in QWEN_ARCHS else _nemotron_weights
     # a float GGUF keeps its precision; dequantized blocks become bf16 until re-quantized
     dtype = mx.bfloat16 if any(d == mx.bfloat16 for d in stored_dtypes.values()) else _widest(stored_dtypes)
     return GGUFCheckpoint(
         config=config,
-        weights={name: _to_mx(values, dtype) for name, values in convert(tensors, config).items()},
+        weights={name: _to_mx(values, dtype) for name, values in convert(tensors, config)},
         tokenizer=tokenizer_from_gguf(meta, config),
         suggested_quantization=_suggested_quantization(reader),
     )
@@ -164,6 +165,17 @@ _FLOAT_TYPES = {
 
 def _widest(dtypes: dict[str, mx.Dtype]) -> mx.Dtype:
     return mx.float16 if any(d == mx.float16 for d in dtypes.values()) else mx.float32
+
+
+class _LazyDequantized(dict):
+    """GGUF tensors by name, dequantized on access, so only one float32 copy exists at a time."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        super().__init__(raw)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        tensor = super().__getitem__(name)
+        return dequantize(tensor.data, tensor.tensor_type)
 
 
 def _to_mx(values: np.ndarray, dtype: mx.Dtype) -> mx.array:
@@ -186,21 +198,28 @@ def _untile_v_heads(x: np.ndarray, axis: int, num_k_heads: int, v_per_k: int, he
     return np.moveaxis(x, 0, axis)
 
 
-def _qwen_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
-    weights: dict[str, np.ndarray] = {}
+def _qwen_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
     n_layers = config["num_hidden_layers"]
-    for name, values in tensors.items():
+    # tensors consumed together with another one (read when that one is)
+    joined = (
+        ("ffn_up_exps.weight", "attn_gate.weight")
+        if config["model_type"] == "qwen3_next"
+        else ("ffn_up_exps.weight",)
+    )
+    for name in tensors:
+        if name.endswith(joined):
+            continue
+        values = tensors[name]
         if name == "token_embd.weight":
-            weights["model.embed_tokens.weight"] = values
+            yield "model.embed_tokens.weight", values
         elif name == "output.weight":
-            weights["lm_head.weight"] = values
+            yield "lm_head.weight", values
         elif name == "output_norm.weight":
-            weights["model.norm.weight"] = values - 1.0
+            yield "model.norm.weight", values - 1.0
         elif (parsed := _split_block_name(name)) is not None and parsed[0] < n_layers:  # later blocks: MTP
             index, rest = parsed
             for hf_name, hf_values in _qwen_block_tensor(rest, values, tensors, index, config):
-                weights[f"model.layers.{index}.{hf_name}"] = hf_values
-    return weights
+                yield f"model.layers.{index}.{hf_name}", hf_values
 
 
 def _qwen_block_tensor(
@@ -210,8 +229,6 @@ def _qwen_block_tensor(
         up = tensors[f"blk.{index}.ffn_up_exps.weight"]
         yield "mlp.experts.gate_up_proj", np.concatenate([values, up], axis=1)  # [E, 2I, H]
         return
-    if rest == "ffn_up_exps.weight":
-        return  # joined with ffn_gate_exps
     hf_name = _QWEN_BLOCK_NAMES.get(rest)
     if hf_name is None:
         raise CheckpointError(f"unexpected tensor blk.{index}.{rest} in a Qwen GGUF")
@@ -228,8 +245,6 @@ def _qwen_block_tensor(
                 _qwen_next_qkvz(values, tensors[f"blk.{index}.attn_gate.weight"], config),
             )
             return
-        if rest == "attn_gate.weight":
-            return  # joined with attn_qkv
     else:
         values = _qwen35_untile(rest, values, config)
     yield hf_name, values
@@ -263,19 +278,20 @@ def _qwen_next_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict[str, Any]) -> n
     return np.concatenate(parts, axis=1).reshape(-1, hidden)
 
 
-def _nemotron_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
-    weights: dict[str, np.ndarray] = {}
+def _nemotron_weights(
+    tensors: dict[str, np.ndarray], config: dict[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
     n_layers = len(config["hybrid_override_pattern"])
     top_level = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
-    for name, values in tensors.items():
+    for name in tensors:
+        values = tensors[name]
         if name in top_level:
-            weights[top_level[name]] = values
+            yield top_level[name], values
         elif (parsed := _split_block_name(name)) is not None and parsed[0] < n_layers:  # later blocks: MTP
             index, rest = parsed
             for hf_name, hf_values in _nemotron_block_tensor(rest, values):
-                weights[f"backbone.layers.{index}.{hf_name}"] = hf_values
-    return weights
+                yield f"backbone.layers.{index}.{hf_name}", hf_values
 
 
 def _nemotron_block_tensor(rest: str, values: np.ndarray):
