@@ -1,0 +1,179 @@
+"""`SpeculativeDecode`: a decode strategy that drafts, verifies in one forward, and rolls back.
+
+Per step and per sequence: a drafter proposes up to k tokens (k from the adaptive controller and
+the tokens the sequence may still emit); the target runs `[last, d1..dk]` for every row at once
+(ragged rows, `record=True`); acceptance keeps the tokens the target itself would have produced
+(greedy: its argmax; sampling: speculative sampling, so outputs follow the target distribution);
+`cache.rollback` drops each row's rejected tokens by replaying the recurrent layers over the kept
+prefix. Rows with no draft ride along with length 1, which is plain decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from kapitsa.engine.cache import HybridCache
+from kapitsa.engine.decode import PlainDecode
+from kapitsa.engine.runner import ModelRunner
+from kapitsa.engine.sampler import SampledToken, SequenceSampler, filter_logits
+from kapitsa.engine.sequence import Sequence
+from kapitsa.engine.speculative.controller import DraftLengthController
+from kapitsa.engine.speculative.drafter import Drafter
+
+
+@dataclass
+class _SequenceState:
+    seq: Sequence
+    drafter: Drafter
+    controller: DraftLengthController
+
+
+@dataclass
+class SpeculativeStats:
+    steps: int = 0  # verify forwards
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens returned (accepted drafts + one from the target per row)
+    rows: int = 0  # sequence-steps
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.rows if self.rows else 0.0
+
+
+@dataclass
+class SpeculativeDecode:
+    """Args:
+    make_drafter: builds one drafter per sequence (drafters keep per-sequence state).
+    name: the mode reported in stats ("ngram", "draft", ...).
+    max_draft: the longest draft per step.
+    adaptive: choose each sequence's draft length from running acceptance (else always max_draft).
+    """
+
+    make_drafter: Callable[[], Drafter]
+    name: str = "ngram"
+    max_draft: int = 8
+    adaptive: bool = True
+    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    _states: dict[int, _SequenceState] = field(default_factory=dict)
+    _plain: PlainDecode = field(default_factory=PlainDecode)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.stats.acceptance_rate
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.stats.tokens_per_step
+
+    def step(
+        self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]
+    ) -> list[list[SampledToken]]:
+        self._forget_finished(sequences)
+        states = [self._state(seq) for seq in sequences]
+        drafts = [self._propose(state) for state in states]
+        if not any(drafts):
+            picks = self._plain.step(runner, cache, sequences)
+            self._count(picks, drafts)
+            return picks
+        width = 1 + max(len(d) for d in drafts)
+        rows = [
+            [seq.output_ids[-1], *d] + [0] * (width - 1 - len(d))
+            for seq, d in zip(sequences, drafts, strict=True)
+        ]
+        lengths = [1 + len(d) for d in drafts]
+        logits = runner.model(mx.array(rows, dtype=mx.int32), cache, lengths=lengths, record=True)
+        logits = logits.astype(mx.float32)
+        mx.eval(logits)
+        picks: list[list[SampledToken]] = []
+        drops: list[int] = []
+        for b, (state, draft) in enumerate(zip(states, drafts, strict=True)):
+            tokens, accepted = _accept(state.seq.sampler, draft, logits[b])
+            picks.append(tokens)
+            drops.append(len(draft) - accepted)
+            if draft:
+                state.controller.update(len(draft), accepted)
+        cache.rollback(drops)
+        self._count(picks, drafts)
+        return picks
+
+    def _count(self, picks: list[list[SampledToken]], drafts: list[list[int]]) -> None:
+        s = self.stats
+        s.steps += 1
+        s.rows += len(picks)
+        s.emitted += sum(len(p) for p in picks)
+        s.proposed += sum(len(d) for d in drafts)
+        s.accepted += sum(len(p) - 1 for p, d in zip(picks, drafts, strict=True) if d)
+
+    def _state(self, seq: Sequence) -> _SequenceState:
+        state = self._states.get(id(seq))
+        if state is None or state.seq is not seq:
+            controller = DraftLengthController(max_draft=self.max_draft)
+            state = _SequenceState(seq, self.make_drafter(), controller)
+            self._states[id(seq)] = state
+        return state
+
+    def _forget_finished(self, sequences: Seq[Sequence]) -> None:
+        live = {id(seq) for seq in sequences}
+        for key in [k for k, st in self._states.items() if k not in live and st.seq.is_finished]:
+            del self._states[key]
+
+    def _propose(self, state: _SequenceState) -> list[int]:
+        seq = state.seq
+        room = seq.max_tokens - len(seq.output_ids) - 1  # the target adds one token of its own
+        k = min(state.controller.choose() if self.adaptive else self.max_draft, room)
+        if k <= 0:
+            return []
+        return list(state.drafter.propose(seq.all_ids, k).tokens)
+
+
+def _accept(sampler: SequenceSampler, draft: list[int], rows: mx.array) -> tuple[list[SampledToken], int]:
+    """The tokens to emit for one sequence and how many drafts they keep.
+
+    Positions are taken in order so penalties and logit processors see each position's true
+    prefix (the sampler observes every emitted token before the next position is processed).
+    """
+    out: list[SampledToken] = []
+    greedy = sampler.params.temperature == 0
+    for i, token in enumerate(draft):
+        row = rows[i]
+        if greedy:
+            pick = sampler.sample(row)
+            out.append(pick)
+            if pick.token_id != token:
+                return out, i
+            continue
+        probs = _target_probs(sampler, row)
+        if _uniform(sampler) < probs[token]:
+            out.append(sampler._finish(row, mx.array(token)))
+            continue
+        residual = probs.copy()
+        residual[token] = 0.0  # a point-mass draft: the residual is p without d, renormalised
+        out.append(sampler._finish(row, mx.array(_draw(residual, _uniform(sampler)))))
+        return out, i
+    out.append(sampler.sample(rows[len(draft)]))
+    return out, len(draft)
+
+
+def _target_probs(sampler: SequenceSampler, row: mx.array) -> np.ndarray:
+    p = sampler.params
+    logits = filter_logits(sampler.process(row) / p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+    return np.array(mx.softmax(logits), dtype=np.float64)
+
+
+def _uniform(sampler: SequenceSampler) -> float:
+    return float(mx.random.uniform(key=sampler._next_key()).item())
+
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    cdf = np.cumsum(weights)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(weights) - 1))

@@ -1,0 +1,180 @@
+"""Speculative decoding inside the engine: greedy output is the model's own, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import EOS, ByteTokenizer, tiny_model  # noqa: I001
+
+from kapitsa.engine.cache import HybridCache
+from kapitsa.engine.engine import EngineConfig
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.speculative.decoder import SpeculativeDecode
+from kapitsa.engine.speculative.drafter import Draft
+from kapitsa.engine.speculative.factory import make_decode_strategy
+from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
+from kapitsa.errors import InvalidRequest
+
+PROMPTS = [
+    "def add(x, y):\n    return x + y\n\ndef add(x, y):\n",
+    "abc abc abc abc",
+    "The quick brown fox. The quick brown fox. The quick",
+]
+N_TOKENS = 24
+
+
+class OracleDrafter:
+    """Copies the known greedy continuation, corrupting one position at random: every accept
+    length from 0 to k happens, so rollback is exercised at every depth."""
+
+    name = "oracle"
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int) -> None:
+        self.references = references
+        self.rng = random.Random(seed)
+
+    def observe(self, new_tokens) -> None:
+        pass
+
+    def propose(self, context, max_tokens: int) -> Draft:
+        for prompt, ref in self.references.items():
+            if tuple(context[: len(prompt)]) == prompt:
+                tail = list(ref[len(context) - len(prompt) : len(context) - len(prompt) + max_tokens])
+                if tail and self.rng.random() < 0.7:
+                    tail[self.rng.randrange(len(tail))] = self.rng.randrange(3, 200)
+                return Draft(tuple(tail))
+        return Draft(())
+
+
+def _client(model, decode=None, **cfg) -> InProcessEngine:
+    info = ModelInfo(id="tiny", family="test", context_length=4096, max_output_tokens=1024)
+    cfg.setdefault("prefill_chunk", 64)
+    cfg.setdefault("prefix_cache_bytes", 0)
+    return InProcessEngine(
+        model, ByteTokenizer(), info, eos_token_ids={EOS}, config=EngineConfig(**cfg), decode=decode
+    )
+
+
+async def _run(client, prompt: str, *, n: int = N_TOKENS, **sampling) -> tuple[list[int], str, FinishEvent]:
+    ids, text, finish = [], [], None
+    params = SamplingParams(max_tokens=n, ignore_eos=True, **sampling)
+    async for event in client.generate(GenerationRequest(prompt=prompt, sampling=params)):
+        if isinstance(event, TokenEvent):
+            ids += event.token_ids
+            text.append(event.text)
+        elif isinstance(event, FinishEvent):
+            finish = event
+    return ids, "".join(text), finish
+
+
+async def _plain_outputs(model) -> list[list[int]]:
+    client = _client(model)
+    try:
+        return [(await _run(client, p))[0] for p in PROMPTS]
+    finally:
+        client.close()
+
+
+def _references(plain: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    tok = ByteTokenizer()
+    return {tuple(tok.encode(p)): ids for p, ids in zip(PROMPTS, plain, strict=True)}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+async def test_greedy_speculation_equals_plain_alone_and_batched(kind: str) -> None:
+    model = tiny_model(kind)
+    plain = await _plain_outputs(model)
+    refs = _references(plain)
+    strategies = [
+        SpeculativeDecode(lambda: OracleDrafter(refs, seed=1), name="oracle", max_draft=5, adaptive=False),
+        make_decode_strategy("ngram", draft_tokens=6),
+    ]
+    for strategy in strategies:
+        client = _client(model, strategy)
+        try:
+            alone = [(await _run(client, p))[0] for p in PROMPTS]
+            together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
+        finally:
+            client.close()
+        assert alone == plain, strategy.name
+        assert [ids for ids, _, _ in together] == plain, strategy.name
+    oracle = strategies[0].stats
+    assert oracle.accepted > 0 and oracle.tokens_per_step > 1.2  # drafts really were accepted
+
+
+async def test_draft_model_drafter_equals_plain() -> None:
+    model = tiny_model("qwen3_5")
+    plain = await _plain_outputs(model)
+    # The target drafting for itself accepts everything; output must still be the plain one.
+    strategy = make_decode_strategy("draft", draft_model=model, draft_tokens=4)
+    client = _client(model, strategy)
+    try:
+        got = [(await _run(client, p))[0] for p in PROMPTS]
+    finally:
+        client.close()
+    assert got == plain
+    assert strategy.stats.acceptance_rate > 0.95
+
+
+async def test_stop_string_inside_an_accepted_block() -> None:
+    model = tiny_model("qwen3_5")
+    client = _client(model)
+    try:
+        _, plain_text, _ = await _run(client, PROMPTS[0])
+    finally:
+        client.close()
+    stop = plain_text[9:12]
+    assume_cut = plain_text[: plain_text.find(stop)]
+    refs = _references(await _plain_outputs(model))
+    client = _client(
+        model, SpeculativeDecode(lambda: OracleDrafter(refs, seed=3), max_draft=8, adaptive=False)
+    )
+    try:
+        _, text, finish = await _run(client, PROMPTS[0], stop=(stop,))
+    finally:
+        client.close()
+    assert text == assume_cut
+    assert finish.finish_reason == "stop" and finish.stop_sequence == stop
+
+
+async def test_broken_rollback_is_caught(monkeypatch) -> None:
+    """Negative control: keep the drafts' recurrent state (skip the replay) and outputs diverge."""
+    model = tiny_model("qwen3_5")
+    plain = await _plain_outputs(model)
+    refs = _references(plain)
+
+    def rollback_without_replay(self: HybridCache, n) -> None:
+        drop = [n] * self.batch_size if isinstance(n, int) else list(n)
+        self.offsets = [o - d for o, d in zip(self.offsets, drop, strict=True)]
+        self.commit()
+
+    monkeypatch.setattr(HybridCache, "rollback", rollback_without_replay)
+    client = _client(
+        model, SpeculativeDecode(lambda: OracleDrafter(refs, seed=1), max_draft=5, adaptive=False)
+    )
+    try:
+        got = [(await _run(client, p))[0] for p in PROMPTS]
+    finally:
+        client.close()
+    assert got != plain
+
+
+async def test_seeded_speculative_sampling_is_reproducible() -> None:
+    model = tiny_model("nemotron_h")
+    outs = []
+    for _ in range(2):
+        client = _client(model, make_decode_strategy("ngram", draft_tokens=4))
+        try:
+            outs.append((await _run(client, PROMPTS[1], temperature=0.8, seed=11))[0])
+        finally:
+            client.close()
+    assert outs[0] == outs[1] and len(outs[0]) == N_TOKENS
+
+
+def test_unknown_and_unavailable_modes_are_clear_errors() -> None:
+    with pytest.raises(InvalidRequest, match="unknown speculative mode"):
+        make_decode_strategy("fast")
+    with pytest.raises(InvalidRequest, match="needs --draft"):
+        make_decode_strategy("draft")
