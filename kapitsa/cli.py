@@ -79,12 +79,14 @@ def run(
 @app.command()
 def serve(
     model: ModelOpt = None,
-    host: Annotated[str, typer.Option("--host", help="Bind address. Non-loopback needs a token.")] = "127.0.0.1",
+    host: Annotated[str | None, typer.Option("--host", help="Bind address (default 127.0.0.1). Non-loopback needs KAPITSA_API_KEY.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port (default 8484).")] = None,
     speculative: SpecOpt = "none",
 ) -> None:
     """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
-    not_built("serve")
+    from kapitsa.server.serve_cmd import cmd_serve
+
+    cmd_serve(model=model, host=host, port=port, speculative=speculative)
 
 
 @app.command()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -47,4 +51,20 @@ def serve_forever(client: EngineClient, settings: ServerSettings) -> None:
         print(f"WARNING: kapitsa is listening on {settings.host}:{settings.port}, reachable from the network "
               "(token required on every request).", file=sys.stderr)
     print(f"kapitsa serving {', '.join(m.id for m in client.models())} on http://{settings.host}:{settings.port}", file=sys.stderr)
-    server.run()
+    with _signals_end_serving():
+        server.run()
+
+
+@contextlib.contextmanager
+def _signals_end_serving() -> Iterator[None]:
+    """uvicorn drains on SIGINT/SIGTERM and then re-raises the signal; with these handlers that re-raise
+    only ends `run()`, so the caller can still close the engine (and flush its disk cache)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

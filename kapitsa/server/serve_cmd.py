@@ -1,0 +1,28 @@
+"""`kapitsa serve`: resolve settings, refuse unsafe binds before loading anything, load the model, serve."""
+
+from __future__ import annotations
+
+from kapitsa.errors import KapitsaError
+from kapitsa.server.runner import check_bind, serve_forever
+from kapitsa.server.settings import ServerSettings
+
+
+def make_settings(*, model: str | None, host: str | None, port: int | None, speculative: str) -> ServerSettings:
+    """Flags override `KAPITSA_*` environment variables, which override defaults."""
+    flags = {"model": model, "host": host, "port": port, "speculative": speculative if speculative != "none" else None}
+    return ServerSettings(**{k: v for k, v in flags.items() if v is not None})
+
+
+def cmd_serve(*, model: str | None, host: str | None, port: int | None, speculative: str) -> None:
+    settings = make_settings(model=model, host=host, port=port, speculative=speculative)
+    check_bind(settings)
+    if settings.speculative != "none":
+        raise KapitsaError(f"--speculative {settings.speculative} is not available in `kapitsa serve` yet; use none")
+    from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.run_cmd import default_model, load_for_spec
+
+    client = InProcessEngine.from_loaded(load_for_spec(settings.model or default_model()))
+    try:
+        serve_forever(client, settings)
+    finally:
+        client.close()
