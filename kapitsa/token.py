@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from dataclasses import dataclass
@@ -79,10 +80,8 @@ def rotate_token(state_dir: Path) -> TokenState:
 def clear_token(state_dir: Path) -> TokenState:
     backend, _reason = _keyring_backend()
     if backend is not None:
-        try:
+        with contextlib.suppress(Exception):  # nothing stored is the state we want
             backend.delete_password(SERVICE, ACCOUNT)  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001,S110 - nothing stored is the state we want
-            pass
     path = _file_path(state_dir)
     path.unlink(missing_ok=True)
     return TokenState(None, "none", _backend_name(backend) if backend is not None else str(path))

@@ -10,7 +10,7 @@ from kapitsa.catalog import load_catalog
 mx = pytest.importorskip("mlx.core")
 
 
-def _measured_decode_peak(kind: str, context: int, dtype) -> tuple[int, int, object]:
+def _measured_decode_peak(kind: str, context: int, dtype) -> tuple[int, int, object, object]:
     from mlx.utils import tree_flatten
 
     from kapitsa.catalog import arch_from_config
@@ -34,17 +34,25 @@ def _measured_decode_peak(kind: str, context: int, dtype) -> tuple[int, int, obj
     for _ in range(4):
         token = mx.argmax(model(token, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(token)
-    return mx.get_peak_memory(), weights, arch_from_config(config)
+    return mx.get_peak_memory(), weights, arch_from_config(config), cache
 
 
 @pytest.mark.parametrize(("kind", "dtype_name"), [("qwen3_5", "bfloat16"), ("nemotron_h", "float32")])
 def test_estimate_matches_measured_peak_of_a_tiny_run(kind: str, dtype_name: str) -> None:
     context = 1024
-    peak, weights, arch = _measured_decode_peak(kind, context, getattr(mx, dtype_name))
+    peak, weights, arch, cache = _measured_decode_peak(kind, context, getattr(mx, dtype_name))
     dtype_bytes = 2 if dtype_name == "bfloat16" else 4
     allocated = -(-(context + 4) // 256) * 256  # KV buffers grow in steps of 256 positions
+    # The per-sequence terms are exact: what the engine's cache really holds.
+    assert cache.kv_nbytes == me.kv_bytes_per_token(arch, dtype_bytes) * allocated
+    assert cache.recurrent_nbytes == me.recurrent_state_bytes(arch, dtype_bytes)
     estimate = me.decode_peak_bytes(arch, weight_bytes=weights, context_tokens=allocated, dtype_bytes=dtype_bytes)
-    assert abs(estimate - peak) / peak < 0.10, (estimate, peak)
+    # The K/V update usually copies one layer's buffer (counted in the estimate); when MLX donates the old
+    # buffer instead, the peak is lower by that much. Either way the peak is within 10% of the estimate
+    # or of the estimate without that transient.
+    without_copy = estimate - me.update_transient_bytes(arch, allocated, dtype_bytes)
+    assert peak <= estimate * 1.10, (estimate, peak)
+    assert min(abs(estimate - peak), abs(without_copy - peak)) / peak < 0.10, (estimate, without_copy, peak)
 
 
 def test_max_context_follows_memory_and_caps_at_the_window() -> None:
