@@ -34,13 +34,14 @@ FALLBACK_MODEL = "demo"  # the model that ships inside kapitsa: a first run need
 class KapitsaApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "kapitsa"
+    ENABLE_COMMAND_PALETTE = False  # every action has a key; the footer needs the room at 80 columns
     MODES = {"home": HomeScreen, "live": LiveScreen, "bench": BenchScreen}
     DEFAULT_MODE = "home"
     BINDINGS = [
         Binding("1", "switch_mode('home')", "Home"),
         Binding("2", "switch_mode('live')", "Live"),
         Binding("3", "switch_mode('bench')", "Bench"),
-        Binding("s", "toggle_engine", "Start/stop"),
+        Binding("s", "toggle_engine", "Engine"),
         Binding("a", "launch", "Agent"),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),

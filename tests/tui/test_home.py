@@ -19,6 +19,7 @@ from kapitsa.tui.screens.error import ErrorModal
 from kapitsa.tui.services import TuiServices
 from kapitsa.tui.widgets.downloads_panel import DownloadsPanel
 from kapitsa.tui.widgets.engine_panel import EnginePanel
+from kapitsa.tui.widgets.env_panel import EnvPanel
 from kapitsa.tui.widgets.formatting import human_context
 from kapitsa.tui.widgets.model_table import ModelTable
 
@@ -105,12 +106,15 @@ class TestEngine:
             assert started.handle.url.startswith("http://127.0.0.1:")
             async with httpx.AsyncClient() as http:
                 assert (await http.get(f"{started.handle.url}/health")).json()["status"] == "ok"
-            panel_text = str(app.screen.query_one(EnginePanel).render())
-            assert f"{started.handle.url}/v1" in panel_text and "export OPENAI_BASE_URL=" in panel_text
+            assert f"{started.handle.url}/v1" in str(app.screen.query_one(EnginePanel).render())
+            env_text = str(app.screen.query_one(EnvPanel).render())
+            assert f"export OPENAI_BASE_URL={started.handle.url}/v1" in env_text
+            await pilot.press("c")
+            assert app.clipboard == f"{started.handle.url}/v1\nexport OPENAI_BASE_URL={started.handle.url}/v1"
             await pilot.press("s")
             await settle(pilot)
             assert of_type(messages, EngineStopped) and app.engine_status == "stopped"
-            assert app.engine_handle is None
+            assert app.engine_handle is None and not app.screen.query_one(EnvPanel).display
 
     async def test_start_failure_is_a_modal_not_a_crash(self, tmp_path, messages) -> None:
         def no_such_model(ref):

@@ -12,7 +12,7 @@ from kapitsa.tui.widgets.requests_panel import RequestsPanel
 
 
 def _text(widget) -> str:
-    return str(widget.render())
+    return " ".join(str(widget.render()).split())  # layout spaces do not matter here
 
 
 async def test_polled_stats_fill_every_panel(make_app, messages) -> None:
@@ -33,14 +33,14 @@ async def test_polled_stats_fill_every_panel(make_app, messages) -> None:
         assert "42.2 tok/s" in _text(decode.query_one(".rate-value"))
         assert list(screen.query_one("#prefill-rate", RatePanel).history)[-1] == 812.5
         requests = _text(screen.query_one(RequestsPanel))
-        assert "active        2" in requests and "queued      1" in requests and "batch         2" in requests
-        assert "ngram · 62% accepted" in requests
+        assert "active 2 queued 1" in requests and "batch 2 done 17" in requests
+        assert "speculative ngram, 62% accepted tokens/step 1.80" in requests
         cache = _text(screen.query_one(CachePanel))
-        assert "reused     7500" in cache and "computed     2500" in cache
-        assert "hit rate         75.0%" in cache
-        assert "3 in memory (48.0 MiB)" in cache and "5 on disk (80.0 MiB)" in cache
-        assert "3.0 GiB in use / 36.0 GiB" in cache
-        assert "running  4b at http://127.0.0.1:" in _text(screen.query_one("#live-status"))
+        assert "reused 7500 prompt tokens computed 2500" in cache
+        assert "hit rate 75.0%" in cache
+        assert "3 in memory 48.0 MiB 5 on disk 80.0 MiB" in cache
+        assert "memory 3.0 GiB / 36.0 GiB peak 4.0 GiB" in cache
+        assert "engine running 4b at http://127.0.0.1:" in _text(screen.query_one("#live-status"))
 
 
 async def test_stopping_the_engine_stops_polling(make_app, messages) -> None:

@@ -10,24 +10,24 @@ from textual.widgets import Static
 
 HELP_TEXT = """\
 [b]Everywhere[/b]
-  1 / 2 / 3   home, live panels, bench
-  s           start or stop the engine (the model highlighted on home)
-  a           launch a coding agent against the running engine
-  ?           this help          q   quit (stops the engine)
+  1 2 3   home · live panels · bench
+  s       start/stop the engine (the model picked on home)
+  a       launch a coding agent against the engine
+  ?       this help              q   quit (stops the engine)
 
 [b]Home[/b]
-  ↑ ↓         pick a model       d   download it
-  x           cancel its download
-  c           copy the endpoint and env lines to the clipboard
-  r           check this machine again
+  ↑ ↓     pick a model           d   download it
+  x       cancel its download    r   check this machine again
+  c       copy the endpoint and env lines
 
-[b]Live[/b]   decode / prefill tok/s, requests, cache (refreshed twice a second)
+[b]Live[/b]    tok/s, requests and cache, twice a second
 
 [b]Bench[/b]
-  r           quick bench        f   full bench
-  u           submit the results (shows the JSON first, asks)
+  r       quick bench            f   full bench
+  u       submit the results (shows the JSON, asks first)
 
-The server listens on 127.0.0.1 only. It keeps running while an agent runs."""
+The server listens on 127.0.0.1 only; it keeps running while an
+agent runs, and stops when you quit."""
 
 
 class HelpScreen(ModalScreen[None]):

@@ -25,6 +25,7 @@ from kapitsa.tui.services import DownloadCancelledError, Unavailable
 from kapitsa.tui.widgets.doctor_panel import DoctorPanel
 from kapitsa.tui.widgets.downloads_panel import DownloadsPanel
 from kapitsa.tui.widgets.engine_panel import EnginePanel
+from kapitsa.tui.widgets.env_panel import EnvPanel
 from kapitsa.tui.widgets.model_table import ModelTable
 
 PROGRESS_INTERVAL_S = 0.2  # at most five progress messages a second per download
@@ -33,8 +34,8 @@ PROGRESS_INTERVAL_S = 0.2  # at most five progress messages a second per downloa
 class HomeScreen(Screen):
     BINDINGS = [
         Binding("d", "download", "Download"),
-        Binding("x", "cancel_download", "Cancel dl"),
-        Binding("c", "copy_env", "Copy env"),
+        Binding("x", "cancel_download", "Cancel download", show=False),
+        Binding("c", "copy_env", "Copy env", show=False),
         Binding("r", "refresh", "Recheck", show=False),
     ]
 
@@ -48,6 +49,7 @@ class HomeScreen(Screen):
         with Horizontal(id="home-top"):
             yield DoctorPanel(id="doctor")
             yield EnginePanel(id="engine")
+        yield EnvPanel(id="env")
         yield ModelTable(id="models")
         yield DownloadsPanel(id="downloads")
         yield Footer()
@@ -95,15 +97,20 @@ class HomeScreen(Screen):
 
     def show_engine(self, status: str) -> None:
         handle = self.app.engine_handle
-        model = handle.model if handle else self.app.engine_model
+        env_panel = self.query_one(EnvPanel)
         if status != "running" or handle is None:
-            self.engine_panel.show(status, model=model, note=self.app.engine_note)
+            self.engine_panel.show(
+                status,
+                model=handle.model if handle else self.app.engine_model,
+                note=self.app.engine_note if status == "failed" else None,
+            )
+            env_panel.hide()
             return
+        self.engine_panel.show(status, model=handle.model, url=handle.url)
         try:
-            lines, note = self.app.services.env_lines(handle.url), None
+            env_panel.show_lines(self.app.services.env_lines(handle.url))
         except Unavailable as err:
-            lines, note = [], str(err)
-        self.engine_panel.show(status, model=model, url=handle.url, env_lines=lines, note=note)
+            env_panel.show_lines([], note=str(err))
 
     def action_refresh(self) -> None:
         self.load_doctor()

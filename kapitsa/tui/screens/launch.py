@@ -23,8 +23,12 @@ class LaunchScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="modal-box launch-box") as box:
             box.border_title = "Launch an agent"
-            target = self.server_url or "the engine is not running: start it first (s)"
-            yield Static(f"against {target}\nthe TUI comes back when the agent exits", id="launch-target")
+            target = (
+                f"server: {self.server_url}"
+                if self.server_url
+                else "the engine is not running: start it first (s)"
+            )
+            yield Static(f"{target}\nthe TUI comes back when the agent exits", id="launch-target")
             yield OptionList(
                 *[Option(label, id=name) for name, label in self.agents.items()], id="agent-list"
             )

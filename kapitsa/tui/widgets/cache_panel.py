@@ -16,9 +16,11 @@ class CachePanel(Static):
     def show(self, stats: EngineStats) -> None:
         limit = f" / {human_bytes(stats.memory_limit_bytes)}" if stats.memory_limit_bytes else ""
         self.update(
-            f"prompt reused {stats.prompt_tokens_cached:>8}  computed {stats.prompt_tokens_computed:>8}\n"
-            f"hit rate      {stats.cache_hit_rate:>8.1%}\n"
-            f"checkpoints   {stats.checkpoints_in_memory:>4} in memory ({human_bytes(stats.checkpoint_bytes_in_memory)})"
-            f"  {stats.checkpoints_on_disk} on disk ({human_bytes(stats.checkpoint_bytes_on_disk)})\n"
-            f"memory        {human_bytes(stats.memory_in_use_bytes)} in use{limit}, peak {human_bytes(stats.memory_peak_bytes)}"
+            f"prompt tokens reused   {stats.prompt_tokens_cached:>9}\n"
+            f"prompt tokens computed {stats.prompt_tokens_computed:>9}\n"
+            f"hit rate               {stats.cache_hit_rate:>9.1%}\n"
+            f"checkpoints  {stats.checkpoints_in_memory:>3} in memory {human_bytes(stats.checkpoint_bytes_in_memory):>9}\n"
+            f"             {stats.checkpoints_on_disk:>3} on disk   {human_bytes(stats.checkpoint_bytes_on_disk):>9}\n"
+            f"memory {human_bytes(stats.memory_in_use_bytes)}{limit}\n"
+            f"peak   {human_bytes(stats.memory_peak_bytes)}"
         )

@@ -21,10 +21,8 @@ class DoctorPanel(Static):
         hw = report.hardware
         text = Text()
         text.append(f"{hw.chip}\n", style="bold")
-        text.append(
-            f"{human_bytes(hw.usable_memory_bytes)} usable of {human_bytes(hw.total_memory_bytes)} · "
-            f"{hw.backend} · mlx {hw.mlx_version or 'missing'}\n"
-        )
+        text.append(f"{human_bytes(hw.usable_memory_bytes)} usable of {human_bytes(hw.total_memory_bytes)}\n")
+        text.append(f"{hw.backend} · mlx {hw.mlx_version or 'not installed'}\n")
         text.append("recommended: ")
         text.append(
             report.recommended or "none fits", style="bold green" if report.recommended else "bold red"

@@ -1,4 +1,4 @@
-"""The engine's state, its endpoint, and `env` lines ready to copy."""
+"""The engine's state and its endpoint."""
 
 from __future__ import annotations
 
@@ -15,20 +15,14 @@ STATUS_STYLES = {
 
 
 class EnginePanel(Static):
-    """Status line, then the endpoint and export lines while the engine runs."""
+    """Status line, then the endpoint while the engine runs."""
 
     def on_mount(self) -> None:
         self.border_title = "Engine"
         self.show("stopped", model=None)
 
     def show(
-        self,
-        status: str,
-        *,
-        model: str | None,
-        url: str | None = None,
-        env_lines: list[str] | None = None,
-        note: str | None = None,
+        self, status: str, *, model: str | None, url: str | None = None, note: str | None = None
     ) -> None:
         text = Text()
         text.append(f"● {status}", style=STATUS_STYLES.get(status, ""))
@@ -36,10 +30,9 @@ class EnginePanel(Static):
             text.append(f"  {model}", style="bold")
         if url:
             text.append(f"\n{url}/v1", style="bold cyan")
-        for line in env_lines or []:
-            text.append(f"\n{line}")
+            text.append("\na launches an agent", style="dim")
         if note:
             text.append(f"\n{note}", style="yellow")
-        if status == "stopped":
-            text.append("\npick a model, press s to start", style="dim")
+        if status in ("stopped", "failed"):
+            text.append("\npick a model, s starts it", style="dim")
         self.update(text)

@@ -19,7 +19,7 @@ class RatePanel(Vertical):
     def __init__(self, title: str, *, id: str | None = None) -> None:  # noqa: A002 - Textual's keyword
         super().__init__(id=id, classes="rate-panel")
         self.border_title = title
-        self.history: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
+        self.history: deque[float] = deque(maxlen=HISTORY)
 
     def compose(self) -> ComposeResult:
         yield Label("- tok/s", classes="rate-value")

@@ -13,15 +13,16 @@ class RequestsPanel(Static):
         self.update("engine not running")
 
     def show(self, stats: EngineStats) -> None:
-        speculative = (
-            "off"
-            if stats.speculative == "none"
-            else f"{stats.speculative} · {stats.draft_acceptance_rate:.0%} accepted · "
-            f"{stats.tokens_per_step:.2f} tok/step"
-        )
+        if stats.speculative == "none":
+            speculative = "speculative  off"
+        else:
+            speculative = (
+                f"speculative  {stats.speculative}, {stats.draft_acceptance_rate:.0%} accepted\n"
+                f"tokens/step  {stats.tokens_per_step:.2f}"
+            )
         self.update(
-            f"active   {stats.active_requests:>6}    queued {stats.queued_requests:>6}\n"
-            f"batch    {stats.batch_size:>6}    done   {stats.requests_finished:>6}\n"
-            f"failed   {stats.requests_failed:>6}    tokens {stats.generated_tokens:>6}\n"
-            f"speculative  {speculative}"
+            f"active  {stats.active_requests:>5}   queued {stats.queued_requests:>6}\n"
+            f"batch   {stats.batch_size:>5}   done   {stats.requests_finished:>6}\n"
+            f"failed  {stats.requests_failed:>5}   tokens {stats.generated_tokens:>6}\n"
+            f"{speculative}"
         )
