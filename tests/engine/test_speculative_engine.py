@@ -178,3 +178,24 @@ def test_unknown_and_unavailable_modes_are_clear_errors() -> None:
         make_decode_strategy("fast")
     with pytest.raises(InvalidRequest, match="needs --draft"):
         make_decode_strategy("draft")
+
+
+async def test_mtp_drafter_equals_plain(tmp_path) -> None:
+    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.tiny import write_tiny_checkpoint
+
+    loaded = load_model(write_tiny_checkpoint(tmp_path / "q", "qwen3_5", mtp=True))
+    model = loaded.model
+    assert model.mtp is not None
+    plain = await _plain_outputs(model)
+    strategy = make_decode_strategy("auto", target_model=model)
+    assert strategy.name == "mtp"
+    client = _client(model, strategy)
+    try:
+        alone = [(await _run(client, p))[0] for p in PROMPTS]
+        together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
+    finally:
+        client.close()
+    assert alone == plain
+    assert [ids for ids, _, _ in together] == plain
+    assert strategy.stats.proposed > 0

@@ -81,7 +81,8 @@ class SpeculativeDecode:
         self._forget_finished(sequences)
         states = [self._state(seq) for seq in sequences]
         drafts = [self._propose(state) for state in states]
-        if not any(drafts):
+        needs_hidden = any(getattr(st.drafter, "needs_hidden", False) for st in states)
+        if not any(drafts) and not needs_hidden:
             picks = self._plain.step(runner, cache, sequences)
             self._count(picks, drafts)
             return picks
@@ -91,8 +92,10 @@ class SpeculativeDecode:
             for seq, d in zip(sequences, drafts, strict=True)
         ]
         lengths = [1 + len(d) for d in drafts]
-        logits = runner.model(mx.array(rows, dtype=mx.int32), cache, lengths=lengths, record=True)
-        logits = logits.astype(mx.float32)
+        model = runner.model
+        out = model.forward(mx.array(rows, dtype=mx.int32), cache, lengths=lengths, record=True)
+        logits = model.logits(out.hidden).astype(mx.float32)
+        normed = model.final_norm(out.hidden) if needs_hidden else None
         mx.eval(logits)
         picks: list[list[SampledToken]] = []
         drops: list[int] = []
@@ -102,6 +105,8 @@ class SpeculativeDecode:
             drops.append(len(draft) - accepted)
             if draft:
                 state.controller.update(len(draft), accepted)
+            if normed is not None:
+                state.drafter.after_verify(normed[b, : accepted + 1], [t.token_id for t in tokens])
         cache.rollback(drops)
         self._count(picks, drafts)
         return picks
@@ -129,11 +134,13 @@ class SpeculativeDecode:
 
     def _propose(self, state: _SequenceState) -> list[int]:
         seq = state.seq
+        if not seq.output_ids:
+            return []
         room = seq.max_tokens - len(seq.output_ids) - 1  # the target adds one token of its own
         k = min(state.controller.choose() if self.adaptive else self.max_draft, room)
-        if k <= 0:
+        if k <= 0 and not getattr(state.drafter, "needs_hidden", False):
             return []
-        return list(state.drafter.propose(seq.all_ids, k).tokens)
+        return list(state.drafter.propose(seq.all_ids, max(k, 0)).tokens)
 
 
 def _accept(sampler: SequenceSampler, draft: list[int], rows: mx.array) -> tuple[list[SampledToken], int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kapitsa.engine.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter
+from kapitsa.engine.speculative.mtp import MTPDrafter
 from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.errors import InvalidRequest
 
@@ -14,14 +15,16 @@ MODES = ("none", "ngram", "mtp", "draft", "block", "auto")
 def make_decode_strategy(
     mode: str,
     *,
+    target_model=None,  # noqa: ANN001 - the served model, for mode "mtp" (its own mtp.* head)
     draft_model=None,  # noqa: ANN001 - a loaded kapitsa model, for mode "draft"
     draft_tokens: int | None = None,
     tree: bool = False,
 ) -> DecodeStrategy:
     """The decode strategy for `mode`.
 
-    "auto" drafts with the draft model when one is given, else with n-gram lookup (no model, and
-    the adaptive controller turns it off while nothing matches).
+    "auto" drafts with the draft model when one is given, else with the checkpoint's MTP head when
+    it ships one, else with n-gram lookup (no model; the adaptive controller turns it off while
+    nothing matches).
     """
     if mode not in MODES:
         raise InvalidRequest(f"unknown speculative mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -30,8 +33,15 @@ def make_decode_strategy(
     if mode == "none":
         return PlainDecode()
     max_draft = draft_tokens or 8
+    has_mtp = getattr(target_model, "mtp", None) is not None
     if mode == "auto":
-        mode = "draft" if draft_model is not None else "ngram"
+        mode = "draft" if draft_model is not None else "mtp" if has_mtp else "ngram"
+    if mode == "mtp":
+        if not has_mtp:
+            raise InvalidRequest(
+                "--speculative mtp needs a checkpoint that ships mtp.* weights (Qwen3.5 / Qwen3-Next originals)"
+            )
+        return SpeculativeDecode(lambda: MTPDrafter(target_model), name="mtp", max_draft=min(max_draft, 3))
     if mode == "ngram":
         return SpeculativeDecode(NGramDrafter, name="ngram", max_draft=max_draft)
     if mode == "draft":
