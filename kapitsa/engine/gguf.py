@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from kapitsa.engine.gguf_config import config_from_gguf, metadata_of
+from kapitsa.engine.gguf_names import NEMOTRON_BLOCK_NAMES, QWEN_BLOCK_NAMES, QWEN_MTP_SHARED_NAMES
 from kapitsa.engine.gguf_quants import dequantize
 from kapitsa.engine.gguf_tokenizer import tokenizer_from_gguf
 from kapitsa.engine.tokenizer import Tokenizer
@@ -41,61 +42,6 @@ _MLX_QUANTIZATION = {
     GGMLQuantizationType.MXFP4: "mxfp4",
     GGMLQuantizationType.Q3_K: "3bit",
     GGMLQuantizationType.Q2_K: "2bit",
-}
-
-_QWEN_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.down_proj",
-    "ssm_a": "linear_attn.A_log",
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
-    "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
-    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
-    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
-    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",
-    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn_gate.weight": "linear_attn.in_proj_z.weight",
-}
-
-_NEMOTRON_BLOCK_NAMES = {
-    "attn_norm.weight": "norm.weight",
-    "ssm_in.weight": "mixer.in_proj.weight",
-    "ssm_conv1d.weight": "mixer.conv1d.weight",
-    "ssm_conv1d.bias": "mixer.conv1d.bias",
-    "ssm_dt.bias": "mixer.dt_bias",
-    "ssm_a": "mixer.A_log",
-    "ssm_d": "mixer.D",
-    "ssm_norm.weight": "mixer.norm.weight",
-    "ssm_out.weight": "mixer.out_proj.weight",
-    "attn_q.weight": "mixer.q_proj.weight",
-    "attn_k.weight": "mixer.k_proj.weight",
-    "attn_v.weight": "mixer.v_proj.weight",
-    "attn_output.weight": "mixer.o_proj.weight",
-    "ffn_up.weight": "mixer.up_proj.weight",
-    "ffn_down.weight": "mixer.down_proj.weight",
-    "ffn_gate_inp.weight": "mixer.gate.weight",
-    "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
-    "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
-    "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
-    "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight",
-    "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight",
 }
 
 
@@ -216,10 +162,27 @@ def _qwen_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> Ite
             yield "lm_head.weight", values
         elif name == "output_norm.weight":
             yield "model.norm.weight", values - 1.0
-        elif (parsed := _split_block_name(name)) is not None and parsed[0] < n_layers:  # later blocks: MTP
+        elif (parsed := _split_block_name(name)) is not None:
             index, rest = parsed
+            if index >= n_layers:  # the MTP blocks come after the decoder layers
+                yield from _qwen_mtp_tensor(index - n_layers, rest, values, tensors, config)
+                continue
             for hf_name, hf_values in _qwen_block_tensor(rest, values, tensors, index, config):
                 yield f"model.layers.{index}.{hf_name}", hf_values
+
+
+def _qwen_mtp_tensor(
+    mtp_index: int, rest: str, values: np.ndarray, tensors: dict[str, np.ndarray], config: dict[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
+    if rest.startswith("nextn."):
+        # the file repeats the shared MTP tensors in every MTP block; embeddings/head are the model's
+        hf_name = QWEN_MTP_SHARED_NAMES.get(rest)
+        if hf_name is not None and mtp_index == 0:
+            yield hf_name, values - 1.0 if hf_name.endswith("norm.weight") else values
+        return
+    index = mtp_index + config["num_hidden_layers"]
+    for hf_name, hf_values in _qwen_block_tensor(rest, values, tensors, index, config):
+        yield f"mtp.layers.{mtp_index}.{hf_name}", hf_values
 
 
 def _qwen_block_tensor(
@@ -229,7 +192,7 @@ def _qwen_block_tensor(
         up = tensors[f"blk.{index}.ffn_up_exps.weight"]
         yield "mlp.experts.gate_up_proj", np.concatenate([values, up], axis=1)  # [E, 2I, H]
         return
-    hf_name = _QWEN_BLOCK_NAMES.get(rest)
+    hf_name = QWEN_BLOCK_NAMES.get(rest)
     if hf_name is None:
         raise CheckpointError(f"unexpected tensor blk.{index}.{rest} in a Qwen GGUF")
     if hf_name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
@@ -300,7 +263,7 @@ def _nemotron_block_tensor(rest: str, values: np.ndarray):
         for e in range(values.shape[0]):
             yield f"mixer.experts.{e}.{projection}_proj.weight", values[e]
         return
-    hf_name = _NEMOTRON_BLOCK_NAMES.get(rest)
+    hf_name = NEMOTRON_BLOCK_NAMES.get(rest)
     if hf_name is None:
         raise CheckpointError(f"unexpected tensor blk.N.{rest} in a Nemotron-H GGUF")
     if rest == "ssm_a":

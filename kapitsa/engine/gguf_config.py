@@ -84,6 +84,7 @@ def _qwen_config(arch: str, meta: dict[str, Any], shapes: Shapes) -> dict[str, A
     config.update(
         model_type={"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}.get(arch, "qwen3_next"),
         num_hidden_layers=n_layers,
+        mtp_num_hidden_layers=int(_get(meta, arch, "nextn_predict_layers", 0) or 0),
         layer_types=layer_types,
         full_attention_interval=int(_get(meta, arch, "full_attention_interval", 4)),
         intermediate_size=int(_scalar(_get(meta, arch, "feed_forward_length", 0)) or 0),

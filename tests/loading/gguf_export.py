@@ -58,11 +58,37 @@ def _qwen35_reorder(name: str, x: np.ndarray, t: dict) -> np.ndarray:
     return x
 
 
-def _qwen_tensors(weights: dict, t: dict, kind: str):
+_MTP_SHARED = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+
+
+def _mtp_renamed(name: str, x: np.ndarray, t: dict):
+    """As _Qwen35MtpMixin: MTP layers become blocks after the decoder; shared tensors repeat per block."""
+    n_layers, n_mtp = t["num_hidden_layers"], t.get("mtp_num_hidden_layers", 1)
+    if name in _MTP_SHARED:
+        values = x + 1 if name.endswith("norm.weight") else x
+        for b in range(n_layers, n_layers + n_mtp):
+            yield f"__gguf__blk.{b}.{_MTP_SHARED[name]}", values
+        return
+    j, rest = name.removeprefix("mtp.layers.").split(".", 1)
+    yield f"model.layers.{int(j) + n_layers}.{rest}", x
+
+
+def _qwen_tensors(weights: dict, t: dict, kind: str, *, mtp: bool):
     """(hf-style name for the tensor map, values) after convert's Qwen3Next/Qwen3.5 transforms."""
-    experts: dict[str, dict[str, np.ndarray]] = {}
+    renamed = []
     for name, x in weights.items():
-        if name.startswith(("mtp.", "model.visual.")):
+        if name.startswith("model.visual.") or (name.startswith("mtp.") and not mtp):
+            continue
+        renamed.extend(_mtp_renamed(name, x, t) if name.startswith("mtp.") else [(name, x)])
+    experts: dict[str, dict[str, np.ndarray]] = {}
+    for name, x in renamed:
+        if name.startswith("__gguf__"):
+            yield name, x
             continue
         name = name.replace("language_model.", "")
         if kind != "qwen3_next":
@@ -178,10 +204,12 @@ def _add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, pre: str)
     writer.add_chat_template(tok_config["chat_template"])
 
 
-def _qwen_metadata(writer: gguf.GGUFWriter, t: dict) -> None:
+def _qwen_metadata(writer: gguf.GGUFWriter, t: dict, *, mtp_layers: int) -> None:
     writer.add_context_length(t["max_position_embeddings"])
     writer.add_embedding_length(t["hidden_size"])
-    writer.add_block_count(t["num_hidden_layers"])
+    writer.add_block_count(t["num_hidden_layers"] + mtp_layers)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
     writer.add_feed_forward_length(t.get("intermediate_size", 0))
     writer.add_head_count(t["num_attention_heads"])
     writer.add_head_count_kv(t["num_key_value_heads"])
@@ -235,7 +263,9 @@ def _nemotron_metadata(writer: gguf.GGUFWriter, c: dict) -> None:
         writer.add_expert_group_count(c["n_group"])
 
 
-def export_gguf(folder: Path, out: Path, qtype: QT = QT.Q8_0, *, arch_override: str | None = None) -> Path:
+def export_gguf(
+    folder: Path, out: Path, qtype: QT = QT.Q8_0, *, arch_override: str | None = None, mtp: bool = False
+) -> Path:
     config = json.loads((folder / "config.json").read_text())
     kind = config["model_type"]
     weights = _read_weights(folder)
@@ -249,15 +279,19 @@ def export_gguf(folder: Path, out: Path, qtype: QT = QT.Q8_0, *, arch_override: 
     else:
         arch = _ARCHS[kind]
         text = config.get("text_config", config)
-        tensors, pre = _qwen_tensors(weights, text, kind), "qwen35"
+        tensors, pre = _qwen_tensors(weights, text, kind, mtp=mtp), "qwen35"
     arch_name = arch_override or gguf.MODEL_ARCH_NAMES[arch]
     writer = gguf.GGUFWriter(str(out), arch_name)
     writer.add_name(folder.name)
-    (_nemotron_metadata if kind == "nemotron_h" else _qwen_metadata)(writer, text)
+    if kind == "nemotron_h":
+        _nemotron_metadata(writer, text)
+    else:
+        _qwen_metadata(writer, text, mtp_layers=text.get("mtp_num_hidden_layers", 1) if mtp else 0)
     _add_vocab(writer, folder, text["vocab_size"], pre)
-    tensor_map = gguf.get_tensor_name_map(
-        arch, text["num_hidden_layers"] if kind != "nemotron_h" else len(text["hybrid_override_pattern"])
-    )
+    blocks = len(text["hybrid_override_pattern"]) if kind == "nemotron_h" else text["num_hidden_layers"]
+    if mtp:
+        blocks += text.get("mtp_num_hidden_layers", 1)
+    tensor_map = gguf.get_tensor_name_map(arch, blocks)
     for name, x in tensors:
         if name.startswith("__gguf__"):
             gguf_name = name.removeprefix("__gguf__")

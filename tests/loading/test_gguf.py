@@ -141,3 +141,19 @@ def test_gguf_config_matches_the_checkpoint(tiny, tmp_path):
                 "moe_intermediate_size", "linear_num_value_heads", "linear_value_head_dim", "head_dim"):  # fmt: skip
         assert loaded.config[key] == original[key], key
     assert loaded.info.context_length == original["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen_gguf_mtp_blocks_become_mtp_weights(tiny, tmp_path, kind):
+    from mlx.utils import tree_flatten
+
+    source = tiny(kind, mtp=True)
+    from_folder = load_model(source)
+    from_gguf = load_model(export_gguf(source, tmp_path / "m.gguf", QT.F32, mtp=True))
+    assert from_gguf.config["mtp_num_hidden_layers"] == 1 and from_gguf.model.mtp is not None
+    expected = dict(tree_flatten(from_folder.model.mtp.parameters()))
+    loaded = dict(tree_flatten(from_gguf.model.mtp.parameters()))
+    assert loaded.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_allclose(np.array(loaded[name]), np.array(value), atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(np.array(logits_of(from_gguf)), np.array(logits_of(from_folder)), atol=1e-4)
