@@ -3,7 +3,8 @@
 `PlainDecode` feeds one token per sequence and samples one. A speculative decoder implements the
 same `DecodeStrategy.step` (propose, verify with `cache.begin(..., record=True)`, roll back the
 rejected tokens with `cache.rollback`) and may return several accepted tokens per sequence; the
-engine streams them in order and stops a sequence at its first stop condition.
+engine streams them in order and stops a sequence at its first stop condition. A strategy
+with `pipelined = True` lets the engine run plain steps pipelined instead of calling `step`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class DecodeStrategy(Protocol):
 
 class PlainDecode:
     name = "none"
+    # The engine may run this strategy's steps itself, pipelined (batch.py), when sampling allows.
+    pipelined = True
 
     def step(
         self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from kapitsa.engine.batch import DecodeBatch, can_pipeline
 from kapitsa.engine.cache import HybridCache
 from kapitsa.engine.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.memory import MemoryBudget, device_memory_limit
@@ -94,7 +95,7 @@ class Engine:
         )
         self.scheduler = Scheduler(max_running=self.config.max_running)
         self.stats = StatsCounter()
-        self.batch: HybridCache | None = None  # decode batch, rows in scheduler.decoding order
+        self.batch = DecodeBatch()  # rows in scheduler.decoding order
         self._inbox: queue.SimpleQueue[Sequence | _Abort | _Stop] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kapitsa-engine", daemon=True)
         self.alive = True
@@ -173,7 +174,7 @@ class Engine:
     def _stop(self, stop: _Stop) -> None:
         for seq in self.scheduler.all():
             self._finish(seq, "abort")
-        self.batch = None
+        self.batch = DecodeBatch()
         if self.prefix is not None:
             try:
                 self.prefix.flush_to_disk()
@@ -223,7 +224,7 @@ class Engine:
                 log.exception("decode step failed")
                 for seq in list(self.scheduler.decoding):
                     self._fail(seq, err)
-                self.batch = None
+                self.batch = DecodeBatch()
         seq = self.scheduler.next_prefill()
         if seq is not None:
             try:
@@ -315,20 +316,27 @@ class Engine:
 
     def _join_batch(self, seq: Sequence) -> None:
         self.scheduler.start_decoding(seq)
-        self.batch = seq.cache if self.batch is None else HybridCache.merge([self.batch, seq.cache])
+        self.batch.join(seq.cache, seq.output_ids[-1])
         seq.cache = None
-        mx.eval(*self.batch.state_arrays())
 
     def _decode_step(self) -> None:
         seqs = list(self.scheduler.decoding)
-        assert self.batch is not None and self.batch.batch_size == len(seqs)
+        assert self.batch.size == len(seqs)
         for seq in seqs:
             self._grow_reservation(seq)
+        samplers = [seq.sampler for seq in seqs]
         t0 = time.perf_counter()
-        picks = self.decode_strategy.step(self.runner, self.batch, seqs)
+        if getattr(self.decode_strategy, "pipelined", False) and can_pipeline(samplers):
+            last = [seq.output_ids[-1] for seq in seqs]
+            picks = [[] if t is None else [t] for t in self.batch.pipelined_step(self.runner, samplers, last)]
+        elif self.batch.in_flight:  # a sequence that needs synchronous sampling joined: drain first
+            picks = [[] if t is None else [t] for t in self.batch.flush(samplers)]
+        else:
+            assert self.batch.cache is not None
+            picks = self.decode_strategy.step(self.runner, self.batch.cache, seqs)
         self.stats.add_decode(sum(len(p) for p in picks), time.perf_counter() - t0, len(seqs))
         for seq, tokens in zip(seqs, picks, strict=True):
-            if not seq.is_finished:
+            if tokens and not seq.is_finished:
                 self._accept(seq, tokens)
         self._leave_batch([i for i, s in enumerate(seqs) if s.is_finished], checkpoint=True)
 
@@ -345,20 +353,15 @@ class Engine:
             seq.max_tokens = len(seq.output_ids)  # ends with finish_reason "length" on this step
 
     def _leave_batch(self, rows: list[int], *, checkpoint: bool) -> None:
-        if not rows or self.batch is None:
+        if not rows:
             return
         seqs = list(self.scheduler.decoding)
         for row in rows:
             if checkpoint:
                 self._checkpoint_final(seqs[row], self.batch.extract(row))
-        keep = [i for i in range(len(seqs)) if i not in set(rows)]
         for row in rows:
             self.scheduler.remove(seqs[row])
-        if keep:
-            self.batch.filter(keep)
-            mx.eval(*self.batch.state_arrays())
-        else:
-            self.batch = None
+        self.batch.leave(rows)
 
     # --- output ----------------------------------------------------------------------------
 
@@ -412,7 +415,7 @@ class Engine:
     def _fail_all(self, err: Exception) -> None:
         for seq in self.scheduler.all():
             self._fail(seq, err)
-        self.batch = None
+        self.batch = DecodeBatch()
         while True:
             try:
                 item = self._inbox.get_nowait()

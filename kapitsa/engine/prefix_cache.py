@@ -187,6 +187,8 @@ class PrefixCache:
             node.children[child.tokens[0]] = child
             self.kv_bytes += nbytes_of(kv)
             node = child
+        # evaluate now: a lazy copy would keep the whole source (a batch's KV buffer) alive
+        mx.eval(*node.kv, *recurrent, *(() if next_logits is None else (next_logits,)))
         tick = next(self._clock)
         if node.checkpoint is None:
             node.checkpoint = Checkpoint(len(tokens), recurrent, next_logits, kind, tick)

@@ -40,10 +40,13 @@ class ModelRunner:
 
     def decode(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
         """One token per row of the batch cache; returns logits [B, V]."""
-        inputs = mx.array([[t] for t in tokens], dtype=mx.int32)
-        logits = self.model(inputs, cache)[:, -1, :]
+        logits = self.decode_lazy(cache, mx.array(list(tokens), dtype=mx.int32))
         mx.eval(logits)
         return logits
+
+    def decode_lazy(self, cache: HybridCache, tokens: mx.array) -> mx.array:
+        """Like `decode` with the tokens as a (possibly still lazy) [B] array; nothing is evaluated."""
+        return self.model(tokens[:, None], cache)[:, -1, :]
 
     # cache surgery
 

@@ -50,6 +50,14 @@ class SequenceSampler:
         p = self.params
         return p.temperature == 0 and not self._changes_logits()
 
+    @property
+    def is_stateless(self) -> bool:
+        """True when a pick needs nothing but the logits (no output-count penalties, no logprobs),
+        so it can stay lazy on the device (pipelined decoding)."""
+        p = self.params
+        counts_output = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return not counts_output and p.logprobs is None
+
     def _changes_logits(self) -> bool:
         p = self.params
         return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)

@@ -76,7 +76,7 @@ async def test_abort_mid_prefill_and_mid_decode_frees_memory(family_model, make_
     ids, events = await neighbour
     assert ids == alone and events[-1].finish_reason == "length"
     assert await _settle(client) <= baseline
-    assert client.engine.memory.reserved_bytes == 0 and client.engine.batch is None
+    assert client.engine.memory.reserved_bytes == 0 and client.engine.batch.cache is None
 
 
 async def test_closing_the_stream_aborts(qwen_model, make_client) -> None:

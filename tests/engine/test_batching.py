@@ -55,3 +55,39 @@ async def test_requests_join_a_running_batch(qwen_model, make_client) -> None:
     rest = await asyncio.gather(*(collect(client, _request(p, 12)) for p in PROMPTS[1:3]))
     assert [(await first)[0], *(ids for ids, _ in rest)] == alone
     assert client.stats().requests_finished == 6
+
+
+async def test_pipelined_and_synchronous_sequences_mix(qwen_model, make_client) -> None:
+    """Greedy rows decode pipelined; a penalty/logprobs row forces synchronous steps; same outputs."""
+    client = make_client(qwen_model, prefix_cache_bytes=0)
+    plain = _request(PROMPTS[1], 14)
+    penalised = GenerationRequest(
+        prompt=PROMPTS[2],
+        sampling=SamplingParams(max_tokens=10, frequency_penalty=0.5, logprobs=1, ignore_eos=True),
+    )
+    alone = [(await collect(client, r))[0] for r in (plain, penalised)]
+    first = asyncio.create_task(collect(client, plain))
+    await asyncio.sleep(0.05)  # the greedy one is decoding (pipelined) when the other joins
+    second = await collect(client, penalised)
+    assert [(await first)[0], second[0]] == alone
+
+
+async def test_custom_decode_strategy_is_used(qwen_model, make_client) -> None:
+    from kapitsa.engine.decode import PlainDecode
+
+    class Counting(PlainDecode):
+        name = "counting"
+        pipelined = False
+        calls = 0
+
+        def step(self, runner, cache, sequences):
+            Counting.calls += 1
+            return super().step(runner, cache, sequences)
+
+    plain = make_client(qwen_model, prefix_cache_bytes=0)
+    expected = [(await collect(plain, _request(p, 6)))[0] for p in PROMPTS[:2]]
+    client = make_client(qwen_model, prefix_cache_bytes=0)
+    client.engine.decode_strategy = Counting()
+    got = await asyncio.gather(*(collect(client, _request(p, 6)) for p in PROMPTS[:2]))
+    assert [ids for ids, _ in got] == expected
+    assert Counting.calls >= 5 and client.stats().speculative == "counting"
