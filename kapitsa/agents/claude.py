@@ -10,16 +10,19 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kapitsa.agents.base import LaunchContext, reject_args
+from kapitsa.agents.context import default_context
 
 BINARY = "claude"
 INSTALL = "npm install -g @anthropic-ai/claude-code"
 EXTRA_DIRS = (Path.home() / ".local" / "bin", Path.home() / ".claude" / "local")
 
 
-def build_env(ctx: LaunchContext, environ: Mapping[str, str]) -> dict[str, str]:
-    env = dict(environ)
+def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables to add to the agent's environment."""
+    ctx = ctx or default_context(server_url, model)
     model = ctx.model_id
-    env.update({
+    return {
         "ANTHROPIC_BASE_URL": ctx.base_url,
         "ANTHROPIC_AUTH_TOKEN": ctx.api_key,  # sent as Authorization: Bearer
         "ANTHROPIC_API_KEY": "",  # an inherited real key would be sent too and prompt for approval
@@ -38,10 +41,10 @@ def build_env(ctx: LaunchContext, environ: Mapping[str, str]) -> dict[str, str]:
         "DISABLE_FEEDBACK_COMMAND": "1",
         "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
         "API_TIMEOUT_MS": "3000000",  # long prefills on a laptop
-    })
-    return env
+    }
 
 
-def build_command(ctx: LaunchContext, binary: str, args: list[str]) -> list[str]:
+def build_command(args: list[str], ctx: LaunchContext | None = None, binary: str | None = None) -> list[str]:
     reject_args(args, ("--model",), "kapitsa picks the model; use `kapitsa claude --model X`")
-    return [binary, "--model", ctx.model_id, *args]
+    model = ["--model", ctx.model_id] if ctx else []  # ANTHROPIC_MODEL selects it too
+    return [binary or BINARY, *model, *args]

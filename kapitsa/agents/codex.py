@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kapitsa.agents.base import LaunchContext, reject_args
+from kapitsa.agents.context import default_context
+from kapitsa.errors import KapitsaError
 
 BINARY = "codex"
 INSTALL = "npm install -g @openai/codex"
@@ -165,17 +167,22 @@ def _minimal_response_stream() -> bytes:
     return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
 
 
-def build_env(ctx: LaunchContext, environ: Mapping[str, str]) -> dict[str, str]:
-    return {**environ, API_KEY_ENV: ctx.api_key}
+def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    ctx = ctx or default_context(server_url, model)
+    return {API_KEY_ENV: ctx.api_key}
 
 
-def build_command(ctx: LaunchContext, binary: str, args: list[str], catalog: Path | None = None) -> list[str]:
+def build_command(args: list[str], ctx: LaunchContext | None = None, binary: str | None = None,
+                  catalog: Path | None = None) -> list[str]:
     """`catalog`: the model catalog file; without one the context window is passed on its own."""
+    if ctx is None:
+        raise KapitsaError("codex needs the launch context; use kapitsa.agents.launch.agent_invocation")
     reject_args(args, _CONFLICTS, "kapitsa sets the model and provider; use `kapitsa codex --model X`")
     _reject_config_overrides(args)
     extra = (["-c", f"model_catalog_json={toml_string(str(catalog))}"] if catalog
              else ["-c", f"model_context_window={ctx.context_window}"])
-    return [binary, *provider_overrides(ctx), *extra, "-m", ctx.model_id, *args]
+    return [binary or BINARY, *provider_overrides(ctx), *extra, "-m", ctx.model_id, *args]
 
 
 def _reject_config_overrides(args: list[str]) -> None:

@@ -7,7 +7,7 @@ and the tests can check it without starting an agent.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -16,13 +16,13 @@ from typing import NoReturn
 from kapitsa import memory_estimate
 from kapitsa.agents import claude, codex, opencode, pi
 from kapitsa.agents.base import LaunchContext, exec_agent, find_binary
+from kapitsa.agents.context import PLACEHOLDER_KEY, default_context
 from kapitsa.agents.server import ServerHandle, ensure_server
 from kapitsa.catalog import Architecture, ResolvedModel, arch_for_folder, load_catalog, resolve_model
 from kapitsa.errors import KapitsaError
 from kapitsa.settings import KapitsaSettings
 
 AGENTS: dict[str, ModuleType] = {"claude": claude, "codex": codex, "opencode": opencode, "pi": pi}
-PLACEHOLDER_KEY = "kapitsa"  # the loopback server without a token accepts any key
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,18 +103,44 @@ def _plan(agent: str, module: ModuleType, binary: str, ctx: LaunchContext, serve
           environ: dict[str, str]) -> LaunchPlan:
     notes = [f"started `kapitsa serve` (pid {server.pid}, log {server.log_path})" if server.started
              else f"reusing the kapitsa server at {server.base_url}"]
+    command, additions, more_notes = _configure(agent, module, binary, ctx, args, environ)
+    return LaunchPlan(agent=agent, command=command, env={**environ, **additions}, context=ctx, server=server,
+                      notes=(*notes, *more_notes))
+
+
+def _configure(agent: str, module: ModuleType, binary: str, ctx: LaunchContext, args: list[str],
+               environ: Mapping[str, str]) -> tuple[list[str], dict[str, str], list[str]]:
+    """The agent's argv and environment additions, writing the files it needs (Codex catalog, pi models)."""
+    notes: list[str] = []
     if agent == "codex":
         instructions = codex.base_instructions(binary, ctx.state_dir, environ)
         catalog = codex.write_catalog(ctx, instructions) if instructions else None
         notes.append(f"Codex model catalog: {catalog}" if catalog else
                      "could not read Codex's base instructions; passing model_context_window only")
-        command = codex.build_command(ctx, binary, args, catalog)
+        command = codex.build_command(args, ctx, binary, catalog)
     else:
         if agent == "pi":
             notes.append(f"added the kapitsa provider to {pi.prepare(ctx, environ)} (undo: kapitsa pi --restore)")
-        command = module.build_command(ctx, binary, args)
-    return LaunchPlan(agent=agent, command=command, env=module.build_env(ctx, environ), context=ctx, server=server,
-                      notes=tuple(notes))
+        command = module.build_command(args, ctx, binary)
+    return command, module.build_env(ctx.base_url, ctx.model_id, ctx, environ), notes
+
+
+def agent_invocation(agent: str, server_url: str, model: str, args: Sequence[str] = (), *,
+                     settings: KapitsaSettings | None = None, api_key: str | None = None,
+                     environ: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment additions that run `agent` against an already running server (the TUI's case).
+
+    Writes what the agent needs (Codex's catalog, pi's provider) but starts no server. The caller runs
+    `subprocess.run(argv, env={**os.environ, **additions})`.
+    """
+    module = AGENTS.get(agent)
+    if module is None:
+        raise KapitsaError(f"unknown agent {agent!r}; known: {', '.join(AGENTS)}")
+    env_in = dict(os.environ if environ is None else environ)
+    binary = find_binary(module.BINARY, module.INSTALL, module.EXTRA_DIRS, env_in.get("PATH"))
+    ctx = default_context(server_url, model, settings, api_key)
+    command, additions, _notes = _configure(agent, module, binary, ctx, list(args), env_in)
+    return command, additions
 
 
 def run_plan(plan: LaunchPlan) -> NoReturn:

@@ -7,10 +7,12 @@ The title request (`small_model`) goes to the same local model.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from kapitsa.agents.base import LaunchContext
+from kapitsa.agents.context import default_context
 from kapitsa.errors import KapitsaError
 
 BINARY = "opencode"
@@ -47,18 +49,22 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def build_env(ctx: LaunchContext, environ: Mapping[str, str]) -> dict[str, str]:
-    env = dict(environ)
+def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables to add to the agent's environment; `environ` supplies any inline config to merge over."""
+    ctx = ctx or default_context(server_url, model)
     config = provider_config(ctx)
-    existing = environ.get("OPENCODE_CONFIG_CONTENT")
+    existing = (os.environ if environ is None else environ).get("OPENCODE_CONFIG_CONTENT")
     if existing:  # the user's own inline overrides stay; ours win where they collide
         try:
-            config = _deep_merge(json.loads(existing), config)
-        except (ValueError, TypeError) as err:
+            user = json.loads(existing)
+        except ValueError as err:
             raise KapitsaError(f"OPENCODE_CONFIG_CONTENT in your environment is not valid JSON: {err}") from err
-    env["OPENCODE_CONFIG_CONTENT"] = json.dumps(config)
-    return env
+        if not isinstance(user, dict):
+            raise KapitsaError("OPENCODE_CONFIG_CONTENT in your environment is not valid JSON: not an object")
+        config = _deep_merge(user, config)
+    return {"OPENCODE_CONFIG_CONTENT": json.dumps(config)}
 
 
-def build_command(ctx: LaunchContext, binary: str, args: list[str]) -> list[str]:
-    return [binary, *args]
+def build_command(args: list[str], ctx: LaunchContext | None = None, binary: str | None = None) -> list[str]:
+    return [binary or BINARY, *args]  # the model comes from the inline config

@@ -13,6 +13,8 @@ from typing import Any
 
 from kapitsa.agents.base import LaunchContext, reject_args
 from kapitsa.agents.config_files import ManagedFile, merge_json, restore
+from kapitsa.agents.context import default_context
+from kapitsa.errors import KapitsaError
 
 BINARY = "pi"
 INSTALL = "npm install -g @earendil-works/pi-coding-agent"
@@ -76,10 +78,15 @@ def restore_config(environ: Mapping[str, str], state_dir: Path) -> str:
     return restore(managed_file(environ, state_dir), remove_managed)
 
 
-def build_env(ctx: LaunchContext, environ: Mapping[str, str]) -> dict[str, str]:
-    return {**environ, API_KEY_ENV: ctx.api_key}
+def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    ctx = ctx or default_context(server_url, model)
+    return {API_KEY_ENV: ctx.api_key}
 
 
-def build_command(ctx: LaunchContext, binary: str, args: list[str]) -> list[str]:
+def build_command(args: list[str], ctx: LaunchContext | None = None, binary: str | None = None) -> list[str]:
+    """Needs the context: pi takes its provider and model only from the command line (after `prepare`)."""
+    if ctx is None:
+        raise KapitsaError("pi needs the launch context; use kapitsa.agents.launch.agent_invocation")
     reject_args(args, ("--provider", "--model"), "kapitsa picks the model; use `kapitsa pi --model X`")
-    return [binary, "--provider", PROVIDER, "--model", ctx.model_id, *args]
+    return [binary or BINARY, "--provider", PROVIDER, "--model", ctx.model_id, *args]

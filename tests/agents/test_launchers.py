@@ -145,3 +145,21 @@ def test_cli_missing_agent_exits_with_the_install_hint(tmp_path: Path, monkeypat
     monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "none.toml"))
     result = CliRunner().invoke(app, ["pi", "--model", "27b"])
     assert result.exit_code != 0 and "npm install -g @earendil-works/pi-coding-agent" in str(result.exception)
+
+
+def test_agent_invocation_for_a_server_someone_else_runs(agent_env, tmp_path: Path, monkeypatch) -> None:
+    """The TUI's entry point: argv and env additions for a running server, no server management."""
+    monkeypatch.setenv("KAPITSA_STATE_DIR", str(tmp_path / "state"))
+    for agent in ("claude", "opencode", "pi", "codex"):
+        argv, additions = launch.agent_invocation(agent, "http://127.0.0.1:9999", "lightning", ["--x"],
+                                                  environ=agent_env, api_key="tok")
+        assert Path(argv[0]).name == agent and argv[-1] == "--x"
+        assert "PATH" not in additions  # only what kapitsa adds
+    assert additions["KAPITSA_API_KEY"] == "tok"
+    from kapitsa.agents import claude, opencode
+
+    env = claude.build_env("http://127.0.0.1:9999", "lightning")  # the style-guide call form
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9999" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "131072"
+    assert claude.build_command([]) == ["claude"]
+    config = json.loads(opencode.build_env("http://127.0.0.1:9999/v1", "lightning", environ={})["OPENCODE_CONFIG_CONTENT"])
+    assert config["provider"]["kapitsa"]["options"]["baseURL"] == "http://127.0.0.1:9999/v1"
