@@ -1,0 +1,272 @@
+"""kapitsa vs mlx-lm, side by side in one process: random-weight 4-bit models of real shapes.
+
+For each shape: build kapitsa's model and mlx-lm's model from the same published-style config,
+quantize both to MLX affine 4-bit (group 64), then time a 512-token (and optionally 8k-token)
+prefill and greedy decode at batch 1. kapitsa runs through its engine (`InProcessEngine`, the
+path `kapitsa run` and `kapitsa serve` use); mlx-lm through `generate_step`.
+
+    python bench/decode_vs_mlxlm.py [--shapes 4b 27b 35b-a3b nemotron-30b-a3b] [--tokens 128]
+    python bench/decode_vs_mlxlm.py --tiny       # a seconds-long smoke run on any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.engine import EngineConfig
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.models import get_model_module
+from kapitsa.engine.tiny import tiny_config
+from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
+
+QWEN_VOCAB = 248320
+SHAPES = {
+    "4b": (
+        "qwen3_5",
+        dict(
+            hidden_size=2560,
+            num_hidden_layers=32,
+            intermediate_size=9216,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=True,
+            vocab_size=QWEN_VOCAB,
+        ),
+    ),
+    "27b": (
+        "qwen3_5",
+        dict(
+            hidden_size=5120,
+            num_hidden_layers=64,
+            intermediate_size=17408,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            vocab_size=QWEN_VOCAB,
+        ),
+    ),
+    "35b-a3b": (
+        "qwen3_5_moe",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            vocab_size=QWEN_VOCAB,
+        ),
+    ),
+    "nemotron-30b-a3b": (
+        "nemotron_h",
+        dict(
+            hidden_size=2688,
+            num_hidden_layers=52,
+            hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+            mamba_num_heads=64,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            head_dim=128,
+            n_routed_experts=128,
+            num_experts_per_tok=6,
+            moe_intermediate_size=1856,
+            moe_shared_expert_intermediate_size=3712,
+            intermediate_size=1856,
+            vocab_size=131072,
+        ),
+    ),
+}
+TINY = {k: (kind, {}) for k, (kind, _) in SHAPES.items()}
+FULL_PRECISION_SUFFIXES = ("mlp.gate", "shared_expert_gate", "mixer.gate")
+
+
+def _quantizable(path: str, module: nn.Module) -> bool:
+    if path.endswith(FULL_PRECISION_SUFFIXES) or not hasattr(module, "to_quantized"):
+        return False
+    return getattr(module, "weight", None) is not None and module.weight.shape[-1] % 64 == 0
+
+
+DTYPE = {"value": mx.bfloat16}  # float32 for --tiny: MLX's CPU gather_mm (MoE) is float32-only
+
+
+def _materialize(model: nn.Module) -> nn.Module:
+    """bf16 + 4-bit, one layer at a time so random fp32 init never holds the whole model."""
+    model.set_dtype(DTYPE["value"])
+    for layer in model.layers:
+        nn.quantize(layer, group_size=64, bits=4, class_predicate=_quantizable)
+        mx.eval(layer.parameters())
+    nn.quantize(model, group_size=64, bits=4, class_predicate=_quantizable)
+    mx.eval(model.parameters())
+    return model
+
+
+def _kapitsa_model(config: dict) -> nn.Module:
+    module = get_model_module(config["model_type"])
+    return _materialize(module.Model(module.ModelArgs.from_dict(config)))
+
+
+def _mlxlm_model(config: dict) -> nn.Module:
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return _materialize(module.Model(module.ModelArgs.from_dict(config)))
+
+
+class _Detok:
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class _Tokenizer:
+    """Enough tokenizer for prompt_token_ids requests (no text is decoded in this benchmark)."""
+
+    eos_token_ids = frozenset()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids) -> str:
+        return ""
+
+    def detokenizer(self) -> _Detok:
+        return _Detok()
+
+    def apply_chat_template(self, messages, **kwargs) -> str:
+        return ""
+
+
+def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
+    info = ModelInfo(
+        id="bench", family="bench", context_length=len(prompt) + tokens + 16, max_output_tokens=tokens
+    )
+    client = InProcessEngine(
+        model,
+        _Tokenizer(),
+        info,
+        eos_token_ids=set(),
+        config=EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048),
+    )
+
+    async def run() -> dict:
+        start = time.perf_counter()
+        first = None
+        n = 0
+        request = GenerationRequest(
+            prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
+        )
+        async for event in client.generate(request):
+            if isinstance(event, TokenEvent):
+                n += len(event.token_ids)
+                first = first or time.perf_counter()
+            elif isinstance(event, FinishEvent):
+                end = time.perf_counter()
+        return dict(
+            ttft_s=first - start,
+            decode_tok_s=(n - 1) / (end - first),
+            prefill_tok_s=len(prompt) / (first - start),
+        )
+
+    try:
+        asyncio.run(run())  # warm-up: kernels compile, buffers allocate
+        return asyncio.run(run())
+    finally:
+        client.close()
+
+
+def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
+    from mlx_lm.generate import generate_step
+
+    def run() -> dict:
+        start = time.perf_counter()
+        first = None
+        n = 0
+        for (token, _), _ in zip(
+            generate_step(mx.array(prompt), model, max_tokens=tokens), range(tokens), strict=False
+        ):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return dict(
+            ttft_s=first - start,
+            decode_tok_s=(n - 1) / (end - first),
+            prefill_tok_s=len(prompt) / (first - start),
+        )
+
+    run()
+    return run()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[512])
+    ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    table = TINY if args.tiny else SHAPES
+    if args.tiny:
+        DTYPE["value"] = mx.float32
+    print(f"mlx {mx.__version__} on {mx.default_device()}")
+    rows = []
+    for name in args.shapes:
+        kind, dims = table[name]
+        config = tiny_config(kind, **dims)
+        vocab = dims.get("vocab_size", 512)
+        for engine, build, timer in (
+            ("kapitsa", _kapitsa_model, _time_kapitsa),
+            ("mlx-lm", _mlxlm_model, _time_mlxlm),
+        ):
+            model = build(config)
+            weights_gb = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters())) / 1e9
+            for plen in args.prompts:
+                prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
+                result = dict(
+                    shape=name,
+                    engine=engine,
+                    prompt=plen,
+                    weights_gb=round(weights_gb, 2),
+                    **timer(model, prompt, args.tokens),
+                )
+                rows.append(result)
+                print(json.dumps(result), flush=True)
+            del model
+            gc.collect()
+            mx.clear_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
