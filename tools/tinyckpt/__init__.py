@@ -1,0 +1,1 @@
+"""Builds kapitsa's tiny trained checkpoints (see tools/train_checkpoints.py and docs/checkpoints.md)."""
