@@ -23,6 +23,7 @@ from kapitsa.engine.types import (
     ModelInfo,
     PrefillProgressEvent,
     TokenEvent,
+    TokenLogprob,
     Usage,
 )
 
@@ -115,7 +116,7 @@ class FakeEngine:
                     finish = "length"
                 emitted.extend(ids)
                 self._generated += len(ids)
-                yield TokenEvent(request.request_id, ids, chunk)
+                yield TokenEvent(request.request_id, ids, chunk, _fake_logprobs(ids, request.sampling.logprobs))
                 if finish == "length":
                     break
             usage = Usage(
@@ -169,6 +170,17 @@ async def _prefill(
         if aborted.is_set():
             return
         yield PrefillProgressEvent(request_id, prompt_tokens * step // 10, prompt_tokens)
+
+
+def _fake_logprobs(ids: tuple[int, ...], top: int | None) -> tuple[TokenLogprob, ...] | None:
+    """Deterministic logprobs when asked for: each byte token at -0.5, alternatives one id up, -1.5, -2.5, ..."""
+    if top is None:
+        return None
+    return tuple(
+        TokenLogprob(i, bytes([i]).decode(errors="replace"), -0.5,
+                     tuple(((i + k) % 256, bytes([(i + k) % 256]).decode(errors="replace"), -0.5 - k) for k in range(1, top + 1)))
+        for i in ids
+    )
 
 
 def _split_words(text: str) -> tuple[str, ...]:

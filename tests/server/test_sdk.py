@@ -7,11 +7,10 @@ import json
 import anthropic
 import openai
 import pytest
+from server_harness import LiveServer, live_server
 
 from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import ModelInfo
-
-from server_harness import LiveServer, live_server
 
 BASH = {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}, "required": ["command"]}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "Bash", "description": "run", "parameters": BASH}}]
@@ -185,3 +184,21 @@ def test_thinking_model_starts_in_reasoning() -> None:
             model="q", messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].message.content == "answer"
     assert out.choices[0].message.reasoning_content == "planning"  # type: ignore[attr-defined]
+
+
+def test_chat_logprobs_are_reported_stream_and_not(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue("ab")
+    out = oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert [t.token for t in content] == ["a", "b"] and content[0].logprob == -0.5
+    assert [alt.token for alt in content[0].top_logprobs] == ["b", "c"]
+    live.engine.enqueue("ab")
+    chunks = list(oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True))
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert streamed == ["a", "b"]
+
+
+def test_completions_logprobs(live: LiveServer, oai: openai.OpenAI) -> None:
+    live.engine.enqueue("hi")
+    out = oai.completions.create(model="fake", prompt="x", logprobs=1)
+    assert out.choices[0].logprobs.tokens == ["h", "i"] and out.choices[0].logprobs.text_offset == [0, 1]

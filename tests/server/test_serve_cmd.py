@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
