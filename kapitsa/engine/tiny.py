@@ -17,6 +17,7 @@ from kapitsa.engine.safetensors_io import BF16, Tensor, float32_to_bfloat16_bits
 from kapitsa.engine.tiny_configs import KINDS, make_config
 from kapitsa.engine.tiny_shapes import Shapes, nemotron_shapes, qwen_shapes
 from kapitsa.engine.tiny_tokenizer import (
+    chat_template_for,
     dumps,
     generation_config,
     token_ids,
@@ -153,9 +154,9 @@ def write_tiny_checkpoint(
     (folder / "config.json").write_text(dumps(config))
     (folder / "generation_config.json").write_text(dumps(generation_config(family)))
     (folder / "tokenizer.json").write_text(tokenizer_json(family))
-    tok_config = tokenizer_config(family, include_template=not chat_template_file)
+    template = chat_template_for(kind)
+    tok_config = tokenizer_config(family, template=None if chat_template_file else template)
     (folder / "tokenizer_config.json").write_text(dumps(tok_config))
     if chat_template_file:
-        template = tokenizer_config(family, include_template=True)["chat_template"]
-        (folder / "chat_template.jinja").write_text(str(template))
+        (folder / "chat_template.jinja").write_text(template)
     return folder

@@ -143,6 +143,43 @@ QWEN_TEMPLATE = """\
 {%- endif %}
 """
 
+# Qwen3 / Qwen3-Next style: hermes JSON tool calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`)
+QWEN_HERMES_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" + (tool | tojson) }}{%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content or '' %}
+        {%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}
+        {{- '<|im_start|>assistant\\n' + content }}
+        {%- for call in message.tool_calls or [] %}
+            {%- set call = call.function if call.function is defined else call %}
+            {{- ('\\n' if content or not loop.first else '') + '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+            {{- (call.arguments if call.arguments is string else call.arguments | tojson) + '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+
 NEMOTRON_TEMPLATE = """\
 {%- set thinking = enable_thinking if enable_thinking is defined else true %}
 {%- set system = messages[0].content if messages and messages[0].role == 'system' else '' %}
@@ -189,7 +226,13 @@ NEMOTRON_TEMPLATE = """\
 """
 
 
-def tokenizer_config(family: str, *, include_template: bool) -> dict[str, object]:
+def chat_template_for(kind: str) -> str:
+    if kind.startswith("nemotron"):
+        return NEMOTRON_TEMPLATE
+    return QWEN_HERMES_TEMPLATE if kind == "qwen3_next" else QWEN_TEMPLATE
+
+
+def tokenizer_config(family: str, *, template: str | None) -> dict[str, object]:
     """tokenizer_config.json in the family's published shape."""
     ids = token_ids(family)
     tok = Tokenizer.from_str(tokenizer_json(family))
@@ -208,8 +251,8 @@ def tokenizer_config(family: str, *, include_template: bool) -> dict[str, object
         config.update(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", errors="replace")
         config.update(add_bos_token=False, tokenizer_class="Qwen2Tokenizer", split_special_tokens=False)
     config.update(clean_up_tokenization_spaces=False, model_max_length=262144)
-    if include_template:
-        config["chat_template"] = NEMOTRON_TEMPLATE if family == "nemotron" else QWEN_TEMPLATE
+    if template is not None:
+        config["chat_template"] = template
     assert tok.get_vocab_size() >= len(ids)
     return config
 

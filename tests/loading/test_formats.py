@@ -113,6 +113,7 @@ def test_model_info(tiny):
         262144,
     )
     assert qwen.info.supports_thinking and qwen.info.id == "qwen3_5" and qwen.info.quantization is None
+    assert load_model(tiny("qwen3_next")).info.tool_call_format == "hermes"
     nemotron = load_model(tiny("nemotron_h"), model_id="my-nemo")
     assert (nemotron.info.id, nemotron.info.family, nemotron.info.tool_call_format) == (
         "my-nemo",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kapitsa.engine.chat_template import ChatTemplate
-from kapitsa.engine.tiny_tokenizer import NEMOTRON_TEMPLATE, QWEN_TEMPLATE
+from kapitsa.engine.tiny_tokenizer import NEMOTRON_TEMPLATE, QWEN_HERMES_TEMPLATE, QWEN_TEMPLATE
 from kapitsa.errors import CheckpointError, InvalidRequest
 
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
@@ -19,6 +19,7 @@ TEMPLATES = {
     "nemotron_3": (FIXTURES / "nemotron_3.jinja").read_text(),
     "tiny_qwen": QWEN_TEMPLATE,
     "tiny_nemotron": NEMOTRON_TEMPLATE,
+    "tiny_qwen_hermes": QWEN_HERMES_TEMPLATE,
 }
 
 TOOLS = [
@@ -87,8 +88,8 @@ def _reference(source, messages, tools, add_generation_prompt, **kwargs):
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
 def test_rendering_matches_transformers(template_name, conversation, with_tools, kwargs):
     source, messages = TEMPLATES[template_name], CONVERSATIONS[conversation]
-    if template_name == "tiny_nemotron" and conversation == "content_parts":
-        pytest.skip("the compact Nemotron template takes string content only")
+    if template_name in ("tiny_nemotron", "tiny_qwen_hermes") and conversation == "content_parts":
+        pytest.skip("this compact template takes string content only")
     tools = TOOLS if with_tools else None
     expected = _reference(source, messages, tools, True, **kwargs)
     assert (
