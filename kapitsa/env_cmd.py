@@ -84,3 +84,8 @@ def env_lines(base_url: str, api_key: str | None, shell: str | None = None) -> E
     header = f"# kapitsa server at {base_url} (start it with `kapitsa serve`)"
     lines = (header, *(format_line(chosen, k, v) for k, v in variables.items()))
     return EnvLines(shell=chosen, variables=variables, lines=lines)
+
+
+def export_lines(base_url: str, api_key: str | None = None, shell: str | None = None) -> tuple[str, ...]:
+    """Just the lines (the TUI shows them ready to copy)."""
+    return env_lines(base_url, api_key, shell).lines

@@ -125,3 +125,24 @@ def test_allow_patterns_pick_one_file(fake_hub: FakeHub, tmp_path: Path) -> None
     result = hub.pull("g", catalog=cat, cache_dir=tmp_path)
     assert {p.name for p in result.path.iterdir()} == {"config.json", "tokenizer.json"}
     assert os.environ["HF_ENDPOINT"].startswith("http://127.0.0.1:")
+
+
+class Cancelled(Exception):
+    pass
+
+
+def test_cancel_from_the_progress_callback_keeps_the_partial(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+    before = len(FILES["config.json"])  # files come in name order
+
+    def cancel_midway(progress: hub.PullProgress) -> None:
+        if progress.file_name == "model.safetensors" and progress.bytes_done - before >= 10_000:
+            raise Cancelled  # what the TUI's cancel button does
+
+    with pytest.raises(Cancelled):
+        hub.pull("tiny", catalog=catalog, cache_dir=tmp_path, on_progress=cancel_midway)
+    [partial] = [p.stat().st_size for p in tmp_path.rglob("*.incomplete")]
+    assert 10_000 <= partial < len(WEIGHTS)
+    fake_hub.requests.clear()
+    result = hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+    assert (result.path / "model.safetensors").read_bytes() == WEIGHTS
+    assert [r[2] for r in fake_hub.requests if r[1].endswith("model.safetensors")] == [f"bytes={partial}-"]
