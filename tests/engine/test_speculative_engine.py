@@ -199,3 +199,61 @@ async def test_mtp_drafter_equals_plain(tmp_path) -> None:
     assert alone == plain
     assert [ids for ids, _, _ in together] == plain
     assert strategy.stats.proposed > 0
+
+
+def _write_dflash(folder, hidden: int, target_layers: list[int], mask_token_id: int) -> None:
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from kapitsa.engine.speculative.dflash import DFlashConfig, DFlashModel
+
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "block_size": 6,
+        "num_target_layers": 4,
+        "dflash_config": {"target_layer_ids": target_layers, "mask_token_id": mask_token_id},
+    }
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    mx.random.seed(5)
+    model = DFlashModel(DFlashConfig.from_dict(cfg))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+async def test_block_drafter_equals_plain(kind: str, tmp_path) -> None:
+    from kapitsa.engine.speculative.dflash import load_dflash
+
+    model = tiny_model(kind)
+    plain = await _plain_outputs(model)
+    _write_dflash(tmp_path / "dflash", hidden=64, target_layers=[1, 2], mask_token_id=2)
+    drafter = load_dflash(tmp_path / "dflash")
+    strategy = make_decode_strategy("block", target_model=model, block_drafter=drafter)
+    client = _client(model, strategy)
+    try:
+        alone = [(await _run(client, p))[0] for p in PROMPTS]
+        together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
+    finally:
+        client.close()
+    assert alone == plain
+    assert [ids for ids, _, _ in together] == plain
+    assert strategy.stats.proposed > 0
+
+
+def test_dflash_checkpoint_errors_are_clear(tmp_path) -> None:
+    from kapitsa.engine.speculative.dflash import load_dflash
+    from kapitsa.errors import CheckpointError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="not a DFlash drafter"):
+        load_dflash(tmp_path / "empty")

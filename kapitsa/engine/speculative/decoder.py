@@ -82,7 +82,8 @@ class SpeculativeDecode:
         states = [self._state(seq) for seq in sequences]
         drafts = [self._propose(state) for state in states]
         needs_hidden = any(getattr(st.drafter, "needs_hidden", False) for st in states)
-        if not any(drafts) and not needs_hidden:
+        taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
+        if not any(drafts) and not needs_hidden and not taps:
             picks = self._plain.step(runner, cache, sequences)
             self._count(picks, drafts)
             return picks
@@ -93,7 +94,7 @@ class SpeculativeDecode:
         ]
         lengths = [1 + len(d) for d in drafts]
         model = runner.model
-        out = model.forward(mx.array(rows, dtype=mx.int32), cache, lengths=lengths, record=True)
+        out = model.forward(mx.array(rows, dtype=mx.int32), cache, lengths=lengths, record=True, taps=taps)
         logits = model.logits(out.hidden).astype(mx.float32)
         normed = model.final_norm(out.hidden) if needs_hidden else None
         mx.eval(logits)
@@ -105,8 +106,13 @@ class SpeculativeDecode:
             drops.append(len(draft) - accepted)
             if draft:
                 state.controller.update(len(draft), accepted)
-            if normed is not None:
-                state.drafter.after_verify(normed[b, : accepted + 1], [t.token_id for t in tokens])
+            if normed is not None or taps:
+                kept = accepted + 1
+                state.drafter.after_verify(
+                    None if normed is None else normed[b, :kept],
+                    [t.token_id for t in tokens],
+                    {i: out.taps[i][b, :kept] for i in taps},
+                )
         cache.rollback(drops)
         self._count(picks, drafts)
         return picks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kapitsa.engine.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
+from kapitsa.engine.speculative.dflash import DFlashDrafter
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter
 from kapitsa.engine.speculative.mtp import MTPDrafter
 from kapitsa.engine.speculative.ngram import NGramDrafter
@@ -17,6 +18,7 @@ def make_decode_strategy(
     *,
     target_model=None,  # noqa: ANN001 - the served model, for mode "mtp" (its own mtp.* head)
     draft_model=None,  # noqa: ANN001 - a loaded kapitsa model, for mode "draft"
+    block_drafter=None,  # noqa: ANN001 - a DFlashModel (speculative.dflash.load_dflash), for mode "block"
     draft_tokens: int | None = None,
     tree: bool = False,
 ) -> DecodeStrategy:
@@ -50,4 +52,7 @@ def make_decode_strategy(
                 "--speculative draft needs --draft MODEL (a small model with the same tokenizer)"
             )
         return SpeculativeDecode(lambda: DraftModelDrafter(draft_model), name="draft", max_draft=max_draft)
-    raise InvalidRequest(f"--speculative {mode} is not available in this build; use ngram, draft or auto")
+    if block_drafter is None or target_model is None:
+        raise InvalidRequest("--speculative block needs --draft PATH of a DFlash drafter checkpoint")
+    size = min(max_draft, block_drafter.config.block_size - 1)
+    return SpeculativeDecode(lambda: DFlashDrafter(block_drafter, target_model), name="block", max_draft=size)

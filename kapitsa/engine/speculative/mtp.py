@@ -35,7 +35,7 @@ class MTPDrafter:
     def observe(self, new_tokens: Sequence[int]) -> None:
         pass
 
-    def after_verify(self, hidden: mx.array, tokens: Sequence[int]) -> None:
+    def after_verify(self, hidden: mx.array, tokens: Sequence[int], taps: dict[int, mx.array]) -> None:
         """`hidden[j]` (final-normed) is the target's state whose next token was `tokens[j]`."""
         self._pending = (hidden, list(tokens))
 
