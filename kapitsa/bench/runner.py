@@ -159,7 +159,8 @@ async def _speculative(target: BenchTarget, seen: list[StreamResult]) -> Workloa
         "draft_tokens_proposed": proposed,
         "draft_tokens_accepted": accepted,
     }
-    return WorkloadResult(name="speculative", metrics=metrics, note=f"mode: {mode}")
+    note = f"mode: {mode}" if proposed else f"mode: {mode}; the engine reported no drafted tokens"
+    return WorkloadResult(name="speculative", metrics=metrics, note=note)
 
 
 def decode_rate(r: StreamResult) -> Metric:

@@ -7,6 +7,7 @@ which the screens show as text; nothing here invents data to fill the gap.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
 import subprocess
@@ -49,6 +50,7 @@ class EngineHandle:
     model: str
     client: EngineClient
     url: str  # http://127.0.0.1:PORT, no /v1
+    api_key: str | None = None  # the server's token (KAPITSA_API_KEY), when one is set
     server: Any = None  # uvicorn.Server
     thread: threading.Thread | None = None
     _stopped: bool = field(default=False, repr=False)
@@ -115,28 +117,33 @@ class TuiServices:
 
     def start_engine(self, ref: str) -> EngineHandle:
         """Load `ref` in an engine thread and serve it on 127.0.0.1 (blocking: call from a worker)."""
-        create_app = _require("kapitsa.server.app", "the HTTP server").create_app
+        runner = _require("kapitsa.server.runner", "the HTTP server")
         server_settings = _require("kapitsa.server.settings", "the HTTP server").ServerSettings
         client = self._engine_factory(ref)
         try:
-            port = _free_port(self.settings.port)
-            app = create_app(client, server_settings(host="127.0.0.1", port=port, model=ref))
-            server, thread = _serve_in_thread(app, port, log_dir=Path(self.settings.state_dir))
+            settings = server_settings(host="127.0.0.1", port=_free_port(self.settings.port), model=ref)
+            server, thread = _serve_in_thread(
+                runner.make_server(client, settings),
+                settings.port,
+                log_dir=Path(self.settings.state_dir) / "logs",
+            )
         except BaseException:
             EngineHandle(ref, client, "").stop()
             raise
-        return EngineHandle(ref, client, f"http://127.0.0.1:{port}", server, thread)
+        return EngineHandle(
+            ref, client, f"http://127.0.0.1:{settings.port}", settings.api_key, server, thread
+        )
 
-    def env_lines(self, url: str) -> list[str]:
-        """Export lines for shells and IDEs pointing at `url`."""
+    def env_lines(self, handle: EngineHandle) -> list[str]:
+        """Export lines (in the user's shell's syntax) pointing SDKs and IDEs at the running server."""
         env_cmd = _require("kapitsa.env_cmd", "`kapitsa env`")
-        return list(env_cmd.export_lines(url))
+        return list(env_cmd.env_lines(handle.url, handle.api_key).lines)
 
     def agent_invocation(self, agent: str, handle: EngineHandle) -> tuple[list[str], dict[str, str]]:
-        """The argv and environment that start `agent` against the running server."""
-        module = _require(f"kapitsa.agents.{agent}", f"the {AGENT_LABELS.get(agent, agent)} launcher")
-        env = module.build_env(f"{handle.url}", handle.model)
-        return list(module.build_command([])), dict(env)
+        """The argv and environment that start `agent` against the running server (which it reuses)."""
+        launch = _require("kapitsa.agents.launch", "the agent launchers")
+        plan = launch.prepare_launch(agent, handle.model, [], settings=self.settings, api_key=handle.api_key)
+        return list(plan.command), dict(plan.env)
 
     def run_agent(self, argv: list[str], env: dict[str, str]) -> int:
         """Run the agent in this terminal until it exits (the TUI is suspended around this)."""
@@ -147,8 +154,10 @@ class TuiServices:
 
 
 def _default_engine_factory(ref: str) -> EngineClient:
+    """The engine `kapitsa serve` runs: catalog alias, folder, .gguf or cached repo id → engine thread."""
     inprocess = _require("kapitsa.engine.inprocess", "the in-process engine")
-    return inprocess.open_engine(ref)
+    run_cmd = _require("kapitsa.run_cmd", "model loading")
+    return inprocess.InProcessEngine.from_loaded(run_cmd.load_for_spec(ref))
 
 
 def _free_port(preferred: int, tries: int = 20) -> int:
@@ -163,15 +172,9 @@ def _free_port(preferred: int, tries: int = 20) -> int:
 
 
 def _serve_in_thread(
-    app: Any, port: int, *, log_dir: Path, timeout_s: float = 30.0
+    server: Any, port: int, *, log_dir: Path, timeout_s: float = 30.0
 ) -> tuple[Any, threading.Thread]:
-    import uvicorn
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, access_log=False, log_config=_log_config(log_dir)
-    )
-    server = uvicorn.Server(config)
+    _log_server_to_file(log_dir / "tui-server.log")
     thread = threading.Thread(target=server.run, name="kapitsa-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
@@ -185,15 +188,9 @@ def _serve_in_thread(
     return server, thread
 
 
-def _log_config(log_dir: Path) -> dict[str, Any]:
-    """Server logs go to a file: the terminal belongs to the TUI."""
-    handler = {"class": "logging.FileHandler", "filename": str(log_dir / "tui-server.log"), "level": "INFO"}
-    return {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "handlers": {"file": handler},
-        "loggers": {
-            name: {"handlers": ["file"], "level": "INFO", "propagate": False}
-            for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
-        },
-    }
+def _log_server_to_file(path: Path) -> None:
+    """Server warnings go to a file: the terminal belongs to the TUI."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("uvicorn.error")
+    if not any(getattr(h, "baseFilename", None) == str(path) for h in logger.handlers):
+        logger.addHandler(logging.FileHandler(path))

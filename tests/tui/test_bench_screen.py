@@ -42,9 +42,7 @@ async def test_quick_bench_fills_the_table(make_app, messages) -> None:
         assert [m.workload for m in of_type(messages, BenchProgressed)][:2] == ["decode_short", "decode_long"]
         (finished,) = of_type(messages, BenchFinished)
         engine = finished.report.engines[0]
-        assert (
-            engine.kind == "http" and engine.url == f"{app.engine_handle.url}/v1" and engine.model == "fake"
-        )
+        assert engine.kind == "http" and engine.url == f"{app.engine_handle.url}/v1" and engine.model == "4b"
         assert engine.speculative == "ngram"  # read from EngineClient.stats(), which HTTP alone cannot say
         assert finished.path.exists()
         table = app.screen.query_one(BenchTable)

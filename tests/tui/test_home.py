@@ -108,9 +108,10 @@ class TestEngine:
                 assert (await http.get(f"{started.handle.url}/health")).json()["status"] == "ok"
             assert f"{started.handle.url}/v1" in str(app.screen.query_one(EnginePanel).render())
             env_text = str(app.screen.query_one(EnvPanel).render())
-            assert f"export OPENAI_BASE_URL={started.handle.url}/v1" in env_text
+            assert "OPENAI_BASE_URL" in env_text and f"{started.handle.url}/v1" in env_text
+            assert "ANTHROPIC_BASE_URL" in env_text
             await pilot.press("c")
-            assert app.clipboard == f"{started.handle.url}/v1\nexport OPENAI_BASE_URL={started.handle.url}/v1"
+            assert app.clipboard.startswith(f"{started.handle.url}/v1\n") and env_text in app.clipboard
             await pilot.press("s")
             await settle(pilot)
             assert of_type(messages, EngineStopped) and app.engine_status == "stopped"

@@ -15,7 +15,7 @@ from textual.message import Message
 
 from kapitsa.doctor import RECORDED_PROFILES
 from kapitsa.engine.fake import FakeEngine
-from kapitsa.engine.types import EngineStats
+from kapitsa.engine.types import EngineStats, ModelInfo
 from kapitsa.tui.services import DownloadCancelledError, TuiServices
 
 BUSY_STATS = EngineStats(
@@ -58,7 +58,8 @@ class FakeServices(TuiServices):
             default_model="4b", catalog={}, num_checkpoints=4, port=_free_port(), state_dir=tmp_path / "state"
         )
         super().__init__(
-            engine_factory=engine_factory or (lambda ref: BusyFakeEngine()),
+            engine_factory=engine_factory
+            or (lambda ref: BusyFakeEngine(model=ModelInfo(ref, "fake", 32768, 8192))),
             hardware=RECORDED_PROFILES["m4-pro-48gb"],
             settings=settings,
         )
@@ -74,9 +75,6 @@ class FakeServices(TuiServices):
             time.sleep(self.download_step_s)
             on_progress(step * 1000, total)
         return Path("/models") / ref
-
-    def env_lines(self, url: str) -> list[str]:
-        return [f"export OPENAI_BASE_URL={url}/v1"]
 
     def agent_invocation(self, agent, handle):
         return [f"fake-{agent}", "--model", handle.model], {"FAKE_URL": handle.url}

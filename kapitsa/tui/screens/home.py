@@ -108,7 +108,7 @@ class HomeScreen(Screen):
             return
         self.engine_panel.show(status, model=handle.model, url=handle.url)
         try:
-            env_panel.show_lines(self.app.services.env_lines(handle.url))
+            env_panel.show_lines(self.app.services.env_lines(handle))
         except Unavailable as err:
             env_panel.show_lines([], note=str(err))
 
@@ -121,7 +121,7 @@ class HomeScreen(Screen):
             self.notify("the engine is not running: nothing to copy yet", severity="warning")
             return
         try:
-            lines = self.app.services.env_lines(handle.url)
+            lines = self.app.services.env_lines(handle)
         except Unavailable:
             lines = []
         self.app.copy_to_clipboard("\n".join([f"{handle.url}/v1", *lines]))

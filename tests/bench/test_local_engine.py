@@ -1,0 +1,48 @@
+"""The bench against the real in-process engine on a tiny random Qwen3.5 checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kapitsa.bench.command import BenchOptions, collect_report
+from kapitsa.bench.runner import WORKLOAD_NAMES
+from kapitsa.bench.workloads import BenchConfig
+from kapitsa.engine import tiny
+
+TINY = BenchConfig(
+    short_prompt_words=8,
+    long_prompt_words=96,
+    decode_tokens=6,
+    replay_turns=3,
+    replay_context_words=48,
+    concurrent_tokens=4,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-qwen3_5", "qwen3_5")
+
+
+async def test_every_workload_measures_the_real_engine(tiny_qwen: Path) -> None:
+    """Check real counters: fixed decode lengths (EOS ignored), prefix-cache hits on the warm and replayed prompts."""
+    report = await collect_report(BenchOptions(model=str(tiny_qwen)), TINY)
+    (engine,) = report.engines
+    assert engine.kind == "in-process" and engine.model == "tiny-qwen3_5" and engine.speculative == "none"
+    by_name = {w.name: w for w in engine.workloads}
+    assert list(by_name) == list(WORKLOAD_NAMES)
+    for name in WORKLOAD_NAMES[:-1]:
+        assert by_name[name].status == "ok", by_name[name].note
+    assert by_name["decode_short"].metrics["completion_tokens"] == TINY.decode_tokens
+    assert by_name["decode_long"].metrics["prompt_tokens"] > by_name["decode_short"].metrics["prompt_tokens"]
+    assert by_name["prefill"].metrics["prefill_tok_s"] > 0
+    warm = by_name["ttft_cold_warm"].metrics
+    assert (
+        warm["cached_tokens_warm"] > 0.5 * warm["prompt_tokens"]
+    )  # the repeat is served from the prefix cache
+    assert by_name["agent_replay"].metrics["cache_hit_pct"] > 20
+    assert by_name["concurrent_4"].metrics["completion_tokens"] == 4 * TINY.concurrent_tokens
+    assert by_name["speculative"].status == "skipped"
+    assert report.machine["cpu_count"] and report.config == TINY.to_dict()
