@@ -16,9 +16,24 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, ModelInfo, Usage
 from kapitsa.errors import KapitsaError
-from kapitsa.server.anthropic_input import CountTokensRequest, MessagesRequest, chat_messages, chat_tools, thinking_choice
+from kapitsa.server.anthropic_input import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_messages,
+    chat_tools,
+    thinking_choice,
+)
 from kapitsa.server.common import (
-    SSE_HEADERS, make_sampling, resolve_model, sse, start_run, state_of, steps, thinking_active, thinking_kwargs, usage_cached,
+    SSE_HEADERS,
+    make_sampling,
+    resolve_model,
+    sse,
+    start_run,
+    state_of,
+    steps,
+    thinking_active,
+    thinking_kwargs,
+    usage_cached,
 )
 from kapitsa.server.errors import ApiError, anthropic_error_body, api_error_from_kapitsa
 from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
@@ -31,8 +46,12 @@ router = APIRouter()
 def anthropic_usage(usage: Usage) -> dict[str, Any]:
     # Anthropic counts cache reads apart from `input_tokens` (total input = input + cache read + cache write).
     cached = usage_cached(usage)
-    return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": usage.prompt_tokens - cached,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def stop_reason(finish: FinishEvent, has_tool_use: bool) -> str:
@@ -56,9 +75,21 @@ class MessageBuilder:
         self.open_kind: str | None = None
 
     def opening(self) -> list[bytes]:
-        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+        message = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": 0,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
+        }
         return [sse({"type": "message_start", "message": message}, "message_start"), self.ping()]
 
     @staticmethod
@@ -79,12 +110,20 @@ class MessageBuilder:
         frames = [] if self.open_kind == kind else self._close() + self._open(kind)
         block = self.blocks[-1]
         block[kind] += part.text
-        delta = {"type": "thinking_delta", "thinking": part.text} if kind == "thinking" else {"type": "text_delta", "text": part.text}
+        delta = (
+            {"type": "thinking_delta", "thinking": part.text}
+            if kind == "thinking"
+            else {"type": "text_delta", "text": part.text}
+        )
         return frames + [self._event("content_block_delta", delta=delta)]
 
     def _open(self, kind: str) -> list[bytes]:
         self.open_kind = kind
-        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+        block = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "thinking"
+            else {"type": "text", "text": ""}
+        )
         self.blocks.append(block)
         return [self._event("content_block_start", content_block=dict(block))]
 
@@ -94,15 +133,26 @@ class MessageBuilder:
             return []
         frames = []
         if kind == "thinking":
-            frames.append(self._event("content_block_delta", delta={"type": "signature_delta", "signature": ""}))
+            frames.append(
+                self._event("content_block_delta", delta={"type": "signature_delta", "signature": ""})
+            )
         return frames + [self._event("content_block_stop")]
 
     def _tool_use(self, call: ToolCall) -> list[bytes]:
-        block = {"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": json.loads(call.arguments)}
+        block = {
+            "type": "tool_use",
+            "id": tool_use_id(call),
+            "name": call.name,
+            "input": json.loads(call.arguments),
+        }
         self.blocks.append(block)
-        return [self._event("content_block_start", content_block={**block, "input": {}}),
-                self._event("content_block_delta", delta={"type": "input_json_delta", "partial_json": call.arguments}),
-                self._event("content_block_stop")]
+        return [
+            self._event("content_block_start", content_block={**block, "input": {}}),
+            self._event(
+                "content_block_delta", delta={"type": "input_json_delta", "partial_json": call.arguments}
+            ),
+            self._event("content_block_stop"),
+        ]
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         return sse({"type": kind, "index": len(self.blocks) - 1, **fields}, kind)
@@ -112,31 +162,57 @@ class MessageBuilder:
 
     def closing(self, finish: FinishEvent) -> list[bytes]:
         frames = self._close()
-        delta = {"stop_reason": stop_reason(finish, self.has_tool_use()), "stop_sequence": finish.stop_sequence}
-        frames.append(sse({"type": "message_delta", "delta": delta, "usage": anthropic_usage(finish.usage)}, "message_delta"))
+        delta = {
+            "stop_reason": stop_reason(finish, self.has_tool_use()),
+            "stop_sequence": finish.stop_sequence,
+        }
+        frames.append(
+            sse(
+                {"type": "message_delta", "delta": delta, "usage": anthropic_usage(finish.usage)},
+                "message_delta",
+            )
+        )
         return frames + [sse({"type": "message_stop"}, "message_stop")]
 
     def message(self, finish: FinishEvent) -> dict[str, Any]:
         self._close()
-        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": self.blocks,
-                "stop_reason": stop_reason(finish, self.has_tool_use()), "stop_sequence": finish.stop_sequence,
-                "usage": anthropic_usage(finish.usage)}
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": self.blocks,
+            "stop_reason": stop_reason(finish, self.has_tool_use()),
+            "stop_sequence": finish.stop_sequence,
+            "usage": anthropic_usage(finish.usage),
+        }
 
     @staticmethod
     def failure(error: Exception) -> list[bytes]:
-        err = api_error_from_kapitsa(error) if isinstance(error, KapitsaError) else ApiError(500, f"Generation failed: {error}")
+        err = (
+            api_error_from_kapitsa(error)
+            if isinstance(error, KapitsaError)
+            else ApiError(500, f"Generation failed: {error}")
+        )
         return [sse(anthropic_error_body(err), "error")]
 
 
 def to_generation_request(body: MessagesRequest, model: ModelInfo) -> GenerationRequest:
     thinking = thinking_choice(body)
     return GenerationRequest(
-        messages=tuple(chat_messages(body)), tools=tuple(chat_tools(body) or ()) or None, model=model.id,
+        messages=tuple(chat_messages(body)),
+        tools=tuple(chat_tools(body) or ()) or None,
+        model=model.id,
         sampling=make_sampling(
-            model, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            stop=body.stop_sequences, max_tokens=body.max_tokens,
+            model,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop=body.stop_sequences,
+            max_tokens=body.max_tokens,
         ),
-        chat_template_kwargs=thinking_kwargs(thinking), request_id=f"msg_{uuid.uuid4().hex[:24]}",
+        chat_template_kwargs=thinking_kwargs(thinking),
+        request_id=f"msg_{uuid.uuid4().hex[:24]}",
     )
 
 
@@ -144,11 +220,15 @@ def to_generation_request(body: MessagesRequest, model: ModelInfo) -> Generation
 async def messages(body: MessagesRequest, request: Request) -> Any:
     model = resolve_model(state_of(request).client, body.model, anthropic=True)
     gen = to_generation_request(body, model)
-    parser = OutputParser(thinking=thinking_active(model, thinking_choice(body)), tools=list(gen.tools or []) or None)
+    parser = OutputParser(
+        thinking=thinking_active(model, thinking_choice(body)), tools=list(gen.tools or []) or None
+    )
     builder = MessageBuilder(message_id=gen.request_id, model=body.model or model.id)
     run = await start_run(request, gen)
     if body.stream:
-        return StreamingResponse(_stream(run, parser, builder), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(
+            _stream(run, parser, builder), media_type="text/event-stream", headers=SSE_HEADERS
+        )
     return await _collect(run, parser, builder)
 
 

@@ -70,7 +70,9 @@ def _result_text(content: Any) -> str:
         if block.get("type") == "text":
             texts.append(_block_text(block))
         elif block.get("type") in _UNSUPPORTED_BLOCKS:
-            raise InvalidRequest(f"`{block.get('type')}` blocks are not supported: the served model reads text only.")
+            raise InvalidRequest(
+                f"`{block.get('type')}` blocks are not supported: the served model reads text only."
+            )
     return "\n".join(texts)
 
 
@@ -82,8 +84,15 @@ def _user_messages(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = block.get("type")
         if kind == "tool_result":
             text = _result_text(block.get("content"))
-            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                        "content": f"Error: {text}" if block.get("is_error") and not text.startswith("Error") else text})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(block.get("tool_use_id", "")),
+                    "content": f"Error: {text}"
+                    if block.get("is_error") and not text.startswith("Error")
+                    else text,
+                }
+            )
         elif kind == "text":
             texts.append(_block_text(block))
         elif kind in _UNSUPPORTED_BLOCKS:
@@ -106,7 +115,13 @@ def _assistant_message(blocks: list[dict[str, Any]]) -> dict[str, Any]:
             thoughts.append(str(block.get("thinking", "")))
         elif kind == "tool_use":
             arguments = block.get("input") if isinstance(block.get("input"), dict) else {}
-            calls.append({"id": str(block.get("id", "")), "type": "function", "function": {"name": str(block.get("name", "")), "arguments": arguments}})
+            calls.append(
+                {
+                    "id": str(block.get("id", "")),
+                    "type": "function",
+                    "function": {"name": str(block.get("name", "")), "arguments": arguments},
+                }
+            )
         elif kind not in _SKIPPED_BLOCKS:
             raise InvalidRequest(f"Unsupported content block type `{kind}` in an assistant message.")
     message["content"] = "\n".join(texts)
@@ -142,8 +157,21 @@ def chat_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
         # Server tools (web_search_2025…, bash_2025…) have their own `type`; the local model cannot run them.
         if tool.get("type") not in (None, "custom") or not isinstance(tool.get("name"), str):
             continue
-        schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {"type": "object", "properties": {}}
-        tools.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "", "parameters": schema}})
+        schema = (
+            tool.get("input_schema")
+            if isinstance(tool.get("input_schema"), dict)
+            else {"type": "object", "properties": {}}
+        )
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool["name"],
+                    "description": tool.get("description") or "",
+                    "parameters": schema,
+                },
+            }
+        )
     if choice == "tool":
         name = (body.tool_choice or {}).get("name")
         tools = [t for t in tools if t["function"]["name"] == name]

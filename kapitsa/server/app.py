@@ -39,13 +39,19 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         stats = state_of(request).client.stats()
-        body: dict[str, Any] = {"status": "ok" if stats.alive else "dead", "model": stats.model,
-                                "active_requests": stats.active_requests, "queued_requests": stats.queued_requests}
+        body: dict[str, Any] = {
+            "status": "ok" if stats.alive else "dead",
+            "model": stats.model,
+            "active_requests": stats.active_requests,
+            "queued_requests": stats.queued_requests,
+        }
         return JSONResponse(body, status_code=200 if stats.alive else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(state_of(request).client.stats()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            prometheus_text(state_of(request).client.stats()), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
@@ -55,8 +61,13 @@ def _add_service_routes(app: FastAPI) -> None:
 
 def _model_entry(model: Any) -> dict[str, Any]:
     return {
-        "id": model.id, "object": "model", "created": now(), "owned_by": "kapitsa",
+        "id": model.id,
+        "object": "model",
+        "created": now(),
+        "owned_by": "kapitsa",
         # Anthropic's /v1/models shape shares `id`; these extras let launchers size context windows.
-        "type": "model", "display_name": model.id,
-        "context_length": model.context_length, "max_output_tokens": model.max_output_tokens,
+        "type": "model",
+        "display_name": model.id,
+        "context_length": model.context_length,
+        "max_output_tokens": model.max_output_tokens,
     }

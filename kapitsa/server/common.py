@@ -50,7 +50,10 @@ def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
     given = {k: v for k, v in fields.items() if v is not None}
     max_tokens = given.get("max_tokens")
     if max_tokens is not None and max_tokens > model.context_length:
-        raise _param_error("max_tokens", f"max_tokens is {max_tokens}, more than the context window ({model.context_length}).")
+        raise _param_error(
+            "max_tokens",
+            f"max_tokens is {max_tokens}, more than the context window ({model.context_length}).",
+        )
     if "stop" in given:
         given["stop"] = tuple(given["stop"])
     try:

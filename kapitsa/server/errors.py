@@ -89,12 +89,16 @@ def api_error_from_kapitsa(exc: KapitsaError) -> ApiError:
 
 
 def openai_error_body(err: ApiError) -> dict[str, Any]:
-    error_type = _OPENAI_TYPE_BY_STATUS.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
+    error_type = _OPENAI_TYPE_BY_STATUS.get(
+        err.status, "server_error" if err.status >= 500 else "invalid_request_error"
+    )
     return {"error": {"message": err.message, "type": error_type, "param": err.param, "code": err.code}}
 
 
 def anthropic_error_body(err: ApiError) -> dict[str, Any]:
-    error_type = _ANTHROPIC_TYPE_BY_STATUS.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    error_type = _ANTHROPIC_TYPE_BY_STATUS.get(
+        err.status, "api_error" if err.status >= 500 else "invalid_request_error"
+    )
     return {"type": "error", "error": {"type": error_type, "message": err.message}}
 
 
@@ -117,7 +121,9 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if first.get("type") == "json_invalid":
         return ApiError(400, "The request body is not valid JSON.")
     where = f" at `{'.'.join(loc)}`" if loc else ""
-    return ApiError(400, f"Invalid request{where}: {first.get('msg', 'invalid value')}", param=loc[0] if loc else None)
+    return ApiError(
+        400, f"Invalid request{where}: {first.get('msg', 'invalid value')}", param=loc[0] if loc else None
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

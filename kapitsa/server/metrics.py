@@ -6,7 +6,13 @@ from dataclasses import fields
 
 from kapitsa.engine.types import EngineStats
 
-_COUNTERS = {"prompt_tokens_cached", "prompt_tokens_computed", "generated_tokens", "requests_finished", "requests_failed"}
+_COUNTERS = {
+    "prompt_tokens_cached",
+    "prompt_tokens_computed",
+    "generated_tokens",
+    "requests_finished",
+    "requests_failed",
+}
 
 
 def prometheus_text(stats: EngineStats) -> str:
@@ -22,5 +28,8 @@ def prometheus_text(stats: EngineStats) -> str:
         lines += [f"# TYPE {name} {kind}", f"{name} {value}"]
     lines += ["# TYPE kapitsa_cache_hit_rate gauge", f"kapitsa_cache_hit_rate {stats.cache_hit_rate}"]
     model = (stats.model or "").replace("\\", "\\\\").replace('"', '\\"')
-    lines += ["# TYPE kapitsa_info gauge", f'kapitsa_info{{model="{model}",speculative="{stats.speculative}"}} 1']
+    lines += [
+        "# TYPE kapitsa_info gauge",
+        f'kapitsa_info{{model="{model}",speculative="{stats.speculative}"}} 1',
+    ]
     return "\n".join(lines) + "\n"

@@ -61,7 +61,11 @@ def _assistant_message(m: ChatMessage, text: str) -> dict[str, Any]:
         message["reasoning_content"] = reasoning
     if m.tool_calls:
         message["tool_calls"] = [
-            {"id": c.id or "", "type": "function", "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)}}
+            {
+                "id": c.id or "",
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)},
+            }
             for c in m.tool_calls
         ]
     return message
@@ -111,14 +115,23 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     sampling = make_sampling(
         model,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=stop,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        stop=stop,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     return GenerationRequest(
-        messages=tuple(messages), tools=tuple(chat_tools(body) or ()) or None, sampling=sampling, model=model.id,
+        messages=tuple(messages),
+        tools=tuple(chat_tools(body) or ()) or None,
+        sampling=sampling,
+        model=model.id,
         chat_template_kwargs=thinking_kwargs(chat_thinking(body)),
         request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
     )
@@ -146,7 +159,9 @@ def finish_reason(finish: FinishEvent, has_tool_calls: bool) -> str:
 def logprob_entries(items: tuple[TokenLogprob, ...] | None) -> list[dict[str, Any]]:
     return [
         {
-            "token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": list(lp.token.encode()),
             "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for _, t, p in lp.top],
         }
         for lp in items or ()
@@ -154,7 +169,11 @@ def logprob_entries(items: tuple[TokenLogprob, ...] | None) -> list[dict[str, An
 
 
 def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    out: dict[str, Any] = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
     return out if index is None else {"index": index, **out}
 
 
@@ -162,7 +181,13 @@ class ChatChunker:
     """Turns `Step`s into `chat.completion.chunk` SSE frames: role first, finish_reason last, then usage, [DONE]."""
 
     def __init__(self, *, completion_id: str, model: str, include_usage: bool, want_logprobs: bool) -> None:
-        self.base = {"id": completion_id, "object": "chat.completion.chunk", "created": now(), "model": model, "system_fingerprint": None}
+        self.base = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": now(),
+            "model": model,
+            "system_fingerprint": None,
+        }
         self.include_usage = include_usage
         self.want_logprobs = want_logprobs
         self.tool_calls = 0
@@ -208,13 +233,24 @@ class ChatChunker:
 def failure_frames(error: Exception) -> list[bytes]:
     """A mid-stream failure: one error object in OpenAI's shape, then [DONE] (vLLM's convention)."""
     err = api_error_from_kapitsa(error) if isinstance(error, KapitsaError) else None
-    body = openai_error_body(err) if err else {
-        "error": {"message": f"Generation failed: {error}", "type": "server_error", "param": None, "code": "engine_error"}
-    }
+    body = (
+        openai_error_body(err)
+        if err
+        else {
+            "error": {
+                "message": f"Generation failed: {error}",
+                "type": "server_error",
+                "param": None,
+                "code": "engine_error",
+            }
+        }
+    )
     return [sse(body), b"data: [DONE]\n\n"]
 
 
-def completion_body(completion_id: str, model: str, parts: list[Any], logprobs: list[Any], finish: FinishEvent) -> dict[str, Any]:
+def completion_body(
+    completion_id: str, model: str, parts: list[Any], logprobs: list[Any], finish: FinishEvent
+) -> dict[str, Any]:
     text = "".join(p.text for p in parts if isinstance(p, TextPart))
     reasoning = "".join(p.text for p in parts if isinstance(p, ReasoningPart))
     calls = [p for p in parts if isinstance(p, ToolCall)]
@@ -223,9 +259,21 @@ def completion_body(completion_id: str, model: str, parts: list[Any], logprobs: 
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [tool_call_dict(c) for c in calls]
-    choice = {"index": 0, "message": message, "logprobs": {"content": logprobs} if logprobs else None, "finish_reason": finish_reason(finish, bool(calls))}
-    return {"id": completion_id, "object": "chat.completion", "created": now(), "model": model, "system_fingerprint": None,
-            "choices": [choice], "usage": openai_usage(finish.usage)}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": logprobs} if logprobs else None,
+        "finish_reason": finish_reason(finish, bool(calls)),
+    }
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [choice],
+        "usage": openai_usage(finish.usage),
+    }
 
 
 # ---- route ---------------------------------------------------------------------------------------------
@@ -236,18 +284,26 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     client = state_of(request).client
     model = resolve_model(client, body.model)
     gen = to_generation_request(body, model)
-    parser = OutputParser(thinking=thinking_active(model, chat_thinking(body)), tools=list(gen.tools or []) or None)
+    parser = OutputParser(
+        thinking=thinking_active(model, chat_thinking(body)), tools=list(gen.tools or []) or None
+    )
     run = await start_run(request, gen)
     if not body.stream:
         return await _collect(run, parser, model.id, want_logprobs=bool(body.logprobs))
     chunker = ChatChunker(
-        completion_id=gen.request_id, model=model.id,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage), want_logprobs=bool(body.logprobs),
+        completion_id=gen.request_id,
+        model=model.id,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        want_logprobs=bool(body.logprobs),
     )
-    return StreamingResponse(_stream(run, parser, chunker), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(
+        _stream(run, parser, chunker), media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
-async def _collect(run: GenerationRun, parser: OutputParser, model: str, *, want_logprobs: bool) -> JSONResponse:
+async def _collect(
+    run: GenerationRun, parser: OutputParser, model: str, *, want_logprobs: bool
+) -> JSONResponse:
     parts: list[Any] = []
     logprobs: list[Any] = []
     try:
@@ -258,7 +314,9 @@ async def _collect(run: GenerationRun, parser: OutputParser, model: str, *, want
             if isinstance(step.final, ErrorEvent):
                 raise step.final.error
             if isinstance(step.final, FinishEvent):
-                return JSONResponse(completion_body(run.request.request_id, model, parts, logprobs, step.final))
+                return JSONResponse(
+                    completion_body(run.request.request_id, model, parts, logprobs, step.final)
+                )
     except ClientGone:
         return JSONResponse({}, status_code=499)
     finally:

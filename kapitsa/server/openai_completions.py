@@ -11,7 +11,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, ModelInfo, TokenLogprob
 from kapitsa.errors import InvalidRequest
-from kapitsa.server.common import SSE_COMMENT, SSE_HEADERS, make_sampling, now, resolve_model, sse, start_run, state_of, steps
+from kapitsa.server.common import (
+    SSE_COMMENT,
+    SSE_HEADERS,
+    make_sampling,
+    now,
+    resolve_model,
+    sse,
+    start_run,
+    state_of,
+    steps,
+)
 from kapitsa.server.openai_chat import failure_frames, openai_usage
 from kapitsa.server.openai_models import CompletionRequest
 from kapitsa.server.output import TextPart
@@ -42,15 +52,25 @@ def to_generation_request(body: CompletionRequest, model: ModelInfo) -> Generati
         raise InvalidRequest("`prompt` is empty.")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     sampling = make_sampling(
-        model, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, seed=body.seed, stop=stop, max_tokens=body.max_tokens or 16,
+        model,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        stop=stop,
+        max_tokens=body.max_tokens or 16,
         logprobs=body.logprobs,
     )
     request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     if isinstance(prompt, str):
         return GenerationRequest(prompt=prompt, sampling=sampling, model=model.id, request_id=request_id)
-    return GenerationRequest(prompt_token_ids=tuple(prompt), sampling=sampling, model=model.id, request_id=request_id)  # type: ignore[arg-type]
+    return GenerationRequest(
+        prompt_token_ids=tuple(prompt), sampling=sampling, model=model.id, request_id=request_id
+    )  # type: ignore[arg-type]
 
 
 def legacy_logprobs(items: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -81,7 +101,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     base = {"id": gen.request_id, "object": "text_completion", "created": now(), "model": model.id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(run, base, echo, include_usage), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(
+            _stream(run, base, echo, include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+        )
     return await _collect(run, base, echo)
 
 
@@ -94,7 +116,12 @@ async def _collect(run: GenerationRun, base: dict[str, Any], echo: str) -> JSONR
             if isinstance(step.final, ErrorEvent):
                 raise step.final.error
             if isinstance(step.final, FinishEvent):
-                choice = {"index": 0, "text": "".join(texts), "logprobs": legacy_logprobs(logprobs), "finish_reason": _finish(step.final)}
+                choice = {
+                    "index": 0,
+                    "text": "".join(texts),
+                    "logprobs": legacy_logprobs(logprobs),
+                    "finish_reason": _finish(step.final),
+                }
                 return JSONResponse({**base, "choices": [choice], "usage": openai_usage(step.final.usage)})
     except ClientGone:
         return JSONResponse({}, status_code=499)
@@ -103,9 +130,14 @@ async def _collect(run: GenerationRun, base: dict[str, Any], echo: str) -> JSONR
     raise RuntimeError("generation ended without a final event")  # pragma: no cover
 
 
-async def _stream(run: GenerationRun, base: dict[str, Any], echo: str, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    run: GenerationRun, base: dict[str, Any], echo: str, include_usage: bool
+) -> AsyncIterator[bytes]:
     def frame(text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
-        body = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        body = {
+            **base,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
         return sse({**body, "usage": None} if include_usage else body)
 
     try:

@@ -17,8 +17,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, Usage
 from kapitsa.errors import ContextOverflow, EngineBusy, EngineDead, KapitsaError
 from kapitsa.server.common import (
-    SSE_COMMENT, SSE_HEADERS, make_sampling, now, resolve_model, sse, start_run, state_of, steps,
-    thinking_active, thinking_kwargs, usage_cached,
+    SSE_COMMENT,
+    SSE_HEADERS,
+    make_sampling,
+    now,
+    resolve_model,
+    sse,
+    start_run,
+    state_of,
+    steps,
+    thinking_active,
+    thinking_kwargs,
+    usage_cached,
 )
 from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
 from kapitsa.server.responses_input import ResponsesRequest, build_messages, function_tools, thinking_choice
@@ -51,9 +61,18 @@ class ResponseBuilder:
 
     def __init__(self, *, response_id: str, model: str, namespaces: dict[str, str], custom: set[str]) -> None:
         self.response = {
-            "id": response_id, "object": "response", "created_at": now(), "status": "in_progress", "model": model,
-            "output": [], "usage": None, "error": None, "incomplete_details": None, "parallel_tool_calls": True,
-            "tool_choice": "auto", "tools": [],
+            "id": response_id,
+            "object": "response",
+            "created_at": now(),
+            "status": "in_progress",
+            "model": model,
+            "output": [],
+            "usage": None,
+            "error": None,
+            "incomplete_details": None,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
         }
         self.namespaces, self.custom = namespaces, custom
         self.seq = 0
@@ -65,8 +84,10 @@ class ResponseBuilder:
         return sse(data, event=kind)
 
     def opening(self) -> list[bytes]:
-        return [self.event("response.created", response=dict(self.response)),
-                self.event("response.in_progress", response=dict(self.response))]
+        return [
+            self.event("response.created", response=dict(self.response)),
+            self.event("response.in_progress", response=dict(self.response)),
+        ]
 
     def parts(self, parts: list[Any]) -> list[bytes]:
         frames: list[bytes] = []
@@ -79,23 +100,51 @@ class ResponseBuilder:
 
     def _text_delta(self, part: TextPart | ReasoningPart) -> list[bytes]:
         kind = "reasoning" if isinstance(part, ReasoningPart) else "message"
-        frames = [] if self.open_item and self.open_item["type"] == kind else self._close_open() + self._open(kind)
+        frames = (
+            [] if self.open_item and self.open_item["type"] == kind else self._close_open() + self._open(kind)
+        )
         item, index = self.open_item, len(self.response["output"])
         assert item is not None
         item["_text"] += part.text
         delta_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         extra = {} if kind == "reasoning" else {"logprobs": []}
-        return frames + [self.event(delta_event, item_id=item["id"], output_index=index, content_index=0, delta=part.text, **extra)]
+        return frames + [
+            self.event(
+                delta_event, item_id=item["id"], output_index=index, content_index=0, delta=part.text, **extra
+            )
+        ]
 
     def _open(self, kind: str) -> list[bytes]:
         index = len(self.response["output"])
         if kind == "reasoning":
-            self.open_item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [], "_text": ""}
-            return [self.event("response.output_item.added", output_index=index, item=_public(self.open_item))]
-        self.open_item = {"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "in_progress", "role": "assistant", "content": [], "_text": ""}
+            self.open_item = {
+                "type": "reasoning",
+                "id": f"rs_{uuid.uuid4().hex[:24]}",
+                "summary": [],
+                "_text": "",
+            }
+            return [
+                self.event("response.output_item.added", output_index=index, item=_public(self.open_item))
+            ]
+        self.open_item = {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex[:24]}",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+            "_text": "",
+        }
         part = {"type": "output_text", "text": "", "annotations": []}
-        return [self.event("response.output_item.added", output_index=index, item=_public(self.open_item)),
-                self.event("response.content_part.added", item_id=self.open_item["id"], output_index=index, content_index=0, part=part)]
+        return [
+            self.event("response.output_item.added", output_index=index, item=_public(self.open_item)),
+            self.event(
+                "response.content_part.added",
+                item_id=self.open_item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+        ]
 
     def _close_open(self) -> list[bytes]:
         item, self.open_item = self.open_item, None
@@ -104,12 +153,35 @@ class ResponseBuilder:
         index, text = len(self.response["output"]), item.pop("_text")
         if item["type"] == "reasoning":
             item.update(content=[{"type": "reasoning_text", "text": text}], encrypted_content=text)
-            frames = [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text)]
+            frames = [
+                self.event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            ]
         else:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item.update(status="completed", content=[part])
-            frames = [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text, logprobs=[]),
-                      self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)]
+            frames = [
+                self.event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                self.event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                ),
+            ]
         self.response["output"].append(item)
         return frames + [self.event("response.output_item.done", output_index=index, item=item)]
 
@@ -118,21 +190,63 @@ class ResponseBuilder:
         item = self._call_item(call)
         self.response["output"].append(item)
         if item["type"] == "custom_tool_call":
-            return [self.event("response.output_item.added", output_index=index, item={**item, "input": ""}),
-                    self.event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=item["input"]),
-                    self.event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index, input=item["input"]),
-                    self.event("response.output_item.done", output_index=index, item=item)]
-        return [self.event("response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}),
-                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=call.arguments),
-                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=call.arguments, name=call.name),
-                self.event("response.output_item.done", output_index=index, item=item)]
+            return [
+                self.event("response.output_item.added", output_index=index, item={**item, "input": ""}),
+                self.event(
+                    "response.custom_tool_call_input.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["input"],
+                ),
+                self.event(
+                    "response.custom_tool_call_input.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    input=item["input"],
+                ),
+                self.event("response.output_item.done", output_index=index, item=item),
+            ]
+        return [
+            self.event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),
+            self.event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=call.arguments,
+            ),
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=call.arguments,
+                name=call.name,
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _call_item(self, call: ToolCall) -> dict[str, Any]:
         item_id = f"fc_{uuid.uuid4().hex[:24]}"
         if call.name in self.custom:
-            return {"type": "custom_tool_call", "id": item_id, "call_id": call.id, "name": call.name,
-                    "input": str(json.loads(call.arguments).get("input", "")), "status": "completed"}
-        item = {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name, "arguments": call.arguments, "status": "completed"}
+            return {
+                "type": "custom_tool_call",
+                "id": item_id,
+                "call_id": call.id,
+                "name": call.name,
+                "input": str(json.loads(call.arguments).get("input", "")),
+                "status": "completed",
+            }
+        item = {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
         if call.name in self.namespaces:
             item["namespace"] = self.namespaces[call.name]
         return item
@@ -143,8 +257,11 @@ class ResponseBuilder:
 
     def _finished(self, finish: FinishEvent) -> dict[str, Any]:
         incomplete = finish.finish_reason == "length"
-        self.response.update(status="incomplete" if incomplete else "completed", usage=responses_usage(finish.usage),
-                             incomplete_details={"reason": "max_output_tokens"} if incomplete else None)
+        self.response.update(
+            status="incomplete" if incomplete else "completed",
+            usage=responses_usage(finish.usage),
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+        )
         return self.response
 
     def closing(self, finish: FinishEvent) -> list[bytes]:
@@ -167,15 +284,24 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     tools, namespaces, custom = function_tools(body)
     thinking = thinking_choice(body)
     gen = GenerationRequest(
-        messages=tuple(build_messages(body)), tools=tuple(tools) or None, model=model.id,
-        sampling=make_sampling(model, temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens),
-        chat_template_kwargs=thinking_kwargs(thinking), request_id=f"resp_{uuid.uuid4().hex[:24]}",
+        messages=tuple(build_messages(body)),
+        tools=tuple(tools) or None,
+        model=model.id,
+        sampling=make_sampling(
+            model, temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens
+        ),
+        chat_template_kwargs=thinking_kwargs(thinking),
+        request_id=f"resp_{uuid.uuid4().hex[:24]}",
     )
     parser = OutputParser(thinking=thinking_active(model, thinking), tools=tools or None)
-    builder = ResponseBuilder(response_id=gen.request_id, model=model.id, namespaces=namespaces, custom=custom)
+    builder = ResponseBuilder(
+        response_id=gen.request_id, model=model.id, namespaces=namespaces, custom=custom
+    )
     run = await start_run(request, gen)
     if body.stream:
-        return StreamingResponse(_stream(run, parser, builder), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(
+            _stream(run, parser, builder), media_type="text/event-stream", headers=SSE_HEADERS
+        )
     return await _collect(run, parser, builder)
 
 

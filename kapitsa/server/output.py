@@ -56,7 +56,11 @@ class OutputParser:
         return [self._wrap(x) for x in self._tools.feed(text)]
 
     def _content_flush(self) -> list[Part]:
-        return [] if self._tools is None else [self._wrap(x) for x in self._tools.flush(truncated=self._truncated)]
+        return (
+            []
+            if self._tools is None
+            else [self._wrap(x) for x in self._tools.flush(truncated=self._truncated)]
+        )
 
     def _wrap(self, item: str | ToolCall) -> Part:
         if isinstance(item, ToolCall):

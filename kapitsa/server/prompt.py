@@ -19,7 +19,11 @@ SYSTEM_ROLES = ("system", "developer")
 
 def strip_attribution(text: str) -> str:
     """`text` without a leading Claude Code billing/attribution line."""
-    return _BILLING_LINE.sub("", text, count=1) if text.lstrip()[:27].lower() == "x-anthropic-billing-header:" else text
+    return (
+        _BILLING_LINE.sub("", text, count=1)
+        if text.lstrip()[:27].lower() == "x-anthropic-billing-header:"
+        else text
+    )
 
 
 def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -47,4 +51,7 @@ def json_mode_instruction(schema: dict[str, Any] | None) -> str:
     """System-prompt text that asks for JSON; the engine has no grammar-constrained decoding yet."""
     if schema is None:
         return "Respond with a single valid JSON object and nothing else."
-    return "Respond with a single valid JSON value matching this JSON schema, and nothing else:\n" + json.dumps(schema)
+    return (
+        "Respond with a single valid JSON value matching this JSON schema, and nothing else:\n"
+        + json.dumps(schema)
+    )

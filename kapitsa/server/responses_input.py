@@ -15,8 +15,17 @@ from kapitsa.server.common import flatten_text
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
-_IGNORED_ITEMS = ("web_search_call", "local_shell_call", "local_shell_call_output", "compaction", "item_reference",
-                  "file_search_call", "image_generation_call", "mcp_list_tools", "ghost_snapshot")
+_IGNORED_ITEMS = (
+    "web_search_call",
+    "local_shell_call",
+    "local_shell_call_output",
+    "compaction",
+    "item_reference",
+    "file_search_call",
+    "image_generation_call",
+    "mcp_list_tools",
+    "ghost_snapshot",
+)
 
 
 class ResponsesRequest(BaseModel):
@@ -45,8 +54,14 @@ def _text(content: Any) -> str:
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """Items → messages: consecutive calls join one assistant turn; reasoning rides on the next assistant turn."""
-    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    messages: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    items = (
+        [{"type": "message", "role": "user", "content": body.input}]
+        if isinstance(body.input, str)
+        else body.input
+    )
+    messages: list[dict[str, Any]] = (
+        [{"role": "system", "content": body.instructions}] if body.instructions else []
+    )
     pending_reasoning = ""
     for item in items:
         kind = item.get("type", "message" if "role" in item else None)
@@ -57,7 +72,13 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind in ("function_call", "custom_tool_call"):
             _append_call(messages, item)
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            messages.append({"role": "tool", "content": _text(item.get("output")), "tool_call_id": str(item.get("call_id", ""))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "content": _text(item.get("output")),
+                    "tool_call_id": str(item.get("call_id", "")),
+                }
+            )
         elif kind not in _IGNORED_ITEMS:
             raise InvalidRequest(f"Unsupported input item type `{kind}`.")
         if pending_reasoning and messages and messages[-1]["role"] == "assistant":
@@ -85,7 +106,11 @@ def _append_call(messages: list[dict[str, Any]], item: dict[str, Any]) -> None:
         arguments: Any = {"input": item.get("input", "")}
     else:
         arguments = parse_arguments(item.get("arguments", ""))
-    call = {"id": str(item.get("call_id", "")), "type": "function", "function": {"name": str(item.get("name", "")), "arguments": arguments}}
+    call = {
+        "id": str(item.get("call_id", "")),
+        "type": "function",
+        "function": {"name": str(item.get("name", "")), "arguments": arguments},
+    }
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
@@ -104,19 +129,43 @@ def function_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]], dict[s
             tools.append(_function(tool))
         elif kind == "namespace":
             for inner in tool.get("tools") or []:
-                if isinstance(inner, dict) and inner.get("type") == "function" and isinstance(inner.get("name"), str):
+                if (
+                    isinstance(inner, dict)
+                    and inner.get("type") == "function"
+                    and isinstance(inner.get("name"), str)
+                ):
                     tools.append(_function(inner))
                     namespaces[inner["name"]] = str(tool.get("name", ""))
         elif kind == "custom" and isinstance(tool.get("name"), str):
             custom.add(tool["name"])
             schema = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
-            tools.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""), "parameters": schema}})
+            tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": tool["name"],
+                        "description": tool.get("description", ""),
+                        "parameters": schema,
+                    },
+                }
+            )
     return _apply_choice(body.tool_choice, tools), namespaces, custom
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
-    params = tool.get("parameters") if isinstance(tool.get("parameters"), dict) else {"type": "object", "properties": {}}
-    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "", "parameters": params}}
+    params = (
+        tool.get("parameters")
+        if isinstance(tool.get("parameters"), dict)
+        else {"type": "object", "properties": {}}
+    )
+    return {
+        "type": "function",
+        "function": {
+            "name": tool["name"],
+            "description": tool.get("description") or "",
+            "parameters": params,
+        },
+    }
 
 
 def _apply_choice(choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -137,7 +186,9 @@ def thinking_choice(body: ResponsesRequest) -> bool | None:
 
 def build_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if body.previous_response_id:
-        raise InvalidRequest("previous_response_id is not supported: this server stores no responses; send the full input.")
+        raise InvalidRequest(
+            "previous_response_id is not supported: this server stores no responses; send the full input."
+        )
     messages = input_messages(body)
     fmt = (body.text or {}).get("format") or {}
     if fmt.get("type") in ("json_object", "json_schema"):

@@ -48,9 +48,15 @@ def serve_forever(client: EngineClient, settings: ServerSettings) -> None:
     """Serve until SIGINT/SIGTERM; in-flight streams get `drain_s` to finish."""
     server = make_server(client, settings)
     if not is_loopback_host(settings.host):
-        print(f"WARNING: kapitsa is listening on {settings.host}:{settings.port}, reachable from the network "
-              "(token required on every request).", file=sys.stderr)
-    print(f"kapitsa serving {', '.join(m.id for m in client.models())} on http://{settings.host}:{settings.port}", file=sys.stderr)
+        print(
+            f"WARNING: kapitsa is listening on {settings.host}:{settings.port}, reachable from the network "
+            "(token required on every request).",
+            file=sys.stderr,
+        )
+    print(
+        f"kapitsa serving {', '.join(m.id for m in client.models())} on http://{settings.host}:{settings.port}",
+        file=sys.stderr,
+    )
     with _signals_end_serving():
         server.run()
 

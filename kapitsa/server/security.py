@@ -115,11 +115,20 @@ class SecurityMiddleware:
         if origin is None or origin not in self.cors_origins:
             await _send_raw(send, 204, b"", [])
             return
-        await _send_raw(send, 204, b"", _cors_headers(origin) + [
-            (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
-            (b"access-control-allow-headers", b"authorization, x-api-key, content-type, anthropic-version, anthropic-beta"),
-            (b"access-control-max-age", b"600"),
-        ])
+        await _send_raw(
+            send,
+            204,
+            b"",
+            _cors_headers(origin)
+            + [
+                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (
+                    b"access-control-allow-headers",
+                    b"authorization, x-api-key, content-type, anthropic-version, anthropic-beta",
+                ),
+                (b"access-control-max-age", b"600"),
+            ],
+        )
 
     def _check_token(self, path: str, headers: dict[str, list[str]]) -> None:
         if self.token is None or path in PUBLIC_PATHS:

@@ -7,9 +7,16 @@ from kapitsa.server.runner import check_bind, serve_forever
 from kapitsa.server.settings import ServerSettings
 
 
-def make_settings(*, model: str | None, host: str | None, port: int | None, speculative: str) -> ServerSettings:
+def make_settings(
+    *, model: str | None, host: str | None, port: int | None, speculative: str
+) -> ServerSettings:
     """Flags override `KAPITSA_*` environment variables, which override defaults."""
-    flags = {"model": model, "host": host, "port": port, "speculative": speculative if speculative != "none" else None}
+    flags = {
+        "model": model,
+        "host": host,
+        "port": port,
+        "speculative": speculative if speculative != "none" else None,
+    }
     return ServerSettings(**{k: v for k, v in flags.items() if v is not None})
 
 
@@ -17,7 +24,9 @@ def cmd_serve(*, model: str | None, host: str | None, port: int | None, speculat
     settings = make_settings(model=model, host=host, port=port, speculative=speculative)
     check_bind(settings)
     if settings.speculative != "none":
-        raise KapitsaError(f"--speculative {settings.speculative} is not available in `kapitsa serve` yet; use none")
+        raise KapitsaError(
+            f"--speculative {settings.speculative} is not available in `kapitsa serve` yet; use none"
+        )
     from kapitsa.engine.inprocess import InProcessEngine
     from kapitsa.run_cmd import default_model, load_for_spec
 

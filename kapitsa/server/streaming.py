@@ -27,7 +27,9 @@ class ClientGone(Exception):
 
 
 class GenerationRun:
-    def __init__(self, client: EngineClient, request: GenerationRequest, receive: Receive, *, keepalive_s: float) -> None:
+    def __init__(
+        self, client: EngineClient, request: GenerationRequest, receive: Receive, *, keepalive_s: float
+    ) -> None:
         self.client = client
         self.request = request
         self.keepalive_s = keepalive_s
@@ -45,7 +47,9 @@ class GenerationRun:
         """
         self._tasks = [asyncio.create_task(self._produce()), asyncio.create_task(self._watch())]
         try:
-            item = await asyncio.wait_for(self._queue.get(), first_event_wait_s) if first_event_wait_s else None
+            item = (
+                await asyncio.wait_for(self._queue.get(), first_event_wait_s) if first_event_wait_s else None
+            )
         except TimeoutError:
             return
         if isinstance(item, ClientGone):
@@ -105,7 +109,9 @@ class GenerationRun:
         if isinstance(item, ClientGone):
             raise item
         if isinstance(item, BaseException):
-            return ErrorEvent(self.request.request_id, item if isinstance(item, Exception) else RuntimeError(str(item)))
+            return ErrorEvent(
+                self.request.request_id, item if isinstance(item, Exception) else RuntimeError(str(item))
+            )
         return item
 
     def _is_final(self, event: Event) -> bool:

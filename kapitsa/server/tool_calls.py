@@ -22,7 +22,9 @@ from kapitsa.server.reasoning import held_suffix_length
 _BLOCKS = {"<tool_call>": "</tool_call>", "<TOOLCALL>": "</TOOLCALL>", "<function=": "</function>"}
 _START_TAGS = tuple(_BLOCKS)
 _FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
-_PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL)
+_PARAMETER_RE = re.compile(
+    r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -195,9 +197,19 @@ _NO = object()
 
 def _convert(value: Any, kind: str) -> Any:
     if kind == "string":
-        return value if isinstance(value, str) else json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+        return (
+            value
+            if isinstance(value, str)
+            else json.dumps(value)
+            if isinstance(value, (dict, list))
+            else str(value)
+        )
     if not isinstance(value, str):
-        return value if _json_kind(value) == kind or (kind == "number" and _json_kind(value) == "integer") else _NO
+        return (
+            value
+            if _json_kind(value) == kind or (kind == "number" and _json_kind(value) == "integer")
+            else _NO
+        )
     text = value.strip()
     if kind == "boolean":
         return {"true": True, "false": False}.get(text.lower(), _NO)

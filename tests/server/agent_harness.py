@@ -38,8 +38,12 @@ def ensure_agents() -> tuple[Path | None, str]:
         return None, "npm is not installed"
     root.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run([npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", *PACKAGES.values()],
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", *PACKAGES.values()],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     except subprocess.TimeoutExpired:
         return None, "npm install timed out (registry unreachable?)"
     if done.returncode != 0:
@@ -92,47 +96,117 @@ class ScriptedAgentModel:
         shell = next((n for n in SHELL_TOOLS if n in tools), None)
         if shell is None:
             return "Probe title"  # opencode's concurrent title request, and any side query
-        return "<think>The user wants the probe file.</think>\n\nWriting it now.\n" + tool_call_text(self.fmt, shell, _call_arguments(tools[shell], self.command))
+        return "<think>The user wants the probe file.</think>\n\nWriting it now.\n" + tool_call_text(
+            self.fmt, shell, _call_arguments(tools[shell], self.command)
+        )
 
 
 # ---- drive commands ------------------------------------------------------------------------------------
 
 
-def agent_command(name: str, bin_dir: Path, base_url: str, home: Path, cwd: Path) -> tuple[list[str], dict[str, str], str | None]:
+def agent_command(
+    name: str, bin_dir: Path, base_url: str, home: Path, cwd: Path
+) -> tuple[list[str], dict[str, str], str | None]:
     """argv, environment and stdin for one non-interactive run of agent `name` in `cwd`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CLAUDE_", "CODEX_", "OPENCODE_", "PI_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ANTHROPIC_", "OPENAI_", "CLAUDE_", "CODEX_", "OPENCODE_", "PI_"))
+    }
     # opencode takes its project folder from $PWD, not from the process's working directory.
     env.update(HOME=str(home), PWD=str(cwd), PATH=f"{bin_dir}:{env.get('PATH', '')}", NO_COLOR="1")
     if name == "claude":
-        env.update(CLAUDE_CONFIG_DIR=str(home / ".claude"), ANTHROPIC_BASE_URL=base_url, ANTHROPIC_AUTH_TOKEN="x", ANTHROPIC_API_KEY="",
-                   ANTHROPIC_MODEL="fake", ANTHROPIC_DEFAULT_OPUS_MODEL="fake", ANTHROPIC_DEFAULT_SONNET_MODEL="fake",
-                   ANTHROPIC_DEFAULT_HAIKU_MODEL="fake", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1",
-                   DISABLE_ERROR_REPORTING="1", DISABLE_AUTOUPDATER="1", CLAUDE_CODE_ATTRIBUTION_HEADER="0")
-        return [str(bin_dir / "claude"), "-p", PROMPT, "--output-format", "json", "--allowedTools", "Bash"], env, ""
+        env.update(
+            CLAUDE_CONFIG_DIR=str(home / ".claude"),
+            ANTHROPIC_BASE_URL=base_url,
+            ANTHROPIC_AUTH_TOKEN="x",
+            ANTHROPIC_API_KEY="",
+            ANTHROPIC_MODEL="fake",
+            ANTHROPIC_DEFAULT_OPUS_MODEL="fake",
+            ANTHROPIC_DEFAULT_SONNET_MODEL="fake",
+            ANTHROPIC_DEFAULT_HAIKU_MODEL="fake",
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+            DISABLE_TELEMETRY="1",
+            DISABLE_ERROR_REPORTING="1",
+            DISABLE_AUTOUPDATER="1",
+            CLAUDE_CODE_ATTRIBUTION_HEADER="0",
+        )
+        return (
+            [str(bin_dir / "claude"), "-p", PROMPT, "--output-format", "json", "--allowedTools", "Bash"],
+            env,
+            "",
+        )
     if name == "codex":
         env.update(CODEX_HOME=str(home / ".codex"), KAPITSA_API_KEY="x")
         (home / ".codex").mkdir(parents=True, exist_ok=True)
-        overrides = ["analytics.enabled=false", "feedback.enabled=false", "check_for_update_on_startup=false",
-                     "model_provider=kapitsa", "model_providers.kapitsa.name=kapitsa", f"model_providers.kapitsa.base_url={base_url}/v1",
-                     "model_providers.kapitsa.wire_api=responses", "model_providers.kapitsa.env_key=KAPITSA_API_KEY"]
-        argv = [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never", "-s", "workspace-write"]
+        overrides = [
+            "analytics.enabled=false",
+            "feedback.enabled=false",
+            "check_for_update_on_startup=false",
+            "model_provider=kapitsa",
+            "model_providers.kapitsa.name=kapitsa",
+            f"model_providers.kapitsa.base_url={base_url}/v1",
+            "model_providers.kapitsa.wire_api=responses",
+            "model_providers.kapitsa.env_key=KAPITSA_API_KEY",
+        ]
+        argv = [
+            str(bin_dir / "codex"),
+            "exec",
+            "--skip-git-repo-check",
+            "--ephemeral",
+            "--color",
+            "never",
+            "-s",
+            "workspace-write",
+        ]
         for override in overrides:
             argv += ["-c", override]
         return argv + ["-m", "fake", PROMPT], env, ""
     if name == "opencode":
-        config = {"provider": {"kapitsa": {"npm": "@ai-sdk/openai-compatible", "name": "kapitsa",
-                                           "options": {"baseURL": f"{base_url}/v1", "apiKey": "x"}, "models": {"fake": {"name": "fake"}}}},
-                  "model": "kapitsa/fake", "small_model": "kapitsa/fake", "share": "disabled", "autoupdate": False}
-        env.update(XDG_CONFIG_HOME=str(home / "config"), XDG_DATA_HOME=str(home / "data"), XDG_CACHE_HOME=str(home / "cache"),
-                   XDG_STATE_HOME=str(home / "state"), OPENCODE_CONFIG_CONTENT=json.dumps(config), OPENCODE_DISABLE_MODELS_FETCH="1",
-                   OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_LSP_DOWNLOAD="1", OPENCODE_DISABLE_SHARE="1",
-                   OPENCODE_DISABLE_DEFAULT_PLUGINS="1")
+        config = {
+            "provider": {
+                "kapitsa": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "kapitsa",
+                    "options": {"baseURL": f"{base_url}/v1", "apiKey": "x"},
+                    "models": {"fake": {"name": "fake"}},
+                }
+            },
+            "model": "kapitsa/fake",
+            "small_model": "kapitsa/fake",
+            "share": "disabled",
+            "autoupdate": False,
+        }
+        env.update(
+            XDG_CONFIG_HOME=str(home / "config"),
+            XDG_DATA_HOME=str(home / "data"),
+            XDG_CACHE_HOME=str(home / "cache"),
+            XDG_STATE_HOME=str(home / "state"),
+            OPENCODE_CONFIG_CONTENT=json.dumps(config),
+            OPENCODE_DISABLE_MODELS_FETCH="1",
+            OPENCODE_DISABLE_AUTOUPDATE="1",
+            OPENCODE_DISABLE_LSP_DOWNLOAD="1",
+            OPENCODE_DISABLE_SHARE="1",
+            OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
+        )
         # The prompt goes through stdin: `opencode run "text"` wraps it in literal quotes.
         return [str(bin_dir / "opencode"), "run", "--pure", "-m", "kapitsa/fake"], env, PROMPT
     agent_dir = home / "pi-agent"
     agent_dir.mkdir(parents=True, exist_ok=True)
-    models = {"providers": {"kapitsa": {"baseUrl": f"{base_url}/v1", "api": "openai-completions", "apiKey": "KAPITSA_API_KEY",
-                                        "models": [{"id": "fake", "name": "fake", "contextWindow": 32768, "maxTokens": 8192}]}}}
+    models = {
+        "providers": {
+            "kapitsa": {
+                "baseUrl": f"{base_url}/v1",
+                "api": "openai-completions",
+                "apiKey": "KAPITSA_API_KEY",
+                "models": [{"id": "fake", "name": "fake", "contextWindow": 32768, "maxTokens": 8192}],
+            }
+        }
+    }
     (agent_dir / "models.json").write_text(json.dumps(models))
     env.update(PI_CODING_AGENT_DIR=str(agent_dir), PI_OFFLINE="1", PI_TELEMETRY="0", KAPITSA_API_KEY="x")
-    return [str(bin_dir / "pi"), "-p", PROMPT, "--provider", "kapitsa", "--model", "fake", "--no-session"], env, ""
+    return (
+        [str(bin_dir / "pi"), "-p", PROMPT, "--provider", "kapitsa", "--model", "fake", "--no-session"],
+        env,
+        "",
+    )

@@ -44,7 +44,12 @@ RAW_CASES = [  # (path, raw body, content type, status)
     (CHAT, b"[]", "application/json", 400),
     (CHAT, b"null", "application/json", 400),
     (CHAT, b"5", "application/json", 400),
-    (CHAT, b'{"model":"fake","messages":[{"role":"user","content":"hi"}],"temperature":NaN}', "application/json", 400),
+    (
+        CHAT,
+        b'{"model":"fake","messages":[{"role":"user","content":"hi"}],"temperature":NaN}',
+        "application/json",
+        400,
+    ),
     (CHAT, json.dumps(chat()).encode(), "text/plain", 415),
     (CHAT, b"a=b", "application/x-www-form-urlencoded", 415),
     (CHAT, b"", "", 415),
@@ -61,7 +66,14 @@ JSON_CASES = [  # (path, body, status, param or None)
     (CHAT, chat(messages=[]), 400, "messages"),
     (CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, None),
     (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, None),
-    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, None),
+    (
+        CHAT,
+        chat(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]
+        ),
+        400,
+        None,
+    ),
     (CHAT, chat(max_tokens=0), 400, "max_tokens"),
     (CHAT, chat(max_tokens="many"), 400, "max_tokens"),
     (CHAT, chat(max_tokens=10_000_000), 400, "max_tokens"),
@@ -72,15 +84,37 @@ JSON_CASES = [  # (path, body, status, param or None)
     (CHAT, chat(top_k=-1), 400, "top_k"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(seed="x"), 400, "seed"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "a"}}], tool_choice={"type": "function", "function": {"name": "b"}}), 400, "tool_choice"),
+    (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "a"}}],
+            tool_choice={"type": "function", "function": {"name": "b"}},
+        ),
+        400,
+        "tool_choice",
+    ),
     (CHAT, chat(tools="nope"), 400, "tools"),
-    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format"),
+    (
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        "response_format",
+    ),
     (CHAT, chat(stop=5), 400, "stop"),
     (MSGS, {"model": "fake", "messages": USER}, 400, "max_tokens"),
     (MSGS, msgs(messages=[]), 400, "messages"),
     (MSGS, msgs(max_tokens=0), 400, "max_tokens"),
     (MSGS, msgs(temperature=3), 400, "temperature"),
-    (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}]), 400, None),
+    (
+        MSGS,
+        msgs(
+            messages=[
+                {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "x"}}]}
+            ]
+        ),
+        400,
+        None,
+    ),
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "mystery"}]}]), 400, None),
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, None),
     (MSGS, msgs(tool_choice={"type": "tool", "name": "nope"}), 400, None),
@@ -94,15 +128,23 @@ JSON_CASES = [  # (path, body, status, param or None)
     ("/v1/completions", {"model": "fake", "prompt": ""}, 400, None),
 ]
 
-NOT_FOUND = [(CHAT, chat(model="gpt-9")), (RESP, {"model": "gpt-9", "input": "hi"}), (MSGS, msgs(model="llama-70b")),
-             ("/v1/completions", {"model": "nope", "prompt": "x"})]
+NOT_FOUND = [
+    (CHAT, chat(model="gpt-9")),
+    (RESP, {"model": "gpt-9", "input": "hi"}),
+    (MSGS, msgs(model="llama-70b")),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}),
+]
 
 
-def assert_shape(path: str, response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+def assert_shape(
+    path: str, response: httpx.Response, status: int, param: str | None = None
+) -> dict[str, Any]:
     assert response.status_code == status, response.text
     body = response.json()
     if path.startswith(MSGS):
-        assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+        assert (
+            body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+        )
     else:
         assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
         if param is not None:
@@ -118,7 +160,9 @@ def test_raw_bodies(client: httpx.Client, path: str, raw: bytes, content_type: s
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), JSON_CASES)
 @pytest.mark.parametrize("stream", [False, True])
-def test_invalid_json_bodies(client: httpx.Client, path: str, body: dict[str, Any], status: int, param: str | None, stream: bool) -> None:
+def test_invalid_json_bodies(
+    client: httpx.Client, path: str, body: dict[str, Any], status: int, param: str | None, stream: bool
+) -> None:
     assert_shape(path, client.post(path, json={**body, "stream": stream}), status, param)
 
 
@@ -130,7 +174,9 @@ def test_unknown_model_is_404(client: httpx.Client, path: str, body: dict[str, A
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_context_overflow_is_400_before_any_stream(server: LiveServer, client: httpx.Client, stream: bool) -> None:
+def test_context_overflow_is_400_before_any_stream(
+    server: LiveServer, client: httpx.Client, stream: bool
+) -> None:
     server.engine.enqueue_error(ContextOverflow(40000, 32768))
     out = assert_shape(MSGS, client.post(MSGS, json=msgs(stream=stream)), 400)
     assert out["error"]["message"] == "prompt is too long: 40000 tokens > 32768 maximum"
@@ -151,12 +197,26 @@ def test_engine_busy_is_503_and_anthropic_529(server: LiveServer, client: httpx.
 @pytest.mark.parametrize("text", ["\ud800 lone surrogate", "nul \x00 byte", "x" * 60_000])
 def test_odd_strings_never_5xx(client: httpx.Client, text: str) -> None:
     raw = json.dumps(chat(messages=[{"role": "user", "content": text}])).encode()
-    assert client.post(CHAT, content=raw, headers={"content-type": "application/json"}).status_code in (200, 400, 413)
+    assert client.post(CHAT, content=raw, headers={"content-type": "application/json"}).status_code in (
+        200,
+        400,
+        413,
+    )
 
 
 def test_unknown_fields_and_claude_extras_are_ignored(client: httpx.Client) -> None:
-    body = msgs(thinking={"type": "adaptive"}, context_management={"edits": []}, output_config={"effort": "high"},
-                metadata={"user_id": "{}"}, brand_new_field=[1, 2])
+    body = msgs(
+        thinking={"type": "adaptive"},
+        context_management={"edits": []},
+        output_config={"effort": "high"},
+        metadata={"user_id": "{}"},
+        brand_new_field=[1, 2],
+    )
     headers = {"anthropic-beta": "made-up-2099-01-01", "anthropic-version": "2023-06-01"}
     assert client.post(MSGS + "?beta=true", json=body, headers=headers).status_code == 200
-    assert client.post(CHAT, json=chat(store=False, reasoning_effort="high", parallel_tool_calls=True, whatever=1)).status_code == 200
+    assert (
+        client.post(
+            CHAT, json=chat(store=False, reasoning_effort="high", parallel_tool_calls=True, whatever=1)
+        ).status_code
+        == 200
+    )

@@ -33,13 +33,28 @@ def final_event(path: str, raw: str) -> str:
     return json.loads(data[-1])["type"]
 
 
-@pytest.mark.parametrize("capture", POSTS, ids=[p.name.split(".POST")[0] + p.name.split("json")[0][-12:] for p in POSTS])
+@pytest.mark.parametrize(
+    "capture", POSTS, ids=[p.name.split(".POST")[0] + p.name.split("json")[0][-12:] for p in POSTS]
+)
 def test_captured_request_streams_to_a_clean_end(live: LiveServer, http: httpx.Client, capture: Path) -> None:
     record = load(capture)
-    headers = {k: v for k, v in record["headers"].items() if k.lower() in ("anthropic-version", "anthropic-beta", "authorization", "content-type")}
-    response = http.post(record["path"], json=record["body"], headers=headers, params={k: v[0] for k, v in record["query"].items()})
+    headers = {
+        k: v
+        for k, v in record["headers"].items()
+        if k.lower() in ("anthropic-version", "anthropic-beta", "authorization", "content-type")
+    }
+    response = http.post(
+        record["path"],
+        json=record["body"],
+        headers=headers,
+        params={k: v[0] for k, v in record["query"].items()},
+    )
     assert response.status_code == 200, response.text[:500]
-    expected = {"/v1/messages": "message_stop", "/v1/responses": "response.completed", "/v1/chat/completions": "[DONE]"}
+    expected = {
+        "/v1/messages": "message_stop",
+        "/v1/responses": "response.completed",
+        "/v1/chat/completions": "[DONE]",
+    }
     assert final_event(record["path"], response.text) == expected[record["path"]]
     sent = live.engine.requests[-1]
     assert sent.messages and sum(m["role"] == "system" for m in sent.messages) <= 1
@@ -53,7 +68,9 @@ def test_claude_attribution_line_never_reaches_the_prompt(live: LiveServer, http
     http.post("/v1/messages", json=body)
     first = live.engine.requests[-1].messages[0]["content"]
     other = json.loads(json.dumps(body))
-    other["system"][0]["text"] = "x-anthropic-billing-header: cc_version=9.9.9.999; cc_entrypoint=cli; cch=abc12;"
+    other["system"][0]["text"] = (
+        "x-anthropic-billing-header: cc_version=9.9.9.999; cc_entrypoint=cli; cch=abc12;"
+    )
     http.post("/v1/messages", json=other)
     assert "billing-header" not in first
     assert live.engine.requests[-1].messages == live.engine.requests[-2].messages  # same prefix → cache hit

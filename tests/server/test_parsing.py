@@ -12,12 +12,23 @@ from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
 from kapitsa.server.prompt import fold_system_messages, strip_attribution
 from kapitsa.server.tool_calls import ToolCall, ToolCallParser, coerce
 
-SCHEMA = {"type": "object", "properties": {
-    "command": {"type": "string"}, "timeout": {"type": "integer"}, "ratio": {"type": "number"}, "force": {"type": "boolean"},
-    "paths": {"type": "array", "items": {"type": "string"}}, "opts": {"type": "object"}, "maybe": {"type": ["integer", "null"]},
-    "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
-}}
-TOOLS = [{"type": "function", "function": {"name": "Bash", "parameters": SCHEMA}}, {"type": "function", "function": {"name": "read", "parameters": {}}}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "string"},
+        "timeout": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "force": {"type": "boolean"},
+        "paths": {"type": "array", "items": {"type": "string"}},
+        "opts": {"type": "object"},
+        "maybe": {"type": ["integer", "null"]},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+    },
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "Bash", "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "read", "parameters": {}}},
+]
 
 XML = "<tool_call>\n<function=Bash>\n<parameter=command>\nls -la\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>"
 BARE_XML = "<function=Bash>\n<parameter=command>\nls -la\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>"
@@ -26,7 +37,9 @@ NEMOTRON = '<TOOLCALL>[{"name": "Bash", "arguments": {"command": "ls -la", "time
 EXPECTED = {"command": "ls -la", "timeout": 30}
 
 
-def parse(text: str, *, thinking: bool = False, chunks: list[str] | None = None, tools: Any = TOOLS) -> list[Any]:
+def parse(
+    text: str, *, thinking: bool = False, chunks: list[str] | None = None, tools: Any = TOOLS
+) -> list[Any]:
     parser = OutputParser(thinking=thinking, tools=tools)
     parts: list[Any] = []
     for chunk in chunks if chunks is not None else [text]:
@@ -54,7 +67,9 @@ def random_splits(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-@pytest.mark.parametrize("call", [XML, BARE_XML, HERMES, NEMOTRON], ids=["qwen3_coder", "bare_xml", "hermes", "nemotron"])
+@pytest.mark.parametrize(
+    "call", [XML, BARE_XML, HERMES, NEMOTRON], ids=["qwen3_coder", "bare_xml", "hermes", "nemotron"]
+)
 def test_every_format_gives_the_same_typed_call(call: str) -> None:
     assert shape(parse("Let me look. " + call)) == [TextPart("Let me look. "), ("Bash", EXPECTED)]
 
@@ -69,7 +84,12 @@ def test_any_chunking_gives_the_same_parts_and_never_leaks_a_tag(call: str) -> N
         parts = parse(text, chunks=chunks)
         assert shape(parts) == whole
         assert not any(isinstance(p, TextPart) and ("<" in p.text or "TOOLCALL" in p.text) for p in parts)
-    assert whole == [ReasoningPart("plan <b>it</b>"), TextPart("Running "), ("Bash", EXPECTED), ("Bash", EXPECTED)]
+    assert whole == [
+        ReasoningPart("plan <b>it</b>"),
+        TextPart("Running "),
+        ("Bash", EXPECTED),
+        ("Bash", EXPECTED),
+    ]
 
 
 def test_parallel_calls_in_one_block_and_ids_are_unique() -> None:
@@ -88,7 +108,11 @@ def test_unclosed_call_at_eos_counts_but_not_when_truncated_by_length() -> None:
 
 
 def test_malformed_blocks_stay_text() -> None:
-    for bad in ["<tool_call>{not json}</tool_call>", "<TOOLCALL>[1, 2]</TOOLCALL>", '<tool_call>{"arguments": {}}</tool_call>']:
+    for bad in [
+        "<tool_call>{not json}</tool_call>",
+        "<TOOLCALL>[1, 2]</TOOLCALL>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+    ]:
         assert parse(bad) == [TextPart(bad)]
 
 
@@ -98,18 +122,38 @@ def test_without_tools_nothing_is_parsed() -> None:
 
 def test_literal_tag_like_text_passes() -> None:
     assert parse("x < y and <tool> is fine") == [TextPart("x < y and <tool> is fine")]
-    assert parse("use the <think> tag like this", thinking=False) == [TextPart("use the <think> tag like this")]
+    assert parse("use the <think> tag like this", thinking=False) == [
+        TextPart("use the <think> tag like this")
+    ]
 
 
-@pytest.mark.parametrize(("value", "schema", "expected"), [
-    ("30", {"type": "integer"}, 30), ("3.5", {"type": "number"}, 3.5), ("7", {"type": "number"}, 7),
-    ("true", {"type": "boolean"}, True), ("False", {"type": "boolean"}, False), ('["a", "b"]', {"type": "array"}, ["a", "b"]),
-    ('{"k": 1}', {"type": "object"}, {"k": 1}), ("null", {"type": ["integer", "null"]}, None), ("12", {"type": ["integer", "null"]}, 12),
-    ("12", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "12"),  # a string that may stay a string does
-    ("abc", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "abc"),
-    ("30", {"type": "string"}, "30"), (30, {"type": "string"}, "30"), ("thirty", {"type": "integer"}, "thirty"),
-    ("1e3", {"type": "integer"}, "1e3"), ("x", None, "x"), ({"a": 1}, {"type": "string"}, '{"a": 1}'), (5, {"type": "integer"}, 5),
-])
+@pytest.mark.parametrize(
+    ("value", "schema", "expected"),
+    [
+        ("30", {"type": "integer"}, 30),
+        ("3.5", {"type": "number"}, 3.5),
+        ("7", {"type": "number"}, 7),
+        ("true", {"type": "boolean"}, True),
+        ("False", {"type": "boolean"}, False),
+        ('["a", "b"]', {"type": "array"}, ["a", "b"]),
+        ('{"k": 1}', {"type": "object"}, {"k": 1}),
+        ("null", {"type": ["integer", "null"]}, None),
+        ("12", {"type": ["integer", "null"]}, 12),
+        (
+            "12",
+            {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+            "12",
+        ),  # a string that may stay a string does
+        ("abc", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "abc"),
+        ("30", {"type": "string"}, "30"),
+        (30, {"type": "string"}, "30"),
+        ("thirty", {"type": "integer"}, "thirty"),
+        ("1e3", {"type": "integer"}, "1e3"),
+        ("x", None, "x"),
+        ({"a": 1}, {"type": "string"}, '{"a": 1}'),
+        (5, {"type": "integer"}, 5),
+    ],
+)
 def test_coercion_to_declared_types(value: Any, schema: Any, expected: Any) -> None:
     assert coerce(value, schema) == expected
 
@@ -121,7 +165,10 @@ def test_xml_values_keep_their_own_whitespace() -> None:
 
 
 def test_thinking_split_when_the_template_opened_think() -> None:
-    assert parse("reasoning here</think>\n\nThe answer.", thinking=True) == [ReasoningPart("reasoning here"), TextPart("The answer.")]
+    assert parse("reasoning here</think>\n\nThe answer.", thinking=True) == [
+        ReasoningPart("reasoning here"),
+        TextPart("The answer."),
+    ]
     assert parse("<think>\nr</think>a", thinking=True) == [ReasoningPart("r"), TextPart("a")]
     assert parse("never closed", thinking=True) == [ReasoningPart("never closed")]
 
@@ -134,6 +181,16 @@ def test_attribution_line_is_stripped_and_only_at_the_start() -> None:
 
 
 def test_system_and_developer_messages_fold_into_one_leading_system() -> None:
-    folded = fold_system_messages([{"role": "developer", "content": "a"}, {"role": "user", "content": "u"},
-                                   {"role": "system", "content": "b"}, {"role": "assistant", "content": "x"}])
-    assert folded == [{"role": "system", "content": "a\n\nb"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "x"}]
+    folded = fold_system_messages(
+        [
+            {"role": "developer", "content": "a"},
+            {"role": "user", "content": "u"},
+            {"role": "system", "content": "b"},
+            {"role": "assistant", "content": "x"},
+        ]
+    )
+    assert folded == [
+        {"role": "system", "content": "a\n\nb"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "x"},
+    ]

@@ -38,7 +38,9 @@ def test_agent_runs_a_tool_call_and_finishes(agent: str, bin_dir: Path, tmp_path
     with live_server(engine) as live:
         argv, env, stdin = agent_command(agent, bin_dir, live.url, home, work)
         started = time.monotonic()
-        done = subprocess.run(argv, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=150)
+        done = subprocess.run(
+            argv, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=150
+        )
         elapsed = time.monotonic() - started
     report = f"{agent} {agent_version(agent)} rc={done.returncode} in {elapsed:.1f}s\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}"
     assert done.returncode == 0, report

@@ -27,9 +27,20 @@ def echo_reply(request: GenerationRequest) -> list[str]:
 
 def body_for(api: str, text: str, **extra: Any) -> tuple[str, dict[str, Any]]:
     if api == "chat":
-        return "/v1/chat/completions", {"model": "fake", "stream": True, "messages": [{"role": "user", "content": text}], **extra}
+        return "/v1/chat/completions", {
+            "model": "fake",
+            "stream": True,
+            "messages": [{"role": "user", "content": text}],
+            **extra,
+        }
     if api == "messages":
-        return "/v1/messages", {"model": "fake", "stream": True, "max_tokens": 4000, "messages": [{"role": "user", "content": text}], **extra}
+        return "/v1/messages", {
+            "model": "fake",
+            "stream": True,
+            "max_tokens": 4000,
+            "messages": [{"role": "user", "content": text}],
+            **extra,
+        }
     return "/v1/responses", {"model": "fake", "stream": True, "input": text, **extra}
 
 
@@ -58,7 +69,9 @@ async def stream_text(client: httpx.AsyncClient, api: str, text: str) -> str:
 
 async def test_eight_concurrent_streams_equal_one_by_one() -> None:
     engine = FakeEngine(responder=echo_reply)
-    jobs = [(api, f"prompt number {i} for {api}") for i, api in enumerate(["chat", "messages", "responses"] * 3)][:8]
+    jobs = [
+        (api, f"prompt number {i} for {api}") for i, api in enumerate(["chat", "messages", "responses"] * 3)
+    ][:8]
     with live_server(engine) as live:
         async with httpx.AsyncClient(base_url=live.url, timeout=20) as client:
             alone = [await stream_text(client, api, text) for api, text in jobs]
@@ -118,9 +131,13 @@ async def test_fifty_random_disconnects_leave_nothing_running() -> None:
         async with httpx.AsyncClient(base_url=live.url, timeout=20) as client:
             await stream_text(client, "chat", "warm up")
             baseline = server_tasks()
-            for burst in range(5):
+            for _burst in range(5):
                 for _ in range(10):
-                    engine.enqueue(" ".join(f"w{i}" for i in range(60)), delay_s=0.005, prefill_s=rng.choice([0.0, 0.0, 0.3]))
+                    engine.enqueue(
+                        " ".join(f"w{i}" for i in range(60)),
+                        delay_s=0.005,
+                        prefill_s=rng.choice([0.0, 0.0, 0.3]),
+                    )
                 apis = [rng.choice(["chat", "messages", "responses"]) for _ in range(10)]
                 await asyncio.gather(*(disconnect_at_random(client, api, rng) for api in apis))
                 await wait_idle(engine, within_s=2.0)
@@ -173,7 +190,11 @@ async def test_pings_flow_during_a_long_prefill() -> None:
         async with httpx.AsyncClient(base_url=live.url, timeout=20) as client:
             path, body = body_for("messages", "go")
             async with client.stream("POST", path, json=body) as response:
-                events = [line[7:] for line in [x async for x in response.aiter_lines()] if line.startswith("event: ")]
+                events = [
+                    line[7:]
+                    for line in [x async for x in response.aiter_lines()]
+                    if line.startswith("event: ")
+                ]
     first_block = events.index("content_block_start")
     assert events[0] == "message_start" and events.count("ping") >= 4
     assert all(e == "ping" for e in events[1:first_block])
@@ -229,7 +250,11 @@ def test_mid_stream_failures_use_each_api_shape(error: Exception) -> None:
         messages = http.post("/v1/messages", json=body_for("messages", "go")[1]).text
         assert "event: error" in messages and "message_stop" not in messages
         responses = http.post("/v1/responses", json=body_for("responses", "go")[1]).text
-        failed = [json.loads(x[6:]) for x in responses.splitlines() if x.startswith("data: ") and "response.failed" in x]
+        failed = [
+            json.loads(x[6:])
+            for x in responses.splitlines()
+            if x.startswith("data: ") and "response.failed" in x
+        ]
         code = "context_length_exceeded" if isinstance(error, ContextOverflow) else "server_error"
         assert failed[-1]["response"]["error"]["code"] == code and "response.completed" not in responses
 

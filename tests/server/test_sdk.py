@@ -12,7 +12,11 @@ from server_harness import LiveServer, live_server
 from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import ModelInfo
 
-BASH = {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}, "required": ["command"]}
+BASH = {
+    "type": "object",
+    "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
+    "required": ["command"],
+}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "Bash", "description": "run", "parameters": BASH}}]
 XML_CALL = "<tool_call>\n<function=Bash>\n<parameter=command>\necho hi > out.txt\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>"
 
@@ -33,8 +37,11 @@ def test_models_lists_the_engine_model(oai: openai.OpenAI) -> None:
 
 def test_chat_non_stream_shape_and_cached_usage(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue("Hello world", cached_tokens=5)
-    out = oai.chat.completions.create(model="fake", messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
-                                      max_completion_tokens=50)
+    out = oai.chat.completions.create(
+        model="fake",
+        messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        max_completion_tokens=50,
+    )
     assert out.object == "chat.completion"
     assert out.choices[0].message.content == "Hello world"
     assert out.choices[0].finish_reason == "stop"
@@ -47,11 +54,18 @@ def test_chat_non_stream_shape_and_cached_usage(live: LiveServer, oai: openai.Op
 
 def test_chat_stream_order_with_reasoning_tool_call_and_usage(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue(["<thi", "nk>let me", " think</th", "ink>\n\nOK ", XML_CALL[:20], XML_CALL[20:]])
-    stream = oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "go"}], tools=CHAT_TOOLS,
-                                         stream=True, stream_options={"include_usage": True})
+    stream = oai.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "go"}],
+        tools=CHAT_TOOLS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert reasoning == "let me think"
     assert content == "OK "
@@ -64,11 +78,25 @@ def test_chat_stream_order_with_reasoning_tool_call_and_usage(live: LiveServer, 
 
 
 def test_chat_tool_round_trip_reaches_the_template(live: LiveServer, oai: openai.OpenAI) -> None:
-    oai.chat.completions.create(model="fake", tools=CHAT_TOOLS, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "go"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"ls"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
-    ])
+    oai.chat.completions.create(
+        model="fake",
+        tools=CHAT_TOOLS,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "go"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "Bash", "arguments": '{"command":"ls"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+        ],
+    )
     sent = live.engine.requests[-1]
     assert sent.messages[1]["tool_calls"][0]["function"]["arguments"] == {"command": "ls"}
     assert sent.messages[2] == {"role": "tool", "content": "a.txt", "tool_call_id": "c1"}
@@ -77,8 +105,13 @@ def test_chat_tool_round_trip_reaches_the_template(live: LiveServer, oai: openai
 
 def test_chat_logprobs_and_json_mode(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue('{"a": 1}')
-    out = oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "json"}], logprobs=True, top_logprobs=2,
-                                      response_format={"type": "json_object"})
+    out = oai.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "json"}],
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_object"},
+    )
     assert json.loads(out.choices[0].message.content) == {"a": 1}
     assert live.engine.requests[-1].sampling.logprobs == 2
     assert "JSON" in live.engine.requests[-1].messages[0]["content"]
@@ -98,10 +131,17 @@ def test_completions_stream_and_not(live: LiveServer, oai: openai.OpenAI) -> Non
 def test_responses_stream_event_order(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue("<think>hmm</think>Sure. " + XML_CALL, cached_tokens=3)
     tools = [{"type": "function", "name": "Bash", "parameters": BASH, "strict": False}]
-    events = list(oai.responses.create(model="fake", input=[
-        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sys"}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]},
-    ], tools=tools, stream=True))
+    events = list(
+        oai.responses.create(
+            model="fake",
+            input=[
+                {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sys"}]},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]},
+            ],
+            tools=tools,
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
@@ -116,12 +156,16 @@ def test_responses_stream_event_order(live: LiveServer, oai: openai.OpenAI) -> N
 
 def test_responses_non_stream_and_history_items(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue("done")
-    out = oai.responses.create(model="fake", instructions="be nice", input=[
-        {"type": "message", "role": "user", "content": "go"},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "earlier thought"},
-        {"type": "function_call", "call_id": "c1", "name": "Bash", "arguments": '{"command":"ls"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
-    ])
+    out = oai.responses.create(
+        model="fake",
+        instructions="be nice",
+        input=[
+            {"type": "message", "role": "user", "content": "go"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "earlier thought"},
+            {"type": "function_call", "call_id": "c1", "name": "Bash", "arguments": '{"command":"ls"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+        ],
+    )
     assert out.status == "completed" and out.output_text == "done"
     sent = live.engine.requests[-1].messages
     assert sent[0] == {"role": "system", "content": "be nice"}
@@ -130,11 +174,17 @@ def test_responses_non_stream_and_history_items(live: LiveServer, oai: openai.Op
     assert sent[3] == {"role": "tool", "content": "a.txt", "tool_call_id": "c1"}
 
 
-def test_messages_non_stream_with_thinking_tool_use_and_cache(live: LiveServer, claude: anthropic.Anthropic) -> None:
+def test_messages_non_stream_with_thinking_tool_use_and_cache(
+    live: LiveServer, claude: anthropic.Anthropic
+) -> None:
     live.engine.enqueue("<think>ponder</think>Running it." + XML_CALL, cached_tokens=7)
-    msg = claude.messages.create(model="claude-kapitsa-test", max_tokens=1000, system=[{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
-                                 messages=[{"role": "user", "content": "go"}],
-                                 tools=[{"name": "Bash", "description": "run", "input_schema": BASH}])
+    msg = claude.messages.create(
+        model="claude-kapitsa-test",
+        max_tokens=1000,
+        system=[{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": "go"}],
+        tools=[{"name": "Bash", "description": "run", "input_schema": BASH}],
+    )
     assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"]
     assert msg.content[2].input == {"command": "echo hi > out.txt", "timeout": 30}
     assert msg.stop_reason == "tool_use"
@@ -144,7 +194,9 @@ def test_messages_non_stream_with_thinking_tool_use_and_cache(live: LiveServer, 
 
 def test_messages_stream_event_order(live: LiveServer, claude: anthropic.Anthropic) -> None:
     live.engine.enqueue("<think>a</think>Hello there")
-    with claude.messages.stream(model="fake", max_tokens=100, messages=[{"role": "user", "content": "hi"}]) as stream:
+    with claude.messages.stream(
+        model="fake", max_tokens=100, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
@@ -154,19 +206,42 @@ def test_messages_stream_event_order(live: LiveServer, claude: anthropic.Anthrop
     assert final.usage.input_tokens > 0
 
 
-def test_messages_stop_sequence_and_tool_result_history(live: LiveServer, claude: anthropic.Anthropic) -> None:
+def test_messages_stop_sequence_and_tool_result_history(
+    live: LiveServer, claude: anthropic.Anthropic
+) -> None:
     live.engine.enqueue("one two STOP three")
-    msg = claude.messages.create(model="fake", max_tokens=100, stop_sequences=["STOP"], messages=[
-        {"role": "user", "content": "go"},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"},
-                                           {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "a.txt"}]},
-                                     {"type": "text", "text": "next"}]},
-    ])
+    msg = claude.messages.create(
+        model="fake",
+        max_tokens=100,
+        stop_sequences=["STOP"],
+        messages=[
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "t", "signature": "s"},
+                    {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "a.txt"}],
+                    },
+                    {"type": "text", "text": "next"},
+                ],
+            },
+        ],
+    )
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "STOP"
     assert msg.content[0].text == "one two "
     sent = live.engine.requests[-1].messages
-    assert sent[1]["reasoning_content"] == "t" and sent[1]["tool_calls"][0]["function"]["arguments"] == {"command": "ls"}
+    assert sent[1]["reasoning_content"] == "t" and sent[1]["tool_calls"][0]["function"]["arguments"] == {
+        "command": "ls"
+    }
     assert sent[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"}
     assert sent[3] == {"role": "user", "content": "next"}
 
@@ -177,24 +252,37 @@ def test_count_tokens(live: LiveServer, claude: anthropic.Anthropic) -> None:
 
 
 def test_thinking_model_starts_in_reasoning() -> None:
-    engine = FakeEngine(model=ModelInfo(id="q", family="fake", context_length=4096, max_output_tokens=1024, supports_thinking=True))
+    engine = FakeEngine(
+        model=ModelInfo(
+            id="q", family="fake", context_length=4096, max_output_tokens=1024, supports_thinking=True
+        )
+    )
     engine.enqueue("planning</think>\n\nanswer")
     with live_server(engine) as live:
         out = openai.OpenAI(base_url=live.v1, api_key="x", max_retries=0).chat.completions.create(
-            model="q", messages=[{"role": "user", "content": "hi"}])
+            model="q", messages=[{"role": "user", "content": "hi"}]
+        )
     assert out.choices[0].message.content == "answer"
     assert out.choices[0].message.reasoning_content == "planning"  # type: ignore[attr-defined]
 
 
 def test_chat_logprobs_are_reported_stream_and_not(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue("ab")
-    out = oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
+    out = oai.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2
+    )
     content = out.choices[0].logprobs.content
     assert [t.token for t in content] == ["a", "b"] and content[0].logprob == -0.5
     assert [alt.token for alt in content[0].top_logprobs] == ["b", "c"]
     live.engine.enqueue("ab")
-    chunks = list(oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True))
-    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    chunks = list(
+        oai.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True
+        )
+    )
+    streamed = [
+        t.token for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
     assert streamed == ["a", "b"]
 
 

@@ -34,8 +34,17 @@ def raw_request(port: int, head: str, body: bytes = b"") -> int:
     return int(status_line.split()[1])
 
 
-BAD_HOSTS = ["evil.example", "evil.example:{port}", "127.0.0.1.nip.io", "localhost.evil.example", "[::2]", "[::2]:{port}",
-             "10.0.0.5", "localhost:abc", "127.0.0.1:{port}@evil.example"]
+BAD_HOSTS = [
+    "evil.example",
+    "evil.example:{port}",
+    "127.0.0.1.nip.io",
+    "localhost.evil.example",
+    "[::2]",
+    "[::2]:{port}",
+    "10.0.0.5",
+    "localhost:abc",
+    "127.0.0.1:{port}@evil.example",
+]
 GOOD_HOSTS = ["127.0.0.1:{port}", "localhost:{port}", "[::1]:{port}", "127.0.0.1", "LOCALHOST:{port}"]
 
 
@@ -48,12 +57,17 @@ def test_rebinding_hosts_get_403(server: LiveServer, host: str) -> None:
 
 @pytest.mark.parametrize("host", GOOD_HOSTS)
 def test_loopback_hosts_pass(server: LiveServer, host: str) -> None:
-    assert httpx.get(server.url + "/v1/models", headers={"host": host.format(port=server.port)}).status_code == 200
+    assert (
+        httpx.get(server.url + "/v1/models", headers={"host": host.format(port=server.port)}).status_code
+        == 200
+    )
 
 
 def test_missing_empty_and_double_host_get_403(server: LiveServer) -> None:
     assert raw_request(server.port, "GET /health HTTP/1.1\nHost: \n") == 403
-    assert raw_request(server.port, f"GET /health HTTP/1.1\nHost: 127.0.0.1:{server.port}\nHost: evil.example\n") in (400, 403)
+    assert raw_request(
+        server.port, f"GET /health HTTP/1.1\nHost: 127.0.0.1:{server.port}\nHost: evil.example\n"
+    ) in (400, 403)
     assert raw_request(server.port, "GET /health HTTP/1.0\n") == 403
     bad_with_forwarded = "GET /health HTTP/1.1\nHost: evil.example\nX-Forwarded-Host: localhost\n"
     assert raw_request(server.port, bad_with_forwarded) == 403
@@ -61,17 +75,25 @@ def test_missing_empty_and_double_host_get_403(server: LiveServer) -> None:
 
 def test_foreign_origin_is_refused_and_gets_no_cors(server: LiveServer) -> None:
     evil = {"origin": "https://evil.example"}
-    preflight = httpx.options(server.url + "/v1/chat/completions", headers={**evil, "access-control-request-method": "POST"})
+    preflight = httpx.options(
+        server.url + "/v1/chat/completions", headers={**evil, "access-control-request-method": "POST"}
+    )
     assert "access-control-allow-origin" not in preflight.headers
     assert httpx.get(server.url + "/v1/models", headers=evil).status_code == 403
-    post = httpx.post(server.url + "/v1/chat/completions", headers=evil, json={"messages": [{"role": "user", "content": "x"}]})
+    post = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers=evil,
+        json={"messages": [{"role": "user", "content": "x"}]},
+    )
     assert post.status_code == 403 and "access-control-allow-origin" not in post.headers
 
 
 def test_same_origin_and_listed_origin(server: LiveServer) -> None:
     assert httpx.get(server.url + "/v1/models", headers={"origin": server.url}).status_code == 200
     listed = {"origin": "https://app.example"}
-    preflight = httpx.options(server.url + "/v1/messages", headers={**listed, "access-control-request-method": "POST"})
+    preflight = httpx.options(
+        server.url + "/v1/messages", headers={**listed, "access-control-request-method": "POST"}
+    )
     assert preflight.headers["access-control-allow-origin"] == "https://app.example"
     assert "access-control-allow-credentials" not in preflight.headers
     response = httpx.get(server.url + "/v1/models", headers=listed)
@@ -81,7 +103,9 @@ def test_same_origin_and_listed_origin(server: LiveServer) -> None:
 def test_chunked_body_over_the_cap_is_413() -> None:
     with live_server(max_body_bytes=4096) as live:
         chunks = (b'{"messages": "' + b"x" * 1024 for _ in range(10))
-        response = httpx.post(live.url + "/v1/messages", content=chunks, headers={"content-type": "application/json"})
+        response = httpx.post(
+            live.url + "/v1/messages", content=chunks, headers={"content-type": "application/json"}
+        )
         assert response.status_code == 413
         assert response.json()["error"]["type"] == "request_too_large"
 
@@ -94,7 +118,11 @@ def secured() -> Iterator[LiveServer]:
 
 def _routes() -> list[tuple[str, str]]:
     app = create_app(FakeEngine(), ServerSettings(api_key=TOKEN))
-    return sorted((method, route.path) for route in app.routes for method in set(getattr(route, "methods", None) or ()) - {"HEAD"})
+    return sorted(
+        (method, route.path)
+        for route in app.routes
+        for method in set(getattr(route, "methods", None) or ()) - {"HEAD"}
+    )
 
 
 @pytest.mark.parametrize(("method", "path"), _routes())
@@ -110,13 +138,25 @@ def test_every_route_but_health_needs_the_token(secured: LiveServer, method: str
     assert (body["type"] == "error") if path.startswith("/v1/messages") else ("code" in body["error"])
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": f"Bearer {TOKEN.upper()}"},
-                                     {"x-api-key": TOKEN[:-1]}, {"authorization": TOKEN}, {"x-api-key": ""}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": f"Bearer {TOKEN.upper()}"},
+        {"x-api-key": TOKEN[:-1]},
+        {"authorization": TOKEN},
+        {"x-api-key": ""},
+    ],
+)
 def test_wrong_tokens_get_401(secured: LiveServer, headers: dict[str, str]) -> None:
     assert httpx.get(secured.url + "/v1/models", headers=headers).status_code == 401
 
 
-@pytest.mark.parametrize("headers", [{"authorization": f"Bearer {TOKEN}"}, {"authorization": f"bearer {TOKEN}"}, {"x-api-key": TOKEN}])
+@pytest.mark.parametrize(
+    "headers",
+    [{"authorization": f"Bearer {TOKEN}"}, {"authorization": f"bearer {TOKEN}"}, {"x-api-key": TOKEN}],
+)
 def test_right_token_passes(secured: LiveServer, headers: dict[str, str]) -> None:
     assert httpx.get(secured.url + "/v1/models", headers=headers).status_code == 200
 
@@ -124,7 +164,9 @@ def test_right_token_passes(secured: LiveServer, headers: dict[str, str]) -> Non
 def test_token_comparison_is_constant_time() -> None:
     source = inspect.getsource(security.SecurityMiddleware._check_token)
     assert "hmac.compare_digest" in source
-    assert "== self.token" not in source and "self.token ==" not in source and ".lower() == self" not in source
+    assert (
+        "== self.token" not in source and "self.token ==" not in source and ".lower() == self" not in source
+    )
 
 
 def test_non_loopback_bind_needs_a_token() -> None:

@@ -43,8 +43,13 @@ def test_speculative_modes_say_plainly_they_are_not_available() -> None:
 
 def test_cli_prints_the_refusal_and_exits_1() -> None:
     env = {k: v for k, v in os.environ.items() if k != "KAPITSA_API_KEY"}
-    done = subprocess.run([sys.executable, "-m", "kapitsa", "serve", "--host", "0.0.0.0", "--model", "x"],
-                          capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "kapitsa", "serve", "--host", "0.0.0.0", "--model", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 1 and "without a token" in done.stderr
 
 
@@ -60,8 +65,12 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subp
     folder = tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "qwen3_5")
     port = _free_port()
     env = {**os.environ, "KAPITSA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    proc = subprocess.Popen([sys.executable, "-m", "kapitsa", "serve", "--model", str(folder), "--port", str(port)],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kapitsa", "serve", "--model", str(folder), "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -82,15 +91,28 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subp
 def test_tiny_checkpoint_through_all_three_apis(tiny_server: tuple[subprocess.Popen[str], str, str]) -> None:
     _, url, model_id = tiny_server
     oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
-    out = oai.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=6)
+    out = oai.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=6
+    )
     assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
-    chunks = list(oai.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=model_id,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens >= 1
-    events = [e.type for e in oai.responses.create(model=model_id, input="hi", max_output_tokens=6, stream=True)]
+    events = [
+        e.type for e in oai.responses.create(model=model_id, input="hi", max_output_tokens=6, stream=True)
+    ]
     assert events[0] == "response.created" and events[-1] == "response.completed"
     claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
-    with claude.messages.stream(model="claude-any", max_tokens=6, messages=[{"role": "user", "content": "hi"}]) as stream:
+    with claude.messages.stream(
+        model="claude-any", max_tokens=6, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens >= 1
     count = claude.messages.count_tokens(model=model_id, messages=[{"role": "user", "content": "hi"}])
@@ -98,10 +120,17 @@ def test_tiny_checkpoint_through_all_three_apis(tiny_server: tuple[subprocess.Po
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
-def test_sigterm_drains_the_open_stream_then_exits_0(tiny_server: tuple[subprocess.Popen[str], str, str]) -> None:
+def test_sigterm_drains_the_open_stream_then_exits_0(
+    tiny_server: tuple[subprocess.Popen[str], str, str],
+) -> None:
     proc, url, model_id = tiny_server
-    body = {"model": model_id, "stream": True, "max_tokens": 60, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "count"}]}
+    body = {
+        "model": model_id,
+        "stream": True,
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "count"}],
+    }
     lines: list[str] = []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
         iterator = response.iter_lines()
