@@ -21,6 +21,7 @@ from kapitsa.engine.quantize import (
     cast_model,
     checkpoint_quantization,
     describe_quantization,
+    foreign_quantization,
     parse_quant_spec,
     quantize_model,
     restore_checkpoint_quantization,
@@ -141,6 +142,11 @@ def _load_folder(
 ) -> tuple[nn.Module, Tokenizer, dict[str, Any], str | None]:
     config = read_config(folder)
     get_model_module(str(config.get("model_type")))  # an unknown architecture fails before reading weights
+    if (method := foreign_quantization(config)) is not None:
+        raise UnsupportedModel(
+            f"{folder.name} is quantized with {method!r}; kapitsa loads bf16/fp16 checkpoints (quantizing them "
+            "on load), MLX-quantized checkpoints and GGUF files"
+        )
     tokenizer = Tokenizer.from_folder(folder, config)
     weights = load_safetensors(weight_files(folder))
     model, quantization = build_model(config, weights, quant)

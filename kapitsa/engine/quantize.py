@@ -62,6 +62,15 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def foreign_quantization(config: Mapping[str, Any]) -> str | None:
+    """The method of a non-MLX quantized checkpoint (fp8, gptq, awq, modelopt...), if any."""
+    for holder in (config, config.get("text_config") or {}):
+        block = holder.get("quantization_config")
+        if isinstance(block, dict) and block.get("quant_method"):
+            return str(block["quant_method"])
+    return None
+
+
 def describe_quantization(block: Mapping[str, Any]) -> str:
     mode = block.get("mode", "affine")
     return f"{block['bits']}bit" if mode == "affine" else str(mode)

@@ -202,7 +202,11 @@ def make_config(
         config.update(vocab_size=vocab_size, bos_token_id=token_ids["<s>"], eos_token_id=token_ids["</s>"])
         config["pad_token_id"] = token_ids["<unk>"]
         config.update(overrides)
-        config["num_hidden_layers"] = len(config["hybrid_override_pattern"])
+        if "layers_block_type" in overrides:  # the newer spelling replaces the pattern string
+            config.pop("hybrid_override_pattern")
+            config["num_hidden_layers"] = len(config["layers_block_type"])
+        else:
+            config["num_hidden_layers"] = len(config["hybrid_override_pattern"])
         return dict(sorted(config.items()))
     raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(KINDS)}")
 

@@ -194,10 +194,27 @@ def _nemotron_moe(shapes: Shapes, prefix: str, c: dict[str, Any]) -> None:
         _linear(shapes, f"{prefix}.fc2_latent_proj", hidden, latent)
 
 
+_BLOCK_TYPE_SYMBOLS = {
+    "mamba": "M",
+    "linear_attention": "M",
+    "attention": "*",
+    "full_attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+
+
+def nemotron_pattern(config: dict[str, Any]) -> str:
+    """`hybrid_override_pattern`, or the same spelled as the newer `layers_block_type` list."""
+    if "layers_block_type" in config:
+        return "".join(_BLOCK_TYPE_SYMBOLS[t] for t in config["layers_block_type"])
+    return config["hybrid_override_pattern"]
+
+
 def nemotron_shapes(config: dict[str, Any]) -> Shapes:
     c, hidden = config, config["hidden_size"]
     shapes: Shapes = {"backbone.embeddings.weight": (c["vocab_size"], hidden)}
-    for i, symbol in enumerate(c["hybrid_override_pattern"]):
+    for i, symbol in enumerate(nemotron_pattern(c)):
         prefix = f"backbone.layers.{i}"
         shapes[f"{prefix}.norm.weight"] = (hidden,)
         if symbol == "M":

@@ -138,3 +138,12 @@ def test_a_plain_file_that_is_not_gguf(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(UnsupportedModel, match="not a .gguf"):
         load_model(path)
+
+
+def test_checkpoint_quantized_by_another_tool_is_refused(tiny):
+    folder = tiny("qwen3_5")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="quantized with 'fp8'"):
+        load_model(folder)

@@ -57,6 +57,27 @@ def test_bf16_checkpoint_keeps_its_stored_values_exactly(tiny, kind, stored, loa
     assert _cosine(logits_of(loaded), reference) > 0.999
 
 
+@pytest.mark.parametrize(("mode", "bits", "group_size"), [("mxfp4", 4, 32), ("nvfp4", 4, 16)])
+def test_mlx_fp4_checkpoints_from_mlx_lm_convert(tiny, tmp_path, mode, bits, group_size):
+    from mlx_lm import convert
+
+    source = tiny("nemotron_h_dense")
+    converted = tmp_path / mode
+    convert(
+        str(source),
+        str(converted),
+        quantize=True,
+        q_mode=mode,
+        q_bits=bits,
+        q_group_size=group_size,
+        dtype="float32",
+    )
+    loaded = load_model(converted)
+    assert loaded.info.quantization == mode
+    assert loaded.model.layers[0].mixer.in_proj.mode == mode
+    assert mx.array_equal(logits_of(loaded), logits_of(load_model(source, quantize=mode))).item()
+
+
 def test_mtp_weights_are_kept(tiny):
     loaded = load_model(tiny("qwen3_5", mtp=True))
     assert loaded.model.mtp is not None

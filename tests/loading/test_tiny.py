@@ -36,6 +36,7 @@ _VARIANTS = [(kind, True, {}) for kind in KINDS] + [
     ("qwen3_5_moe", False, {}),  # re-saved copies: per-expert tensors
     ("nemotron_h", True, {"moe_latent_size": 32}),  # latent MoE of the larger Nemotron-3 models
     ("qwen3_5", True, {"tie_word_embeddings": True}),  # the small Qwen3.5 models tie embeddings
+    ("nemotron_h", True, {"layers_block_type": ["mamba", "moe", "attention", "mlp"]}),  # newer spelling
 ]
 
 

@@ -104,3 +104,16 @@ def test_tokenizer_round_trips_text_and_knows_the_chat_tokens(tmp_path, kind):
 def test_unknown_kind_is_refused(tmp_path):
     with pytest.raises(ValueError, match="qwen3_5_moe"):
         write_tiny_checkpoint(tmp_path, "llama")
+
+
+def test_nemotron_layers_block_type_spelling(tmp_path):
+    from safetensors.numpy import load_file
+
+    types = ["mamba", "moe", "attention", "mlp"]
+    folder = write_tiny_checkpoint(tmp_path, "nemotron_h", layers_block_type=types)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layers_block_type"] == types and "hybrid_override_pattern" not in config
+    names = set(load_file(str(folder / "model.safetensors")))
+    assert (
+        "backbone.layers.3.mixer.up_proj.weight" in names and "backbone.layers.1.mixer.gate.weight" in names
+    )
