@@ -83,16 +83,14 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
     """Run one generation; stream text through `write` (stdout) unless `--json`, then print JSON."""
     from kapitsa.engine.engine import EngineConfig
     from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.engine.speculative.factory import make_decode_strategy
 
     text = read_prompt(options)
-    if options.speculative != "none":
-        raise KapitsaError(
-            f"--speculative {options.speculative} is not available in `kapitsa run` yet; use none"
-        )
     out = write or _stdout_write
     loaded = load_for_spec(options.model or default_model())
+    decode = make_decode_strategy(options.speculative, target_model=loaded.model)
     # One prompt, no follow-up: the prefix cache would only cost copies.
-    client = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0))
+    client = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=decode)
     try:
         request = make_request(text, options)
         result = asyncio.run(generate(client, request, None if options.json_out else out))

@@ -122,6 +122,8 @@ class Engine:
         if not self.alive:
             raise EngineDead("the engine has stopped")
         self._inbox.put(seq)
+        if not self._thread.is_alive():  # it died between the check and the put: nobody will answer
+            self._fail_all(EngineDead("the engine has stopped"))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

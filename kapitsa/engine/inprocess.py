@@ -23,7 +23,7 @@ from kapitsa.engine.prepare import prepare_prompt
 from kapitsa.engine.sequence import Sequence
 from kapitsa.engine.stop import StopMatcher
 from kapitsa.engine.types import EngineStats, ErrorEvent, Event, FinishEvent, GenerationRequest, ModelInfo
-from kapitsa.errors import ContextOverflow, InvalidRequest
+from kapitsa.errors import ContextOverflow, EngineDead, InvalidRequest
 
 
 class InProcessEngine:
@@ -78,7 +78,11 @@ class InProcessEngine:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         seq.emit = _threadsafe_put(loop, events)
-        self.engine.submit(seq)
+        try:
+            self.engine.submit(seq)
+        except EngineDead as err:
+            yield ErrorEvent(request.request_id, err)
+            return
         done = False
         try:
             while not done:
@@ -119,7 +123,8 @@ class InProcessEngine:
             memory_peak_bytes=mx.get_peak_memory(),
             memory_limit_bytes=e.memory.limit_bytes,
             speculative=getattr(e.decode_strategy, "name", "custom"),
-            tokens_per_step=s.tokens_per_step,
+            draft_acceptance_rate=getattr(e.decode_strategy, "acceptance_rate", 0.0),
+            tokens_per_step=getattr(e.decode_strategy, "tokens_per_step", s.tokens_per_step),
             requests_finished=s.finished,
             requests_failed=s.failed,
         )
