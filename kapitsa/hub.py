@@ -84,6 +84,18 @@ class _RemoteFile:
 ProgressCallback = Callable[[PullProgress], None]
 
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """huggingface_hub 2.x speaks through its own httpx fork (httpx2); kapitsa's downloads use httpx."""
+    errors: list[type[BaseException]] = [httpx.HTTPError]
+    try:
+        import httpx2  # type: ignore[import-not-found]
+
+        errors.append(httpx2.HTTPError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
 def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
 
@@ -282,7 +294,7 @@ class _translate_hub_errors:
                             "log in with `hf auth login` or set HF_TOKEN") from err
         if status == 404:
             raise ModelNotFound(f"a file of {self.repo_id} was not found on {_endpoint()}") from err
-        if isinstance(err, HfHubHTTPError | httpx.HTTPError | OSError | LocalEntryNotFoundError):
+        if isinstance(err, (HfHubHTTPError, OSError, LocalEntryNotFoundError, *_network_errors())):
             raise KapitsaError(f"downloading {self.repo_id} from {_endpoint()} failed: {err}. "
                                "Run the pull again to resume; set HF_ENDPOINT for a mirror") from err
         return False

@@ -146,3 +146,16 @@ def test_cancel_from_the_progress_callback_keeps_the_partial(fake_hub: FakeHub, 
     result = hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
     assert (result.path / "model.safetensors").read_bytes() == WEIGHTS
     assert [r[2] for r in fake_hub.requests if r[1].endswith("model.safetensors")] == [f"bytes={partial}-"]
+
+
+def test_unreachable_endpoint_is_a_clear_error(catalog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(KapitsaError, match="HF_ENDPOINT"):
+        hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
