@@ -58,6 +58,9 @@ def _stderr_console() -> Any:
 
 def cmd_pull(ref: str) -> None:
     result = pull_with_progress(ref, load_settings())
+    if not result.commit:  # a local folder or the packaged demo: nothing to download
+        print(f"{ref} is on disk already: {result.path}")
+        return
     fetched = f"downloaded {_gb(result.downloaded_bytes)}" if result.downloaded_bytes else "already downloaded"
     print(f"{result.repo_id} @ {result.commit[:12]}: {result.num_files} files, {_gb(result.num_bytes)}, "
           f"verified, {fetched}\n{result.path}")

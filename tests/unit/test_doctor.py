@@ -58,6 +58,11 @@ def test_warnings_for_old_macos_and_intel_macs() -> None:
     assert any("not Apple silicon" in w for w in intel.warnings)
 
 
+def test_warning_when_the_disk_cannot_hold_any_model() -> None:
+    full_disk = replace(RECORDED_PROFILES["m4-pro-48gb"], disk_free_bytes=10**9)
+    assert any("free at" in w for w in build_report(full_disk, load_catalog()).warnings)
+
+
 def test_doctor_on_this_machine_is_truthful() -> None:
     hw = probe_hardware()
     assert hw.total_memory_bytes > 0 and 0 < hw.usable_memory_bytes <= hw.total_memory_bytes
