@@ -16,6 +16,12 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 # pre-tokenizer split patterns by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp uses them
 _QWEN_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Mistral NeMo's "tekken" split (also the 131k-token vocabulary of Nemotron-H)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN_PRE = ("qwen2", "qwen35", "qwen3")
 _TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>")
 
@@ -34,7 +40,7 @@ def _backend(tokens: list[str], merges: list[str], pre: str) -> BackendTokenizer
         tok = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
     except Exception as e:  # the Rust side reports a bad vocabulary as a plain Exception
         raise CheckpointError(f"the GGUF vocabulary is inconsistent: {e}") from e
-    split = _QWEN_SPLIT if pre in _QWEN_PRE else _LLAMA3_SPLIT
+    split = _QWEN_SPLIT if pre in _QWEN_PRE else _TEKKEN_SPLIT if pre == "tekken" else _LLAMA3_SPLIT
     if pre in _QWEN_PRE:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
