@@ -214,7 +214,9 @@ class HybridCache:
         info = self._last
         if not any(drop):
             return self.commit()
-        if info is None or not info.record:
+        if info is None:
+            raise ValueError("nothing to roll back: rollback undoes the latest forward only")
+        if not info.record and self._recurrent():  # attention-only caches (MTP) need no record
             raise ValueError("rollback needs the previous forward to run with record=True")
         if len(drop) != self.batch_size or any(
             not 0 <= d <= k for d, k in zip(drop, info.lengths, strict=True)

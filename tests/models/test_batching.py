@@ -93,3 +93,18 @@ def test_bad_lengths_are_rejected():
         model(mx.array([[1, 2], [3, 4]]), cache, lengths=[3, 1])
     with pytest.raises(ValueError):
         model(mx.array([[1, 2]]), cache)
+
+
+def test_nemotron_right_padded_prefill_keeps_the_short_rows_ssm_state():
+    """mlx-lm 0.32.2 zeroes it (hybrid-engine-proto/nh_pad.py); ours must equal the solo state."""
+    model = build_ours("nemotron_dense")
+    short, long = [3, 5, 7, 9, 11], [2, 4, 6, 8, 10, 12, 14, 16]
+    batch = model.make_cache(2)
+    model(mx.array([short + [0, 0, 0], long]), batch, lengths=[5, 8])
+    solo = model.make_cache()
+    model(mx.array([short]), solo)
+    for mine, theirs in zip(batch.layers, solo.layers, strict=True):
+        if mine is not None and hasattr(mine, "state"):
+            assert mx.abs(theirs.state).max().item() > 1e-3
+            assert mx.abs(mine.state[0] - theirs.state[0]).max().item() < 1e-5
+            assert mx.abs(mine.conv[0] - theirs.conv[0]).max().item() < 1e-6

@@ -107,6 +107,9 @@ def test_qwen_mtp_weights_are_kept_and_run():
     assert logits.shape == (1, 4, 256) and cache.offsets == [4]
     step = model.mtp_logits(model.mtp_forward(mx.array([[10]]), post_norm[:, -1:], cache))
     assert step.shape == (1, 1, 256) and cache.offsets == [5]
+    cache.rollback(1)  # attention only: no record needed
+    again = model.mtp_logits(model.mtp_forward(mx.array([[10]]), post_norm[:, -1:], cache))
+    assert mx.abs(again - step).max().item() < 1e-5
     plain = build_ours("qwen3_5_dense")
     assert plain.mtp is None  # without mtp tensors nothing extra is built
 

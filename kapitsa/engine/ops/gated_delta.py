@@ -10,7 +10,7 @@ accepted prefix). q/k arrive L2-normalised with the `Dk^-0.5` readout scale fold
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,10 +84,26 @@ def gated_delta(
         B, _, _, Dk = q.shape
         Hv, Dv = v.shape[-2:]
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if _HAS_FAST:
+    if _fast_kernel_works():
         y, new_state = mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)
         return y, new_state
     return gated_delta_reference(q, k, v, g, beta, state, mask)
 
 
-_HAS_FAST = hasattr(mx.fast, "gated_delta_update")
+@cache
+def _fast_kernel_works() -> bool:
+    """Whether this MLX build has `mx.fast.gated_delta_update` for the default device.
+
+    Kernel errors surface only at evaluation, so probe once with a tiny input."""
+    if not hasattr(mx.fast, "gated_delta_update"):
+        return False
+    try:
+        z = mx.zeros((1, 1, 1, 32))
+        mx.eval(
+            mx.fast.gated_delta_update(
+                z, z, z, mx.ones((1, 1, 1)), mx.ones((1, 1, 1)), mx.zeros((1, 1, 32, 32))
+            )
+        )
+        return True
+    except (RuntimeError, ValueError):
+        return False
