@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
 
 from kapitsa.engine.client import EngineClient
 from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams, Usage
-from kapitsa.errors import InvalidRequest, ModelNotFound
+from kapitsa.errors import ContextOverflow, InvalidRequest, ModelNotFound
 from kapitsa.server.settings import ServerSettings
 from kapitsa.server.streaming import GenerationRun
 
@@ -78,6 +78,20 @@ def thinking_active(model: ModelInfo, enabled: bool | None) -> bool:
 
 
 async def start_run(request: Request, gen: GenerationRequest) -> GenerationRun:
+    """Start generating. A `max_tokens` larger than the room the prompt leaves is clamped to that room
+    (the answer then ends with a length stop): agents ask for fixed budgets (Claude Code: 32000) whatever
+    the model's window. Only a prompt that does not fit by itself is an error."""
+    try:
+        return await _start(request, gen)
+    except ContextOverflow as exc:
+        room = exc.max_context - exc.prompt_tokens
+        requested = gen.sampling.max_tokens
+        if requested is None or room < 1 or room >= requested:
+            raise
+        return await _start(request, replace(gen, sampling=replace(gen.sampling, max_tokens=room)))
+
+
+async def _start(request: Request, gen: GenerationRequest) -> GenerationRun:
     state = state_of(request)
     run = GenerationRun(state.client, gen, request.receive, keepalive_s=state.settings.keepalive_s)
     await run.start(first_event_wait_s=state.settings.first_event_wait_s)

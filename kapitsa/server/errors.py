@@ -64,6 +64,7 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] | None = None
+    anthropic_message: str | None = None  # Anthropic's own wording, where clients match on it
 
     def __str__(self) -> str:
         return self.message
@@ -76,7 +77,11 @@ def is_anthropic_path(path: str) -> bool:
 def api_error_from_kapitsa(exc: KapitsaError) -> ApiError:
     """The status and code a `KapitsaError` maps to."""
     if isinstance(exc, ContextOverflow):
-        return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+        # Claude Code recovers (compacts) by matching Anthropic's exact wording.
+        wording = f"prompt is too long: {exc.prompt_tokens} tokens > {exc.max_context} maximum"
+        return ApiError(
+            400, str(exc), param="messages", code="context_length_exceeded", anthropic_message=wording
+        )
     if isinstance(exc, ModelNotFound):
         return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, (EngineBusy, EngineDead)):
@@ -99,7 +104,7 @@ def anthropic_error_body(err: ApiError) -> dict[str, Any]:
     error_type = _ANTHROPIC_TYPE_BY_STATUS.get(
         err.status, "api_error" if err.status >= 500 else "invalid_request_error"
     )
-    return {"type": "error", "error": {"type": error_type, "message": err.message}}
+    return {"type": "error", "error": {"type": error_type, "message": err.anthropic_message or err.message}}
 
 
 def error_response(path: str, err: ApiError) -> JSONResponse:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 from server_harness import LiveServer, live_server
 
+from kapitsa.engine.fake import FakeEngine
+from kapitsa.engine.types import Event, GenerationRequest
 from kapitsa.errors import ContextOverflow, EngineBusy
 
 CHAT = "/v1/chat/completions"
@@ -220,3 +222,30 @@ def test_unknown_fields_and_claude_extras_are_ignored(client: httpx.Client) -> N
         ).status_code
         == 200
     )
+
+
+class WindowedEngine(FakeEngine):
+    """Checks the context window the way the in-process engine does (prompt, then prompt + max_tokens)."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:  # type: ignore[override]
+        prompt = await self.count_tokens(request)
+        window = self.model.context_length
+        if prompt >= window or (request.sampling.max_tokens or 0) + prompt > window:
+            raise ContextOverflow(prompt, window, f"prompt ({prompt}) plus max_tokens does not fit {window}")
+        async for event in super().generate(request):
+            yield event
+
+
+def test_max_tokens_beyond_the_room_left_is_clamped_not_refused() -> None:
+    engine = WindowedEngine().with_model(context_length=400)
+    engine.enqueue(" ".join(["word"] * 200))
+    with live_server(engine) as live, httpx.Client(base_url=live.url, timeout=10) as http:
+        out = http.post(MSGS, json=msgs(max_tokens=390))  # Claude Code style: a fixed, large budget
+        assert out.status_code == 200, out.text
+        assert out.json()["stop_reason"] == "max_tokens"
+        assert engine.requests[-1].sampling.max_tokens == 400 - out.json()["usage"]["input_tokens"]
+        long_prompt = msgs(messages=[{"role": "user", "content": "x" * 500}])
+        refused = http.post(MSGS, json=long_prompt)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"].startswith("prompt is too long: ")
+        assert refused.json()["error"]["message"].endswith(" tokens > 400 maximum")
