@@ -47,6 +47,7 @@ class DecodeBatch:
         keep = [i for i in range(self.size) if i not in gone]
         if not keep:
             self.cache, self._inflight, self._streamed = None, None, []
+            mx.clear_cache()  # idle: hand freed buffers back rather than keep them cached
             return
         assert self.cache is not None
         self.cache.filter(keep)

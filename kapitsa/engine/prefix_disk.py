@@ -87,11 +87,12 @@ class DiskTier:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = budget_bytes
         self._entries: dict[str, _Entry] = {}
+        self._nbytes = 0
         self._scan()
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._nbytes  # a running total: other threads read it while the engine writes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -107,9 +108,8 @@ class DiskTier:
                 if meta.get("format") != FORMAT or meta.get("digest") != digest:
                     raise ValueError("not a kapitsa prefix file, or not the one its name says")
                 stat = path.stat()
-                self._entries[digest] = _Entry(
-                    path, int(meta["pos"]), meta.get("has_logits") == "1", stat.st_size, stat.st_mtime
-                )
+                has_logits = meta.get("has_logits") == "1"
+                self._add(digest, _Entry(path, int(meta["pos"]), has_logits, stat.st_size, stat.st_mtime))
             except (OSError, ValueError, KeyError, struct.error) as err:
                 log.warning("deleting unreadable prefix-cache file %s: %s", path.name, err)
                 path.unlink(missing_ok=True)
@@ -146,7 +146,7 @@ class DiskTier:
             return
         entry = _Entry(final, len(stored.tokens), stored.next_logits is not None, final.stat().st_size, 0.0)
         self._touch(entry)
-        self._entries[digest] = entry
+        self._add(digest, entry)
         self._make_room(0)  # the header makes the file a little larger than its arrays
 
     def lookup(self, tokens: Sequence[int], *, min_pos: int = 1) -> StoredPrefix | None:
@@ -192,9 +192,14 @@ class DiskTier:
             oldest = min(self._entries, key=lambda d: self._entries[d].last_used)
             self._delete(oldest)
 
+    def _add(self, digest: str, entry: _Entry) -> None:
+        self._entries[digest] = entry
+        self._nbytes += entry.nbytes
+
     def _delete(self, digest: str) -> None:
         entry = self._entries.pop(digest, None)
         if entry is not None:
+            self._nbytes -= entry.nbytes
             entry.path.unlink(missing_ok=True)
 
 
