@@ -156,3 +156,12 @@ def test_sdist_checksum_pinning(tmp_path: Path) -> None:
     with pytest.raises(gen.FormulaError, match="--sdist"):
         gen.pinned_sdist_sha256("9.9.9", None, FORMULA)
     assert gen.pinned_sdist_sha256(version, None, FORMULA) in FORMULA.read_text()
+
+
+def test_doctor_json_has_what_the_formula_test_reads() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kapitsa", "doctor", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert isinstance(json.loads(out.stdout)["hardware"]["is_apple_silicon"], bool)
+    assert 'report["hardware"]["is_apple_silicon"]' in FORMULA.read_text()
