@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+
+from kapitsa.engine.memory import MemoryBudget, StateSizes, check_context
+from kapitsa.engine.prepare import prepare_prompt
+from kapitsa.engine.tokenizer import Tokenizer
+from kapitsa.engine.types import GenerationRequest
+from kapitsa.errors import ContextOverflow
+
+
+def test_context_checks() -> None:
+    check_context(10, 5, 16)
+    check_context(10, None, 11)
+    with pytest.raises(ContextOverflow, match="prompt is too long: 16 tokens"):
+        check_context(16, None, 16)
+    with pytest.raises(ContextOverflow, match="plus max_tokens"):
+        check_context(10, 7, 16)
+
+
+def test_budget_accounting() -> None:
+    sizes = StateSizes(kv_bytes_per_token=100, recurrent_bytes=1000, activation_bytes_per_token=10)
+    budget = MemoryBudget(sizes, limit_bytes=10_000, weights_bytes=2_000, prefill_chunk=8)
+    assert budget.available_bytes == 8_000
+    assert budget.sequence_bytes(20) == 20 * 100 + 1000 + 8 * 10
+    assert budget.reserve_tokens(20, None, 100) == 100  # whole remaining context (< default reserve)
+    assert budget.reserve_tokens(20, 5, 100) == 25
+    assert budget.fits_now(5_000)
+    budget.reserve(5_000)
+    assert not budget.fits_now(3_001) and budget.fits_now(3_000)
+    assert not budget.fits_now(2_000, other_bytes=1_500)
+    budget.release(5_000)
+    assert budget.free_bytes == 8_000 and not budget.fits_ever(8_001)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def tokenizer(request, tmp_path_factory):
+    from kapitsa.engine.tiny import write_tiny_checkpoint
+
+    return Tokenizer.from_folder(write_tiny_checkpoint(tmp_path_factory.mktemp("t") / "c", request.param))
+
+
+def test_message_boundaries_are_prefixes_of_the_prompt(tokenizer) -> None:
+    messages = (
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "list files"},
+    )
+    prepared = prepare_prompt(tokenizer, GenerationRequest(messages=messages))
+    kinds = [b.kind for b in prepared.boundaries]
+    assert kinds == ["system", "turn"]
+    system, turn = (b.pos for b in prepared.boundaries)
+    without_gen = tokenizer.encode(tokenizer.apply_chat_template(list(messages), add_generation_prompt=False))
+    assert prepared.ids[:turn] == without_gen and turn < len(prepared.ids)
+    # another conversation with the same system prompt shares everything up to the system boundary
+    other = prepare_prompt(
+        tokenizer, GenerationRequest(messages=(messages[0], {"role": "user", "content": "bye"}))
+    )
+    assert other.ids[:system] == prepared.ids[:system]
+    assert "You are terse." in tokenizer.decode(prepared.ids[:system])
+
+
+def test_raw_prompts_have_no_boundaries(tokenizer) -> None:
+    prepared = prepare_prompt(tokenizer, GenerationRequest(prompt="just text"))
+    assert prepared.ids == tokenizer.encode("just text") and prepared.boundaries == []
