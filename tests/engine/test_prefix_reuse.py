@@ -46,8 +46,8 @@ async def replay(client, turns: int, max_tokens: int = 8):
 
 
 async def test_cache_hit_output_equals_miss(family_model, make_client) -> None:
-    cold = await replay(make_client(family_model, prefix_cache_bytes=0), 3)
-    warm = await replay(make_client(family_model, prefill_chunk=64), 3)
+    cold = await replay(make_client(family_model, prefix_cache_bytes=0), 2)
+    warm = await replay(make_client(family_model, prefill_chunk=64), 2)
     assert [ids for ids, _ in warm] == [ids for ids, _ in cold]
     assert all(u.cached_tokens == 0 for _, u in cold)
     assert all(u.cached_tokens > 0 for _, u in warm[1:])
@@ -139,3 +139,17 @@ async def test_disk_tier_budget(qwen_model, make_client, tmp_path, budget_files)
         await chat(client, [{"role": "user", "content": f"{i}" * 300}])
         total = sum(p.stat().st_size for p in (tmp_path / "b").rglob("*.safetensors"))
         assert total <= budget
+
+
+async def test_exact_hit_resumes_from_stored_logits(qwen_model, make_client) -> None:
+    """A prompt that ends exactly at a checkpoint (here the turn boundary) computes nothing."""
+    messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": "continue this"})
+    client = make_client(qwen_model)
+    await chat(client, messages)
+    request = GenerationRequest(messages=messages, add_generation_prompt=False, sampling=_sampling())
+    events = [e async for e in client.generate(request)]
+    cold_client = make_client(qwen_model, prefix_cache_bytes=0)
+    cold = [e async for e in cold_client.generate(request)]
+    ids = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+    assert ids == [t for e in cold if isinstance(e, TokenEvent) for t in e.token_ids]
+    assert events[-1].usage.cached_tokens == events[-1].usage.prompt_tokens
