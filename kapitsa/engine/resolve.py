@@ -26,6 +26,8 @@ class ModelRef:
 def parse_model_ref(spec: str) -> ModelRef:
     """Split `source[@revision][:suffix]`; a suffix naming a known quantization is the quantization."""
     source, suffix = spec.strip(), None
+    if Path(source).expanduser().exists():  # an existing path wins, even with ':' or '@' in it
+        return ModelRef(source)
     head, sep, tail = source.rpartition(":")
     # "C:\\models" (a drive letter) and "a/b:c/d" are not suffixes
     if sep and head and len(head) > 1 and tail and "/" not in tail and "\\" not in tail:

@@ -10,6 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from kapitsa.engine.loading import load_model
+from kapitsa.engine.quantize import QUANT_SPECS
 from tests.loading.conftest import logits_of
 
 
@@ -57,8 +58,18 @@ def test_bf16_checkpoint_keeps_its_stored_values_exactly(tiny, kind, stored, loa
     assert _cosine(logits_of(loaded), reference) > 0.999
 
 
-@pytest.mark.parametrize(("mode", "bits", "group_size"), [("mxfp4", 4, 32), ("nvfp4", 4, 16)])
-def test_mlx_fp4_checkpoints_from_mlx_lm_convert(tiny, tmp_path, mode, bits, group_size):
+@pytest.mark.parametrize(
+    ("mode", "bits", "group_size"),
+    [
+        ("mxfp4", 4, 32),
+        ("nvfp4", 4, 16),
+        ("affine", 2, 64),
+        ("affine", 3, 64),
+        ("affine", 6, 64),
+        ("affine", 8, 32),
+    ],
+)
+def test_mlx_checkpoints_of_every_mode_from_mlx_lm_convert(tiny, tmp_path, mode, bits, group_size):
     from mlx_lm import convert
 
     source = tiny("nemotron_h_dense")
@@ -73,9 +84,12 @@ def test_mlx_fp4_checkpoints_from_mlx_lm_convert(tiny, tmp_path, mode, bits, gro
         dtype="float32",
     )
     loaded = load_model(converted)
-    assert loaded.info.quantization == mode
-    assert loaded.model.layers[0].mixer.in_proj.mode == mode
-    assert mx.array_equal(logits_of(loaded), logits_of(load_model(source, quantize=mode))).item()
+    name = mode if mode != "affine" else f"{bits}bit"
+    assert loaded.info.quantization == name
+    layer = loaded.model.layers[0].mixer.in_proj
+    assert (layer.mode, layer.bits, layer.group_size) == (mode, bits, group_size)
+    if group_size == QUANT_SPECS[name].group_size:  # same recipe as quantizing on load
+        assert mx.array_equal(logits_of(loaded), logits_of(load_model(source, quantize=name))).item()
 
 
 def test_mtp_weights_are_kept(tiny):

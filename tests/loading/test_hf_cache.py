@@ -98,3 +98,9 @@ def test_model_ref_parsing(spec, source, quantization, variant, revision):
         variant,
         revision,
     )
+
+
+def test_an_existing_path_with_a_colon_is_not_split(tmp_path):
+    folder = tmp_path / "models:v2"
+    folder.mkdir()
+    assert parse_model_ref(str(folder)).source == str(folder)
