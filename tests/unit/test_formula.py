@@ -6,12 +6,16 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMULA = ROOT / "Formula" / "kapitsa.rb"
@@ -129,20 +133,25 @@ def test_resource_prefers_sdist_then_pure_wheel_else_explains() -> None:
         gen.to_resource({"name": "b", "wheels": [binary]})
 
 
-@pytest.mark.parametrize(
-    ("old", "new", "what"),
-    [
-        ('"jinja2>=3.1",', '"jinja2>=3.1",\n  "brand-new-dep>=1",', "brand-new-dep"),
-        ('"textual==8.2.8"', '"textual==8.2.9"', "textual"),
-        ("sys_platform == 'darwin' and platform_machine == 'arm64'", "sys_platform == 'darwin'", "mlx"),
-        ('"pytest>=8",', '"pytest>=8",\n  "hypothesis",', "hypothesis"),
-    ],
-)
+def _pyproject_edits() -> list[tuple[str, str, str]]:
+    """(old, new, name) edits to pyproject.toml that the lock check must notice, derived from the file itself."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = next(d for d in project["dependencies"] if ";" not in d and any(op in d for op in "=<>"))
+    marked = next(d for d in project["dependencies"] if ";" in d)
+    return [
+        ("dependencies = [\n", 'dependencies = [\n  "brand-new-dep>=1",\n', "brand-new-dep"),
+        (f'"{pinned}"', f'"{pinned},<999"', canonicalize_name(Requirement(pinned).name)),
+        (f'"{marked}"', f'"{marked.split(";")[0]}"', canonicalize_name(Requirement(marked).name)),
+        ("test = [\n", 'test = [\n  "hypothesis-not-declared",\n', "hypothesis-not-declared"),
+    ]
+
+
+@pytest.mark.parametrize(("old", "new", "what"), _pyproject_edits())
 def test_lock_check_notices_pyproject_edits(tmp_path: Path, old: str, new: str, what: str) -> None:
     text = (ROOT / "pyproject.toml").read_text()
     assert old in text
     (tmp_path / "pyproject.toml").write_text(text.replace(old, new, 1))
-    with pytest.raises(gen.FormulaError, match=rf"{what}.*uv lock && python tools/gen_formula.py"):
+    with pytest.raises(gen.FormulaError, match=rf"{re.escape(what)}.*uv lock && python tools/gen_formula.py"):
         gen.check_lock_matches(tmp_path / "pyproject.toml", ROOT / "uv.lock")
 
 
