@@ -108,3 +108,17 @@ def test_nemotron_right_padded_prefill_keeps_the_short_rows_ssm_state():
             assert mx.abs(theirs.state).max().item() > 1e-3
             assert mx.abs(mine.state[0] - theirs.state[0]).max().item() < 1e-5
             assert mx.abs(mine.conv[0] - theirs.conv[0]).max().item() < 1e-6
+
+
+def test_idle_rows_are_left_untouched():
+    """A row with lengths 0 takes no token: its state and offset stay as they were."""
+    model = build_ours("qwen3_next")
+    cache = model.make_cache(2)
+    model(mx.array([[1, 2, 3], [4, 5, 6]]), cache)
+    before = cache.select([1])
+    model(mx.array([[7], [8]]), cache, lengths=[1, 0])
+    assert cache.offsets == [4, 3]
+    after = cache.select([1])
+    got = model(mx.array([[9]]), after)[0, -1]
+    want = model(mx.array([[9]]), before)[0, -1]
+    assert mx.abs(got - want).max().item() < 1e-5

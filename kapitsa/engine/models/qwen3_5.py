@@ -49,6 +49,7 @@ class ModelArgs:
     layer_types: list[str] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    attn_output_gate: bool = True
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -212,7 +213,7 @@ class DecoderLayer(nn.Module):
                 a.num_key_value_heads,
                 a.head_dim,
                 bias=a.attention_bias,
-                gated=True,
+                gated=a.attn_output_gate,
                 qk_norm_eps=a.rms_norm_eps,
                 rope=rope,
             )
