@@ -275,7 +275,8 @@ def export_gguf(
             if "E" in config["hybrid_override_pattern"]
             else gguf.MODEL_ARCH.NEMOTRON_H
         )
-        text, tensors, pre = config, _nemotron_tensors(weights, config), "default"
+        # the tiny tokenizers split text with Qwen's pattern, which llama.cpp calls "qwen2"
+        text, tensors, pre = config, _nemotron_tensors(weights, config), "qwen2"
     else:
         arch = _ARCHS[kind]
         text = config.get("text_config", config)

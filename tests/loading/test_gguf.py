@@ -93,11 +93,12 @@ def test_gguf_quantization_can_be_overridden(tiny, tmp_path):
     assert load_model(f"{path}:bf16").info.quantization == "bf16"
 
 
-def test_gguf_tokenizer_and_template_match_the_checkpoint(tiny, tmp_path):
-    source = tiny("qwen3_5")
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+def test_gguf_tokenizer_and_template_match_the_checkpoint(tiny, tmp_path, kind):
+    source = tiny(kind)
     from_gguf = load_model(export_gguf(source, tmp_path / "m.gguf", QT.Q8_0)).tokenizer
     from_folder = load_model(source).tokenizer
-    text = "<|im_start|>user\nüñí 日本語 🙂 code:\n    x = 1<|im_end|>\n<think>"
+    text = "<|im_start|>user\nüñí 日本語 🙂 code:\n    x = 12345<|im_end|>\n<think>"
     assert from_gguf.encode(text) == from_folder.encode(text)
     messages = [{"role": "user", "content": "hi"}]
     assert from_gguf.apply_chat_template(messages) == from_folder.apply_chat_template(messages)
