@@ -10,11 +10,14 @@ from kapitsa.server.settings import ServerSettings
 def make_settings(
     *, model: str | None, host: str | None, port: int | None, speculative: str
 ) -> ServerSettings:
-    """Flags override `KAPITSA_*` environment variables, which override defaults."""
+    """Flags override `KAPITSA_*` variables, which override the user's config file, then defaults."""
+    from kapitsa.settings import load_settings
+
+    user = load_settings()  # host and port from config.toml (or KAPITSA_HOST / KAPITSA_PORT)
     flags = {
         "model": model,
-        "host": host,
-        "port": port,
+        "host": host or user.host,
+        "port": port or user.port,
         "speculative": speculative if speculative != "none" else None,
     }
     return ServerSettings(**{k: v for k, v in flags.items() if v is not None})

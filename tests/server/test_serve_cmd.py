@@ -21,13 +21,23 @@ from kapitsa.server.serve_cmd import cmd_serve, make_settings
 from kapitsa.server.settings import DEFAULT_PORT
 
 
-def test_flags_override_environment_which_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flags_override_environment_which_overrides_defaults(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "none.toml"))
     assert make_settings(model=None, host=None, port=None, speculative="none").port == DEFAULT_PORT == 8484
     monkeypatch.setenv("KAPITSA_PORT", "9001")
     monkeypatch.setenv("KAPITSA_HOST", "::1")
     settings = make_settings(model="27b", host=None, port=None, speculative="none")
     assert (settings.port, settings.host, settings.model) == (9001, "::1", "27b")
     assert make_settings(model=None, host="127.0.0.1", port=9002, speculative="none").port == 9002
+
+
+def test_config_file_port_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text("port = 9100\n")
+    monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "config.toml"))
+    monkeypatch.delenv("KAPITSA_PORT", raising=False)
+    assert make_settings(model=None, host=None, port=None, speculative="none").port == 9100
 
 
 def test_refuses_network_bind_without_token_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
