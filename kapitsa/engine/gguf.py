@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from kapitsa.engine.gguf_config import config_from_gguf, metadata_of
 from kapitsa.engine.gguf_names import NEMOTRON_BLOCK_NAMES, QWEN_BLOCK_NAMES, QWEN_MTP_SHARED_NAMES
-from kapitsa.engine.gguf_quants import dequantize
+from kapitsa.engine.gguf_quants import dequantize_mx
 from kapitsa.engine.gguf_tokenizer import tokenizer_from_gguf
 from kapitsa.engine.tokenizer import Tokenizer
 from kapitsa.errors import CheckpointError, UnsupportedModel
@@ -114,19 +113,21 @@ def _widest(dtypes: dict[str, mx.Dtype]) -> mx.Dtype:
 
 
 class _LazyDequantized(dict):
-    """GGUF tensors by name, dequantized on access, so only one float32 copy exists at a time."""
+    """GGUF tensors by name, dequantized (with MLX) on access, one tensor at a time."""
 
     def __init__(self, raw: dict[str, Any]) -> None:
         super().__init__(raw)
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def __getitem__(self, name: str) -> mx.array:
         tensor = super().__getitem__(name)
-        return dequantize(tensor.data, tensor.tensor_type)
+        return dequantize_mx(tensor.data, tensor.tensor_type)
 
 
-def _to_mx(values: np.ndarray, dtype: mx.Dtype) -> mx.array:
+def _to_mx(values: mx.array, dtype: mx.Dtype) -> mx.array:
     # 1-D tensors (norms, biases, A, D) stay float32 as llama.cpp stores them
-    return mx.array(values) if values.ndim == 1 else mx.array(values).astype(dtype)
+    out = values if values.ndim == 1 else values.astype(dtype)
+    mx.eval(out)  # one tensor at a time: its float32 intermediates are freed before the next
+    return out
 
 
 def _split_block_name(name: str) -> tuple[int, str] | None:
@@ -136,15 +137,15 @@ def _split_block_name(name: str) -> tuple[int, str] | None:
     return int(index), rest
 
 
-def _untile_v_heads(x: np.ndarray, axis: int, num_k_heads: int, v_per_k: int, head_dim: int) -> np.ndarray:
+def _untile_v_heads(x: mx.array, axis: int, num_k_heads: int, v_per_k: int, head_dim: int) -> mx.array:
     """Inverse of llama.cpp's grouped -> tiled value-head reorder along `axis`."""
-    x = np.moveaxis(x, axis, 0)
+    x = mx.moveaxis(x, axis, 0)
     rest = x.shape[1:]
     x = x.reshape(v_per_k, num_k_heads, head_dim, *rest).swapaxes(0, 1).reshape(-1, *rest)
-    return np.moveaxis(x, 0, axis)
+    return mx.moveaxis(x, 0, axis)
 
 
-def _qwen_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+def _qwen_weights(tensors: dict[str, mx.array], config: dict[str, Any]) -> Iterator[tuple[str, mx.array]]:
     n_layers = config["num_hidden_layers"]
     # tensors consumed together with another one (read when that one is)
     joined = (
@@ -172,8 +173,8 @@ def _qwen_weights(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> Ite
 
 
 def _qwen_mtp_tensor(
-    mtp_index: int, rest: str, values: np.ndarray, tensors: dict[str, np.ndarray], config: dict[str, Any]
-) -> Iterator[tuple[str, np.ndarray]]:
+    mtp_index: int, rest: str, values: mx.array, tensors: dict[str, mx.array], config: dict[str, Any]
+) -> Iterator[tuple[str, mx.array]]:
     if rest.startswith("nextn."):
         # the file repeats the shared MTP tensors in every MTP block; embeddings/head are the model's
         hf_name = QWEN_MTP_SHARED_NAMES.get(rest)
@@ -186,11 +187,11 @@ def _qwen_mtp_tensor(
 
 
 def _qwen_block_tensor(
-    rest: str, values: np.ndarray, tensors: dict[str, np.ndarray], index: int, config: dict[str, Any]
+    rest: str, values: mx.array, tensors: dict[str, mx.array], index: int, config: dict[str, Any]
 ):
     if rest == "ffn_gate_exps.weight":
         up = tensors[f"blk.{index}.ffn_up_exps.weight"]
-        yield "mlp.experts.gate_up_proj", np.concatenate([values, up], axis=1)  # [E, 2I, H]
+        yield "mlp.experts.gate_up_proj", mx.concatenate([values, up], axis=1)  # [E, 2I, H]
         return
     hf_name = QWEN_BLOCK_NAMES.get(rest)
     if hf_name is None:
@@ -198,7 +199,7 @@ def _qwen_block_tensor(
     if hf_name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
         values = values - 1.0  # llama.cpp folds Qwen's (1 + w) norms
     elif rest == "ssm_a":
-        values = np.log(-values)  # stored as -exp(A_log)
+        values = mx.log(-values)  # stored as -exp(A_log)
     elif rest == "ssm_conv1d.weight":
         values = values[:, None, :]  # [C, K] -> [C, 1, K]
     if config["model_type"] == "qwen3_next":
@@ -213,14 +214,14 @@ def _qwen_block_tensor(
     yield hf_name, values
 
 
-def _qwen35_untile(rest: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def _qwen35_untile(rest: str, values: mx.array, config: dict[str, Any]) -> mx.array:
     nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
     if nk == nv or not rest.startswith(("attn_qkv", "attn_gate", "ssm_")):
         return values
     dk, dv, per = config["linear_key_head_dim"], config["linear_value_head_dim"], nv // nk
     if rest in ("attn_qkv.weight", "ssm_conv1d.weight"):
         qk = 2 * nk * dk
-        return np.concatenate([values[:qk], _untile_v_heads(values[qk:], 0, nk, per, dv)], axis=0)
+        return mx.concatenate([values[:qk], _untile_v_heads(values[qk:], 0, nk, per, dv)], axis=0)
     if rest == "attn_gate.weight":
         return _untile_v_heads(values, 0, nk, per, dv)
     if rest in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias"):
@@ -230,20 +231,18 @@ def _qwen35_untile(rest: str, values: np.ndarray, config: dict[str, Any]) -> np.
     return values
 
 
-def _qwen_next_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+def _qwen_next_qkvz(qkv: mx.array, z: mx.array, config: dict[str, Any]) -> mx.array:
     """Re-interleave [q; k; v] and z into Qwen3-Next's per-key-head [q_h, k_h, v_h, z_h] rows."""
     nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
     per_head_v = config["linear_num_value_heads"] // nk * config["linear_value_head_dim"]
     hidden = qkv.shape[1]
-    q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk], axis=0)
+    q, k, v = mx.split(qkv, [nk * dk, 2 * nk * dk], axis=0)
     parts = [p.reshape(nk, -1, hidden) for p in (q, k, v, z)]  # [nk, rows_per_head, hidden]
     assert parts[2].shape[1] == per_head_v
-    return np.concatenate(parts, axis=1).reshape(-1, hidden)
+    return mx.concatenate(parts, axis=1).reshape(-1, hidden)
 
 
-def _nemotron_weights(
-    tensors: dict[str, np.ndarray], config: dict[str, Any]
-) -> Iterator[tuple[str, np.ndarray]]:
+def _nemotron_weights(tensors: dict[str, mx.array], config: dict[str, Any]) -> Iterator[tuple[str, mx.array]]:
     n_layers = len(config["hybrid_override_pattern"])
     top_level = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight",
                  "output.weight": "lm_head.weight"}  # fmt: skip
@@ -257,7 +256,7 @@ def _nemotron_weights(
                 yield f"backbone.layers.{index}.{hf_name}", hf_values
 
 
-def _nemotron_block_tensor(rest: str, values: np.ndarray):
+def _nemotron_block_tensor(rest: str, values: mx.array):
     if rest in ("ffn_up_exps.weight", "ffn_down_exps.weight"):
         projection = rest.split("_")[1]  # "up" / "down"
         for e in range(values.shape[0]):
@@ -267,7 +266,7 @@ def _nemotron_block_tensor(rest: str, values: np.ndarray):
     if hf_name is None:
         raise CheckpointError(f"unexpected tensor blk.N.{rest} in a Nemotron-H GGUF")
     if rest == "ssm_a":
-        values = np.log(-values.reshape(-1))  # stored as -exp(A_log), shape [H, 1]
+        values = mx.log(-values.reshape(-1))  # stored as -exp(A_log), shape [H, 1]
     elif rest == "ssm_d":
         values = values.reshape(-1)
     elif rest == "ssm_norm.weight":

@@ -7,6 +7,7 @@ package's reference decoder. F32/F16/BF16 are plain reinterpretations.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
@@ -94,3 +95,60 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         return gguf_quants.dequantize(np.asarray(data), qtype).astype(np.float32)
     blocks, shape = _blocks(data, qtype)
     return decoder(blocks).reshape(shape)
+
+
+# -- the same decoders in MLX ops (GPU on Apple silicon); the numpy ones above are the reference --
+def _mx_f16(raw: mx.array) -> mx.array:
+    return mx.view(raw, mx.float16).astype(mx.float32)  # [n, 2] uint8 -> [n, 1]
+
+
+def _mx_q8_0(blocks: mx.array) -> mx.array:
+    return _mx_f16(blocks[:, :2]) * mx.view(blocks[:, 2:], mx.int8).astype(mx.float32)
+
+
+def _mx_k4_scales_and_mins(p: mx.array) -> tuple[mx.array, mx.array]:
+    low_scales, low_mins, high = p[:, 0:4], p[:, 4:8], p[:, 8:12]
+    scales = mx.concatenate([low_scales & 63, (high & 0x0F) | ((low_scales >> 6) << 4)], axis=1)
+    mins = mx.concatenate([low_mins & 63, (high >> 4) | ((low_mins >> 6) << 4)], axis=1)
+    return scales.astype(mx.float32), mins.astype(mx.float32)
+
+
+def _mx_q4_k(blocks: mx.array) -> mx.array:
+    d, dmin = _mx_f16(blocks[:, 0:2]), _mx_f16(blocks[:, 2:4])
+    scales, mins = _mx_k4_scales_and_mins(blocks[:, 4:16])
+    qs = blocks[:, 16:144].reshape(-1, 4, 32)  # [n, chunk, byte]
+    q = mx.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32).astype(mx.float32)  # [n, sub-block, 32]
+    values = (d * scales)[:, :, None] * q - (dmin * mins)[:, :, None]
+    return values.reshape(-1, QK_K)
+
+
+def _mx_q6_k(blocks: mx.array) -> mx.array:
+    ql = blocks[:, 0:128].reshape(-1, 2, 64)  # [n, half, byte]
+    qh = blocks[:, 128:192].reshape(-1, 2, 32)
+    scales = mx.view(blocks[:, 192:208], mx.int8).astype(mx.float32).reshape(-1, 2, 8)
+    d = _mx_f16(blocks[:, 208:210])
+    low = mx.concatenate(
+        [ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1
+    )
+    high = mx.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    q = (low.astype(mx.int16) | (high.astype(mx.int16) << 4)) - 32  # [n, half, 128]
+    per_value_scale = mx.repeat(scales, 16, axis=-1)
+    return (d[:, :, None] * per_value_scale * q.astype(mx.float32)).reshape(-1, QK_K)
+
+
+_MX_DECODERS = {
+    GGMLQuantizationType.Q8_0: _mx_q8_0,
+    GGMLQuantizationType.Q4_K: _mx_q4_k,
+    GGMLQuantizationType.Q6_K: _mx_q6_k,
+}
+
+
+def dequantize_mx(data: np.ndarray, qtype: GGMLQuantizationType) -> mx.array:
+    """Like `dequantize`, computed with MLX (fast on the GPU); other types use the numpy path."""
+    decoder = _MX_DECODERS.get(qtype)
+    if decoder is None:
+        return mx.array(dequantize(data, qtype))
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.ascontiguousarray(data).view(np.uint8)
+    shape = (*raw.shape[:-1], raw.shape[-1] // type_size * block_size)
+    return decoder(mx.array(raw.reshape(-1, type_size))).reshape(shape)

@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
-from kapitsa.engine.gguf_quants import dequantize
+from kapitsa.engine.gguf_quants import dequantize, dequantize_mx
 from kapitsa.engine.loading import load_model
 from kapitsa.errors import CheckpointError, ModelNotFound, UnsupportedModel
 from tests.loading.conftest import PROMPT, logits_of
@@ -48,6 +48,7 @@ def test_dequantize_equals_gguf_reference(qtype):
     ours, reference = dequantize(raw, qtype), gguf_quants.dequantize(raw, qtype)
     assert ours.shape == reference.shape == (5, 3 * GGML_QUANT_SIZES[qtype][0])
     np.testing.assert_array_equal(ours, reference)
+    np.testing.assert_array_equal(np.array(dequantize_mx(raw, qtype)), reference)  # the MLX decoders
 
 
 def test_q8_0_round_trip_error_is_bounded():
