@@ -165,6 +165,10 @@ def _load_gguf_file(
     return model, checkpoint.tokenizer, checkpoint.config, quantization
 
 
+def _has_safetensors(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file()
+
+
 def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str | None = None) -> LoadedModel:
     """Load a model ready to run.
 
@@ -182,7 +186,7 @@ def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str |
     ref = parse_model_ref(str(spec))
     quant = _requested_quantization(ref, quantize)
     path = resolve_source(ref)
-    if path.is_dir() and not (path / "config.json").is_file():
+    if path.is_dir() and not _has_safetensors(path):  # a GGUF repo (it may carry a config.json too)
         path = pick_gguf(path, ref.variant) or path
     if path.is_file():
         if path.suffix.lower() != ".gguf":

@@ -131,6 +131,8 @@ def test_folder_of_gguf_files_picks_by_tag(tiny, tmp_path):
     export_gguf(source, repo / "tiny-F32.gguf", QT.F32)
     export_gguf(source, repo / "tiny-Q8_0.gguf", QT.Q8_0)
     assert load_model(f"{repo}:Q8_0").info.quantization == "8bit"
+    (repo / "config.json").write_text((source / "config.json").read_text())  # GGUF repos may ship one
+    assert load_model(f"{repo}:q8_0").info.quantization == "8bit"
     with pytest.raises(ModelNotFound, match="tiny-F32.gguf, tiny-Q8_0.gguf"):
         load_model(repo)
 
