@@ -156,3 +156,18 @@ def test_model_info(tiny):
         "nemotron",
     )
     assert nemotron.tokenizer.eos_token_ids == (2, 11)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_published_qwen3_5_layout_with_vision_tower_and_mtp(tiny, kind):
+    # Qwen publishes the vision tower and the MTP block in the same files as the language model
+    full = load_model(tiny(kind, "full", vision=True, mtp=True, shards=2))
+    text_only = load_model(tiny(kind, "text"))
+    assert full.model.mtp is not None
+    assert mx.array_equal(logits_of(full), logits_of(text_only)).item()
+
+
+def test_tied_embeddings(tiny):
+    loaded = load_model(tiny("qwen3_5", tie_word_embeddings=True))
+    assert "lm_head" not in loaded.model.language_model
+    assert mx.isfinite(logits_of(loaded)).all().item()
