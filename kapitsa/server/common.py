@@ -144,14 +144,22 @@ class Step:
 
 
 async def steps(run: GenerationRun, parser: Any) -> Any:
-    """Engine events of `run` → `Step`s through `parser` (an `OutputParser`)."""
+    """Engine events of `run` → `Step`s through `parser` (an `OutputParser`).
+
+    A step is marked `keepalive` whenever nothing has been written for `run.keepalive_s`: during a long
+    prefill, and also while the model writes a long tool call, which is held back until its block closes.
+    """
     from kapitsa.engine.types import PrefillProgressEvent, TokenEvent
 
+    last_output = time.monotonic()
     async for event in run.events():
-        if event is None or isinstance(event, PrefillProgressEvent):
-            yield Step([], keepalive=True)
-        elif isinstance(event, TokenEvent):
-            yield Step(parser.feed(event.text), event.logprobs)
+        if event is None or isinstance(event, (PrefillProgressEvent, TokenEvent)):
+            parts = parser.feed(event.text) if isinstance(event, TokenEvent) else []
+            now_s = time.monotonic()
+            quiet = not parts and now_s - last_output >= run.keepalive_s
+            if parts or quiet:
+                last_output = now_s
+            yield Step(parts, event.logprobs if isinstance(event, TokenEvent) else None, keepalive=quiet)
         else:
             truncated = getattr(event, "finish_reason", None) == "length"
             yield Step(parser.finish(truncated=truncated), final=event)

@@ -330,7 +330,6 @@ async def _stream(run: GenerationRun, parser: OutputParser, chunker: ChatChunker
         async for step in steps(run, parser):
             if step.keepalive:
                 yield SSE_COMMENT
-                continue
             for frame in chunker.step(step):
                 yield frame
             if isinstance(step.final, FinishEvent):

@@ -267,3 +267,23 @@ def test_responses_length_stop_still_ends_with_completed(live: LiveServer, http:
     final = json.loads([x for x in raw.splitlines() if x.startswith("data: ")][-1][6:])
     assert final["response"]["status"] == "incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+async def test_keepalives_flow_while_a_long_tool_call_is_held_back() -> None:
+    engine = FakeEngine()
+    call = '<tool_call>{"name": "Write", "arguments": {"content": "' + "x " * 40 + '"}}</tool_call>'
+    engine.enqueue("Writing " + call, delay_s=0.03)
+    tools = [
+        {"name": "Write", "input_schema": {"type": "object", "properties": {"content": {"type": "string"}}}}
+    ]
+    with live_server(engine, keepalive_s=0.2) as live:
+        async with httpx.AsyncClient(base_url=live.url, timeout=20) as client:
+            path, body = body_for("messages", "go", tools=tools)
+            async with client.stream("POST", path, json=body) as response:
+                events = [
+                    line[7:]
+                    for line in [x async for x in response.aiter_lines()]
+                    if line.startswith("event: ")
+                ]
+    tool_start = max(i for i, e in enumerate(events) if e == "content_block_start")
+    assert events[:tool_start].count("ping") >= 3  # ~1.2 s of held-back tool call, a ping every 0.2 s
