@@ -122,3 +122,14 @@ def test_idle_rows_are_left_untouched():
     got = model(mx.array([[9]]), after)[0, -1]
     want = model(mx.array([[9]]), before)[0, -1]
     assert mx.abs(got - want).max().item() < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_dense", "nemotron_moe"])
+def test_state_bytes_match_a_real_cache(arch):
+    model = build_ours(arch)
+    recurrent, kv_per_token = model.state_bytes(mx.float32)
+    cache = model.make_cache()
+    model(mx.array([[1, 2, 3]]), cache)
+    assert cache.recurrent_nbytes == recurrent
+    kv_layers = [c for c in cache.layers if c is not None and hasattr(c, "keys")]
+    assert kv_per_token == sum(2 * c.keys[:, :, :1].nbytes for c in kv_layers)

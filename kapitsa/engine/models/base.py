@@ -19,13 +19,14 @@ Model module contract (the loader relies on it):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kapitsa.engine.cache import HybridCache, KVCache, StepInfo, full_step
+from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.errors import CheckpointError
 
@@ -154,6 +155,17 @@ class HybridLM(nn.Module):
 
     def make_cache(self, batch_size: int = 1) -> HybridCache:
         return HybridCache([self.make_layer_cache(layer) for layer in self.layers], batch_size)
+
+    def state_bytes(self, dtype: mx.Dtype = mx.bfloat16) -> tuple[int, int]:
+        """(recurrent bytes per sequence, KV bytes per token) for activations of `dtype`, from the
+        layer shapes alone (recurrent state is float32). For admission control before any forward."""
+        recurrent = kv = 0
+        for c in self.make_cache(1).layers:
+            if isinstance(c, RecurrentCache):
+                recurrent += math.prod(c.conv_shape) * dtype.size + math.prod(c.state_shape) * 4
+            elif isinstance(c, KVCache):
+                kv += 2 * c.n_kv_heads * c.head_dim * dtype.size
+        return recurrent, kv
 
     def cast_predicate(self, path: str) -> bool:
         return not any(s in path for s in ("A_log", "e_score_correction_bias"))
