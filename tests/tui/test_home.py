@@ -34,11 +34,11 @@ class TestDoctorAndModels:
             table = app.screen.query_one(ModelTable)
             assert table.row_count == len(loaded.report.models)
             assert table.selected_ref == "4b" == app.selected_ref
-            badges = {str(table.get_row(f.ref)[3]) for f in loaded.report.models}
+            badges = {str(table.get_row(f.ref)[1]) for f in loaded.report.models}
             assert {"fits", "too big"} <= badges
-            assert str(table.get_row("35b:bf16")[3]) == "too big"
+            assert str(table.get_row("35b:bf16")[1]) == "too big"
             for fit in loaded.report.models:  # max context from the memory estimate, in K tokens
-                assert table.get_row(fit.ref)[4] == human_context(fit.max_context)
+                assert table.get_row(fit.ref)[2] == human_context(fit.max_context)
             assert "Apple M4 Pro" in str(app.screen.query_one("#doctor").render())
 
     async def test_moving_the_cursor_changes_the_selected_model(self, make_app) -> None:
@@ -72,7 +72,7 @@ class TestDownloads:
             assert progress[-1].bytes_done == progress[-1].bytes_total == 5000
             (finished,) = of_type(messages, DownloadFinished)
             assert finished.ref == "4b"
-            assert app.screen.query_one(ModelTable).get_row("4b")[5] == "yes"
+            assert app.screen.query_one(ModelTable).get_row("4b")[4] == "yes"
             await pilot.press("d")  # already there: no second download
             await settle(pilot)
             assert len(of_type(messages, DownloadFinished)) == 1
@@ -111,7 +111,10 @@ class TestEngine:
             assert "OPENAI_BASE_URL" in env_text and f"{started.handle.url}/v1" in env_text
             assert "ANTHROPIC_BASE_URL" in env_text
             await pilot.press("c")
-            assert app.clipboard.startswith(f"{started.handle.url}/v1\n") and env_text in app.clipboard
+            assert (
+                app.clipboard.startswith(f"{started.handle.url}/v1\n# kapitsa server at")
+                and env_text in app.clipboard
+            )
             await pilot.press("s")
             await settle(pilot)
             assert of_type(messages, EngineStopped) and app.engine_status == "stopped"
@@ -145,3 +148,23 @@ class TestEngine:
         else:
             raise AssertionError("expected Unavailable")
         assert isinstance(TuiServices(), TuiServices)
+
+
+async def test_a_default_model_outside_the_catalog_gets_its_own_row(tmp_path) -> None:
+    """Check that a folder set as the default model is listed, highlighted, and is what `s` starts."""
+    from kapitsa.tui.app import KapitsaApp
+
+    folder = tmp_path / "my-finetune"
+    folder.mkdir()
+    services = FakeServices(tmp_path)
+    services.settings.default_model = str(folder)
+    app = KapitsaApp(services)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        table = app.screen.query_one(ModelTable)
+        assert table.selected_ref == str(folder) == app.selected_ref
+        row = table.get_row(str(folder))
+        assert (row[0], row[4], row[5]) == ("my-finetune", "yes", "your default model")
+        await pilot.press("s")
+        await settle(pilot)
+        assert app.engine_handle is not None and app.engine_handle.model == str(folder)

@@ -55,7 +55,13 @@ class FakeServices(TuiServices):
 
     def __init__(self, tmp_path: Path, *, engine_factory: Callable | None = None) -> None:
         settings = SimpleNamespace(
-            default_model="4b", catalog={}, num_checkpoints=4, port=_free_port(), state_dir=tmp_path / "state"
+            default_model="4b",
+            catalog={},
+            num_checkpoints=4,
+            host="127.0.0.1",
+            port=_free_port(),
+            state_dir=tmp_path / "state",
+            server_start_timeout_s=5.0,
         )
         super().__init__(
             engine_factory=engine_factory

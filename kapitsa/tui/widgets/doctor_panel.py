@@ -29,6 +29,10 @@ class DoctorPanel(Static):
         )
         for warning in report.warnings:
             text.append(f"\n! {warning}", style="yellow")
+        text.no_wrap, text.overflow = (
+            True,
+            "ellipsis",
+        )  # one line per warning; `kapitsa doctor` has them in full
         self.update(text)
 
     def show_error(self, message: str) -> None:

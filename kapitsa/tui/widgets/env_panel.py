@@ -13,7 +13,8 @@ class EnvPanel(Static):
         self.display = False
 
     def show_lines(self, lines: list[str], *, note: str | None = None) -> None:
-        self.update("\n".join([*lines, *([note] if note else [])]))
+        shown = [line for line in lines if not line.startswith("#")]  # comments are copied, not shown
+        self.update("\n".join([*shown, *([note] if note else [])]))
         self.display = True
 
     def hide(self) -> None:

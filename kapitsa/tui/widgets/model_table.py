@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -15,6 +16,8 @@ BADGES = {
     "too_big": ("too big", "bold red"),
     "unavailable": ("unavailable", "dim"),
 }
+COLUMNS = ("model", "fit", "max ctx", "weights", "on disk", "name")  # name last: it may be cut at 80 columns
+ON_DISK = COLUMNS.index("on disk")
 
 
 class ModelTable(DataTable):
@@ -24,32 +27,45 @@ class ModelTable(DataTable):
         self.border_title = "Models"
         self.cursor_type = "row"
         self.zebra_stripes = True
-        self.add_columns("model", "name", "weights", "fit", "max ctx", "on disk")
+        self.add_columns(*COLUMNS)
 
     def load(self, fits: tuple[Any, ...], downloaded: frozenset[str], *, select: str | None = None) -> None:
         self.clear()
-        for fit in fits:
-            label, style = BADGES.get(fit.verdict, (fit.verdict, ""))
-            approx = "~" if fit.estimated else ""
-            self.add_row(
-                fit.ref,
-                fit.name,
-                f"{approx}{human_bytes(fit.weights_bytes)}",
-                Text(label, style=style),
-                human_context(fit.max_context),
-                "yes" if fit.ref in downloaded else "-",
-                key=fit.ref,
-            )
         refs = [fit.ref for fit in fits]
+        if select and select not in refs:  # a folder or repo id from the settings: not in the catalog
+            on_disk = "yes" if Path(select).expanduser().exists() else "?"
+            not_rated = Text("not rated", style="dim")
+            self.add_row(_short(select), not_rated, "-", "-", on_disk, "your default model", key=select)
+            refs.insert(0, select)
+        for fit in fits:
+            self.add_row(*_cells(fit, fit.ref in downloaded), key=fit.ref)
         if select in refs:
             self.move_cursor(row=refs.index(select))
 
     def mark_downloaded(self, ref: str) -> None:
         if ref in self.rows:
-            self.update_cell(ref, self.ordered_columns[-1].key, "yes")
+            self.update_cell(ref, self.ordered_columns[ON_DISK].key, "yes")
 
     @property
     def selected_ref(self) -> str | None:
         if not self.row_count:
             return None
         return str(self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value)
+
+
+def _cells(fit: Any, downloaded: bool) -> tuple[object, ...]:
+    label, style = BADGES.get(fit.verdict, (fit.verdict, ""))
+    weights = ("~" if fit.estimated else "") + human_bytes(fit.weights_bytes)
+    return (
+        fit.ref,
+        Text(label, style=style),
+        human_context(fit.max_context),
+        weights,
+        "yes" if downloaded else "-",
+        fit.name,
+    )
+
+
+def _short(ref: str, width: int = 24) -> str:
+    name = Path(ref).name if "/" in ref and Path(ref).expanduser().exists() else ref
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
