@@ -22,6 +22,7 @@ def gdn_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus((a + dt_bias).astype(mx.float32)))
 
 
+@mx.compile
 def l2norm_qk(q: mx.array, k: mx.array, eps: float = 1e-6) -> tuple[mx.array, mx.array]:
     """`x / sqrt(sum x^2 + eps)` for q and k, then q scaled by `Dk^-0.5` (the readout scale).
 

@@ -76,7 +76,9 @@ def ssm_scan(
     """Same contract as `ssm_scan_reference`: one step for T == 1, else the chunked SSD form
     (quadratic within a chunk, recurrent across chunks), all in float32."""
     if x.shape[1] == 1:
-        return ssm_scan_reference(x, dt, A_log, B, C, D, state)
+        if state is None:
+            state = mx.zeros((x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), dtype=mx.float32)
+        return _decode_step(x, dt, A_log, B, C, D, state)
     b, T, H, P = x.shape
     N = B.shape[-1]
     if state is None:
@@ -93,6 +95,11 @@ def ssm_scan(
         ys.append(y)
     y = mx.concatenate(ys, axis=1) + xf * D.astype(mx.float32)[:, None]
     return y.astype(x.dtype), state
+
+
+@mx.compile  # a decode step is a dozen small ops; fused they cost one launch or a few
+def _decode_step(x, dt, A_log, B, C, D, state):
+    return ssm_scan_reference(x, dt, A_log, B, C, D, state)
 
 
 def _ssd_chunk(x, dt, A, Bh, Ch, state):
