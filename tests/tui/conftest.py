@@ -12,7 +12,10 @@ from kapitsa.tui.app import KapitsaApp
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))  # nothing downloaded
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))  # read at import time
     monkeypatch.setenv("KAPITSA_BENCH_DIR", str(tmp_path / "bench"))
     monkeypatch.delenv("KAPITSA_BENCH_RESULTS_URL", raising=False)
 
