@@ -48,6 +48,21 @@ def test_nemotron_pattern_spellings(spelling):
     assert nemotron_h.ModelArgs.from_dict({**base, **spelling}).pattern == "M*-E"
 
 
+def test_nemotron_null_fields_fall_back():
+    cfg = dict(
+        nemotron_config("dense"),
+        n_group=None,
+        topk_group=None,
+        routed_scaling_factor=None,
+        n_routed_experts=None,
+        norm_topk_prob=None,
+        moe_latent_size=None,
+        head_dim=None,
+    )
+    args = nemotron_h.ModelArgs.from_dict(cfg)
+    assert (args.n_group, args.routed_scaling_factor, args.head_dim) == (1, 1.0, 16)
+
+
 def test_nemotron_bad_patterns():
     base = {k: v for k, v in nemotron_config("dense").items() if k != "hybrid_override_pattern"}
     with pytest.raises(CheckpointError):

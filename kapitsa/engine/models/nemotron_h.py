@@ -88,6 +88,14 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        # configs spell "not used" as null; fall back to the neutral values
+        self.n_group, self.topk_group = self.n_group or 1, self.topk_group or 1
+        self.routed_scaling_factor = float(self.routed_scaling_factor or 1.0)
+        self.norm_topk_prob = True if self.norm_topk_prob is None else self.norm_topk_prob
+        self.n_routed_experts, self.num_experts_per_tok = (
+            self.n_routed_experts or 0,
+            self.num_experts_per_tok or 0,
+        )
         lo, hi = self.time_step_limit if self.time_step_limit is not None else (0.0, float("inf"))
         self.time_step_limit = (float(lo), float(hi))
         require(self.mamba_num_heads % self.n_groups == 0, "mamba_num_heads must be a multiple of n_groups")
