@@ -146,6 +146,15 @@ class HybridLM(nn.Module):
         out.hidden = h
         return out
 
+    @staticmethod
+    def last_hidden(hidden: mx.array, lengths: list[int] | None = None) -> mx.array:
+        """`[B, 1, H]`: each row's hidden state at its last real token (right-padded batches), so
+        a prefill computes logits for one position per row instead of all T."""
+        if lengths is None:
+            return hidden[:, -1:]
+        ends = mx.array([max(n, 1) - 1 for n in lengths], dtype=mx.int32)
+        return mx.take_along_axis(hidden, ends[:, None, None], axis=1)
+
     def final_norm(self, hidden: mx.array) -> mx.array:
         return self.backbone_parts()[2](hidden)
 
