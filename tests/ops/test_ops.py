@@ -144,3 +144,19 @@ def test_relu_squared_experts_and_quantized_path():
     assert _close(mlp(x, inds), want, 1e-4)
     nn.quantize(mlp, group_size=32, bits=8)
     assert "scales" in mlp.fc1 and _close(mlp(x, inds), want, 0.05 * mx.abs(want).max().item())
+
+
+@pytest.mark.parametrize(
+    ("mode", "group_size", "bits"), [("affine", 64, 4), ("affine", 32, 8), ("mxfp4", 32, 4), ("nvfp4", 16, 4)]
+)
+def test_quantized_switch_linear_equals_its_dequantized_weights(mode, group_size, bits):
+    from kapitsa.engine.ops.moe import SwitchLinear
+
+    mx.random.seed(6)
+    layer = SwitchLinear(64, 48, 4)
+    q = layer.to_quantized(group_size, bits, mode)
+    dense = mx.dequantize(q.weight, q.scales, q.get("biases"), group_size, bits, mode=mode)
+    x = mx.random.normal((5, 1, 1, 64))
+    inds = mx.array([[0], [3], [1], [1], [2]])  # [tokens, k=1]
+    want = mx.stack([x[i, 0, 0] @ dense[int(inds[i, 0])].T for i in range(5)])
+    assert _close(q(x, inds)[:, 0, 0], want, 1e-3)
