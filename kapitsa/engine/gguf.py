@@ -113,7 +113,7 @@ def _widest(dtypes: dict[str, mx.Dtype]) -> mx.Dtype:
 
 
 class _LazyDequantized(dict):
-    """GGUF tensors by name, dequantized (with MLX) on access, one tensor at a time."""
+    """GGUF tensors by name, dequantized (with MLX) on access."""
 
     def __init__(self, raw: dict[str, Any]) -> None:
         super().__init__(raw)
@@ -124,9 +124,10 @@ class _LazyDequantized(dict):
 
 
 def _to_mx(values: mx.array, dtype: mx.Dtype) -> mx.array:
-    # 1-D tensors (norms, biases, A, D) stay float32 as llama.cpp stores them
+    # 1-D tensors (norms, biases, A, D) stay float32 as llama.cpp stores them. Evaluated now, one
+    # tensor at a time, so its copy of the quantized bytes and float32 intermediates are freed.
     out = values if values.ndim == 1 else values.astype(dtype)
-    mx.eval(out)  # one tensor at a time: its float32 intermediates are freed before the next
+    mx.eval(out)
     return out
 
 

@@ -62,6 +62,10 @@ def build_model(
 ) -> tuple[nn.Module, str | None]:
     """Instantiate the model for `config`, load `weights` (Hugging Face or MLX names), quantize.
 
+    `weights` is consumed (emptied): with no other reference to the lazy float tensors, MLX frees
+    each one as soon as its quantized form is computed, so quantizing on load never holds the
+    whole float model in memory.
+
     Returns:
         The evaluated model and a description of its quantization ("4bit", "bf16", None).
     """
@@ -71,7 +75,7 @@ def build_model(
     module = get_model_module(model_type)
     try:
         model = module.Model(module.ModelArgs.from_dict(config))
-        weights = model.sanitize(dict(weights))
+        sanitized = model.sanitize(dict(weights))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
             f"config.json and the weights do not describe a {model_type} model: {e!r}"
@@ -83,8 +87,10 @@ def build_model(
                 f"this checkpoint is already quantized ({describe_quantization(stored)}); "
                 f"it cannot be loaded as {quant.name}"
             )
-        restore_checkpoint_quantization(model, stored, weights)
-    _load_weights(model, weights)
+        restore_checkpoint_quantization(model, stored, sanitized)
+    weights.clear()
+    _load_weights(model, sanitized)
+    sanitized.clear()
     description = describe_quantization(stored) if stored else None
     if quant is not None and stored is None:
         if quant.is_quantized:
@@ -161,7 +167,7 @@ def _load_gguf_file(
     checkpoint = read_gguf(path)
     suggested = checkpoint.suggested_quantization
     requested = quant or (parse_quant_spec(suggested) if suggested else None)
-    model, quantization = build_model(checkpoint.config, checkpoint.weights, requested)
+    model, quantization = build_model(checkpoint.config, checkpoint.weights, requested)  # empties weights
     return model, checkpoint.tokenizer, checkpoint.config, quantization
 
 

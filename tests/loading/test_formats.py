@@ -171,3 +171,16 @@ def test_tied_embeddings(tiny):
     loaded = load_model(tiny("qwen3_5", tie_word_embeddings=True))
     assert "lm_head" not in loaded.model.language_model
     assert mx.isfinite(logits_of(loaded)).all().item()
+
+
+def test_quantizing_on_load_never_holds_the_whole_float_model(tmp_path):
+    from kapitsa.engine.tiny import write_tiny_checkpoint
+
+    sizes = {"hidden_size": 512, "intermediate_size": 2048, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+             "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_hidden_layers": 8}  # fmt: skip
+    folder = write_tiny_checkpoint(tmp_path, "qwen3_5", dtype="bfloat16", **sizes)
+    float_bytes = (folder / "model.safetensors").stat().st_size
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    load_model(folder, quantize="4bit")
+    assert mx.get_peak_memory() < 0.9 * float_bytes
