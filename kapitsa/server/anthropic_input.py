@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,6 +11,7 @@ from kapitsa.errors import InvalidRequest
 from kapitsa.server.prompt import fold_system_messages, strip_attribution
 
 _UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+log = logging.getLogger("kapitsa.server")
 _SKIPPED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result", "tool_reference")
 
 
@@ -76,6 +78,14 @@ def _result_text(content: Any) -> str:
     return "\n".join(texts)
 
 
+def _skip(kind: Any, role: str) -> None:
+    """Blocks the local model cannot use are dropped; new block types from newer clients must not end a session."""
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"A content block in a {role} message has no `type`.")
+    if kind not in _SKIPPED_BLOCKS:
+        log.warning("ignoring unknown content block type %r in a %s message", kind, role)
+
+
 def _user_messages(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tool results become `tool` messages (in order); the remaining text one user message after them."""
     out: list[dict[str, Any]] = []
@@ -97,8 +107,8 @@ def _user_messages(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             texts.append(_block_text(block))
         elif kind in _UNSUPPORTED_BLOCKS:
             raise InvalidRequest(f"`{kind}` blocks are not supported: the served model reads text only.")
-        elif kind not in _SKIPPED_BLOCKS:
-            raise InvalidRequest(f"Unsupported content block type `{kind}` in a user message.")
+        else:
+            _skip(kind, "user")
     if texts:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -122,8 +132,8 @@ def _assistant_message(blocks: list[dict[str, Any]]) -> dict[str, Any]:
                     "function": {"name": str(block.get("name", "")), "arguments": arguments},
                 }
             )
-        elif kind not in _SKIPPED_BLOCKS:
-            raise InvalidRequest(f"Unsupported content block type `{kind}` in an assistant message.")
+        else:
+            _skip(kind, "assistant")
     message["content"] = "\n".join(texts)
     if thoughts:
         message["reasoning_content"] = "\n".join(thoughts)

@@ -6,6 +6,7 @@ Codex is stateless over HTTP: every turn re-sends the whole history as items (`m
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +15,7 @@ from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import flatten_text
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 
+log = logging.getLogger("kapitsa.server")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 _IGNORED_ITEMS = (
     "web_search_call",
@@ -79,8 +81,10 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                     "tool_call_id": str(item.get("call_id", "")),
                 }
             )
+        elif not isinstance(kind, str):
+            raise InvalidRequest("An input item has neither `type` nor `role`.")
         elif kind not in _IGNORED_ITEMS:
-            raise InvalidRequest(f"Unsupported input item type `{kind}`.")
+            log.warning("ignoring unknown input item type %r", kind)  # newer clients add item types
         if pending_reasoning and messages and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"] = pending_reasoning
             pending_reasoning = ""

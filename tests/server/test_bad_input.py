@@ -117,11 +117,11 @@ JSON_CASES = [  # (path, body, status, param or None)
         400,
         None,
     ),
-    (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "mystery"}]}]), 400, None),
+    (MSGS, msgs(messages=[{"role": "user", "content": [{"text": "no type"}]}]), 400, None),
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, None),
     (MSGS, msgs(tool_choice={"type": "tool", "name": "nope"}), 400, None),
     (MSGS, msgs(system=7), 400, "system"),
-    (RESP, {"model": "fake", "input": [{"type": "teleport"}]}, 400, None),
+    (RESP, {"model": "fake", "input": [{"content": "neither type nor role"}]}, 400, None),
     (RESP, {"model": "fake", "input": "hi", "previous_response_id": "resp_1"}, 400, None),
     (RESP, {"model": "fake", "input": [{"type": "message", "role": "wizard", "content": "x"}]}, 400, None),
     (RESP, {"model": "fake", "input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
@@ -249,3 +249,14 @@ def test_max_tokens_beyond_the_room_left_is_clamped_not_refused() -> None:
         assert refused.status_code == 400
         assert refused.json()["error"]["message"].startswith("prompt is too long: ")
         assert refused.json()["error"]["message"].endswith(" tokens > 400 maximum")
+
+
+def test_unknown_block_and_item_types_from_newer_clients_are_skipped(client: httpx.Client) -> None:
+    future_block = {"type": "connector_text_2099", "text": "?"}
+    body = msgs(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, future_block]}])
+    assert client.post(MSGS, json=body).status_code == 200
+    items = [
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "tool_search_call_2099", "id": "x"},
+    ]
+    assert client.post(RESP, json={"model": "fake", "input": items}).status_code == 200
