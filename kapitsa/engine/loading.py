@@ -8,7 +8,8 @@ anything is returned; nothing global is touched, so a failed load leaves no stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class LoadedModel:
     config: dict[str, Any]  # config.json as published (for GGUF: rebuilt from its metadata)
     path: Path
     info: ModelInfo
+    # generation_config.json (the publisher's sampling defaults: temperature, top_p, top_k...); {} if none
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -204,4 +207,16 @@ def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str |
         model, tokenizer, config, quantization = _load_folder(path, quant)
     default_id = ref.source if not Path(ref.source).expanduser().exists() else path.name
     info = make_model_info(model_id or default_id, config, tokenizer, path, quantization)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, info=info)
+    generation = _generation_config(path) if path.is_dir() else {}
+    return LoadedModel(model, tokenizer, config, path, info, generation)
+
+
+def _generation_config(folder: Path) -> dict[str, Any]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    return value if isinstance(value, dict) else {}

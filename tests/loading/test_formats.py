@@ -156,6 +156,7 @@ def test_model_info(tiny):
         "nemotron",
     )
     assert nemotron.tokenizer.eos_token_ids == (2, 11)
+    assert qwen.generation_config["temperature"] == 0.6 and qwen.generation_config["top_k"] == 20
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
