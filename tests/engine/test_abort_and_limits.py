@@ -61,12 +61,15 @@ async def test_abort_mid_prefill_and_mid_decode_frees_memory(family_model, make_
     mid_prefill = _abort_after(
         client, _req(LONG_PROMPT, 20), when=lambda e: isinstance(e, PrefillProgressEvent)
     )
-    decoded = []
-    mid_decode = _abort_after(
-        client,
-        _req("decode me", 100),
-        when=lambda e: isinstance(e, TokenEvent) and decoded.append(e) is None and len(decoded) == 3,
-    )
+    decoded, held = [], []
+
+    def third_token(event) -> bool:
+        if isinstance(event, TokenEvent):
+            decoded.append(event)
+            held.append(mx.get_active_memory())  # while the three requests hold their caches
+        return len(decoded) == 3 and isinstance(event, TokenEvent)
+
+    mid_decode = _abort_after(client, _req("decode me", 100), when=third_token)
     prefill_events, decode_events = await asyncio.gather(mid_prefill, mid_decode)
     assert prefill_events[-1].finish_reason == "abort" and not any(
         isinstance(e, TokenEvent) for e in prefill_events
@@ -75,7 +78,9 @@ async def test_abort_mid_prefill_and_mid_decode_frees_memory(family_model, make_
     assert 3 <= decode_events[-1].usage.completion_tokens < 100
     ids, events = await neighbour
     assert ids == alone and events[-1].finish_reason == "length"
-    assert await _settle(client) <= baseline
+    # A few bytes of bookkeeping (PRNG keys) may outlive a request; its caches are far larger.
+    assert max(held) > baseline + 16_384
+    assert await _settle(client) <= baseline + 1024
     assert client.engine.memory.reserved_bytes == 0 and client.engine.batch.cache is None
 
 
