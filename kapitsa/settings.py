@@ -14,10 +14,10 @@ macOS, `$XDG_CONFIG_HOME/kapitsa` on Linux), or the file `KAPITSA_CONFIG` names.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-import platformdirs
 from pydantic import Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
@@ -32,9 +32,25 @@ APP_NAME = "kapitsa"
 DEFAULT_PORT = 8484
 
 
+def _user_dir(xdg_variable: str, xdg_default: str) -> Path:
+    """macOS keeps app config and state in Application Support; elsewhere the XDG folders."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / APP_NAME
+    base = os.environ.get(xdg_variable)
+    return (Path(base) if base else Path.home() / xdg_default) / APP_NAME
+
+
+def user_config_dir() -> Path:
+    return _user_dir("XDG_CONFIG_HOME", ".config")
+
+
+def user_state_dir() -> Path:
+    return _user_dir("XDG_STATE_HOME", ".local/state")
+
+
 def config_file_path() -> Path:
     override = os.environ.get("KAPITSA_CONFIG")
-    return Path(override).expanduser() if override else Path(platformdirs.user_config_dir(APP_NAME)) / "config.toml"
+    return Path(override).expanduser() if override else user_config_dir() / "config.toml"
 
 
 class KapitsaSettings(BaseSettings):
@@ -52,7 +68,7 @@ class KapitsaSettings(BaseSettings):
     server_start_timeout_s: float = Field(600.0, gt=0)
     """How long a launcher waits for a server it started to answer `/health` (loading big weights is slow)."""
 
-    state_dir: Path = Path(platformdirs.user_state_dir(APP_NAME))
+    state_dir: Path = Field(default_factory=user_state_dir)
     """kapitsa's own files: server logs, the Codex model catalog, pi backups, the token fallback file."""
 
     catalog: dict[str, dict[str, Any]] = {}
