@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,8 +56,13 @@ def _add_service_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        models = state_of(request).client.models()
-        return {"object": "list", "data": [_model_entry(m) for m in models]}
+        models = [_model_entry(m) for m in state_of(request).client.models()]
+        # One body for both APIs: OpenAI reads `object`/`data`; Anthropic's pagination fields ride along.
+        first, last = (models[0]["id"], models[-1]["id"]) if models else (None, None)
+        return {"object": "list", "data": models, "has_more": False, "first_id": first, "last_id": last}
+
+
+_STARTED_AT = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _model_entry(model: Any) -> dict[str, Any]:
@@ -68,6 +74,7 @@ def _model_entry(model: Any) -> dict[str, Any]:
         # Anthropic's /v1/models shape shares `id`; these extras let launchers size context windows.
         "type": "model",
         "display_name": model.id,
+        "created_at": _STARTED_AT,
         "context_length": model.context_length,
         "max_output_tokens": model.max_output_tokens,
     }

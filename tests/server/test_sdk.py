@@ -290,3 +290,8 @@ def test_completions_logprobs(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue("hi")
     out = oai.completions.create(model="fake", prompt="x", logprobs=1)
     assert out.choices[0].logprobs.tokens == ["h", "i"] and out.choices[0].logprobs.text_offset == [0, 1]
+
+
+def test_models_list_reads_with_the_anthropic_sdk_too(claude: anthropic.Anthropic) -> None:
+    page = claude.models.list()
+    assert [m.id for m in page.data] == ["fake"] and page.data[0].type == "model"
