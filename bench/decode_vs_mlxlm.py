@@ -176,7 +176,7 @@ def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
         config=EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048),
     )
 
-    async def run() -> dict:
+    async def run(tokens: int = tokens) -> dict:
         start = time.perf_counter()
         first = None
         n = 0
@@ -196,7 +196,7 @@ def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
         )
 
     try:
-        asyncio.run(run())  # warm-up: kernels compile, buffers allocate
+        asyncio.run(run(8))  # warm-up: kernels compile, buffers allocate
         return asyncio.run(run())
     finally:
         client.close()
@@ -205,7 +205,7 @@ def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
 def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
     from mlx_lm.generate import generate_step
 
-    def run() -> dict:
+    def run(tokens: int = tokens) -> dict:
         start = time.perf_counter()
         first = None
         n = 0
@@ -222,7 +222,7 @@ def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
             prefill_tok_s=len(prompt) / (first - start),
         )
 
-    run()
+    run(8)
     return run()
 
 
