@@ -52,7 +52,7 @@ def ensure_agents() -> tuple[Path | None, str]:
 
 
 def agent_version(name: str) -> str:
-    package = agents_dir() / "node_modules" / PACKAGES[name] / "package.json"
+    package = agents_dir() / "node_modules" / PACKAGES[name.split("-")[0]] / "package.json"
     return str(json.loads(package.read_text())["version"])
 
 
@@ -191,19 +191,27 @@ def agent_command(
         )
         # The prompt goes through stdin: `opencode run "text"` wraps it in literal quotes.
         return [str(bin_dir / "opencode"), "run", "--pure", "-m", "kapitsa/fake"], env, PROMPT
+    return _pi_command(name, bin_dir, base_url, home, env)
+
+
+PI_APIS = {
+    "pi": "openai-completions",
+    "pi-responses": "openai-responses",
+    "pi-anthropic": "anthropic-messages",
+}
+
+
+def _pi_command(
+    name: str, bin_dir: Path, base_url: str, home: Path, env: dict[str, str]
+) -> tuple[list[str], dict[str, str], str | None]:
+    """pi speaks each of the three APIs, depending on the provider's `api`."""
+    api = PI_APIS[name]
     agent_dir = home / "pi-agent"
     agent_dir.mkdir(parents=True, exist_ok=True)
-    models = {
-        "providers": {
-            "kapitsa": {
-                "baseUrl": f"{base_url}/v1",
-                "api": "openai-completions",
-                "apiKey": "KAPITSA_API_KEY",
-                "models": [{"id": "fake", "name": "fake", "contextWindow": 32768, "maxTokens": 8192}],
-            }
-        }
-    }
-    (agent_dir / "models.json").write_text(json.dumps(models))
+    root = base_url if api == "anthropic-messages" else f"{base_url}/v1"  # the Anthropic SDK adds /v1 itself
+    model = {"id": "fake", "name": "fake", "contextWindow": 32768, "maxTokens": 8192}
+    provider = {"baseUrl": root, "api": api, "apiKey": "KAPITSA_API_KEY", "models": [model]}
+    (agent_dir / "models.json").write_text(json.dumps({"providers": {"kapitsa": provider}}))
     env.update(PI_CODING_AGENT_DIR=str(agent_dir), PI_OFFLINE="1", PI_TELEMETRY="0", KAPITSA_API_KEY="x")
     return (
         [str(bin_dir / "pi"), "-p", PROMPT, "--provider", "kapitsa", "--model", "fake", "--no-session"],

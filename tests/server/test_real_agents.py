@@ -17,7 +17,14 @@ from server_harness import live_server
 
 from kapitsa.engine.fake import FakeEngine
 
-FORMATS = {"claude": "qwen3_coder", "codex": "hermes", "opencode": "nemotron", "pi": "qwen3_coder"}
+FORMATS = {
+    "claude": "qwen3_coder",
+    "codex": "hermes",
+    "opencode": "nemotron",
+    "pi": "qwen3_coder",
+    "pi-responses": "hermes",
+    "pi-anthropic": "nemotron",
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +40,7 @@ def test_agent_runs_a_tool_call_and_finishes(agent: str, bin_dir: Path, tmp_path
     work, home = tmp_path / "work", tmp_path / "home"
     work.mkdir()
     home.mkdir()
-    marker = f"KAPITSA_{agent.upper()}_OK"
+    marker = f"KAPITSA_{agent.upper().replace('-', '_')}_OK"
     engine = FakeEngine(responder=ScriptedAgentModel(f"echo {marker} > kapitsa_probe.txt", FORMATS[agent]))
     with live_server(engine) as live:
         argv, env, stdin = agent_command(agent, bin_dir, live.url, home, work)
