@@ -5,6 +5,7 @@ transforms, tensor names from gguf-py's own TensorNameMap. Test support only."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -263,9 +264,19 @@ def _nemotron_metadata(writer: gguf.GGUFWriter, c: dict) -> None:
         writer.add_expert_group_count(c["n_group"])
 
 
+RawTensor = tuple[np.ndarray, QT]  # bytes as gguf stores them, and their type
+
+
 def export_gguf(
-    folder: Path, out: Path, qtype: QT = QT.Q8_0, *, arch_override: str | None = None, mtp: bool = False
+    folder: Path,
+    out: Path,
+    qtype: QT = QT.Q8_0,
+    *,
+    arch_override: str | None = None,
+    mtp: bool = False,
+    raw_tensor: Callable[[str, np.ndarray], RawTensor | None] | None = None,
 ) -> Path:
+    """`raw_tensor(gguf_name, values)` may supply a tensor's stored bytes itself (e.g. K-quant blocks)."""
     config = json.loads((folder / "config.json").read_text())
     kind = config["model_type"]
     weights = _read_weights(folder)
@@ -299,7 +310,11 @@ def export_gguf(
         else:
             gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, f"no GGUF name for {name}"
-        _add_tensor(writer, gguf_name, x, qtype)
+        supplied = raw_tensor(gguf_name, x) if raw_tensor else None
+        if supplied is not None:
+            writer.add_tensor(gguf_name, supplied[0], raw_dtype=supplied[1])
+        else:
+            _add_tensor(writer, gguf_name, x, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

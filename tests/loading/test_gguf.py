@@ -161,3 +161,40 @@ def test_qwen_gguf_mtp_blocks_become_mtp_weights(tiny, tmp_path, kind):
     for name, value in expected.items():
         np.testing.assert_allclose(np.array(loaded[name]), np.array(value), atol=1e-6, err_msg=name)
     np.testing.assert_allclose(np.array(logits_of(from_gguf)), np.array(logits_of(from_folder)), atol=1e-4)
+
+
+def test_k_quant_gguf_loads_the_values_gguf_reference_decodes(tiny, tmp_path):
+    # gguf-py cannot write K-quants, so matrices get random valid Q4_K / Q6_K blocks; the same file
+    # with the reference-decoded values stored as F32 must give the identical model.
+    source = tiny("nemotron_h_dense", hidden_size=256, intermediate_size=512)
+    kinds = {}
+
+    def blocks_for(name, values):
+        if values.ndim != 2 or values.shape[-1] % 256 or "ssm_conv1d" in name:
+            return None
+        qtype = QT.Q4_K if len(kinds) % 2 == 0 else QT.Q6_K
+        kinds.setdefault(name, qtype)
+        raw = _random_blocks(
+            kinds[name], rows=values.shape[0], blocks_per_row=values.shape[1] // 256, seed=len(name)
+        )
+        _, type_size = GGML_QUANT_SIZES[kinds[name]]
+        scale_offsets = _F16_FIELDS[kinds[name]]
+        scaled = raw.reshape(-1, type_size)
+        for offset in scale_offsets:  # keep weights small: |d| around 1e-3
+            d = scaled[:, offset : offset + 2].copy().view(np.float16).astype(np.float32) * 0.02
+            scaled[:, offset : offset + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return raw, kinds[name]
+
+    quantized = export_gguf(source, tmp_path / "k.gguf", QT.F32, raw_tensor=blocks_for)
+    assert set(kinds.values()) == {QT.Q4_K, QT.Q6_K}
+
+    def reference_values(name, values):
+        supplied = blocks_for(name, values)
+        return None if supplied is None else (gguf_quants.dequantize(*supplied).astype(np.float32), QT.F32)
+
+    decoded = export_gguf(source, tmp_path / "ref.gguf", QT.F32, raw_tensor=reference_values)
+    # dequantized blocks are held in bf16, so compare both as bf16
+    from_k = load_model(quantized, quantize="bf16")
+    from_reference = load_model(decoded, quantize="bf16")
+    assert load_model(quantized).info.quantization in ("4bit", "6bit")
+    np.testing.assert_array_equal(np.array(logits_of(from_k)), np.array(logits_of(from_reference)))
