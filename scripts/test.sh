@@ -8,7 +8,8 @@ python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || { echo "kapitsa needs Python >= 3.11 ($python is older; set PYTHON=...)" >&2; exit 1; }
-  "$python" -m venv .venv
+  "$python" -m venv .venv \
+    || { echo "'$python -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)" >&2; rm -rf .venv; exit 1; }
 fi
 .venv/bin/python -m pip install -q --upgrade "pip>=25.1"  # 25.1 brings --group
 .venv/bin/python -m pip install -q -e . --group test
