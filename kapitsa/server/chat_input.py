@@ -1,0 +1,109 @@
+"""OpenAI chat-completions request → `GenerationRequest` (pure functions)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kapitsa.engine.types import GenerationRequest, ModelInfo
+from kapitsa.errors import InvalidRequest
+from kapitsa.server.common import flatten_text, make_sampling, thinking_kwargs
+from kapitsa.server.openai_models import ChatMessage, ChatRequest
+from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages → chat-template messages (HF semantics: tool-call arguments as dicts)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        text = flatten_text(m.content)
+        if m.role in ("tool", "function"):
+            out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id or m.name or ""})
+        elif m.role == "assistant":
+            out.append(_assistant_message(m, text))
+        else:
+            out.append({"role": m.role, "content": text})
+    return out
+
+
+def _assistant_message(m: ChatMessage, text: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    reasoning = m.reasoning_content or m.reasoning
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": c.id or "",
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    return message
+
+
+def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
+    """The function tools the model may call, after `tool_choice` (a named tool narrows the list)."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or [] if t.type == "function" and t.function]
+    if body.tool_choice == "none" or not tools:
+        return None
+    if isinstance(body.tool_choice, dict):
+        name = (body.tool_choice.get("function") or {}).get("name") or body.tool_choice.get("name")
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise _invalid("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
+    return tools
+
+
+def _invalid(param: str, message: str) -> InvalidRequest:
+    err = InvalidRequest(message)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
+def chat_thinking(body: ChatRequest) -> bool | None:
+    kwargs = body.chat_template_kwargs or {}
+    if isinstance(kwargs.get("enable_thinking"), bool):
+        return bool(kwargs["enable_thinking"])
+    if body.enable_thinking is not None:
+        return body.enable_thinking
+    if body.reasoning_effort is not None:
+        return body.reasoning_effort != "none"
+    return None
+
+
+def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequest:
+    messages = chat_messages(body.messages)
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
+        if fmt.type == "json_schema" and not isinstance(schema, dict):
+            raise _invalid("response_format", "response_format json_schema needs `json_schema.schema`.")
+        messages.insert(0, {"role": "system", "content": json_mode_instruction(schema)})
+    messages = fold_system_messages(messages)
+    if not messages:
+        raise _invalid("messages", "messages holds no user or assistant message.")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    sampling = make_sampling(
+        model,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        stop=stop,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
+    return GenerationRequest(
+        messages=tuple(messages),
+        tools=tuple(chat_tools(body) or ()) or None,
+        sampling=sampling,
+        model=model.id,
+        chat_template_kwargs=thinking_kwargs(chat_thinking(body)),
+        request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+    )

@@ -1,0 +1,253 @@
+"""Responses API output: the response object and its SSE events, built from parsed parts (pure; no I/O)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from kapitsa.engine.types import FinishEvent, Usage
+from kapitsa.errors import ContextOverflow, EngineBusy, EngineDead, KapitsaError
+from kapitsa.server.common import now, sse, usage_cached
+from kapitsa.server.output import ReasoningPart, TextPart
+from kapitsa.server.tool_calls import ToolCall
+
+
+def responses_usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage_cached(usage)},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def failure_code(error: Exception) -> str:
+    if isinstance(error, ContextOverflow):
+        return "context_length_exceeded"
+    if isinstance(error, (EngineBusy, EngineDead)):
+        return "server_is_overloaded"
+    return "server_error"
+
+
+class ResponseBuilder:
+    """Builds the response object and its SSE events from parsed parts (pure; no I/O)."""
+
+    def __init__(self, *, response_id: str, model: str, namespaces: dict[str, str], custom: set[str]) -> None:
+        self.response = {
+            "id": response_id,
+            "object": "response",
+            "created_at": now(),
+            "status": "in_progress",
+            "model": model,
+            "output": [],
+            "usage": None,
+            "error": None,
+            "incomplete_details": None,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+        }
+        self.namespaces, self.custom = namespaces, custom
+        self.seq = 0
+        self.open_item: dict[str, Any] | None = None
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(data, event=kind)
+
+    def opening(self) -> list[bytes]:
+        return [
+            self.event("response.created", response=dict(self.response)),
+            self.event("response.in_progress", response=dict(self.response)),
+        ]
+
+    def parts(self, parts: list[Any]) -> list[bytes]:
+        frames: list[bytes] = []
+        for part in parts:
+            if isinstance(part, ToolCall):
+                frames += self._close_open() + self._tool_call(part)
+            else:
+                frames += self._text_delta(part)
+        return frames
+
+    def _text_delta(self, part: TextPart | ReasoningPart) -> list[bytes]:
+        kind = "reasoning" if isinstance(part, ReasoningPart) else "message"
+        frames = (
+            [] if self.open_item and self.open_item["type"] == kind else self._close_open() + self._open(kind)
+        )
+        item, index = self.open_item, len(self.response["output"])
+        assert item is not None
+        item["_text"] += part.text
+        delta_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return frames + [
+            self.event(
+                delta_event, item_id=item["id"], output_index=index, content_index=0, delta=part.text, **extra
+            )
+        ]
+
+    def _open(self, kind: str) -> list[bytes]:
+        index = len(self.response["output"])
+        if kind == "reasoning":
+            self.open_item = {
+                "type": "reasoning",
+                "id": f"rs_{uuid.uuid4().hex[:24]}",
+                "summary": [],
+                "_text": "",
+            }
+            return [
+                self.event("response.output_item.added", output_index=index, item=_public(self.open_item))
+            ]
+        self.open_item = {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex[:24]}",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+            "_text": "",
+        }
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [
+            self.event("response.output_item.added", output_index=index, item=_public(self.open_item)),
+            self.event(
+                "response.content_part.added",
+                item_id=self.open_item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
+    def _close_open(self) -> list[bytes]:
+        item, self.open_item = self.open_item, None
+        if item is None:
+            return []
+        index, text = len(self.response["output"]), item.pop("_text")
+        if item["type"] == "reasoning":
+            item.update(content=[{"type": "reasoning_text", "text": text}], encrypted_content=text)
+            frames = [
+                self.event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            ]
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            item.update(status="completed", content=[part])
+            frames = [
+                self.event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                self.event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=part,
+                ),
+            ]
+        self.response["output"].append(item)
+        return frames + [self.event("response.output_item.done", output_index=index, item=item)]
+
+    def _tool_call(self, call: ToolCall) -> list[bytes]:
+        index = len(self.response["output"])
+        item = self._call_item(call)
+        self.response["output"].append(item)
+        if item["type"] == "custom_tool_call":
+            return [
+                self.event("response.output_item.added", output_index=index, item={**item, "input": ""}),
+                self.event(
+                    "response.custom_tool_call_input.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=item["input"],
+                ),
+                self.event(
+                    "response.custom_tool_call_input.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    input=item["input"],
+                ),
+                self.event("response.output_item.done", output_index=index, item=item),
+            ]
+        return [
+            self.event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),
+            self.event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=call.arguments,
+            ),
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=call.arguments,
+                name=call.name,
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def _call_item(self, call: ToolCall) -> dict[str, Any]:
+        item_id = f"fc_{uuid.uuid4().hex[:24]}"
+        if call.name in self.custom:
+            return {
+                "type": "custom_tool_call",
+                "id": item_id,
+                "call_id": call.id,
+                "name": call.name,
+                "input": str(json.loads(call.arguments).get("input", "")),
+                "status": "completed",
+            }
+        item = {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
+        if call.name in self.namespaces:
+            item["namespace"] = self.namespaces[call.name]
+        return item
+
+    def finish(self, finish: FinishEvent) -> dict[str, Any]:
+        self._close_open()  # events are produced by `closing`; this path is for the non-stream body
+        return self._finished(finish)
+
+    def _finished(self, finish: FinishEvent) -> dict[str, Any]:
+        incomplete = finish.finish_reason == "length"
+        self.response.update(
+            status="incomplete" if incomplete else "completed",
+            usage=responses_usage(finish.usage),
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+        )
+        return self.response
+
+    def closing(self, finish: FinishEvent) -> list[bytes]:
+        frames = self._close_open()
+        return frames + [self.event("response.completed", response=self._finished(finish))]
+
+    def failure(self, error: Exception) -> list[bytes]:
+        message = str(error) if isinstance(error, KapitsaError) else f"Generation failed: {error}"
+        self.response.update(status="failed", error={"code": failure_code(error), "message": message})
+        return [self.event("response.failed", response=self.response)]
+
+
+def _public(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in item.items() if not k.startswith("_")}
