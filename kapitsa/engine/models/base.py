@@ -10,10 +10,15 @@ Model module contract (the loader relies on it):
     states before the final norm (and chosen layers' outputs, for drafters); `logits(hidden)`
     turns pre-norm hidden states into logits, `final_norm(hidden)` applies the last norm only;
   - `sanitize(weights) -> weights`: the only place that renames or reshapes checkpoint tensors;
-  - `make_cache(batch_size=1) -> HybridCache`, `layers`, `model_type`;
+  - `last_hidden(hidden, lengths)` -> each row's last real position (ragged prefill logits);
+  - `make_cache(batch_size=1) -> HybridCache`, `layers`, `model_type`, `args`;
+  - `state_bytes(dtype) -> (recurrent bytes per sequence, KV bytes per token)`;
   - `quant_predicate(path, module) -> bool | dict` (False: keep unquantized; a dict overrides
     group size / bits) and `cast_predicate(path) -> bool` (False: keep the stored float32).
 - `lengths[b]` (host ints) is how many tokens of row b are real (right padding); see cache.py.
+- `record=True` keeps what `cache.rollback(n)` needs to drop the last n[b] tokens by replay.
+- MTP: Qwen models get `model.mtp` (+ `mtp_forward`, `mtp_logits`, `make_mtp_cache`) when the
+  checkpoint ships `mtp.*`; Nemotron keeps them in `model.mtp_weights`.
 """
 
 from __future__ import annotations
