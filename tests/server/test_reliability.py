@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import threading
@@ -17,6 +18,7 @@ from server_harness import LiveServer, live_server
 from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import ErrorEvent, Event, GenerationRequest, TokenEvent
 from kapitsa.errors import ContextOverflow
+from kapitsa.server.streaming import GenerationRun
 
 
 def echo_reply(request: GenerationRequest) -> list[str]:
@@ -144,6 +146,8 @@ async def test_fifty_random_disconnects_leave_nothing_running() -> None:
         await asyncio.sleep(0.2)
         assert abs(server_tasks() - baseline) <= 2
         assert engine.stats().active_requests == 0
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, GenerationRun)]  # every run was freed
         # The server still answers normally afterwards.
         async with httpx.AsyncClient(base_url=live.url, timeout=20) as client:
             assert "Hello" in await stream_text(client, "messages", "again")
