@@ -4,7 +4,7 @@ almost all of their prompt, and the disk tier survives a restart and corrupt fil
 from __future__ import annotations
 
 import pytest
-from conftest import OFFSET, ByteTokenizer  # noqa: I001
+from engine_standins import OFFSET, ByteTokenizer  # noqa: I001
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import ByteTokenizer  # noqa: I001
+from engine_standins import ByteTokenizer  # noqa: I001
 
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
