@@ -6,6 +6,7 @@ import asyncio
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kapitsa.bench.local import open_local_engine
 from kapitsa.bench.machine import machine_info
@@ -47,7 +48,7 @@ def bench_main(options: BenchOptions, *, confirm: Callable[[str], bool]) -> Benc
     print(report_json(report) if options.json_out else render_text(report))
     print(f"saved {path}", file=sys.stderr)
     if options.submit:
-        _submit(report, path, options, confirm)
+        confirm_and_submit(report, path, options, confirm)
     return report
 
 
@@ -57,9 +58,7 @@ async def collect_report(options: BenchOptions, config: BenchConfig) -> BenchRep
         with open_local_engine(options.model, speculative=options.speculative) as client:
             report.engines.append(await _run_one(EngineTarget(client, name="kapitsa"), config))
     for url in options.compare:
-        target = HttpTarget(url)
-        await target.resolve_model()
-        report.engines.append(await _run_one(target, config))
+        report.engines.append(await _run_one(HttpTarget(url), config))
     return report
 
 
@@ -68,12 +67,16 @@ async def _run_one(target: BenchTarget, config: BenchConfig) -> EngineResult:
         print(f"[{target.name}] {index + 1}/{total} {name}", file=sys.stderr, flush=True)
 
     try:
+        await target.prepare()
         return await run_bench(target, config, on_progress=progress)
     finally:
         await target.aclose()
 
 
-def _submit(report: BenchReport, path, options: BenchOptions, confirm: Callable[[str], bool]) -> None:
+def confirm_and_submit(
+    report: BenchReport, path: Path, options: BenchOptions, confirm: Callable[[str], bool]
+) -> None:
+    """Show the JSON, ask, then post; without a results URL, say so (the file is kept either way)."""
     url = resolve_results_url(options.results_url)
     if url and not options.json_out:
         print(report_json(report))  # the user sees exactly what will be sent

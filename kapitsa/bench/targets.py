@@ -49,6 +49,10 @@ class BenchTarget(Protocol):
     url: str | None
     model: str | None
 
+    async def prepare(self) -> None:
+        """Anything to settle before the first request (which model an endpoint serves)."""
+        ...
+
     async def complete(self, messages: list[Message], *, max_tokens: int) -> StreamResult: ...
 
     def speculative(self) -> str | None:
@@ -69,6 +73,9 @@ class EngineTarget:
         self.name = name
         models = client.models()
         self.model = models[0].id if models else None
+
+    async def prepare(self) -> None:
+        return None
 
     async def complete(self, messages: list[Message], *, max_tokens: int) -> StreamResult:
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -138,7 +145,7 @@ class HttpTarget:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
 
-    async def resolve_model(self) -> None:
+    async def prepare(self) -> None:
         """Pick the model when the URL did not name one: the endpoint's only model, if it has one."""
         if self.model is not None:
             return

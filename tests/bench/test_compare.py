@@ -7,11 +7,24 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kapitsa.bench.command import QUICK_CONFIG
+from kapitsa.bench.command import QUICK_CONFIG, BenchOptions, confirm_and_submit
 from kapitsa.bench.runner import WORKLOAD_NAMES, run_bench
-from kapitsa.bench.targets import HttpTarget, normalize_base_url
+from kapitsa.bench.schema import BenchReport
+from kapitsa.bench.submit import save_report
+from kapitsa.bench.targets import EngineTarget, HttpTarget, normalize_base_url
+from kapitsa.bench.workloads import BenchConfig
 from kapitsa.cli import app
+from kapitsa.engine.fake import FakeEngine
 from kapitsa.errors import InvalidRequest
+
+TINY = BenchConfig(
+    short_prompt_words=4,
+    long_prompt_words=16,
+    decode_tokens=2,
+    replay_turns=2,
+    replay_context_words=8,
+    concurrent_tokens=2,
+)
 
 
 @pytest.mark.parametrize(
@@ -34,7 +47,7 @@ def test_rejects_a_non_http_url() -> None:
 async def test_workloads_against_mlx_lm_server(mlx_lm_server: str) -> None:
     """Real numbers from a real server: mlx-lm reports usage and cached tokens, so everything but speculative is measured."""
     target = HttpTarget(mlx_lm_server)
-    await target.resolve_model()
+    await target.prepare()
     try:
         result = await run_bench(target, QUICK_CONFIG)
     finally:
@@ -73,22 +86,16 @@ def test_cli_compare_json_and_submit(mlx_lm_server: str, receiver, bench_dir) ->
     assert [p.name for p in bench_dir.iterdir()][0].startswith("bench-")
 
 
-def test_cli_submit_declined_posts_nothing(mlx_lm_server: str, receiver) -> None:
-    args = [
-        "bench",
-        "--no-local",
-        "--quick",
-        "--compare",
-        mlx_lm_server,
-        "--submit",
-        "--results-url",
-        receiver.url,
-    ]
-    result = CliRunner().invoke(app, args, input="n\n", catch_exceptions=False)
-    assert result.exit_code == 0
-    assert "decode tok/s (short prompt)" in result.stdout
-    assert '"schema": "kapitsa-bench"' in result.stdout  # the JSON was shown before asking
-    assert "not submitted" in result.stderr and receiver.received == []
+async def test_declined_submit_shows_the_json_and_posts_nothing(receiver, bench_dir, capsys) -> None:
+    """Check the confirm step: the JSON is printed before the question, and "no" posts nothing."""
+    report = BenchReport(machine={}, config={}, engines=[await run_bench(EngineTarget(FakeEngine()), TINY)])
+    path = save_report(report)
+    questions: list[str] = []
+    options = BenchOptions(submit=True, results_url=receiver.url)
+    confirm_and_submit(report, path, options, confirm=lambda q: questions.append(q) or False)
+    out = capsys.readouterr()
+    assert json.loads(out.out) == report.to_dict() and questions == [f"Post these results to {receiver.url}?"]
+    assert "not submitted" in out.err and receiver.received == [] and path.exists()
 
 
 def test_cli_no_local_needs_a_url() -> None:

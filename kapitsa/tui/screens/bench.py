@@ -61,7 +61,7 @@ class BenchScreen(Screen):
     async def run_bench_worker(self, url: str, stats, config: BenchConfig) -> None:
         target = HttpTarget(url, name="kapitsa", stats=stats)
         try:
-            await target.resolve_model()
+            await target.prepare()
             result = await run_bench(
                 target, config, on_progress=lambda name, i, n: self.post_message(BenchProgressed(name, i, n))
             )
