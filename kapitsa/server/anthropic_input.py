@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.prompt import fold_system_messages, strip_attribution
+from kapitsa.server.settings import MAX_MESSAGES
 
 _UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 log = logging.getLogger("kapitsa.server")
@@ -27,7 +28,7 @@ class MessagesRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int = Field(ge=1)
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[dict[str, Any]] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kapitsa.server.settings import MAX_MESSAGES
+
 
 class _Lenient(BaseModel):
     # Unknown fields are dropped for client compatibility; NaN/inf never pass as numbers.
@@ -77,7 +79,7 @@ class SamplingFields(_Lenient):
 
 
 class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None

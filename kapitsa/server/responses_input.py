@@ -7,13 +7,14 @@ Codex is stateless over HTTP: every turn re-sends the whole history as items (`m
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import flatten_text
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
+from kapitsa.server.settings import MAX_MESSAGES
 
 log = logging.getLogger("kapitsa.server")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
@@ -34,7 +35,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[dict[str, Any]] = ""
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] = ""
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -8,6 +8,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_PORT = 8484
 """The documented default port (8080 and 11434 are taken by llama.cpp and Ollama on many machines)."""
 
+MAX_MESSAGES = 10_000
+"""Most messages (or Responses input items) one request may carry."""
+
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Anthropic's own request limit; larger bodies get 413."""
 

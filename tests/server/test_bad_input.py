@@ -260,3 +260,11 @@ def test_unknown_block_and_item_types_from_newer_clients_are_skipped(client: htt
         {"type": "tool_search_call_2099", "id": "x"},
     ]
     assert client.post(RESP, json={"model": "fake", "input": items}).status_code == 200
+
+
+def test_more_than_ten_thousand_messages_is_400() -> None:
+    many = [{"role": "user", "content": "x"}] * 10_001
+    with live_server() as live, httpx.Client(base_url=live.url, timeout=10) as client:
+        assert_shape(CHAT, client.post(CHAT, json=chat(messages=many)), 400, "messages")
+        assert_shape(MSGS, client.post(MSGS, json=msgs(messages=many)), 400)
+        assert_shape(RESP, client.post(RESP, json={"model": "fake", "input": many}), 400, "input")
