@@ -20,6 +20,7 @@ from kapitsa.engine.engine import Engine, EngineConfig
 from kapitsa.engine.loading import LoadedModel, load_model
 from kapitsa.engine.memory import check_context
 from kapitsa.engine.prepare import prepare_prompt
+from kapitsa.engine.prompt_encoder import PromptEncoder
 from kapitsa.engine.sequence import Sequence
 from kapitsa.engine.stop import StopMatcher
 from kapitsa.engine.types import EngineStats, ErrorEvent, Event, FinishEvent, GenerationRequest, ModelInfo
@@ -49,6 +50,7 @@ class InProcessEngine:
         decode: DecodeStrategy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)
         self.info = info
         self.eos_token_ids = frozenset(eos_token_ids)
         self.engine = Engine(model, config, decode=decode)
@@ -97,7 +99,9 @@ class InProcessEngine:
         self.engine.abort(request_id)
 
     async def count_tokens(self, request: GenerationRequest) -> int:
-        prepared = await asyncio.to_thread(prepare_prompt, self.tokenizer, request)
+        prepared = await asyncio.to_thread(
+            prepare_prompt, self.tokenizer, request, encode=self.encoder.encode
+        )
         return len(prepared.ids)
 
     def stats(self) -> EngineStats:
@@ -139,7 +143,7 @@ class InProcessEngine:
     # helpers
 
     def _make_sequence(self, request: GenerationRequest) -> Sequence:
-        prepared = prepare_prompt(self.tokenizer, request)
+        prepared = prepare_prompt(self.tokenizer, request, encode=self.encoder.encode)
         if not prepared.ids:
             raise InvalidRequest("the prompt is empty")
         context = self.info.context_length

@@ -8,12 +8,15 @@ the assistant's reply differently, e.g. dropping its reasoning).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kapitsa.engine.sequence import Boundary
 from kapitsa.engine.types import GenerationRequest
 from kapitsa.errors import InvalidRequest, KapitsaError
+
+Encode = Callable[[str], list[int]]
 
 
 class PromptTokenizer(Protocol):
@@ -37,15 +40,21 @@ class PreparedPrompt:
     boundaries: list[Boundary]
 
 
-def prepare_prompt(tokenizer: PromptTokenizer, request: GenerationRequest) -> PreparedPrompt:
-    """Render and tokenize a request. Raises `InvalidRequest` for prompts that cannot be rendered."""
+def prepare_prompt(
+    tokenizer: PromptTokenizer, request: GenerationRequest, *, encode: Encode | None = None
+) -> PreparedPrompt:
+    """Render and tokenize a request. Raises `InvalidRequest` for prompts that cannot be rendered.
+
+    `encode` replaces `tokenizer.encode` (e.g. a caching `PromptEncoder`); it must give the same ids.
+    """
+    encode = encode or tokenizer.encode
     if request.prompt_token_ids is not None:
         return PreparedPrompt(list(request.prompt_token_ids), [])
     if request.prompt is not None:
-        return PreparedPrompt(tokenizer.encode(request.prompt), [])
+        return PreparedPrompt(encode(request.prompt), [])
     messages = [dict(m) for m in request.messages or ()]
-    ids = tokenizer.encode(_render(tokenizer, request, messages, request.add_generation_prompt))
-    return PreparedPrompt(ids, message_boundaries(tokenizer, request, messages, ids))
+    ids = encode(_render(tokenizer, request, messages, request.add_generation_prompt))
+    return PreparedPrompt(ids, message_boundaries(tokenizer, request, messages, ids, encode=encode))
 
 
 def _render(
@@ -68,18 +77,24 @@ def _render(
 
 
 def message_boundaries(
-    tokenizer: PromptTokenizer, request: GenerationRequest, messages: list[dict[str, Any]], ids: list[int]
+    tokenizer: PromptTokenizer,
+    request: GenerationRequest,
+    messages: list[dict[str, Any]],
+    ids: list[int],
+    *,
+    encode: Encode | None = None,
 ) -> list[Boundary]:
     """Checkpoint positions: the end of the system part and the end of the last message."""
+    encode = encode or tokenizer.encode
     out: list[Boundary] = []
     if messages and messages[0].get("role") in ("system", "developer"):
         # Templates may refuse a conversation without a user turn: render an empty one and keep the
         # common prefix, which ends just inside the first user turn (still shared by every chat).
-        probe = _try_ids(tokenizer, request, [messages[0], {"role": "user", "content": ""}])
+        probe = _try_ids(tokenizer, request, [messages[0], {"role": "user", "content": ""}], encode)
         if probe is not None:
             out.append(Boundary(_common_prefix(ids, probe), "system"))
     if request.add_generation_prompt:
-        probe = _try_ids(tokenizer, request, messages, add_generation_prompt=False)
+        probe = _try_ids(tokenizer, request, messages, encode, add_generation_prompt=False)
         if probe is not None and ids[: len(probe)] == probe:
             out.append(Boundary(len(probe), "turn"))
     valid = {b.pos: b for b in out if 0 < b.pos < len(ids)}
@@ -90,11 +105,12 @@ def _try_ids(
     tokenizer: PromptTokenizer,
     request: GenerationRequest,
     messages: list[dict[str, Any]],
+    encode: Encode,
     *,
     add_generation_prompt: bool = False,
 ) -> list[int] | None:
     try:
-        return tokenizer.encode(_render(tokenizer, request, messages, add_generation_prompt))
+        return encode(_render(tokenizer, request, messages, add_generation_prompt))
     except KapitsaError:
         return None
 
