@@ -71,10 +71,13 @@ class PrefixMatch:
     from_disk: bool = False
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
+def _common_prefix(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+    """How many leading tokens of `edge` equal `tokens[start:]` (no copy of the long prompt tail)."""
+    n = min(len(edge), len(tokens) - start)
+    if tuple(tokens[start : start + n]) == edge[:n]:  # the usual case, compared in C
+        return n
     for i in range(n):
-        if a[i] != b[i]:
+        if edge[i] != tokens[start + i]:
             return i
     return n
 
@@ -128,7 +131,7 @@ class PrefixCache:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            common = _common_prefix(child.tokens, tokens[depth:])
+            common = _common_prefix(child.tokens, tokens, depth)
             depth += common
             if common < len(child.tokens):
                 break
@@ -142,7 +145,7 @@ class PrefixCache:
         node, depth, n = self._root, 0, len(tokens)
         while depth < n:
             child = node.children.get(tokens[depth])
-            if child is None or _common_prefix(child.tokens, tokens[depth:]) < len(child.tokens):
+            if child is None or _common_prefix(child.tokens, tokens, depth) < len(child.tokens):
                 break
             node, depth = child, child.end
             path.append(node)
@@ -207,7 +210,7 @@ class PrefixCache:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            common = _common_prefix(child.tokens, tokens[depth:])
+            common = _common_prefix(child.tokens, tokens, depth)
             if common < len(child.tokens):
                 child = self._split(child, common)
             node, depth = child, child.end
