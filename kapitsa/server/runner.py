@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from kapitsa.engine.client import EngineClient
-from kapitsa.errors import InvalidRequest
+from kapitsa.errors import InvalidRequest, KapitsaError
 from kapitsa.server.app import create_app
 from kapitsa.server.security import is_loopback_host
 from kapitsa.server.settings import ServerSettings
@@ -26,6 +27,21 @@ def check_bind(settings: ServerSettings) -> None:
             f"Refusing to listen on {settings.host} without a token: set KAPITSA_API_KEY (clients then send it as "
             "`Authorization: Bearer …` or `x-api-key`), or bind to 127.0.0.1."
         )
+
+
+def check_port_free(settings: ServerSettings) -> None:
+    """Fail before loading the model (which can take minutes) when the port is already taken."""
+    if settings.port == 0:
+        return
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as exc:
+            raise KapitsaError(
+                f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}); pass --port or set KAPITSA_PORT"
+            ) from None
 
 
 def make_server(client: EngineClient, settings: ServerSettings) -> uvicorn.Server:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kapitsa.errors import KapitsaError
-from kapitsa.server.runner import check_bind, serve_forever
+from kapitsa.server.runner import check_bind, check_port_free, serve_forever
 from kapitsa.server.settings import ServerSettings
 
 
@@ -30,6 +30,7 @@ def cmd_serve(*, model: str | None, host: str | None, port: int | None, speculat
         raise KapitsaError(
             f"--speculative {settings.speculative} is not available in `kapitsa serve` yet; use none"
         )
+    check_port_free(settings)
     from kapitsa.engine.inprocess import InProcessEngine
     from kapitsa.run_cmd import default_model, load_for_spec
 

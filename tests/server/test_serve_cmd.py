@@ -157,3 +157,12 @@ def test_sigterm_drains_the_open_stream_then_exits_0(
     assert rc == 0, stderr
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health")
+
+
+def test_a_taken_port_fails_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(KapitsaError, match=f"cannot listen on 127.0.0.1:{port}"):
+            cmd_serve(model="/nonexistent", host="127.0.0.1", port=port, speculative="none")
