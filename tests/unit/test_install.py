@@ -153,6 +153,9 @@ def test_install_rerun_and_uninstall_with_uv(tmp_path: Path) -> None:
     assert "nothing to uninstall" in _install(env, "--uninstall").stdout
 
 
+# About 30 s of CPU (pip resolves and unpacks every wheel): deselected by default; the uv test above covers CI.
+# Run it with `bash scripts/test.sh -m slow tests/unit/test_install.py`.
+@pytest.mark.slow
 def test_install_without_uv_uses_venv_and_pip(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = _env(home)
