@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from textual.widgets import Sparkline
 from tui_support import BUSY_STATS, of_type, settle, wait_until
 
@@ -55,3 +56,20 @@ async def test_stopping_the_engine_stops_polling(make_app, messages) -> None:
         await pilot.pause(0.7)  # longer than one poll interval
         assert len(of_type(messages, StatsPolled)) == polled
         assert app.engine_stats is None
+
+
+@pytest.mark.parametrize(
+    ("rate", "per_step", "shown"),
+    [
+        (0.625, 1.8, "ngram, 62% accepted"),
+        (0.0, 1.0, "ngram, 0% accepted"),
+        (0.0, 1.6, "acceptance not reported"),
+    ],
+)
+def test_acceptance_is_never_a_made_up_zero(rate: float, per_step: float, shown: str) -> None:
+    from dataclasses import replace
+
+    from kapitsa.tui.widgets.requests_panel import _acceptance
+
+    stats = replace(BUSY_STATS, draft_acceptance_rate=rate, tokens_per_step=per_step)
+    assert _acceptance(stats) == shown

@@ -79,7 +79,11 @@ class BenchScreen(Screen):
         self.running = False
         self.report, self.report_path = message.report, message.path
         self.query_one(BenchTable).show(message.report)
-        self.set_status(f"saved {message.path}  ·  u submits")
+        failed = [w for e in message.report.engines for w in e.workloads if w.status == "error"]
+        if failed:
+            self.set_status(f"{len(failed)} workload(s) failed, first: {failed[0].name}: {failed[0].note}")
+        else:
+            self.set_status(f"saved {message.path}  ·  u submits")
 
     def on_bench_failed(self, message: BenchFailed) -> None:
         self.running = False
