@@ -26,16 +26,29 @@ def make_settings(
 def cmd_serve(*, model: str | None, host: str | None, port: int | None, speculative: str) -> None:
     settings = make_settings(model=model, host=host, port=port, speculative=speculative)
     check_bind(settings)
-    if settings.speculative != "none":
-        raise KapitsaError(
-            f"--speculative {settings.speculative} is not available in `kapitsa serve` yet; use none"
-        )
+    _check_speculative(settings.speculative)
     check_port_free(settings)
     from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.engine.speculative.factory import make_decode_strategy
     from kapitsa.run_cmd import default_model, load_for_spec
 
-    client = InProcessEngine.from_loaded(load_for_spec(settings.model or default_model()))
+    loaded = load_for_spec(settings.model or default_model())
+    decode = make_decode_strategy(settings.speculative, target_model=loaded.model)
+    client = InProcessEngine.from_loaded(loaded, decode=decode)
     try:
         serve_forever(client, settings)
     finally:
         client.close()
+
+
+def _check_speculative(mode: str) -> None:
+    """Refuse modes `serve` cannot set up before spending minutes loading weights."""
+    from kapitsa.engine.speculative.factory import MODES
+
+    if mode not in MODES:
+        raise KapitsaError(f"unknown speculative mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode in ("draft", "block"):
+        raise KapitsaError(
+            f"--speculative {mode} needs a drafter checkpoint, which `kapitsa serve` cannot take yet; "
+            "use ngram, mtp or auto"
+        )

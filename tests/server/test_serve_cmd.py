@@ -47,9 +47,12 @@ def test_refuses_network_bind_without_token_before_loading(monkeypatch: pytest.M
         cmd_serve(model="/nonexistent", host="0.0.0.0", port=None, speculative="none")
 
 
-def test_speculative_modes_say_plainly_they_are_not_available() -> None:
-    with pytest.raises(KapitsaError, match="not available"):
-        cmd_serve(model="/nonexistent", host=None, port=None, speculative="ngram")
+@pytest.mark.parametrize(
+    ("mode", "message"), [("draft", "needs a drafter"), ("block", "needs a drafter"), ("warp", "unknown")]
+)
+def test_speculative_modes_serve_cannot_set_up_are_refused_before_loading(mode: str, message: str) -> None:
+    with pytest.raises(KapitsaError, match=message):
+        cmd_serve(model="/nonexistent", host=None, port=None, speculative=mode)
 
 
 def test_cli_prints_the_refusal_and_exits_1() -> None:
