@@ -61,8 +61,8 @@ async def test_stopping_the_engine_stops_polling(make_app, messages) -> None:
 @pytest.mark.parametrize(
     ("rate", "per_step", "shown"),
     [
-        (0.625, 1.8, "ngram, 62% accepted"),
-        (0.0, 1.0, "ngram, 0% accepted"),
+        (0.625, 1.8, "62% accepted"),
+        (0.0, 1.0, "0% accepted"),
         (0.0, 1.6, "acceptance not reported"),
     ],
 )
