@@ -295,3 +295,20 @@ def test_completions_logprobs(live: LiveServer, oai: openai.OpenAI) -> None:
 def test_models_list_reads_with_the_anthropic_sdk_too(claude: anthropic.Anthropic) -> None:
     page = claude.models.list()
     assert [m.id for m in page.data] == ["fake"] and page.data[0].type == "model"
+
+
+def test_responses_freeform_custom_tool_round_trip(live: LiveServer, oai: openai.OpenAI) -> None:
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+    live.engine.enqueue(["<tool_call>", json.dumps({"name": "apply_patch", "arguments": {"input": patch}}), "</tool_call>"])
+    tools = [{"type": "custom", "name": "apply_patch", "description": "edit files", "format": {"type": "text"}}]
+    out = oai.responses.create(model="fake", input="edit", tools=tools)
+    call = out.output[-1]
+    assert call.type == "custom_tool_call" and call.name == "apply_patch" and call.input == patch
+    oai.responses.create(model="fake", input=[
+        {"type": "message", "role": "user", "content": "edit"},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": patch},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done"},
+    ], tools=tools)
+    sent = live.engine.requests[-1].messages
+    assert sent[1]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": {"input": patch}}
+    assert sent[2] == {"role": "tool", "content": "Done", "tool_call_id": call.call_id}
