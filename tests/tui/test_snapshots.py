@@ -99,10 +99,8 @@ def test_bench_results(snap_compare, app) -> None:
     assert snap_compare(app, terminal_size=SIZE, run_before=show_results)
 
 
-@pytest.mark.parametrize(
-    ("keys", "name"), [(["question_mark"], "help"), (["a"], "launch"), (["3", "r"], "error")]
-)
-def test_modals(snap_compare, app, keys: list[str], name: str) -> None:
+@pytest.mark.parametrize("keys", [["question_mark"], ["a"], ["3", "r"]], ids=["help", "launch", "error"])
+def test_modals(snap_compare, app, keys: list[str]) -> None:
     async def open_modal(pilot) -> None:
         await settle(pilot)
         await pilot.press(*keys)
