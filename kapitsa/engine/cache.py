@@ -25,6 +25,7 @@ from functools import cached_property
 
 import mlx.core as mx
 
+from kapitsa.engine.ops import tree
 from kapitsa.engine.ops.conv import conv_state_after
 
 KV_STEP = 256  # KV buffers grow in multiples of this many positions
@@ -38,6 +39,8 @@ class StepInfo:
     lengths: list[int]  # tokens consumed per row (<= T)
     offsets: list[int]  # tokens already held per row before this forward
     record: bool = False  # keep replay records for `rollback`
+    parents: list[list[int]] | None = None  # draft tree per row (see ops/tree.py); None = chains
+    _windows: dict[int, mx.array] = field(default_factory=dict, repr=False)
 
     @property
     def ragged(self) -> bool:
@@ -63,13 +66,27 @@ class StepInfo:
     def rope_offsets(self) -> int | mx.array:
         return self.offsets[0] if self.uniform_offsets else mx.array(self.offsets, dtype=mx.int32)
 
+    def conv_windows(self, kernel: int) -> mx.array:
+        """`[B, T, K]` conv rows of each tree node (computed once per kernel size)."""
+        if kernel not in self._windows:
+            self._windows[kernel] = tree.conv_windows(self.parents, kernel)
+        return self._windows[kernel]
+
+    @cached_property
+    def tree_positions(self) -> mx.array:
+        """`[B, T]` per-node positions of a tree forward (offset + depth)."""
+        return tree.tree_positions(self.parents, self.offsets)
+
     @property
     def kv_len(self) -> int:
         return max(self.offsets) + self.T
 
     @cached_property
     def attention_mask(self) -> mx.array | str | None:
-        """Key position p is visible to query t of row b iff p <= offsets[b] + t."""
+        """Key position p is visible to query t of row b iff p <= offsets[b] + t (chains), or
+        p < offsets[b] or node p - offsets[b] is an ancestor-or-self of t (trees)."""
+        if self.parents is not None:
+            return tree.tree_attention_mask(self.parents, self.offsets, self.kv_len)
         if self.uniform_offsets:
             return "causal" if self.T > 1 else None
         limit = mx.array(self.offsets)[:, None] + mx.arange(self.T)[None, :]  # [B, T]
@@ -127,7 +144,9 @@ class ReplayRecord:
 
     conv_in: mx.array  # [B, K-1+T, C]: conv rows before the pass + the new pre-conv rows
     kernel: int  # conv kernel size K
-    replay: Callable[[mx.array], mx.array]  # mask [B, T] -> state after the masked prefix
+    # (mask [B, P], order [B, P] | None) -> state after the masked steps, taking the forward's
+    # per-token inputs in `order` (node indices of a tree path; None: as they were, a chain)
+    replay: Callable[..., mx.array]
 
 
 @dataclass
@@ -194,16 +213,24 @@ class HybridCache:
         return len(self.offsets)
 
     # -- forward protocol -------------------------------------------------------------------
-    def begin(self, T: int, lengths: Sequence[int] | None = None, record: bool = False) -> StepInfo:
+    def begin(
+        self,
+        T: int,
+        lengths: Sequence[int] | None = None,
+        record: bool = False,
+        parents: Sequence[Sequence[int]] | None = None,
+    ) -> StepInfo:
         lengths = list(lengths) if lengths is not None else [T] * self.batch_size
         if len(lengths) != self.batch_size or any(not 0 <= n <= T for n in lengths):
             raise ValueError(f"lengths {lengths} do not fit a batch of {self.batch_size} rows of {T} tokens")
+        rows = None if parents is None else tree.validate_parents(parents, self.batch_size, T)
         for layer in self._recurrent():
             layer.record = None  # a new forward invalidates the previous pass's replay records
-        return StepInfo(T, lengths, list(self.offsets), record)
+        return StepInfo(T, lengths, list(self.offsets), record or rows is not None, rows)
 
     def end(self, info: StepInfo) -> None:
-        self.offsets = [o + n for o, n in zip(info.offsets, info.lengths, strict=True)]
+        if info.parents is None:  # a tree forward holds nothing until `commit_path`
+            self.offsets = [o + n for o, n in zip(info.offsets, info.lengths, strict=True)]
         self._last = info
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -218,6 +245,8 @@ class HybridCache:
             raise ValueError("nothing to roll back: rollback undoes the latest forward only")
         if not info.record and self._recurrent():  # attention-only caches (MTP) need no record
             raise ValueError("rollback needs the previous forward to run with record=True")
+        if info.parents is not None:
+            raise ValueError("a tree forward is resolved with commit_path, not rollback")
         if len(drop) != self.batch_size or any(
             not 0 <= d <= k for d, k in zip(drop, info.lengths, strict=True)
         ):
@@ -230,6 +259,44 @@ class HybridCache:
             layer.state = rec.replay(mask)
             layer.record = None
         self.offsets = [o - d for o, d in zip(self.offsets, drop, strict=True)]
+        self._last = None
+
+    def commit_path(self, paths: Sequence[Sequence[int]]) -> None:
+        """After a tree forward: keep, per row, the nodes of `paths[b]` (root first, each the child
+        of the previous; [] keeps nothing). Afterwards the cache equals one that decoded exactly
+        those tokens as a chain."""
+        info = self._last
+        if info is None or info.parents is None:
+            raise ValueError("commit_path needs the previous forward to be a tree forward")
+        rows = [list(p) for p in paths]
+        if len(rows) != self.batch_size or any(
+            p and (p[0] != 0 or p[-1] >= n or any(par[c] != a for a, c in zip(p, p[1:], strict=False)))
+            for p, par, n in zip(rows, info.parents, info.lengths, strict=True)
+        ):
+            raise ValueError(f"{rows} are not root-first paths of the verified trees")
+        P = max(1, max(map(len, rows)))
+        kept = [len(p) for p in rows]
+        order = mx.array([p + [p[-1] if p else 0] * (P - len(p)) for p in rows], dtype=mx.int32)
+        offsets = mx.array(info.offsets, dtype=mx.int32)[:, None]
+        src, dst = (offsets + order)[:, None, :, None], (offsets + mx.arange(P))[:, None, :, None]
+        for layer in self.layers:
+            if isinstance(layer, KVCache) and layer.keys is not None:
+                layer.keys = mx.put_along_axis(
+                    layer.keys, dst, mx.take_along_axis(layer.keys, src, axis=2), axis=2
+                )
+                layer.values = mx.put_along_axis(
+                    layer.values, dst, mx.take_along_axis(layer.values, src, axis=2), axis=2
+                )
+        mask = mx.arange(P)[None, :] < mx.array(kept)[:, None]
+        for layer in self._recurrent():
+            rec, K = layer.record, layer.record.kernel
+            conv_in = mx.concatenate(
+                [rec.conv_in[:, : K - 1], tree.gather_time(rec.conv_in[:, K - 1 :], order)], 1
+            )
+            layer.conv = conv_state_after(conv_in, kept, K)
+            layer.state = rec.replay(mask, order)
+            layer.record = None
+        self.offsets = [o + k for o, k in zip(info.offsets, kept, strict=True)]
         self._last = None
 
     def commit(self) -> None:

@@ -94,7 +94,12 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        if self.rope is not None:
+        if self.rope is not None and info.parents is not None:
+            q, k = (
+                self.rope.at_positions(q, info.tree_positions),
+                self.rope.at_positions(k, info.tree_positions),
+            )
+        elif self.rope is not None:
             q, k = self.rope(q, info.rope_offsets), self.rope(k, info.rope_offsets)
         if cache is not None:
             k, v = cache.update(k, v, info)
@@ -118,8 +123,11 @@ class HybridLM(nn.Module):
         *,
         lengths: list[int] | None = None,
         record: bool = False,
+        parents: list[list[int]] | None = None,
     ) -> mx.array:
-        return self.logits(self.forward(inputs, cache, lengths=lengths, record=record).hidden)
+        return self.logits(
+            self.forward(inputs, cache, lengths=lengths, record=record, parents=parents).hidden
+        )
 
     def forward(
         self,
@@ -129,17 +137,22 @@ class HybridLM(nn.Module):
         lengths: list[int] | None = None,
         record: bool = False,
         taps: tuple[int, ...] = (),
+        parents: list[list[int]] | None = None,
     ) -> ForwardOutput:
+        """`parents` (per row, preorder; needs a cache) verifies a draft tree: every node sees its
+        ancestors only, nothing is held until `cache.commit_path(paths)`."""
         embed, layers, _ = self.backbone_parts()
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [batch, tokens], got shape {inputs.shape}")
         B, T = inputs.shape
         if cache is None:
+            if parents is not None:
+                raise ValueError("tree verification needs a cache")
             info = full_step(B, T, lengths)
         else:
             if cache.batch_size != B:
                 raise ValueError(f"cache holds {cache.batch_size} sequences, inputs has {B} rows")
-            info = cache.begin(T, lengths, record)
+            info = cache.begin(T, lengths, record, parents)
         h = embed(inputs)
         out = ForwardOutput(h)
         for i, layer in enumerate(layers):

@@ -25,6 +25,7 @@ from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm, relu_squared
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
+from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
 
 _BLOCK_CHARS = {
     "linear_attention": "M",
@@ -145,19 +146,42 @@ class Mamba2Mixer(nn.Module):
         if conv_state is None:
             conv_state, s0 = mx.zeros((B, self.kernel - 1, self.conv_dim), xbc.dtype), None
         conv_in = mx.concatenate([conv_state, xbc], axis=1)
-        conv_out = nn.silu(causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias")))
-        xs, Bm, Cm = mx.split(conv_out, [self.inner, self.inner + self.groups * self.state_size], axis=-1)
+        bias = self.conv1d.get("bias")
+        if info.parents is None:
+            conv_out = causal_conv(conv_in, self.conv1d.weight, bias)
+        else:
+            conv_out = tree_conv(conv_in, info.conv_windows(self.kernel), self.conv1d.weight, bias)
+        xs, Bm, Cm = mx.split(
+            nn.silu(conv_out), [self.inner, self.inner + self.groups * self.state_size], axis=-1
+        )
         xs = xs.reshape(B, T, self.heads, self.head_dim)
         Bm = Bm.reshape(B, T, self.groups, self.state_size)
         Cm = Cm.reshape(B, T, self.groups, self.state_size)
         step = ssm_dt(dt, self.dt_bias, self.limit, info.recurrent_mask)  # 0 on padding: state frozen
         if s0 is None:
             s0 = mx.zeros((B, self.heads, self.head_dim, self.state_size), mx.float32)
-        y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0)
+        if info.parents is None:
+            y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0)
+        else:  # each node steps from its parent's state; the cache keeps s0 until commit_path
+
+            def node(t: int, st: mx.array):
+                one = slice(t, t + 1)
+                return ssm_scan(xs[:, one], step[:, one], self.A_log, Bm[:, one], Cm[:, one], self.D, st)
+
+            y = tree_recurrence(node, s0, info.parents)
         if cache is not None:
-            cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
+            if info.parents is None:
+                cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
             if info.record:
-                replay = lambda m: ssm_scan(xs, step * m[..., None], self.A_log, Bm, Cm, self.D, s0)[1]  # noqa: E731
+
+                def replay(mask, order=None):
+                    x_, dt_, b_, c_ = (
+                        (xs, step, Bm, Cm)
+                        if order is None
+                        else (gather_time(a, order) for a in (xs, step, Bm, Cm))
+                    )
+                    return ssm_scan(x_, dt_ * mask[..., None], self.A_log, b_, c_, self.D, s0)[1]
+
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate))
 

@@ -25,6 +25,7 @@ from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
 from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
 from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
+from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
 
@@ -151,18 +152,32 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             conv_state, s0 = mx.zeros((B, self.kernel - 1, self.conv_dim), qkv.dtype), None
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = nn.silu(causal_conv(conv_in, self.conv1d.weight))
-        q, k, v = mx.split(conv_out, [self.nk * self.dk, 2 * self.nk * self.dk], axis=-1)
+        if info.parents is None:
+            conv_out = causal_conv(conv_in, self.conv1d.weight)
+        else:
+            conv_out = tree_conv(conv_in, info.conv_windows(self.kernel), self.conv1d.weight)
+        q, k, v = mx.split(nn.silu(conv_out), [self.nk * self.dk, 2 * self.nk * self.dk], axis=-1)
         q, k = l2norm_qk(q.reshape(B, T, self.nk, self.dk), k.reshape(B, T, self.nk, self.dk))
         v = v.reshape(B, T, self.nv, self.dv)
         g, beta = gdn_decay(self.A_log, a, self.dt_bias), mx.sigmoid(b)
         if s0 is None:
             s0 = mx.zeros((B, self.nv, self.dv, self.dk), mx.float32)
-        y, state = gated_delta(q, k, v, g, beta, s0, info.recurrent_mask)
+        inputs = (q, k, v, g, beta)
+        if info.parents is None:
+            y, state = gated_delta(*inputs, s0, info.recurrent_mask)
+        else:  # each node steps from its parent's state; the cache keeps s0 until commit_path
+            y = tree_recurrence(
+                lambda t, st: gated_delta(*(x[:, t : t + 1] for x in inputs), st), s0, info.parents
+            )
         if cache is not None:
-            cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
+            if info.parents is None:
+                cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
             if info.record:
-                replay = lambda m: gated_delta(q, k, v, g, beta, s0, m)[1]  # noqa: E731
+
+                def replay(mask, order=None):
+                    xs = inputs if order is None else tuple(gather_time(x, order) for x in inputs)
+                    return gated_delta(*xs, s0, mask)[1]
+
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y, z).reshape(B, T, -1))
 

@@ -54,8 +54,12 @@ def rope_reference(x: mx.array, dims: int, inv_freq: mx.array, offsets: mx.array
     """x `[B, H, T, D]`; rotate the first `dims` features at positions `offset_b + t`."""
     B, _, T, _ = x.shape
     offsets = mx.broadcast_to(mx.array(offsets, dtype=mx.int32).reshape(-1), (B,))
-    pos = (offsets[:, None] + mx.arange(T)).astype(mx.float32)  # [B, T]
-    angles = pos[..., None] * inv_freq  # [B, T, dims/2]
+    return rope_at_positions(x, dims, inv_freq, offsets[:, None] + mx.arange(T))
+
+
+def rope_at_positions(x: mx.array, dims: int, inv_freq: mx.array, positions: mx.array) -> mx.array:
+    """x `[B, H, T, D]` rotated at arbitrary per-token positions `[B, T]` (draft trees)."""
+    angles = positions.astype(mx.float32)[..., None] * inv_freq  # [B, T, dims/2]
     cos, sin = mx.cos(angles)[:, None], mx.sin(angles)[:, None]
     rot, rest = x[..., :dims].astype(mx.float32), x[..., dims:]
     x1, x2 = rot[..., : dims // 2], rot[..., dims // 2 :]
@@ -74,6 +78,12 @@ class Rope:
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         # mx.fast.rope takes periods (1 / inverse frequency) when the frequencies are not plain base^-i
         self._periods = None if kind in (None, "default", "mrope") else 1.0 / self.inv_freq
+
+    def at_positions(self, x: mx.array, positions: mx.array) -> mx.array:
+        """Per-token positions `[B, T]` (draft trees); `mx.fast.rope` takes one offset per row."""
+        if self.mscale != 1.0:
+            x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], axis=-1)
+        return rope_at_positions(x, self.dims, self.inv_freq, positions)
 
     def __call__(self, x: mx.array, offsets: mx.array | int) -> mx.array:
         if self.mscale != 1.0:
