@@ -160,3 +160,21 @@ def test_quantized_switch_linear_equals_its_dequantized_weights(mode, group_size
     inds = mx.array([[0], [3], [1], [1], [2]])  # [tokens, k=1]
     want = mx.stack([x[i, 0, 0] @ dense[int(inds[i, 0])].T for i in range(5)])
     assert _close(q(x, inds)[:, 0, 0], want, 1e-3)
+
+
+def test_tree_helpers_reduce_to_chains():
+    from kapitsa.engine.ops.tree import conv_windows, tree_attention_mask, tree_conv, tree_positions
+
+    chain = [[-1, 0, 1, 2, 3]]
+    mx.random.seed(7)
+    conv_in = mx.random.normal((1, 3 + 5, 6))
+    w = mx.random.normal((6, 4, 1))
+    assert _close(tree_conv(conv_in, conv_windows(chain, 4), w), causal_conv_reference(conv_in, w))
+    assert tree_positions(chain, [10]).tolist() == [[10, 11, 12, 13, 14]]
+    rope = Rope(8, 10000.0)
+    x = mx.random.normal((1, 2, 5, 16))
+    assert _close(rope.at_positions(x, tree_positions(chain, [10])), rope(x, 10), 1e-4)
+    branchy = [[-1, 0, 0, 2]]  # node 2 and its child 3 skip node 1
+    assert conv_windows(branchy, 3)[0].tolist() == [[0, 1, 2], [1, 2, 3], [1, 2, 4], [2, 4, 5]]
+    mask = tree_attention_mask(branchy, [2], 6)[0, 0]
+    assert mask[3].tolist() == [True, True, True, False, True, True]  # prefix, root, node 2, itself
