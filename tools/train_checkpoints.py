@@ -27,13 +27,19 @@ MODELS = {"main": "qwen35-demo", "draft": "qwen35-draft", "nemotron": "nemotron-
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("phase", choices=["all", "prepare", "train", "mtp", "evaluate"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", choices=sorted(MODELS), help="for the train phase")
     parser.add_argument("--seconds", type=float, default=150.0, help="training time budget per model")
     parser.add_argument("--mtp-seconds", type=float, default=60.0)
-    parser.add_argument("--steps", type=int, help="fixed step count (overrides --seconds), for reproduction")
+    parser.add_argument(
+        "--steps",
+        help="fixed step counts instead of --seconds, for reproduction: N for every "
+        "model, or per model as main=N,draft=N,nemotron=N,mtp=N",
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
@@ -45,11 +51,23 @@ def _run_all(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     phases.prepare(args.out, args.seed)
     # The three models train at once on one GPU: each is too small to keep it busy alone.
-    common = ["--out", str(args.out), "--seconds", str(args.seconds), "--batch", str(args.batch),
-              "--seq-len", str(args.seq_len), "--seed", str(args.seed)]
+    common = [
+        "--out",
+        str(args.out),
+        "--seconds",
+        str(args.seconds),
+        "--batch",
+        str(args.batch),
+        "--seq-len",
+        str(args.seq_len),
+        "--seed",
+        str(args.seed),
+    ]
     if args.steps:
         common += ["--steps", str(args.steps)]
-    children = [subprocess.Popen([sys.executable, __file__, "train", "--model", name, *common]) for name in MODELS]
+    children = [
+        subprocess.Popen([sys.executable, __file__, "train", "--model", name, *common]) for name in MODELS
+    ]
     if any(child.wait() != 0 for child in children):
         raise SystemExit("a training process failed")
     phases.train_mtp(args.out, args)

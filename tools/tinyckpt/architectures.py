@@ -23,17 +23,42 @@ MAX_POSITIONS = 8192
 def qwen_config(size: str, vocab_size: int, eos_id: int, pad_id: int) -> Qwen3_5TextConfig:
     """`main` is the demo model (GDN x3 + gated attention, repeated); `draft` is its small speculative drafter."""
     dims = {
-        "main": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-                     linear_key_head_dim=32, linear_value_head_dim=32),
-        "draft": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                      linear_key_head_dim=32, linear_value_head_dim=32),
+        "main": dict(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+        ),
+        "draft": dict(
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+        ),
     }[size]
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, attn_implementation="sdpa", **dims)
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        attn_implementation="sdpa",
+        **dims,
+    )
 
 
 # Nemotron-3-Nano's layer rhythm (Mamba-2 / MoE alternating, one attention layer), shortened.
@@ -43,13 +68,33 @@ NEMOTRON_PATTERN = "MEMEM*EME"
 def nemotron_config(vocab_size: int, eos_id: int, pad_id: int) -> NemotronHConfig:
     pattern = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
     return NemotronHConfig(
-        vocab_size=vocab_size, hidden_size=192, layers_block_type=[pattern[c] for c in NEMOTRON_PATTERN],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=48, intermediate_size=384,
-        mamba_num_heads=12, mamba_head_dim=32, n_groups=2, ssm_state_size=32, conv_kernel=4, chunk_size=64,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
-        moe_shared_expert_intermediate_size=384, routed_scaling_factor=1.0, norm_topk_prob=True,
-        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, use_mamba_kernels=False,
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, attn_implementation="sdpa")
+        vocab_size=vocab_size,
+        hidden_size=192,
+        layers_block_type=[pattern[c] for c in NEMOTRON_PATTERN],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        intermediate_size=384,
+        mamba_num_heads=12,
+        mamba_head_dim=32,
+        n_groups=2,
+        ssm_state_size=32,
+        conv_kernel=4,
+        chunk_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        moe_shared_expert_intermediate_size=384,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        use_mamba_kernels=False,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        attn_implementation="sdpa",
+    )
 
 
 def build_model(name: str, vocab_size: int, eos_id: int, pad_id: int) -> nn.Module:
@@ -89,7 +134,9 @@ class MTPHead(nn.Module):
 
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """next_embeds, hidden: [batch, seq, hidden] (embed(t+1), h_t); returns the head's hidden state."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = self.fc(
+            torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        )
         batch, length, _ = x.shape
         positions = torch.arange(length, device=x.device).view(1, 1, length).expand(3, batch, length)
         x = self.layers[0](x, position_embeddings=self.rotary_emb(x, positions), attention_mask=None)

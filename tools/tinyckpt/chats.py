@@ -8,11 +8,23 @@ import re
 from .corpus import Function
 from .template import render_chat
 
-SYSTEM_PROMPTS = ["You are a helpful coding assistant.", "You are kapitsa's demo model. Answer with Python code."]
+SYSTEM_PROMPTS = [
+    "You are a helpful coding assistant.",
+    "You are kapitsa's demo model. Answer with Python code.",
+]
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file of the standard library.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the standard library.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
 ]
 
 
@@ -29,9 +41,9 @@ def _without_docstring(fn: Function) -> str:
     if not fn.docstring:
         return fn.source
     # Drop the docstring literal that follows the header (it is the first statement).
-    rest = fn.source[len(fn.header):]
+    rest = fn.source[len(fn.header) :]
     match = re.match(r'\s*(?:[rRbBuU]{0,2})("""|\'\'\'|"|\')(.*?)\1[ \t]*\n', rest, re.DOTALL)
-    return fn.header + "\n" + rest[match.end():] if match else fn.source
+    return fn.header + "\n" + rest[match.end() :] if match else fn.source
 
 
 def _prompt_upto_docstring(fn: Function) -> str:
@@ -51,7 +63,7 @@ def _corrupt(line: str, rng: random.Random) -> str | None:
     if stripped.endswith(")") and stripped.count("(") == stripped.count(")"):
         edits.append(lambda s: s[:-1])
     if stripped.startswith("return "):
-        edits.append(lambda s: "retrun " + s[len("return "):])
+        edits.append(lambda s: "retrun " + s[len("return ") :])
     if not edits:
         return None
     return rng.choice(edits)(stripped)
@@ -61,34 +73,68 @@ def task_turn(fn: Function, module: str, rng: random.Random) -> list[dict] | Non
     """One user request and the assistant's answer about `fn`; None when the function doesn't suit the task."""
     kind = rng.choices(["complete", "header", "fix", "explain", "tool"], weights=[3, 3, 2, 2, 1])[0]
     if kind == "complete":
-        return [{"role": "user", "content": "Complete this Python function:\n\n" + _code_block(_prompt_upto_docstring(fn))},
-                {"role": "assistant", "content": _code_block(fn.source),
-                 "reasoning_content": f"The user wants the body of `{fn.name}`. I will write the whole function."}]
+        return [
+            {
+                "role": "user",
+                "content": "Complete this Python function:\n\n" + _code_block(_prompt_upto_docstring(fn)),
+            },
+            {
+                "role": "assistant",
+                "content": _code_block(fn.source),
+                "reasoning_content": f"The user wants the body of `{fn.name}`. I will write the whole function.",
+            },
+        ]
     if kind == "header":
-        return [{"role": "user", "content": fn.header},
-                {"role": "assistant", "content": _code_block(fn.source),
-                 "reasoning_content": f"This is the header of `{fn.name}`. I will complete it."}]
+        return [
+            {"role": "user", "content": fn.header},
+            {
+                "role": "assistant",
+                "content": _code_block(fn.source),
+                "reasoning_content": f"This is the header of `{fn.name}`. I will complete it.",
+            },
+        ]
     if kind == "fix":
         candidates = [line for line in fn.source.splitlines()[1:] if _corrupt(line, rng)]
         if not candidates:
             return None
         good = rng.choice(candidates)
         bad = _corrupt(good, rng)
-        return [{"role": "user", "content": "Fix this line:\n\n" + _code_block(bad)},
-                {"role": "assistant", "content": _code_block(good.strip()),
-                 "reasoning_content": "The line is not valid Python. I will correct it."}]
+        return [
+            {"role": "user", "content": "Fix this line:\n\n" + _code_block(bad)},
+            {
+                "role": "assistant",
+                "content": _code_block(good.strip()),
+                "reasoning_content": "The line is not valid Python. I will correct it.",
+            },
+        ]
     if kind == "explain":
         if not fn.docstring:
             return None
-        return [{"role": "user", "content": "What does this function do?\n\n" + _code_block(_without_docstring(fn))},
-                {"role": "assistant", "content": _summary(fn.docstring),
-                 "reasoning_content": f"I will read `{fn.name}` and summarize it."}]
+        return [
+            {
+                "role": "user",
+                "content": "What does this function do?\n\n" + _code_block(_without_docstring(fn)),
+            },
+            {
+                "role": "assistant",
+                "content": _summary(fn.docstring),
+                "reasoning_content": f"I will read `{fn.name}` and summarize it.",
+            },
+        ]
     answer = _summary(fn.docstring) if fn.docstring else f"`{fn.name}` is defined in `{module}`."
-    return [{"role": "user", "content": f"Show me `{fn.name}` from `{module}`."},
-            {"role": "assistant", "content": "", "reasoning_content": f"I need to read `{module}` first.",
-             "tool_calls": [{"type": "function", "function": {"name": "read_file", "arguments": {"path": module}}}]},
-            {"role": "tool", "content": fn.source},
-            {"role": "assistant", "content": answer + "\n\n" + _code_block(fn.source)}]
+    return [
+        {"role": "user", "content": f"Show me `{fn.name}` from `{module}`."},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": f"I need to read `{module}` first.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "read_file", "arguments": {"path": module}}}
+            ],
+        },
+        {"role": "tool", "content": fn.source},
+        {"role": "assistant", "content": answer + "\n\n" + _code_block(fn.source)},
+    ]
 
 
 def make_conversation(pool: list[tuple[str, Function]], rng: random.Random) -> str | None:

@@ -19,8 +19,15 @@ WEIGHTS = "model.safetensors"
 def generation_config(tokenizer: Tokenizer) -> dict:
     eos, pad = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
     # A tiny model loops under pure greedy decoding; a low temperature keeps it on topic.
-    return {"bos_token_id": None, "eos_token_id": [eos, pad], "pad_token_id": pad, "do_sample": True,
-            "temperature": 0.3, "top_k": 20, "top_p": 0.9}
+    return {
+        "bos_token_id": None,
+        "eos_token_id": [eos, pad],
+        "pad_token_id": pad,
+        "do_sample": True,
+        "temperature": 0.3,
+        "top_k": 20,
+        "top_p": 0.9,
+    }
 
 
 def _patch_config(folder: Path, updates: dict, drop: tuple[str, ...] = ()) -> None:
@@ -41,8 +48,14 @@ def save_checkpoint(model: nn.Module, folder: Path, tokenizer: Tokenizer) -> Non
         # llama.cpp read it); transformers 5 writes `layers_block_type`. Keep both. Its infinite
         # `time_step_limit` has no JSON spelling (transformers 5 writes {"__float__": "Infinity"}), and
         # the default is that same (0, inf): leave the key out.
-        _patch_config(folder, {"hybrid_override_pattern": model.config.hybrid_override_pattern,
-                               "num_hidden_layers": model.config.num_hidden_layers}, drop=("time_step_limit",))
+        _patch_config(
+            folder,
+            {
+                "hybrid_override_pattern": model.config.hybrid_override_pattern,
+                "num_hidden_layers": model.config.num_hidden_layers,
+            },
+            drop=("time_step_limit",),
+        )
 
 
 def add_mtp_weights(folder: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -11,8 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Folders that are tests, data tables, vendored tools or generated text rather than ordinary library code.
-SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings",
-                "pydoc_data", "idlelib", "turtledemo", "lib2to3", "ensurepip", "__phello__"}
+SKIPPED_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "encodings",
+    "pydoc_data",
+    "idlelib",
+    "turtledemo",
+    "lib2to3",
+    "ensurepip",
+    "__phello__",
+}
 HELD_OUT_PERCENT = 5
 
 

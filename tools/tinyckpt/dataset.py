@@ -52,15 +52,21 @@ def build_corpus(seed: int = 0) -> Corpus:
         train_ids=_stream(tokenizer, documents),
         held_out_code_ids=_stream(tokenizer, [f.text for f in held_out_files]),
         held_out_chat_ids=_stream(tokenizer, held_out_chats),
-        held_out_files=held_out_files, held_out_functions=held_out_pool, held_out_chats=held_out_chats,
+        held_out_files=held_out_files,
+        held_out_functions=held_out_pool,
+        held_out_chats=held_out_chats,
         stats={},
     )
-    corpus.stats = {"train_files": len(train_files), "held_out_files": len(held_out_files),
-                    "train_chats": len(train_chats), "held_out_chats": len(held_out_chats),
-                    "train_tokens": int(corpus.train_ids.size),
-                    "held_out_code_tokens": int(corpus.held_out_code_ids.size),
-                    "held_out_chat_tokens": int(corpus.held_out_chat_ids.size),
-                    "held_out_file_names": [f.name for f in held_out_files]}
+    corpus.stats = {
+        "train_files": len(train_files),
+        "held_out_files": len(held_out_files),
+        "train_chats": len(train_chats),
+        "held_out_chats": len(held_out_chats),
+        "train_tokens": int(corpus.train_ids.size),
+        "held_out_code_tokens": int(corpus.held_out_code_ids.size),
+        "held_out_chat_tokens": int(corpus.held_out_chat_ids.size),
+        "held_out_file_names": [f.name for f in held_out_files],
+    }
     return corpus
 
 
@@ -73,5 +79,7 @@ class WindowSampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> torch.Tensor:
-        starts = torch.randint(0, self.ids.numel() - self.seq_len - 1, (self.batch,), generator=self.generator)
-        return torch.stack([self.ids[s: s + self.seq_len + 1] for s in starts.tolist()])
+        starts = torch.randint(
+            0, self.ids.numel() - self.seq_len - 1, (self.batch,), generator=self.generator
+        )
+        return torch.stack([self.ids[s : s + self.seq_len + 1] for s in starts.tolist()])

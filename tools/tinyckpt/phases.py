@@ -39,12 +39,35 @@ def prepare(out: Path, seed: int) -> None:
     for name in ("train_ids", "held_out_code_ids", "held_out_chat_ids"):
         np.save(out / "data" / f"{name}.npy", getattr(corpus, name))
     (out / "data" / "corpus.json").write_text(json.dumps(corpus.stats, indent=1))
-    print(f"[prepare] {json.dumps({k: v for k, v in corpus.stats.items() if k != 'held_out_file_names'})}", flush=True)
+    print(
+        f"[prepare] {json.dumps({k: v for k, v in corpus.stats.items() if k != 'held_out_file_names'})}",
+        flush=True,
+    )
 
 
-def _settings(args: argparse.Namespace, lr: float, seconds: float, warmup: int = 100) -> TrainSettings:
-    return TrainSettings(batch=args.batch, seq_len=args.seq_len, lr=lr, seconds=seconds, steps=args.steps,
-                         warmup=min(warmup, args.steps or warmup), seed=args.seed)
+def steps_for(spec: str | None, name: str) -> int | None:
+    """`--steps` is `N` (every model) or `main=N,draft=N,nemotron=N,mtp=N`; None means use the time budget."""
+    if not spec:
+        return None
+    if "=" not in spec:
+        return int(spec)
+    counts = dict(part.split("=", 1) for part in spec.split(","))
+    return int(counts[name]) if name in counts else None
+
+
+def _settings(
+    args: argparse.Namespace, name: str, lr: float, seconds: float, warmup: int = 100
+) -> TrainSettings:
+    steps = steps_for(args.steps, name)
+    return TrainSettings(
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=lr,
+        seconds=seconds,
+        steps=steps,
+        warmup=min(warmup, steps or warmup),
+        seed=args.seed,
+    )
 
 
 def _write_log(out: Path, name: str, record: dict) -> None:
@@ -55,23 +78,42 @@ def _write_log(out: Path, name: str, record: dict) -> None:
 def train_model(out: Path, kind: str, folder_name: str, args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(out)
     torch.manual_seed(args.seed)
-    model = build_model(kind, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN),
-                        tokenizer.token_to_id(PAD_TOKEN)).to(device())
+    model = build_model(
+        kind, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
+    ).to(device())
     model.train()
     sampler = WindowSampler(load_ids(out, "train_ids"), args.seq_len, args.batch, args.seed)
     balancer = MoEBalancer(model) if kind == "nemotron" else None
-    settings = _settings(args, LEARNING_RATES[kind], args.seconds)
-    log = run_training(next_token_loss(model), list(model.named_parameters()), sampler, settings, device(),
-                       folder_name, after_step=balancer)
+    settings = _settings(args, kind, LEARNING_RATES[kind], args.seconds)
+    log = run_training(
+        next_token_loss(model),
+        list(model.named_parameters()),
+        sampler,
+        settings,
+        device(),
+        folder_name,
+        after_step=balancer,
+    )
     checkpoint.save_checkpoint(model, out / folder_name, tokenizer)
-    _write_log(out, folder_name, {"parameters": parameter_count(model), "steps": log.steps,
-                                  "seconds": round(log.seconds, 1), "tokens": log.tokens,
-                                  "batch": args.batch, "seq_len": args.seq_len, "lr": settings.lr,
-                                  "losses": log.losses})
+    _write_log(
+        out,
+        folder_name,
+        {
+            "parameters": parameter_count(model),
+            "steps": log.steps,
+            "seconds": round(log.seconds, 1),
+            "tokens": log.tokens,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "lr": settings.lr,
+            "losses": log.losses,
+        },
+    )
 
 
 def load_target(out: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(out / DEMO, dtype=torch.float32).to(device())
     model.eval()
     return model
@@ -84,18 +126,33 @@ def train_mtp(out: Path, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     mtp = MTPHead(target.config).to(device())
     sampler = WindowSampler(load_ids(out, "train_ids"), args.seq_len, args.batch, args.seed + 7)
-    settings = _settings(args, 2e-3, args.mtp_seconds, warmup=50)
-    log = run_training(mtp_loss(mtp, target), list(mtp.named_parameters()), sampler, settings, device(), "mtp")
+    settings = _settings(args, "mtp", 2e-3, args.mtp_seconds, warmup=50)
+    log = run_training(
+        mtp_loss(mtp, target), list(mtp.named_parameters()), sampler, settings, device(), "mtp"
+    )
     checkpoint.add_mtp_weights(out / DEMO, mtp.checkpoint_tensors())
-    _write_log(out, "mtp", {"parameters": parameter_count(mtp), "steps": log.steps, "seconds": round(log.seconds, 1),
-                            "tokens": log.tokens, "lr": settings.lr, "losses": log.losses})
+    _write_log(
+        out,
+        "mtp",
+        {
+            "parameters": parameter_count(mtp),
+            "steps": log.steps,
+            "seconds": round(log.seconds, 1),
+            "tokens": log.tokens,
+            "lr": settings.lr,
+            "losses": log.losses,
+        },
+    )
 
 
 def evaluate(out: Path, args: argparse.Namespace) -> None:
     from .report import evaluate_all
+
     results = evaluate_all(out, device(), quick=args.quick)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    print(json.dumps({k: v for k, v in results.items() if k in ("losses", "acceptance")}, indent=1), flush=True)
+    print(
+        json.dumps({k: v for k, v in results.items() if k in ("losses", "acceptance")}, indent=1), flush=True
+    )
 
 
 __all__ = ["prepare", "train_model", "train_mtp", "evaluate", "evaluation"]

@@ -45,11 +45,19 @@ def _completions(model, tokenizer: Tokenizer, functions, device: torch.device) -
     for module, fn in functions:
         prompt = _prompt_upto_docstring(fn) + "\n"
         ids = greedy(model, tokenizer.encode(prompt).ids, 64, device, stops)
-        samples.append({"module": module, "mode": "raw", "prompt": prompt,
-                        "completion": tokenizer.decode(ids, skip_special_tokens=False)})
+        samples.append(
+            {
+                "module": module,
+                "mode": "raw",
+                "prompt": prompt,
+                "completion": tokenizer.decode(ids, skip_special_tokens=False),
+            }
+        )
     for header in [DEMO_PROMPT] + [fn.header for _, fn in functions[:2]]:
         ids = greedy(model, _chat_prompt(tokenizer, header), 128, device, stops)
-        samples.append({"mode": "chat", "prompt": header, "completion": tokenizer.decode(ids, skip_special_tokens=False)})
+        samples.append(
+            {"mode": "chat", "prompt": header, "completion": tokenizer.decode(ids, skip_special_tokens=False)}
+        )
     return samples
 
 
@@ -59,11 +67,15 @@ def _acceptance(out: Path, target, tokenizer: Tokenizer, device: torch.device, q
     mtp.load_state_dict(load_mtp_weights(out / "qwen35-demo"), strict=False)
     mtp.float().eval()
     count = 2 if quick else 12
-    chat_prompts = [_chat_prompt(tokenizer, f"Complete this Python function:\n\n```python\n{_prompt_upto_docstring(fn)}\n```")
-                    for _, fn in _held_out_functions(count)]
+    chat_prompts = [
+        _chat_prompt(
+            tokenizer, f"Complete this Python function:\n\n```python\n{_prompt_upto_docstring(fn)}\n```"
+        )
+        for _, fn in _held_out_functions(count)
+    ]
     code = np.load(out / "data" / "held_out_code_ids.npy")
     offsets = np.linspace(0, code.size - 400, count).astype(int)
-    code_prompts = [code[o: o + 192].tolist() for o in offsets]
+    code_prompts = [code[o : o + 192].tolist() for o in offsets]
     proposers = {
         "ngram_k4": lambda seq: acceptance.ngram_proposer(4),
         "draft_k2": lambda seq: acceptance.draft_model_proposer(draft, 2, device),
@@ -73,31 +85,44 @@ def _acceptance(out: Path, target, tokenizer: Tokenizer, device: torch.device, q
     }
     stops = (tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN))
     new_tokens = 16 if quick else 64
-    return {"chat": acceptance.measure(target, chat_prompts, new_tokens, device, proposers, stops),
-            "code": acceptance.measure(target, code_prompts, new_tokens, device, proposers, stops),
-            "prompts_each": count, "new_tokens": new_tokens}
+    return {
+        "chat": acceptance.measure(target, chat_prompts, new_tokens, device, proposers, stops),
+        "code": acceptance.measure(target, code_prompts, new_tokens, device, proposers, stops),
+        "prompts_each": count,
+        "new_tokens": new_tokens,
+    }
 
 
 def evaluate_all(out: Path, device: torch.device, quick: bool = False) -> dict:
     tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
-    data = {n: np.load(out / "data" / f"{n}.npy") for n in ("train_ids", "held_out_code_ids", "held_out_chat_ids")}
+    data = {
+        n: np.load(out / "data" / f"{n}.npy") for n in ("train_ids", "held_out_code_ids", "held_out_chat_ids")
+    }
     if quick:
         data = {n: (v if n == "train_ids" else v[:2000]) for n, v in data.items()}
     vocab = tokenizer.get_vocab_size()
-    losses = {"unigram": {"code": unigram_loss(data["train_ids"], data["held_out_code_ids"], vocab),
-                          "chat": unigram_loss(data["train_ids"], data["held_out_chat_ids"], vocab)}}
+    losses = {
+        "unigram": {
+            "code": unigram_loss(data["train_ids"], data["held_out_code_ids"], vocab),
+            "chat": unigram_loss(data["train_ids"], data["held_out_chat_ids"], vocab),
+        }
+    }
     completions, functions = {}, _held_out_functions(2 if quick else 6)
     for folder in FOLDERS:
         model = _load(out / folder, device)
-        losses[folder] = {split: held_out_loss(model, data[f"held_out_{split}_ids"], 512, device)
-                          for split in ("code", "chat")}
+        losses[folder] = {
+            split: held_out_loss(model, data[f"held_out_{split}_ids"], 512, device)
+            for split in ("code", "chat")
+        }
         completions[folder] = _completions(model, tokenizer, functions, device)
         del model
     target = _load(out / "qwen35-demo", device)
     mtp = MTPHead(target.config).to(device)
     mtp.load_state_dict(load_mtp_weights(out / "qwen35-demo"), strict=False)
-    losses["mtp_t+2"] = {split: held_out_mtp(mtp.float().eval(), target, data[f"held_out_{split}_ids"], 512, device)
-                         for split in ("code", "chat")}
+    losses["mtp_t+2"] = {
+        split: held_out_mtp(mtp.float().eval(), target, data[f"held_out_{split}_ids"], 512, device)
+        for split in ("code", "chat")
+    }
     for entry in losses.values():
         for split, value in list(entry.items()):
             if isinstance(value, float):
@@ -105,9 +130,14 @@ def evaluate_all(out: Path, device: torch.device, quick: bool = False) -> dict:
     logs = {p.stem: json.loads(p.read_text()) for p in sorted((out / "logs").glob("*.json"))}
     for record in logs.values():
         record.pop("losses", None)
-    return {"python": __import__("sys").version, "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "corpus": json.loads((out / "data" / "corpus.json").read_text()),
-            "training": logs, "losses": losses,
-            "acceptance": _acceptance(out, target, tokenizer, device, quick), "completions": completions}
+    return {
+        "python": __import__("sys").version,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "corpus": json.loads((out / "data" / "corpus.json").read_text()),
+        "training": logs,
+        "losses": losses,
+        "acceptance": _acceptance(out, target, tokenizer, device, quick),
+        "completions": completions,
+    }

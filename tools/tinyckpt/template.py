@@ -18,7 +18,9 @@ def _raise(message: str) -> None:
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Hugging Face overrides jinja's tojson: no HTML escaping, unicode kept.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def template_source() -> str:
@@ -27,13 +29,24 @@ def template_source() -> str:
 
 @cache
 def _compiled() -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     return env.from_string(template_source())
 
 
-def render_chat(messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = False,
-                enable_thinking: bool = False) -> str:
-    return _compiled().render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                              enable_thinking=enable_thinking)
+def render_chat(
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = False,
+    enable_thinking: bool = False,
+) -> str:
+    return _compiled().render(
+        messages=messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        enable_thinking=enable_thinking,
+    )

@@ -13,7 +13,9 @@ from torch import nn
 
 from .dataset import WindowSampler
 
-CALIBRATION_STEPS = 12  # steps timed to turn a time budget into a step count
+# Steps timed to turn a time budget into a step count: the first ones are slow (CUDA start-up, allocator
+# warm-up, the other training processes starting), so the timing starts after a few.
+CALIBRATION_START, CALIBRATION_END = 5, 25
 
 
 @dataclass
@@ -39,8 +41,13 @@ class TrainLog:
 def _optimizer(params: list[tuple[str, nn.Parameter]], settings: TrainSettings) -> torch.optim.Optimizer:
     decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
-    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8, fused=torch.cuda.is_available())
+    groups = [
+        {"params": decay, "weight_decay": settings.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8, fused=torch.cuda.is_available()
+    )
 
 
 def _lr_factor(step: int, total: int, warmup: int) -> float:
@@ -50,9 +57,15 @@ def _lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def run_training(loss_fn: Callable[[torch.Tensor], torch.Tensor], params: list[tuple[str, nn.Parameter]],
-                 sampler: WindowSampler, settings: TrainSettings, device: torch.device, name: str,
-                 after_step: Callable[[], None] | None = None) -> TrainLog:
+def run_training(
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    params: list[tuple[str, nn.Parameter]],
+    sampler: WindowSampler,
+    settings: TrainSettings,
+    device: torch.device,
+    name: str,
+    after_step: Callable[[], None] | None = None,
+) -> TrainLog:
     """Train for `settings.steps`, or for as many steps as fit in `settings.seconds` (timed on the first steps)."""
     optimizer = _optimizer(params, settings)
     log = TrainLog()
@@ -72,15 +85,21 @@ def run_training(loss_fn: Callable[[torch.Tensor], torch.Tensor], params: list[t
         if after_step:
             after_step()
         step += 1
-        if step == CALIBRATION_STEPS and settings.steps is None:
-            elapsed = time.perf_counter() - start
-            total = max(step + 1, int(settings.seconds / (elapsed / step)))
-            print(f"[{name}] {elapsed / step * 1000:.1f} ms/step -> {total} steps", flush=True)
+        if settings.steps is None and step == CALIBRATION_START:
+            calibration_start = time.perf_counter()
+        if settings.steps is None and step == CALIBRATION_END:
+            per_step = (time.perf_counter() - calibration_start) / (CALIBRATION_END - CALIBRATION_START)
+            spent = time.perf_counter() - start
+            total = max(step + 1, step + int((settings.seconds - spent) / per_step))
+            print(f"[{name}] {per_step * 1000:.1f} ms/step -> {total} steps", flush=True)
         if step % 50 == 0 or step == total:
             value = float(loss.detach())
             log.losses.append((step, value))
             if step % 200 == 0 or step == total:
-                print(f"[{name}] step {step}/{total} loss {value:.3f} {time.perf_counter() - start:.0f}s", flush=True)
+                print(
+                    f"[{name}] step {step}/{total} loss {value:.3f} {time.perf_counter() - start:.0f}s",
+                    flush=True,
+                )
     log.steps, log.seconds = step, time.perf_counter() - start
     log.tokens = step * settings.batch * settings.seq_len
     return log
@@ -90,6 +109,7 @@ def next_token_loss(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def loss(batch: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
     return loss
 
 
@@ -111,6 +131,7 @@ def mtp_loss(mtp: nn.Module, target: nn.Module) -> Callable[[torch.Tensor], torc
     def loss(batch: torch.Tensor) -> torch.Tensor:
         logits = mtp_logits(mtp, target, batch[:, :-1])  # predicts batch[:, 2:L]
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1))
+
     return loss
 
 
