@@ -253,6 +253,7 @@ class Engine:
             seq.emit(PrefillProgressEvent(seq.request_id, end, seq.num_prompt_tokens))
             return
         seq.prefill_done_at = time.perf_counter()
+        seq.last_checkpoint_pos = end
         self._accept(seq, [seq.sampler.sample(logits)])
         if seq.is_finished:
             self._checkpoint_final(seq, seq.cache)
@@ -337,10 +338,28 @@ class Engine:
             assert self.batch.cache is not None
             picks = self.decode_strategy.step(self.runner, self.batch.cache, seqs)
         self.stats.add_decode(sum(len(p) for p in picks), time.perf_counter() - t0, len(seqs))
-        for seq, tokens in zip(seqs, picks, strict=True):
+        for row, (seq, tokens) in enumerate(zip(seqs, picks, strict=True)):
             if tokens and not seq.is_finished:
                 self._accept(seq, tokens)
+                self._maybe_checkpoint_output(seq, row)
         self._leave_batch([i for i, s in enumerate(seqs) if s.is_finished], checkpoint=True)
+
+    def _maybe_checkpoint_output(self, seq: Sequence, row: int) -> None:
+        """A periodic checkpoint inside a long generation (a later request may resume mid-way)."""
+        if self.prefix is None or seq.is_finished or self.batch.cache is None:
+            return
+        pos = self.batch.cache.offsets[row]
+        step = self.checkpoint_interval
+        if pos // step <= seq.last_checkpoint_pos // step or pos > len(seq.all_ids):
+            return
+        seq.last_checkpoint_pos = pos
+        cache = self.batch.extract(row)
+        self.prefix.insert(
+            seq.all_ids[:pos],
+            recurrent=self.runner.recurrent_state(cache),
+            kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
+            kind="periodic",
+        )
 
     def _grow_reservation(self, seq: Sequence) -> None:
         """A request without max_tokens may outgrow its reservation while memory lasts."""

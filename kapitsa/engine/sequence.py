@@ -54,6 +54,7 @@ class Sequence:
     num_processed: int = 0  # tokens folded into the cache (prompt, then fed output)
     cache: Any = None  # batch-1 model cache while prefilling
     reserved_bytes: int = 0
+    last_checkpoint_pos: int = 0  # position of the latest periodic checkpoint taken during output
     reserved_tokens: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started: float = 0.0

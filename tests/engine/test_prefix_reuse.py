@@ -153,3 +153,27 @@ async def test_exact_hit_resumes_from_stored_logits(qwen_model, make_client) -> 
     ids = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
     assert ids == [t for e in cold if isinstance(e, TokenEvent) for t in e.token_ids]
     assert events[-1].usage.cached_tokens == events[-1].usage.prompt_tokens
+
+
+async def test_long_generation_leaves_periodic_checkpoints(qwen_model, make_client) -> None:
+    """A later request that shares most of a long reply (but not its end) resumes inside it."""
+    client = make_client(qwen_model, checkpoint_interval=16)
+    request = GenerationRequest(
+        prompt="tell me everything", sampling=SamplingParams(max_tokens=40, ignore_eos=True)
+    )
+    ids = [
+        t
+        for e in [e async for e in client.generate(request)]
+        if isinstance(e, TokenEvent)
+        for t in e.token_ids
+    ]
+    prompt_ids = ByteTokenizer().encode("tell me everything")
+    follow = GenerationRequest(prompt_token_ids=tuple(prompt_ids + ids[:35] + [7, 7]), sampling=_sampling(4))
+    events = [e async for e in client.generate(follow)]
+    shared = len(prompt_ids) + 35
+    assert events[-1].usage.cached_tokens == shared // 16 * 16  # the deepest periodic checkpoint in it
+    cold_client = make_client(qwen_model, prefix_cache_bytes=0)
+    cold = [e async for e in cold_client.generate(follow)]
+    assert [e.token_ids for e in events if isinstance(e, TokenEvent)] == [
+        e.token_ids for e in cold if isinstance(e, TokenEvent)
+    ]
