@@ -141,6 +141,7 @@ class Step:
     logprobs: tuple[Any, ...] | None = None
     keepalive: bool = False
     final: Any = None  # FinishEvent | ErrorEvent on the last step
+    reasoning_tokens: int = 0  # generated tokens spent inside `<think>`, in total, on the last step
 
 
 async def steps(run: GenerationRun, parser: Any) -> Any:
@@ -154,7 +155,7 @@ async def steps(run: GenerationRun, parser: Any) -> Any:
     last_output = time.monotonic()
     async for event in run.events():
         if event is None or isinstance(event, (PrefillProgressEvent, TokenEvent)):
-            parts = parser.feed(event.text) if isinstance(event, TokenEvent) else []
+            parts = parser.feed(event.text, len(event.token_ids)) if isinstance(event, TokenEvent) else []
             now_s = time.monotonic()
             quiet = not parts and now_s - last_output >= run.keepalive_s
             if parts or quiet:
@@ -162,4 +163,5 @@ async def steps(run: GenerationRun, parser: Any) -> Any:
             yield Step(parts, event.logprobs if isinstance(event, TokenEvent) else None, keepalive=quiet)
         else:
             truncated = getattr(event, "finish_reason", None) == "length"
-            yield Step(parser.finish(truncated=truncated), final=event)
+            parts = parser.finish(truncated=truncated)
+            yield Step(parts, final=event, reasoning_tokens=parser.reasoning_tokens)

@@ -36,13 +36,13 @@ router = APIRouter()
 # ---- response rendering (pure) -------------------------------------------------------------------------
 
 
-def openai_usage(usage: Usage) -> dict[str, Any]:
+def openai_usage(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage_cached(usage)},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
     }
 
 
@@ -116,10 +116,12 @@ class ChatChunker:
                 self.tool_calls += 1
         return deltas
 
-    def closing(self, finish: FinishEvent) -> list[bytes]:
+    def closing(self, finish: FinishEvent, reasoning_tokens: int = 0) -> list[bytes]:
         frames = [self.chunk({}, finish=finish_reason(finish, self.tool_calls > 0))]
         if self.include_usage:
-            frames.append(sse({**self.base, "choices": [], "usage": openai_usage(finish.usage)}))
+            frames.append(
+                sse({**self.base, "choices": [], "usage": openai_usage(finish.usage, reasoning_tokens)})
+            )
         return frames + [b"data: [DONE]\n\n"]
 
     def failure(self, error: Exception) -> list[bytes]:
@@ -145,7 +147,12 @@ def failure_frames(error: Exception) -> list[bytes]:
 
 
 def completion_body(
-    completion_id: str, model: str, parts: list[Any], logprobs: list[Any], finish: FinishEvent
+    completion_id: str,
+    model: str,
+    parts: list[Any],
+    logprobs: list[Any],
+    finish: FinishEvent,
+    reasoning_tokens: int = 0,
 ) -> dict[str, Any]:
     text = "".join(p.text for p in parts if isinstance(p, TextPart))
     reasoning = "".join(p.text for p in parts if isinstance(p, ReasoningPart))
@@ -168,7 +175,7 @@ def completion_body(
         "model": model,
         "system_fingerprint": None,
         "choices": [choice],
-        "usage": openai_usage(finish.usage),
+        "usage": openai_usage(finish.usage, reasoning_tokens),
     }
 
 
@@ -211,7 +218,9 @@ async def _collect(
                 raise step.final.error
             if isinstance(step.final, FinishEvent):
                 return JSONResponse(
-                    completion_body(run.request.request_id, model, parts, logprobs, step.final)
+                    completion_body(
+                        run.request.request_id, model, parts, logprobs, step.final, step.reasoning_tokens
+                    )
                 )
     except ClientGone:
         return JSONResponse({}, status_code=499)
@@ -229,7 +238,7 @@ async def _stream(run: GenerationRun, parser: OutputParser, chunker: ChatChunker
             for frame in chunker.step(step):
                 yield frame
             if isinstance(step.final, FinishEvent):
-                for frame in chunker.closing(step.final):
+                for frame in chunker.closing(step.final, step.reasoning_tokens):
                     yield frame
             elif isinstance(step.final, ErrorEvent):
                 for frame in chunker.failure(step.final.error):

@@ -33,7 +33,9 @@ router = APIRouter()
 class RawParser:
     """The model's text as is."""
 
-    def feed(self, text: str) -> list[TextPart]:
+    reasoning_tokens = 0
+
+    def feed(self, text: str, tokens: int = 0) -> list[TextPart]:
         return [TextPart(text)] if text else []
 
     def finish(self, *, truncated: bool = False) -> list[TextPart]:

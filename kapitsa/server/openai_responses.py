@@ -67,7 +67,7 @@ async def _collect(run: GenerationRun, parser: OutputParser, builder: ResponseBu
             if isinstance(step.final, ErrorEvent):
                 raise step.final.error
             if isinstance(step.final, FinishEvent):
-                return JSONResponse(builder.finish(step.final))
+                return JSONResponse(builder.finish(step.final, step.reasoning_tokens))
     except ClientGone:
         return JSONResponse({}, status_code=499)
     finally:
@@ -85,7 +85,7 @@ async def _stream(run: GenerationRun, parser: OutputParser, builder: ResponseBui
             for frame in builder.parts(step.parts):
                 yield frame
             if isinstance(step.final, FinishEvent):
-                for frame in builder.closing(step.final):
+                for frame in builder.closing(step.final, step.reasoning_tokens):
                     yield frame
             elif isinstance(step.final, ErrorEvent):
                 for frame in builder.failure(step.final.error):

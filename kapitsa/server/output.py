@@ -30,8 +30,12 @@ class OutputParser:
         self._tools = ToolCallParser(tools) if tools else None
         self.tool_calls: list[ToolCall] = []
         self._truncated = False
+        self.reasoning_tokens = 0
 
-    def feed(self, text: str) -> list[Part]:
+    def feed(self, text: str, tokens: int = 0) -> list[Part]:
+        """Parts completed by `text`; `tokens` (how many produced it) count as reasoning while inside `<think>`."""
+        if self._think.channel == "reasoning" or self._think.at_start:
+            self.reasoning_tokens += tokens
         return self._route(self._think.feed(text), final=False)
 
     def finish(self, *, truncated: bool = False) -> list[Part]:

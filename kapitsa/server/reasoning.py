@@ -46,6 +46,11 @@ class ThinkSplitter:
                 break
         return [(c, t) for c, t in out if t]
 
+    @property
+    def at_start(self) -> bool:
+        """Nothing but whitespace seen yet (a leading `<think>` may still come)."""
+        return self._at_start
+
     def flush(self) -> list[tuple[Channel, str]]:
         """Everything still held, at the end of the output."""
         text, self._buffer = self._buffer, ""

@@ -13,12 +13,12 @@ from kapitsa.server.output import ReasoningPart, TextPart
 from kapitsa.server.tool_calls import ToolCall
 
 
-def responses_usage(usage: Usage) -> dict[str, Any]:
+def responses_usage(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage_cached(usage)},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
         "total_tokens": usage.total_tokens,
     }
 
@@ -226,22 +226,22 @@ class ResponseBuilder:
             item["namespace"] = self.namespaces[call.name]
         return item
 
-    def finish(self, finish: FinishEvent) -> dict[str, Any]:
+    def finish(self, finish: FinishEvent, reasoning_tokens: int = 0) -> dict[str, Any]:
         self._close_open()  # events are produced by `closing`; this path is for the non-stream body
-        return self._finished(finish)
+        return self._finished(finish, reasoning_tokens)
 
-    def _finished(self, finish: FinishEvent) -> dict[str, Any]:
+    def _finished(self, finish: FinishEvent, reasoning_tokens: int = 0) -> dict[str, Any]:
         incomplete = finish.finish_reason == "length"
         self.response.update(
             status="incomplete" if incomplete else "completed",
-            usage=responses_usage(finish.usage),
+            usage=responses_usage(finish.usage, reasoning_tokens),
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
         )
         return self.response
 
-    def closing(self, finish: FinishEvent) -> list[bytes]:
+    def closing(self, finish: FinishEvent, reasoning_tokens: int = 0) -> list[bytes]:
         frames = self._close_open()
-        return frames + [self.event("response.completed", response=self._finished(finish))]
+        return frames + [self.event("response.completed", response=self._finished(finish, reasoning_tokens))]
 
     def failure(self, error: Exception) -> list[bytes]:
         message = str(error) if isinstance(error, KapitsaError) else f"Generation failed: {error}"

@@ -75,6 +75,10 @@ def test_chat_stream_order_with_reasoning_tool_call_and_usage(live: LiveServer, 
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["tool_calls"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # Counted per engine event: the event that closes </think> still counts (one token with a real engine).
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == len(
+        "<think>let me think</think>\n\nOK "
+    )
 
 
 def test_chat_tool_round_trip_reaches_the_template(live: LiveServer, oai: openai.OpenAI) -> None:
@@ -151,6 +155,7 @@ def test_responses_stream_event_order(live: LiveServer, oai: openai.OpenAI) -> N
     assert json.loads(done[2].arguments) == {"command": "echo hi > out.txt", "timeout": 30}
     final = events[-1].response
     assert final.usage.input_tokens_details.cached_tokens == 3
+    assert 0 < final.usage.output_tokens_details.reasoning_tokens < final.usage.output_tokens
     assert kinds.index("response.function_call_arguments.done") < kinds.index("response.completed")
 
 
@@ -299,16 +304,24 @@ def test_models_list_reads_with_the_anthropic_sdk_too(claude: anthropic.Anthropi
 
 def test_responses_freeform_custom_tool_round_trip(live: LiveServer, oai: openai.OpenAI) -> None:
     patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
-    live.engine.enqueue(["<tool_call>", json.dumps({"name": "apply_patch", "arguments": {"input": patch}}), "</tool_call>"])
-    tools = [{"type": "custom", "name": "apply_patch", "description": "edit files", "format": {"type": "text"}}]
+    live.engine.enqueue(
+        ["<tool_call>", json.dumps({"name": "apply_patch", "arguments": {"input": patch}}), "</tool_call>"]
+    )
+    tools = [
+        {"type": "custom", "name": "apply_patch", "description": "edit files", "format": {"type": "text"}}
+    ]
     out = oai.responses.create(model="fake", input="edit", tools=tools)
     call = out.output[-1]
     assert call.type == "custom_tool_call" and call.name == "apply_patch" and call.input == patch
-    oai.responses.create(model="fake", input=[
-        {"type": "message", "role": "user", "content": "edit"},
-        {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": patch},
-        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done"},
-    ], tools=tools)
+    oai.responses.create(
+        model="fake",
+        input=[
+            {"type": "message", "role": "user", "content": "edit"},
+            {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": patch},
+            {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done"},
+        ],
+        tools=tools,
+    )
     sent = live.engine.requests[-1].messages
     assert sent[1]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": {"input": patch}}
     assert sent[2] == {"role": "tool", "content": "Done", "tool_call_id": call.call_id}
