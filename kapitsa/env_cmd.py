@@ -38,11 +38,13 @@ def detect_shell() -> Shell:
     """The shell this command runs under (shellingham), else $SHELL, else bash."""
     try:
         import shellingham
-
-        name, _path = shellingham.detect_shell()
-        return normalize_shell(name)
-    except (ImportError, RuntimeError, InvalidRequest, shellingham.ShellDetectionFailure):  # type: ignore[union-attr]
-        pass
+    except ImportError:
+        shellingham = None  # type: ignore[assignment]
+    if shellingham is not None:
+        try:
+            return normalize_shell(shellingham.detect_shell()[0])
+        except (shellingham.ShellDetectionFailure, RuntimeError, InvalidRequest):
+            pass
     try:
         return normalize_shell(os.environ.get("SHELL", "bash"))
     except InvalidRequest:

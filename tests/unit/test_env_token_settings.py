@@ -131,3 +131,22 @@ def test_cli_env_and_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rest
     bogus = runner.invoke(app, ["token", "bogus"])
     assert bogus.exit_code != 0 and isinstance(bogus.exception, KapitsaError)
     assert os.path.exists(tmp_path / tokens.FILE_NAME)
+
+
+def test_shell_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shellingham
+
+    from kapitsa.env_cmd import detect_shell
+
+    monkeypatch.setattr(shellingham, "detect_shell", lambda: ("pwsh", "/usr/bin/pwsh"))
+    assert detect_shell() == "powershell"
+    assert env_lines("http://h", None).shell == "powershell"
+
+    def undetectable():
+        raise shellingham.ShellDetectionFailure()
+
+    monkeypatch.setattr(shellingham, "detect_shell", undetectable)
+    monkeypatch.setenv("SHELL", "/usr/local/bin/fish")
+    assert detect_shell() == "fish"
+    monkeypatch.setenv("SHELL", "/bin/tcsh")
+    assert detect_shell() == "bash"
