@@ -15,6 +15,8 @@ Speculative decoding rolls back by replay (hybrid-engine.md §5.2): a forward wi
 inputs; `rollback(n)` then drops the last `n[b]` tokens: attention just lowers the offset (the
 slots become scratch), recurrent layers re-run only their recurrence over the kept prefix from the
 saved state. MLX arrays are immutable, so `checkpoint()` is a set of references, not a copy.
+A draft tree (`model(..., parents=...)`, ops/tree.py) holds nothing until `commit_path(paths)`
+keeps one root path per row: its K/V rows move to `offsets[b] + j`, recurrent layers replay it.
 """
 
 from __future__ import annotations
