@@ -22,8 +22,8 @@ from kapitsa.tui.widgets.bench_table import BenchTable
 
 class BenchScreen(Screen):
     BINDINGS = [
-        Binding("r", "run_bench(True)", "Quick bench"),
-        Binding("f", "run_bench(False)", "Full bench"),
+        Binding("r", "run_bench(True)", "Quick"),
+        Binding("f", "run_bench(False)", "Full"),
         Binding("u", "submit", "Submit"),
     ]
 
