@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from tinyckpt import chats, corpus, replay, template
 
 from tests.checkpoints.conftest import DEMO
-from tinyckpt import chats, corpus, replay, template
 
 SOURCE = '''
 class Box:
@@ -76,14 +76,34 @@ def test_conversations_are_deterministic_chat_turns() -> None:
 
 CONVERSATIONS = [
     ([{"role": "user", "content": "def f(x):"}], None),
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q1"},
-      {"role": "assistant", "content": "a1", "reasoning_content": "old thought"},
-      {"role": "user", "content": "q2"}, {"role": "assistant", "content": "<think>\nnew thought\n</think>\n\na2"}], None),
-    ([{"role": "user", "content": "read it"},
-      {"role": "assistant", "content": "", "tool_calls": [
-          {"type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py", "lines": [1, 2]}}}]},
-      {"role": "tool", "content": "print(1)"}, {"role": "tool", "content": "print(2)"}],
-     [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]),
+    (
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1", "reasoning_content": "old thought"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "<think>\nnew thought\n</think>\n\na2"},
+        ],
+        None,
+    ),
+    (
+        [
+            {"role": "user", "content": "read it"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": {"path": "a.py", "lines": [1, 2]}},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "print(1)"},
+            {"role": "tool", "content": "print(2)"},
+        ],
+        [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}],
+    ),
 ]
 
 
@@ -93,9 +113,13 @@ def test_template_renders_as_transformers_does(case: int, thinking: bool) -> Non
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(DEMO)
     messages, tools = CONVERSATIONS[case]
-    expected = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                      enable_thinking=thinking)
-    assert template.render_chat(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking) == expected
+    expected = hf.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
+    assert (
+        template.render_chat(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)
+        == expected
+    )
 
 
 def test_generation_prompt_closes_thinking_unless_enabled() -> None:
@@ -113,7 +137,7 @@ def test_replay_counts_verify_steps_like_greedy_verification() -> None:
     prompt = 10
 
     def perfect(k: int) -> replay.Proposer:
-        return lambda context, _: sequence[len(context): len(context) + k]
+        return lambda context, _: sequence[len(context) : len(context) + k]
 
     assert replay.replay(sequence, prompt, perfect(3)) == (2, 6, 5, 5)  # 3 accepted + bonus, then the last 2
     assert replay.replay(sequence, prompt, lambda context, _: [99, 99]) == (6, 6, 12, 0)

@@ -52,7 +52,9 @@ def _acceptance_table(results: dict) -> list[str]:
 
 def _samples(results: dict, folder: str) -> list[str]:
     lines = []
-    for sample in results["completions"][folder]:
+    samples = results["completions"][folder]
+    shown = [s for s in samples if s["mode"] == "raw"][:3] + [s for s in samples if s["mode"] == "chat"]
+    for sample in shown:
         lines += [
             f"Prompt ({sample['mode']}):",
             "",

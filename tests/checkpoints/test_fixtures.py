@@ -1,0 +1,82 @@
+"""The trained test fixtures in tests/checkpoints/trained/: Nemotron-H, the Qwen3.5 draft, the bf16 MTP head."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import mlx.core as mx
+import pytest
+
+from tests.checkpoints.conftest import DEMO, SNIPPET, TRAINED, safetensors_header
+
+SIZE_BUDGET = 25_000_000
+
+
+def test_fixtures_stay_under_the_size_budget() -> None:
+    assert sum(p.stat().st_size for p in TRAINED.rglob("*") if p.is_file()) < SIZE_BUDGET
+
+
+@pytest.mark.parametrize("name", ["nemotron-h", "qwen35-draft"])
+def test_fixture_shares_the_demo_tokenizer(name: str) -> None:
+    assert (TRAINED / name / "tokenizer.json").read_bytes() == (DEMO / "tokenizer.json").read_bytes()
+    assert (TRAINED / name / "chat_template.jinja").read_text() == (DEMO / "chat_template.jinja").read_text()
+
+
+def test_nemotron_config_is_published_format() -> None:
+    config = json.loads((TRAINED / "nemotron-h" / "config.json").read_text())
+    assert config["model_type"] == "nemotron_h"
+    pattern = config["hybrid_override_pattern"]
+    assert {"M", "E", "*"} <= set(pattern) and len(pattern) == len(config["layers_block_type"])
+    header = safetensors_header(TRAINED / "nemotron-h" / "model.safetensors")
+    assert "backbone.embeddings.weight" in header and "lm_head.weight" in header
+    assert any(".mixer.experts.0.up_proj.weight" in n for n in header)
+    assert any(n.endswith("mixer.gate.e_score_correction_bias") for n in header)
+
+
+def test_mtp_head_file_matches_the_demo_shapes() -> None:
+    header = safetensors_header(TRAINED / "qwen35-demo-mtp.safetensors")
+    config = json.loads((DEMO / "config.json").read_text())
+    hidden = config["hidden_size"]
+    assert header["mtp.fc.weight"]["shape"] == [hidden, 2 * hidden]
+    assert header["mtp.norm.weight"]["shape"] == [hidden]
+    assert all(n.startswith("mtp.") and v["dtype"] == "BF16" for n, v in header.items())
+
+
+def _nll(model, ids: list[int]) -> float:
+    x = mx.array([ids])
+    logits = model(x).astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return float(-mx.take_along_axis(logp[0, :-1], x[0, 1:, None], axis=-1).mean())
+
+
+@pytest.mark.parametrize(("name", "bound"), [("nemotron-h", 4.0), ("qwen35-draft", 3.5)])
+def test_fixture_loads_in_kapitsa_and_is_trained(name: str, bound: float) -> None:
+    from kapitsa.engine.loading import load_model
+
+    loaded = load_model(TRAINED / name)
+    ids = loaded.tokenizer.encode(SNIPPET)
+    shuffled = ids[:]
+    random.Random(0).shuffle(shuffled)
+    trained = _nll(loaded.model, ids)
+    assert trained < bound
+    assert _nll(loaded.model, shuffled) > trained + 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nemotron-h", "qwen35-draft"])
+def test_transformers_reads_the_fixture_like_kapitsa(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+
+    from kapitsa.engine.loading import load_model
+
+    loaded = load_model(TRAINED / name, quantize="fp32")
+    ids = loaded.tokenizer.encode(SNIPPET)
+    ours = np.array(loaded.model(mx.array([ids])).astype(mx.float32))[0]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(TRAINED / name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0].numpy()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() > 0.95
+    assert np.abs(ours - theirs).max() < 0.1
