@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kapitsa.engine import tiny
+
 sys.path.insert(0, str(Path(__file__).parent))
 from results_receiver import Receiver  # noqa: E402
-from tiny_llama import write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -39,12 +40,13 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kapitsa's tiny random Qwen3.5 checkpoint, which mlx-lm loads too (so both engines can serve it)."""
+    return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-qwen3_5", "qwen3_5")
 
 
 @pytest.fixture(scope="session")
-def mlx_lm_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def mlx_lm_server(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `mlx_lm.server` serving the tiny checkpoint; yields its base URL."""
     port = free_port()
     env = {
@@ -58,7 +60,7 @@ def mlx_lm_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
             "-m",
             "mlx_lm.server",
             "--model",
-            str(tiny_llama_dir),
+            str(tiny_qwen_dir),
             "--host",
             "127.0.0.1",
             "--port",
