@@ -101,3 +101,15 @@ async def test_declined_submit_shows_the_json_and_posts_nothing(receiver, bench_
 def test_cli_no_local_needs_a_url() -> None:
     result = CliRunner().invoke(app, ["bench", "--no-local"])
     assert result.exit_code != 0 and "--compare" in result.output
+
+
+@pytest.mark.slow
+def test_cli_kapitsa_and_mlx_lm_side_by_side(mlx_lm_server: str, tiny_qwen_dir) -> None:
+    """The same checkpoint in kapitsa's engine and in mlx_lm.server, one column each."""
+    args = ["bench", "--model", str(tiny_qwen_dir), "--quick", "--compare", mlx_lm_server]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    header = result.stdout.splitlines()[2]
+    assert "kapitsa (tiny-qwen3_5)" in header and f"{mlx_lm_server}/v1" in header
+    hit_row = next(line for line in result.stdout.splitlines() if line.startswith("agent replay cache hit %"))
+    assert "n/a" not in hit_row and "error" not in hit_row
