@@ -257,3 +257,60 @@ def test_dflash_checkpoint_errors_are_clear(tmp_path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="not a DFlash drafter"):
         load_dflash(tmp_path / "empty")
+
+
+class OracleTreeDrafter(OracleDrafter):
+    """Two branches: a corrupted copy of the known continuation and a truncated correct one, so
+    acceptance has to leave the first branch for the second at varying depths."""
+
+    def propose_tree(self, context, budget: int):
+        from kapitsa.engine.speculative.tree import tree_from_paths
+
+        wrong = list(self.propose(context, budget).tokens)
+        for prompt, ref in self.references.items():
+            if tuple(context[: len(prompt)]) == prompt:
+                done = len(context) - len(prompt)
+                right = list(ref[done : done + self.rng.randint(0, max(0, budget // 2))])
+                return tree_from_paths(context[-1], [wrong, right], budget=budget)
+        return tree_from_paths(context[-1], [wrong], budget=budget)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+async def test_tree_verification_equals_plain(kind: str) -> None:
+    model = tiny_model(kind)
+    plain = await _plain_outputs(model)
+    refs = _references(plain)
+    strategies = [
+        SpeculativeDecode(
+            lambda: OracleTreeDrafter(refs, seed=2),
+            name="oracle-tree",
+            max_draft=6,
+            adaptive=False,
+            tree=True,
+        ),
+        make_decode_strategy("ngram", draft_tokens=6, tree=True),
+        make_decode_strategy("draft", draft_model=model, draft_tokens=5, tree=True),
+    ]
+    for strategy in strategies:
+        client = _client(model, strategy)
+        try:
+            alone = [(await _run(client, p))[0] for p in PROMPTS]
+            together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
+        finally:
+            client.close()
+        assert alone == plain, strategy.name
+        assert [ids for ids, _, _ in together] == plain, strategy.name
+    assert strategies[0].stats.accepted > 0
+    assert strategies[2].stats.acceptance_rate > 0.5
+
+
+async def test_tree_sampling_is_seeded() -> None:
+    model = tiny_model("qwen3_5")
+    outs = []
+    for _ in range(2):
+        client = _client(model, make_decode_strategy("draft", draft_model=model, draft_tokens=4, tree=True))
+        try:
+            outs.append((await _run(client, PROMPTS[0], temperature=0.9, seed=5))[0])
+        finally:
+            client.close()
+    assert outs[0] == outs[1] and len(outs[0]) == N_TOKENS

@@ -78,6 +78,9 @@ class Rope:
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         # mx.fast.rope takes periods (1 / inverse frequency) when the frequencies are not plain base^-i
         self._periods = None if kind in (None, "default", "mrope") else 1.0 / self.inv_freq
+        # Evaluate now: a lazy array built on this thread's stream cannot be evaluated later on the
+        # engine thread (MLX streams are per thread), and models are built before the engine starts.
+        mx.eval(self.inv_freq, *(() if self._periods is None else (self._periods,)))
 
     def at_positions(self, x: mx.array, positions: mx.array) -> mx.array:
         """Per-token positions `[B, T]` (draft trees); `mx.fast.rope` takes one offset per row."""

@@ -24,6 +24,7 @@ from kapitsa.engine.sampler import SampledToken, SequenceSampler, filter_logits
 from kapitsa.engine.sequence import Sequence
 from kapitsa.engine.speculative.controller import DraftLengthController
 from kapitsa.engine.speculative.drafter import Drafter
+from kapitsa.engine.speculative.tree import DraftTree
 
 
 @dataclass
@@ -63,6 +64,7 @@ class SpeculativeDecode:
     name: str = "ngram"
     max_draft: int = 8
     adaptive: bool = True
+    tree: bool = False  # verify a draft tree (drafters with `propose_tree`) instead of a chain
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     _states: dict[int, _SequenceState] = field(default_factory=dict)
     _plain: PlainDecode = field(default_factory=PlainDecode)
@@ -80,6 +82,8 @@ class SpeculativeDecode:
     ) -> list[list[SampledToken]]:
         self._forget_finished(sequences)
         states = [self._state(seq) for seq in sequences]
+        if self.tree and any(hasattr(st.drafter, "propose_tree") for st in states):
+            return self._step_tree(runner, cache, states)
         drafts = [self._propose(state) for state in states]
         needs_hidden = any(getattr(st.drafter, "needs_hidden", False) for st in states)
         taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
@@ -116,6 +120,51 @@ class SpeculativeDecode:
         cache.rollback(drops)
         self._count(picks, drafts)
         return picks
+
+    def _step_tree(
+        self, runner: ModelRunner, cache: HybridCache, states: list[_SequenceState]
+    ) -> list[list[SampledToken]]:
+        """One tree forward for the batch (rows padded with extra leaves under the root, which
+        acceptance never considers), then `commit_path` keeps each row's accepted root path."""
+        trees = [self._propose_tree(state) for state in states]
+        width = max(len(t) for t in trees)
+        rows = [list(t.tokens) + [0] * (width - len(t)) for t in trees]
+        parents = [list(t.parents) + [0] * (width - len(t)) for t in trees]
+        taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
+        model = runner.model
+        out = model.forward(
+            mx.array(rows, dtype=mx.int32), cache, lengths=[len(t) for t in trees], parents=parents, taps=taps
+        )
+        logits = model.logits(out.hidden).astype(mx.float32)
+        needs_hidden = any(getattr(st.drafter, "needs_hidden", False) for st in states)
+        normed = model.final_norm(out.hidden) if needs_hidden else None
+        mx.eval(logits)
+        picks, paths = [], []
+        for b, (state, tree) in enumerate(zip(states, trees, strict=True)):
+            tokens, path = _accept_tree(state.seq.sampler, tree, logits[b])
+            picks.append(tokens)
+            paths.append(path)
+            if len(tree) > 1:
+                state.controller.update(max(tree.depths()), len(path) - 1)
+            if normed is not None or taps:
+                index = mx.array(path, dtype=mx.int32)
+                state.drafter.after_verify(
+                    None if normed is None else normed[b][index],
+                    [t.token_id for t in tokens],
+                    {i: out.taps[i][b][index] for i in taps},
+                )
+        cache.commit_path(paths)
+        self._count(picks, [list(t.tokens[1:]) for t in trees])
+        return picks
+
+    def _propose_tree(self, state: _SequenceState) -> DraftTree:
+        seq = state.seq
+        room = seq.max_tokens - len(seq.output_ids) - 1
+        budget = min(state.controller.choose() if self.adaptive else self.max_draft, room)
+        propose = getattr(state.drafter, "propose_tree", None)
+        if propose is not None:
+            return propose(seq.all_ids, max(budget, 0))
+        return DraftTree.chain(seq.output_ids[-1], state.drafter.propose(seq.all_ids, max(budget, 0)).tokens)
 
     def _count(self, picks: list[list[SampledToken]], drafts: list[list[int]]) -> None:
         s = self.stats
@@ -175,6 +224,38 @@ def _accept(sampler: SequenceSampler, draft: list[int], rows: mx.array) -> tuple
         return out, i
     out.append(sampler.sample(rows[len(draft)]))
     return out, len(draft)
+
+
+def _accept_tree(
+    sampler: SequenceSampler, tree: DraftTree, rows: mx.array
+) -> tuple[list[SampledToken], list[int]]:
+    """Walk the verified tree from the root: greedy follows the child equal to the target's pick;
+    sampling accepts sibling candidates by the sequential residual rule, which samples exactly
+    from the target. Returns the emitted tokens and the kept root path (node indices)."""
+    node, path, out = 0, [0], []
+    greedy = sampler.params.temperature == 0
+    while True:
+        kids = tree.children(node)
+        row = rows[node]
+        if greedy:
+            pick = sampler.sample(row)
+            out.append(pick)
+            nxt = next((c for c in kids if tree.tokens[c] == pick.token_id), None)
+        else:
+            probs = _target_probs(sampler, row)
+            nxt = None
+            for c in kids:
+                token = tree.tokens[c]
+                if _uniform(sampler) * probs.sum() < probs[token]:
+                    nxt = c
+                    break
+                probs[token] = 0.0
+            token = tree.tokens[nxt] if nxt is not None else _draw(probs, _uniform(sampler))
+            out.append(sampler._finish(row, mx.array(token)))
+        if nxt is None:
+            return out, path
+        node = nxt
+        path.append(node)
 
 
 def _target_probs(sampler: SequenceSampler, row: mx.array) -> np.ndarray:

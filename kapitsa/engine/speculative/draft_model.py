@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from kapitsa.engine.speculative.drafter import Draft
+from kapitsa.engine.speculative.tree import DraftTree, tree_from_paths
 
 
 class DraftModelDrafter:
@@ -34,14 +35,31 @@ class DraftModelDrafter:
         self.fed = list(context)
         return logits
 
+    def _greedy_chain(self, first: int, length: int) -> list[int]:
+        """`first`, then the draft model's greedy continuation, `length` tokens in all; the cache
+        is left at the committed point."""
+        committed = self.cache.checkpoint()
+        tokens = [first]
+        while len(tokens) < length:
+            logits = self.model(mx.array([[tokens[-1]]], dtype=mx.int32), self.cache)[0, -1]
+            tokens.append(int(mx.argmax(logits).item()))
+        self.cache.restore(committed)
+        return tokens
+
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
         if max_tokens <= 0 or not context:
             return Draft(())
         logits = self._catch_up(context)
-        committed = self.cache.checkpoint()
-        tokens = [int(mx.argmax(logits).item())]
-        while len(tokens) < max_tokens:
-            logits = self.model(mx.array([[tokens[-1]]], dtype=mx.int32), self.cache)[0, -1]
-            tokens.append(int(mx.argmax(logits).item()))
-        self.cache.restore(committed)
-        return Draft(tuple(tokens))
+        return Draft(tuple(self._greedy_chain(int(mx.argmax(logits).item()), max_tokens)))
+
+    def propose_tree(self, context: Sequence[int], budget: int, *, branches: int = 2) -> DraftTree:
+        """The greedy chain plus shorter chains from the next-best first tokens."""
+        if budget <= 0 or not context:
+            return DraftTree.chain(int(context[-1]) if context else 0, ())
+        logits = self._catch_up(context)
+        firsts = mx.argsort(-logits)[:branches].tolist()
+        depth = max(1, budget - (branches - 1) * max(1, budget // (2 * branches)))
+        paths = [self._greedy_chain(int(firsts[0]), depth)]
+        for first in firsts[1:]:
+            paths.append(self._greedy_chain(int(first), max(1, budget // (2 * branches))))
+        return tree_from_paths(int(context[-1]), paths, budget=budget)

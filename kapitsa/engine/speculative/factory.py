@@ -30,8 +30,6 @@ def make_decode_strategy(
     """
     if mode not in MODES:
         raise InvalidRequest(f"unknown speculative mode {mode!r}; choose one of {', '.join(MODES)}")
-    if tree:
-        raise InvalidRequest("tree verification is not available in this build; use chains (--no-tree)")
     if mode == "none":
         return PlainDecode()
     max_draft = draft_tokens or 8
@@ -45,13 +43,15 @@ def make_decode_strategy(
             )
         return SpeculativeDecode(lambda: MTPDrafter(target_model), name="mtp", max_draft=min(max_draft, 3))
     if mode == "ngram":
-        return SpeculativeDecode(NGramDrafter, name="ngram", max_draft=max_draft)
+        return SpeculativeDecode(NGramDrafter, name="ngram", max_draft=max_draft, tree=tree)
     if mode == "draft":
         if draft_model is None:
             raise InvalidRequest(
                 "--speculative draft needs --draft MODEL (a small model with the same tokenizer)"
             )
-        return SpeculativeDecode(lambda: DraftModelDrafter(draft_model), name="draft", max_draft=max_draft)
+        return SpeculativeDecode(
+            lambda: DraftModelDrafter(draft_model), name="draft", max_draft=max_draft, tree=tree
+        )
     if block_drafter is None or target_model is None:
         raise InvalidRequest("--speculative block needs --draft PATH of a DFlash drafter checkpoint")
     size = min(max_draft, block_drafter.config.block_size - 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kapitsa.engine.speculative.drafter import Draft
+from kapitsa.engine.speculative.tree import DraftTree, tree_from_paths
 
 
 class NGramDrafter:
@@ -22,14 +23,12 @@ class NGramDrafter:
             raise ValueError("need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
         self._tokens: list[int] = []
-        # n-gram -> position just after its latest occurrence, and the one before that
-        self._latest: dict[tuple[int, ...], int] = {}
-        self._previous: dict[tuple[int, ...], int] = {}
+        # n-gram -> positions just after each of its occurrences, oldest first
+        self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def reset(self, context: Sequence[int]) -> None:
         self._tokens = []
-        self._latest.clear()
-        self._previous.clear()
+        self._ends.clear()
         self.observe(context)
 
     def observe(self, new_tokens: Sequence[int]) -> None:
@@ -38,10 +37,7 @@ class NGramDrafter:
             end = len(self._tokens)
             for n in range(self.min_n, self.max_n + 1):
                 if end >= n:
-                    key = tuple(self._tokens[end - n : end])
-                    if key in self._latest:
-                        self._previous[key] = self._latest[key]
-                    self._latest[key] = end
+                    self._ends.setdefault(tuple(self._tokens[end - n : end]), []).append(end)
 
     def _sync(self, context: Sequence[int]) -> None:
         known = len(self._tokens)
@@ -50,15 +46,31 @@ class NGramDrafter:
         elif known < len(context):
             self.observe(context[known:])
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
-        self._sync(context)
-        if max_tokens <= 0:
-            return Draft(())
+    def _earlier_matches(self) -> list[int]:
+        """Start positions of what followed earlier occurrences of the longest matching suffix,
+        latest first (the suffix's own occurrence excluded)."""
         end = len(self._tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            key = tuple(self._tokens[end - n :])
-            # The suffix itself is the latest occurrence; copy from the one before it.
-            start = self._previous.get(key) if self._latest.get(key) == end else self._latest.get(key)
-            if start is not None and start < end:
-                return Draft(tuple(self._tokens[start : min(start + max_tokens, end)]))
-        return Draft(())
+            starts = [e for e in self._ends.get(tuple(self._tokens[end - n :]), ()) if e < end]
+            if starts:
+                return starts[::-1]
+        return []
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        self._sync(context)
+        starts = self._earlier_matches()
+        if max_tokens <= 0 or not starts:
+            return Draft(())
+        return Draft(tuple(self._tokens[starts[0] : starts[0] + max_tokens]))
+
+    def propose_tree(self, context: Sequence[int], budget: int, *, branches: int = 3) -> DraftTree:
+        """A trie of what followed the latest `branches` earlier matches, `budget` draft nodes at most."""
+        self._sync(context)
+        paths: list[tuple[int, ...]] = []
+        for start in self._earlier_matches():
+            path = tuple(self._tokens[start : start + budget])
+            if path and all(p[: len(path)] != path for p in paths):
+                paths.append(path)
+            if len(paths) == branches:
+                break
+        return tree_from_paths(int(context[-1]), paths, budget=budget)

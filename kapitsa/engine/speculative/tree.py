@@ -111,14 +111,24 @@ def build_best_first(root: int, expand: Expand, *, budget: int, top_k: int = 4) 
 
 
 def _tree_from_paths(root: int, paths: list[tuple[int, ...]]) -> DraftTree:
-    # Preorder by sorting paths lexicographically on their token sequences keeps subtrees contiguous.
+    return tree_from_paths(root, paths)
+
+
+def tree_from_paths(root: int, paths: Sequence[Sequence[int]], *, budget: int | None = None) -> DraftTree:
+    """The trie of `paths` under `root`, in preorder; with `budget`, earlier paths keep their nodes
+    first and later ones are cut once `budget` draft nodes are used."""
+    kept: set[tuple[int, ...]] = set()
+    for path in paths:
+        for depth in range(1, len(path) + 1):
+            prefix = tuple(path[:depth])
+            if prefix not in kept and (budget is None or len(kept) < budget):
+                kept.add(prefix)
+    # Preorder by sorting prefixes lexicographically keeps every subtree contiguous.
     index: dict[tuple[int, ...], int] = {(): 0}
     tokens, parents = [root], [-1]
-    for path in sorted(set(paths)):
-        for depth in range(1, len(path) + 1):
-            prefix = path[:depth]
-            if prefix not in index:
-                index[prefix] = len(tokens)
-                tokens.append(prefix[-1])
-                parents.append(index[prefix[:-1]])
+    for prefix in sorted(kept):
+        if prefix[:-1] in index:
+            index[prefix] = len(tokens)
+            tokens.append(prefix[-1])
+            parents.append(index[prefix[:-1]])
     return DraftTree(tuple(tokens), tuple(parents))
