@@ -314,3 +314,18 @@ async def test_tree_sampling_is_seeded() -> None:
         finally:
             client.close()
     assert outs[0] == outs[1] and len(outs[0]) == N_TOKENS
+
+
+def test_strategy_for_loads_drafters_by_kind(tmp_path) -> None:
+    from kapitsa.engine.speculative.factory import strategy_for
+    from kapitsa.engine.tiny import write_tiny_checkpoint
+
+    target = tiny_model("qwen3_5")
+    _write_dflash(tmp_path / "dflash", hidden=64, target_layers=[1, 2], mask_token_id=2)
+    small = write_tiny_checkpoint(tmp_path / "small", "qwen3_5")
+    assert strategy_for("auto", target_model=target, draft=str(tmp_path / "dflash")).name == "block"
+    assert strategy_for("draft", target_model=target, draft=str(small), tree=True).tree
+    with pytest.raises(InvalidRequest, match="not a DFlash"):
+        strategy_for("block", target_model=target, draft=str(small))
+    with pytest.raises(InvalidRequest, match="use --speculative block"):
+        strategy_for("draft", target_model=target, draft=str(tmp_path / "dflash"))

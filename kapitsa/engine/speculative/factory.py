@@ -56,3 +56,55 @@ def make_decode_strategy(
         raise InvalidRequest("--speculative block needs --draft PATH of a DFlash drafter checkpoint")
     size = min(max_draft, block_drafter.config.block_size - 1)
     return SpeculativeDecode(lambda: DFlashDrafter(block_drafter, target_model), name="block", max_draft=size)
+
+
+def load_drafter(path: str):  # noqa: ANN201 - a kapitsa model or a DFlashModel
+    """Load `--draft PATH`: a DFlash block drafter (config.json with `dflash_config`) or, for any
+    other checkpoint, a small model of the target's tokenizer."""
+    import json
+    from pathlib import Path
+
+    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.speculative.dflash import load_dflash
+
+    config = Path(path) / "config.json"
+    if config.is_file():
+        try:
+            is_dflash = "dflash_config" in json.loads(config.read_text())
+        except (OSError, ValueError):
+            is_dflash = False
+        if is_dflash:
+            return load_dflash(path)
+    return load_model(path).model
+
+
+def strategy_for(
+    mode: str,
+    *,
+    target_model,
+    draft: str | None = None,
+    draft_tokens: int | None = None,
+    tree: bool = False,  # noqa: ANN001
+) -> DecodeStrategy:
+    """The decode strategy for CLI/server flags: `--speculative MODE [--draft PATH] [--draft-tokens N] [--tree]`."""
+    from kapitsa.engine.speculative.dflash import DFlashModel
+
+    drafter = load_drafter(draft) if draft else None
+    if mode == "auto" and isinstance(drafter, DFlashModel):
+        mode = "block"
+    block = drafter if isinstance(drafter, DFlashModel) else None
+    small = drafter if drafter is not None and block is None else None
+    if mode == "block" and drafter is not None and block is None:
+        raise InvalidRequest(
+            f"--draft {draft} is not a DFlash drafter checkpoint (no dflash_config in config.json)"
+        )
+    if mode == "draft" and block is not None:
+        raise InvalidRequest(f"--draft {draft} is a DFlash block drafter; use --speculative block")
+    return make_decode_strategy(
+        mode,
+        target_model=target_model,
+        draft_model=small,
+        block_drafter=block,
+        draft_tokens=draft_tokens,
+        tree=tree,
+    )
