@@ -6,8 +6,7 @@ import uuid
 from typing import Any
 
 from kapitsa.engine.types import GenerationRequest, ModelInfo
-from kapitsa.errors import InvalidRequest
-from kapitsa.server.common import flatten_text, make_sampling, thinking_kwargs
+from kapitsa.server.common import flatten_text, make_sampling, param_error, thinking_kwargs
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 
@@ -52,14 +51,8 @@ def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
         name = (body.tool_choice.get("function") or {}).get("name") or body.tool_choice.get("name")
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
-            raise _invalid("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
+            raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
     return tools
-
-
-def _invalid(param: str, message: str) -> InvalidRequest:
-    err = InvalidRequest(message)
-    err.param = param  # type: ignore[attr-defined]
-    return err
 
 
 def chat_thinking(body: ChatRequest) -> bool | None:
@@ -79,11 +72,11 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
     if fmt is not None and fmt.type != "text":
         schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
         if fmt.type == "json_schema" and not isinstance(schema, dict):
-            raise _invalid("response_format", "response_format json_schema needs `json_schema.schema`.")
+            raise param_error("response_format", "response_format json_schema needs `json_schema.schema`.")
         messages.insert(0, {"role": "system", "content": json_mode_instruction(schema)})
     messages = fold_system_messages(messages)
     if not messages:
-        raise _invalid("messages", "messages holds no user or assistant message.")
+        raise param_error("messages", "messages holds no user or assistant message.")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     sampling = make_sampling(
         model,

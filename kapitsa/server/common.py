@@ -50,7 +50,7 @@ def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
     given = {k: v for k, v in fields.items() if v is not None}
     max_tokens = given.get("max_tokens")
     if max_tokens is not None and max_tokens > model.context_length:
-        raise _param_error(
+        raise param_error(
             "max_tokens",
             f"max_tokens is {max_tokens}, more than the context window ({model.context_length}).",
         )
@@ -59,10 +59,11 @@ def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
     try:
         return SamplingParams(**given)
     except ValueError as exc:
-        raise _param_error(str(exc).split(" ")[0], str(exc)) from None
+        raise param_error(str(exc).split(" ")[0], str(exc)) from None
 
 
-def _param_error(param: str, message: str) -> InvalidRequest:
+def param_error(param: str, message: str) -> InvalidRequest:
+    """An `InvalidRequest` that names the offending field (OpenAI's `error.param`)."""
     err = InvalidRequest(message)
     err.param = param  # type: ignore[attr-defined]
     return err
