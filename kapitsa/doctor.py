@@ -249,7 +249,8 @@ def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...]) -> list[str]:
         warnings.append("MLX is not installed: nothing can run")
     if not any(f.verdict in ("fits", "tight") and f.alias != "demo" for f in fits):
         warnings.append("no catalog model fits in this machine's usable memory; only the demo will run")
-    smallest_fitting = min((f.weights_bytes for f in fits if f.verdict == "fits" and f.weights_bytes), default=None)
+    downloadable = [f.weights_bytes for f in fits if f.verdict == "fits" and f.weights_bytes and f.repo_id]
+    smallest_fitting = min(downloadable, default=None)  # the packaged demo needs no download
     if smallest_fitting is not None and hw.disk_free_bytes < smallest_fitting:
         warnings.append(f"only {_size(hw.disk_free_bytes)} free at {hw.disk_path}: not enough for any model that fits")
     return warnings
