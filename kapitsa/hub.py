@@ -100,6 +100,11 @@ def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
 
 
+def _cache_root(cache_dir: Path | None) -> Path:
+    """The HF cache kapitsa reads and writes (HF_HOME / HF_HUB_CACHE honoured), looked up at call time."""
+    return Path(cache_dir or constants.HF_HUB_CACHE)
+
+
 def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
 
@@ -141,7 +146,7 @@ def _remote_files(api: HfApi, model: ResolvedModel, commit: str) -> list[_Remote
 def _download_all(model: ResolvedModel, commit: str, files: list[_RemoteFile], cache_dir: Path | None,
                   on_progress: ProgressCallback | None) -> PullResult:
     assert model.repo_id is not None
-    repo_dir = Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=model.repo_id, repo_type="model")
+    repo_dir = _cache_root(cache_dir) / repo_folder_name(repo_id=model.repo_id, repo_type="model")
     snapshot = repo_dir / "snapshots" / commit
     total, done, fetched = sum(f.size for f in files), 0, 0
     with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, read=120.0)) as client:
@@ -312,7 +317,7 @@ def _aliases_by_repo(catalog: Catalog) -> dict[str, list[str]]:
 def list_local(*, catalog: Catalog, cache_dir: Path | None = None) -> list[LocalModel]:
     """Every model repo in the Hugging Face cache, with the catalog aliases that name it."""
     try:
-        info = scan_cache_dir(cache_dir)
+        info = scan_cache_dir(_cache_root(cache_dir))
     except CacheNotFound:
         return []
     aliases = _aliases_by_repo(catalog)
@@ -330,7 +335,7 @@ def _local_model(repo: Any, refs: list[str]) -> LocalModel:
 
 def find_local(repo_id: str, cache_dir: Path | None = None) -> LocalModel | None:
     try:
-        info = scan_cache_dir(cache_dir)
+        info = scan_cache_dir(_cache_root(cache_dir))
     except CacheNotFound:
         return None
     for repo in info.repos:
@@ -345,7 +350,7 @@ def remove(ref: str, *, catalog: Catalog, cache_dir: Path | None = None) -> Remo
     if model.kind != "hf" or model.repo_id is None:
         raise KapitsaError(f"{ref!r} is a local folder, not a downloaded model; kapitsa does not delete it")
     try:
-        info = scan_cache_dir(cache_dir)
+        info = scan_cache_dir(_cache_root(cache_dir))
     except CacheNotFound:
         info = None
     repo = next((r for r in (info.repos if info else ()) if r.repo_id == model.repo_id and r.repo_type == "model"),

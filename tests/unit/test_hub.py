@@ -159,3 +159,23 @@ def test_unreachable_endpoint_is_a_clear_error(catalog, tmp_path: Path, monkeypa
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     with pytest.raises(KapitsaError, match="HF_ENDPOINT"):
         hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
+
+
+def test_cli_pull_ls_rm(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from kapitsa.cli import app
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "none.toml"))
+    runner = CliRunner()
+    pulled = runner.invoke(app, ["pull", REPO], catch_exceptions=False)
+    assert pulled.exit_code == 0 and "verified" in pulled.stdout and "downloaded" in pulled.stdout
+    listed = json.loads(runner.invoke(app, ["ls", "--json"], catch_exceptions=False).stdout)
+    assert [m["repo_id"] for m in listed] == [REPO]
+    assert REPO in runner.invoke(app, ["ls"], catch_exceptions=False).stdout
+    removed = runner.invoke(app, ["rm", REPO], catch_exceptions=False)
+    assert removed.exit_code == 0 and "freed" in removed.stdout
+    assert json.loads(runner.invoke(app, ["ls", "--json"], catch_exceptions=False).stdout) == []
