@@ -46,6 +46,8 @@ class DecodeBatch:
         gone = set(rows)
         keep = [i for i in range(self.size) if i not in gone]
         if not keep:
+            if self._inflight is not None:
+                mx.eval(self._inflight)  # let the last queued step finish: nothing may run unowned
             self.cache, self._inflight, self._streamed = None, None, []
             mx.clear_cache()  # idle: hand freed buffers back rather than keep them cached
             return

@@ -122,7 +122,7 @@ class Engine:
         if not self.alive:
             raise EngineDead("the engine has stopped")
         self._inbox.put(seq)
-        if not self._thread.is_alive():  # it died between the check and the put: nobody will answer
+        if not self.alive:  # it died between the check and the put: nobody will answer
             self._fail_all(EngineDead("the engine has stopped"))
 
     def abort(self, request_id: str) -> None:
@@ -130,12 +130,11 @@ class Engine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish nothing further; abort what runs, flush the prefix cache to disk, stop the thread."""
-        if not self._thread.is_alive():
+        if not self.alive:
             return
         stop = _Stop()
         self._inbox.put(stop)
         stop.done.wait(timeout)
-        self._thread.join(timeout)
 
     # --- the thread ----------------------------------------------------------------------
 
@@ -149,9 +148,13 @@ class Engine:
                     time.sleep(0.005)  # waiting on memory that a background release may free
         except Exception as err:  # noqa: BLE001 - the engine must report, not vanish
             log.exception("engine thread failed")
+            self.alive = False
             self._fail_all(EngineDead(f"the engine stopped after an internal error: {err}"))
         finally:
             self.alive = False
+        # Park rather than return: a finishing thread runs MLX's thread-local destructors (its
+        # compile cache), which take the GIL; if the interpreter is exiting then, the process aborts.
+        threading.Event().wait()
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Apply queued submissions and aborts; False once asked to stop."""
@@ -177,6 +180,8 @@ class Engine:
         for seq in self.scheduler.all():
             self._finish(seq, "abort")
         self.batch = DecodeBatch()
+        mx.synchronize()  # no queued device work may outlive the engine
+        self.alive = False
         if self.prefix is not None:
             try:
                 self.prefix.flush_to_disk()
