@@ -6,7 +6,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import EOS, ByteTokenizer, tiny_model  # noqa: I001
+from engine_standins import EOS, ByteTokenizer, tiny_model  # noqa: I001
 
 from kapitsa.engine.cache import HybridCache
 from kapitsa.engine.engine import EngineConfig
