@@ -163,3 +163,17 @@ def test_agent_invocation_for_a_server_someone_else_runs(agent_env, tmp_path: Pa
     assert claude.build_command([]) == ["claude"]
     config = json.loads(opencode.build_env("http://127.0.0.1:9999/v1", "lightning", environ={})["OPENCODE_CONFIG_CONTENT"])
     assert config["provider"]["kapitsa"]["options"]["baseURL"] == "http://127.0.0.1:9999/v1"
+
+
+def test_cli_pi_restore(fake_server, agent_env, tmp_path: Path, monkeypatch) -> None:
+    for key, value in agent_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("KAPITSA_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("KAPITSA_PORT", str(fake_server.port))
+    models = Path(agent_env["HOME"]) / ".pi" / "agent" / "models.json"
+    with mock.patch("kapitsa.agents.launch.exec_agent", autospec=True, side_effect=RuntimeError("exec")):
+        CliRunner().invoke(app, ["pi", "--model", "27b"])
+    assert "kapitsa" in json.loads(models.read_text())["providers"]
+    result = CliRunner().invoke(app, ["pi", "--restore"], catch_exceptions=False)
+    assert result.exit_code == 0 and "did not exist before kapitsa" in result.stdout
+    assert not models.exists()
