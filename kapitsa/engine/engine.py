@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,7 +98,9 @@ class Engine:
         self.stats = StatsCounter()
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
         self._inbox: queue.SimpleQueue[Sequence | _Abort | _Stop] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kapitsa-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=_thread_main, args=(weakref.ref(self),), name="kapitsa-engine", daemon=True
+        )
         self.alive = True
         self._thread.start()
 
@@ -152,9 +155,6 @@ class Engine:
             self._fail_all(EngineDead(f"the engine stopped after an internal error: {err}"))
         finally:
             self.alive = False
-        # Park rather than return: a finishing thread runs MLX's thread-local destructors (its
-        # compile cache), which take the GIL; if the interpreter is exiting then, the process aborts.
-        threading.Event().wait()
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Apply queued submissions and aborts; False once asked to stop."""
@@ -451,6 +451,16 @@ class Engine:
                 item.emit(ErrorEvent(item.request_id, err))
             elif isinstance(item, _Stop):
                 item.done.set()
+
+
+def _thread_main(engine_ref: weakref.ref[Engine]) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        engine._run()
+    del engine  # only the weak reference stays: a stopped engine can be freed
+    # Park rather than return: a finishing thread runs MLX's thread-local destructors (its compile
+    # cache), which take the GIL; if the interpreter is exiting at that moment, the process aborts.
+    threading.Event().wait()
 
 
 def _usage(seq: Sequence) -> Usage:
