@@ -171,8 +171,12 @@ def test_cli_pi_restore(fake_server, agent_env, tmp_path: Path, monkeypatch) -> 
     monkeypatch.setenv("KAPITSA_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("KAPITSA_PORT", str(fake_server.port))
     models = Path(agent_env["HOME"]) / ".pi" / "agent" / "models.json"
-    with mock.patch("kapitsa.agents.launch.exec_agent", autospec=True, side_effect=RuntimeError("exec")):
-        CliRunner().invoke(app, ["pi", "--model", "27b"])
+    checkpoint = tmp_path / "local-model"  # a local folder: nothing to download
+    checkpoint.mkdir()
+    fake_server.model_ids = ["local-model"]
+    with mock.patch("kapitsa.agents.launch.exec_agent", autospec=True, side_effect=RuntimeError("exec")) as exec_:
+        CliRunner().invoke(app, ["pi", "--model", str(checkpoint)])
+    assert exec_.call_args.args[0][1:] == ["--provider", "kapitsa", "--model", "local-model"]
     assert "kapitsa" in json.loads(models.read_text())["providers"]
     result = CliRunner().invoke(app, ["pi", "--restore"], catch_exceptions=False)
     assert result.exit_code == 0 and "did not exist before kapitsa" in result.stdout
