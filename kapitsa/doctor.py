@@ -115,10 +115,13 @@ def _mlx_info() -> tuple[str | None, Backend, dict[str, object]]:
         backend = "metal"
     elif hasattr(mx, "cuda") and mx.cuda.is_available():
         backend = "cuda"
-    try:
-        device = dict(mx.device_info())
-    except (RuntimeError, AttributeError):
-        device = {}
+    device: dict[str, object] = {}
+    for read in (lambda: mx.device_info(), lambda: mx.metal.device_info()):  # newer MLX, then older
+        try:
+            device = dict(read())
+            break
+        except (RuntimeError, AttributeError):
+            continue
     return mx.__version__, backend, device
 
 
