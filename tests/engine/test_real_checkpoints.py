@@ -83,3 +83,18 @@ def test_kapitsa_run_json(checkpoint, capsys) -> None:
         RunOptions(model=str(checkpoint), prompt_arg="Hello", max_tokens=5), write=streamed.append
     )
     assert "".join(streamed).rstrip("\n") == again.text and again.token_ids == result.token_ids
+
+
+def test_kapitsa_run_exits_cleanly() -> None:
+    """The process ends with status 0 after the engine stops (no abort from MLX's thread teardown)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kapitsa", "run", "--model", "demo", "--max-tokens", "3", "--json", "Hi"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["generation_tokens"] <= 3
