@@ -110,10 +110,3 @@ def settings_for(tmp_path: Path):
         return load_settings(port=port, state_dir=tmp_path / "state", server_start_timeout_s=20)
 
     return make
-
-
-def run_recorded(command: list[str], env: dict[str, str]) -> dict:
-    import subprocess
-
-    subprocess.run(command, env=env, check=True, timeout=30)
-    return json.loads(Path(env["FAKE_AGENT_RECORD"]).read_text())

@@ -7,7 +7,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import run_recorded
+from agent_fakes import run_recorded
 from typer.testing import CliRunner
 
 from kapitsa.agents import launch
