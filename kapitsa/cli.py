@@ -26,9 +26,28 @@ app = typer.Typer(
 
 _state = {"debug": False}
 
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Catalog alias (27b, 27b:6bit), HF repo id, folder or .gguf file.")]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Catalog alias (27b, 27b:6bit), HF repo id, folder or .gguf file."),
+]
 SpecOpt = Annotated[str, typer.Option("--speculative", help="none|ngram|mtp|draft|block|auto")]
-AgentArgs = Annotated[list[str] | None, typer.Argument(help="Arguments passed through to the agent (after --).")]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--draft", help="Drafter: a small model of the same tokenizer, or a DFlash block drafter folder."
+    ),
+]
+DraftTokensOpt = Annotated[
+    int | None,
+    typer.Option("--draft-tokens", help="Longest draft per step (default 8; adaptive below that)."),
+]
+TreeOpt = Annotated[
+    bool,
+    typer.Option("--tree/--no-tree", help="Verify a draft tree (n-gram, draft model) instead of a chain."),
+]
+AgentArgs = Annotated[
+    list[str] | None, typer.Argument(help="Arguments passed through to the agent (after --).")
+]
 
 
 def _version(value: bool) -> None:
@@ -40,7 +59,9 @@ def _version(value: bool) -> None:
 @app.callback(invoke_without_command=True)
 def root(
     ctx: typer.Context,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
 ) -> None:
     """With no command, open the TUI."""
@@ -57,40 +78,81 @@ def not_built(what: str) -> NoReturn:
 
 @app.command()
 def run(
-    prompt_arg: Annotated[str | None, typer.Argument(metavar="PROMPT", help="The prompt (or use --prompt / --prompt-file).")] = None,
+    prompt_arg: Annotated[
+        str | None, typer.Argument(metavar="PROMPT", help="The prompt (or use --prompt / --prompt-file).")
+    ] = None,
     model: ModelOpt = None,
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt text.")] = None,
-    prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="Read the prompt from a file.")] = None,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    prompt_file: Annotated[
+        Path | None, typer.Option("--prompt-file", help="Read the prompt from a file.")
+    ] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
+    ] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Maximum tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")
+    ] = False,
     speculative: SpecOpt = "none",
+    draft: DraftOpt = None,
+    draft_tokens: DraftTokensOpt = None,
+    tree: TreeOpt = False,
 ) -> None:
     """Generate from a prompt and stream the answer."""
     from kapitsa.run_cmd import RunOptions, cmd_run
 
-    cmd_run(RunOptions(model=model, prompt=prompt, prompt_file=prompt_file, prompt_arg=prompt_arg, raw=raw,
-                       max_tokens=max_tokens, temperature=temperature, seed=seed, json_out=json_out,
-                       speculative=speculative))
+    cmd_run(
+        RunOptions(
+            model=model,
+            prompt=prompt,
+            prompt_file=prompt_file,
+            prompt_arg=prompt_arg,
+            raw=raw,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            json_out=json_out,
+            speculative=speculative,
+            draft=draft,
+            draft_tokens=draft_tokens,
+            tree=tree,
+        )
+    )
 
 
 @app.command()
 def serve(
     model: ModelOpt = None,
-    host: Annotated[str | None, typer.Option("--host", help="Bind address (default 127.0.0.1). Non-loopback needs KAPITSA_API_KEY.")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option("--host", help="Bind address (default 127.0.0.1). Non-loopback needs KAPITSA_API_KEY."),
+    ] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port (default 8484).")] = None,
     speculative: SpecOpt = "none",
+    draft: DraftOpt = None,
+    draft_tokens: DraftTokensOpt = None,
+    tree: TreeOpt = False,
 ) -> None:
     """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
     from kapitsa.server.serve_cmd import cmd_serve
 
-    cmd_serve(model=model, host=host, port=port, speculative=speculative)
+    cmd_serve(
+        model=model,
+        host=host,
+        port=port,
+        speculative=speculative,
+        draft=draft,
+        draft_tokens=draft_tokens,
+        tree=tree,
+    )
 
 
 @app.command()
-def doctor(json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False) -> None:
+def doctor(
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
+) -> None:
     """Check this machine: GPU, memory, which models fit and with how much context."""
     from kapitsa.model_commands import cmd_doctor
 
@@ -125,25 +187,46 @@ def remove_model(model: Annotated[str, typer.Argument(help="Catalog alias or HF 
 def bench(
     model: ModelOpt = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
-    submit: Annotated[bool, typer.Option("--submit", help="Show the results and post them after confirmation.")] = False,
-    compare: Annotated[list[str] | None, typer.Option("--compare", help="Also bench this OpenAI-compatible URL (URL#model picks a model).")] = None,
-    local: Annotated[bool, typer.Option("--local/--no-local", help="Bench the local in-process engine too.")] = True,
+    submit: Annotated[
+        bool, typer.Option("--submit", help="Show the results and post them after confirmation.")
+    ] = False,
+    compare: Annotated[
+        list[str] | None,
+        typer.Option("--compare", help="Also bench this OpenAI-compatible URL (URL#model picks a model)."),
+    ] = None,
+    local: Annotated[
+        bool, typer.Option("--local/--no-local", help="Bench the local in-process engine too.")
+    ] = True,
     quick: Annotated[bool, typer.Option("--quick", help="Small workloads: a fast smoke run.")] = False,
     speculative: SpecOpt = "none",
-    results_url: Annotated[str | None, typer.Option("--results-url", help="Where --submit posts (or KAPITSA_BENCH_RESULTS_URL).")] = None,
+    results_url: Annotated[
+        str | None, typer.Option("--results-url", help="Where --submit posts (or KAPITSA_BENCH_RESULTS_URL).")
+    ] = None,
 ) -> None:
     """Measure decode/prefill speed, cache hits and concurrency on this machine."""
     from kapitsa.bench.command import BenchOptions, bench_main
 
     if not local and not compare:
         raise typer.BadParameter("--no-local needs at least one --compare URL")
-    options = BenchOptions(model=model, json_out=json_out, submit=submit, compare=tuple(compare or ()), local=local,
-                           quick=quick, speculative=speculative, results_url=results_url)
+    options = BenchOptions(
+        model=model,
+        json_out=json_out,
+        submit=submit,
+        compare=tuple(compare or ()),
+        local=local,
+        quick=quick,
+        speculative=speculative,
+        results_url=results_url,
+    )
     bench_main(options, confirm=lambda question: typer.confirm(question, default=False, err=True))
 
 
 @app.command()
-def env(shell: Annotated[str | None, typer.Option("--shell", help="bash, zsh, fish or powershell (default: detected).")] = None) -> None:
+def env(
+    shell: Annotated[
+        str | None, typer.Option("--shell", help="bash, zsh, fish or powershell (default: detected).")
+    ] = None,
+) -> None:
     """Print export lines pointing IDEs and SDKs at the local server."""
     from kapitsa.model_commands import cmd_env
 
@@ -172,7 +255,9 @@ def _agent_command(name: str, summary: str) -> None:
         args: AgentArgs = None,
         model: ModelOpt = None,
         speculative: SpecOpt = "none",
-        restore: Annotated[bool, typer.Option("--restore", help="Undo kapitsa's change to pi's models.json.")] = False,
+        restore: Annotated[
+            bool, typer.Option("--restore", help="Undo kapitsa's change to pi's models.json.")
+        ] = False,
     ) -> None:
         from kapitsa.model_commands import cmd_agent
 

@@ -24,6 +24,9 @@ class RunOptions:
     seed: int | None = None
     json_out: bool = False
     speculative: str = "none"
+    draft: str | None = None
+    draft_tokens: int | None = None
+    tree: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,12 +86,18 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
     """Run one generation; stream text through `write` (stdout) unless `--json`, then print JSON."""
     from kapitsa.engine.engine import EngineConfig
     from kapitsa.engine.inprocess import InProcessEngine
-    from kapitsa.engine.speculative.factory import make_decode_strategy
+    from kapitsa.engine.speculative.factory import strategy_for
 
     text = read_prompt(options)
     out = write or _stdout_write
     loaded = load_for_spec(options.model or default_model())
-    decode = make_decode_strategy(options.speculative, target_model=loaded.model)
+    decode = strategy_for(
+        options.speculative,
+        target_model=loaded.model,
+        draft=options.draft,
+        draft_tokens=options.draft_tokens,
+        tree=options.tree,
+    )
     # One prompt, no follow-up: the prefix cache would only cost copies.
     client = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=decode)
     try:

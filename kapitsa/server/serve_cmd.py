@@ -23,32 +23,44 @@ def make_settings(
     return ServerSettings(**{k: v for k, v in flags.items() if v is not None})
 
 
-def cmd_serve(*, model: str | None, host: str | None, port: int | None, speculative: str) -> None:
+def cmd_serve(
+    *,
+    model: str | None,
+    host: str | None,
+    port: int | None,
+    speculative: str,
+    draft: str | None = None,
+    draft_tokens: int | None = None,
+    tree: bool = False,
+) -> None:
     settings = make_settings(model=model, host=host, port=port, speculative=speculative)
     check_bind(settings)
-    _check_speculative(settings.speculative)
+    _check_speculative(settings.speculative, draft)
     check_port_free(settings)
+    from kapitsa.engine.engine import EngineConfig
     from kapitsa.engine.inprocess import InProcessEngine
-    from kapitsa.engine.speculative.factory import make_decode_strategy
+    from kapitsa.engine.speculative.factory import strategy_for
     from kapitsa.run_cmd import default_model, load_for_spec
+    from kapitsa.settings import load_settings
 
     loaded = load_for_spec(settings.model or default_model())
-    decode = make_decode_strategy(settings.speculative, target_model=loaded.model)
-    client = InProcessEngine.from_loaded(loaded, decode=decode)
+    decode = strategy_for(
+        settings.speculative, target_model=loaded.model, draft=draft, draft_tokens=draft_tokens, tree=tree
+    )
+    # The prefix cache's disk tier lives in kapitsa's state folder, so agent sessions survive restarts.
+    config = EngineConfig(disk_cache_dir=load_settings().state_dir / "prefix-cache")
+    client = InProcessEngine.from_loaded(loaded, config=config, decode=decode)
     try:
         serve_forever(client, settings)
     finally:
         client.close()
 
 
-def _check_speculative(mode: str) -> None:
+def _check_speculative(mode: str, draft: str | None) -> None:
     """Refuse modes `serve` cannot set up before spending minutes loading weights."""
     from kapitsa.engine.speculative.factory import MODES
 
     if mode not in MODES:
         raise KapitsaError(f"unknown speculative mode {mode!r}; choose one of {', '.join(MODES)}")
-    if mode in ("draft", "block"):
-        raise KapitsaError(
-            f"--speculative {mode} needs a drafter checkpoint, which `kapitsa serve` cannot take yet; "
-            "use ngram, mtp or auto"
-        )
+    if mode in ("draft", "block") and not draft:
+        raise KapitsaError(f"--speculative {mode} needs --draft PATH (a drafter checkpoint)")

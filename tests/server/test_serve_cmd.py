@@ -48,7 +48,7 @@ def test_refuses_network_bind_without_token_before_loading(monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize(
-    ("mode", "message"), [("draft", "needs a drafter"), ("block", "needs a drafter"), ("warp", "unknown")]
+    ("mode", "message"), [("draft", "needs --draft"), ("block", "needs --draft"), ("warp", "unknown")]
 )
 def test_speculative_modes_serve_cannot_set_up_are_refused_before_loading(mode: str, message: str) -> None:
     with pytest.raises(KapitsaError, match=message):
