@@ -52,12 +52,11 @@ def test_estimate_matches_measured_peak_of_a_tiny_run(kind: str, dtype_name: str
     assert cache.kv_nbytes == me.kv_bytes_per_token(arch, dtype_bytes) * allocated
     assert cache.recurrent_nbytes == me.recurrent_state_bytes(arch, dtype_bytes)
     estimate = me.decode_peak_bytes(arch, weight_bytes=weights, context_tokens=allocated, dtype_bytes=dtype_bytes)
-    # The K/V update usually copies one layer's buffer (counted in the estimate); when MLX donates the old
-    # buffer instead, the peak is lower by that much. Either way the peak is within 10% of the estimate
-    # or of the estimate without that transient.
+    # A K/V update may copy one layer's K and V while the old buffers are alive (the estimate counts that),
+    # copy them one at a time, or update in place when MLX donates the buffer; which one happens depends
+    # on when the old arrays are released. The peak lies in that range, with 10% slack on both ends.
     without_copy = estimate - me.update_transient_bytes(arch, allocated, dtype_bytes)
-    assert peak <= estimate * 1.10, (estimate, peak)
-    assert min(abs(estimate - peak), abs(without_copy - peak)) / peak < 0.10, (estimate, without_copy, peak)
+    assert without_copy * 0.90 <= peak <= estimate * 1.10, (without_copy, peak, estimate)
 
 
 def test_max_context_follows_memory_and_caps_at_the_window() -> None:
