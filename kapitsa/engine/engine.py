@@ -80,6 +80,9 @@ class Engine:
         self, model, config: EngineConfig | None = None, *, decode: DecodeStrategy | None = None
     ) -> None:  # noqa: ANN001
         self.config = config or EngineConfig()
+        # MLX streams are per thread: anything still lazy in the model (a dtype cast, a fresh init)
+        # must be computed here, on the building thread, before the engine thread touches it.
+        mx.eval(model.parameters())
         self.runner = ModelRunner(model)
         self.decode_strategy = decode or PlainDecode()
         sizes = self.runner.state_sizes()

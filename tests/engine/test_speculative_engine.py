@@ -329,3 +329,17 @@ def test_strategy_for_loads_drafters_by_kind(tmp_path) -> None:
         strategy_for("block", target_model=target, draft=str(small))
     with pytest.raises(InvalidRequest, match="use --speculative block"):
         strategy_for("draft", target_model=target, draft=str(tmp_path / "dflash"))
+
+
+async def test_engine_takes_a_model_with_lazy_parameters() -> None:
+    """A dtype cast made on the caller's thread is still lazy when the engine thread starts."""
+    import mlx.core as mx
+
+    model = tiny_model("nemotron_h")
+    model.set_dtype(mx.bfloat16)  # lazy: computed on this thread's stream only when evaluated
+    client = _client(model)
+    try:
+        ids, _, finish = await _run(client, PROMPTS[1], n=4)
+    finally:
+        client.close()
+    assert len(ids) == 4 and finish.finish_reason == "length"
