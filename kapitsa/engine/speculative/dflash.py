@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine.models.qwen3_5 import MLP
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.speculative.drafter import Draft
 from kapitsa.errors import CheckpointError
@@ -103,22 +104,11 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, dims: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.self_attn = _Attention(c)
-        self.mlp = _MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)  # Qwen3's SwiGLU, same weight names
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
