@@ -209,7 +209,7 @@ def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
         start = time.perf_counter()
         first = None
         n = 0
-        for (token, _), _ in zip(
+        for (_token, _), _ in zip(
             generate_step(mx.array(prompt), model, max_tokens=tokens), range(tokens), strict=False
         ):
             n += 1

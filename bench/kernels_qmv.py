@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import mlx.core as mx
 
@@ -36,6 +37,18 @@ def _time(fn, *, warmup: int = 3, iters: int = 20) -> float:
     return (time.perf_counter() - start) / iters
 
 
+def _stock(x, q, s, b, gs: int, bits: int) -> mx.array:
+    return mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits)
+
+
+def _ours(x, q, s, b, gs: int, bits: int) -> mx.array:
+    return qmv(x, q, s, b, group_size=gs, bits=bits)
+
+
+def _chain(matvec, chain, xs, gs: int, bits: int) -> list[mx.array]:
+    return [matvec(xs[k], q, s, b, gs, bits) for _, q, s, b, _, k in chain]
+
+
 def _make(n: int, k: int, bits: int, gs: int):
     w = mx.random.normal((n, k)).astype(mx.bfloat16) * 0.02
     q, s, b = mx.quantize(w, group_size=gs, bits=bits)
@@ -59,10 +72,8 @@ def main() -> None:
             for name, q, s, b, n, k in layer:
                 x = mx.random.normal((rows, k)).astype(mx.bfloat16)
                 nbytes = q.nbytes + s.nbytes + b.nbytes
-                t_stock = _time(
-                    lambda: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits)
-                )
-                t_ours = _time(lambda: qmv(x, q, s, b, group_size=gs, bits=bits))
+                t_stock = _time(partial(_stock, x, q, s, b, gs, bits))
+                t_ours = _time(partial(_ours, x, q, s, b, gs, bits))
                 ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits).astype(
                     mx.float32
                 )
@@ -85,16 +96,8 @@ def main() -> None:
             chain = layer * args.layers
             xs = {k: mx.random.normal((rows, k)).astype(mx.bfloat16) for k in {c[5] for c in layer}}
             total = sum(q.nbytes + s.nbytes + b.nbytes for _, q, s, b, _, _ in layer) * args.layers
-            t_stock = _time(
-                lambda: [
-                    mx.quantized_matmul(xs[k], q, s, b, transpose=True, group_size=gs, bits=bits)
-                    for _, q, s, b, _, k in chain
-                ],
-                iters=5,
-            )
-            t_ours = _time(
-                lambda: [qmv(xs[k], q, s, b, group_size=gs, bits=bits) for _, q, s, b, _, k in chain], iters=5
-            )
+            t_stock = _time(partial(_chain, _stock, chain, xs, gs, bits), iters=5)
+            t_ours = _time(partial(_chain, _ours, chain, xs, gs, bits), iters=5)
             row = dict(
                 bits=bits,
                 rows=rows,

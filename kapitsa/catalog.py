@@ -19,13 +19,44 @@ from typing import Any, Literal
 from kapitsa.errors import ModelNotFound
 
 # MLX affine quantization stores a 16-bit scale and bias per group of 64 weights: +0.5 bit.
-_BITS_BY_QUANT = {"2bit": 2.5, "3bit": 3.5, "4bit": 4.5, "5bit": 5.5, "6bit": 6.5, "8bit": 8.5,
-                  "mxfp4": 4.25, "nvfp4": 4.5, "mxfp8": 8.25, "q8_0": 8.5, "q4_k_m": 4.85,
-                  "q6_k": 6.56, "bf16": 16.0, "fp16": 16.0}
-_ARCH_KEYS = ("hidden_size", "vocab_size", "attention_layers", "linear_layers", "mamba_layers",
-              "num_kv_heads", "head_dim", "linear_key_heads", "linear_value_heads", "linear_key_dim",
-              "linear_value_dim", "mamba_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups",
-              "conv_kernel", "params_b", "active_params_b", "context_length", "max_output")
+_BITS_BY_QUANT = {
+    "2bit": 2.5,
+    "3bit": 3.5,
+    "4bit": 4.5,
+    "5bit": 5.5,
+    "6bit": 6.5,
+    "8bit": 8.5,
+    "mxfp4": 4.25,
+    "nvfp4": 4.5,
+    "mxfp8": 8.25,
+    "q8_0": 8.5,
+    "q4_k_m": 4.85,
+    "q6_k": 6.56,
+    "bf16": 16.0,
+    "fp16": 16.0,
+}
+_ARCH_KEYS = (
+    "hidden_size",
+    "vocab_size",
+    "attention_layers",
+    "linear_layers",
+    "mamba_layers",
+    "num_kv_heads",
+    "head_dim",
+    "linear_key_heads",
+    "linear_value_heads",
+    "linear_key_dim",
+    "linear_value_dim",
+    "mamba_heads",
+    "mamba_head_dim",
+    "mamba_state_size",
+    "mamba_groups",
+    "conv_kernel",
+    "params_b",
+    "active_params_b",
+    "context_length",
+    "max_output",
+)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -131,10 +162,17 @@ def _parse_entry(alias: str, fields: dict[str, Any]) -> CatalogEntry:
         if "package_path" not in fields and "path" not in fields:
             arch = Architecture(**{k: fields[k] for k in _ARCH_KEYS if k in fields})
         quants = tuple(_parse_quant(name, value) for name, value in fields.get("quants", {}).items())
-        return CatalogEntry(alias=alias, name=fields.get("name", alias), rank=int(fields.get("rank", 0)),
-                            model_type=fields.get("model_type"), arch=arch, quants=quants,
-                            default_quant=fields.get("default_quant") or (quants[0].name if quants else None),
-                            package_path=fields.get("package_path"), estimated=bool(fields.get("estimated")))
+        return CatalogEntry(
+            alias=alias,
+            name=fields.get("name", alias),
+            rank=int(fields.get("rank", 0)),
+            model_type=fields.get("model_type"),
+            arch=arch,
+            quants=quants,
+            default_quant=fields.get("default_quant") or (quants[0].name if quants else None),
+            package_path=fields.get("package_path"),
+            estimated=bool(fields.get("estimated")),
+        )
     except (TypeError, ValueError, KeyError) as err:
         raise ModelNotFound(f"catalog entry {alias!r} is malformed: {err}") from err
 
@@ -146,8 +184,12 @@ def _parse_quant(name: str, value: str | dict[str, Any]) -> Quant:
     if bits is None:
         raise ValueError(f"quant {name!r} needs bits_per_weight")
     patterns = value.get("allow_patterns")
-    return Quant(name=name, repo_id=value["repo"], bits_per_weight=float(bits),
-                 allow_patterns=tuple(patterns) if patterns else None)
+    return Quant(
+        name=name,
+        repo_id=value["repo"],
+        bits_per_weight=float(bits),
+        allow_patterns=tuple(patterns) if patterns else None,
+    )
 
 
 def parse_model_ref(ref: str) -> tuple[str, str | None]:
@@ -169,27 +211,39 @@ def resolve_model(ref: str, catalog: Catalog) -> ResolvedModel:
     if _REPO_ID.match(ref):
         return ResolvedModel(ref=ref, kind="hf", display_name=ref, repo_id=ref)
     known = ", ".join(sorted(catalog.entries))
-    raise ModelNotFound(f"{ref!r} is not a catalog alias ({known}), an existing path, or a Hugging Face repo id")
+    raise ModelNotFound(
+        f"{ref!r} is not a catalog alias ({known}), an existing path, or a Hugging Face repo id"
+    )
 
 
 def _resolve_entry(ref: str, entry: CatalogEntry, quant_name: str | None) -> ResolvedModel:
     if entry.package_path is not None:
         if quant_name:
             raise ModelNotFound(f"model {entry.alias!r} has no quants")
-        return ResolvedModel(ref=ref, kind="path", display_name=entry.alias, entry=entry,
-                             path=package_model_path(entry))
+        return ResolvedModel(
+            ref=ref, kind="path", display_name=entry.alias, entry=entry, path=package_model_path(entry)
+        )
     quant = entry.quant(quant_name)
     display = entry.alias if quant.name == entry.default_quant else f"{entry.alias}:{quant.name}"
-    return ResolvedModel(ref=ref, kind="hf", display_name=display, entry=entry, quant=quant,
-                         repo_id=quant.repo_id, allow_patterns=quant.allow_patterns)
+    return ResolvedModel(
+        ref=ref,
+        kind="hf",
+        display_name=display,
+        entry=entry,
+        quant=quant,
+        repo_id=quant.repo_id,
+        allow_patterns=quant.allow_patterns,
+    )
 
 
 def package_model_path(entry: CatalogEntry) -> Path:
     """The folder of a model shipped inside the package; a clear error while it is not there."""
     folder = Path(str(resources.files("kapitsa").joinpath(entry.package_path or "")))
     if not (folder / "config.json").is_file():
-        raise ModelNotFound(f"the {entry.alias!r} model is not in this kapitsa install "
-                            f"(expected a checkpoint with config.json in {folder})")
+        raise ModelNotFound(
+            f"the {entry.alias!r} model is not in this kapitsa install "
+            f"(expected a checkpoint with config.json in {folder})"
+        )
     return folder
 
 
@@ -199,20 +253,34 @@ def arch_from_config(config: dict[str, Any]) -> Architecture:
     layers = int(cfg["num_hidden_layers"])
     if "hybrid_override_pattern" in cfg or "layers_block_type" in cfg:
         kinds = _nemotron_layer_kinds(cfg)
-        return _arch_common(cfg, attention_layers=kinds.count("attention"), num_kv_heads=cfg["num_key_value_heads"],
-                            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-                            mamba_layers=kinds.count("mamba"), mamba_heads=cfg["mamba_num_heads"],
-                            mamba_head_dim=cfg["mamba_head_dim"], mamba_state_size=cfg["ssm_state_size"],
-                            mamba_groups=cfg["n_groups"], conv_kernel=cfg.get("conv_kernel", 4))
+        return _arch_common(
+            cfg,
+            attention_layers=kinds.count("attention"),
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            mamba_layers=kinds.count("mamba"),
+            mamba_heads=cfg["mamba_num_heads"],
+            mamba_head_dim=cfg["mamba_head_dim"],
+            mamba_state_size=cfg["ssm_state_size"],
+            mamba_groups=cfg["n_groups"],
+            conv_kernel=cfg.get("conv_kernel", 4),
+        )
     kinds = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear_attention"
-        for i in range(layers)]
-    return _arch_common(cfg, attention_layers=kinds.count("full_attention"), num_kv_heads=cfg["num_key_value_heads"],
-                        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-                        linear_layers=kinds.count("linear_attention"),
-                        linear_key_heads=cfg["linear_num_key_heads"], linear_value_heads=cfg["linear_num_value_heads"],
-                        linear_key_dim=cfg["linear_key_head_dim"], linear_value_dim=cfg["linear_value_head_dim"],
-                        conv_kernel=cfg.get("linear_conv_kernel_dim", 4))
+        for i in range(layers)
+    ]
+    return _arch_common(
+        cfg,
+        attention_layers=kinds.count("full_attention"),
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        linear_layers=kinds.count("linear_attention"),
+        linear_key_heads=cfg["linear_num_key_heads"],
+        linear_value_heads=cfg["linear_num_value_heads"],
+        linear_key_dim=cfg["linear_key_head_dim"],
+        linear_value_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+    )
 
 
 def _nemotron_layer_kinds(cfg: dict[str, Any]) -> list[str]:
@@ -224,9 +292,15 @@ def _nemotron_layer_kinds(cfg: dict[str, Any]) -> list[str]:
 
 def _arch_common(cfg: dict[str, Any], **shape: Any) -> Architecture:
     # The parameter count is not in config.json; the checkpoint's size on disk is used instead (hub.py).
-    return Architecture(params_b=0.0, active_params_b=0.0, context_length=int(cfg.get("max_position_embeddings", 0)),
-                        max_output=min(32768, int(cfg.get("max_position_embeddings", 32768))),
-                        hidden_size=int(cfg["hidden_size"]), vocab_size=int(cfg["vocab_size"]), **shape)
+    return Architecture(
+        params_b=0.0,
+        active_params_b=0.0,
+        context_length=int(cfg.get("max_position_embeddings", 0)),
+        max_output=min(32768, int(cfg.get("max_position_embeddings", 32768))),
+        hidden_size=int(cfg["hidden_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        **shape,
+    )
 
 
 def arch_for_folder(folder: Path) -> Architecture:

@@ -73,11 +73,21 @@ class DoctorReport:
 
 
 def _profile(name: str, chip: str, total_gib: int, usable_bytes: int, macos: str) -> HardwareProfile:
-    return HardwareProfile(os_name=f"macOS {macos}", machine="arm64", chip=chip, is_apple_silicon=True,
-                           total_memory_bytes=total_gib * GiB, usable_memory_bytes=usable_bytes,
-                           usable_memory_source="Metal recommended working set (recorded)", backend="metal",
-                           gpu=f"{chip} GPU", mlx_version="0.32.4", disk_free_bytes=500 * 10**9, disk_path="~",
-                           macos_version=tuple(int(p) for p in macos.split(".")))
+    return HardwareProfile(
+        os_name=f"macOS {macos}",
+        machine="arm64",
+        chip=chip,
+        is_apple_silicon=True,
+        total_memory_bytes=total_gib * GiB,
+        usable_memory_bytes=usable_bytes,
+        usable_memory_source="Metal recommended working set (recorded)",
+        backend="metal",
+        gpu=f"{chip} GPU",
+        mlx_version="0.32.4",
+        disk_free_bytes=500 * 10**9,
+        disk_path="~",
+        macos_version=tuple(int(p) for p in macos.split(".")),
+    )
 
 
 # recommendedMaxWorkingSetSize as reported by Metal: 2/3 of RAM on a 16 GB Mac (10922.67 MB in
@@ -98,11 +108,22 @@ def probe_hardware(disk_path: Path | None = None) -> HardwareProfile:
     usable, source = _usable_memory(backend, device, total)
     path = disk_path or _hf_cache_dir()
     return HardwareProfile(
-        os_name=f"macOS {'.'.join(map(str, macos or ()))}" if system == "Darwin" else f"{system} {platform.release()}",
-        machine=machine, chip=_chip_name(system, device), is_apple_silicon=system == "Darwin" and machine == "arm64",
-        total_memory_bytes=total, usable_memory_bytes=usable, usable_memory_source=source, backend=backend,
-        gpu=_gpu_name(backend, device), mlx_version=mlx_version, disk_free_bytes=_disk_free(path),
-        disk_path=str(path), macos_version=macos)
+        os_name=f"macOS {'.'.join(map(str, macos or ()))}"
+        if system == "Darwin"
+        else f"{system} {platform.release()}",
+        machine=machine,
+        chip=_chip_name(system, device),
+        is_apple_silicon=system == "Darwin" and machine == "arm64",
+        total_memory_bytes=total,
+        usable_memory_bytes=usable,
+        usable_memory_source=source,
+        backend=backend,
+        gpu=_gpu_name(backend, device),
+        mlx_version=mlx_version,
+        disk_free_bytes=_disk_free(path),
+        disk_path=str(path),
+        macos_version=macos,
+    )
 
 
 def _mlx_info() -> tuple[str | None, Backend, dict[str, object]]:
@@ -156,7 +177,9 @@ def _total_memory_bytes() -> int:
 def _chip_name(system: str, device: dict[str, object]) -> str:
     if system == "Darwin":
         try:
-            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            )
             if out.stdout.strip():
                 return out.stdout.strip()
         except (OSError, subprocess.SubprocessError):
@@ -195,8 +218,12 @@ def _disk_free(path: Path) -> int:
 def build_report(hardware: HardwareProfile, catalog: Catalog, *, num_checkpoints: int = 4) -> DoctorReport:
     """Per model and quant: fits or not, and the longest context that fits. Pure: no I/O but the demo's folder."""
     fits = tuple(fit for entry in catalog for fit in _entry_fits(entry, hardware, num_checkpoints))
-    return DoctorReport(hardware=hardware, models=fits, recommended=_recommend(catalog, fits),
-                        warnings=tuple(_warnings(hardware, fits)))
+    return DoctorReport(
+        hardware=hardware,
+        models=fits,
+        recommended=_recommend(catalog, fits),
+        warnings=tuple(_warnings(hardware, fits)),
+    )
 
 
 def _entry_fits(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) -> list[ModelFit]:
@@ -208,11 +235,21 @@ def _entry_fits(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) 
 def _quant_fit(entry: CatalogEntry, quant: Quant, hw: HardwareProfile, num_checkpoints: int) -> ModelFit:
     assert entry.arch is not None
     weights = memory_estimate.weights_bytes(entry.arch, quant.bits_per_weight)
-    est = memory_estimate.estimate(entry.arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights,
-                                   num_checkpoints=num_checkpoints)
+    est = memory_estimate.estimate(
+        entry.arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights, num_checkpoints=num_checkpoints
+    )
     ref = entry.alias if quant.name == entry.default_quant else f"{entry.alias}:{quant.name}"
-    return ModelFit(ref=ref, alias=entry.alias, name=entry.name, quant=quant.name, repo_id=quant.repo_id,
-                    weights_bytes=weights, max_context=est.max_context, verdict=est.verdict, estimated=entry.estimated)
+    return ModelFit(
+        ref=ref,
+        alias=entry.alias,
+        name=entry.name,
+        quant=quant.name,
+        repo_id=quant.repo_id,
+        weights_bytes=weights,
+        max_context=est.max_context,
+        verdict=est.verdict,
+        estimated=entry.estimated,
+    )
 
 
 def _package_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) -> ModelFit:
@@ -220,13 +257,32 @@ def _package_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int)
         folder = package_model_path(entry)
         arch = arch_for_folder(folder)
     except KapitsaError as err:
-        return ModelFit(ref=entry.alias, alias=entry.alias, name=entry.name, quant=None, repo_id=None,
-                        weights_bytes=None, max_context=None, verdict="unavailable", note=str(err))
+        return ModelFit(
+            ref=entry.alias,
+            alias=entry.alias,
+            name=entry.name,
+            quant=None,
+            repo_id=None,
+            weights_bytes=None,
+            max_context=None,
+            verdict="unavailable",
+            note=str(err),
+        )
     weights = weight_bytes_on_disk(folder)
-    est = memory_estimate.estimate(arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights,
-                                   num_checkpoints=num_checkpoints)
-    return ModelFit(ref=entry.alias, alias=entry.alias, name=entry.name, quant=None, repo_id=None,
-                    weights_bytes=weights, max_context=est.max_context, verdict=est.verdict, note=f"in {folder}")
+    est = memory_estimate.estimate(
+        arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights, num_checkpoints=num_checkpoints
+    )
+    return ModelFit(
+        ref=entry.alias,
+        alias=entry.alias,
+        name=entry.name,
+        quant=None,
+        repo_id=None,
+        weights_bytes=weights,
+        max_context=est.max_context,
+        verdict=est.verdict,
+        note=f"in {folder}",
+    )
 
 
 def _recommend(catalog: Catalog, fits: tuple[ModelFit, ...]) -> str | None:
@@ -242,8 +298,10 @@ def _recommend(catalog: Catalog, fits: tuple[ModelFit, ...]) -> str | None:
 def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...]) -> list[str]:
     warnings: list[str] = []
     if hw.macos_version is None:
-        warnings.append(f"not macOS ({hw.os_name}): MLX runs on the {hw.backend.upper()} backend here; "
-                        "fine for development and CI, far slower than an Apple GPU")
+        warnings.append(
+            f"not macOS ({hw.os_name}): MLX runs on the {hw.backend.upper()} backend here; "
+            "fine for development and CI, far slower than an Apple GPU"
+        )
     elif not hw.is_apple_silicon:
         warnings.append("not Apple silicon: MLX needs an M-series Mac for Metal")
     elif hw.macos_version < MIN_MACOS:
@@ -255,7 +313,9 @@ def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...]) -> list[str]:
     downloadable = [f.weights_bytes for f in fits if f.verdict == "fits" and f.weights_bytes and f.repo_id]
     smallest_fitting = min(downloadable, default=None)  # the packaged demo needs no download
     if smallest_fitting is not None and hw.disk_free_bytes < smallest_fitting:
-        warnings.append(f"only {_size(hw.disk_free_bytes)} free at {hw.disk_path}: not enough for any model that fits")
+        warnings.append(
+            f"only {_size(hw.disk_free_bytes)} free at {hw.disk_path}: not enough for any model that fits"
+        )
     return warnings
 
 
@@ -286,7 +346,9 @@ def render_report(report: DoctorReport) -> str:
         approx = "~" if fit.estimated else " "
         verdict = fit.verdict.replace("_", " ")
         note = f"  {fit.note}" if fit.verdict == "unavailable" else ""
-        lines.append(f"{fit.ref:<20} {approx}{_size(fit.weights_bytes):>8} {_context(fit.max_context):>12}  {verdict}{note}")
+        lines.append(
+            f"{fit.ref:<20} {approx}{_size(fit.weights_bytes):>8} {_context(fit.max_context):>12}  {verdict}{note}"
+        )
     lines += ["", f"Recommended: {report.recommended or 'none fits'}"]
     lines += [f"warning: {w}" for w in report.warnings]
     if any(f.estimated for f in report.models):

@@ -11,8 +11,14 @@ from kapitsa.errors import InvalidRequest
 
 Shell = Literal["bash", "zsh", "fish", "powershell"]
 SHELLS: tuple[Shell, ...] = ("bash", "zsh", "fish", "powershell")
-_ALIASES = {"sh": "bash", "dash": "bash", "ksh": "bash", "pwsh": "powershell", "powershell.exe": "powershell",
-            "pwsh.exe": "powershell"}
+_ALIASES = {
+    "sh": "bash",
+    "dash": "bash",
+    "ksh": "bash",
+    "pwsh": "powershell",
+    "powershell.exe": "powershell",
+    "pwsh.exe": "powershell",
+}
 
 
 @dataclass(slots=True, frozen=True)

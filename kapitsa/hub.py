@@ -106,17 +106,29 @@ def _cache_root(cache_dir: Path | None) -> Path:
 
 
 def _offline() -> bool:
-    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in (
+        "1",
+        "true",
+        "yes",
+    )
 
 
-def pull(ref: str, *, catalog: Catalog, cache_dir: Path | None = None,
-         on_progress: ProgressCallback | None = None) -> PullResult:
+def pull(
+    ref: str, *, catalog: Catalog, cache_dir: Path | None = None, on_progress: ProgressCallback | None = None
+) -> PullResult:
     """Download (or find in the cache) the model `ref` names and verify every file."""
     model = resolve_model(ref, catalog)
     if model.kind == "path":
         assert model.path is not None
-        return PullResult(ref=ref, repo_id=str(model.path), commit="", path=model.path, num_files=0,
-                          num_bytes=0, downloaded_bytes=0)
+        return PullResult(
+            ref=ref,
+            repo_id=str(model.path),
+            commit="",
+            path=model.path,
+            num_files=0,
+            num_bytes=0,
+            downloaded_bytes=0,
+        )
     assert model.repo_id is not None
     if _offline():
         return _cached_result(model, cache_dir)
@@ -143,8 +155,13 @@ def _remote_files(api: HfApi, model: ResolvedModel, commit: str) -> list[_Remote
     return files
 
 
-def _download_all(model: ResolvedModel, commit: str, files: list[_RemoteFile], cache_dir: Path | None,
-                  on_progress: ProgressCallback | None) -> PullResult:
+def _download_all(
+    model: ResolvedModel,
+    commit: str,
+    files: list[_RemoteFile],
+    cache_dir: Path | None,
+    on_progress: ProgressCallback | None,
+) -> PullResult:
     assert model.repo_id is not None
     repo_dir = _cache_root(cache_dir) / repo_folder_name(repo_id=model.repo_id, repo_type="model")
     snapshot = repo_dir / "snapshots" / commit
@@ -157,22 +174,50 @@ def _download_all(model: ResolvedModel, commit: str, files: list[_RemoteFile], c
             report(remote.size)
     (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
     (repo_dir / "refs" / "main").write_text(commit)
-    return PullResult(ref=model.ref, repo_id=model.repo_id, commit=commit, path=snapshot, num_files=len(files),
-                      num_bytes=total, downloaded_bytes=fetched)
+    return PullResult(
+        ref=model.ref,
+        repo_id=model.repo_id,
+        commit=commit,
+        path=snapshot,
+        num_files=len(files),
+        num_bytes=total,
+        downloaded_bytes=fetched,
+    )
 
 
-def _file_reporter(repo_id: str, name: str, index: int, count: int, done_before: int, total: int,
-                   on_progress: ProgressCallback | None) -> Callable[[int], None]:
+def _file_reporter(
+    repo_id: str,
+    name: str,
+    index: int,
+    count: int,
+    done_before: int,
+    total: int,
+    on_progress: ProgressCallback | None,
+) -> Callable[[int], None]:
     def report(file_bytes: int) -> None:
         if on_progress is not None:
-            on_progress(PullProgress(repo_id=repo_id, file_name=name, files_done=index, files_total=count,
-                                     bytes_done=done_before + file_bytes, bytes_total=total))
+            on_progress(
+                PullProgress(
+                    repo_id=repo_id,
+                    file_name=name,
+                    files_done=index,
+                    files_total=count,
+                    bytes_done=done_before + file_bytes,
+                    bytes_total=total,
+                )
+            )
 
     return report
 
 
-def _ensure_file(client: httpx.Client, repo_id: str, commit: str, remote: _RemoteFile, repo_dir: Path,
-                 report: Callable[[int], None]) -> int:
+def _ensure_file(
+    client: httpx.Client,
+    repo_id: str,
+    commit: str,
+    remote: _RemoteFile,
+    repo_dir: Path,
+    report: Callable[[int], None],
+) -> int:
     """Make `snapshots/<commit>/<path>` point at a verified blob, downloading what is missing.
 
     Returns the bytes downloaded. The layout is huggingface_hub's own: blobs are named by their etag
@@ -200,8 +245,9 @@ def _ensure_file(client: httpx.Client, repo_id: str, commit: str, remote: _Remot
     return fetched
 
 
-def _download_resumable(client: httpx.Client, url: str, partial: Path, size: int,
-                        report: Callable[[int], None], attempts: int = 5) -> int:
+def _download_resumable(
+    client: httpx.Client, url: str, partial: Path, size: int, report: Callable[[int], None], attempts: int = 5
+) -> int:
     """Append to `partial` from where it stops; a dropped connection retries from the new end.
 
     A failed pull leaves `partial` in place, so the next pull continues instead of starting over.
@@ -219,7 +265,9 @@ def _download_resumable(client: httpx.Client, url: str, partial: Path, size: int
     raise AssertionError("unreachable")
 
 
-def _fetch_rest(client: httpx.Client, url: str, partial: Path, size: int, report: Callable[[int], None]) -> int:
+def _fetch_rest(
+    client: httpx.Client, url: str, partial: Path, size: int, report: Callable[[int], None]
+) -> int:
     have = partial.stat().st_size if partial.exists() else 0
     if have == size:
         return have
@@ -241,11 +289,14 @@ def _verify_file(local: Path, remote: _RemoteFile) -> None:
     """Check a downloaded file against the hub's hash; a bad one is deleted so the next pull fetches it again."""
     actual_size = local.stat().st_size
     ok = actual_size == remote.size and (
-        _sha256(local) == remote.sha256 if remote.sha256 else _git_blob_id(local) == remote.blob_id)
+        _sha256(local) == remote.sha256 if remote.sha256 else _git_blob_id(local) == remote.blob_id
+    )
     if not ok:
         local.unlink(missing_ok=True)
-        raise CheckpointError(f"{remote.path} failed verification (size {actual_size}, expected {remote.size} "
-                              "and the hub's hash); the bad copy was deleted, run the pull again")
+        raise CheckpointError(
+            f"{remote.path} failed verification (size {actual_size}, expected {remote.size} "
+            "and the hub's hash); the bad copy was deleted, run the pull again"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -269,11 +320,19 @@ def _cached_result(model: ResolvedModel, cache_dir: Path | None) -> PullResult:
     assert model.repo_id is not None
     local = find_local(model.repo_id, cache_dir)
     if local is None:
-        raise ModelNotFound(f"{model.repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
-                            "unset it to download")
-    return PullResult(ref=model.ref, repo_id=model.repo_id, commit=local.commits[0], path=local.path,
-                      num_files=sum(1 for p in local.path.rglob("*") if p.is_file()), num_bytes=local.size_bytes,
-                      downloaded_bytes=0)
+        raise ModelNotFound(
+            f"{model.repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
+            "unset it to download"
+        )
+    return PullResult(
+        ref=model.ref,
+        repo_id=model.repo_id,
+        commit=local.commits[0],
+        path=local.path,
+        num_files=sum(1 for p in local.path.rglob("*") if p.is_file()),
+        num_bytes=local.size_bytes,
+        downloaded_bytes=0,
+    )
 
 
 class _translate_hub_errors:
@@ -289,19 +348,25 @@ class _translate_hub_errors:
         if err is None or isinstance(err, KapitsaError):
             return False
         if isinstance(err, GatedRepoError):
-            raise AuthError(f"{self.repo_id} is gated: accept its terms on the hub and log in "
-                            "(`hf auth login` or HF_TOKEN)") from err
+            raise AuthError(
+                f"{self.repo_id} is gated: accept its terms on the hub and log in "
+                "(`hf auth login` or HF_TOKEN)"
+            ) from err
         if isinstance(err, RepositoryNotFoundError | RevisionNotFoundError):
             raise ModelNotFound(f"{self.repo_id} was not found on {_endpoint()}") from err
         status = err.response.status_code if isinstance(err, httpx.HTTPStatusError) else None
         if status in (401, 403):
-            raise AuthError(f"{self.repo_id} refused access ({status}): it may be gated or private; "
-                            "log in with `hf auth login` or set HF_TOKEN") from err
+            raise AuthError(
+                f"{self.repo_id} refused access ({status}): it may be gated or private; "
+                "log in with `hf auth login` or set HF_TOKEN"
+            ) from err
         if status == 404:
             raise ModelNotFound(f"a file of {self.repo_id} was not found on {_endpoint()}") from err
         if isinstance(err, (HfHubHTTPError, OSError, LocalEntryNotFoundError, *_network_errors())):
-            raise KapitsaError(f"downloading {self.repo_id} from {_endpoint()} failed: {err}. "
-                               "Run the pull again to resume; set HF_ENDPOINT for a mirror") from err
+            raise KapitsaError(
+                f"downloading {self.repo_id} from {_endpoint()} failed: {err}. "
+                "Run the pull again to resume; set HF_ENDPOINT for a mirror"
+            ) from err
         return False
 
 
@@ -321,16 +386,25 @@ def list_local(*, catalog: Catalog, cache_dir: Path | None = None) -> list[Local
     except CacheNotFound:
         return []
     aliases = _aliases_by_repo(catalog)
-    models = [_local_model(repo, aliases.get(repo.repo_id, [])) for repo in info.repos
-              if repo.repo_type == "model" and repo.revisions]
+    models = [
+        _local_model(repo, aliases.get(repo.repo_id, []))
+        for repo in info.repos
+        if repo.repo_type == "model" and repo.revisions
+    ]
     return sorted(models, key=lambda m: m.repo_id.lower())
 
 
 def _local_model(repo: Any, refs: list[str]) -> LocalModel:
     newest = max(repo.revisions, key=lambda r: r.last_modified)
     commits = tuple(r.commit_hash for r in sorted(repo.revisions, key=lambda r: -r.last_modified))
-    return LocalModel(repo_id=repo.repo_id, refs=tuple(refs), size_bytes=repo.size_on_disk,
-                      path=Path(newest.snapshot_path), commits=commits, last_modified=repo.last_modified)
+    return LocalModel(
+        repo_id=repo.repo_id,
+        refs=tuple(refs),
+        size_bytes=repo.size_on_disk,
+        path=Path(newest.snapshot_path),
+        commits=commits,
+        last_modified=repo.last_modified,
+    )
 
 
 def find_local(repo_id: str, cache_dir: Path | None = None) -> LocalModel | None:
@@ -353,11 +427,12 @@ def remove(ref: str, *, catalog: Catalog, cache_dir: Path | None = None) -> Remo
         info = scan_cache_dir(_cache_root(cache_dir))
     except CacheNotFound:
         info = None
-    repo = next((r for r in (info.repos if info else ()) if r.repo_id == model.repo_id and r.repo_type == "model"),
-                None)
+    repo = next(
+        (r for r in (info.repos if info else ()) if r.repo_id == model.repo_id and r.repo_type == "model"),
+        None,
+    )
     if repo is None or info is None:
         raise ModelNotFound(f"{model.repo_id} is not in the Hugging Face cache")
     strategy = info.delete_revisions(*(r.commit_hash for r in repo.revisions))
     strategy.execute()
     return RemoveResult(repo_id=model.repo_id, freed_bytes=strategy.expected_freed_size)
-

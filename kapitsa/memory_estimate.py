@@ -43,7 +43,13 @@ class MemoryEstimate:
     @property
     def fixed_bytes(self) -> int:
         """Everything but the KV cache."""
-        return self.weights_bytes + self.state_bytes + self.checkpoint_bytes + self.workspace_bytes + self.headroom_bytes
+        return (
+            self.weights_bytes
+            + self.state_bytes
+            + self.checkpoint_bytes
+            + self.workspace_bytes
+            + self.headroom_bytes
+        )
 
 
 def kv_bytes_per_token(arch: Architecture, dtype_bytes: int = KV_BYTES) -> int:
@@ -52,7 +58,9 @@ def kv_bytes_per_token(arch: Architecture, dtype_bytes: int = KV_BYTES) -> int:
 
 def gdn_layer_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) -> int:
     ssm = arch.linear_value_heads * arch.linear_value_dim * arch.linear_key_dim * STATE_BYTES
-    conv_channels = 2 * arch.linear_key_heads * arch.linear_key_dim + arch.linear_value_heads * arch.linear_value_dim
+    conv_channels = (
+        2 * arch.linear_key_heads * arch.linear_key_dim + arch.linear_value_heads * arch.linear_value_dim
+    )
     return ssm + (arch.conv_kernel - 1) * conv_channels * conv_bytes
 
 
@@ -64,8 +72,9 @@ def mamba_layer_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) ->
 
 def recurrent_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) -> int:
     """Fixed per-sequence state of all recurrent layers (= the size of one prefix-cache checkpoint)."""
-    return (arch.linear_layers * gdn_layer_state_bytes(arch, conv_bytes)
-            + arch.mamba_layers * mamba_layer_state_bytes(arch, conv_bytes))
+    return arch.linear_layers * gdn_layer_state_bytes(
+        arch, conv_bytes
+    ) + arch.mamba_layers * mamba_layer_state_bytes(arch, conv_bytes)
 
 
 def update_transient_bytes(arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
@@ -93,27 +102,46 @@ def sequence_bytes(arch: Architecture, context_tokens: int, dtype_bytes: int = K
     return kv_bytes_per_token(arch, dtype_bytes) * context_tokens + recurrent_state_bytes(arch, dtype_bytes)
 
 
-def decode_peak_bytes(arch: Architecture, *, weight_bytes: int, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
+def decode_peak_bytes(
+    arch: Architecture, *, weight_bytes: int, context_tokens: int, dtype_bytes: int = KV_BYTES
+) -> int:
     """Peak memory while decoding one sequence at `context_tokens`: what the tiny-run test measures."""
-    return (weight_bytes + sequence_bytes(arch, context_tokens, dtype_bytes)
-            + update_transient_bytes(arch, context_tokens, dtype_bytes) + workspace_bytes(arch, prefill_chunk=1))
+    return (
+        weight_bytes
+        + sequence_bytes(arch, context_tokens, dtype_bytes)
+        + update_transient_bytes(arch, context_tokens, dtype_bytes)
+        + workspace_bytes(arch, prefill_chunk=1)
+    )
 
 
-def estimate(arch: Architecture, *, usable_bytes: int, weight_bytes: int,
-             num_checkpoints: int = DEFAULT_CHECKPOINTS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             headroom_bytes: int = HEADROOM_BYTES) -> MemoryEstimate:
+def estimate(
+    arch: Architecture,
+    *,
+    usable_bytes: int,
+    weight_bytes: int,
+    num_checkpoints: int = DEFAULT_CHECKPOINTS,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    headroom_bytes: int = HEADROOM_BYTES,
+) -> MemoryEstimate:
     """How much context one sequence can hold in `usable_bytes`, and whether the model fits at all."""
     state = recurrent_state_bytes(arch)
-    partial = MemoryEstimate(usable_bytes=usable_bytes, weights_bytes=weight_bytes,
-                             kv_bytes_per_token=kv_bytes_per_token(arch), state_bytes=state,
-                             checkpoint_bytes=num_checkpoints * state,
-                             workspace_bytes=workspace_bytes(arch, prefill_chunk), headroom_bytes=headroom_bytes,
-                             max_context=0, verdict="too_big")
+    partial = MemoryEstimate(
+        usable_bytes=usable_bytes,
+        weights_bytes=weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(arch),
+        state_bytes=state,
+        checkpoint_bytes=num_checkpoints * state,
+        workspace_bytes=workspace_bytes(arch, prefill_chunk),
+        headroom_bytes=headroom_bytes,
+        max_context=0,
+        verdict="too_big",
+    )
     free = usable_bytes - partial.fixed_bytes
     per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1)
     max_context = _context_that_fits(arch, free, per_token)
-    return MemoryEstimate(**{**_as_dict(partial), "max_context": max_context,
-                             "verdict": _verdict(arch, free, max_context)})
+    return MemoryEstimate(
+        **{**_as_dict(partial), "max_context": max_context, "verdict": _verdict(arch, free, max_context)}
+    )
 
 
 def _context_that_fits(arch: Architecture, free: int, kv_per_token: int) -> int:

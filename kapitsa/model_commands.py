@@ -39,13 +39,23 @@ def pull_with_progress(ref: str, settings: KapitsaSettings) -> Any:
     from kapitsa import hub
 
     catalog = load_catalog(settings.catalog)
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=_stderr_console(), transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=_stderr_console(),
+        transient=True,
+    ) as bar:
         task = bar.add_task(f"pulling {ref}", total=None)
 
         def on_progress(p: hub.PullProgress) -> None:
-            bar.update(task, total=p.bytes_total, completed=p.bytes_done,
-                       description=f"{p.repo_id} [{p.files_done + 1}/{p.files_total}] {p.file_name}")
+            bar.update(
+                task,
+                total=p.bytes_total,
+                completed=p.bytes_done,
+                description=f"{p.repo_id} [{p.files_done + 1}/{p.files_total}] {p.file_name}",
+            )
 
         return hub.pull(ref, catalog=catalog, on_progress=on_progress)
 
@@ -61,9 +71,13 @@ def cmd_pull(ref: str) -> None:
     if not result.commit:  # a local folder or the packaged demo: nothing to download
         print(f"{ref} is on disk already: {result.path}")
         return
-    fetched = f"downloaded {_gb(result.downloaded_bytes)}" if result.downloaded_bytes else "already downloaded"
-    print(f"{result.repo_id} @ {result.commit[:12]}: {result.num_files} files, {_gb(result.num_bytes)}, "
-          f"verified, {fetched}\n{result.path}")
+    fetched = (
+        f"downloaded {_gb(result.downloaded_bytes)}" if result.downloaded_bytes else "already downloaded"
+    )
+    print(
+        f"{result.repo_id} @ {result.commit[:12]}: {result.num_files} files, {_gb(result.num_bytes)}, "
+        f"verified, {fetched}\n{result.path}"
+    )
 
 
 def cmd_ls(json_out: bool) -> None:
@@ -94,7 +108,9 @@ def cmd_doctor(json_out: bool) -> None:
     from kapitsa.doctor import build_report, probe_hardware, render_report
 
     settings = load_settings()
-    report = build_report(probe_hardware(), load_catalog(settings.catalog), num_checkpoints=settings.num_checkpoints)
+    report = build_report(
+        probe_hardware(), load_catalog(settings.catalog), num_checkpoints=settings.num_checkpoints
+    )
     print_json(report.to_json_dict()) if json_out else print(render_report(report))
 
 
@@ -122,11 +138,15 @@ def cmd_token(action: str) -> None:
     if action == "clear":
         print(f"token cleared ({state.location})")
     elif state.token is None:
-        _err("no token set: the local server accepts any key on 127.0.0.1. `kapitsa token rotate` creates one.")
+        _err(
+            "no token set: the local server accepts any key on 127.0.0.1. `kapitsa token rotate` creates one."
+        )
     else:
         print(state.token)
-        _err(f"stored in {state.location}" + (" (servers started earlier keep the old token until restarted)"
-                                              if action == "rotate" else ""))
+        _err(
+            f"stored in {state.location}"
+            + (" (servers started earlier keep the old token until restarted)" if action == "rotate" else "")
+        )
 
 
 def _ensure_weights(settings: KapitsaSettings):  # type: ignore[no-untyped-def]
@@ -144,7 +164,9 @@ def _ensure_weights(settings: KapitsaSettings):  # type: ignore[no-untyped-def]
     return ensure
 
 
-def cmd_agent(agent: str, model: str | None, args: list[str], speculative: str, restore: bool = False) -> None:
+def cmd_agent(
+    agent: str, model: str | None, args: list[str], speculative: str, restore: bool = False
+) -> None:
     from kapitsa.agents import launch
 
     settings = load_settings()
@@ -159,12 +181,20 @@ def cmd_agent(agent: str, model: str | None, args: list[str], speculative: str, 
     token = get_token(settings.state_dir)
     if token.warning:
         _err(f"warning: {token.warning}")
-    plan = launch.prepare_launch(agent, model or settings.default_model, list(args), settings=settings,
-                                 api_key=token.token, ensure_weights=_ensure_weights(settings),
-                                 usable_bytes=probe_hardware().usable_memory_bytes,
-                                 serve_args=("--speculative", speculative) if speculative != "none" else ())
+    plan = launch.prepare_launch(
+        agent,
+        model or settings.default_model,
+        list(args),
+        settings=settings,
+        api_key=token.token,
+        ensure_weights=_ensure_weights(settings),
+        usable_bytes=probe_hardware().usable_memory_bytes,
+        serve_args=("--speculative", speculative) if speculative != "none" else (),
+    )
     for note in plan.notes:
         _err(note)
-    _err(f"{agent} → {plan.server.base_url} model {plan.context.model_id} "
-         f"(context {plan.context.context_window}, output {plan.context.max_output})")
+    _err(
+        f"{agent} → {plan.server.base_url} model {plan.context.model_id} "
+        f"(context {plan.context.context_window}, output {plan.context.max_output})"
+    )
     launch.run_plan(plan)

@@ -78,12 +78,19 @@ class KapitsaSettings(BaseSettings):
     """Recurrent-state checkpoints the memory estimate reserves for the prefix cache."""
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource,
-                                   dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource,
-                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file_path()))
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            TomlConfigSettingsSource(settings_cls, toml_file=config_file_path()),
+        )
 
 
 def load_settings(**overrides: Any) -> KapitsaSettings:
@@ -91,6 +98,8 @@ def load_settings(**overrides: Any) -> KapitsaSettings:
     try:
         return KapitsaSettings(**overrides)
     except ValidationError as err:
-        raise KapitsaError(f"invalid settings (config file {config_file_path()} or KAPITSA_* variables): {err}") from err
+        raise KapitsaError(
+            f"invalid settings (config file {config_file_path()} or KAPITSA_* variables): {err}"
+        ) from err
     except ValueError as err:  # TOML syntax errors
         raise KapitsaError(f"cannot read the config file {config_file_path()}: {err}") from err

@@ -39,7 +39,9 @@ class AgentNotInstalled(KapitsaError):
     """The agent's binary is not on PATH."""
 
 
-def find_binary(name: str, install_hint: str, extra_dirs: Iterable[Path] = (), search_path: str | None = None) -> str:
+def find_binary(
+    name: str, install_hint: str, extra_dirs: Iterable[Path] = (), search_path: str | None = None
+) -> str:
     """The agent's executable: PATH (or `search_path`) first, then the agent's own install folders."""
     found = shutil.which(name, path=search_path)
     if found:

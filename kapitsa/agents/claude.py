@@ -17,8 +17,9 @@ INSTALL = "npm install -g @anthropic-ai/claude-code"
 EXTRA_DIRS = (Path.home() / ".local" / "bin", Path.home() / ".claude" / "local")
 
 
-def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
-              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def build_env(
+    server_url: str, model: str, ctx: LaunchContext | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The variables to add to the agent's environment."""
     ctx = ctx or default_context(server_url, model)
     model = ctx.model_id

@@ -107,13 +107,36 @@ def capture_base_instructions(binary: str, environ: Mapping[str, str]) -> str | 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _capture_handler(captured))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    probe = LaunchContext(base_url=url.removesuffix("/v1"), model_id="kapitsa-probe", model_name="probe",
-                          context_window=8192, max_output=16, api_key="probe", state_dir=Path("."))
-    cmd = [binary, "exec", "--skip-git-repo-check", "--ephemeral", "--color", "never",
-           *provider_overrides(probe), "-m", probe.model_id, "reply with ok"]
+    probe = LaunchContext(
+        base_url=url.removesuffix("/v1"),
+        model_id="kapitsa-probe",
+        model_name="probe",
+        context_window=8192,
+        max_output=16,
+        api_key="probe",
+        state_dir=Path("."),
+    )
+    cmd = [
+        binary,
+        "exec",
+        "--skip-git-repo-check",
+        "--ephemeral",
+        "--color",
+        "never",
+        *provider_overrides(probe),
+        "-m",
+        probe.model_id,
+        "reply with ok",
+    ]
     try:
-        subprocess.run(cmd, env={**environ, API_KEY_ENV: "probe"}, stdin=subprocess.DEVNULL,
-                       capture_output=True, timeout=_CAPTURE_TIMEOUT_S, cwd=environ.get("HOME") or Path.home())
+        subprocess.run(
+            cmd,
+            env={**environ, API_KEY_ENV: "probe"},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=_CAPTURE_TIMEOUT_S,
+            cwd=environ.get("HOME") or Path.home(),
+        )
     except (OSError, subprocess.SubprocessError):
         pass
     finally:
@@ -128,7 +151,11 @@ def _first_developer_text(body: dict[str, Any]) -> str | None:
     for item in body.get("input", []):
         if isinstance(item, dict) and item.get("role") in ("developer", "system"):
             parts = item.get("content") or []
-            texts = [p.get("text", "") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [parts]
+            texts = (
+                [p.get("text", "") for p in parts if isinstance(p, dict)]
+                if isinstance(parts, list)
+                else [parts]
+            )
             return "".join(texts) or None
     return None
 
@@ -159,29 +186,46 @@ def _capture_handler(captured: list[str]) -> type[BaseHTTPRequestHandler]:
 
 
 def _minimal_response_stream() -> bytes:
-    done = {"id": "probe", "object": "response", "status": "completed", "output": [],
-            "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
-                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
-    events = [{"type": "response.created", "response": {**done, "status": "in_progress"}},
-              {"type": "response.completed", "response": done}]
+    done = {
+        "id": "probe",
+        "object": "response",
+        "status": "completed",
+        "output": [],
+        "usage": {
+            "input_tokens": 0,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 0,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 0,
+        },
+    }
+    events = [
+        {"type": "response.created", "response": {**done, "status": "in_progress"}},
+        {"type": "response.completed", "response": done},
+    ]
     return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
 
 
-def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
-              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def build_env(
+    server_url: str, model: str, ctx: LaunchContext | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     ctx = ctx or default_context(server_url, model)
     return {API_KEY_ENV: ctx.api_key}
 
 
-def build_command(args: list[str], ctx: LaunchContext | None = None, binary: str | None = None,
-                  catalog: Path | None = None) -> list[str]:
+def build_command(
+    args: list[str], ctx: LaunchContext | None = None, binary: str | None = None, catalog: Path | None = None
+) -> list[str]:
     """`catalog`: the model catalog file; without one the context window is passed on its own."""
     if ctx is None:
         raise KapitsaError("codex needs the launch context; use kapitsa.agents.launch.agent_invocation")
     reject_args(args, _CONFLICTS, "kapitsa sets the model and provider; use `kapitsa codex --model X`")
     _reject_config_overrides(args)
-    extra = (["-c", f"model_catalog_json={toml_string(str(catalog))}"] if catalog
-             else ["-c", f"model_context_window={ctx.context_window}"])
+    extra = (
+        ["-c", f"model_catalog_json={toml_string(str(catalog))}"]
+        if catalog
+        else ["-c", f"model_context_window={ctx.context_window}"]
+    )
     return [binary or BINARY, *provider_overrides(ctx), *extra, "-m", ctx.model_id, *args]
 
 
@@ -189,5 +233,8 @@ def _reject_config_overrides(args: list[str]) -> None:
     owned = ("model=", "model_provider", "model_providers.", "model_catalog_json", "profile=")
     for flag, value in zip(args, args[1:], strict=False):
         if flag in ("-c", "--config") and value.replace(" ", "").startswith(owned):
-            reject_args([value.split("=", 1)[0]], [value.split("=", 1)[0]],
-                        "kapitsa sets the model and provider for Codex")
+            reject_args(
+                [value.split("=", 1)[0]],
+                [value.split("=", 1)[0]],
+                "kapitsa sets the model and provider for Codex",
+            )

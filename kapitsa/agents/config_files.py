@@ -54,7 +54,9 @@ def _parse(path: Path, raw: bytes | None) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except ValueError as err:
-        raise KapitsaError(f"{path} is not valid JSON ({err}); fix it or move it away, kapitsa will not overwrite it") from err
+        raise KapitsaError(
+            f"{path} is not valid JSON ({err}); fix it or move it away, kapitsa will not overwrite it"
+        ) from err
     if not isinstance(data, dict):
         raise KapitsaError(f"{path} does not hold a JSON object; kapitsa will not overwrite it")
     return data
@@ -96,8 +98,13 @@ def _remember_original(managed: ManagedFile, raw: bytes | None) -> None:
         managed.original.write_bytes(raw)
 
 
-def merge_json(managed: ManagedFile, transform: Transform, *, attempts: int = 5,
-               before_replace: Callable[[], None] | None = None) -> dict[str, Any]:
+def merge_json(
+    managed: ManagedFile,
+    transform: Transform,
+    *,
+    attempts: int = 5,
+    before_replace: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Apply `transform` to the file's JSON and write it back atomically.
 
     `before_replace` is a test hook run between computing the new content and re-checking the file.
@@ -126,8 +133,11 @@ def restore(managed: ManagedFile, remove_managed: Transform) -> str:
     raw = _read(managed.path)
     if not managed.original.exists() and not managed.absent_marker.exists():
         return f"{managed.path}: nothing to restore"
-    untouched = raw is not None and managed.last_written.exists() and (
-        hashlib.sha256(raw).hexdigest() == managed.last_written.read_text().strip())
+    untouched = (
+        raw is not None
+        and managed.last_written.exists()
+        and (hashlib.sha256(raw).hexdigest() == managed.last_written.read_text().strip())
+    )
     if untouched and managed.absent_marker.exists():
         managed.path.unlink()
         message = f"{managed.path}: removed (it did not exist before kapitsa)"

@@ -24,8 +24,9 @@ def model_window(model: ResolvedModel) -> tuple[int, int]:
     return arch.context_length, min(arch.max_output, arch.context_length // 2)
 
 
-def default_context(server_url: str, model: str, settings: KapitsaSettings | None = None,
-                    api_key: str | None = None) -> LaunchContext:
+def default_context(
+    server_url: str, model: str, settings: KapitsaSettings | None = None, api_key: str | None = None
+) -> LaunchContext:
     settings = settings or load_settings()
     if api_key is None:
         from kapitsa.token import get_token
@@ -37,6 +38,12 @@ def default_context(server_url: str, model: str, settings: KapitsaSettings | Non
         context, output = model_window(resolved)
     except KapitsaError:  # a model id only the server knows
         name, (context, output) = model, FALLBACK_LIMITS
-    return LaunchContext(base_url=server_url.rstrip("/").removesuffix("/v1"), model_id=model, model_name=name,
-                         context_window=context, max_output=output, api_key=api_key or PLACEHOLDER_KEY,
-                         state_dir=settings.state_dir)
+    return LaunchContext(
+        base_url=server_url.rstrip("/").removesuffix("/v1"),
+        model_id=model,
+        model_name=name,
+        context_window=context,
+        max_output=output,
+        api_key=api_key or PLACEHOLDER_KEY,
+        state_dir=settings.state_dir,
+    )

@@ -46,8 +46,9 @@ def _binary_or_none(module: ModuleType) -> str | None:
         return None
 
 
-def model_limits(model: ResolvedModel, local_path: Path | None, usable_bytes: int | None,
-                 num_checkpoints: int) -> tuple[int, int]:
+def model_limits(
+    model: ResolvedModel, local_path: Path | None, usable_bytes: int | None, num_checkpoints: int
+) -> tuple[int, int]:
     """Context window and output limit to tell the agent: the model's own, capped by what fits in memory."""
     arch = _architecture(model, local_path)
     if arch is None:
@@ -56,8 +57,9 @@ def model_limits(model: ResolvedModel, local_path: Path | None, usable_bytes: in
     if usable_bytes:
         bits = model.quant.bits_per_weight if model.quant else 16.0
         weights = memory_estimate.weights_bytes(arch, bits)
-        fitting = memory_estimate.estimate(arch, usable_bytes=usable_bytes, weight_bytes=weights,
-                                           num_checkpoints=num_checkpoints).max_context
+        fitting = memory_estimate.estimate(
+            arch, usable_bytes=usable_bytes, weight_bytes=weights, num_checkpoints=num_checkpoints
+        ).max_context
         if fitting >= memory_estimate.MINIMUM_CONTEXT:
             context = min(context, fitting)
     return context, min(arch.max_output, context // 2)
@@ -75,10 +77,18 @@ def _architecture(model: ResolvedModel, local_path: Path | None) -> Architecture
     return None
 
 
-def prepare_launch(agent: str, model_ref: str, args: list[str], *, settings: KapitsaSettings,
-                   api_key: str | None, environ: Mapping[str, str] | None = None,
-                   ensure_weights: Callable[[ResolvedModel], Path | None] | None = None,
-                   usable_bytes: int | None = None, serve_args: tuple[str, ...] = ()) -> LaunchPlan:
+def prepare_launch(
+    agent: str,
+    model_ref: str,
+    args: list[str],
+    *,
+    settings: KapitsaSettings,
+    api_key: str | None,
+    environ: Mapping[str, str] | None = None,
+    ensure_weights: Callable[[ResolvedModel], Path | None] | None = None,
+    usable_bytes: int | None = None,
+    serve_args: tuple[str, ...] = (),
+) -> LaunchPlan:
     """Resolve the model, make sure a server serves it, configure the agent. Does not exec."""
     module = AGENTS.get(agent)
     if module is None:
@@ -87,47 +97,93 @@ def prepare_launch(agent: str, model_ref: str, args: list[str], *, settings: Kap
     binary = find_binary(module.BINARY, module.INSTALL, module.EXTRA_DIRS, env_in.get("PATH"))
     model = resolve_model(model_ref, load_catalog(settings.catalog))
     local_path = ensure_weights(model) if ensure_weights else None
-    server = ensure_server(model_ref=model_ref, wanted_ids=(model_ref, model.display_name, model.repo_id or ""),
-                           host=settings.host, first_port=settings.port, api_key=api_key,
-                           log_dir=settings.state_dir / "logs", timeout_s=settings.server_start_timeout_s,
-                           environ=env_in, serve_args=serve_args)
+    server = ensure_server(
+        model_ref=model_ref,
+        wanted_ids=(model_ref, model.display_name, model.repo_id or ""),
+        host=settings.host,
+        first_port=settings.port,
+        api_key=api_key,
+        log_dir=settings.state_dir / "logs",
+        timeout_s=settings.server_start_timeout_s,
+        environ=env_in,
+        serve_args=serve_args,
+    )
     context, max_output = model_limits(model, local_path, usable_bytes, settings.num_checkpoints)
-    ctx = LaunchContext(base_url=server.base_url, model_id=server.model_id,
-                        model_name=model.entry.name if model.entry else model.display_name,
-                        context_window=context, max_output=max_output, api_key=api_key or PLACEHOLDER_KEY,
-                        state_dir=settings.state_dir)
+    ctx = LaunchContext(
+        base_url=server.base_url,
+        model_id=server.model_id,
+        model_name=model.entry.name if model.entry else model.display_name,
+        context_window=context,
+        max_output=max_output,
+        api_key=api_key or PLACEHOLDER_KEY,
+        state_dir=settings.state_dir,
+    )
     return _plan(agent, module, binary, ctx, server, args, env_in)
 
 
-def _plan(agent: str, module: ModuleType, binary: str, ctx: LaunchContext, server: ServerHandle, args: list[str],
-          environ: dict[str, str]) -> LaunchPlan:
-    notes = [f"started `kapitsa serve` (pid {server.pid}, log {server.log_path})" if server.started
-             else f"reusing the kapitsa server at {server.base_url}"]
+def _plan(
+    agent: str,
+    module: ModuleType,
+    binary: str,
+    ctx: LaunchContext,
+    server: ServerHandle,
+    args: list[str],
+    environ: dict[str, str],
+) -> LaunchPlan:
+    notes = [
+        f"started `kapitsa serve` (pid {server.pid}, log {server.log_path})"
+        if server.started
+        else f"reusing the kapitsa server at {server.base_url}"
+    ]
     command, additions, more_notes = _configure(agent, module, binary, ctx, args, environ)
-    return LaunchPlan(agent=agent, command=command, env={**environ, **additions}, context=ctx, server=server,
-                      notes=(*notes, *more_notes))
+    return LaunchPlan(
+        agent=agent,
+        command=command,
+        env={**environ, **additions},
+        context=ctx,
+        server=server,
+        notes=(*notes, *more_notes),
+    )
 
 
-def _configure(agent: str, module: ModuleType, binary: str, ctx: LaunchContext, args: list[str],
-               environ: Mapping[str, str]) -> tuple[list[str], dict[str, str], list[str]]:
+def _configure(
+    agent: str,
+    module: ModuleType,
+    binary: str,
+    ctx: LaunchContext,
+    args: list[str],
+    environ: Mapping[str, str],
+) -> tuple[list[str], dict[str, str], list[str]]:
     """The agent's argv and environment additions, writing the files it needs (Codex catalog, pi models)."""
     notes: list[str] = []
     if agent == "codex":
         instructions = codex.base_instructions(binary, ctx.state_dir, environ)
         catalog = codex.write_catalog(ctx, instructions) if instructions else None
-        notes.append(f"Codex model catalog: {catalog}" if catalog else
-                     "could not read Codex's base instructions; passing model_context_window only")
+        notes.append(
+            f"Codex model catalog: {catalog}"
+            if catalog
+            else "could not read Codex's base instructions; passing model_context_window only"
+        )
         command = codex.build_command(args, ctx, binary, catalog)
     else:
         if agent == "pi":
-            notes.append(f"added the kapitsa provider to {pi.prepare(ctx, environ)} (undo: kapitsa pi --restore)")
+            notes.append(
+                f"added the kapitsa provider to {pi.prepare(ctx, environ)} (undo: kapitsa pi --restore)"
+            )
         command = module.build_command(args, ctx, binary)
     return command, module.build_env(ctx.base_url, ctx.model_id, ctx, environ), notes
 
 
-def agent_invocation(agent: str, server_url: str, model: str, args: Sequence[str] = (), *,
-                     settings: KapitsaSettings | None = None, api_key: str | None = None,
-                     environ: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+def agent_invocation(
+    agent: str,
+    server_url: str,
+    model: str,
+    args: Sequence[str] = (),
+    *,
+    settings: KapitsaSettings | None = None,
+    api_key: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """argv and environment additions that run `agent` against an already running server (the TUI's case).
 
     Writes what the agent needs (Codex's catalog, pi's provider) but starts no server. The caller runs

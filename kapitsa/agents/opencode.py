@@ -25,17 +25,21 @@ def provider_config(ctx: LaunchContext) -> dict[str, Any]:
     model_ref = f"{PROVIDER}/{ctx.model_id}"
     return {
         "$schema": "https://opencode.ai/config.json",
-        "provider": {PROVIDER: {
-            "npm": "@ai-sdk/openai-compatible",
-            "name": "kapitsa",
-            "options": {"baseURL": ctx.openai_base_url, "apiKey": ctx.api_key},
-            "models": {ctx.model_id: {
-                "name": ctx.model_name,
-                "limit": {"context": ctx.context_window, "output": ctx.max_output},
-                "reasoning": ctx.reasoning,
-                "tool_call": True,
-            }},
-        }},
+        "provider": {
+            PROVIDER: {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "kapitsa",
+                "options": {"baseURL": ctx.openai_base_url, "apiKey": ctx.api_key},
+                "models": {
+                    ctx.model_id: {
+                        "name": ctx.model_name,
+                        "limit": {"context": ctx.context_window, "output": ctx.max_output},
+                        "reasoning": ctx.reasoning,
+                        "tool_call": True,
+                    }
+                },
+            }
+        },
         "model": model_ref,
         "small_model": model_ref,
     }
@@ -44,13 +48,17 @@ def provider_config(ctx: LaunchContext) -> dict[str, Any]:
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in over.items():
-        merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(
-            merged.get(key), dict) else value
+        merged[key] = (
+            _deep_merge(merged[key], value)
+            if isinstance(value, dict) and isinstance(merged.get(key), dict)
+            else value
+        )
     return merged
 
 
-def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
-              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def build_env(
+    server_url: str, model: str, ctx: LaunchContext | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The variables to add to the agent's environment; `environ` supplies any inline config to merge over."""
     ctx = ctx or default_context(server_url, model)
     config = provider_config(ctx)
@@ -59,7 +67,9 @@ def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
         try:
             user = json.loads(existing)
         except ValueError as err:
-            raise KapitsaError(f"OPENCODE_CONFIG_CONTENT in your environment is not valid JSON: {err}") from err
+            raise KapitsaError(
+                f"OPENCODE_CONFIG_CONTENT in your environment is not valid JSON: {err}"
+            ) from err
         if not isinstance(user, dict):
             raise KapitsaError("OPENCODE_CONFIG_CONTENT in your environment is not valid JSON: not an object")
         config = _deep_merge(user, config)

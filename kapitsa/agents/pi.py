@@ -35,15 +35,26 @@ def managed_file(environ: Mapping[str, str], state_dir: Path) -> ManagedFile:
 
 
 def model_entry(ctx: LaunchContext) -> dict[str, Any]:
-    return {"id": ctx.model_id, "name": f"{ctx.model_name} (kapitsa)", "reasoning": ctx.reasoning,
-            "input": ["text"], "contextWindow": ctx.context_window, "maxTokens": ctx.max_output, MARKER: True}
+    return {
+        "id": ctx.model_id,
+        "name": f"{ctx.model_name} (kapitsa)",
+        "reasoning": ctx.reasoning,
+        "input": ["text"],
+        "contextWindow": ctx.context_window,
+        "maxTokens": ctx.max_output,
+        MARKER: True,
+    }
 
 
 def upsert_provider(ctx: LaunchContext) -> Any:
     def transform(config: dict[str, Any]) -> dict[str, Any]:
         providers = dict(config.get("providers") or {})
         provider = dict(providers.get(PROVIDER) or {})
-        models = [m for m in provider.get("models") or [] if not (isinstance(m, dict) and m.get("id") == ctx.model_id)]
+        models = [
+            m
+            for m in provider.get("models") or []
+            if not (isinstance(m, dict) and m.get("id") == ctx.model_id)
+        ]
         provider.update({"baseUrl": ctx.openai_base_url, "api": "openai-completions", "apiKey": API_KEY_ENV})
         provider["models"] = [*models, model_entry(ctx)]
         providers[PROVIDER] = provider
@@ -78,8 +89,9 @@ def restore_config(environ: Mapping[str, str], state_dir: Path) -> str:
     return restore(managed_file(environ, state_dir), remove_managed)
 
 
-def build_env(server_url: str, model: str, ctx: LaunchContext | None = None,
-              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def build_env(
+    server_url: str, model: str, ctx: LaunchContext | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     ctx = ctx or default_context(server_url, model)
     return {API_KEY_ENV: ctx.api_key}
 

@@ -48,7 +48,11 @@ class FakeEngine:
     """An `EngineClient` that plays back scripted replies."""
 
     def __init__(
-        self, *, model: ModelInfo | None = None, default_reply: str = DEFAULT_REPLY, responder: Responder | None = None
+        self,
+        *,
+        model: ModelInfo | None = None,
+        default_reply: str = DEFAULT_REPLY,
+        responder: Responder | None = None,
     ) -> None:
         self.model = model or ModelInfo(
             id="fake", family="fake", context_length=32768, max_output_tokens=8192, tool_call_format="hermes"
@@ -116,7 +120,9 @@ class FakeEngine:
                     finish = "length"
                 emitted.extend(ids)
                 self._generated += len(ids)
-                yield TokenEvent(request.request_id, ids, chunk, _fake_logprobs(ids, request.sampling.logprobs))
+                yield TokenEvent(
+                    request.request_id, ids, chunk, _fake_logprobs(ids, request.sampling.logprobs)
+                )
                 if finish == "length":
                     break
             usage = Usage(
@@ -177,8 +183,15 @@ def _fake_logprobs(ids: tuple[int, ...], top: int | None) -> tuple[TokenLogprob,
     if top is None:
         return None
     return tuple(
-        TokenLogprob(i, bytes([i]).decode(errors="replace"), -0.5,
-                     tuple(((i + k) % 256, bytes([(i + k) % 256]).decode(errors="replace"), -0.5 - k) for k in range(1, top + 1)))
+        TokenLogprob(
+            i,
+            bytes([i]).decode(errors="replace"),
+            -0.5,
+            tuple(
+                ((i + k) % 256, bytes([(i + k) % 256]).decode(errors="replace"), -0.5 - k)
+                for k in range(1, top + 1)
+            ),
+        )
         for i in ids
     )
 

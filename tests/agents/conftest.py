@@ -16,7 +16,7 @@ import pytest
 
 from kapitsa.settings import load_settings
 
-FAKE_AGENT = r'''#!{python}
+FAKE_AGENT = r"""#!{python}
 import json, os, re, sys, urllib.request
 record = os.environ.get("FAKE_AGENT_RECORD")
 args = sys.argv[1:]
@@ -37,7 +37,7 @@ if name == "codex" and args and args[0] == "exec":
 if record:
     with open(record, "w") as fh:
         json.dump({{"name": name, "argv": args, "env": dict(os.environ)}}, fh)
-'''
+"""
 
 
 def write_fake_agents(folder: Path, names: tuple[str, ...] = ("claude", "codex", "opencode", "pi")) -> Path:
@@ -66,7 +66,9 @@ class FakeServer:
                 if self.path == "/health":
                     body = b'{"status": "ok"}'
                 elif self.path == "/v1/models":
-                    body = json.dumps({"object": "list", "data": [{"id": m} for m in server.model_ids]}).encode()
+                    body = json.dumps(
+                        {"object": "list", "data": [{"id": m} for m in server.model_ids]}
+                    ).encode()
                 else:
                     self.send_error(404)
                     return
@@ -100,8 +102,12 @@ def agent_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]
     home = tmp_path / "home"
     home.mkdir()
     bin_dir = write_fake_agents(tmp_path / "bin")
-    return {"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "HOME": str(home),
-            "FAKE_AGENT_RECORD": str(tmp_path / "record.json"), "ANTHROPIC_API_KEY": "sk-real-user-key"}
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin",
+        "HOME": str(home),
+        "FAKE_AGENT_RECORD": str(tmp_path / "record.json"),
+        "ANTHROPIC_API_KEY": "sk-real-user-key",
+    }
 
 
 @pytest.fixture

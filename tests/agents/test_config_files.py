@@ -18,8 +18,15 @@ ORIGINAL = b'{"providers":{"mine":{"baseUrl":"http://x","models":[{"id":"a"}]}},
 
 
 def _ctx(tmp_path: Path, model: str = "27b") -> LaunchContext:
-    return LaunchContext(base_url="http://127.0.0.1:8484", model_id=model, model_name="Qwen", context_window=1000,
-                         max_output=100, api_key="k", state_dir=tmp_path / "state")
+    return LaunchContext(
+        base_url="http://127.0.0.1:8484",
+        model_id=model,
+        model_name="Qwen",
+        context_window=1000,
+        max_output=100,
+        api_key="k",
+        state_dir=tmp_path / "state",
+    )
 
 
 def _managed(tmp_path: Path) -> ManagedFile:
@@ -90,7 +97,9 @@ def test_restore_after_the_user_edited_keeps_their_edit(tmp_path: Path) -> None:
     managed.path.write_text(json.dumps(config))
     assert "later edits kept" in restore(managed, pi.remove_managed)
     after = json.loads(managed.path.read_text())
-    assert after["new_user_key"] == 1 and after["providers"]["mine"] == json.loads(ORIGINAL)["providers"]["mine"]
+    assert (
+        after["new_user_key"] == 1 and after["providers"]["mine"] == json.loads(ORIGINAL)["providers"]["mine"]
+    )
     assert [m["id"] for m in after["providers"]["kapitsa"]["models"]] == ["hand-added"]
 
 

@@ -17,8 +17,15 @@ from kapitsa.errors import KapitsaError
 
 
 def _plan(agent: str, fake_server, agent_env, settings_for, args=(), model="27b", usable=None):
-    return launch.prepare_launch(agent, model, list(args), settings=settings_for(fake_server.port), api_key=None,
-                                 environ=agent_env, usable_bytes=usable)
+    return launch.prepare_launch(
+        agent,
+        model,
+        list(args),
+        settings=settings_for(fake_server.port),
+        api_key=None,
+        environ=agent_env,
+        usable_bytes=usable,
+    )
 
 
 def test_claude_by_environment_only(fake_server, agent_env, settings_for, tmp_path: Path) -> None:
@@ -33,7 +40,10 @@ def test_claude_by_environment_only(fake_server, agent_env, settings_for, tmp_pa
         assert env[f"ANTHROPIC_DEFAULT_{tier}_MODEL"] == "27b"
     assert env["CLAUDE_CODE_SUBAGENT_MODEL"] == env["ANTHROPIC_MODEL"] == "27b"
     assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
-    assert (env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"], env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == ("262144", "32768")
+    assert (env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"], env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == (
+        "262144",
+        "32768",
+    )
     assert not (Path(agent_env["HOME"]) / ".claude").exists()
 
 
@@ -52,7 +62,9 @@ def test_codex_by_overrides_and_a_catalog_in_kapitsas_folder(fake_server, agent_
     assert f'model_providers.kapitsa.base_url="{plan.server.base_url}/v1"' in overrides
     assert 'model_providers.kapitsa.wire_api="responses"' in overrides
     assert 'model_providers.kapitsa.env_key="KAPITSA_API_KEY"' in overrides
-    catalog_path = Path(json.loads(next(o for o in overrides if o.startswith("model_catalog_json=")).split("=", 1)[1]))
+    catalog_path = Path(
+        json.loads(next(o for o in overrides if o.startswith("model_catalog_json=")).split("=", 1)[1])
+    )
     assert catalog_path.parent == plan.context.state_dir / "codex"
     [entry] = json.loads(catalog_path.read_text())["models"]
     assert entry["slug"] == "27b" and entry["context_window"] == 262144
@@ -68,7 +80,9 @@ def test_codex_without_captured_instructions_passes_the_window(fake_server, agen
     assert not any(a.startswith("model_catalog_json=") for a in plan.command)
 
 
-@pytest.mark.parametrize("bad", [["-m", "x"], ["--profile", "p"], ["-c", "model_provider=openai"], ["-c", "model=o3"]])
+@pytest.mark.parametrize(
+    "bad", [["-m", "x"], ["--profile", "p"], ["-c", "model_provider=openai"], ["-c", "model=o3"]]
+)
 def test_codex_rejects_arguments_that_fight_kapitsa(fake_server, agent_env, settings_for, bad) -> None:
     with pytest.raises(KapitsaError, match="conflicts"):
         _plan("codex", fake_server, agent_env, settings_for, bad)
@@ -76,8 +90,13 @@ def test_codex_rejects_arguments_that_fight_kapitsa(fake_server, agent_env, sett
 
 def test_opencode_by_inline_config(fake_server, agent_env, settings_for) -> None:
     user_inline = json.dumps({"share": "disabled", "provider": {"other": {"npm": "x"}}})
-    plan = _plan("opencode", fake_server, {**agent_env, "OPENCODE_CONFIG_CONTENT": user_inline}, settings_for,
-                 ["run", "hello"])
+    plan = _plan(
+        "opencode",
+        fake_server,
+        {**agent_env, "OPENCODE_CONFIG_CONTENT": user_inline},
+        settings_for,
+        ["run", "hello"],
+    )
     seen = run_recorded(plan.command, plan.env)
     assert seen["argv"] == ["run", "hello"]
     config = json.loads(seen["env"]["OPENCODE_CONFIG_CONTENT"])
@@ -101,7 +120,10 @@ def test_pi_by_a_merged_models_file(fake_server, agent_env, settings_for) -> Non
     assert seen["argv"] == ["--provider", "kapitsa", "--model", "27b", "-p", "hi"]
     assert seen["env"]["KAPITSA_API_KEY"] == "kapitsa"
     config = json.loads(models.read_text())
-    assert config["providers"]["mine"] == json.loads(original)["providers"]["mine"] and config["extra"] == [1, 2]
+    assert config["providers"]["mine"] == json.loads(original)["providers"]["mine"] and config["extra"] == [
+        1,
+        2,
+    ]
     kapitsa = config["providers"]["kapitsa"]
     assert kapitsa["baseUrl"] == f"{plan.server.base_url}/v1" and kapitsa["api"] == "openai-completions"
     assert kapitsa["models"][0]["contextWindow"] == 262144 and kapitsa["models"][0]["_kapitsa"] is True
@@ -114,23 +136,43 @@ def test_pi_by_a_merged_models_file(fake_server, agent_env, settings_for) -> Non
 def test_missing_agent_names_its_install_command(fake_server, settings_for, tmp_path: Path) -> None:
     env = {"PATH": str(tmp_path / "empty"), "HOME": str(tmp_path)}
     with pytest.raises(AgentNotInstalled, match="npm install -g @openai/codex"):
-        launch.prepare_launch("codex", "27b", [], settings=settings_for(fake_server.port), api_key=None, environ=env)
+        launch.prepare_launch(
+            "codex", "27b", [], settings=settings_for(fake_server.port), api_key=None, environ=env
+        )
 
 
-def test_cli_launch_execs_the_agent(fake_server, agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_launch_execs_the_agent(
+    fake_server, agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     checkpoint = tmp_path / "my-model"
     checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(json.dumps({
-        "model_type": "nemotron_h", "hidden_size": 64, "num_hidden_layers": 3, "hybrid_override_pattern": "M*E",
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 4,
-        "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "vocab_size": 512,
-        "max_position_embeddings": 4096}))
+    (checkpoint / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "nemotron_h",
+                "hidden_size": 64,
+                "num_hidden_layers": 3,
+                "hybrid_override_pattern": "M*E",
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "mamba_num_heads": 4,
+                "mamba_head_dim": 16,
+                "ssm_state_size": 16,
+                "n_groups": 1,
+                "vocab_size": 512,
+                "max_position_embeddings": 4096,
+            }
+        )
+    )
     fake_server.model_ids = ["my-model"]
     for key, value in agent_env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("KAPITSA_PORT", str(fake_server.port))
     monkeypatch.setenv("KAPITSA_STATE_DIR", str(tmp_path / "state"))
-    with mock.patch("kapitsa.agents.launch.exec_agent", autospec=True, side_effect=RuntimeError("exec")) as exec_:
+    with mock.patch(
+        "kapitsa.agents.launch.exec_agent", autospec=True, side_effect=RuntimeError("exec")
+    ) as exec_:
         result = CliRunner().invoke(app, ["opencode", "--model", str(checkpoint), "--", "run", "x"])
     assert isinstance(result.exception, RuntimeError)
     command, env = exec_.call_args.args
@@ -139,7 +181,9 @@ def test_cli_launch_execs_the_agent(fake_server, agent_env, tmp_path: Path, monk
     assert limits["context"] == 4096  # the checkpoint's own window
 
 
-def test_cli_missing_agent_exits_with_the_install_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_missing_agent_exits_with_the_install_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "none.toml"))
@@ -151,17 +195,23 @@ def test_agent_invocation_for_a_server_someone_else_runs(agent_env, tmp_path: Pa
     """The TUI's entry point: argv and env additions for a running server, no server management."""
     monkeypatch.setenv("KAPITSA_STATE_DIR", str(tmp_path / "state"))
     for agent in ("claude", "opencode", "pi", "codex"):
-        argv, additions = launch.agent_invocation(agent, "http://127.0.0.1:9999", "lightning", ["--x"],
-                                                  environ=agent_env, api_key="tok")
+        argv, additions = launch.agent_invocation(
+            agent, "http://127.0.0.1:9999", "lightning", ["--x"], environ=agent_env, api_key="tok"
+        )
         assert Path(argv[0]).name == agent and argv[-1] == "--x"
         assert "PATH" not in additions  # only what kapitsa adds
     assert additions["KAPITSA_API_KEY"] == "tok"
     from kapitsa.agents import claude, opencode
 
     env = claude.build_env("http://127.0.0.1:9999", "lightning")  # the style-guide call form
-    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9999" and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "131072"
+    assert (
+        env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9999"
+        and env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "131072"
+    )
     assert claude.build_command([]) == ["claude"]
-    config = json.loads(opencode.build_env("http://127.0.0.1:9999/v1", "lightning", environ={})["OPENCODE_CONFIG_CONTENT"])
+    config = json.loads(
+        opencode.build_env("http://127.0.0.1:9999/v1", "lightning", environ={})["OPENCODE_CONFIG_CONTENT"]
+    )
     assert config["provider"]["kapitsa"]["options"]["baseURL"] == "http://127.0.0.1:9999/v1"
 
 
@@ -174,7 +224,9 @@ def test_cli_pi_restore(fake_server, agent_env, tmp_path: Path, monkeypatch) -> 
     checkpoint = tmp_path / "local-model"  # a local folder: nothing to download
     checkpoint.mkdir()
     fake_server.model_ids = ["local-model"]
-    with mock.patch("kapitsa.agents.launch.exec_agent", autospec=True, side_effect=RuntimeError("exec")) as exec_:
+    with mock.patch(
+        "kapitsa.agents.launch.exec_agent", autospec=True, side_effect=RuntimeError("exec")
+    ) as exec_:
         CliRunner().invoke(app, ["pi", "--model", str(checkpoint)])
     assert exec_.call_args.args[0][1:] == ["--provider", "kapitsa", "--model", "local-model"]
     assert "kapitsa" in json.loads(models.read_text())["providers"]

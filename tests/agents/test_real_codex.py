@@ -50,15 +50,32 @@ def test_real_codex_takes_the_catalog(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "none.toml"))
     home = tmp_path / "home"
     home.mkdir()
-    env = {**os.environ, "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
-           "PATH": f"{Path(CODEX).parent}{os.pathsep}{os.environ['PATH']}"}  # type: ignore[arg-type]
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "CODEX_HOME": str(home / ".codex"),
+        "PATH": f"{Path(CODEX).parent}{os.pathsep}{os.environ['PATH']}",
+    }  # type: ignore[arg-type]
     (home / ".codex").mkdir()
     settings = load_settings(port=httpd.server_address[1], state_dir=tmp_path / "state")
     try:
-        plan = launch.prepare_launch("codex", "27b", ["exec", "--skip-git-repo-check", "--ephemeral", "say hi"],
-                                     settings=settings, api_key=None, environ=env)
-        run = subprocess.run(plan.command, env=plan.env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                             timeout=120, cwd=tmp_path)
+        plan = launch.prepare_launch(
+            "codex",
+            "27b",
+            ["exec", "--skip-git-repo-check", "--ephemeral", "say hi"],
+            settings=settings,
+            api_key=None,
+            environ=env,
+        )
+        run = subprocess.run(
+            plan.command,
+            env=plan.env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+            cwd=tmp_path,
+        )
     finally:
         httpd.shutdown()
     assert run.returncode == 0, run.stderr

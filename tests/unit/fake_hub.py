@@ -87,8 +87,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _info(self, repo_id: str) -> None:
         if repo := self._repo(repo_id):
-            self._json(200, {"id": repo_id, "sha": repo.commit,
-                             "siblings": [{"rfilename": name} for name in sorted(repo.files)]})
+            self._json(
+                200,
+                {
+                    "id": repo_id,
+                    "sha": repo.commit,
+                    "siblings": [{"rfilename": name} for name in sorted(repo.files)],
+                },
+            )
 
     def _tree(self, repo_id: str) -> None:
         if repo := self._repo(repo_id):
@@ -126,7 +132,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _json(self, status: int, payload: object, extra: dict[str, str] | None = None) -> None:
         body = json.dumps(payload).encode()
-        self._send(status, {"Content-Type": "application/json", "Content-Length": str(len(body)), **(extra or {})}, body)
+        self._send(
+            status,
+            {"Content-Type": "application/json", "Content-Length": str(len(body)), **(extra or {})},
+            body,
+        )
 
     def _send(self, status: int, headers: dict[str, str], body: bytes, close: bool = False) -> None:
         self.send_response(status)
@@ -149,7 +159,11 @@ def _tree_entry(name: str, data: bytes) -> dict[str, object]:
 
 
 def _file_headers(repo: FakeRepo, name: str, data: bytes) -> dict[str, str]:
-    headers = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+    headers = {
+        "X-Repo-Commit": repo.commit,
+        "Accept-Ranges": "bytes",
+        "Content-Type": "application/octet-stream",
+    }
     if len(data) >= LFS_THRESHOLD:
         sha = hashlib.sha256(data).hexdigest()
         headers |= {"ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": str(len(data))}

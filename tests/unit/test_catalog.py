@@ -12,17 +12,40 @@ ALIASES = {"4b", "27b", "35b", "flash-next", "lightning", "bolt", "super-vl", "d
 MiB, KiB = 1 << 20, 1 << 10
 
 # Published config.json values (Qwen/Qwen3.5-4B text_config; nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16).
-QWEN35_4B = {"model_type": "qwen3_5", "text_config": {
-    "hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
-    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-    "vocab_size": 248320, "max_position_embeddings": 262144}}
+QWEN35_4B = {
+    "model_type": "qwen3_5",
+    "text_config": {
+        "hidden_size": 2560,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+    },
+}
 NEMOTRON_NANO = {
-    "model_type": "nemotron_h", "hidden_size": 2688, "num_hidden_layers": 52,
+    "model_type": "nemotron_h",
+    "hidden_size": 2688,
+    "num_hidden_layers": 52,
     "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 64,
-    "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "vocab_size": 131072,
-    "max_position_embeddings": 262144}
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "vocab_size": 131072,
+    "max_position_embeddings": 262144,
+}
 
 
 def test_every_alias_is_in_the_catalog_with_its_quants() -> None:
@@ -75,12 +98,24 @@ def test_demo_points_at_the_package_folder_or_says_it_is_missing() -> None:
 
 
 def test_user_entries_extend_and_override() -> None:
-    catalog = load_catalog({
-        "27b": {"default_quant": "8bit"},
-        "mine": {"name": "Mine", "params_b": 1.0, "active_params_b": 1.0, "context_length": 4096, "max_output": 512,
-                 "hidden_size": 64, "vocab_size": 100, "attention_layers": 2, "num_kv_heads": 1, "head_dim": 32,
-                 "quants": {"4bit": "me/mine-4bit", "odd": {"repo": "me/mine-odd", "bits_per_weight": 3.1}}},
-    })
+    catalog = load_catalog(
+        {
+            "27b": {"default_quant": "8bit"},
+            "mine": {
+                "name": "Mine",
+                "params_b": 1.0,
+                "active_params_b": 1.0,
+                "context_length": 4096,
+                "max_output": 512,
+                "hidden_size": 64,
+                "vocab_size": 100,
+                "attention_layers": 2,
+                "num_kv_heads": 1,
+                "head_dim": 32,
+                "quants": {"4bit": "me/mine-4bit", "odd": {"repo": "me/mine-odd", "bits_per_weight": 3.1}},
+            },
+        }
+    )
     assert resolve_model("27b", catalog).repo_id == "mlx-community/Qwen3.6-27B-8bit"
     assert resolve_model("mine:odd", catalog).quant.bits_per_weight == 3.1  # type: ignore[union-attr]
     with pytest.raises(ModelNotFound, match="malformed"):
@@ -100,7 +135,9 @@ def test_architecture_from_published_configs_matches_the_state_sizes() -> None:
 
 def test_catalog_numbers_agree_with_the_published_configs() -> None:
     catalog = load_catalog()
-    assert me.recurrent_state_bytes(catalog.get("4b").arch) == me.recurrent_state_bytes(arch_from_config(QWEN35_4B))  # type: ignore[arg-type]
+    assert me.recurrent_state_bytes(catalog.get("4b").arch) == me.recurrent_state_bytes(
+        arch_from_config(QWEN35_4B)
+    )  # type: ignore[arg-type]
     lightning = catalog.get("lightning").arch
     assert me.kv_bytes_per_token(lightning) == me.kv_bytes_per_token(arch_from_config(NEMOTRON_NANO))  # type: ignore[arg-type]
     assert me.recurrent_state_bytes(catalog.get("27b").arch) == 48 * (3 * MiB + 60 * KiB)  # type: ignore[arg-type]

@@ -8,7 +8,21 @@ from typer.testing import CliRunner
 from kapitsa import __version__
 from kapitsa.cli import app
 
-RESERVED = ["run", "serve", "doctor", "pull", "ls", "rm", "bench", "env", "token", "claude", "codex", "opencode", "pi"]
+RESERVED = [
+    "run",
+    "serve",
+    "doctor",
+    "pull",
+    "ls",
+    "rm",
+    "bench",
+    "env",
+    "token",
+    "claude",
+    "codex",
+    "opencode",
+    "pi",
+]
 
 
 def test_help_lists_every_command() -> None:
@@ -25,7 +39,9 @@ def test_version() -> None:
 
 
 def test_python_dash_m_and_clean_error() -> None:
-    out = subprocess.run([sys.executable, "-m", "kapitsa", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kapitsa", "--version"], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == f"kapitsa {__version__}"
 
 

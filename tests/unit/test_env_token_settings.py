@@ -18,12 +18,15 @@ from kapitsa.errors import InvalidRequest, KapitsaError
 from kapitsa.settings import load_settings
 
 
-@pytest.mark.parametrize(("shell", "line"), [
-    ("bash", "export OPENAI_BASE_URL='http://127.0.0.1:8484/v1'"),
-    ("zsh", "export ANTHROPIC_BASE_URL='http://127.0.0.1:8484'"),
-    ("fish", "set -gx OPENAI_API_KEY 'kapitsa'"),
-    ("powershell", "$env:ANTHROPIC_API_KEY = 'kapitsa'"),
-])
+@pytest.mark.parametrize(
+    ("shell", "line"),
+    [
+        ("bash", "export OPENAI_BASE_URL='http://127.0.0.1:8484/v1'"),
+        ("zsh", "export ANTHROPIC_BASE_URL='http://127.0.0.1:8484'"),
+        ("fish", "set -gx OPENAI_API_KEY 'kapitsa'"),
+        ("powershell", "$env:ANTHROPIC_API_KEY = 'kapitsa'"),
+    ],
+)
 def test_env_lines_per_shell(shell: str, line: str) -> None:
     assert line in env_lines("http://127.0.0.1:8484", None, shell).lines
 

@@ -31,10 +31,24 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture
 def catalog():
-    return load_catalog({"tiny": {"name": "Tiny", "model_type": "qwen3_5", "params_b": 0.0001,
-                                  "active_params_b": 0.0001, "context_length": 4096, "max_output": 1024,
-                                  "hidden_size": 64, "vocab_size": 256, "attention_layers": 1, "num_kv_heads": 1,
-                                  "head_dim": 16, "quants": {"4bit": REPO}}})
+    return load_catalog(
+        {
+            "tiny": {
+                "name": "Tiny",
+                "model_type": "qwen3_5",
+                "params_b": 0.0001,
+                "active_params_b": 0.0001,
+                "context_length": 4096,
+                "max_output": 1024,
+                "hidden_size": 64,
+                "vocab_size": 256,
+                "attention_layers": 1,
+                "num_kv_heads": 1,
+                "head_dim": 16,
+                "quants": {"4bit": REPO},
+            }
+        }
+    )
 
 
 def test_pull_downloads_verifies_and_reports_progress(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
@@ -85,7 +99,9 @@ def test_corrupt_file_is_rejected_and_deleted(fake_hub: FakeHub, catalog, tmp_pa
         hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
     assert not [p for p in tmp_path.rglob("model.safetensors") if p.exists()]
     fake_hub.corrupt.clear()
-    assert (hub.pull("tiny", catalog=catalog, cache_dir=tmp_path).path / "model.safetensors").read_bytes() == WEIGHTS
+    assert (
+        hub.pull("tiny", catalog=catalog, cache_dir=tmp_path).path / "model.safetensors"
+    ).read_bytes() == WEIGHTS
 
 
 def test_unknown_repo_is_model_not_found(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
@@ -93,8 +109,9 @@ def test_unknown_repo_is_model_not_found(fake_hub: FakeHub, catalog, tmp_path: P
         hub.pull("test-org/missing", catalog=catalog, cache_dir=tmp_path)
 
 
-def test_offline_mode_uses_the_cache_or_says_why(fake_hub: FakeHub, catalog, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offline_mode_uses_the_cache_or_says_why(
+    fake_hub: FakeHub, catalog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE"):
         hub.pull("tiny", catalog=catalog, cache_dir=tmp_path)
@@ -119,9 +136,23 @@ def test_ls_and_rm(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
 
 
 def test_allow_patterns_pick_one_file(fake_hub: FakeHub, tmp_path: Path) -> None:
-    cat = load_catalog({"g": {"name": "G", "params_b": 1, "active_params_b": 1, "context_length": 8, "max_output": 8,
-                              "hidden_size": 8, "vocab_size": 8, "attention_layers": 1, "num_kv_heads": 1,
-                              "head_dim": 8, "quants": {"q8_0": {"repo": REPO, "allow_patterns": ["*.json"]}}}})
+    cat = load_catalog(
+        {
+            "g": {
+                "name": "G",
+                "params_b": 1,
+                "active_params_b": 1,
+                "context_length": 8,
+                "max_output": 8,
+                "hidden_size": 8,
+                "vocab_size": 8,
+                "attention_layers": 1,
+                "num_kv_heads": 1,
+                "head_dim": 8,
+                "quants": {"q8_0": {"repo": REPO, "allow_patterns": ["*.json"]}},
+            }
+        }
+    )
     result = hub.pull("g", catalog=cat, cache_dir=tmp_path)
     assert {p.name for p in result.path.iterdir()} == {"config.json", "tokenizer.json"}
     assert os.environ["HF_ENDPOINT"].startswith("http://127.0.0.1:")
@@ -131,7 +162,9 @@ class Cancelled(Exception):
     pass
 
 
-def test_cancel_from_the_progress_callback_keeps_the_partial(fake_hub: FakeHub, catalog, tmp_path: Path) -> None:
+def test_cancel_from_the_progress_callback_keeps_the_partial(
+    fake_hub: FakeHub, catalog, tmp_path: Path
+) -> None:
     before = len(FILES["config.json"])  # files come in name order
 
     def cancel_midway(progress: hub.PullProgress) -> None:
@@ -148,7 +181,9 @@ def test_cancel_from_the_progress_callback_keeps_the_partial(fake_hub: FakeHub, 
     assert [r[2] for r in fake_hub.requests if r[1].endswith("model.safetensors")] == [f"bytes={partial}-"]
 
 
-def test_unreachable_endpoint_is_a_clear_error(catalog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreachable_endpoint_is_a_clear_error(
+    catalog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
     with socket.socket() as s:

@@ -32,7 +32,7 @@ def _measured_decode_peak(kind: str, context: int, dtype) -> tuple[int, int, obj
     cache = model.make_cache(1)
     tokens = mx.random.randint(3, 200, (1, context))
     for start in range(0, context, 256):
-        mx.eval(model(tokens[:, start:start + 256], cache=cache))
+        mx.eval(model(tokens[:, start : start + 256], cache=cache))
     mx.clear_cache()
     mx.reset_peak_memory()
     token = mx.array([[5]])
@@ -51,7 +51,9 @@ def test_estimate_matches_measured_peak_of_a_tiny_run(kind: str, dtype_name: str
     # The per-sequence terms are exact: what the engine's cache really holds.
     assert cache.kv_nbytes == me.kv_bytes_per_token(arch, dtype_bytes) * allocated
     assert cache.recurrent_nbytes == me.recurrent_state_bytes(arch, dtype_bytes)
-    estimate = me.decode_peak_bytes(arch, weight_bytes=weights, context_tokens=allocated, dtype_bytes=dtype_bytes)
+    estimate = me.decode_peak_bytes(
+        arch, weight_bytes=weights, context_tokens=allocated, dtype_bytes=dtype_bytes
+    )
     # A K/V update may copy one layer's K and V while the old buffers are alive (the estimate counts that),
     # copy them one at a time, or update in place when MLX donates the buffer; which one happens depends
     # on when the old arrays are released. The peak lies in that range, with 10% slack on both ends.
