@@ -104,8 +104,9 @@ async def test_greedy_speculation_equals_plain_alone_and_batched(kind: str) -> N
     assert oracle.accepted > 0 and oracle.tokens_per_step > 1.2  # drafts really were accepted
 
 
-async def test_draft_model_drafter_equals_plain() -> None:
-    model = tiny_model("qwen3_5")
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+async def test_draft_model_drafter_equals_plain(kind: str) -> None:
+    model = tiny_model(kind)
     plain = await _plain_outputs(model)
     # The target drafting for itself accepts everything; output must still be the plain one.
     strategy = make_decode_strategy("draft", draft_model=model, draft_tokens=4)
