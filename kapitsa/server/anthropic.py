@@ -24,7 +24,9 @@ from kapitsa.server.anthropic_input import (
     thinking_choice,
 )
 from kapitsa.server.common import (
+    CLIENT_GONE_STATUS,
     SSE_HEADERS,
+    collect_steps,
     make_sampling,
     resolve_model,
     sse,
@@ -241,18 +243,12 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 
 
 async def _collect(run: GenerationRun, parser: OutputParser, builder: MessageBuilder) -> JSONResponse:
-    try:
-        async for step in steps(run, parser):
-            builder.parts(step.parts)
-            if isinstance(step.final, ErrorEvent):
-                raise step.final.error
-            if isinstance(step.final, FinishEvent):
-                return JSONResponse(builder.message(step.final))
-    except ClientGone:
-        return JSONResponse({}, status_code=499)
-    finally:
-        await run.close()
-    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+    done = await collect_steps(run, parser)
+    if done is None:
+        return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
+    for step in done:
+        builder.parts(step.parts)
+    return JSONResponse(builder.message(done[-1].final))
 
 
 async def _stream(run: GenerationRun, parser: OutputParser, builder: MessageBuilder) -> AsyncIterator[bytes]:

@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 from kapitsa.engine.types import GenerationRequest, ModelInfo
-from kapitsa.server.common import flatten_text, make_sampling, param_error, thinking_kwargs
+from kapitsa.server.common import flatten_text, openai_sampling, param_error, thinking_kwargs
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 
@@ -77,18 +77,9 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
     messages = fold_system_messages(messages)
     if not messages:
         raise param_error("messages", "messages holds no user or assistant message.")
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    sampling = make_sampling(
+    sampling = openai_sampling(
         model,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-        stop=stop,
+        body,
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )

@@ -13,7 +13,7 @@ from kapitsa.engine.client import EngineClient
 from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams, Usage
 from kapitsa.errors import ContextOverflow, InvalidRequest, ModelNotFound
 from kapitsa.server.settings import ServerSettings
-from kapitsa.server.streaming import GenerationRun
+from kapitsa.server.streaming import ClientGone, GenerationRun
 
 # Claude Code asks for these names in edge cases (haiku side queries, subagents); they mean "the default".
 _ANTHROPIC_ALIASES = ("claude", "haiku", "sonnet", "opus")
@@ -43,6 +43,27 @@ def resolve_model(client: EngineClient, name: str | None, *, anthropic: bool = F
         return models[0]
     served = ", ".join(m.id for m in models)
     raise ModelNotFound(f"The model `{name}` does not exist here. This server serves: {served}.")
+
+
+def openai_sampling(
+    model: ModelInfo, body: Any, *, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """The sampling fields chat completions and completions share (same names in both bodies)."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    return make_sampling(
+        model,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        stop=stop,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+    )
 
 
 def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
@@ -166,3 +187,26 @@ async def steps(run: GenerationRun, parser: Any) -> Any:
             truncated = getattr(event, "finish_reason", None) == "length"
             parts = parser.finish(truncated=truncated)
             yield Step(parts, final=event, reasoning_tokens=parser.reasoning_tokens)
+
+
+async def collect_steps(run: GenerationRun, parser: Any) -> list[Step] | None:
+    """Every step of a non-streamed generation, the last one holding its `FinishEvent`; None when the
+    client left. An `ErrorEvent` is raised as its error. The run is closed either way."""
+    from kapitsa.engine.types import ErrorEvent, FinishEvent
+
+    collected: list[Step] = []
+    try:
+        async for step in steps(run, parser):
+            if isinstance(step.final, ErrorEvent):
+                raise step.final.error
+            collected.append(step)
+            if isinstance(step.final, FinishEvent):
+                return collected
+    except ClientGone:
+        return None
+    finally:
+        await run.close()
+    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+
+
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads the body

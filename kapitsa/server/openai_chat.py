@@ -12,9 +12,11 @@ from kapitsa.engine.types import ErrorEvent, FinishEvent, TokenLogprob, Usage
 from kapitsa.errors import KapitsaError
 from kapitsa.server.chat_input import chat_thinking, to_generation_request
 from kapitsa.server.common import (
+    CLIENT_GONE_STATUS,
     SSE_COMMENT,
     SSE_HEADERS,
     Step,
+    collect_steps,
     now,
     resolve_model,
     sse,
@@ -207,26 +209,15 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
 async def _collect(
     run: GenerationRun, parser: OutputParser, model: str, *, want_logprobs: bool
 ) -> JSONResponse:
-    parts: list[Any] = []
-    logprobs: list[Any] = []
-    try:
-        async for step in steps(run, parser):
-            parts.extend(step.parts)
-            if want_logprobs:
-                logprobs.extend(logprob_entries(step.logprobs))
-            if isinstance(step.final, ErrorEvent):
-                raise step.final.error
-            if isinstance(step.final, FinishEvent):
-                return JSONResponse(
-                    completion_body(
-                        run.request.request_id, model, parts, logprobs, step.final, step.reasoning_tokens
-                    )
-                )
-    except ClientGone:
-        return JSONResponse({}, status_code=499)
-    finally:
-        await run.close()
-    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+    done = await collect_steps(run, parser)
+    if done is None:
+        return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
+    parts = [part for step in done for part in step.parts]
+    logprobs = [e for step in done for e in logprob_entries(step.logprobs)] if want_logprobs else []
+    final = done[-1]
+    return JSONResponse(
+        completion_body(run.request.request_id, model, parts, logprobs, final.final, final.reasoning_tokens)
+    )
 
 
 async def _stream(run: GenerationRun, parser: OutputParser, chunker: ChatChunker) -> AsyncIterator[bytes]:

@@ -12,10 +12,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, ModelInfo, TokenLogprob
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import (
+    CLIENT_GONE_STATUS,
     SSE_COMMENT,
     SSE_HEADERS,
-    make_sampling,
+    collect_steps,
     now,
+    openai_sampling,
     resolve_model,
     sse,
     start_run,
@@ -52,21 +54,7 @@ def to_generation_request(body: CompletionRequest, model: ModelInfo) -> Generati
         prompt = prompt[0]
     if not prompt:
         raise InvalidRequest("`prompt` is empty.")
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    sampling = make_sampling(
-        model,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-        stop=stop,
-        max_tokens=body.max_tokens or 16,
-        logprobs=body.logprobs,
-    )
+    sampling = openai_sampling(model, body, max_tokens=body.max_tokens or 16, logprobs=body.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     if isinstance(prompt, str):
         return GenerationRequest(prompt=prompt, sampling=sampling, model=model.id, request_id=request_id)
@@ -110,26 +98,17 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 
 async def _collect(run: GenerationRun, base: dict[str, Any], echo: str) -> JSONResponse:
-    texts, logprobs = [echo], []
-    try:
-        async for step in steps(run, RawParser()):
-            texts += [p.text for p in step.parts]
-            logprobs += list(step.logprobs or ())
-            if isinstance(step.final, ErrorEvent):
-                raise step.final.error
-            if isinstance(step.final, FinishEvent):
-                choice = {
-                    "index": 0,
-                    "text": "".join(texts),
-                    "logprobs": legacy_logprobs(logprobs),
-                    "finish_reason": _finish(step.final),
-                }
-                return JSONResponse({**base, "choices": [choice], "usage": openai_usage(step.final.usage)})
-    except ClientGone:
-        return JSONResponse({}, status_code=499)
-    finally:
-        await run.close()
-    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+    done = await collect_steps(run, RawParser())
+    if done is None:
+        return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
+    final = done[-1].final
+    choice = {
+        "index": 0,
+        "text": echo + "".join(p.text for step in done for p in step.parts),
+        "logprobs": legacy_logprobs([e for step in done for e in step.logprobs or ()]),
+        "finish_reason": _finish(final),
+    }
+    return JSONResponse({**base, "choices": [choice], "usage": openai_usage(final.usage)})
 
 
 async def _stream(

@@ -15,8 +15,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest
 from kapitsa.server.common import (
+    CLIENT_GONE_STATUS,
     SSE_COMMENT,
     SSE_HEADERS,
+    collect_steps,
     make_sampling,
     resolve_model,
     start_run,
@@ -61,18 +63,12 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
 
 
 async def _collect(run: GenerationRun, parser: OutputParser, builder: ResponseBuilder) -> JSONResponse:
-    try:
-        async for step in steps(run, parser):
-            builder.parts(step.parts)
-            if isinstance(step.final, ErrorEvent):
-                raise step.final.error
-            if isinstance(step.final, FinishEvent):
-                return JSONResponse(builder.finish(step.final, step.reasoning_tokens))
-    except ClientGone:
-        return JSONResponse({}, status_code=499)
-    finally:
-        await run.close()
-    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+    done = await collect_steps(run, parser)
+    if done is None:
+        return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
+    for step in done:
+        builder.parts(step.parts)
+    return JSONResponse(builder.finish(done[-1].final, done[-1].reasoning_tokens))
 
 
 async def _stream(run: GenerationRun, parser: OutputParser, builder: ResponseBuilder) -> AsyncIterator[bytes]:
