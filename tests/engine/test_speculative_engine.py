@@ -77,6 +77,17 @@ async def _plain_outputs(model) -> list[list[int]]:
         client.close()
 
 
+async def _alone_and_batched(model, strategy) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy outputs of PROMPTS run one by one, then all at once, through `strategy`."""
+    client = _client(model, strategy)
+    try:
+        alone = [(await _run(client, p))[0] for p in PROMPTS]
+        together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
+    finally:
+        client.close()
+    return alone, [ids for ids, _, _ in together]
+
+
 def _references(plain: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
     tok = ByteTokenizer()
     return {tuple(tok.encode(p)): ids for p, ids in zip(PROMPTS, plain, strict=True)}
@@ -92,14 +103,9 @@ async def test_greedy_speculation_equals_plain_alone_and_batched(kind: str) -> N
         make_decode_strategy("ngram", draft_tokens=6),
     ]
     for strategy in strategies:
-        client = _client(model, strategy)
-        try:
-            alone = [(await _run(client, p))[0] for p in PROMPTS]
-            together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
-        finally:
-            client.close()
+        alone, together = await _alone_and_batched(model, strategy)
         assert alone == plain, strategy.name
-        assert [ids for ids, _, _ in together] == plain, strategy.name
+        assert together == plain, strategy.name
     oracle = strategies[0].stats
     assert oracle.accepted > 0 and oracle.tokens_per_step > 1.2  # drafts really were accepted
 
@@ -191,14 +197,9 @@ async def test_mtp_drafter_equals_plain(tmp_path) -> None:
     plain = await _plain_outputs(model)
     strategy = make_decode_strategy("auto", target_model=model)
     assert strategy.name == "mtp"
-    client = _client(model, strategy)
-    try:
-        alone = [(await _run(client, p))[0] for p in PROMPTS]
-        together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
-    finally:
-        client.close()
+    alone, together = await _alone_and_batched(model, strategy)
     assert alone == plain
-    assert [ids for ids, _, _ in together] == plain
+    assert together == plain
     assert strategy.stats.proposed > 0
 
 
@@ -240,14 +241,9 @@ async def test_block_drafter_equals_plain(kind: str, tmp_path) -> None:
     _write_dflash(tmp_path / "dflash", hidden=64, target_layers=[1, 2], mask_token_id=2)
     drafter = load_dflash(tmp_path / "dflash")
     strategy = make_decode_strategy("block", target_model=model, block_drafter=drafter)
-    client = _client(model, strategy)
-    try:
-        alone = [(await _run(client, p))[0] for p in PROMPTS]
-        together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
-    finally:
-        client.close()
+    alone, together = await _alone_and_batched(model, strategy)
     assert alone == plain
-    assert [ids for ids, _, _ in together] == plain
+    assert together == plain
     assert strategy.stats.proposed > 0
 
 
@@ -293,14 +289,9 @@ async def test_tree_verification_equals_plain(kind: str) -> None:
         make_decode_strategy("draft", draft_model=model, draft_tokens=5, tree=True),
     ]
     for strategy in strategies:
-        client = _client(model, strategy)
-        try:
-            alone = [(await _run(client, p))[0] for p in PROMPTS]
-            together = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
-        finally:
-            client.close()
+        alone, together = await _alone_and_batched(model, strategy)
         assert alone == plain, strategy.name
-        assert [ids for ids, _, _ in together] == plain, strategy.name
+        assert together == plain, strategy.name
     assert strategies[0].stats.accepted > 0
     assert strategies[2].stats.acceptance_rate > 0.5
 
