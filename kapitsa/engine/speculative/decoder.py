@@ -204,6 +204,8 @@ def _accept(sampler: SequenceSampler, draft: list[int], rows: mx.array) -> tuple
     Positions are taken in order so penalties and logit processors see each position's true
     prefix (the sampler observes every emitted token before the next position is processed).
     """
+    if sampler.is_greedy_plain and sampler.params.logprobs is None:
+        return _accept_plain_greedy(sampler, draft, rows)
     out: list[SampledToken] = []
     greedy = sampler.params.temperature == 0
     for i, token in enumerate(draft):
@@ -224,6 +226,18 @@ def _accept(sampler: SequenceSampler, draft: list[int], rows: mx.array) -> tuple
         return out, i
     out.append(sampler.sample(rows[len(draft)]))
     return out, len(draft)
+
+
+def _accept_plain_greedy(
+    sampler: SequenceSampler, draft: list[int], rows: mx.array
+) -> tuple[list[SampledToken], int]:
+    """Bare argmax rows need no per-position processing: one read-back for the whole draft."""
+    picks = mx.argmax(rows[: len(draft) + 1], axis=-1).tolist()
+    accepted = next((i for i, token in enumerate(draft) if picks[i] != token), len(draft))
+    emitted = picks[: accepted + 1]
+    for token in emitted:
+        sampler.observe(token)
+    return [SampledToken(token, 0.0) for token in emitted], accepted
 
 
 def _accept_tree(
