@@ -8,11 +8,10 @@ e2m1 with a per-group power-of-two (mxfp4, group 32) or e4m3 (nvfp4, group 16) s
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.cuda import CudaKernel
 
 MAX_ROWS = 16
 AFFINE_BITS = (2, 3, 4, 6, 8)
@@ -140,16 +139,32 @@ def _tile_for(rows: int) -> int:
 _MODES = {"affine": 0, "mxfp4": 1, "nvfp4": 2}
 
 
-@functools.cache
-def _cuda_kernel(mode: int, shared_bytes: int):
-    return mx.fast.cuda_kernel(
+def _kernel(mode: int) -> CudaKernel:
+    return CudaKernel(
         name=f"kapitsa_qmv_m{mode}",
-        input_names=["x", "w", "scales", "biases"],
-        output_names=["y"],
+        input_names=("x", "w", "scales", "biases"),
+        output_names=("y",),
         source=_SOURCE,
         header=_HEADER,
-        shared_memory=shared_bytes,
     )
+
+
+def launch_template(x: mx.array, n: int, *, group_size: int, bits: int, mode_id: int) -> tuple[list, int]:
+    """(template arguments, shared memory bytes) for one call."""
+    rows, k = x.shape
+    tile = min(_tile_for(rows), k)
+    template = [
+        ("T", x.dtype),
+        ("M", rows),
+        ("N", n),
+        ("K", k),
+        ("GS", group_size),
+        ("BITS", bits),
+        ("MODE", mode_id),
+        ("TILE", tile),
+        ("WARPS", WARPS),
+    ]
+    return template, rows * (tile // 32) * 33 * 4
 
 
 def supports(x: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
@@ -184,29 +199,19 @@ def qmv(
     """x [M, K] @ dequantize(w)[N, K]^T -> [M, N], through the kernel when the backend has one."""
     if not supports(x, group_size=group_size, bits=bits, mode=mode):
         return qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
-    rows, k = x.shape
+    rows = x.shape[0]
     n = w.shape[0]
     mode_id = _MODES[mode]
     # fp4 modes have no bias; a one-element stand-in keeps one kernel signature for every mode.
     inputs = [x, w, scales, biases if mode_id == 0 else mx.zeros((1,), x.dtype)]
-    tile = min(_tile_for(rows), k)
-    shared_bytes = rows * (tile // 32) * 33 * 4
+    template, shared_bytes = launch_template(x, n, group_size=group_size, bits=bits, mode_id=mode_id)
     blocks = (n + WARPS - 1) // WARPS
-    return _cuda_kernel(mode_id, shared_bytes)(
-        inputs=inputs,
-        template=[
-            ("T", x.dtype),
-            ("M", rows),
-            ("N", n),
-            ("K", k),
-            ("GS", group_size),
-            ("BITS", bits),
-            ("MODE", mode_id),
-            ("TILE", tile),
-            ("WARPS", WARPS),
-        ],
+    return _kernel(mode_id)(
+        inputs,
+        template=template,
         grid=(blocks * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[x.dtype],
+        shared_memory=shared_bytes,
     )[0]

@@ -1,0 +1,113 @@
+"""One way to declare and launch a CUDA kernel through `mx.fast.cuda_kernel`, and to render the
+exact source MLX will JIT-compile for it (so `nvcc` can check it on a machine without a GPU).
+
+MLX wraps a kernel body into `__global__ void name(const T0* in0, ..., T* out0, ...)` followed by
+`constexpr int NAME = value;` / `using NAME = type;` lines for the template arguments
+(mlx/backend/cuda/custom_kernel.cpp, `build_kernel`). `render` reproduces that wrapping.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+TemplateValue = int | bool | mx.Dtype
+
+_CUDA_TYPES = {
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.bool_: "bool",
+}
+
+
+def cuda_type(dtype: mx.Dtype) -> str:
+    return _CUDA_TYPES[dtype]
+
+
+@dataclass(frozen=True)
+class CudaKernel:
+    """A kernel body plus its signature. `source` is the body only (MLX writes the signature)."""
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    source: str
+    header: str = ""
+
+    def __call__(
+        self,
+        inputs: Sequence[mx.array],
+        *,
+        template: Sequence[tuple[str, TemplateValue]],
+        grid: tuple[int, int, int],
+        threadgroup: tuple[int, int, int],
+        output_shapes: Sequence[Sequence[int]],
+        output_dtypes: Sequence[mx.Dtype],
+        shared_memory: int = 0,
+        init_value: float | None = None,
+    ) -> list[mx.array]:
+        kernel = _compiled(self, shared_memory)
+        return kernel(
+            inputs=list(inputs),
+            template=list(template),
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=[tuple(s) for s in output_shapes],
+            output_dtypes=list(output_dtypes),
+            init_value=init_value,
+        )
+
+    def render(
+        self,
+        input_dtypes: Sequence[mx.Dtype],
+        output_dtypes: Sequence[mx.Dtype],
+        template: Sequence[tuple[str, TemplateValue]],
+    ) -> str:
+        """The translation unit MLX builds for these dtypes and template values (inputs assumed
+        to have ndim > 0 and no `_shape`/`_strides` use, which our kernels avoid)."""
+        params = [
+            f"    const {cuda_type(d)}* {n}" for n, d in zip(self.input_names, input_dtypes, strict=True)
+        ]
+        params += [f"    {cuda_type(d)}* {n}" for n, d in zip(self.output_names, output_dtypes, strict=True)]
+        consts = []
+        for name, value in template:
+            if isinstance(value, bool):
+                consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+            elif isinstance(value, int):
+                consts.append(f"  constexpr int {name} = {value};")
+            else:
+                consts.append(f"  using {name} = {cuda_type(value)};")
+        return (
+            '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+            "#define inf cuda::std::numeric_limits<float>::infinity()\n"
+            f"{self.header}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void custom_kernel_{self.name}(\n"
+            + ",\n".join(params)
+            + ") {\n"
+            + "\n".join(consts)
+            + f"\n{self.source}\n}}\n}} // namespace mlx::core::cu\n"
+        )
+
+
+@functools.cache
+def _compiled(kernel: CudaKernel, shared_memory: int):
+    return mx.fast.cuda_kernel(
+        name=kernel.name,
+        input_names=list(kernel.input_names),
+        output_names=list(kernel.output_names),
+        source=kernel.source,
+        header=kernel.header,
+        shared_memory=shared_memory,
+    )

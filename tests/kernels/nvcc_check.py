@@ -1,0 +1,38 @@
+"""Compile a rendered kernel with nvcc for sm_90 (H200) without running it: catches syntax and
+type errors before spending device time. Used by tests/kernels/test_cuda_compile.py."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+STUB = pathlib.Path(__file__).parent / "cuda_stub"
+
+
+def nvcc() -> str | None:
+    return shutil.which("nvcc")
+
+
+def compile_source(source: str) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "kernel.cu"
+        path.write_text(source)
+        proc = subprocess.run(
+            [
+                nvcc(),
+                "-arch=sm_90",
+                "-std=c++17",
+                "--ptx",
+                "-I",
+                str(STUB),
+                "-o",
+                str(path.with_suffix(".ptx")),
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return proc.returncode == 0, proc.stdout + proc.stderr
