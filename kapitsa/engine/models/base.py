@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, StepInfo, full_step
+from kapitsa.engine.fuse import fuse_into
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.errors import CheckpointError
 
@@ -84,13 +85,24 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.rope = rope
 
+    def fuse(self) -> bool:
+        """One q/k/v projection (see kapitsa.engine.fuse)."""
+        splits = fuse_into(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        if splits is not None:
+            object.__setattr__(self, "qkv_splits", splits)
+        return splits is not None
+
     def __call__(self, x: mx.array, info: StepInfo, cache: KVCache | None) -> mx.array:
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.heads, -1)
+        if "qkv_proj" in self:
+            q, k, v = mx.split(self.qkv_proj(x), self.qkv_splits, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.heads, -1)
         if self.gated:
             q, gate = mx.split(q, 2, axis=-1)
-        k = self.k_proj(x).reshape(B, T, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, T, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(B, T, self.kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
+from kapitsa.engine.fuse import fuse_into
 from kapitsa.engine.models.base import Attention, HybridLM, known_fields, require
 from kapitsa.engine.models.qwen_weights import sanitize_qwen
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
@@ -133,15 +134,33 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, a.hidden_size, bias=False)
 
+    def fuse(self) -> bool:
+        """One in-projection for the layer (see kapitsa.engine.fuse)."""
+        names = (
+            ("in_proj_qkvz", "in_proj_ba")
+            if self.packed
+            else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        )
+        splits = fuse_into(self, names, "in_proj")
+        if splits is not None:
+            object.__setattr__(self, "in_splits", splits)
+        return splits is not None
+
     def _project(self, x: mx.array):
         B, T, _ = x.shape
+        fused = mx.split(self.in_proj(x), self.in_splits, axis=-1) if "in_proj" in self else None
         if not self.packed:
-            z = self.in_proj_z(x).reshape(B, T, self.nv, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            if fused is not None:
+                qkv, z, b, a = fused
+            else:
+                qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            return qkv, z.reshape(B, T, self.nv, self.dv), b, a
         per = self.nv // self.nk
-        qkvz = self.in_proj_qkvz(x).reshape(B, T, self.nk, -1)
-        q, k, v, z = mx.split(qkvz, [self.dk, 2 * self.dk, 2 * self.dk + per * self.dv], axis=-1)
-        b, a = mx.split(self.in_proj_ba(x).reshape(B, T, self.nk, 2 * per), [per], axis=-1)
+        qkvz, ba = fused if fused is not None else (self.in_proj_qkvz(x), self.in_proj_ba(x))
+        q, k, v, z = mx.split(
+            qkvz.reshape(B, T, self.nk, -1), [self.dk, 2 * self.dk, 2 * self.dk + per * self.dv], axis=-1
+        )
+        b, a = mx.split(ba.reshape(B, T, self.nk, 2 * per), [per], axis=-1)
         qkv = mx.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
         return qkv, z.reshape(B, T, self.nv, self.dv), b.reshape(B, T, self.nv), a.reshape(B, T, self.nv)
 
@@ -189,8 +208,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dims, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dims, bias=False)
 
+    def fuse(self) -> bool:
+        splits = fuse_into(self, ("gate_proj", "up_proj"), "gate_up_proj")
+        if splits is not None:
+            object.__setattr__(self, "gate_up_splits", splits)
+        return splits is not None
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), self.gate_up_splits, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class SparseMoe(nn.Module):
