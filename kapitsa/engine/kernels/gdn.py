@@ -1,0 +1,510 @@
+"""Fused Gated DeltaNet step: conv + silu, q/k L2 norm, decay/beta, the gated delta rule over T
+new tokens (decode T=1, speculative verification T<=MAX_T) and the gated RMS output norm, in one
+kernel launch per layer.
+
+`gdn_step` replaces, in `GatedDeltaNet.__call__` for chains (no draft tree), everything from
+`causal_conv(conv_in, ...)` to `self.norm(y, z)`. The caller still takes the next conv state from
+`conv_in` (`conv_state_after`); the kernel does not write it.
+
+Kernel layout: one thread block per (batch row, value head). The state `[Dv, Dk]` (float32) lives
+in registers for all T tokens: each warp owns `Dv / NW` whole rows, its lanes split Dk in
+coalesced float4/float2 vectors, dot products over Dk are warp shuffles. Per chunk of tokens the
+block computes the head's q/k/v conv outputs into shared memory, normalises q and k (one warp per
+vector), runs the recurrence (y overwrites v in place: the warp that reads v[r] writes y[r]), then
+applies the output norm (one warp per token). Roundings to the activation dtype happen where the
+op-by-op path rounds, so bf16 results track the model's current path closely.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.metal import MetalKernel
+from kapitsa.engine.ops.conv import causal_conv
+from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
+from kapitsa.engine.ops.norm import _times_silu_f32
+from kapitsa.errors import KapitsaError
+
+MAX_T = 64  # longer inputs (prefill) go to the chunked op path; one block per head would serialise them
+MAX_HEAD_DIM = 256
+MAX_CONV_KERNEL = 8
+MAX_STATE_FLOATS = 64  # per thread: Dv/NW rows x Dk/32 columns
+SHARED_BUDGET = {"cuda": 40 * 1024, "metal": 28 * 1024}  # under 48 KiB (CUDA) / 32 KiB (Metal)
+MAX_WARPS = {"cuda": 32, "metal": 16}  # Metal pipelines may not reach 1024 threads
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+INPUT_NAMES = (
+    "conv_in",
+    "conv_w",
+    "a_in",
+    "b_in",
+    "a_log",
+    "dt_bias",
+    "z",
+    "norm_w",
+    "state_in",
+    "mask",
+)
+OUTPUT_NAMES = ("out", "state_out")
+
+
+class GdnShapeError(KapitsaError, ValueError):
+    """Inputs of `gdn_step` whose shapes disagree with each other or with the head layout."""
+
+
+def promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
+    """MLX's result type of a binary op on two floating dtypes."""
+    if a == b:
+        return a
+    return mx.float32  # float32 wins; bfloat16 with float16 also promotes to float32
+
+
+def gdn_step_reference(
+    conv_in: mx.array,
+    conv_weight: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    z: mx.array,
+    norm_weight: mx.array,
+    state: mx.array | None,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    norm_eps: float,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The model's op-by-op path (same functions GatedDeltaNet calls today).
+
+    conv_in `[B, K-1+T, C]`, conv_weight `[C, K, 1]`, a/b `[B, T, Hv]`, A_log/dt_bias `[Hv]`,
+    z `[B, T, Hv, Dv]` (or `[B, T, Hv*Dv]`), norm_weight `[Dv]`, state `[B, Hv, Dv, Dk]` float32
+    or None (zeros), mask `[B, T]` bool or None. Returns (out `[B, T, Hv*Dv]`, new state).
+    """
+    B, T = a.shape[:2]
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    conv_out = causal_conv(conv_in, conv_weight)
+    q, k, v = mx.split(nn.silu(conv_out), [hk * dk, 2 * hk * dk], axis=-1)
+    q, k = l2norm_qk(q.reshape(B, T, hk, dk), k.reshape(B, T, hk, dk))
+    v = v.reshape(B, T, hv, dv)
+    g, beta = gdn_decay(A_log, a, dt_bias), mx.sigmoid(b)
+    y, new_state = gated_delta(q, k, v, g, beta, state, mask)
+    normed = mx.fast.rms_norm(y, norm_weight, norm_eps)  # GatedRMSNorm.__call__
+    out = _times_silu_f32(normed, z.reshape(B, T, hv, dv))
+    return out.reshape(B, T, hv * dv), new_state
+
+
+def check_shapes(
+    conv_in: mx.array,
+    conv_weight: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    z: mx.array,
+    norm_weight: mx.array,
+    state: mx.array | None,
+    mask: mx.array | None,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+) -> None:
+    """Raise GdnShapeError naming the first input whose shape disagrees with the head layout."""
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    if min(hk, hv, dk, dv) < 1 or hv % hk:
+        raise GdnShapeError(f"bad head layout: {hk} k heads x {dk}, {hv} v heads x {dv}")
+    if a.ndim != 3 or a.shape[2] != hv:
+        raise GdnShapeError(f"a must be [B, T, {hv}], got {list(a.shape)}")
+    B, T = a.shape[:2]
+    C = 2 * hk * dk + hv * dv
+    if conv_weight.ndim != 3 or conv_weight.shape[0] != C or conv_weight.shape[2] != 1:
+        raise GdnShapeError(f"conv_weight must be [{C}, K, 1], got {list(conv_weight.shape)}")
+    K = conv_weight.shape[1]
+    expected = {
+        "conv_in": (conv_in, (B, K - 1 + T, C)),
+        "b": (b, (B, T, hv)),
+        "A_log": (A_log, (hv,)),
+        "dt_bias": (dt_bias, (hv,)),
+        "norm_weight": (norm_weight, (dv,)),
+    }
+    if state is not None:
+        expected["state"] = (state, (B, hv, dv, dk))
+    if mask is not None:
+        expected["mask"] = (mask, (B, T))
+    for name, (array, shape) in expected.items():
+        if tuple(array.shape) != shape:
+            raise GdnShapeError(f"{name} must be {list(shape)}, got {list(array.shape)}")
+    if tuple(z.shape) not in ((B, T, hv, dv), (B, T, hv * dv)):
+        raise GdnShapeError(f"z must be [{B}, {T}, {hv}, {dv}], got {list(z.shape)}")
+
+
+def warps_for(dk: int, dv: int, max_warps: int) -> int:
+    """Warps per block: about 32 state floats per thread, a divisor of Dv so rows split evenly."""
+    target = max(1, min(max_warps, dv * dk // 1024))
+    return max(d for d in range(1, target + 1) if dv % d == 0)
+
+
+def supports(
+    conv_in: mx.array,
+    conv_weight: mx.array,
+    state: mx.array | None,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+) -> bool:
+    """Whether the fused kernel can run this call here (backend, dtypes, head dims, T)."""
+    kind = backend()
+    if kind not in SHARED_BUDGET:
+        return False
+    dk, dv = head_k_dim, head_v_dim
+    if dk % 32 or dv % 32 or dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM or num_v_heads % num_k_heads:
+        return False
+    if conv_in.dtype not in _FLOATS or conv_weight.dtype not in _FLOATS:
+        return False
+    if state is not None and state.dtype != mx.float32:
+        return False
+    K = conv_weight.shape[1]
+    T = conv_in.shape[1] - (K - 1)
+    rows = dv // warps_for(dk, dv, MAX_WARPS[kind])
+    return 1 <= T <= MAX_T and 1 <= K <= MAX_CONV_KERNEL and rows * dk // 32 <= MAX_STATE_FLOATS
+
+
+def float_bits(x: float) -> int:
+    """The float32 bit pattern of x as a signed int (template arguments are ints, not floats)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def launch_config(
+    kind: str,
+    *,
+    act: mx.Dtype,
+    out_dtype: mx.Dtype,
+    sum_dtype: mx.Dtype,
+    beta_dtype: mx.Dtype,
+    batch: int,
+    T: int,
+    K: int,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    norm_eps: float,
+    has_state: bool,
+    has_mask: bool,
+) -> tuple[list, tuple[int, int, int], tuple[int, int, int]]:
+    """(template arguments, grid in threads, threadgroup) for one launch on backend `kind`."""
+    dk, dv = head_k_dim, head_v_dim
+    warps = warps_for(dk, dv, MAX_WARPS[kind])
+    width = 2 * dk + dv
+    chunk = min(T, SHARED_BUDGET[kind] // (4 * width + 12))  # q,k,v floats + g, beta, keep per token
+    template = [
+        ("T", act),
+        ("OT", out_dtype),
+        ("ST", sum_dtype),
+        ("BT", beta_dtype),
+        ("HK", num_k_heads),
+        ("HV", num_v_heads),
+        ("DK", dk),
+        ("DV", dv),
+        ("K", K),
+        ("NT", T),
+        ("TC", chunk),
+        ("NW", warps),
+        ("HAS_STATE", has_state),
+        ("HAS_MASK", has_mask),
+        ("EPS_BITS", float_bits(norm_eps)),
+    ]
+    threads = warps * 32
+    return template, (batch * num_v_heads * threads, 1, 1), (threads, 1, 1)
+
+
+_CUDA_HEADER = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+// x rounded to dtype U and back: where the op-by-op path stores an intermediate in U.
+template <typename U>
+__device__ __forceinline__ float gdn_round(float x) { return static_cast<float>(static_cast<U>(x)); }
+__device__ __forceinline__ float gdn_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float gdn_softplus(float x) { return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x))); }
+// Sums each of N values over the warp; every lane gets the totals (N independent chains for ILP).
+template <int N>
+__device__ __forceinline__ void gdn_warp_sum(float (&v)[N]) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+  }
+}
+// Column of slot j of a lane's share of a row: VEC contiguous floats per 32*VEC-wide chunk, so a
+// warp reads a row in coalesced VEC-wide vectors.
+template <int VEC>
+__device__ __forceinline__ int gdn_col(int lane, int j) { return (j / VEC) * 32 * VEC + lane * VEC + j % VEC; }
+template <int VEC, int COLS>
+__device__ __forceinline__ void gdn_load_row(const float* row, int lane, float (&dst)[COLS]) {
+  #pragma unroll
+  for (int c = 0; c < COLS / VEC; ++c) {
+    const float* p = row + c * 32 * VEC + lane * VEC;
+    if constexpr (VEC == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(p);
+      dst[4 * c] = v.x; dst[4 * c + 1] = v.y; dst[4 * c + 2] = v.z; dst[4 * c + 3] = v.w;
+    } else if constexpr (VEC == 2) {
+      const float2 v = *reinterpret_cast<const float2*>(p);
+      dst[2 * c] = v.x; dst[2 * c + 1] = v.y;
+    } else {
+      dst[c] = p[0];
+    }
+  }
+}
+template <int VEC, int COLS>
+__device__ __forceinline__ void gdn_store_row(float* row, int lane, const float (&src)[COLS]) {
+  #pragma unroll
+  for (int c = 0; c < COLS / VEC; ++c) {
+    float* p = row + c * 32 * VEC + lane * VEC;
+    if constexpr (VEC == 4) {
+      *reinterpret_cast<float4*>(p) = make_float4(src[4 * c], src[4 * c + 1], src[4 * c + 2], src[4 * c + 3]);
+    } else if constexpr (VEC == 2) {
+      *reinterpret_cast<float2*>(p) = make_float2(src[2 * c], src[2 * c + 1]);
+    } else {
+      p[0] = src[c];
+    }
+  }
+}
+"""
+
+# Template arguments: T activation dtype (conv/silu/q/k/v/y roundings), OT output dtype, ST dtype
+# of `a + dt_bias`, BT dtype of beta; HK, HV, DK, DV heads; K conv taps; NT tokens; TC tokens per
+# shared-memory chunk; NW warps; HAS_STATE, HAS_MASK; EPS_BITS the norm eps as float bits.
+_CUDA_BODY = r"""
+  constexpr int W = 2 * DK + DV;              // this head's q, k, v channels
+  constexpr int C = 2 * HK * DK + HV * DV;    // all conv channels: q | k | v
+  constexpr int ROWS = DV / NW;               // state rows per warp
+  constexpr int COLS = DK / 32;               // state columns per lane
+  constexpr int VEC = COLS % 4 == 0 ? 4 : (COLS % 2 == 0 ? 2 : 1);
+  constexpr float QK_EPS = 1e-6f;
+  __shared__ __align__(16) float qkv_s[TC * W];  // per token: q[DK] k[DK] v[DV] (v becomes y)
+  __shared__ float g_s[TC];
+  __shared__ float beta_s[TC];
+  __shared__ bool keep_s[TC];
+  const int bh = blockIdx.x;
+  const int bi = bh / HV, h = bh - bi * HV, kh = h / (HV / HK);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const float norm_eps = __int_as_float(EPS_BITS);
+  const float q_scale = gdn_round<T>(1.f / DK);          // l2norm_qk: (Dk^-0.5)^2 on q
+  const float k_scale = gdn_round<T>(rsqrtf((float)DK));  // and Dk^-0.5 on k
+  const size_t head = (size_t)bh * DV * DK;
+
+  float s[ROWS][COLS];
+  #pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if constexpr (HAS_STATE) {
+      gdn_load_row<VEC, COLS>(state_in + head + (size_t)(warp * ROWS + r) * DK, lane, s[r]);
+    } else {
+      #pragma unroll
+      for (int j = 0; j < COLS; ++j) s[r][j] = 0.f;
+    }
+  }
+
+  for (int t0 = 0; t0 < NT; t0 += TC) {
+    const int tn = min(TC, NT - t0);
+    // 1. Depthwise causal conv + silu of this head's channels, and the token's decay and beta.
+    for (int i = tid; i < tn * W; i += NW * 32) {
+      const int t = i / W, j = i - t * W;
+      const int c = j < DK ? kh * DK + j : (j < 2 * DK ? HK * DK + kh * DK + (j - DK) : 2 * HK * DK + h * DV + (j - 2 * DK));
+      const size_t x0 = ((size_t)bi * (K - 1 + NT) + t0 + t) * C + c;
+      float acc = 0.f;
+      #pragma unroll
+      for (int tap = 0; tap < K; ++tap) acc += (float)conv_in[x0 + (size_t)tap * C] * (float)conv_w[c * K + tap];
+      const float x = gdn_round<T>(acc);
+      qkv_s[i] = gdn_round<T>(x * gdn_round<T>(gdn_sigmoid(x)));
+    }
+    if (tid < tn) {
+      const int t = t0 + tid;
+      const size_t ab = ((size_t)bi * NT + t) * HV + h;
+      const float dt = gdn_round<ST>((float)a_in[ab] + (float)dt_bias[h]);
+      g_s[tid] = expf(-expf((float)a_log[h]) * gdn_softplus(dt));
+      beta_s[tid] = gdn_round<BT>(gdn_sigmoid((float)b_in[ab]));
+      if constexpr (HAS_MASK) keep_s[tid] = mask[(size_t)bi * NT + t]; else keep_s[tid] = true;
+    }
+    __syncthreads();
+    // 2. q and k: x * rsqrt(mean(x^2) + eps/DK) (= x / sqrt(sum x^2 + eps)), then the readout scale.
+    for (int p = warp; p < 2 * tn; p += NW) {
+      float* x = qkv_s + (p >> 1) * W + (p & 1) * DK;
+      float ss[1] = {0.f};
+      for (int i = lane; i < DK; i += 32) ss[0] += x[i] * x[i];
+      gdn_warp_sum(ss);
+      const float inv = rsqrtf(ss[0] / DK + QK_EPS / DK);
+      const float scale = (p & 1) ? k_scale : q_scale;
+      __syncwarp();
+      for (int i = lane; i < DK; i += 32) x[i] = gdn_round<T>(gdn_round<T>(x[i] * inv) * scale);
+    }
+    __syncthreads();
+    // 3. Gated delta rule, token by token; the state never leaves registers.
+    for (int t = 0; t < tn; ++t) {
+      const float* qk = qkv_s + t * W;
+      float* vy = qkv_s + t * W + 2 * DK;
+      if (!keep_s[t]) {  // masked step: state untouched, y = 0
+        if (lane == 0) {
+          #pragma unroll
+          for (int r = 0; r < ROWS; ++r) vy[warp * ROWS + r] = 0.f;
+        }
+        continue;
+      }
+      float kr[COLS], qr[COLS];
+      #pragma unroll
+      for (int j = 0; j < COLS; ++j) {
+        const int col = gdn_col<VEC>(lane, j);
+        qr[j] = qk[col];
+        kr[j] = qk[DK + col];
+      }
+      const float g = g_s[t], beta = beta_s[t];
+      float kv[ROWS];
+      #pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        kv[r] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < COLS; ++j) {
+          s[r][j] *= g;
+          kv[r] += s[r][j] * kr[j];
+        }
+      }
+      gdn_warp_sum(kv);
+      float y[ROWS];
+      #pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const float delta = beta * (vy[warp * ROWS + r] - kv[r]);
+        y[r] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < COLS; ++j) {
+          s[r][j] += delta * kr[j];
+          y[r] += s[r][j] * qr[j];
+        }
+      }
+      // Every lane read its v values before these (synchronising) shuffles, so lane 0 may then
+      // overwrite them with y.
+      gdn_warp_sum(y);
+      if (lane == 0) {
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) vy[warp * ROWS + r] = gdn_round<T>(y[r]);
+      }
+    }
+    __syncthreads();
+    // 4. Output: rms_norm(y) * weight (as mx.fast.rms_norm rounds it) * silu(z) in float32.
+    for (int t = warp; t < tn; t += NW) {
+      const float* yt = qkv_s + t * W + 2 * DK;
+      float ss[1] = {0.f};
+      for (int i = lane; i < DV; i += 32) ss[0] += yt[i] * yt[i];
+      gdn_warp_sum(ss);
+      const float inv = rsqrtf(ss[0] / DV + norm_eps);
+      const size_t o = (((size_t)bi * NT + t0 + t) * HV + h) * DV;
+      for (int i = lane; i < DV; i += 32) {
+        const float normed = gdn_round<OT>(gdn_round<OT>(yt[i] * inv) * (float)norm_w[i]);
+        const float gate = (float)z[o + i];
+        out[o + i] = static_cast<OT>(normed * (gate * gdn_sigmoid(gate)));
+      }
+    }
+    __syncthreads();  // the next chunk reuses the shared buffers
+  }
+  #pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    gdn_store_row<VEC, COLS>(state_out + head + (size_t)(warp * ROWS + r) * DK, lane, s[r]);
+  }
+"""
+
+CUDA_KERNEL = CudaKernel("kapitsa_gdn_step", INPUT_NAMES, OUTPUT_NAMES, _CUDA_BODY, _CUDA_HEADER)
+METAL_KERNEL = MetalKernel("kapitsa_gdn_step", "gdn_step.metal", INPUT_NAMES, OUTPUT_NAMES)
+
+
+def gdn_step(
+    conv_in: mx.array,
+    conv_weight: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    z: mx.array,
+    norm_weight: mx.array,
+    state: mx.array | None,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    norm_eps: float,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Same contract as `gdn_step_reference`, one kernel launch where the backend has one."""
+    heads = dict(
+        num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim
+    )
+    check_shapes(conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, mask, **heads)
+    args = (conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state)
+    if not supports(conv_in, conv_weight, state, **heads):
+        return gdn_step_reference(*args, **heads, norm_eps=norm_eps, mask=mask)
+    return launch(*args, **heads, norm_eps=norm_eps, mask=mask)
+
+
+def launch(
+    conv_in: mx.array,
+    conv_weight: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    z: mx.array,
+    norm_weight: mx.array,
+    state: mx.array | None,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    norm_eps: float,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Run the kernel of the current backend (call only when `supports(...)` is True)."""
+    kind = backend()
+    B, T = a.shape[:2]
+    hv, dk, dv = num_v_heads, head_k_dim, head_v_dim
+    act = promote(conv_in.dtype, conv_weight.dtype)
+    out_dtype = promote(act, norm_weight.dtype)
+    template, grid, threadgroup = launch_config(
+        kind,
+        act=act,
+        out_dtype=out_dtype,
+        sum_dtype=promote(a.dtype, dt_bias.dtype),
+        beta_dtype=b.dtype,
+        batch=B,
+        T=T,
+        K=conv_weight.shape[1],
+        num_k_heads=num_k_heads,
+        num_v_heads=hv,
+        head_k_dim=dk,
+        head_v_dim=dv,
+        norm_eps=norm_eps,
+        has_state=state is not None,
+        has_mask=mask is not None,
+    )
+    # Absent state / mask: a one-element stand-in keeps one signature (HAS_* skip reading them).
+    state_in = state if state is not None else mx.zeros((1,), mx.float32)
+    mask_in = mask.astype(mx.bool_) if mask is not None else mx.ones((1,), mx.bool_)
+    inputs = [conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state_in, mask_in]
+    kernel = CUDA_KERNEL if kind == "cuda" else METAL_KERNEL
+    out, new_state = kernel(
+        inputs,
+        template=template,
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=[(B, T, hv * dv), (B, hv, dv, dk)],
+        output_dtypes=[out_dtype, mx.float32],
+    )
+    return out, new_state

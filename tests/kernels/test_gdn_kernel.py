@@ -1,0 +1,472 @@
+"""The fused Gated DeltaNet step against its reference and the model's current layer.
+
+CPU (CI): the reference reproduces `GatedDeltaNet.__call__` (both Qwen3.5 and Qwen3-Next layouts,
+ragged batches), a NumPy transcription of the kernel's algorithm (channel mapping, chunking, lane
+column layout, mask, norm) matches the reference, launch configurations stay in their limits,
+dispatch falls back, and every CUDA variant compiles with nvcc. The kernels themselves run under
+the `gpu` (CUDA) and `metal` markers.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from nvcc_check import compile_source, nvcc
+
+from kapitsa.engine.cache import RecurrentCache, StepInfo
+from kapitsa.engine.kernels import backend, gdn
+from kapitsa.engine.kernels.metal import read_source
+from kapitsa.engine.models.qwen3_5 import GatedDeltaNet, ModelArgs
+
+SHAPES = {"27b": (16, 48, 128, 128), "4b": (16, 32, 128, 128)}  # Hk, Hv, Dk, Dv
+
+
+def make_inputs(B, T, hk, hv, dk, dv, *, dtype=mx.float32, K=4, seed=0, mask=None, state=True):
+    """Random inputs with realistic magnitudes: decays in (0, 1), unit-norm-ish q/k, O(1) values."""
+    mx.random.seed(seed)
+    C = 2 * hk * dk + hv * dv
+    args = dict(
+        conv_in=mx.random.normal((B, K - 1 + T, C)).astype(dtype),
+        conv_weight=(0.5 * mx.random.normal((C, K, 1))).astype(dtype),
+        a=mx.random.normal((B, T, hv)).astype(dtype),
+        b=mx.random.normal((B, T, hv)).astype(dtype),
+        A_log=mx.log(mx.random.uniform(1.0, 16.0, (hv,))),
+        dt_bias=mx.random.normal((hv,)).astype(dtype),
+        z=mx.random.normal((B, T, hv, dv)).astype(dtype),
+        norm_weight=(1.0 + 0.1 * mx.random.normal((dv,))).astype(dtype),
+        state=0.1 * mx.random.normal((B, hv, dv, dk)) if state else None,
+    )
+    heads = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, norm_eps=1e-6, mask=mask)
+    return args, heads
+
+
+def rel_err(got: mx.array, ref: mx.array) -> float:
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    return float(mx.abs(got - ref).max()) / max(float(mx.abs(ref).max()), 1e-6)
+
+
+# ---------------------------------------------------------------- reference == the model's layer
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("lengths", [[1, 1], [3, 3], [3, 1]])
+def test_reference_matches_model_layer(model_type: str, lengths: list[int]) -> None:
+    """`gdn_step_reference` on the layer's own conv_in/z/a/b gives its output and next state."""
+    mx.random.seed(3)
+    args = ModelArgs(
+        model_type=model_type,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    )
+    layer = GatedDeltaNet(args)
+    layer.conv1d.weight = 0.5 * mx.random.normal(layer.conv1d.weight.shape)
+    layer.A_log = mx.log(mx.random.uniform(1.0, 16.0, (4,)))
+    layer.dt_bias = mx.random.normal((4,))
+    layer.norm.weight = 1.0 + 0.1 * mx.random.normal((32,))
+    layer.out_proj = nn.Identity()  # the layer then returns the gated norm's output
+    B, T = len(lengths), max(lengths)
+    conv = mx.random.normal((B, 3, layer.conv_dim))
+    state = 0.1 * mx.random.normal((B, 4, 32, 32))
+    cache = RecurrentCache((3, layer.conv_dim), (4, 32, 32), conv=conv, state=state)
+    x = mx.random.normal((B, T, 64))
+    info = StepInfo(T, lengths, [5] * B)
+    got_layer = layer(x, info, cache)
+
+    qkv, z, b, a = layer._project(x)
+    out, new_state = gdn.gdn_step_reference(
+        mx.concatenate([conv, qkv], axis=1),
+        layer.conv1d.weight,
+        a,
+        b,
+        layer.A_log,
+        layer.dt_bias,
+        z,
+        layer.norm.weight,
+        state,
+        num_k_heads=2,
+        num_v_heads=4,
+        head_k_dim=32,
+        head_v_dim=32,
+        norm_eps=args.rms_norm_eps,
+        mask=info.recurrent_mask,
+    )
+    assert mx.allclose(out, got_layer, rtol=1e-5, atol=1e-6).item()
+    assert mx.allclose(new_state, cache.state, rtol=1e-5, atol=1e-6).item()
+
+
+def test_masked_steps_keep_state_and_output_zero() -> None:
+    args, heads = make_inputs(2, 3, 1, 2, 32, 32, mask=mx.array([[True, False, True], [False, False, False]]))
+    out, state = gdn.gdn_step_reference(**args, **heads)
+    assert mx.array_equal(out[0, 1], mx.zeros_like(out[0, 1])).item()
+    assert mx.array_equal(out[1], mx.zeros_like(out[1])).item()
+    assert mx.array_equal(state[1], args["state"][1]).item()  # a fully masked row keeps its state
+    # Row 0 equals running its real tokens 0 and 2 alone, one at a time (each with its conv window).
+    row0 = dict(args, state=args["state"][:1])
+    first, s1 = gdn.gdn_step_reference(**_one_token(row0, args, 0), **dict(heads, mask=None))
+    second, s2 = gdn.gdn_step_reference(**_one_token(dict(row0, state=s1), args, 2), **dict(heads, mask=None))
+    assert mx.allclose(out[0, 0], first[0, 0], atol=1e-6).item()
+    assert mx.allclose(out[0, 2], second[0, 0], atol=1e-6).item()
+    assert mx.allclose(state[0], s2[0], atol=1e-6).item()
+
+
+def _one_token(base: dict, full: dict, t: int) -> dict:
+    """Row 0's token t as a T=1 call (its conv window is rows t..t+K-1 of conv_in)."""
+    K = full["conv_weight"].shape[1]
+    return dict(
+        base,
+        conv_in=full["conv_in"][:1, t : t + K],
+        a=full["a"][:1, t : t + 1],
+        b=full["b"][:1, t : t + 1],
+        z=full["z"][:1, t : t + 1],
+    )
+
+
+# --------------------------------------------- NumPy transcription of the kernel's algorithm
+
+
+def _np_sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def kernel_transcription(args: dict, heads: dict, *, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The CUDA/Metal body step by step in float32 (fp32 inputs, so its roundings are identities):
+    per block (row bi, head h) phases 1-4 per chunk of `chunk` tokens, the state held as lanes'
+    column slots (gdn_col) to pin the layout."""
+    f = {k: None if v is None else np.array(v, dtype=np.float32) for k, v in args.items()}
+    mask = heads["mask"]
+    hk, hv, dk, dv = (heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))
+    B, T = f["a"].shape[:2]
+    K = f["conv_weight"].shape[1]
+    W = 2 * dk + dv
+    cols = dk // 32
+    vec = 4 if cols % 4 == 0 else 2 if cols % 2 == 0 else 1
+    slot_cols = np.array([[gdn_col(vec, lane, j) for j in range(cols)] for lane in range(32)])
+    out = np.zeros((B, T, hv, dv), np.float32)
+    new_state = np.zeros((B, hv, dv, dk), np.float32)
+    for bi in range(B):
+        for h in range(hv):
+            kh = h // (hv // hk)
+            s = (f["state"][bi, h] if f["state"] is not None else np.zeros((dv, dk), np.float32))[
+                :, slot_cols
+            ]
+            for t0 in range(0, T, chunk):
+                tn = min(chunk, T - t0)
+                qkv = np.zeros((tn, W), np.float32)
+                for t in range(tn):
+                    for j in range(W):
+                        c = _channel(j, h, kh, hk, dk, dv)
+                        x = sum(
+                            f["conv_in"][bi, t0 + t + tap, c] * f["conv_weight"][c, tap, 0]
+                            for tap in range(K)
+                        )
+                        qkv[t, j] = x * _np_sigmoid(x)
+                for t in range(tn):
+                    for part, scale in ((0, 1.0 / dk), (1, dk**-0.5)):
+                        x = qkv[t, part * dk : (part + 1) * dk]
+                        x *= scale / np.sqrt(np.mean(x * x) + 1e-6 / dk)
+                for t in range(tn):
+                    ab = (bi, t0 + t, h)
+                    dt = f["a"][ab] + f["dt_bias"][h]
+                    g = np.exp(-np.exp(f["A_log"][h]) * np.logaddexp(dt, 0.0))
+                    beta = _np_sigmoid(f["b"][ab])
+                    if mask is not None and not bool(np.array(mask)[bi, t0 + t]):
+                        qkv[t, 2 * dk :] = 0.0
+                        continue
+                    q, k = qkv[t, :dk][slot_cols], qkv[t, dk : 2 * dk][slot_cols]
+                    s *= g
+                    kv = (s * k).sum(axis=(1, 2))
+                    s += (beta * (qkv[t, 2 * dk :] - kv))[:, None, None] * k
+                    qkv[t, 2 * dk :] = (s * q).sum(axis=(1, 2))
+                for t in range(tn):
+                    y = qkv[t, 2 * dk :]
+                    z = f["z"].reshape(B, T, hv, dv)[bi, t0 + t, h]
+                    normed = y / np.sqrt(np.mean(y * y) + heads["norm_eps"]) * f["norm_weight"]
+                    out[bi, t0 + t, h] = normed * z * _np_sigmoid(z)
+            new_state[bi, h][:, slot_cols] = s
+    return out.reshape(B, T, hv * dv), new_state
+
+
+def _channel(j: int, h: int, kh: int, hk: int, dk: int, dv: int) -> int:
+    """Conv channel of the head's j-th q|k|v value (channels are all q heads, all k, all v)."""
+    if j < dk:
+        return kh * dk + j
+    if j < 2 * dk:
+        return hk * dk + kh * dk + j - dk
+    return 2 * hk * dk + h * dv + j - 2 * dk
+
+
+def gdn_col(vec: int, lane: int, j: int) -> int:
+    """Python copy of the kernels' gdn_col."""
+    return (j // vec) * 32 * vec + lane * vec + j % vec
+
+
+@pytest.mark.parametrize("dk", [32, 64, 96, 128, 256])
+def test_lane_columns_tile_each_row_once(dk: int) -> None:
+    cols = dk // 32
+    vec = 4 if cols % 4 == 0 else 2 if cols % 2 == 0 else 1
+    got = sorted(gdn_col(vec, lane, j) for lane in range(32) for j in range(cols))
+    assert got == list(range(dk))
+    for lane in range(32):  # each vector load is VEC contiguous, VEC-aligned floats
+        for c in range(cols // vec):
+            first = gdn_col(vec, lane, c * vec)
+            assert first % vec == 0 and [gdn_col(vec, lane, c * vec + e) for e in range(vec)] == list(
+                range(first, first + vec)
+            )
+
+
+@pytest.mark.parametrize("chunk", [2, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_kernel_transcription_matches_reference(chunk: int, masked: bool) -> None:
+    mask = mx.array([[True, True, False, True, True], [True, False, False, True, False]]) if masked else None
+    args, heads = make_inputs(2, 5, 2, 4, 64, 32, mask=mask, seed=7)
+    got_out, got_state = kernel_transcription(args, heads, chunk=chunk)
+    ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
+    np.testing.assert_allclose(got_out, np.array(ref_out), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got_state, np.array(ref_state), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------- launch limits and dispatch
+
+
+@pytest.mark.parametrize("kind", ["cuda", "metal"])
+def test_launch_config_stays_within_limits(kind: str) -> None:
+    for dk in range(32, 257, 32):
+        for dv in range(32, 257, 32):
+            warps = gdn.warps_for(dk, dv, gdn.MAX_WARPS[kind])
+            assert dv % warps == 0 and warps * 32 <= 1024
+            template, grid, group = gdn.launch_config(
+                kind, **_config_args(mx.bfloat16, T=gdn.MAX_T, dk=dk, dv=dv)
+            )
+            values = dict(template)
+            shared = values["TC"] * (4 * (2 * dk + dv) + 12)
+            assert shared <= gdn.SHARED_BUDGET[kind] and values["TC"] >= 1
+            assert group == (warps * 32, 1, 1) and grid == (3 * 4 * warps * 32, 1, 1)
+    # The real models' heads: 16 warps x 8 rows x 4 columns per thread, one chunk for T <= 16.
+    template, _, _ = gdn.launch_config("cuda", **_config_args(mx.bfloat16, T=16, dk=128, dv=128))
+    assert dict(template)["NW"] == 16 and dict(template)["TC"] == 16
+
+
+def _config_args(dtype, *, T: int, dk: int, dv: int, has_mask: bool = True) -> dict:
+    return dict(
+        act=dtype,
+        out_dtype=dtype,
+        sum_dtype=dtype,
+        beta_dtype=dtype,
+        batch=3,
+        T=T,
+        K=4,
+        num_k_heads=2,
+        num_v_heads=4,
+        head_k_dim=dk,
+        head_v_dim=dv,
+        norm_eps=1e-6,
+        has_state=True,
+        has_mask=has_mask,
+    )
+
+
+def test_float_bits_round_trips() -> None:
+    for eps in (1e-6, 1e-5, 0.5):
+        bits = gdn.float_bits(eps)
+        assert np.array([bits], np.int32).view(np.float32)[0] == np.float32(eps)
+
+
+def test_supports_only_with_a_kernel_backend_and_fitting_shapes(monkeypatch) -> None:
+    args, heads = make_inputs(1, 2, 1, 2, 32, 32)
+    dims = {k: heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")}
+    ci, cw, st = args["conv_in"], args["conv_weight"], args["state"]
+    if backend() is None:
+        assert not gdn.supports(ci, cw, st, **dims)
+    monkeypatch.setattr(gdn, "backend", lambda: "cuda")
+    assert gdn.supports(ci, cw, st, **dims)
+    assert gdn.supports(ci, cw, None, **dims)
+    assert not gdn.supports(ci, cw, st.astype(mx.float16), **dims)  # state must be float32
+    assert not gdn.supports(ci.astype(mx.int32), cw, st, **dims)
+    assert not gdn.supports(ci, cw, st, **dict(dims, head_k_dim=48))  # not a multiple of 32
+    assert not gdn.supports(ci, cw, st, **dict(dims, head_k_dim=512))
+    long_in = mx.zeros((1, 3 + gdn.MAX_T + 1, ci.shape[2]))
+    assert not gdn.supports(long_in, cw, st, **dims)  # prefill stays on the chunked op path
+
+
+def test_dispatch_uses_kernel_only_when_supported(monkeypatch) -> None:
+    calls = []
+
+    def fake_launch(*a, **k):
+        calls.append(k)
+        return gdn.gdn_step_reference(*a, **k)
+
+    monkeypatch.setattr(gdn, "launch", fake_launch)
+    args, heads = make_inputs(1, 2, 1, 2, 32, 32)
+    ref = gdn.gdn_step_reference(**args, **heads)
+    monkeypatch.setattr(gdn, "backend", lambda: None)
+    out = gdn.gdn_step(**args, **heads)
+    assert not calls and mx.array_equal(out[0], ref[0]).item()
+    monkeypatch.setattr(gdn, "backend", lambda: "cuda")
+    out = gdn.gdn_step(**args, **heads)
+    assert len(calls) == 1 and mx.array_equal(out[1], ref[1]).item()
+    gdn.gdn_step(**dict(args, state=args["state"].astype(mx.float16)), **heads)
+    assert len(calls) == 1  # unsupported state dtype: reference
+
+
+@pytest.mark.parametrize(
+    "field,bad,message",
+    [
+        ("conv_in", (1, 6, 192), "conv_in must be"),
+        ("state", (1, 2, 32, 64), "state must be"),
+        ("a", (1, 2, 3), "a must be"),
+        ("z", (1, 2, 2, 16), "z must be"),
+        ("norm_weight", (64,), "norm_weight must be"),
+        ("conv_weight", (100, 4, 1), "conv_weight must be"),
+    ],
+)
+def test_wrong_shapes_raise_a_clear_error(field: str, bad: tuple, message: str) -> None:
+    args, heads = make_inputs(1, 2, 1, 2, 32, 32)
+    args[field] = mx.zeros(bad)
+    with pytest.raises(gdn.GdnShapeError, match=message):
+        gdn.gdn_step(**args, **heads)
+
+
+def test_bad_mask_and_head_layout_raise() -> None:
+    args, heads = make_inputs(1, 2, 1, 2, 32, 32)
+    with pytest.raises(gdn.GdnShapeError, match="mask must be"):
+        gdn.gdn_step(**args, **dict(heads, mask=mx.ones((1, 3), mx.bool_)))
+    with pytest.raises(gdn.GdnShapeError, match="head layout"):
+        gdn.gdn_step(**args, **dict(heads, num_k_heads=3, num_v_heads=2))
+
+
+def test_gdn_step_equals_reference_off_gpu() -> None:
+    args, heads = make_inputs(2, 3, 1, 2, 32, 32, mask=mx.array([[True, True, False], [True, True, True]]))
+    if backend() is None:
+        for got, ref in zip(
+            gdn.gdn_step(**args, **heads), gdn.gdn_step_reference(**args, **heads), strict=True
+        ):
+            assert mx.array_equal(got, ref).item()
+
+
+# ----------------------------------------------------------------------- nvcc compile
+
+
+def _render(dtype, T: int, d: int, *, has_mask: bool = True, has_state: bool = True) -> str:
+    template, _, _ = gdn.launch_config(
+        "cuda", **dict(_config_args(dtype, T=T, dk=d, dv=d, has_mask=has_mask), has_state=has_state)
+    )
+    inputs = [dtype, dtype, dtype, dtype, mx.float32, dtype, dtype, dtype, mx.float32, mx.bool_]
+    return gdn.CUDA_KERNEL.render(inputs, [dtype, mx.float32], template)
+
+
+VARIANTS = [
+    (dtype, T, d) for dtype in (mx.bfloat16, mx.float16, mx.float32) for T in (1, 4, 16) for d in (128, 64)
+]
+
+
+def one_translation_unit(sources: list[str]) -> str:
+    """The variants in one file (MLX's shared prelude once, each kernel renamed): one nvcc run
+    instead of one per variant."""
+    marker = "namespace mlx::core::cu {"
+    name = "custom_kernel_kapitsa_gdn_step"
+    kernels = [
+        marker + src.split(marker, 1)[1].replace(name, f"{name}_v{i}") for i, src in enumerate(sources)
+    ]
+    return "\n".join([sources[0].split(marker, 1)[0], *kernels])
+
+
+@pytest.mark.skipif(nvcc() is None, reason="nvcc not installed")
+def test_every_cuda_variant_compiles() -> None:
+    sources = [_render(*v) for v in VARIANTS]
+    sources += [_render(mx.bfloat16, 8, 256), _render(mx.bfloat16, 2, 128, has_mask=False, has_state=False)]
+    ok, log = compile_source(one_translation_unit(sources))
+    assert ok, log[-4000:]
+    assert "warning" not in log.lower(), log[-4000:]
+
+
+@pytest.mark.skipif(nvcc() is None, reason="nvcc not installed")
+def test_a_broken_variant_fails_the_combined_compile() -> None:
+    """Negative control: one bad kernel among good ones is caught."""
+    good = _render(mx.bfloat16, 1, 128)
+    bad = good.replace(
+        "const int tn = min(TC, NT - t0);", "const int tn = min(TC, NT - t0) + undefined_symbol;"
+    )
+    assert bad != good
+    ok, _ = compile_source(one_translation_unit([good, bad]))
+    assert not ok
+
+
+# ------------------------------------------------------------------- Metal source sanity
+
+
+def test_metal_source_declares_what_the_launcher_passes() -> None:
+    header, body = read_source(gdn.METAL_KERNEL.filename)
+    template, _, _ = gdn.launch_config("metal", **_config_args(mx.bfloat16, T=4, dk=128, dv=128))
+    for name, _ in template:
+        assert name in body, name
+    for name in gdn.INPUT_NAMES + gdn.OUTPUT_NAMES:
+        assert name in body, name
+    assert "gdn_simd_sum" in header and "thread_index_in_threadgroup" in body
+
+
+# ----------------------------------------------------------------- kernels on a device
+
+
+def _device_cases():
+    for shape in SHAPES:
+        for B in (1, 3):
+            for T in (1, 2, 8):
+                for dtype in (mx.bfloat16, mx.float32):
+                    for masked in (False, True):
+                        yield shape, B, T, dtype, masked
+
+
+def _compare_on_device(shape: str, B: int, T: int, dtype, masked: bool) -> None:
+    hk, hv, dk, dv = SHAPES[shape]
+    mask = None
+    if masked:  # any pattern: right padding, replayed prefixes, a fully masked row
+        mx.random.seed(T)
+        mask = mx.random.bernoulli(0.6, (B, T))
+    args, heads = make_inputs(B, T, hk, hv, dk, dv, dtype=dtype, mask=mask, seed=B * 100 + T)
+    dims = {k: heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")}
+    assert gdn.supports(args["conv_in"], args["conv_weight"], args["state"], **dims)
+    out, state = gdn.gdn_step(**args, **heads)
+    ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
+    assert out.dtype == ref_out.dtype and out.shape == ref_out.shape and state.shape == ref_state.shape
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
+    assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
+    assert rel_err(state, ref_state) < tol, rel_err(state, ref_state)
+    if masked:
+        assert mx.array_equal(mx.where(mask[..., None], 0, out), mx.zeros_like(out)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,B,T,dtype,masked", list(_device_cases()))
+def test_cuda_gdn_step_matches_reference(shape, B, T, dtype, masked) -> None:
+    if backend() != "cuda":
+        pytest.skip("needs the CUDA backend")
+    _compare_on_device(shape, B, T, dtype, masked)
+
+
+@pytest.mark.gpu
+def test_cuda_gdn_step_without_state_and_long_chunks() -> None:
+    """No incoming state (first step), and T = MAX_T with head dims 256 (several shared chunks)."""
+    if backend() != "cuda":
+        pytest.skip("needs the CUDA backend")
+    for B, T, hk, hv, d, state in ((2, 3, 16, 48, 128, False), (1, gdn.MAX_T, 2, 4, 256, True)):
+        args, heads = make_inputs(B, T, hk, hv, d, d, state=state, seed=T)
+        out, new_state = gdn.gdn_step(**args, **heads)
+        ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
+        assert rel_err(out, ref_out) < 1e-4 and rel_err(new_state, ref_state) < 1e-4
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("shape,B,T,dtype,masked", list(_device_cases()))
+def test_metal_gdn_step_matches_reference(shape, B, T, dtype, masked) -> None:
+    if backend() != "metal":
+        pytest.skip("needs the Metal backend")
+    _compare_on_device(shape, B, T, dtype, masked)
