@@ -1,0 +1,624 @@
+"""Routed MoE experts for few tokens (decode, speculative verify): y[m] = sum_j s[m,j] E_{i[m,j]}(x[m]).
+
+Two kernels (CUDA below, the same algorithm in metal/moe.metal), each reading a routed expert's
+quantized weights once for every (token, slot) pair routed to it:
+  1. `hidden`: h[p] = act(W1[e_p] x[token(p)]) for every pair p, the activation fused (SwiGLU:
+     silu(gate) * up, or relu^2), float32. Grid (row blocks, pairs): the block of the first pair
+     routed to an expert computes that expert's rows for all the tokens routed to it; the blocks of
+     later pairs with the same expert exit at once.
+  2. `out`: y[m, d] = sum_j s[m,j] dot(W2[e_j][d], h[m,j]). A block owns output rows d for every
+     token and walks the distinct experts, so the weighted sum over slots needs no atomics and no
+     separate reduction op.
+One warp per weight row (lanes split short rows), 16-byte weight loads, several in flight per lane,
+activations staged once per block in shared memory as float (padded rows: no bank conflicts).
+Weights are MLX affine (`mx.quantize` along the input axis, stacked [E, out, in/pack]), 4 or 8 bits.
+Larger batches (prefill) keep `mx.gather_qmm`, which sorts pairs by expert and runs a real matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.metal import MetalKernel
+from kapitsa.engine.ops.moe import QuantizedSwitchLinear, SwitchGLU, SwitchReluSquared
+from kapitsa.errors import KapitsaError
+
+KINDS = ("swiglu", "relu2")
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+MAX_TOKENS = 16
+MAX_PAIRS = 64  # token-expert pairs above which gather_qmm's sorted matmul is the better path
+ACT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+INDEX_DTYPES = (mx.int32, mx.uint32)
+
+
+class QuantStack(NamedTuple):
+    """One projection of every expert: the `mx.quantize` output of a [E, out, in] weight."""
+
+    weight: mx.array  # [E, out, in * bits / 32] uint32
+    scales: mx.array  # [E, out, in / group_size]
+    biases: mx.array  # [E, out, in / group_size]
+
+
+def stacks_of(first, kind: str) -> tuple[QuantStack, ...]:
+    """`first` as a tuple of stacks: (gate, up) for SwiGLU, (fc1,) for relu^2."""
+    if kind not in KINDS:
+        raise KapitsaError(f"experts_decode: kind must be one of {KINDS}, got {kind!r}")
+    single = len(first) == 3 and all(isinstance(a, mx.array) for a in first)
+    stacks = (QuantStack(*first),) if single else tuple(QuantStack(*s) for s in first)
+    want = 2 if kind == "swiglu" else 1
+    if len(stacks) != want:
+        names = "(gate, up)" if want == 2 else "(fc1,)"
+        raise KapitsaError(f"experts_decode: kind {kind!r} takes first = {names} stacks, got {len(stacks)}")
+    return stacks
+
+
+def _dims(stack: QuantStack, bits: int, group_size: int, name: str) -> tuple[int, int, int]:
+    """(experts, out, in) of a stack, checking that its weight, scales and biases agree."""
+    if stack.weight.ndim != 3 or stack.weight.dtype != mx.uint32:
+        raise KapitsaError(
+            f"experts_decode: {name} weight must be uint32 [E, out, in*bits/32], "
+            f"got {stack.weight.dtype} {stack.weight.shape}"
+        )
+    n_exp, n_out, packed = stack.weight.shape
+    n_in = packed * 32 // bits
+    want = (n_exp, n_out, n_in // group_size)
+    for part in ("scales", "biases"):
+        arr = getattr(stack, part)
+        if arr is None or tuple(arr.shape) != want or n_in % group_size:
+            got = None if arr is None else tuple(arr.shape)
+            raise KapitsaError(
+                f"experts_decode: {name} {part} must be {want} (affine, bits {bits}, group {group_size}), "
+                f"got {got}"
+            )
+    return n_exp, n_out, n_in
+
+
+def check_shapes(x, indices, scores, first, second, *, kind, group_size, bits) -> tuple[int, int, int, int]:
+    """Raise KapitsaError on inconsistent arguments; return (experts, hidden, in_dims, out_dims)."""
+    if bits not in BITS or group_size not in GROUP_SIZES:
+        raise KapitsaError(
+            f"experts_decode: affine bits {BITS}, groups {GROUP_SIZES}; got bits {bits}, group {group_size}"
+        )
+    stacks = stacks_of(first, kind)
+    if x.ndim < 1 or indices.ndim < 1 or indices.shape[:-1] != x.shape[:-1] or scores.shape != indices.shape:
+        raise KapitsaError(
+            "experts_decode: need x [..., D], indices and scores [..., k] with the same leading shape; "
+            f"got x {x.shape}, indices {indices.shape}, scores {scores.shape}"
+        )
+    dims = {_dims(s, bits, group_size, n) for s, n in zip(stacks, ("first", "up"), strict=False)}
+    if len(dims) != 1:
+        raise KapitsaError(f"experts_decode: gate and up stacks differ in shape: {sorted(dims)}")
+    n_exp, hidden, n_in = dims.pop()
+    e2, n_out, h2 = _dims(QuantStack(*second), bits, group_size, "second")
+    if n_in != x.shape[-1] or e2 != n_exp or h2 != hidden:
+        raise KapitsaError(
+            f"experts_decode: x has {x.shape[-1]} features, first is [E={n_exp}, {hidden}, {n_in}], "
+            f"second is [E={e2}, {n_out}, {h2}]; need first [E, H, D] and second [E, D_out, H]"
+        )
+    return n_exp, hidden, n_in, n_out
+
+
+def _gather(x: mx.array, stack: QuantStack, indices: mx.array, group_size: int, bits: int) -> mx.array:
+    return mx.gather_qmm(x, *stack, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits)
+
+
+def experts_decode_reference(x, indices, scores, first, second, *, kind, group_size, bits) -> mx.array:
+    """What SwitchGLU / SwitchReluSquared (unsorted gather path), the score weighting and the sum
+    over slots compute today. x [..., D], indices/scores [..., k] -> [..., D_out] in x's dtype."""
+    check_shapes(x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits)
+    stacks = stacks_of(first, kind)
+    rows = mx.expand_dims(x, (-2, -3))  # [..., 1, 1, D]: one row per slot, gathered by expert
+    if kind == "swiglu":
+        gate, up = (_gather(rows, s, indices, group_size, bits) for s in stacks)
+        h = gate * mx.sigmoid(gate) * up
+    else:
+        h = mx.square(mx.maximum(_gather(rows, stacks[0], indices, group_size, bits), 0))
+    y = _gather(h, QuantStack(*second), indices, group_size, bits).squeeze(-2)  # [..., k, D_out]
+    return (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
+
+
+def supports(x: mx.array, indices: mx.array, *, group_size: int, bits: int, scales_dtype=None) -> bool:
+    """Whether the decode kernels run this call: a GPU backend, affine 4/8-bit, and few tokens and
+    (token, expert) pairs (<= MAX_TOKENS, <= MAX_PAIRS); anything else keeps the reference path."""
+    if backend() not in ("cuda", "metal") or x.ndim < 1 or indices.ndim < 1:
+        return False
+    k = indices.shape[-1]
+    tokens = indices.size // k if k else 0
+    return (
+        x.dtype in ACT_DTYPES
+        and (scales_dtype is None or scales_dtype in ACT_DTYPES)
+        and indices.dtype in INDEX_DTYPES
+        and bits in BITS
+        and group_size in GROUP_SIZES
+        and 1 <= tokens <= MAX_TOKENS
+        and 1 <= tokens * k <= MAX_PAIRS
+    )
+
+
+def experts_decode(x, indices, scores, first, second, *, kind, group_size, bits) -> mx.array:
+    """Routed experts, weighted by `scores` and summed over the k slots.
+
+    x [..., D]; indices [..., k] int32/uint32; scores [..., k] (any float dtype: the product is
+    taken in float32); `first` = (gate, up) stacks [E, H, D/pack] for kind "swiglu", the fc1 stack
+    for "relu2"; `second` = down / fc2 stack [E, D_out, H/pack]. Returns [..., D_out] in x's dtype.
+    Runs the kernels where `supports`, else `experts_decode_reference`."""
+    n_exp, hidden, n_in, n_out = check_shapes(
+        x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits
+    )
+    stacks = stacks_of(first, kind)
+    second = QuantStack(*second)
+    if not supports(x, indices, group_size=group_size, bits=bits, scales_dtype=second.scales.dtype):
+        return experts_decode_reference(
+            x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits
+        )
+    k = indices.shape[-1]
+    tokens = indices.size // k
+    plan = Plan(tokens, k, n_exp, n_in, hidden, n_out, bits, group_size, kind)
+    flat = (x.reshape(tokens, n_in), indices.reshape(tokens, k), scores.reshape(tokens, k))
+    run = _run_cuda if backend() == "cuda" else _run_metal
+    return run(plan, *flat, stacks, second).reshape(*x.shape[:-1], n_out)
+
+
+def module_stacks(switch_mlp) -> tuple[str, tuple[QuantStack, ...], QuantStack, int, int] | None:
+    """(kind, first, second, group_size, bits) of a quantized SwitchGLU / SwitchReluSquared whose
+    layers the kernels can read (affine, one format, no linear bias); None otherwise."""
+    if isinstance(switch_mlp, SwitchGLU):
+        kind, layers = "swiglu", (switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj)
+    elif isinstance(switch_mlp, SwitchReluSquared):
+        kind, layers = "relu2", (switch_mlp.fc1, switch_mlp.fc2)
+    else:
+        return None
+    if not all(
+        isinstance(q, QuantizedSwitchLinear) and q.mode == "affine" and "bias" not in q for q in layers
+    ):
+        return None
+    formats = {(q.group_size, q.bits) for q in layers}
+    if len(formats) != 1 or not all("biases" in q for q in layers):
+        return None
+    stacks = tuple(QuantStack(q["weight"], q["scales"], q["biases"]) for q in layers)
+    group_size, bits = formats.pop()
+    return kind, stacks[:-1], stacks[-1], group_size, bits
+
+
+def routed_experts(switch_mlp, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
+    """Drop-in for `(switch_mlp(x, indices) * scores[..., None]).sum(axis=-2).astype(x.dtype)`:
+    the decode kernels when the module's format and the call's size allow, else exactly that."""
+    found = module_stacks(switch_mlp)
+    if found is not None:
+        kind, first, second, group_size, bits = found
+        if supports(x, indices, group_size=group_size, bits=bits, scales_dtype=second.scales.dtype):
+            return experts_decode(
+                x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits
+            )
+    return (switch_mlp(x, indices) * scores[..., None]).sum(axis=-2).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch geometry (shared by the CUDA and Metal paths)
+
+WARPS = 8  # warps per block
+SHARED_BUDGET = 44 * 1024  # static + dynamic shared memory per block: under the 48 KiB default
+
+
+def values_per_chunk(bits: int) -> int:
+    """Weights in one 16-byte load."""
+    return 128 // bits
+
+
+def lanes_per_row(chunks: int) -> int:
+    """Lanes sharing one weight row: 32, or fewer (a power of two) when the row has fewer chunks."""
+    lanes = 32
+    while lanes > 1 and lanes > chunks:
+        lanes //= 2
+    return lanes
+
+
+def tile_for(length: int, staged_rows: int, bits: int, budget: int) -> int:
+    """Largest multiple of 32 values (<= length) whose padded float tile for `staged_rows` fits."""
+    vpc = values_per_chunk(bits)
+    per_value = staged_rows * 4 * (vpc + 1) / vpc
+    return max(32, min(length, int(budget / per_value) // 32 * 32))
+
+
+@dataclass(frozen=True)
+class Plan:
+    tokens: int
+    k: int
+    experts: int
+    n_in: int
+    hidden: int
+    n_out: int
+    bits: int
+    group_size: int
+    kind: str
+
+    @property
+    def pairs(self) -> int:
+        return self.tokens * self.k
+
+    @property
+    def hidden_static_bytes(self) -> int:
+        return 3 * 4 * self.tokens + 16
+
+    @property
+    def out_static_bytes(self) -> int:
+        return 3 * 4 * self.pairs + 2 * 4 * self.pairs * self.tokens + 16
+
+    def hidden_template(self, x_dtype, s_dtype, i_dtype) -> list:
+        tile = tile_for(self.n_in, self.tokens, self.bits, SHARED_BUDGET - self.hidden_static_bytes)
+        nw = 2 if self.kind == "swiglu" else 1
+        return [
+            ("T", x_dtype), ("S", s_dtype), ("I", i_dtype),
+            ("M", self.tokens), ("K", self.k), ("E", self.experts), ("D", self.n_in), ("N", self.hidden),
+            ("GS", self.group_size), ("BITS", self.bits), ("NW", nw), ("KIND", KINDS.index(self.kind)),
+            ("LPR", lanes_per_row(tile // values_per_chunk(self.bits))), ("WARPS", WARPS),
+            ("TILE", tile), ("U", 4 // nw),
+        ]  # fmt: skip
+
+    def out_template(self, y_dtype, s_dtype, i_dtype, sc_dtype) -> list:
+        tile = tile_for(self.hidden, self.pairs, self.bits, SHARED_BUDGET - self.out_static_bytes)
+        return [
+            ("T", y_dtype), ("S", s_dtype), ("I", i_dtype), ("SC", sc_dtype),
+            ("M", self.tokens), ("K", self.k), ("E", self.experts), ("D", self.hidden), ("N", self.n_out),
+            ("GS", self.group_size), ("BITS", self.bits),
+            ("LPR", lanes_per_row(tile // values_per_chunk(self.bits))), ("WARPS", WARPS),
+            ("TILE", tile), ("U", 4),
+        ]  # fmt: skip
+
+    def blocks(self, rows: int, template: list) -> int:
+        rows_per_block = WARPS * (32 // dict(template)["LPR"])
+        return (rows + rows_per_block - 1) // rows_per_block
+
+    def shared_bytes(self, template: list, staged_rows: int) -> int:
+        t = dict(template)
+        vpc = values_per_chunk(self.bits)
+        return staged_rows * (t["TILE"] // vpc) * (vpc + 1) * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA
+
+_HEADER = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+"""
+
+# Kernel 1. Template: T (x), S (scales), I (indices), M tokens, K slots, E experts, D inputs,
+# N hidden rows, GS, BITS, NW weight stacks (2: gate, up), KIND (0 swiglu, 1 relu2), LPR lanes per
+# row, WARPS, TILE staged x values, U chunks in flight per lane and stack.
+_HIDDEN_SOURCE = r"""
+  constexpr int VPC = 128 / BITS;                 // weights per 16-byte chunk
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  constexpr int CPT = TILE / VPC;                 // chunks per staged tile
+  constexpr int ROW_CHUNKS = D / VPC;
+  constexpr int GROUPS = D / GS;
+  constexpr int RPW = 32 / LPR;                   // rows per warp
+  __shared__ int pair_of_token[M];
+  __shared__ int member_token[M];
+  __shared__ int member_pair[M];
+  __shared__ int n_members;
+  extern __shared__ float xs[];                   // [member][CPT][VPC + 1]
+  const int p = blockIdx.y;
+  const int e = (int)indices[p];
+  bool seen = false;
+  for (int q = threadIdx.x; q < p; q += blockDim.x) seen |= (int)indices[q] == e;
+  if (__syncthreads_or(seen)) return;             // an earlier pair's block serves expert e
+  for (int m = threadIdx.x; m < M; m += blockDim.x) {
+    int found = -1;                               // the first slot of token m routed to e
+    for (int j = K - 1; j >= 0; --j) if ((int)indices[m * K + j] == e) found = m * K + j;
+    pair_of_token[m] = found;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int c = 0;
+    for (int m = 0; m < M; ++m)
+      if (pair_of_token[m] >= 0) { member_token[c] = m; member_pair[c] = pair_of_token[m]; ++c; }
+    n_members = c;
+  }
+  __syncthreads();
+  const int count = n_members;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPR;
+  const int row = (blockIdx.x * WARPS + warp) * RPW + lane / LPR;
+  const bool active = row < N;
+  if (e < 0 || e >= E) {                          // no such expert: its pairs contribute zero
+    if (active && sub == 0)
+      for (int mi = 0; mi < count; ++mi) h[(size_t)member_pair[mi] * N + row] = 0.f;
+    return;
+  }
+  WEIGHT_POINTERS
+  const size_t wrow = ((size_t)e * N + (active ? row : 0)) * ROW_CHUNKS;
+  const size_t grow = ((size_t)e * N + (active ? row : 0)) * GROUPS;
+  float acc[NW][M];
+  #pragma unroll
+  for (int s = 0; s < NW; ++s)
+    #pragma unroll
+    for (int mi = 0; mi < M; ++mi) acc[s][mi] = 0.f;
+  for (int t0 = 0; t0 < D; t0 += TILE) {
+    const int tile_len = min(TILE, D - t0);
+    const int tile_chunks = tile_len / VPC;
+    __syncthreads();
+    for (int i = threadIdx.x; i < count * tile_len; i += blockDim.x) {
+      const int mi = i / tile_len, v = i - mi * tile_len;
+      xs[(mi * CPT + v / VPC) * (VPC + 1) + v % VPC] = (float)x[(size_t)member_token[mi] * D + t0 + v];
+    }
+    __syncthreads();
+    if (!active) continue;
+    for (int c0 = sub; c0 < tile_chunks; c0 += LPR * U) {
+      uint4 wv[NW][U];
+      float sc[NW][U], bi[NW][U];
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {               // issue every load before using any
+        const int cl = c0 + u * LPR;
+        if (cl < tile_chunks) {
+          const int c = t0 / VPC + cl;
+          #pragma unroll
+          for (int s = 0; s < NW; ++s) {
+            wv[s][u] = reinterpret_cast<const uint4*>(wp[s])[wrow + c];
+            sc[s][u] = (float)sp[s][grow + c * VPC / GS];
+            bi[s][u] = (float)bp[s][grow + c * VPC / GS];
+          }
+        }
+      }
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cl = c0 + u * LPR;
+        if (cl >= tile_chunks) continue;
+        #pragma unroll
+        for (int mi = 0; mi < M; ++mi) {
+          if (mi >= count) continue;              // block-uniform
+          const float* xc = xs + (mi * CPT + cl) * (VPC + 1);
+          float dot[NW], xsum = 0.f;
+          #pragma unroll
+          for (int s = 0; s < NW; ++s) dot[s] = 0.f;
+          #pragma unroll
+          for (int j = 0; j < VPC; ++j) {
+            const float xv = xc[j];
+            xsum += xv;
+            #pragma unroll
+            for (int s = 0; s < NW; ++s) {
+              const uint4 w4 = wv[s][u];
+              const uint32_t word = j / PER_WORD == 0 ? w4.x : j / PER_WORD == 1 ? w4.y
+                                  : j / PER_WORD == 2 ? w4.z : w4.w;
+              dot[s] += (float)((word >> ((j % PER_WORD) * BITS)) & MASK) * xv;
+            }
+          }
+          #pragma unroll
+          for (int s = 0; s < NW; ++s) acc[s][mi] += sc[s][u] * dot[s] + bi[s][u] * xsum;
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int mi = 0; mi < M; ++mi) {
+    if (mi >= count) continue;                    // block-uniform: every lane shuffles
+    float v[NW];
+    #pragma unroll
+    for (int s = 0; s < NW; ++s) {
+      v[s] = acc[s][mi];
+      #pragma unroll
+      for (int o = LPR / 2; o > 0; o >>= 1) v[s] += __shfl_xor_sync(0xffffffffu, v[s], o);
+    }
+    if (active && sub == 0) {
+      float hv;
+      if (KIND == 0) hv = v[0] / (1.f + expf(-v[0])) * v[NW - 1];
+      else { const float r = fmaxf(v[0], 0.f); hv = r * r; }
+      h[(size_t)member_pair[mi] * N + row] = hv;
+    }
+  }
+"""
+
+_POINTERS = {
+    1: "const uint32_t* wp[1] = {w0}; const S* sp[1] = {s0}; const S* bp[1] = {b0};",
+    2: "const uint32_t* wp[2] = {w0, w1}; const S* sp[2] = {s0, s1}; const S* bp[2] = {b0, b1};",
+}
+
+# Kernel 2. Template: T (y), S, I, SC (scores), M, K, E, D hidden (input of this projection),
+# N output rows, GS, BITS, LPR, WARPS, TILE staged h values, U chunks in flight per lane.
+_OUT_SOURCE = r"""
+  constexpr int P = M * K;
+  constexpr int VPC = 128 / BITS;
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  constexpr int CPT = TILE / VPC;
+  constexpr int ROW_CHUNKS = D / VPC;
+  constexpr int GROUPS = D / GS;
+  constexpr int RPW = 32 / LPR;
+  __shared__ int pidx[P];
+  __shared__ int leader[P];                       // 1 if pair q is the first routed to its expert
+  __shared__ int group_expert[P];
+  __shared__ int group_pair[P][M];                // h row of token m for this expert, or -1
+  __shared__ float group_score[P][M];             // token m's summed score for this expert
+  __shared__ int n_groups;
+  extern __shared__ float hs[];                   // [pair][CPT][VPC + 1]
+  for (int q = threadIdx.x; q < P; q += blockDim.x) pidx[q] = (int)indices[q];
+  __syncthreads();
+  for (int q = threadIdx.x; q < P; q += blockDim.x) {
+    const int e = pidx[q];
+    int lead = e >= 0 && e < E;                   // unknown experts contribute zero
+    for (int r = 0; r < q; ++r) lead &= pidx[r] != e;
+    leader[q] = lead;
+  }
+  __syncthreads();
+  for (int q = threadIdx.x; q < P; q += blockDim.x) {
+    if (!leader[q]) continue;
+    int g = 0;
+    for (int r = 0; r < q; ++r) g += leader[r];
+    const int e = pidx[q];
+    group_expert[g] = e;
+    for (int m = 0; m < M; ++m) {
+      int first = -1;
+      float score = 0.f;
+      for (int j = 0; j < K; ++j) {
+        if (pidx[m * K + j] != e) continue;
+        if (first < 0) first = m * K + j;         // kernel 1 wrote h for the first such slot
+        score += (float)scores[m * K + j];
+      }
+      group_pair[g][m] = first;
+      group_score[g][m] = score;
+    }
+  }
+  if (threadIdx.x == 0) {
+    int c = 0;
+    for (int q = 0; q < P; ++q) c += leader[q];
+    n_groups = c;
+  }
+  __syncthreads();
+  const int groups = n_groups;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPR;
+  const int row = (blockIdx.x * WARPS + warp) * RPW + lane / LPR;
+  const bool active = row < N;
+  const int safe_row = active ? row : 0;
+  float acc[M];
+  #pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  for (int t0 = 0; t0 < D; t0 += TILE) {
+    const int tile_len = min(TILE, D - t0);
+    const int tile_chunks = tile_len / VPC;
+    const int per_lane = (tile_chunks + LPR - 1) / LPR;   // chunk slots per lane and expert
+    __syncthreads();
+    for (int i = threadIdx.x; i < P * tile_len; i += blockDim.x) {
+      const int q = i / tile_len, v = i - q * tile_len;
+      hs[(q * CPT + v / VPC) * (VPC + 1) + v % VPC] = h[(size_t)q * D + t0 + v];
+    }
+    __syncthreads();
+    if (!active) continue;
+    const int items = groups * per_lane;           // (expert, chunk) work items of this lane
+    for (int i0 = 0; i0 < items; i0 += U) {
+      uint4 wv[U];
+      float sc[U], bi[U];
+      int gi[U], cli[U];
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {                // issue every load before using any
+        const int it = i0 + u;
+        const int g = it / per_lane;
+        const int cl = sub + (it - g * per_lane) * LPR;
+        gi[u] = g;
+        cli[u] = it < items && cl < tile_chunks ? cl : -1;
+        if (cli[u] >= 0) {
+          const size_t r = (size_t)group_expert[g] * N + safe_row;
+          const int c = t0 / VPC + cl;
+          wv[u] = reinterpret_cast<const uint4*>(w)[r * ROW_CHUNKS + c];
+          sc[u] = (float)scales[r * GROUPS + c * VPC / GS];
+          bi[u] = (float)biases[r * GROUPS + c * VPC / GS];
+        }
+      }
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (cli[u] < 0) continue;
+        const uint4 w4 = wv[u];
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const int q = group_pair[gi[u]][m];
+          if (q < 0) continue;                     // token m not routed to this expert
+          const float* hc = hs + (q * CPT + cli[u]) * (VPC + 1);
+          float dot = 0.f, hsum = 0.f;
+          #pragma unroll
+          for (int j = 0; j < VPC; ++j) {
+            const float hv = hc[j];
+            const uint32_t word = j / PER_WORD == 0 ? w4.x : j / PER_WORD == 1 ? w4.y
+                                : j / PER_WORD == 2 ? w4.z : w4.w;
+            dot += (float)((word >> ((j % PER_WORD) * BITS)) & MASK) * hv;
+            hsum += hv;
+          }
+          acc[m] += group_score[gi[u]][m] * (sc[u] * dot + bi[u] * hsum);
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float v = acc[m];
+    #pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (active && sub == 0) y[(size_t)m * N + row] = (T)v;
+  }
+"""
+
+
+def hidden_kernel(kind: str) -> CudaKernel:
+    nw = 2 if kind == "swiglu" else 1
+    weights = tuple(f"{p}{s}" for s in range(nw) for p in ("w", "s", "b"))
+    return CudaKernel(
+        name=f"kapitsa_moe_hidden_{kind}",
+        input_names=("x", "indices", *weights),
+        output_names=("h",),
+        source=_HIDDEN_SOURCE.replace("WEIGHT_POINTERS", _POINTERS[nw]),
+        header=_HEADER,
+    )
+
+
+OUT_KERNEL = CudaKernel(
+    name="kapitsa_moe_out",
+    input_names=("h", "indices", "scores", "w", "scales", "biases"),
+    output_names=("y",),
+    source=_OUT_SOURCE,
+    header=_HEADER,
+)
+
+
+def _run_cuda(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], second: QuantStack):
+    s_dtype = stacks[0].scales.dtype
+    t1 = plan.hidden_template(x.dtype, s_dtype, indices.dtype)
+    weights = [a for s in stacks for a in (s.weight, s.scales.astype(s_dtype), s.biases.astype(s_dtype))]
+    h = hidden_kernel(plan.kind)(
+        [x, indices, *weights],
+        template=t1,
+        grid=(plan.blocks(plan.hidden, t1) * WARPS * 32, plan.pairs, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(plan.pairs, plan.hidden)],
+        output_dtypes=[mx.float32],
+        shared_memory=plan.shared_bytes(t1, plan.tokens),
+    )[0]
+    s2 = second.scales.dtype
+    t2 = plan.out_template(x.dtype, s2, indices.dtype, scores.dtype)
+    return OUT_KERNEL(
+        [h, indices, scores, second.weight, second.scales, second.biases.astype(s2)],
+        template=t2,
+        grid=(plan.blocks(plan.n_out, t2) * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(plan.tokens, plan.n_out)],
+        output_dtypes=[x.dtype],
+        shared_memory=plan.shared_bytes(t2, plan.pairs),
+    )[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Metal: one source (metal/moe.metal) holds both phases; PHASE picks one. Both phases take the
+# same inputs so one body compiles for either (unused stacks get a one-element stand-in).
+
+METAL_KERNEL = MetalKernel(
+    name="kapitsa_moe",
+    filename="moe.metal",
+    input_names=("x", "indices", "scores", "w0", "s0", "b0", "w1", "s1", "b1"),
+    output_names=("out",),
+)
+
+
+def _run_metal(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], second: QuantStack):
+    s_dtype = stacks[0].scales.dtype
+    t1 = plan.hidden_template(x.dtype, s_dtype, indices.dtype)
+    up = stacks[-1]
+    h = METAL_KERNEL(
+        [x, indices, scores, *stacks[0], *up],
+        template=[("PHASE", 1), ("SC", scores.dtype), *t1],
+        grid=(plan.blocks(plan.hidden, t1) * WARPS * 32, plan.pairs, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(plan.pairs, plan.hidden)],
+        output_dtypes=[mx.float32],
+    )[0]
+    t2 = plan.out_template(x.dtype, second.scales.dtype, indices.dtype, scores.dtype)
+    return METAL_KERNEL(
+        [h, indices, scores, *second, *second],
+        template=[("PHASE", 2), ("NW", 1), ("KIND", 0), *t2],
+        grid=(plan.blocks(plan.n_out, t2) * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(plan.tokens, plan.n_out)],
+        output_dtypes=[x.dtype],
+    )[0]
