@@ -1,0 +1,116 @@
+"""Time the fused Gated DeltaNet step against the model's current op path on real head shapes.
+
+Run on a CUDA (or Metal) machine: python bench/kernels_gdn.py [--batch 1 4] [--tokens 1 8]
+Prints one JSON line per case: microseconds per call of the fused kernel (`gdn_step`) and of the
+reference (`gdn_step_reference`: the ops GatedDeltaNet runs today), each evaluated alone in a loop
+after warm-up, plus a chain of `--layers` steps evaluated as one graph (launch overhead amortised,
+as in a decode step), and the largest difference between the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+
+import mlx.core as mx
+
+from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, supports
+
+SHAPES = {  # Hk, Hv, Dk, Dv of the GDN layers; layers = how many GDN layers the model has
+    "qwen3.5-27b": dict(hk=16, hv=48, dk=128, dv=128, layers=48),
+    "qwen3.5-4b": dict(hk=16, hv=32, dk=128, dv=128, layers=24),
+}
+
+
+def make_inputs(B: int, T: int, hk: int, hv: int, dk: int, dv: int, dtype=mx.bfloat16, K: int = 4):
+    C = 2 * hk * dk + hv * dv
+    args = dict(
+        conv_in=mx.random.normal((B, K - 1 + T, C)).astype(dtype),
+        conv_weight=(0.5 * mx.random.normal((C, K, 1))).astype(dtype),
+        a=mx.random.normal((B, T, hv)).astype(dtype),
+        b=mx.random.normal((B, T, hv)).astype(dtype),
+        A_log=mx.log(mx.random.uniform(1.0, 16.0, (hv,))),
+        dt_bias=mx.random.normal((hv,)).astype(dtype),
+        z=mx.random.normal((B, T, hv, dv)).astype(dtype),
+        norm_weight=mx.ones((dv,), dtype),
+        state=0.1 * mx.random.normal((B, hv, dv, dk)),
+    )
+    mx.eval(list(args.values()))
+    heads = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, norm_eps=1e-6)
+    return args, heads
+
+
+def _time(fn, *, warmup: int = 10, iters: int = 200) -> float:
+    for _ in range(warmup):
+        mx.eval(fn())
+    start = time.perf_counter()
+    for _ in range(iters):
+        mx.eval(fn())
+    return (time.perf_counter() - start) / iters
+
+
+def _chain(step, args: dict, heads: dict, layers: int) -> list[mx.array]:
+    """`layers` steps, each from the previous one's state, as one graph (a decode step's shape)."""
+    state, outs = args["state"], []
+    for _ in range(layers):
+        out, state = step(**dict(args, state=state), **heads)
+        outs.append(out)
+    return [*outs, state]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    print(f"mlx {mx.__version__} device {mx.default_device()} backend {backend()}")
+    results = []
+    for name, shape in SHAPES.items():
+        dims = {k: shape[k] for k in ("hk", "hv", "dk", "dv")}
+        for B in args.batch:
+            for T in args.tokens:
+                inputs, heads = make_inputs(B, T, **dims)
+                fused = supports(
+                    inputs["conv_in"],
+                    inputs["conv_weight"],
+                    inputs["state"],
+                    **{k: heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")},
+                )
+                kernel_us = _time(partial(gdn_step, **inputs, **heads), iters=args.iters) * 1e6
+                ref_us = _time(partial(gdn_step_reference, **inputs, **heads), iters=args.iters) * 1e6
+                layers = shape["layers"]
+                chain_iters = max(5, args.iters // 10)
+                kernel_chain = _time(partial(_chain, gdn_step, inputs, heads, layers), iters=chain_iters)
+                ref_chain = _time(
+                    partial(_chain, gdn_step_reference, inputs, heads, layers), iters=chain_iters
+                )
+                out, state = gdn_step(**inputs, **heads)
+                ref_out, ref_state = gdn_step_reference(**inputs, **heads)
+                row = dict(
+                    shape=name,
+                    batch=B,
+                    tokens=T,
+                    fused_kernel=fused,
+                    kernel_us=round(kernel_us, 1),
+                    reference_us=round(ref_us, 1),
+                    speedup=round(ref_us / kernel_us, 2),
+                    layers=layers,
+                    kernel_chain_us_per_layer=round(kernel_chain * 1e6 / layers, 1),
+                    reference_chain_us_per_layer=round(ref_chain * 1e6 / layers, 1),
+                    max_abs_err_out=float(mx.abs(out.astype(mx.float32) - ref_out.astype(mx.float32)).max()),
+                    max_abs_err_state=float(mx.abs(state - ref_state).max()),
+                )
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
