@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.qmv import qmv, qmv_reference
+from kapitsa.engine.kernels.qmv import qmv, qmv_reference, qmv_v1
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
@@ -91,7 +91,8 @@ def test_qmv_falls_back_to_reference_off_gpu() -> None:
 @pytest.mark.parametrize("mode,bits,gs", CASES)
 @pytest.mark.parametrize("rows", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_cuda_qmv_matches_reference(mode: str, bits: int, gs: int, rows: int, dtype) -> None:
+def test_cuda_qmv_v1_matches_reference(mode: str, bits: int, gs: int, rows: int, dtype) -> None:
+    """The first kernel, called directly (qmv itself routes affine 4/8-bit to v2)."""
     if backend() != "cuda":
         pytest.skip("needs the CUDA backend")
     mx.random.seed(2)
@@ -102,6 +103,6 @@ def test_cuda_qmv_matches_reference(mode: str, bits: int, gs: int, rows: int, dt
     else:
         (w, s), b = mx.quantize(weights, group_size=gs, bits=bits, mode=mode), None
     x = mx.random.normal((rows, k)).astype(dtype)
-    got = qmv(x, w, s, b, group_size=gs, bits=bits, mode=mode).astype(mx.float32)
+    got = qmv_v1(x, w, s, b, group_size=gs, bits=bits, mode=mode).astype(mx.float32)
     ref = qmv_reference(x, w, s, b, group_size=gs, bits=bits, mode=mode).astype(mx.float32)
     assert mx.allclose(got, ref, rtol=2e-2, atol=2e-1).item(), float(mx.abs(got - ref).max())

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.qmv_fast import qmv_fast, supports_fast
 
 MAX_ROWS = 16
 AFFINE_BITS = (2, 3, 4, 6, 8)
@@ -176,17 +177,28 @@ def supports(x: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
     return bits == 4 and x.shape[1] % 32 == 0 and group_size in (16, 32)
 
 
+# Which implementation serves (mode, bits) -> {rows: "v2" | "v1"} on CUDA; anything not listed
+# keeps MLX's stock quantized_matmul. Measured on the H200 with bench/kernels_qmv.py (27B chain);
+# edit this table after a new run so that a row names a kernel only where it beat stock there.
+# History (docs/bench/qmv-h200.md): v1 beat stock only for affine 4-bit at 2-8 rows (44 vs 54 ms
+# at 4 rows); v2 is the default for affine 4/8-bit at 1-8 rows until its H200 run says otherwise.
+CUDA_ROUTES: dict[tuple[str, int], dict[int, str]] = {
+    ("affine", 4): {rows: "v2" for rows in range(1, 9)},
+    ("affine", 8): {rows: "v2" for rows in range(1, 9)},
+}
+
+
+def route(rows: int, *, bits: int, mode: str) -> str:
+    """ "v2", "v1" or "stock": what the measured table picks for this case on CUDA."""
+    return CUDA_ROUTES.get((mode, bits), {}).get(rows, "stock")
+
+
 def prefer_kernel(rows: int, *, bits: int, mode: str) -> bool:
-    """Whether the kernel beat MLX's stock quantized_matmul on the H200 for this case.
-
-    Measured (docs/bench/qmv-h200.md): affine 4-bit with 2-8 rows is faster (a 27B-shaped chain at
-    4 rows: 44 ms vs 54 ms); one row is on par (893 vs 937 GB/s) and 16 rows or 8-bit are slower,
-    so those keep the stock kernel. Speculative verify (a few rows) is the case this serves.
-    """
-    return mode == "affine" and bits == 4 and 2 <= rows <= 8
+    """Whether `qmv` beat MLX's stock quantized_matmul on the H200 for this case (CUDA_ROUTES)."""
+    return route(rows, bits=bits, mode=mode) != "stock"
 
 
-def qmv(
+def qmv_v1(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
@@ -196,9 +208,7 @@ def qmv(
     bits: int,
     mode: str = "affine",
 ) -> mx.array:
-    """x [M, K] @ dequantize(w)[N, K]^T -> [M, N], through the kernel when the backend has one."""
-    if not supports(x, group_size=group_size, bits=bits, mode=mode):
-        return qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    """The first kernel (one warp per output row), for any format `supports` accepts."""
     rows = x.shape[0]
     n = w.shape[0]
     mode_id = _MODES[mode]
@@ -215,3 +225,27 @@ def qmv(
         output_dtypes=[x.dtype],
         shared_memory=shared_bytes,
     )[0]
+
+
+def qmv(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """x [M, K] @ dequantize(w)[N, K]^T -> [M, N], through a kernel when the backend has one:
+    v2 (qmv_fast) where CUDA_ROUTES names it and it supports the call, else v1, else the reference."""
+    rows = x.shape[0] if x.ndim == 2 else 0
+    if (
+        mode == "affine"
+        and route(rows, bits=bits, mode=mode) == "v2"
+        and supports_fast(x, w, scales, biases, group_size=group_size, bits=bits)
+    ):
+        return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
+    if supports(x, group_size=group_size, bits=bits, mode=mode):
+        return qmv_v1(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    return qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
