@@ -1,7 +1,10 @@
-"""Time kapitsa's quantized mat-vec kernel against MLX's stock `quantized_matmul` on real shapes.
+"""Time kapitsa's quantized mat-vec kernels (v1 `qmv_v1`, v2 `qmv_fast`) against MLX's stock
+`quantized_matmul` on a Qwen3.5-27B-shaped chain of mat-vecs.
 
-Run on a CUDA (or Metal) machine: python bench/kernels_qmv.py [--rows 1 8] [--layers 64]
-Prints per-shape and whole-chain times and achieved weight bandwidth.
+Run on the H200 (about a minute): python bench/kernels_qmv.py [--rows 1 2 4 8] [--bits 4 8]
+Prints one JSON line per (bits, rows): milliseconds and weight GB/s of the whole chain for each
+implementation, the largest error against stock, and at the end the CUDA_ROUTES table (in
+kapitsa/engine/kernels/qmv.py) that these numbers support. --per-shape adds one line per matrix.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from functools import partial
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.qmv import qmv
+from kapitsa.engine.kernels.qmv import qmv_reference, qmv_v1
+from kapitsa.engine.kernels.qmv_fast import qmv_fast, supports_fast
 
-# (name, out_features, in_features) per layer of a Qwen3.5-27B-shaped model (hidden 5120,
-# intermediate 17408, GDN 16 k-heads / 48 v-heads x 128).
+# (name, out_features, in_features) of one Qwen3.5-27B layer's weight mat-vecs (hidden 5120,
+# intermediate 17408; Gated DeltaNet: 16 key heads x 128 for q and k, 48 value heads x 128).
 SHAPES_27B = [
     ("gdn_in_qkv", 10240, 5120),
     ("gdn_in_z", 6144, 5120),
@@ -26,9 +30,29 @@ SHAPES_27B = [
     ("mlp_up", 17408, 5120),
     ("mlp_down", 5120, 17408),
 ]
+GROUP_SIZE = 64
 
 
-def _time(fn, *, warmup: int = 3, iters: int = 20) -> float:
+def _stock(x, q, s, b, bits: int) -> mx.array:
+    return mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GROUP_SIZE, bits=bits)
+
+
+def _v1(x, q, s, b, bits: int) -> mx.array:
+    return qmv_v1(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+
+
+def _v2(x, q, s, b, bits: int) -> mx.array:
+    return qmv_fast(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+
+
+def _reference(x, q, s, b, bits: int) -> mx.array:
+    return qmv_reference(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+
+
+IMPLS = {"stock": _stock, "v1": _v1, "v2": _v2}
+
+
+def _time(fn, *, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         mx.eval(fn())
     start = time.perf_counter()
@@ -37,79 +61,90 @@ def _time(fn, *, warmup: int = 3, iters: int = 20) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def _stock(x, q, s, b, gs: int, bits: int) -> mx.array:
-    return mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits)
+def _layer(bits: int, shrink: int) -> list:
+    """[(name, q, scales, biases, n, k)] for one layer, random weights like a trained model's."""
+    layer = []
+    for name, n, k in ((name, n // shrink, k // shrink) for name, n, k in SHAPES_27B):
+        w = mx.random.normal((n, k)).astype(mx.bfloat16) * 0.02
+        q, s, b = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
+        mx.eval(q, s, b)
+        layer.append((name, q, s, b, n, k))
+    return layer
 
 
-def _ours(x, q, s, b, gs: int, bits: int) -> mx.array:
-    return qmv(x, q, s, b, group_size=gs, bits=bits)
+def _chain(matvec, chain, xs, bits: int) -> list[mx.array]:
+    return [matvec(xs[k], q, s, b, bits) for _, q, s, b, _, k in chain]
 
 
-def _chain(matvec, chain, xs, gs: int, bits: int) -> list[mx.array]:
-    return [matvec(xs[k], q, s, b, gs, bits) for _, q, s, b, _, k in chain]
+def _max_rel_err(impl, layer, xs, bits: int) -> float:
+    """Largest |impl - exact| over the layer, relative to the largest |exact| (exact: float32
+    weights s * q + b, float32 products)."""
+    worst = 0.0
+    for _, q, s, b, _, k in layer:
+        f32 = mx.float32
+        weights = mx.dequantize(q, s.astype(f32), b.astype(f32), group_size=GROUP_SIZE, bits=bits)
+        ref = xs[k].astype(f32) @ weights.T
+        got = impl(xs[k], q, s, b, bits).astype(f32)
+        worst = max(worst, (mx.abs(got - ref).max() / mx.abs(ref).max()).item())
+    return worst
 
 
-def _make(n: int, k: int, bits: int, gs: int):
-    w = mx.random.normal((n, k)).astype(mx.bfloat16) * 0.02
-    q, s, b = mx.quantize(w, group_size=gs, bits=bits)
-    mx.eval(q, s, b)
-    return q, s, b
+def _per_shape(layer, xs, bits: int, rows: int) -> None:
+    for name, q, s, b, n, k in layer:
+        nbytes = q.nbytes + s.nbytes + b.nbytes
+        row = dict(bits=bits, rows=rows, shape=name, n=n, k=k)
+        for label, impl in IMPLS.items():
+            t = _time(partial(impl, xs[k], q, s, b, bits), warmup=3, iters=50)
+            row[f"{label}_us"] = round(t * 1e6, 1)
+            row[f"{label}_gbs"] = round(nbytes / t / 1e9, 1)
+        print(json.dumps(row), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--distinct", type=int, default=4, help="distinct layers cycled (defeats L2 reuse)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--per-shape", action="store_true")
+    ap.add_argument("--json", default=None, help="also write every row to this file")
+    ap.add_argument("--smoke", action="store_true", help="shapes / 16; kernels -> reference off CUDA")
     args = ap.parse_args()
-    print(f"mlx {mx.__version__} device {mx.default_device()} backend {backend()}")
-    results = []
+    shrink = 16 if args.smoke else 1
+    if backend() != "cuda":
+        if not args.smoke:
+            raise SystemExit("needs the CUDA backend (or --smoke to check the script on CPU)")
+        IMPLS.update(v1=_reference, v2=_reference)
+    print(json.dumps(dict(mlx=mx.__version__, device=str(mx.default_device()), backend=backend())))
+    results, routes = [], {}
     for bits in args.bits:
-        gs = 64
-        layer = [(name, *_make(n, k, bits, gs), n, k) for name, n, k in SHAPES_27B]
+        layers = [_layer(bits, shrink) for _ in range(args.distinct)]
+        chain = [layers[i % args.distinct][j] for i in range(args.layers) for j in range(len(SHAPES_27B))]
+        total = sum(q.nbytes + s.nbytes + b.nbytes for _, q, s, b, _, _ in chain)
         for rows in args.rows:
-            for name, q, s, b, n, k in layer:
-                x = mx.random.normal((rows, k)).astype(mx.bfloat16)
-                nbytes = q.nbytes + s.nbytes + b.nbytes
-                t_stock = _time(partial(_stock, x, q, s, b, gs, bits))
-                t_ours = _time(partial(_ours, x, q, s, b, gs, bits))
-                ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=gs, bits=bits).astype(
-                    mx.float32
-                )
-                err = float(mx.abs(qmv(x, q, s, b, group_size=gs, bits=bits).astype(mx.float32) - ref).max())
-                row = dict(
-                    bits=bits,
-                    rows=rows,
-                    shape=name,
-                    n=n,
-                    k=k,
-                    stock_us=t_stock * 1e6,
-                    ours_us=t_ours * 1e6,
-                    stock_gbs=nbytes / t_stock / 1e9,
-                    ours_gbs=nbytes / t_ours / 1e9,
-                    max_abs_err=err,
-                )
-                results.append(row)
-                print(json.dumps(row))
-            # A whole model's worth of mat-vecs evaluated as one graph (launch overhead amortised).
-            chain = layer * args.layers
-            xs = {k: mx.random.normal((rows, k)).astype(mx.bfloat16) for k in {c[5] for c in layer}}
-            total = sum(q.nbytes + s.nbytes + b.nbytes for _, q, s, b, _, _ in layer) * args.layers
-            t_stock = _time(partial(_chain, _stock, chain, xs, gs, bits), iters=5)
-            t_ours = _time(partial(_chain, _ours, chain, xs, gs, bits), iters=5)
-            row = dict(
-                bits=bits,
-                rows=rows,
-                shape=f"chain x{args.layers}",
-                weight_gb=total / 1e9,
-                stock_ms=t_stock * 1e3,
-                ours_ms=t_ours * 1e3,
-                stock_gbs=total / t_stock / 1e9,
-                ours_gbs=total / t_ours / 1e9,
-            )
+            xs = {k: mx.random.normal((rows, k)).astype(mx.bfloat16) for k in {c[5] for c in chain}}
+            if backend() == "cuda":
+                for _, q, s, b, _, k in layers[0]:
+                    assert supports_fast(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
+            if args.per_shape:
+                _per_shape(layers[0], xs, bits, rows)
+            row = dict(bits=bits, rows=rows, shape=f"chain x{args.layers}", weight_gb=round(total / 1e9, 2))
+            for label, impl in IMPLS.items():
+                started = time.perf_counter()
+                mx.eval(_chain(impl, layers[0], xs, bits))  # JIT compiles happen here
+                row[f"{label}_first_s"] = round(time.perf_counter() - started, 2)
+                t = _time(partial(_chain, impl, chain, xs, bits), warmup=2, iters=args.iters)
+                row[f"{label}_ms"] = round(t * 1e3, 2)
+                row[f"{label}_gbs"] = round(total / t / 1e9, 1)
+                row[f"{label}_max_rel_err"] = round(_max_rel_err(impl, layers[0], xs, bits), 5)
+            best = min(IMPLS, key=lambda label, r=row: r[f"{label}_ms"])
+            row["fastest"] = best
+            if best != "stock":
+                routes.setdefault(f"('affine', {bits})", {})[rows] = best
             results.append(row)
-            print(json.dumps(row))
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"suggested_CUDA_ROUTES": routes}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
