@@ -2,7 +2,8 @@
 // kernel there. One threadgroup per (batch row, value head); the float32 state [DV, DK] stays in
 // registers for all NT tokens, each simdgroup owning DV / NW rows, lanes splitting DK.
 // Template arguments: T, OT, ST, BT dtypes; HK, HV, DK, DV, K, NT, TC, NW ints; HAS_STATE,
-// HAS_MASK bools; EPS_BITS the norm eps as float bits (see launch_config).
+// HAS_MASK bools; EPS_BITS the norm eps as float bits; {Z,A,B}_{ROW,OFF,GROUP,GSTRIDE} where
+// z, a and b sit in their arrays (HeadView; see launch_config).
 
 // x rounded to dtype U and back: where the op-by-op path stores an intermediate in U.
 template <typename U>
@@ -91,10 +92,12 @@ inline void gdn_store_row(device float* row, int lane, thread const float (&src)
     }
     if (tid < tn) {
       const int t = t0 + tid;
-      const int ab = (bi * NT + t) * HV + h;
-      const float dt = gdn_round<ST>(float(a_in[ab]) + float(dt_bias[h]));
+      const int row = bi * NT + t;
+      const int ai = row * A_ROW + A_OFF + (h / A_GROUP) * A_GSTRIDE + h % A_GROUP;
+      const int bj = row * B_ROW + B_OFF + (h / B_GROUP) * B_GSTRIDE + h % B_GROUP;
+      const float dt = gdn_round<ST>(float(a_in[ai]) + float(dt_bias[h]));
       g_s[tid] = metal::exp(-metal::exp(float(a_log[h])) * gdn_softplus(dt));
-      beta_s[tid] = gdn_round<BT>(gdn_sigmoid(float(b_in[ab])));
+      beta_s[tid] = gdn_round<BT>(gdn_sigmoid(float(b_in[bj])));
       keep_s[tid] = HAS_MASK ? int(mask[bi * NT + t]) : 1;
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
@@ -159,10 +162,12 @@ inline void gdn_store_row(device float* row, int lane, thread const float (&src)
       for (int i = lane; i < DV; i += 32) ss[0] += yt[i] * yt[i];
       gdn_simd_sum(ss);
       const float inv = metal::rsqrt(ss[0] / DV + norm_eps);
-      const int o = ((bi * NT + t0 + t) * HV + h) * DV;
+      const int row = bi * NT + t0 + t;
+      const int o = (row * HV + h) * DV;
+      const int zo = row * Z_ROW + Z_OFF + (h / Z_GROUP) * Z_GSTRIDE + (h % Z_GROUP) * DV;
       for (int i = lane; i < DV; i += 32) {
         const float normed = gdn_round<OT>(gdn_round<OT>(yt[i] * inv) * float(norm_w[i]));
-        const float gate = float(z[o + i]);
+        const float gate = float(z[zo + i]);
         out[o + i] = static_cast<OT>(normed * (gate * gdn_sigmoid(gate)));
       }
     }

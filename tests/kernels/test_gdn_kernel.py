@@ -52,8 +52,10 @@ def rel_err(got: mx.array, ref: mx.array) -> float:
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("lengths", [[1, 1], [3, 3], [3, 1]])
-def test_reference_matches_model_layer(model_type: str, lengths: list[int]) -> None:
-    """`gdn_step_reference` on the layer's own conv_in/z/a/b gives its output and next state."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_reference_matches_model_layer(model_type: str, lengths: list[int], fused: bool) -> None:
+    """`gdn_step_reference` on the layer's own conv_in/z/a/b gives its output and next state;
+    with the layer's fused in-projection, z/b/a given as `projection_views` of it do too."""
     mx.random.seed(3)
     args = ModelArgs(
         model_type=model_type,
@@ -73,6 +75,8 @@ def test_reference_matches_model_layer(model_type: str, lengths: list[int]) -> N
     layer.dt_bias = mx.random.normal((4,))
     layer.norm.weight = 1.0 + 0.1 * mx.random.normal((32,))
     layer.out_proj = nn.Identity()  # the layer then returns the gated norm's output
+    if fused:
+        assert layer.fuse()
     B, T = len(lengths), max(lengths)
     conv = mx.random.normal((B, 3, layer.conv_dim))
     state = 0.1 * mx.random.normal((B, 4, 32, 32))
@@ -82,6 +86,9 @@ def test_reference_matches_model_layer(model_type: str, lengths: list[int]) -> N
     got_layer = layer(x, info, cache)
 
     qkv, z, b, a = layer._project(x)
+    if fused:
+        dims = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32)
+        z, b, a = gdn.projection_views(layer.in_proj(x), packed=layer.packed, **dims)
     out, new_state = gdn.gdn_step_reference(
         mx.concatenate([conv, qkv], axis=1),
         layer.conv1d.weight,
@@ -141,10 +148,22 @@ def kernel_transcription(args: dict, heads: dict, *, chunk: int) -> tuple[np.nda
     """The CUDA/Metal body step by step in float32 (fp32 inputs, so its roundings are identities):
     per block (row bi, head h) phases 1-4 per chunk of `chunk` tokens, the state held as lanes'
     column slots (gdn_col) to pin the layout."""
-    f = {k: None if v is None else np.array(v, dtype=np.float32) for k, v in args.items()}
+    views = {k: v for k, v in args.items() if isinstance(v, gdn.HeadView)}
+    f = {
+        k: None if v is None else np.array(views[k].array if k in views else v, np.float32)
+        for k, v in args.items()
+    }
     mask = heads["mask"]
     hk, hv, dk, dv = (heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))
-    B, T = f["a"].shape[:2]
+    B, T = f["conv_in"].shape[0], f["conv_in"].shape[1] - f["conv_weight"].shape[1] + 1
+
+    def head_values(name: str, bi: int, t: int, h: int, width: int) -> np.ndarray:
+        """The kernel's z/a/b addressing: row * ROW + OFF + (h / GROUP) * GSTRIDE + (h % GROUP) * width."""
+        row = f[name].reshape(B, T, -1)[bi, t]
+        v = views.get(name, gdn.HeadView(None, 0, hv, 0))
+        start = v.offset + (h // v.group) * v.group_stride + (h % v.group) * width
+        return row[start : start + width]
+
     K = f["conv_weight"].shape[1]
     W = 2 * dk + dv
     cols = dk // 32
@@ -174,10 +193,9 @@ def kernel_transcription(args: dict, heads: dict, *, chunk: int) -> tuple[np.nda
                         x = qkv[t, part * dk : (part + 1) * dk]
                         x *= scale / np.sqrt(np.mean(x * x) + 1e-6 / dk)
                 for t in range(tn):
-                    ab = (bi, t0 + t, h)
-                    dt = f["a"][ab] + f["dt_bias"][h]
+                    dt = head_values("a", bi, t0 + t, h, 1)[0] + f["dt_bias"][h]
                     g = np.exp(-np.exp(f["A_log"][h]) * np.logaddexp(dt, 0.0))
-                    beta = _np_sigmoid(f["b"][ab])
+                    beta = _np_sigmoid(head_values("b", bi, t0 + t, h, 1)[0])
                     if mask is not None and not bool(np.array(mask)[bi, t0 + t]):
                         qkv[t, 2 * dk :] = 0.0
                         continue
@@ -188,11 +206,29 @@ def kernel_transcription(args: dict, heads: dict, *, chunk: int) -> tuple[np.nda
                     qkv[t, 2 * dk :] = (s * q).sum(axis=(1, 2))
                 for t in range(tn):
                     y = qkv[t, 2 * dk :]
-                    z = f["z"].reshape(B, T, hv, dv)[bi, t0 + t, h]
+                    z = head_values("z", bi, t0 + t, h, dv)
                     normed = y / np.sqrt(np.mean(y * y) + heads["norm_eps"]) * f["norm_weight"]
                     out[bi, t0 + t, h] = normed * z * _np_sigmoid(z)
             new_state[bi, h][:, slot_cols] = s
     return out.reshape(B, T, hv * dv), new_state
+
+
+def embed_in_projection(args: dict, *, packed: bool, hk: int, hv: int, dk: int, dv: int) -> dict:
+    """z, b, a written into a random fused in-projection `[B, T, N]`; returned as its views."""
+    per = hv // hk
+    n = hk * (2 * dk + 2 * per * dv + 2 * per) if packed else 2 * hk * dk + 2 * hv * dv + 2 * hv
+    B, T = args["a"].shape[:2]
+    proj = np.random.default_rng(0).normal(size=(B, T, n)).astype(np.float32)
+    z, b, a = gdn.projection_views(
+        mx.zeros((B, T, n)), packed=packed, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv
+    )
+    for view, name, width in ((z, "z", dv), (b, "b", 1), (a, "a", 1)):
+        proj[..., np.array(view.columns(hv, width))] = np.array(args[name]).reshape(B, T, -1)
+    proj = mx.array(proj)
+    views = gdn.projection_views(
+        proj, packed=packed, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv
+    )
+    return dict(zip(("z", "b", "a"), views, strict=True))
 
 
 def _channel(j: int, h: int, kh: int, hk: int, dk: int, dv: int) -> int:
@@ -225,11 +261,16 @@ def test_lane_columns_tile_each_row_once(dk: int) -> None:
 
 @pytest.mark.parametrize("chunk", [2, 5])
 @pytest.mark.parametrize("masked", [False, True])
-def test_kernel_transcription_matches_reference(chunk: int, masked: bool) -> None:
+@pytest.mark.parametrize("layout", ["plain", "qwen3_5", "qwen3_next"])
+def test_kernel_transcription_matches_reference(chunk: int, masked: bool, layout: str) -> None:
     mask = mx.array([[True, True, False, True, True], [True, False, False, True, False]]) if masked else None
     args, heads = make_inputs(2, 5, 2, 4, 64, 32, mask=mask, seed=7)
-    got_out, got_state = kernel_transcription(args, heads, chunk=chunk)
     ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
+    if layout != "plain":  # z, b, a inside a fused projection full of other values
+        args = dict(
+            args, **embed_in_projection(args, packed=layout == "qwen3_next", hk=2, hv=4, dk=64, dv=32)
+        )
+    got_out, got_state = kernel_transcription(args, heads, chunk=chunk)
     np.testing.assert_allclose(got_out, np.array(ref_out), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(got_state, np.array(ref_state), rtol=1e-4, atol=1e-5)
 
@@ -335,6 +376,15 @@ def test_wrong_shapes_raise_a_clear_error(field: str, bad: tuple, message: str) 
         gdn.gdn_step(**args, **heads)
 
 
+def test_view_past_the_projection_raises() -> None:
+    args, heads = make_inputs(1, 2, 1, 2, 32, 32)
+    proj = mx.zeros((1, 2, 70))
+    with pytest.raises(gdn.GdnShapeError, match="z view"):
+        gdn.gdn_step(**dict(args, z=gdn.HeadView(proj, 8, 2)), **heads)  # needs columns 8..71
+    with pytest.raises(gdn.GdnShapeError, match="b.array must be"):
+        gdn.gdn_step(**dict(args, b=gdn.HeadView(mx.zeros((1, 3, 70)), 0, 2)), **heads)
+
+
 def test_bad_mask_and_head_layout_raise() -> None:
     args, heads = make_inputs(1, 2, 1, 2, 32, 32)
     with pytest.raises(gdn.GdnShapeError, match="mask must be"):
@@ -355,10 +405,9 @@ def test_gdn_step_equals_reference_off_gpu() -> None:
 # ----------------------------------------------------------------------- nvcc compile
 
 
-def _render(dtype, T: int, d: int, *, has_mask: bool = True, has_state: bool = True) -> str:
-    template, _, _ = gdn.launch_config(
-        "cuda", **dict(_config_args(dtype, T=T, dk=d, dv=d, has_mask=has_mask), has_state=has_state)
-    )
+def _render(dtype, T: int, d: int, *, has_mask: bool = True, has_state: bool = True, layouts=None) -> str:
+    config = dict(_config_args(dtype, T=T, dk=d, dv=d, has_mask=has_mask), has_state=has_state)
+    template, _, _ = gdn.launch_config("cuda", **config, layouts=layouts)
     inputs = [dtype, dtype, dtype, dtype, mx.float32, dtype, dtype, dtype, mx.float32, mx.bool_]
     return gdn.CUDA_KERNEL.render(inputs, [dtype, mx.float32], template)
 
@@ -382,7 +431,12 @@ def one_translation_unit(sources: list[str]) -> str:
 @pytest.mark.skipif(nvcc() is None, reason="nvcc not installed")
 def test_every_cuda_variant_compiles() -> None:
     sources = [_render(*v) for v in VARIANTS]
-    sources += [_render(mx.bfloat16, 8, 256), _render(mx.bfloat16, 2, 128, has_mask=False, has_state=False)]
+    packed = {"Z": (1234, 256 + 128, 2, 1024 + 8), "A": (1234, 1026, 2, 4), "B": (1234, 1024, 2, 4)}
+    sources += [
+        _render(mx.bfloat16, 8, 256),
+        _render(mx.bfloat16, 2, 128, has_mask=False, has_state=False),
+        _render(mx.bfloat16, 4, 128, layouts=packed),  # z/a/b read from a fused projection
+    ]
     ok, log = compile_source(one_translation_unit(sources))
     assert ok, log[-4000:]
     assert "warning" not in log.lower(), log[-4000:]
@@ -462,6 +516,24 @@ def test_cuda_gdn_step_without_state_and_long_chunks() -> None:
         out, new_state = gdn.gdn_step(**args, **heads)
         ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
         assert rel_err(out, ref_out) < 1e-4 and rel_err(new_state, ref_state) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_cuda_gdn_step_reads_projection_views(packed: bool, dtype) -> None:
+    """z, b, a read in place from a fused in-projection give the same result as plain arrays."""
+    if backend() != "cuda":
+        pytest.skip("needs the CUDA backend")
+    hk, hv, dk, dv = SHAPES["4b"]
+    args, heads = make_inputs(3, 4, hk, hv, dk, dv, dtype=dtype, seed=11)
+    views = embed_in_projection(args, packed=packed, hk=hk, hv=hv, dk=dk, dv=dv)
+    views = {
+        k: gdn.HeadView(v.array.astype(dtype), v.offset, v.group, v.group_stride) for k, v in views.items()
+    }
+    plain = gdn.gdn_step(**args, **heads)
+    viewed = gdn.gdn_step(**dict(args, **views), **heads)
+    assert mx.array_equal(plain[0], viewed[0]).item() and mx.array_equal(plain[1], viewed[1]).item()
 
 
 @pytest.mark.metal

@@ -4,7 +4,8 @@ kernel launch per layer.
 
 `gdn_step` replaces, in `GatedDeltaNet.__call__` for chains (no draft tree), everything from
 `causal_conv(conv_in, ...)` to `self.norm(y, z)`. The caller still takes the next conv state from
-`conv_in` (`conv_state_after`); the kernel does not write it.
+`conv_in` (`conv_state_after`); the kernel does not write it. z, a and b may be `HeadView`s of the
+fused in-projection, read in place (no copies before the launch).
 
 Kernel layout: one thread block per (batch row, value head). The state `[Dv, Dk]` (float32) lives
 in registers for all T tokens: each warp owns `Dv / NW` whole rows, its lanes split Dk in
@@ -18,6 +19,7 @@ op-by-op path rounds, so bf16 results track the model's current path closely.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,23 +39,73 @@ MAX_STATE_FLOATS = 64  # per thread: Dv/NW rows x Dk/32 columns
 SHARED_BUDGET = {"cuda": 40 * 1024, "metal": 28 * 1024}  # under 48 KiB (CUDA) / 32 KiB (Metal)
 MAX_WARPS = {"cuda": 32, "metal": 16}  # Metal pipelines may not reach 1024 threads
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
-INPUT_NAMES = (
-    "conv_in",
-    "conv_w",
-    "a_in",
-    "b_in",
-    "a_log",
-    "dt_bias",
-    "z",
-    "norm_w",
-    "state_in",
-    "mask",
-)
+INPUT_NAMES = ("conv_in", "conv_w", "a_in", "b_in", "a_log", "dt_bias", "z", "norm_w", "state_in", "mask")
 OUTPUT_NAMES = ("out", "state_out")
 
 
 class GdnShapeError(KapitsaError, ValueError):
     """Inputs of `gdn_step` whose shapes disagree with each other or with the head layout."""
+
+
+@dataclass(frozen=True)
+class HeadView:
+    """A per-head input (z: Dv values per head; a, b: one) read in place from a wider `[B, T, N]`
+    array such as the fused in-projection.
+
+    Within each (b, t) row, head h's values start at column
+    `offset + (h // group) * group_stride + (h % group) * width`. Qwen3.5's fused projection:
+    `HeadView(proj, offset_of_the_slice, group=Hv)`. Qwen3-Next packs per key head:
+    `group = Hv // Hk`, `group_stride` = the packed width of one key head.
+    """
+
+    array: mx.array
+    offset: int
+    group: int
+    group_stride: int = 0
+
+    def columns(self, heads: int, width: int) -> mx.array:
+        h, i = mx.arange(heads)[:, None], mx.arange(width)[None, :]
+        return (self.offset + (h // self.group) * self.group_stride + (h % self.group) * width + i).reshape(
+            -1
+        )
+
+    def materialize(self, heads: int, width: int) -> mx.array:
+        """The `[B, T, heads * width]` array this view stands for (what the model's split gives)."""
+        return mx.take(self.array, self.columns(heads, width), axis=-1)
+
+
+Input = mx.array | HeadView
+
+
+def projection_views(
+    proj: mx.array, *, packed: bool, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+) -> tuple[HeadView, HeadView, HeadView]:
+    """(z, b, a) as views of GatedDeltaNet's fused in-projection output `[B, T, N]`, in the
+    column order its `fuse()` builds: Qwen3.5 `[qkv | z | b | a]`; Qwen3-Next (`packed`)
+    `[q k v z per key head | b a per key head]`."""
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    if not packed:
+        zo = 2 * hk * dk + hv * dv
+        return HeadView(proj, zo, hv), HeadView(proj, zo + hv * dv, hv), HeadView(proj, zo + hv * dv + hv, hv)
+    per = hv // hk
+    head_width = 2 * dk + 2 * per * dv  # one key head's q, k, v, z
+    ba = hk * head_width
+    return (
+        HeadView(proj, 2 * dk + per * dv, per, head_width),
+        HeadView(proj, ba, per, 2 * per),
+        HeadView(proj, ba + per, per, 2 * per),
+    )
+
+
+def _plain(x: Input, heads: int, width: int) -> mx.array:
+    return x.materialize(heads, width) if isinstance(x, HeadView) else x
+
+
+def _layout(x: Input, heads: int, width: int) -> tuple[mx.array, tuple[int, int, int, int]]:
+    """(array to pass, (row length, offset, group, group stride)) of a plain array or a view."""
+    if isinstance(x, HeadView):
+        return x.array, (x.array.shape[-1], x.offset, x.group, x.group_stride)
+    return x, (heads * width, 0, heads, 0)
 
 
 def promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
@@ -66,11 +118,11 @@ def promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
 def gdn_step_reference(
     conv_in: mx.array,
     conv_weight: mx.array,
-    a: mx.array,
-    b: mx.array,
+    a: Input,
+    b: Input,
     A_log: mx.array,
     dt_bias: mx.array,
-    z: mx.array,
+    z: Input,
     norm_weight: mx.array,
     state: mx.array | None,
     *,
@@ -87,8 +139,9 @@ def gdn_step_reference(
     z `[B, T, Hv, Dv]` (or `[B, T, Hv*Dv]`), norm_weight `[Dv]`, state `[B, Hv, Dv, Dk]` float32
     or None (zeros), mask `[B, T]` bool or None. Returns (out `[B, T, Hv*Dv]`, new state).
     """
-    B, T = a.shape[:2]
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    a, b, z = _plain(a, hv, 1), _plain(b, hv, 1), _plain(z, hv, dv)
+    B, T = a.shape[:2]
     conv_out = causal_conv(conv_in, conv_weight)
     q, k, v = mx.split(nn.silu(conv_out), [hk * dk, 2 * hk * dk], axis=-1)
     q, k = l2norm_qk(q.reshape(B, T, hk, dk), k.reshape(B, T, hk, dk))
@@ -100,14 +153,25 @@ def gdn_step_reference(
     return out.reshape(B, T, hv * dv), new_state
 
 
+def _check_view(name: str, x: Input, batch: int, tokens: int, heads: int, width: int) -> None:
+    if not isinstance(x, HeadView):
+        return
+    shape = tuple(x.array.shape)
+    if len(shape) != 3 or shape[:2] != (batch, tokens):
+        raise GdnShapeError(f"{name}.array must be [{batch}, {tokens}, N], got {list(shape)}")
+    last = x.offset + (heads - 1) // x.group * x.group_stride + ((heads - 1) % x.group + 1) * width
+    if min(x.offset, x.group_stride) < 0 or x.group < 1 or last > shape[2]:
+        raise GdnShapeError(f"{name} view {x.offset, x.group, x.group_stride} runs past {shape[2]} columns")
+
+
 def check_shapes(
     conv_in: mx.array,
     conv_weight: mx.array,
-    a: mx.array,
-    b: mx.array,
+    a: Input,
+    b: Input,
     A_log: mx.array,
     dt_bias: mx.array,
-    z: mx.array,
+    z: Input,
     norm_weight: mx.array,
     state: mx.array | None,
     mask: mx.array | None,
@@ -121,20 +185,22 @@ def check_shapes(
     hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     if min(hk, hv, dk, dv) < 1 or hv % hk:
         raise GdnShapeError(f"bad head layout: {hk} k heads x {dk}, {hv} v heads x {dv}")
-    if a.ndim != 3 or a.shape[2] != hv:
-        raise GdnShapeError(f"a must be [B, T, {hv}], got {list(a.shape)}")
-    B, T = a.shape[:2]
+    a_shape = tuple(a.array.shape[:2]) + (hv,) if isinstance(a, HeadView) else tuple(a.shape)
+    if len(a_shape) != 3 or a_shape[2] != hv:
+        raise GdnShapeError(f"a must be [B, T, {hv}], got {list(a_shape)}")
+    B, T = a_shape[:2]
     C = 2 * hk * dk + hv * dv
     if conv_weight.ndim != 3 or conv_weight.shape[0] != C or conv_weight.shape[2] != 1:
         raise GdnShapeError(f"conv_weight must be [{C}, K, 1], got {list(conv_weight.shape)}")
     K = conv_weight.shape[1]
     expected = {
         "conv_in": (conv_in, (B, K - 1 + T, C)),
-        "b": (b, (B, T, hv)),
         "A_log": (A_log, (hv,)),
         "dt_bias": (dt_bias, (hv,)),
         "norm_weight": (norm_weight, (dv,)),
     }
+    if not isinstance(b, HeadView):
+        expected["b"] = (b, (B, T, hv))
     if state is not None:
         expected["state"] = (state, (B, hv, dv, dk))
     if mask is not None:
@@ -142,8 +208,10 @@ def check_shapes(
     for name, (array, shape) in expected.items():
         if tuple(array.shape) != shape:
             raise GdnShapeError(f"{name} must be {list(shape)}, got {list(array.shape)}")
-    if tuple(z.shape) not in ((B, T, hv, dv), (B, T, hv * dv)):
+    if not isinstance(z, HeadView) and tuple(z.shape) not in ((B, T, hv, dv), (B, T, hv * dv)):
         raise GdnShapeError(f"z must be [{B}, {T}, {hv}, {dv}], got {list(z.shape)}")
+    for name, x, width in (("a", a, 1), ("b", b, 1), ("z", z, dv)):
+        _check_view(name, x, B, T, hv, width)
 
 
 def warps_for(dk: int, dv: int, max_warps: int) -> int:
@@ -201,19 +269,24 @@ def launch_config(
     norm_eps: float,
     has_state: bool,
     has_mask: bool,
+    layouts: dict[str, tuple[int, int, int, int]] | None = None,
 ) -> tuple[list, tuple[int, int, int], tuple[int, int, int]]:
-    """(template arguments, grid in threads, threadgroup) for one launch on backend `kind`."""
-    dk, dv = head_k_dim, head_v_dim
+    """(template arguments, grid in threads, threadgroup) for one launch on backend `kind`.
+
+    `layouts` maps "Z", "A", "B" to (row length, offset, group, group stride) (see `_layout`);
+    missing ones are contiguous."""
+    dk, dv, hv = head_k_dim, head_v_dim, num_v_heads
     warps = warps_for(dk, dv, MAX_WARPS[kind])
     width = 2 * dk + dv
     chunk = min(T, SHARED_BUDGET[kind] // (4 * width + 12))  # q,k,v floats + g, beta, keep per token
+    layouts = {"Z": (hv * dv, 0, hv, 0), "A": (hv, 0, hv, 0), "B": (hv, 0, hv, 0), **(layouts or {})}
     template = [
         ("T", act),
         ("OT", out_dtype),
         ("ST", sum_dtype),
         ("BT", beta_dtype),
         ("HK", num_k_heads),
-        ("HV", num_v_heads),
+        ("HV", hv),
         ("DK", dk),
         ("DV", dv),
         ("K", K),
@@ -224,8 +297,11 @@ def launch_config(
         ("HAS_MASK", has_mask),
         ("EPS_BITS", float_bits(norm_eps)),
     ]
+    for name in ("Z", "A", "B"):
+        for field, value in zip(("ROW", "OFF", "GROUP", "GSTRIDE"), layouts[name], strict=True):
+            template.append((f"{name}_{field}", value))
     threads = warps * 32
-    return template, (batch * num_v_heads * threads, 1, 1), (threads, 1, 1)
+    return template, (batch * hv * threads, 1, 1), (threads, 1, 1)
 
 
 _CUDA_HEADER = r"""
@@ -283,7 +359,8 @@ __device__ __forceinline__ void gdn_store_row(float* row, int lane, const float 
 
 # Template arguments: T activation dtype (conv/silu/q/k/v/y roundings), OT output dtype, ST dtype
 # of `a + dt_bias`, BT dtype of beta; HK, HV, DK, DV heads; K conv taps; NT tokens; TC tokens per
-# shared-memory chunk; NW warps; HAS_STATE, HAS_MASK; EPS_BITS the norm eps as float bits.
+# shared-memory chunk; NW warps; HAS_STATE, HAS_MASK; EPS_BITS the norm eps as float bits;
+# {Z,A,B}_{ROW,OFF,GROUP,GSTRIDE} where z, a and b sit in their arrays (HeadView).
 _CUDA_BODY = r"""
   constexpr int W = 2 * DK + DV;              // this head's q, k, v channels
   constexpr int C = 2 * HK * DK + HV * DV;    // all conv channels: q | k | v
@@ -329,10 +406,12 @@ _CUDA_BODY = r"""
     }
     if (tid < tn) {
       const int t = t0 + tid;
-      const size_t ab = ((size_t)bi * NT + t) * HV + h;
-      const float dt = gdn_round<ST>((float)a_in[ab] + (float)dt_bias[h]);
+      const size_t row = (size_t)bi * NT + t;
+      const size_t ai = row * A_ROW + A_OFF + (h / A_GROUP) * A_GSTRIDE + h % A_GROUP;
+      const size_t bj = row * B_ROW + B_OFF + (h / B_GROUP) * B_GSTRIDE + h % B_GROUP;
+      const float dt = gdn_round<ST>((float)a_in[ai] + (float)dt_bias[h]);
       g_s[tid] = expf(-expf((float)a_log[h]) * gdn_softplus(dt));
-      beta_s[tid] = gdn_round<BT>(gdn_sigmoid((float)b_in[ab]));
+      beta_s[tid] = gdn_round<BT>(gdn_sigmoid((float)b_in[bj]));
       if constexpr (HAS_MASK) keep_s[tid] = mask[(size_t)bi * NT + t]; else keep_s[tid] = true;
     }
     __syncthreads();
@@ -405,10 +484,12 @@ _CUDA_BODY = r"""
       for (int i = lane; i < DV; i += 32) ss[0] += yt[i] * yt[i];
       gdn_warp_sum(ss);
       const float inv = rsqrtf(ss[0] / DV + norm_eps);
-      const size_t o = (((size_t)bi * NT + t0 + t) * HV + h) * DV;
+      const size_t row = (size_t)bi * NT + t0 + t;
+      const size_t o = (row * HV + h) * DV;
+      const size_t zo = row * Z_ROW + Z_OFF + (h / Z_GROUP) * Z_GSTRIDE + (h % Z_GROUP) * DV;
       for (int i = lane; i < DV; i += 32) {
         const float normed = gdn_round<OT>(gdn_round<OT>(yt[i] * inv) * (float)norm_w[i]);
-        const float gate = (float)z[o + i];
+        const float gate = (float)z[zo + i];
         out[o + i] = static_cast<OT>(normed * (gate * gdn_sigmoid(gate)));
       }
     }
@@ -427,11 +508,11 @@ METAL_KERNEL = MetalKernel("kapitsa_gdn_step", "gdn_step.metal", INPUT_NAMES, OU
 def gdn_step(
     conv_in: mx.array,
     conv_weight: mx.array,
-    a: mx.array,
-    b: mx.array,
+    a: Input,
+    b: Input,
     A_log: mx.array,
     dt_bias: mx.array,
-    z: mx.array,
+    z: Input,
     norm_weight: mx.array,
     state: mx.array | None,
     *,
@@ -456,11 +537,11 @@ def gdn_step(
 def launch(
     conv_in: mx.array,
     conv_weight: mx.array,
-    a: mx.array,
-    b: mx.array,
+    a: Input,
+    b: Input,
     A_log: mx.array,
     dt_bias: mx.array,
-    z: mx.array,
+    z: Input,
     norm_weight: mx.array,
     state: mx.array | None,
     *,
@@ -473,16 +554,21 @@ def launch(
 ) -> tuple[mx.array, mx.array]:
     """Run the kernel of the current backend (call only when `supports(...)` is True)."""
     kind = backend()
-    B, T = a.shape[:2]
     hv, dk, dv = num_v_heads, head_k_dim, head_v_dim
+    (a_in, a_layout), (b_in, b_layout), (z_in, z_layout) = (
+        _layout(a, hv, 1),
+        _layout(b, hv, 1),
+        _layout(z, hv, dv),
+    )
+    B, T = a_in.shape[:2]
     act = promote(conv_in.dtype, conv_weight.dtype)
     out_dtype = promote(act, norm_weight.dtype)
     template, grid, threadgroup = launch_config(
         kind,
         act=act,
         out_dtype=out_dtype,
-        sum_dtype=promote(a.dtype, dt_bias.dtype),
-        beta_dtype=b.dtype,
+        sum_dtype=promote(a_in.dtype, dt_bias.dtype),
+        beta_dtype=b_in.dtype,
         batch=B,
         T=T,
         K=conv_weight.shape[1],
@@ -493,11 +579,12 @@ def launch(
         norm_eps=norm_eps,
         has_state=state is not None,
         has_mask=mask is not None,
+        layouts={"Z": z_layout, "A": a_layout, "B": b_layout},
     )
     # Absent state / mask: a one-element stand-in keeps one signature (HAS_* skip reading them).
     state_in = state if state is not None else mx.zeros((1,), mx.float32)
     mask_in = mask.astype(mx.bool_) if mask is not None else mx.ones((1,), mx.bool_)
-    inputs = [conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state_in, mask_in]
+    inputs = [conv_in, conv_weight, a_in, b_in, A_log, dt_bias, z_in, norm_weight, state_in, mask_in]
     kernel = CUDA_KERNEL if kind == "cuda" else METAL_KERNEL
     out, new_state = kernel(
         inputs,
