@@ -395,8 +395,11 @@ def _ragged(B: int, T: int) -> mx.array:
 
 def assert_matches(out, state, args, dims, mask) -> None:
     """Kernel results vs the reference computed in float32 on the same (rounded) input values:
-    the kernel works in float32 throughout, so only the output's final rounding may differ."""
-    want_out, want_state = mk.mamba_step_reference(**_float32(args), **dims, mask=mask)
+    the kernel works in float32 throughout, so only the output's final rounding may differ.
+    The reference runs on the CPU stream: exact float32 matmuls (no TF32 on a GPU)."""
+    with mx.stream(mx.cpu):
+        want_out, want_state = mk.mamba_step_reference(**_float32(args), **dims, mask=mask)
+        mx.eval(want_out, want_state)
     assert state.dtype == mx.float32 and out.dtype == args["gate"].dtype
     err = float(mx.abs(state - want_state).max())
     assert mx.allclose(state, want_state, rtol=1e-4, atol=1e-4).item(), err
@@ -499,8 +502,10 @@ def _device_check(shape, B, T, dtype, masked) -> None:
     assert mk.supports(args["conv_in"], args["conv_weight"], head_dim=shape[1], state_size=shape[3])
     out, state = mk.mamba_step(**args, **dims, mask=mask)
     assert_matches(out, state, args, dims, mask)
-    ref_out, _ = mk.mamba_step_reference(**args, **dims, mask=mask)  # the model's own rounding
-    assert mx.allclose(out.astype(mx.float32), ref_out.astype(mx.float32), rtol=5e-2, atol=5e-2).item()
+    # The model's own bf16 rounding (conv, SiLU, y before the norm) strays up to ~0.2 from exact
+    # float32 at these shapes, so this sanity check against it is loose.
+    ref_out, _ = mk.mamba_step_reference(**args, **dims, mask=mask)
+    assert mx.allclose(out.astype(mx.float32), ref_out.astype(mx.float32), rtol=0.1, atol=0.1).item()
 
 
 @pytest.mark.gpu
@@ -517,3 +522,16 @@ def test_metal_kernel_matches_reference(shape, B, T, dtype, masked) -> None:
     if backend() != "metal":
         pytest.skip("needs the Metal backend")
     _device_check(shape, B, T, dtype, masked)
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_inside_mx_compile() -> None:
+    """The model's decode step is compiled: the kernel must give the same result traced."""
+    if backend() != "cuda":
+        pytest.skip("needs the CUDA backend")
+    args, dims = make_inputs(2, 4, SHAPE_30B, mx.bfloat16)
+    compiled = mx.compile(lambda *a: mk.mamba_step(*a, **dims))
+    got = compiled(*args.values())
+    want = mk.mamba_step(**args, **dims)
+    assert mx.allclose(got[0].astype(mx.float32), want[0].astype(mx.float32), rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(got[1], want[1], rtol=1e-6, atol=1e-6).item()

@@ -204,6 +204,15 @@ NORM_INPUTS = ("y", "gate", "norm_w")
 NORM_OUTPUTS = ("out",)
 
 
+@functools.cache
+def _stand_in(dtype: mx.Dtype) -> mx.array:
+    """One element in place of an absent optional input (no conv bias, no mask), so the kernel
+    signature never changes; made once per dtype rather than once per call."""
+    array = mx.zeros((1,), dtype)
+    mx.eval(array)
+    return array
+
+
 def _launch(kernels, conv_in, conv_w, conv_b, dt, dt_bias, A_log, D, gate, norm_w, state, dims, mask):
     step_kernel, norm_kernel = kernels
     B, T = dt.shape[:2]
@@ -211,9 +220,8 @@ def _launch(kernels, conv_in, conv_w, conv_b, dt, dt_bias, A_log, D, gate, norm_
     template = step_template(T, conv_w.shape[1], dims, has_bias=conv_b is not None, has_mask=mask is not None)
     rows = rows_per_block(T)
     threads = rows // ROWS_PER_WARP * 32
-    # Absent optional inputs become one-element stand-ins so the kernel signature never changes.
-    conv_b = conv_b if conv_b is not None else mx.zeros((1,), conv_in.dtype)
-    mask = mask.astype(mx.bool_) if mask is not None else mx.ones((1,), mx.bool_)
+    conv_b = conv_b if conv_b is not None else _stand_in(conv_in.dtype)
+    mask = mask.astype(mx.bool_) if mask is not None else _stand_in(mx.bool_)
     inputs = [conv_in, conv_w, conv_b, dt, dt_bias, A_log, D, state.astype(mx.float32), mask]
     y, new_state = step_kernel(
         inputs,
