@@ -21,6 +21,7 @@ import pytest
 
 from kapitsa.engine.kernels import backend, qmv_fast
 from kapitsa.engine.kernels import qmv as qmv_mod
+from kapitsa.engine.kernels.metal import read_source
 from kapitsa.engine.kernels.qmv import qmv, qmv_reference
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -346,3 +347,75 @@ def test_cuda_qmv_fast_on_a_row_slice_and_through_qmv() -> None:
     got = np.array(qmv(x, w, s, b, group_size=64, bits=4).astype(mx.float32))
     ref = _precise_reference(x, w, s, b, gs=64, bits=4)
     np.testing.assert_allclose(got, ref, rtol=2**-7, atol=1e-3 * np.abs(ref).max())
+
+
+# ---- Metal: the port is checked for consistency here, run only where Metal is ----
+
+FIELD = re.compile(r"kq2_field\((w|hi), (0x[0-9A-F]+)u, ([0-9.e-]+)f, (-?[0-9.]+)f\)")
+
+
+def test_metal_port_uses_the_cuda_constants_and_every_template_value() -> None:
+    header, body = read_source("qmv.metal")
+    assert FIELD.findall(header) == FIELD.findall(qmv_fast._HEADER)
+    x = mx.zeros((3, 5120), mx.bfloat16)
+    template, grid, block = qmv_fast.metal_launch_config(x, 6144, group_size=64, bits=4)
+    for name, _ in template:
+        assert re.search(rf"\b{name}\b", body), name
+    assert "thread_index_in_simdgroup" in body and "simd_sum" in body
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_metal_threadgroup_memory_fits(rows: int, bits: int, monkeypatch) -> None:
+    """Where the port is used, its staged x fits 32 KiB; 4-bit with 7+ rows is left to stock."""
+    monkeypatch.setattr(qmv_fast, "backend", lambda: "metal")
+    w, s, b = _quantized(64, 2560, bits=bits, gs=64)
+    assert qmv_fast.supports_fast(mx.zeros((rows, 2560)), w, s, b, group_size=64, bits=bits) == (
+        bits == 8 or rows <= 6
+    )
+    if bits == 4 and rows > 6:
+        return
+    for k in (2560, 5120, 17408):
+        template, _, _ = qmv_fast.metal_launch_config(mx.zeros((rows, k)), 64, group_size=64, bits=bits)
+        smem = dict(template)["SMEM_FLOATS"]
+        assert smem * 4 <= 32 * 1024 and smem % 4 == 0
+        assert smem * 4 >= qmv_fast.shared_bytes(rows, k, bits, qmv_fast.METAL_SHARED_BUDGET)
+
+
+def test_metal_layout_emulates_correctly() -> None:
+    """The Metal budget's tiling (more, smaller tiles) gives the same result in the transcription."""
+    w, s, b = _quantized(16, 17408 // 4, bits=4, gs=64)
+    x = mx.random.normal((4, 17408 // 4))
+    template, shared, _, _ = qmv_fast.launch_config(
+        x, 16, group_size=64, bits=4, budget=qmv_fast.METAL_SHARED_BUDGET
+    )
+    got = emulate(np.array(x), np.array(w), np.array(s), np.array(b), template, shared)
+    np.testing.assert_allclose(got, _precise_reference(x, w, s, b, gs=64, bits=4), rtol=1e-4, atol=1e-2)
+
+
+def test_qmv_on_metal_uses_the_port_but_models_keep_stock(monkeypatch) -> None:
+    w, s, b = _quantized(8, 256, bits=8, gs=64)
+    calls = []
+    monkeypatch.setattr(qmv_fast, "backend", lambda: "metal")
+    monkeypatch.setattr(qmv_mod, "backend", lambda: "metal")
+    monkeypatch.setattr(qmv_mod, "qmv_fast", lambda *a, **kw: calls.append("v2"))
+    qmv(mx.zeros((3, 256)), w, s, b, group_size=64, bits=8)
+    qmv(mx.zeros((12, 256)), w, s, b, group_size=64, bits=8)  # neither kernel: the reference
+    assert calls == ["v2"]
+    assert not qmv_mod.prefer_kernel(3, bits=8, mode="affine")
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_metal_qmv_fast_matches_reference(rows: int, bits: int, dtype) -> None:
+    if backend() != "metal":
+        pytest.skip("needs Metal")
+    for n, k in ((2560, 2560), (1024 + 3, 9728)):
+        w, s, b = _quantized(n, k, bits=bits, gs=64, dtype=dtype)
+        x = mx.random.normal((rows, k)).astype(dtype)
+        got = np.array(qmv_fast.qmv_fast(x, w, s, b, group_size=64, bits=bits).astype(mx.float32))
+        ref = _precise_reference(x, w, s, b, gs=64, bits=bits)
+        rtol = {mx.bfloat16: 2**-7, mx.float16: 2**-10, mx.float32: 1e-5}[dtype]
+        np.testing.assert_allclose(got, ref, rtol=rtol, atol=1e-3 * np.abs(ref).max())

@@ -194,8 +194,9 @@ def route(rows: int, *, bits: int, mode: str) -> str:
 
 
 def prefer_kernel(rows: int, *, bits: int, mode: str) -> bool:
-    """Whether `qmv` beat MLX's stock quantized_matmul on the H200 for this case (CUDA_ROUTES)."""
-    return route(rows, bits=bits, mode=mode) != "stock"
+    """Whether a model should call `qmv` instead of MLX's stock quantized_matmul: only on CUDA,
+    where CUDA_ROUTES says a kernel beat stock on the H200 (Metal is unmeasured)."""
+    return backend() == "cuda" and route(rows, bits=bits, mode=mode) != "stock"
 
 
 def qmv_v1(
@@ -237,14 +238,14 @@ def qmv(
     bits: int,
     mode: str = "affine",
 ) -> mx.array:
-    """x [M, K] @ dequantize(w)[N, K]^T -> [M, N], through a kernel when the backend has one:
-    v2 (qmv_fast) where CUDA_ROUTES names it and it supports the call, else v1, else the reference."""
+    """x [M, K] @ dequantize(w)[N, K]^T -> [M, N], through a kernel when the backend has one.
+
+    CUDA: v2 (qmv_fast) where CUDA_ROUTES names it and it supports the call, else v1, else the
+    reference. Metal: the v2 port where it supports the call (unmeasured, so `prefer_kernel` keeps
+    models on the stock op there), else the reference."""
     rows = x.shape[0] if x.ndim == 2 else 0
-    if (
-        mode == "affine"
-        and route(rows, bits=bits, mode=mode) == "v2"
-        and supports_fast(x, w, scales, biases, group_size=group_size, bits=bits)
-    ):
+    fast = mode == "affine" and supports_fast(x, w, scales, biases, group_size=group_size, bits=bits)
+    if fast and (backend() == "metal" or route(rows, bits=bits, mode=mode) == "v2"):
         return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
     if supports(x, group_size=group_size, bits=bits, mode=mode):
         return qmv_v1(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)

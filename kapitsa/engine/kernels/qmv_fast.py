@@ -26,12 +26,14 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.metal import MetalKernel
 
 MAX_ROWS = 8
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
-SHARED_BUDGET = 44 * 1024  # under the 48 KiB a kernel gets without an opt-in
+SHARED_BUDGET = 44 * 1024  # under the 48 KiB a CUDA kernel gets without an opt-in
+METAL_SHARED_BUDGET = 28 * 1024  # Apple GPUs have 32 KiB of threadgroup memory
 PAD = 4  # floats after each staged chunk (bank-conflict-free float4 reads)
 
 _HEADER = r"""
@@ -218,6 +220,15 @@ _KERNEL = CudaKernel(
     header=_HEADER,
 )
 
+# The same algorithm for Apple GPUs (metal/qmv.metal, unverified on hardware): SMEM_FLOATS sizes
+# its threadgroup array, which Metal declares statically.
+_METAL_KERNEL = MetalKernel(
+    name="kapitsa_qmv_fast",
+    filename="qmv.metal",
+    input_names=("x", "w", "scales", "biases"),
+    output_names=("y",),
+)
+
 # (rows per warp, warps per block) by number of input rows: the register budget is about
 # R * (8 + 2M) floats, and a block keeps ~16 rows so staging x stays a few percent of the work.
 _SHAPE_BY_ROWS = {1: (4, 4), 2: (4, 4), 3: (4, 4), 4: (4, 4), 5: (2, 8), 6: (2, 8), 7: (2, 8), 8: (2, 8)}
@@ -228,20 +239,23 @@ def chunk_values(bits: int) -> int:
     return 128 // bits
 
 
-def tile_rounds(rows: int, k: int, bits: int) -> int:
-    """Rounds (32 chunks each) of x staged per tile: as many as fit SHARED_BUDGET, at least one."""
+def tile_rounds(rows: int, k: int, bits: int, budget: int | None = None) -> int:
+    """Rounds (32 chunks each) of x staged per tile: as many as fit the budget, at least one."""
     ch = chunk_values(bits)
     per_round = rows * 32 * (ch + PAD + 1) * 4
-    return max(1, min(math.ceil(k / ch / 32), SHARED_BUDGET // per_round))
+    budget = SHARED_BUDGET if budget is None else budget
+    return max(1, min(math.ceil(k / ch / 32), budget // per_round))
 
 
-def shared_bytes(rows: int, k: int, bits: int) -> int:
+def shared_bytes(rows: int, k: int, bits: int, budget: int | None = None) -> int:
     ch = chunk_values(bits)
-    tile_chunks = min(tile_rounds(rows, k, bits) * 32, k // ch)
+    tile_chunks = min(tile_rounds(rows, k, bits, budget) * 32, k // ch)
     return rows * tile_chunks * (ch + PAD + 1) * 4
 
 
-def launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> tuple[list, int, int, int]:
+def launch_config(
+    x: mx.array, n: int, *, group_size: int, bits: int, budget: int | None = None
+) -> tuple[list, int, int, int]:
     """(template arguments, shared bytes, grid threads, block threads) for one call."""
     rows, k = x.shape
     r, warps = _SHAPE_BY_ROWS[rows]
@@ -254,19 +268,29 @@ def launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> tuple[l
         ("BITS", bits),
         ("R", r),
         ("WARPS", warps),
-        ("TILE_ROUNDS", tile_rounds(rows, k, bits)),
+        ("TILE_ROUNDS", tile_rounds(rows, k, bits, budget)),
     ]
     blocks = math.ceil(n / (r * warps))
-    return template, shared_bytes(rows, k, bits), blocks * warps * 32, warps * 32
+    return template, shared_bytes(rows, k, bits, budget), blocks * warps * 32, warps * 32
+
+
+def metal_launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> tuple[list, int, int]:
+    """(template arguments incl. SMEM_FLOATS, grid threads, threadgroup threads) for Metal."""
+    template, shared, grid, block = launch_config(
+        x, n, group_size=group_size, bits=bits, budget=METAL_SHARED_BUDGET
+    )
+    return [*template, ("SMEM_FLOATS", math.ceil(shared / 16) * 4)], grid, block
 
 
 def supports_fast(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
-    """Whether the v2 kernel can run this call (CUDA backend, affine 4/8-bit, shapes it handles)."""
-    if backend() != "cuda" or biases is None or x.ndim != 2 or w.ndim != 2:
+    """Whether the v2 kernel can run this call (CUDA or Metal, affine 4/8-bit, shapes it handles)."""
+    if backend() not in ("cuda", "metal") or biases is None or x.ndim != 2 or w.ndim != 2:
         return False
     rows, k = x.shape
+    if backend() == "metal" and shared_bytes(rows, k, bits, METAL_SHARED_BUDGET) > METAL_SHARED_BUDGET:
+        return False  # one round of staged x (32 chunks per row) must fit Apple's 32 KiB
     return (
         1 <= rows <= MAX_ROWS
         and bits in BITS
@@ -285,6 +309,16 @@ def qmv_fast(
     """The v2 kernel: x [M, K] @ dequantize(w)[N, K]^T -> [M, N] in x's dtype. Callers check
     `supports_fast` first (qmv.qmv does, and falls back otherwise)."""
     n = w.shape[0]
+    if backend() == "metal":
+        template, grid, block = metal_launch_config(x, n, group_size=group_size, bits=bits)
+        return _METAL_KERNEL(
+            [x, w, scales, biases],
+            template=template,
+            grid=(grid, 1, 1),
+            threadgroup=(block, 1, 1),
+            output_shapes=[(x.shape[0], n)],
+            output_dtypes=[x.dtype],
+        )[0]
     template, shared, grid, block = launch_config(x, n, group_size=group_size, bits=bits)
     return _KERNEL(
         [x, w, scales, biases],
