@@ -220,10 +220,13 @@ def lanes_per_row(chunks: int) -> int:
 
 
 def tile_for(length: int, staged_rows: int, bits: int, budget: int) -> int:
-    """Largest multiple of 32 values (<= length) whose padded float tile for `staged_rows` fits."""
+    """Values per staged tile: a multiple of 32 whose padded float tile for `staged_rows` rows fits
+    `budget` bytes, the length split into equal tiles (no short last tile idling most lanes)."""
     vpc = values_per_chunk(bits)
     per_value = staged_rows * 4 * (vpc + 1) / vpc
-    return max(32, min(length, int(budget / per_value) // 32 * 32))
+    largest = max(32, int(budget / per_value) // 32 * 32)
+    tiles = -(-length // largest)
+    return -(-length // tiles // 32) * 32 if tiles > 1 else -(-length // 32) * 32
 
 
 @dataclass(frozen=True)
