@@ -9,11 +9,16 @@ the `gpu` (CUDA) and `metal` markers.
 
 from __future__ import annotations
 
+import pathlib
+import re
+import subprocess
+import tempfile
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from nvcc_check import compile_source, nvcc
+from nvcc_check import STUB, compile_source, nvcc
 
 from kapitsa.engine.cache import RecurrentCache, StepInfo
 from kapitsa.engine.kernels import backend, gdn
@@ -279,7 +284,8 @@ def test_kernel_transcription_matches_reference(chunk: int, masked: bool, layout
 
 
 @pytest.mark.parametrize("kind", ["cuda", "metal"])
-def test_launch_config_stays_within_limits(kind: str) -> None:
+def test_launch_config_stays_within_limits(kind: str, monkeypatch) -> None:
+    monkeypatch.setattr(gdn, "backend", lambda: kind)
     for dk in range(32, 257, 32):
         for dv in range(32, 257, 32):
             warps = gdn.warps_for(dk, dv, gdn.MAX_WARPS[kind])
@@ -291,6 +297,14 @@ def test_launch_config_stays_within_limits(kind: str) -> None:
             shared = values["TC"] * (4 * (2 * dk + dv) + 12)
             assert shared <= gdn.SHARED_BUDGET[kind] and values["TC"] >= 1
             assert group == (warps * 32, 1, 1) and grid == (3 * 4 * warps * 32, 1, 1)
+            rows, cols = dv // warps, dk // 32
+            supported = gdn.supports(
+                mx.zeros((1, 4, 2 * dk + dv)),
+                mx.zeros((2 * dk + dv, 4, 1)),
+                None,
+                **dict(num_k_heads=1, num_v_heads=1, head_k_dim=dk, head_v_dim=dv),
+            )
+            assert supported == (rows * cols <= gdn.MAX_STATE_FLOATS) == (dk * dv <= 16384)
     # The real models' heads: 16 warps x 8 rows x 4 columns per thread, one chunk for T <= 16.
     template, _, _ = gdn.launch_config("cuda", **_config_args(mx.bfloat16, T=16, dk=128, dv=128))
     assert dict(template)["NW"] == 16 and dict(template)["TC"] == 16
@@ -405,21 +419,34 @@ def test_gdn_step_equals_reference_off_gpu() -> None:
 # ----------------------------------------------------------------------- nvcc compile
 
 
-def _render(dtype, T: int, d: int, *, has_mask: bool = True, has_state: bool = True, layouts=None) -> str:
-    config = dict(_config_args(dtype, T=T, dk=d, dv=d, has_mask=has_mask), has_state=has_state)
-    template, _, _ = gdn.launch_config("cuda", **config, layouts=layouts)
+def _render(dtype, T: int, dk: int, dv: int | None = None, **config) -> tuple[str, int]:
+    """(MLX's translation unit, threads per block) of one launch of the CUDA kernel."""
+    layouts = config.pop("layouts", None)
+    args = dict(_config_args(dtype, T=T, dk=dk, dv=dv or dk), **config)
+    template, _, group = gdn.launch_config("cuda", **args, layouts=layouts)
     inputs = [dtype, dtype, dtype, dtype, mx.float32, dtype, dtype, dtype, mx.float32, mx.bool_]
-    return gdn.CUDA_KERNEL.render(inputs, [dtype, mx.float32], template)
+    return gdn.CUDA_KERNEL.render(inputs, [dtype, mx.float32], template), group[0]
 
 
+PACKED = {"Z": (1234, 256 + 128, 2, 1024 + 8), "A": (1234, 1026, 2, 4), "B": (1234, 1024, 2, 4)}
 VARIANTS = [
-    (dtype, T, d) for dtype in (mx.bfloat16, mx.float16, mx.float32) for T in (1, 4, 16) for d in (128, 64)
+    *(
+        (dtype, T, d)
+        for dtype in (mx.bfloat16, mx.float16, mx.float32)
+        for T in (1, 4, 16)
+        for d in (128, 64)
+    ),
+    (mx.bfloat16, 8, 64, 256),  # other head shapes at the 32-floats-per-thread limit
+    (mx.float32, 16, 256, 64),
+    (mx.float32, gdn.MAX_T, 128),  # several shared-memory chunks
+    (mx.bfloat16, 2, 128, 128, dict(has_mask=False, has_state=False)),
+    (mx.bfloat16, 4, 128, 128, dict(layouts=PACKED)),  # z/a/b read from a fused projection
 ]
 
 
 def one_translation_unit(sources: list[str]) -> str:
-    """The variants in one file (MLX's shared prelude once, each kernel renamed): one nvcc run
-    instead of one per variant."""
+    """The variants in one file (MLX's shared prelude once, each kernel renamed `..._v<i>`): one
+    nvcc run instead of one per variant."""
     marker = "namespace mlx::core::cu {"
     name = "custom_kernel_kapitsa_gdn_step"
     kernels = [
@@ -428,24 +455,49 @@ def one_translation_unit(sources: list[str]) -> str:
     return "\n".join([sources[0].split(marker, 1)[0], *kernels])
 
 
+def compile_with_resources(source: str) -> tuple[bool, str, dict[int, dict[str, int]]]:
+    """nvcc to a sm_90 cubin with ptxas's resource report: (ok, log, {variant: usage})."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "kernel.cu"
+        path.write_text(source)
+        cmd = [nvcc(), "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-I", str(STUB)]
+        proc = subprocess.run(
+            [*cmd, "-o", str(path.with_suffix(".cubin")), str(path)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    log = proc.stdout + proc.stderr
+    usage: dict[int, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '.*gdn_step_v(\d+)", line):
+            current = int(m.group(1))
+        elif current is not None and (m := re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)):
+            usage.setdefault(current, {}).update(registers=int(m.group(1)), smem=int(m.group(2)))
+        elif current is not None and (m := re.search(r"(\d+) bytes spill stores", line)):
+            usage.setdefault(current, {})["spills"] = int(m.group(1))
+    return proc.returncode == 0, log, usage
+
+
 @pytest.mark.skipif(nvcc() is None, reason="nvcc not installed")
-def test_every_cuda_variant_compiles() -> None:
-    sources = [_render(*v) for v in VARIANTS]
-    packed = {"Z": (1234, 256 + 128, 2, 1024 + 8), "A": (1234, 1026, 2, 4), "B": (1234, 1024, 2, 4)}
-    sources += [
-        _render(mx.bfloat16, 8, 256),
-        _render(mx.bfloat16, 2, 128, has_mask=False, has_state=False),
-        _render(mx.bfloat16, 4, 128, layouts=packed),  # z/a/b read from a fused projection
-    ]
-    ok, log = compile_source(one_translation_unit(sources))
+def test_every_cuda_variant_compiles_and_fits_an_sm() -> None:
+    """No __launch_bounds__ (MLX writes the signature), so check what a launch needs: registers x
+    threads within the SM's 64K registers, static shared memory under 48 KiB, no spills."""
+    rendered = [_render(*v[:4], **(v[4] if len(v) > 4 else {})) for v in VARIANTS]
+    ok, log, usage = compile_with_resources(one_translation_unit([src for src, _ in rendered]))
     assert ok, log[-4000:]
     assert "warning" not in log.lower(), log[-4000:]
+    assert sorted(usage) == list(range(len(VARIANTS))), log[-4000:]
+    for i, (_, threads) in enumerate(rendered):
+        assert usage[i]["registers"] * threads <= 65536, (VARIANTS[i], usage[i], threads)
+        assert usage[i]["smem"] <= 48 * 1024 and usage[i]["spills"] == 0, (VARIANTS[i], usage[i])
 
 
 @pytest.mark.skipif(nvcc() is None, reason="nvcc not installed")
 def test_a_broken_variant_fails_the_combined_compile() -> None:
     """Negative control: one bad kernel among good ones is caught."""
-    good = _render(mx.bfloat16, 1, 128)
+    good, _ = _render(mx.bfloat16, 1, 128)
     bad = good.replace(
         "const int tn = min(TC, NT - t0);", "const int tn = min(TC, NT - t0) + undefined_symbol;"
     )
@@ -508,11 +560,19 @@ def test_cuda_gdn_step_matches_reference(shape, B, T, dtype, masked) -> None:
 
 @pytest.mark.gpu
 def test_cuda_gdn_step_without_state_and_long_chunks() -> None:
-    """No incoming state (first step), and T = MAX_T with head dims 256 (several shared chunks)."""
+    """No incoming state (first step); T = MAX_T (several shared-memory chunks) with other head
+    dims at the register limit."""
     if backend() != "cuda":
         pytest.skip("needs the CUDA backend")
-    for B, T, hk, hv, d, state in ((2, 3, 16, 48, 128, False), (1, gdn.MAX_T, 2, 4, 256, True)):
-        args, heads = make_inputs(B, T, hk, hv, d, d, state=state, seed=T)
+    cases = (
+        (2, 3, 16, 48, 128, 128, False),
+        (1, gdn.MAX_T, 2, 4, 64, 256, True),
+        (2, 5, 1, 3, 256, 64, True),
+    )
+    for B, T, hk, hv, dk, dv, state in cases:
+        args, heads = make_inputs(B, T, hk, hv, dk, dv, state=state, seed=T)
+        dims = {k: heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")}
+        assert gdn.supports(args["conv_in"], args["conv_weight"], args["state"], **dims)
         out, new_state = gdn.gdn_step(**args, **heads)
         ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
         assert rel_err(out, ref_out) < 1e-4 and rel_err(new_state, ref_state) < 1e-4

@@ -35,9 +35,13 @@ from kapitsa.errors import KapitsaError
 MAX_T = 64  # longer inputs (prefill) go to the chunked op path; one block per head would serialise them
 MAX_HEAD_DIM = 256
 MAX_CONV_KERNEL = 8
-MAX_STATE_FLOATS = 64  # per thread: Dv/NW rows x Dk/32 columns
+# State floats per thread (Dv/NW rows x Dk/32 columns). MLX writes the kernel signature, so there
+# is no __launch_bounds__: registers x threads must fit the SM's 64K by construction. ptxas gives
+# 56-72 registers at 32 floats (x 512 threads: half the SM) but 128 at 64 floats with 16 rows, so
+# heads beyond Dk*Dv = 16384 (e.g. 256x128) take the reference. The compile test checks this.
+MAX_STATE_FLOATS = 32
 SHARED_BUDGET = {"cuda": 40 * 1024, "metal": 28 * 1024}  # under 48 KiB (CUDA) / 32 KiB (Metal)
-MAX_WARPS = {"cuda": 32, "metal": 16}  # Metal pipelines may not reach 1024 threads
+MAX_WARPS = {"cuda": 16, "metal": 16}
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 INPUT_NAMES = ("conv_in", "conv_w", "a_in", "b_in", "a_log", "dt_bias", "z", "norm_w", "state_in", "mask")
 OUTPUT_NAMES = ("out", "state_out")
@@ -215,9 +219,11 @@ def check_shapes(
 
 
 def warps_for(dk: int, dv: int, max_warps: int) -> int:
-    """Warps per block: about 32 state floats per thread, a divisor of Dv so rows split evenly."""
-    target = max(1, min(max_warps, dv * dk // 1024))
-    return max(d for d in range(1, target + 1) if dv % d == 0)
+    """Warps per block: a divisor of Dv (rows split evenly), the fewest that keep the state at
+    MAX_STATE_FLOATS per thread (the most allowed when none does; `supports` then says no)."""
+    divisors = [d for d in range(1, max_warps + 1) if dv % d == 0]
+    fitting = [d for d in divisors if (dv // d) * (dk // 32) <= MAX_STATE_FLOATS]
+    return min(fitting) if fitting else max(divisors)
 
 
 def supports(
