@@ -90,15 +90,14 @@ inline void gdn_store_row(device float* row, int lane, thread const float (&src)
       const float x = gdn_round<T>(acc);
       qkv_s[i] = gdn_round<T>(x * gdn_round<T>(gdn_sigmoid(x)));
     }
-    if (tid < tn) {
-      const int t = t0 + tid;
-      const int row = bi * NT + t;
+    for (int i = tid; i < tn; i += NW * 32) {  // a threadgroup may have fewer threads than tokens
+      const int row = bi * NT + t0 + i;
       const int ai = row * A_ROW + A_OFF + (h / A_GROUP) * A_GSTRIDE + h % A_GROUP;
       const int bj = row * B_ROW + B_OFF + (h / B_GROUP) * B_GSTRIDE + h % B_GROUP;
       const float dt = gdn_round<ST>(float(a_in[ai]) + float(dt_bias[h]));
-      g_s[tid] = metal::exp(-metal::exp(float(a_log[h])) * gdn_softplus(dt));
-      beta_s[tid] = gdn_round<BT>(gdn_sigmoid(float(b_in[bj])));
-      keep_s[tid] = HAS_MASK ? int(mask[bi * NT + t]) : 1;
+      g_s[i] = metal::exp(-metal::exp(float(a_log[h])) * gdn_softplus(dt));
+      beta_s[i] = gdn_round<BT>(gdn_sigmoid(float(b_in[bj])));
+      keep_s[i] = HAS_MASK ? int(mask[row]) : 1;
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     // 2. q and k: x * rsqrt(mean(x^2) + eps/DK), then the readout scale.

@@ -439,6 +439,7 @@ VARIANTS = [
     (mx.bfloat16, 8, 64, 256),  # other head shapes at the 32-floats-per-thread limit
     (mx.float32, 16, 256, 64),
     (mx.float32, gdn.MAX_T, 128),  # several shared-memory chunks
+    (mx.bfloat16, gdn.MAX_T, 32),  # one warp per block
     (mx.bfloat16, 2, 128, 128, dict(has_mask=False, has_state=False)),
     (mx.bfloat16, 4, 128, 128, dict(layouts=PACKED)),  # z/a/b read from a fused projection
 ]
@@ -568,6 +569,7 @@ def test_cuda_gdn_step_without_state_and_long_chunks() -> None:
         (2, 3, 16, 48, 128, 128, False),
         (1, gdn.MAX_T, 2, 4, 64, 256, True),
         (2, 5, 1, 3, 256, 64, True),
+        (2, 40, 1, 2, 32, 32, True),  # one warp per block, more tokens than threads
     )
     for B, T, hk, hv, dk, dv, state in cases:
         args, heads = make_inputs(B, T, hk, hv, dk, dv, state=state, seed=T)
