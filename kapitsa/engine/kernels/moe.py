@@ -17,6 +17,7 @@ Larger batches (prefill) keep `mx.gather_qmm`, which sorts pairs by expert and r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,7 +25,7 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel
-from kapitsa.engine.kernels.metal import MetalKernel
+from kapitsa.engine.kernels.metal import read_source
 from kapitsa.engine.ops.moe import QuantizedSwitchLinear, SwitchGLU, SwitchReluSquared
 from kapitsa.errors import KapitsaError
 
@@ -253,8 +254,8 @@ class Plan:
     def out_static_bytes(self) -> int:
         return 3 * 4 * self.pairs + 2 * 4 * self.pairs * self.tokens + 16
 
-    def hidden_template(self, x_dtype, s_dtype, i_dtype) -> list:
-        tile = tile_for(self.n_in, self.tokens, self.bits, SHARED_BUDGET - self.hidden_static_bytes)
+    def hidden_template(self, x_dtype, s_dtype, i_dtype, budget: int = SHARED_BUDGET) -> list:
+        tile = tile_for(self.n_in, self.tokens, self.bits, budget - self.hidden_static_bytes)
         nw = 2 if self.kind == "swiglu" else 1
         return [
             ("T", x_dtype), ("S", s_dtype), ("I", i_dtype),
@@ -264,8 +265,8 @@ class Plan:
             ("TILE", tile), ("U", 4 // nw),
         ]  # fmt: skip
 
-    def out_template(self, y_dtype, s_dtype, i_dtype, sc_dtype) -> list:
-        tile = tile_for(self.hidden, self.pairs, self.bits, SHARED_BUDGET - self.out_static_bytes)
+    def out_template(self, y_dtype, s_dtype, i_dtype, sc_dtype, budget: int = SHARED_BUDGET) -> list:
+        tile = tile_for(self.hidden, self.pairs, self.bits, budget - self.out_static_bytes)
         return [
             ("T", y_dtype), ("S", s_dtype), ("I", i_dtype), ("SC", sc_dtype),
             ("M", self.tokens), ("K", self.k), ("E", self.experts), ("D", self.hidden), ("N", self.n_out),
@@ -593,33 +594,59 @@ def _run_cuda(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], se
 
 
 # ----------------------------------------------------------------------------------------------
-# Metal: one source (metal/moe.metal) holds both phases; PHASE picks one. Both phases take the
-# same inputs so one body compiles for either (unused stacks get a one-element stand-in).
+# Metal: metal/moe.metal holds both bodies (hidden after "---- body ----", out after
+# "---- out body ----"); threadgroup memory is 32 KiB there, so tiles are planned smaller.
 
-METAL_KERNEL = MetalKernel(
-    name="kapitsa_moe",
-    filename="moe.metal",
-    input_names=("x", "indices", "scores", "w0", "s0", "b0", "w1", "s1", "b1"),
-    output_names=("out",),
-)
+METAL_BUDGET = 28 * 1024
+OUT_BODY_MARKER = "// ---- out body ----"
+_METAL_POINTERS = {
+    1: "const device uint32_t* wp[1] = {w0}; const device S* sp[1] = {s0}; const device S* bp[1] = {b0};",
+    2: "const device uint32_t* wp[2] = {w0, w1}; const device S* sp[2] = {s0, s1}; "
+    "const device S* bp[2] = {b0, b1};",
+}
+
+
+@functools.cache
+def metal_kernels(kind: str):
+    """(hidden, out) kernels from metal/moe.metal, called like CudaKernel (no shared_memory)."""
+    header, bodies = read_source("moe.metal")
+    hidden_body, out_body = bodies.split(OUT_BODY_MARKER, 1)
+    nw = 2 if kind == "swiglu" else 1
+    hidden = mx.fast.metal_kernel(
+        name=f"kapitsa_moe_hidden_{kind}",
+        input_names=list(hidden_kernel(kind).input_names),
+        output_names=["h"],
+        source=hidden_body.replace("WEIGHT_POINTERS", _METAL_POINTERS[nw]),
+        header=header,
+    )
+    out = mx.fast.metal_kernel(
+        name="kapitsa_moe_out",
+        input_names=list(OUT_KERNEL.input_names),
+        output_names=["y"],
+        source=out_body,
+        header=header,
+    )
+    return hidden, out
 
 
 def _run_metal(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], second: QuantStack):
+    hidden, out = metal_kernels(plan.kind)
     s_dtype = stacks[0].scales.dtype
-    t1 = plan.hidden_template(x.dtype, s_dtype, indices.dtype)
-    up = stacks[-1]
-    h = METAL_KERNEL(
-        [x, indices, scores, *stacks[0], *up],
-        template=[("PHASE", 1), ("SC", scores.dtype), *t1],
+    t1 = plan.hidden_template(x.dtype, s_dtype, indices.dtype, budget=METAL_BUDGET)
+    weights = [a for s in stacks for a in (s.weight, s.scales.astype(s_dtype), s.biases.astype(s_dtype))]
+    h = hidden(
+        inputs=[x, indices, *weights],
+        template=t1,
         grid=(plan.blocks(plan.hidden, t1) * WARPS * 32, plan.pairs, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(plan.pairs, plan.hidden)],
         output_dtypes=[mx.float32],
     )[0]
-    t2 = plan.out_template(x.dtype, second.scales.dtype, indices.dtype, scores.dtype)
-    return METAL_KERNEL(
-        [h, indices, scores, *second, *second],
-        template=[("PHASE", 2), ("NW", 1), ("KIND", 0), *t2],
+    s2 = second.scales.dtype
+    t2 = plan.out_template(x.dtype, s2, indices.dtype, scores.dtype, budget=METAL_BUDGET)
+    return out(
+        inputs=[h, indices, scores, second.weight, second.scales, second.biases.astype(s2)],
+        template=t2,
         grid=(plan.blocks(plan.n_out, t2) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(plan.tokens, plan.n_out)],
