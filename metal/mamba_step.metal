@@ -4,6 +4,9 @@
 // (mamba.py splits them). A simdgroup plays the CUDA warp (32 lanes), simd_sum its shuffles.
 // Not run on Apple hardware yet; see tests/kernels/test_mamba_kernel.py (marker `metal`).
 
+// Registers indexed by loop counters must stay registers: unroll those loops fully.
+#define KM_UNROLL _Pragma("clang loop unroll(full)")
+
 // V consecutive floats from device memory (16- or 8-byte aligned: N is a multiple of 32).
 template <int V>
 inline void km_load(const device float* src, thread float* dst) {
@@ -27,11 +30,6 @@ inline void km_store(device float* dst, const thread float* src) {
   } else {
     dst[0] = src[0];
   }
-}
-
-template <int V>
-inline void km_load_shared(const threadgroup float* src, thread float* dst) {
-  for (int v = 0; v < V; ++v) dst[v] = src[v];
 }
 
 inline float km_silu(float v) { return v / (1.0f + metal::exp(-v)); }
@@ -65,7 +63,9 @@ inline float km_softplus(float v) { return metal::max(v, 0.0f) + metal::log(1.0f
   const float lo = as_type<float>(LO_BITS), hi = as_type<float>(HI_BITS);
   const ulong row0 = ((ulong)(b * H + h) * P + p0 + warp * RPW) * N;
   float s[RPW][PER_LANE];
+  KM_UNROLL
   for (int r = 0; r < RPW; ++r) {
+    KM_UNROLL
     for (int j = 0; j < PER_LANE / VEC; ++j)
       km_load<VEC>(state_in + row0 + r * N + (j * 32 + lane) * VEC, &s[r][j * VEC]);
   }
@@ -85,7 +85,7 @@ inline float km_softplus(float v) { return metal::max(v, 0.0f) + metal::log(1.0f
       else if (k < ROWS + N) b_s[tt][k - ROWS] = v;
       else c_s[tt][k - ROWS - N] = v;
     }
-    if (tid < tn) {  // threads >= 128 >= TC
+    if (tid < tn) {  // threads >= 64 >= TC
       const int t = t0 + tid;
       const float raw = static_cast<float>(dt_raw[((ulong)b * TOKENS + t) * H + h]) + bias_dt;
       float v = metal::min(metal::max(km_softplus(raw), lo), hi);
@@ -97,14 +97,20 @@ inline float km_softplus(float v) { return metal::max(v, 0.0f) + metal::log(1.0f
     for (int tt = 0; tt < tn; ++tt) {
       const float dtv = dt_s[tt], decay = decay_s[tt];
       float bv[PER_LANE], cv[PER_LANE];
+      KM_UNROLL
       for (int j = 0; j < PER_LANE / VEC; ++j) {
-        km_load_shared<VEC>(&b_s[tt][(j * 32 + lane) * VEC], &bv[j * VEC]);
-        km_load_shared<VEC>(&c_s[tt][(j * 32 + lane) * VEC], &cv[j * VEC]);
+        KM_UNROLL
+        for (int v = 0; v < VEC; ++v) {
+          bv[j * VEC + v] = b_s[tt][(j * 32 + lane) * VEC + v];
+          cv[j * VEC + v] = c_s[tt][(j * 32 + lane) * VEC + v];
+        }
       }
+      KM_UNROLL
       for (int r = 0; r < RPW; ++r) {
         const float xv = x_s[tt][warp * RPW + r];
         const float inject = dtv * xv;
         float acc = 0.0f;
+        KM_UNROLL
         for (int i = 0; i < PER_LANE; ++i) {
           s[r][i] = metal::fma(s[r][i], decay, inject * bv[i]);
           acc = metal::fma(s[r][i], cv[i], acc);
@@ -119,7 +125,9 @@ inline float km_softplus(float v) { return metal::max(v, 0.0f) + metal::log(1.0f
       y[((ulong)b * TOKENS + t0 + tt) * INNER + h * P + p0 + r] = y_s[tt][r];
     }
   }
+  KM_UNROLL
   for (int r = 0; r < RPW; ++r) {
+    KM_UNROLL
     for (int j = 0; j < PER_LANE / VEC; ++j)
       km_store<VEC>(state_out + row0 + r * N + (j * 32 + lane) * VEC, &s[r][j * VEC]);
   }

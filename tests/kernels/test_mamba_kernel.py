@@ -1,10 +1,11 @@
 """The fused Mamba-2 step against its reference, and the reference against the model.
 
-No GPU here, so the CUDA source is checked three ways on CPU: nvcc compiles every launched
-template variant for sm_90; the exact kernel bodies run under a small C++ host emulation of the
-CUDA execution model (one std::thread per CUDA thread, barriers for __syncthreads and for warp
-shuffles) and are compared with the reference; and the host logic (shapes, dispatch) is tested
-directly. The kernels on a real device are the `gpu` (and `metal`) marked tests.
+No GPU here, so the kernels are checked on CPU three ways: nvcc compiles every launched CUDA
+template variant for sm_90; the exact CUDA and Metal kernel bodies run under a small C++ host
+emulation of the GPU execution model (one std::thread per GPU thread, barriers for
+__syncthreads / threadgroup_barrier and for warp shuffles / simd_sum) and are compared with the
+reference; and the host logic (shapes, dispatch, fallback) is tested directly. The kernels on a
+real device are the `gpu` (CUDA) and `metal` marked tests.
 """
 
 from __future__ import annotations
@@ -227,13 +228,17 @@ def test_float_bits_round_trip() -> None:
         assert np.array([bits], np.int32).view(np.float32)[0] == np.float32(value)
 
 
-# -- the CUDA bodies under a host emulation of the CUDA execution model -------------------------
+# -- the kernel bodies under a host emulation of the GPU execution model ------------------------
+#
+# Each kernel body becomes a plain C++ function with the same parameters and constants; every GPU
+# thread is a std::thread, a block's shared memory is a function-level static (one block runs at
+# a time), __syncthreads / threadgroup_barrier is a block-wide std::barrier, and warp shuffles /
+# simd_sum exchange values through a per-warp buffer between two per-warp barriers.
 
 CUDA_INCLUDE = pathlib.Path("/usr/local/cuda/include")
-_EMULATION_PRELUDE = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <vector_types.h>
+
+# Before any prelude: the Metal one defines macros (`thread`, `device`) the C++ library would trip on.
+_STD_INCLUDES = r"""
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -243,40 +248,106 @@ _EMULATION_PRELUDE = r"""
 #include <memory>
 #include <thread>
 #include <vector>
+using HostThread = std::thread;
+"""
+
+_CUDA_PRELUDE = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <vector_types.h>
 #undef __device__
 #undef __forceinline__
 #undef __shared__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static  // one block runs at a time, so a static is that block's shared memory
+#define __shared__ static
 struct Dim3 { unsigned x, y, z; };
 thread_local Dim3 threadIdx;
-Dim3 blockIdx, blockDim;
-static std::unique_ptr<std::barrier<>> block_barrier;
-static std::unique_ptr<std::barrier<>> warp_barrier[32];
-static float lanes[32][32];
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
-  const unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
-  lanes[w][l] = v;
-  warp_barrier[w]->arrive_and_wait();
-  const float other = lanes[w][l ^ offset];
-  warp_barrier[w]->arrive_and_wait();
-  return other;
-}
+Dim3 blockIdx;
+void set_block(unsigned x, unsigned y, unsigned z) { blockIdx = {x, y, z}; }
+void set_thread(unsigned t) { threadIdx = {t, 0, 0}; }
+unsigned thread_id() { return threadIdx.x; }
+void block_sync();
+float warp_exchange(float v, unsigned from_lane);
+inline void __syncthreads() { block_sync(); }
+inline float __shfl_xor_sync(unsigned, float v, int offset) { return warp_exchange(v, (threadIdx.x % 32) ^ offset); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 using std::min;
-template <class F> void launch(Dim3 grid, unsigned threads, F body) {
-  blockDim = {threads, 1, 1};
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = {x, y, z};
+"""
+
+_METAL_PRELUDE = r"""
+typedef unsigned long ulong;
+typedef _Float16 half;
+struct bfloat16_t {  // round-to-nearest-even, as Metal's bfloat conversion
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f) { uint32_t u; std::memcpy(&u, &f, 4); bits = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; }
+  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct float2 { float x, y; float2() = default; float2(float a, float b) : x(a), y(b) {} };
+struct float4 {
+  float x, y, z, w;
+  float4() = default;
+  float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+};
+struct uint3 { unsigned x, y, z; };
+#define device
+#define constant
+#define thread
+#define threadgroup static
+namespace metal {
+using std::abs; using std::exp; using std::fma; using std::log;
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline int min(int a, int b) { return std::min(a, b); }
+inline float rsqrt(float x) { return 1.f / std::sqrt(x); }
+}
+enum class mem_flags { mem_threadgroup };
+template <class T> T as_type(int i) { T f; std::memcpy(&f, &i, 4); return f; }
+uint3 threadgroup_position_in_grid;
+thread_local unsigned thread_index_in_threadgroup;
+void set_block(unsigned x, unsigned y, unsigned z) { threadgroup_position_in_grid = {x, y, z}; }
+void set_thread(unsigned t) { thread_index_in_threadgroup = t; }
+unsigned thread_id() { return thread_index_in_threadgroup; }
+void block_sync();
+float warp_exchange(float v, unsigned from_lane);
+inline void threadgroup_barrier(mem_flags) { block_sync(); }
+float warp_sum(float v);
+inline float simd_sum(float v) { return warp_sum(v); }
+"""
+
+_RUNTIME = r"""
+static std::unique_ptr<std::barrier<>> block_barrier;
+static std::unique_ptr<std::barrier<>> warp_barrier[32];
+static float lanes[32][32];
+void block_sync() { block_barrier->arrive_and_wait(); }
+float warp_exchange(float v, unsigned from_lane) {
+  const unsigned w = thread_id() / 32, l = thread_id() % 32;
+  lanes[w][l] = v;
+  warp_barrier[w]->arrive_and_wait();
+  const float other = lanes[w][from_lane];
+  warp_barrier[w]->arrive_and_wait();
+  return other;
+}
+float warp_sum(float v) {
+  const unsigned w = thread_id() / 32, l = thread_id() % 32;
+  lanes[w][l] = v;
+  warp_barrier[w]->arrive_and_wait();
+  float total = 0.f;
+  for (unsigned i = 0; i < 32; ++i) total += lanes[w][i];
+  warp_barrier[w]->arrive_and_wait();
+  return total;
+}
+template <class F> void launch(unsigned gx, unsigned gy, unsigned gz, unsigned threads, F body) {
+  for (unsigned z = 0; z < gz; ++z)
+    for (unsigned y = 0; y < gy; ++y)
+      for (unsigned x = 0; x < gx; ++x) {
+        set_block(x, y, z);
         block_barrier = std::make_unique<std::barrier<>>(threads);
         for (unsigned w = 0; w < threads / 32; ++w) warp_barrier[w] = std::make_unique<std::barrier<>>(32);
-        std::vector<std::thread> pool;
-        for (unsigned t = 0; t < threads; ++t) pool.emplace_back([t, &body] { threadIdx = {t, 0, 0}; body(); });
+        std::vector<HostThread> pool;
+        for (unsigned t = 0; t < threads; ++t) pool.emplace_back([t, &body] { set_thread(t); body(); });
         for (auto& th : pool) th.join();
       }
 }
@@ -300,13 +371,18 @@ template <class T> void save(const char* path, Buffer<T>& v) {
 }
 """
 
-_CXX_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.bool_: "bool"}
+_TYPES = {
+    "cuda": {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.bool_: "bool"},
+    "metal": {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t", mx.bool_: "bool"},
+}
 
 
-def _emulated_function(name, kernel, in_dtypes, out_dtypes, template) -> str:
+def _emulated_function(name, source, names, dtypes, template, types) -> str:
     """A kernel as a plain host function: the same parameter list, constants and body."""
-    params = [f"const {_CXX_TYPES[d]}* {n}" for n, d in zip(kernel.input_names, in_dtypes, strict=True)]
-    params += [f"{_CXX_TYPES[d]}* {n}" for n, d in zip(kernel.output_names, out_dtypes, strict=True)]
+    inputs, outputs = names
+    in_dtypes, out_dtypes = dtypes
+    params = [f"const {types[d]}* {n}" for n, d in zip(inputs, in_dtypes, strict=True)]
+    params += [f"{types[d]}* {n}" for n, d in zip(outputs, out_dtypes, strict=True)]
     consts = []
     for key, value in template:
         if isinstance(value, bool):
@@ -314,8 +390,8 @@ def _emulated_function(name, kernel, in_dtypes, out_dtypes, template) -> str:
         elif isinstance(value, int):
             consts.append(f"constexpr int {key} = {value};")
         else:
-            consts.append(f"using {key} = {_CXX_TYPES[value]};")
-    return f"void {name}({', '.join(params)}) {{\n" + "\n".join(consts) + kernel.source + "}\n"
+            consts.append(f"using {key} = {types[value]};")
+    return f"void {name}({', '.join(params)}) {{\n" + "\n".join(consts) + source + "}\n"
 
 
 def _raw(a: mx.array) -> np.ndarray:
@@ -325,42 +401,71 @@ def _raw(a: mx.array) -> np.ndarray:
     return np.array(a)
 
 
-def emulate_cuda_step(args: dict, dims: dict, mask=None) -> tuple[mx.array, mx.array]:
-    """Run the two CUDA bodies, exactly as `_launch` would launch them, on the host."""
-    step, norm = mk.cuda_kernels()
+def _kernel_sources(which: str) -> tuple[str, str, str, str]:
+    """(prelude, header, step body, norm body) for one backend's kernels."""
+    if which == "cuda":
+        step, norm = mk.cuda_kernels()
+        return _CUDA_PRELUDE, mk._HEADER, step.source, norm.source
+    header, step, norm = mk.metal_sources()
+    return _METAL_PRELUDE, header, step, norm
+
+
+def _main(inputs, gate_dt, B, T, d: mk.Dims, types) -> str:
+    """main(): load the inputs, launch both kernels with `_launch`'s grids, save the outputs."""
+    rows = mk.rows_per_block(T)
+    inner, n_state = d.inner, B * d.heads * d.head_dim * d.state_size
+    lines = ["int main() {"]
+    for i, (a, name) in enumerate(zip(inputs, mk.STEP_INPUTS, strict=True)):
+        lines.append(f'auto {name} = load<{types[a.dtype]}>("in{i}.bin", {a.size});')
+    lines.append(f'auto gate = load<{types[gate_dt]}>("gate.bin", {B * T * inner});')
+    lines.append(f'auto norm_w = load<{types[gate_dt]}>("norm_w.bin", {inner});')
+    lines.append(f"Buffer<float> y({B * T * inner}), state_out({n_state});")
+    lines.append(f"Buffer<{types[gate_dt]}> out({B * T * inner});")
+    call = ", ".join(f"{n}.data()" for n in (*mk.STEP_INPUTS, *mk.STEP_OUTPUTS))
+    lines.append(f"launch({d.head_dim // rows}, {d.heads}, {B}, {rows // mk.ROWS_PER_WARP * 32},")
+    lines.append(f"       [&] {{ step_fn({call}); }});")
+    lines.append(f"launch({d.groups}, {B * T}, 1, {mk.NORM_THREADS},")
+    lines.append("       [&] { norm_fn(y.data(), gate.data(), norm_w.data(), out.data()); });")
+    lines.append('save("state_out.bin", state_out); save("out.bin", out);\nreturn 0;\n}')
+    return "\n".join(lines)
+
+
+def emulate_step(which: str, args: dict, dims: dict, mask=None) -> tuple[mx.array, mx.array]:
+    """Run one backend's two kernel bodies on the host, launched as `_launch` launches them."""
+    types = _TYPES[which]
     d = mk.Dims(**dims)
     B, T = args["dt"].shape[:2]
-    K = args["conv_weight"].shape[1]
-    bias = args["conv_bias"] if args["conv_bias"] is not None else mx.zeros((1,), args["conv_in"].dtype)
-    inputs = [args[k] for k in ("conv_in", "conv_weight")] + [bias]
-    inputs += [args[k] for k in ("dt", "dt_bias", "A_log", "D")] + [args["state"].astype(mx.float32)]
-    inputs += [mask if mask is not None else mx.ones((1,), mx.bool_)]
-    step_t = mk.step_template(T, K, d, has_bias=args["conv_bias"] is not None, has_mask=mask is not None)
-    norm_t = mk.norm_template(args["gate"].dtype, d)
-    rows = mk.rows_per_block(T)
-    inner, gate_dt = d.inner, args["gate"].dtype
-    in_dtypes = [a.dtype for a in inputs]
-    n_state = B * d.heads * d.head_dim * d.state_size
-    main = ["int main() {"]
-    for i, (a, nm) in enumerate(zip(inputs, step.input_names, strict=True)):
-        main.append(f'auto {nm} = load<{_CXX_TYPES[a.dtype]}>("in{i}.bin", {a.size});')
-    main.append(f'auto gate = load<{_CXX_TYPES[gate_dt]}>("gate.bin", {B * T * inner});')
-    main.append(f'auto norm_w = load<{_CXX_TYPES[gate_dt]}>("norm_w.bin", {inner});')
-    main.append(f"Buffer<float> y({B * T * inner}), state_out({n_state});")
-    main.append(f"Buffer<{_CXX_TYPES[gate_dt]}> out({B * T * inner});")
-    call = ", ".join(f"{nm}.data()" for nm in (*step.input_names, *step.output_names))
-    main.append(f"launch({{{d.head_dim // rows}, {d.heads}, {B}}}, {rows // mk.ROWS_PER_WARP * 32},")
-    main.append(f"       [&] {{ step_fn({call}); }});")
-    main.append(f"launch({{{d.groups}, {B * T}, 1}}, {mk.NORM_THREADS},")
-    main.append("       [&] { norm_fn(y.data(), gate.data(), norm_w.data(), out.data()); });")
-    main.append('save("y.bin", y); save("state_out.bin", state_out); save("out.bin", out);\nreturn 0;\n}')
+    has_bias, gate_dt = args["conv_bias"] is not None, args["gate"].dtype
+    bias = args["conv_bias"] if has_bias else mx.zeros((1,), args["conv_in"].dtype)
+    inputs = [args["conv_in"], args["conv_weight"], bias, args["dt"], args["dt_bias"], args["A_log"]]
+    inputs += [args["D"], args["state"].astype(mx.float32), mx.ones((1,), mx.bool_) if mask is None else mask]
+    step_t = mk.step_template(
+        T, args["conv_weight"].shape[1], d, has_bias=has_bias, has_mask=mask is not None
+    )
+    prelude, header, step, norm = _kernel_sources(which)
     source = "\n".join(
         [
-            _EMULATION_PRELUDE,
-            mk._HEADER,
-            _emulated_function("step_fn", step, in_dtypes, [mx.float32, mx.float32], step_t),
-            _emulated_function("norm_fn", norm, [mx.float32, gate_dt, gate_dt], [gate_dt], norm_t),
-            *main,
+            _STD_INCLUDES,
+            prelude,
+            _RUNTIME,
+            header,
+            _emulated_function(
+                "step_fn",
+                step,
+                (mk.STEP_INPUTS, mk.STEP_OUTPUTS),
+                ([a.dtype for a in inputs], [mx.float32, mx.float32]),
+                step_t,
+                types,
+            ),  # fmt: skip
+            _emulated_function(
+                "norm_fn",
+                norm,
+                (mk.NORM_INPUTS, mk.NORM_OUTPUTS),
+                ([mx.float32, gate_dt, gate_dt], [gate_dt]),
+                mk.norm_template(gate_dt, d),
+                types,
+            ),  # fmt: skip
+            _main(inputs, gate_dt, B, T, d, types),
         ]
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -375,12 +480,10 @@ def emulate_cuda_step(args: dict, dims: dict, mask=None) -> tuple[mx.array, mx.a
         assert built.returncode == 0, built.stderr[-4000:]
         ran = subprocess.run(["./emu"], cwd=folder, capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0, ran.stderr
-        state = np.fromfile(folder / "state_out.bin", np.float32).reshape(
-            B, d.heads, d.head_dim, d.state_size
-        )
-        raw_out = np.fromfile(folder / "out.bin", np.uint16 if gate_dt != mx.float32 else np.float32)
-    out = mx.array(raw_out).view(gate_dt) if gate_dt != mx.float32 else mx.array(raw_out)
-    return out.reshape(B, T, inner), mx.array(state)
+        state = np.fromfile(folder / "state_out.bin", np.float32)
+        raw_out = np.fromfile(folder / "out.bin", np.float32 if gate_dt == mx.float32 else np.uint16)
+    out = mx.array(raw_out) if gate_dt == mx.float32 else mx.array(raw_out).view(gate_dt)
+    return out.reshape(B, T, d.inner), mx.array(state).reshape(B, d.heads, d.head_dim, d.state_size)
 
 
 def _float32(args: dict) -> dict:
@@ -414,21 +517,24 @@ needs_gxx = pytest.mark.skipif(
 )
 
 
+EMULATION_CASES = [
+    ((4, 32, 2, 64), 1, 3, mx.float32, False, True, (0.0, INF)),  # float2 lanes
+    ((1, 32, 1, 128), 2, 17, mx.bfloat16, True, True, (0.0, INF)),  # two token chunks, 32 rows
+    ((2, 32, 1, 96), 2, 5, mx.float16, True, False, (0.0, INF)),  # scalar lanes, no conv bias
+    ((8, 64, 2, 128), 1, 1, mx.bfloat16, False, True, (0.001, 0.1)),  # decode, dt clipped
+]
+
+
 @needs_gxx
-@pytest.mark.parametrize(
-    "shape,B,T,dtype,masked,bias,limit",
-    [
-        ((4, 32, 2, 64), 1, 3, mx.float32, False, True, (0.0, INF)),  # float2 lanes
-        ((2, 32, 1, 128), 2, 17, mx.bfloat16, True, True, (0.0, INF)),  # two token chunks, 32 rows
-        ((2, 32, 1, 96), 2, 5, mx.float16, True, False, (0.0, INF)),  # scalar lanes, no conv bias
-        ((8, 64, 2, 128), 1, 1, mx.bfloat16, False, True, (0.001, 0.1)),  # decode, dt clipped
-    ],
-)
-def test_cuda_bodies_match_reference_under_emulation(shape, B, T, dtype, masked, bias, limit) -> None:
+@pytest.mark.parametrize("which", ["cuda", "metal"])
+@pytest.mark.parametrize("shape,B,T,dtype,masked,bias,limit", EMULATION_CASES)
+def test_kernel_bodies_match_reference_under_emulation(
+    which, shape, B, T, dtype, masked, bias, limit
+) -> None:
     args, dims = make_inputs(B, T, shape, dtype, bias=bias)
     dims["time_step_limit"] = limit
     mask = _ragged(B, T) if masked else None
-    out, state = emulate_cuda_step(args, dims, mask)
+    out, state = emulate_step(which, args, dims, mask)
     assert_matches(out, state, args, dims, mask)
 
 

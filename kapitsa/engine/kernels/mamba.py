@@ -283,6 +283,7 @@ _STEP_SOURCE = r"""
   constexpr int C = INNER + 2 * G * N;
   constexpr int LEN = TOKENS + K - 1;
   constexpr int CH = ROWS + 2 * N;  // conv channels one block needs per token: its x rows, B, C
+  constexpr int THREADS = WARPS * 32;
   __shared__ __align__(16) float b_s[TC][N];
   __shared__ __align__(16) float c_s[TC][N];
   __shared__ float x_s[TC][ROWS];
@@ -307,7 +308,7 @@ _STEP_SOURCE = r"""
   for (int t0 = 0; t0 < TOKENS; t0 += TC) {
     const int tn = min(TC, TOKENS - t0);
     __syncthreads();  // the previous chunk's shared rows are no longer read
-    for (int i = threadIdx.x; i < tn * CH; i += blockDim.x) {
+    for (int i = threadIdx.x; i < tn * CH; i += THREADS) {
       const int tt = i / CH, k = i - tt * CH;
       const int ch = k < ROWS ? h * P + p0 + k
                    : (k < ROWS + N ? INNER + g * N + (k - ROWS) : INNER + (G + g) * N + (k - ROWS - N));
@@ -321,7 +322,7 @@ _STEP_SOURCE = r"""
       else if (k < ROWS + N) b_s[tt][k - ROWS] = v;
       else c_s[tt][k - ROWS - N] = v;
     }
-    if (threadIdx.x < tn) {  // blockDim.x >= 128 >= TC
+    if (threadIdx.x < tn) {  // THREADS >= 64 >= TC
       const int t = t0 + threadIdx.x;
       const float raw = static_cast<float>(dt_raw[((size_t)b * TOKENS + t) * H + h]) + bias_dt;
       float v = fminf(fmaxf(km_softplus(raw), lo), hi);
@@ -354,7 +355,7 @@ _STEP_SOURCE = r"""
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < tn * ROWS; i += blockDim.x) {
+    for (int i = threadIdx.x; i < tn * ROWS; i += THREADS) {
       const int tt = i / ROWS, r = i - tt * ROWS;
       y[((size_t)b * TOKENS + t0 + tt) * INNER + h * P + p0 + r] = y_s[tt][r];
     }
