@@ -1,9 +1,9 @@
-"""Time kapitsa's quantized mat-vec kernels (v1 `qmv_v1`, v2 `qmv_fast`) against MLX's stock
-`quantized_matmul` on a Qwen3.5-27B-shaped chain of mat-vecs.
+"""Time kapitsa's quantized mat-vec kernels (v1 `qmv_v1`, v2 `qmv_fast`, its tensor-core variant
+v2mma `qmv_mma`) against MLX's stock `quantized_matmul` on a Qwen3.5-27B-shaped chain of mat-vecs.
 
 Run on the H200 (about a minute): python bench/kernels_qmv.py [--rows 1 2 4 8] [--bits 4 8]
 Prints one JSON line per (bits, rows): milliseconds and weight GB/s of the whole chain for each
-implementation, the largest error against stock, and at the end the CUDA_ROUTES table (in
+implementation, its largest error against exact float32 math, and at the end the CUDA_ROUTES table (in
 kapitsa/engine/kernels/qmv.py) that these numbers support. --per-shape adds one line per matrix.
 """
 
@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.qmv import qmv_reference, qmv_v1
-from kapitsa.engine.kernels.qmv_fast import qmv_fast, supports_fast
+from kapitsa.engine.kernels.qmv_fast import qmv_fast, qmv_mma, supports_fast, supports_mma
 
 # (name, out_features, in_features) of one Qwen3.5-27B layer's weight mat-vecs (hidden 5120,
 # intermediate 17408; Gated DeltaNet: 16 key heads x 128 for q and k, 48 value heads x 128).
@@ -49,7 +49,11 @@ def _reference(x, q, s, b, bits: int) -> mx.array:
     return qmv_reference(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
 
 
-IMPLS = {"stock": _stock, "v1": _v1, "v2": _v2}
+def _v2mma(x, q, s, b, bits: int) -> mx.array:
+    return qmv_mma(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+
+
+IMPLS = {"stock": _stock, "v1": _v1, "v2": _v2, "v2mma": _v2mma}
 
 
 def _time(fn, *, warmup: int, iters: int) -> float:
@@ -115,7 +119,7 @@ def main() -> None:
     if backend() != "cuda":
         if not args.smoke:
             raise SystemExit("needs the CUDA backend (or --smoke to check the script on CPU)")
-        IMPLS.update(v1=_reference, v2=_reference)
+        IMPLS.update(v1=_reference, v2=_reference, v2mma=_reference)
     print(json.dumps(dict(mlx=mx.__version__, device=str(mx.default_device()), backend=backend())))
     results, routes = [], {}
     for bits in args.bits:
@@ -127,6 +131,7 @@ def main() -> None:
             if backend() == "cuda":
                 for _, q, s, b, _, k in layers[0]:
                     assert supports_fast(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
+                    assert supports_mma(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
             if args.per_shape:
                 _per_shape(layers[0], xs, bits, rows)
             row = dict(bits=bits, rows=rows, shape=f"chain x{args.layers}", weight_gb=round(total / 1e9, 2))

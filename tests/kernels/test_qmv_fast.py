@@ -238,11 +238,15 @@ def test_qmv_routes_by_the_measured_table(monkeypatch) -> None:
     monkeypatch.setattr(qmv_mod, "backend", lambda: "cuda")
     monkeypatch.setattr(qmv_mod, "qmv_fast", lambda *a, **kw: calls.append("v2"))
     monkeypatch.setattr(qmv_mod, "qmv_v1", lambda *a, **kw: calls.append("v1"))
+    monkeypatch.setattr(qmv_mod, "qmv_mma", lambda *a, **kw: calls.append("v2mma"))
     for rows in (1, 8, 9):
         qmv(mx.zeros((rows, 256)), w, s, b, group_size=64, bits=4)
-    monkeypatch.setitem(qmv_mod.CUDA_ROUTES, ("affine", 4), {2: "v1"})
+    monkeypatch.setitem(qmv_mod.CUDA_ROUTES, ("affine", 4), {2: "v1", 3: "v2mma"})
     qmv(mx.zeros((1, 256)), w, s, b, group_size=64, bits=4)
-    assert calls == ["v2", "v2", "v1", "v1"]  # 9 rows: v2 can't, v1 can; table without v2: v1
+    qmv(mx.zeros((3, 256), mx.bfloat16), w, s, b, group_size=64, bits=4)
+    qmv(mx.zeros((3, 256)), w, s, b, group_size=64, bits=4)  # float32 x: no tensor-core variant
+    # 9 rows: v2 can't, v1 can; a row the table leaves out: v1 (qmv runs a kernel where it can)
+    assert calls == ["v2", "v2", "v1", "v1", "v2mma", "v2"]
     assert qmv_mod.prefer_kernel(2, bits=4, mode="affine")
     assert not qmv_mod.prefer_kernel(1, bits=4, mode="affine")
 
@@ -267,8 +271,11 @@ def test_qmv_falls_back_to_reference_off_gpu() -> None:
 # ---- nvcc: every launched variant compiles for sm_90 ----
 
 
-def _render(rows: int, bits: int, dtype) -> str:
+def _render(rows: int, bits: int, dtype, mma: bool = False) -> str:
     x = mx.zeros((rows, 5120), dtype)
+    if mma:
+        template, _, _ = qmv_fast.mma_launch_config(x, 17408, group_size=64, bits=bits)
+        return qmv_fast._MMA_KERNEL.render([dtype, mx.uint32, dtype, dtype], [dtype], template)
     template, _, _, _ = qmv_fast.launch_config(x, 17408, group_size=64, bits=bits)
     return qmv_fast._KERNEL.render([dtype, mx.uint32, dtype, dtype], [dtype], template)
 
@@ -288,6 +295,7 @@ needs_nvcc = pytest.mark.skipif(nvcc() is None, reason="nvcc not installed")
 @needs_nvcc
 def test_representative_variants_compile() -> None:
     _compile_all([(1, 4, mx.bfloat16), (3, 8, mx.float16), (8, 4, mx.float32), (5, 8, mx.bfloat16)])
+    _compile_all([(2, 4, mx.bfloat16, True), (8, 8, mx.float16, True)])
 
 
 @needs_nvcc
@@ -296,6 +304,7 @@ def test_every_launched_variant_compiles() -> None:
     """The code differs by rows (R, WARPS, M), bits and dtype; N, K, GS only change constants."""
     dtypes = (mx.bfloat16, mx.float16, mx.float32)
     _compile_all([(rows, bits, d) for rows in range(1, 9) for bits in (4, 8) for d in dtypes])
+    _compile_all([(rows, bits, d, True) for rows in range(1, 9) for bits in (4, 8) for d in dtypes[:2]])
 
 
 def test_header_constants_are_what_the_decoder_read() -> None:
@@ -333,6 +342,35 @@ def test_cuda_qmv_fast_matches_reference(n: int, k: int, rows: int, bits: int, g
     ref = _precise_reference(x, w, s, b, gs=gs, bits=bits)
     # The kernel rounds its float32 sums once to x's dtype; a layout error is off by O(1).
     rtol = {mx.bfloat16: 2**-7, mx.float16: 2**-10, mx.float32: 1e-5}[dtype]
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=1e-3 * np.abs(ref).max())
+
+
+MMA_GPU_CASES = [
+    (n, k, rows, bits, 64, dtype)
+    for n, k in GPU_SHAPES
+    for rows in (1, 2, 3, 4, 8)
+    for bits in (4, 8)
+    for dtype in (mx.bfloat16, mx.float16)
+] + [
+    (n, k, rows, bits, gs, mx.bfloat16)
+    for n, k in GPU_SHAPES[:2]
+    for rows in (1, 5)
+    for bits in (4, 8)
+    for gs in (32, 128)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,rows,bits,gs,dtype", MMA_GPU_CASES)
+def test_cuda_qmv_mma_matches_reference(n: int, k: int, rows: int, bits: int, gs: int, dtype) -> None:
+    if backend() != "cuda":
+        pytest.skip("needs the CUDA backend")
+    w, s, b = _quantized(n, k, bits=bits, gs=gs, dtype=dtype, seed=n + k)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    assert qmv_fast.supports_mma(x, w, s, b, group_size=gs, bits=bits)
+    got = np.array(qmv_fast.qmv_mma(x, w, s, b, group_size=gs, bits=bits).astype(mx.float32))
+    ref = _rounded_weight_reference(x, w, s, b, gs=gs, bits=bits)
+    rtol = {mx.bfloat16: 2**-7, mx.float16: 2**-10}[dtype]
     np.testing.assert_allclose(got, ref, rtol=rtol, atol=1e-3 * np.abs(ref).max())
 
 
@@ -419,3 +457,135 @@ def test_metal_qmv_fast_matches_reference(rows: int, bits: int, dtype) -> None:
         ref = _precise_reference(x, w, s, b, gs=64, bits=bits)
         rtol = {mx.bfloat16: 2**-7, mx.float16: 2**-10, mx.float32: 1e-5}[dtype]
         np.testing.assert_allclose(got, ref, rtol=rtol, atol=1e-3 * np.abs(ref).max())
+
+
+# ---- the tensor-core variant: its fragment bookkeeping, transcribed ----
+
+
+def _round_to(values: np.ndarray, dtype) -> np.ndarray:
+    """float -> bf16/fp16 (round to nearest even) -> float32, as the kernel's packing does."""
+    if dtype == mx.float16:
+        return values.astype(np.float16).astype(np.float32)
+    bits_ = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits_ + 0x7FFF + ((bits_ >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def _mma(c: np.ndarray, a: list, b: list) -> None:
+    """mma.sync m16n8k16 on per-lane registers (each a (lo, hi) pair), PTX fragment layout."""
+    big_a, big_b = np.zeros(c.shape[:-2] + (16, 16)), np.zeros(c.shape[:-2] + (16, 8))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for reg, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            big_a[..., row, col], big_a[..., row, col + 1] = a[lane][reg]
+        for reg, k0 in enumerate((2 * t, 2 * t + 8)):
+            big_b[..., k0, g], big_b[..., k0 + 1, g] = b[lane][reg]
+    c += big_a @ big_b
+
+
+def emulate_mma(x: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, template, dtype) -> np.ndarray:
+    tp = dict(template)
+    m_rows, n, k, gs, bits, tm_count, warps = (tp[key] for key in ("M", "N", "K", "GS", "BITS", "TM", "W"))
+    ch = 128 // bits
+    nch = k // ch
+    nsteps = math.ceil(nch / 4)
+    blocks = math.ceil(n / (16 * tm_count))
+    chunks = w.reshape(n, nch, 4)
+    # rows[block, tm, 16]: tile rows, clamped
+    rows = np.minimum(np.arange(blocks * tm_count * 16).reshape(blocks, tm_count, 16), n - 1)
+    red = np.zeros((warps, blocks, tm_count, 16, 8))
+    for warp in range(warps):
+        for step in range(warp, nsteps, warps):
+            a_regs = {}  # (tm, mma index) -> per-lane registers
+            b_regs = {}
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                chunk = 4 * step + t
+                cc = chunk if chunk < nch else 0
+                live = g < m_rows and chunk < nch
+                xs = x[g if g < m_rows else 0, cc * ch : (cc + 1) * ch] * live
+                for tm in range(tm_count):
+                    halves = []
+                    for h in (0, 1):
+                        r = rows[:, tm, g + 8 * h]
+                        sc = s[r, cc * ch // gs][:, None]
+                        bi = b[r, cc * ch // gs][:, None]
+                        q = decode_word(chunks[r, cc], bits).reshape(blocks, ch)
+                        if bits == 4:  # hfma2 in the pair type: one rounding of q * s + b
+                            vals = _round_to(q * _round_to(sc, dtype) + _round_to(bi, dtype), dtype)
+                        else:  # fmaf in float32, then packed
+                            vals = _round_to((q * sc + bi).astype(np.float32), dtype)
+                        halves.append(vals)
+                    for word in range(4):
+                        if bits == 4:
+                            v = [
+                                [hv[:, 8 * word + i], hv[:, 8 * word + i + 4]]
+                                for hv in halves
+                                for i in range(4)
+                            ]
+                            # v[h * 4 + i] = pair (value i, value i + 4) of row g + 8h
+                            a_regs.setdefault((tm, 2 * word), {})[lane] = [v[0], v[4], v[1], v[5]]
+                            a_regs.setdefault((tm, 2 * word + 1), {})[lane] = [v[2], v[6], v[3], v[7]]
+                        else:
+                            v = [
+                                [hv[:, 4 * word + 2 * j], hv[:, 4 * word + 2 * j + 1]]
+                                for hv in halves
+                                for j in range(2)
+                            ]
+                            a_regs.setdefault((tm, word), {})[lane] = [v[0], v[2], v[1], v[3]]
+                for word in range(4):
+                    if bits == 4:
+                        xw = xs[8 * word : 8 * word + 8]
+                        b_regs.setdefault(2 * word, {})[lane] = [(xw[0], xw[4]), (xw[1], xw[5])]
+                        b_regs.setdefault(2 * word + 1, {})[lane] = [(xw[2], xw[6]), (xw[3], xw[7])]
+                    else:
+                        xw = xs[4 * word : 4 * word + 4]
+                        b_regs.setdefault(word, {})[lane] = [(xw[0], xw[1]), (xw[2], xw[3])]
+            for (tm, idx), lanes in a_regs.items():
+                _mma(
+                    red[warp][:, tm],
+                    [lanes[lane] for lane in range(32)],
+                    [b_regs[idx][lane] for lane in range(32)],
+                )
+    total = red.sum(0)  # [blocks, tm, 16 rows, 8 columns]
+    y = total.reshape(blocks * tm_count * 16, 8)[:n, :m_rows].T
+    return y.astype(np.float32)
+
+
+MMA_CASES = [(1, 37, 512, 4, 32), (3, 32, 1088, 4, 64), (8, 20, 1024, 8, 128), (5, 16, 640, 8, 32)]
+
+
+@pytest.mark.parametrize("rows,n,k,bits,gs", MMA_CASES)
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_emulated_mma_kernel_matches_reference(rows: int, n: int, k: int, bits: int, gs: int, dtype) -> None:
+    w, s, b = _quantized(n, k, bits=bits, gs=gs, dtype=dtype, seed=rows)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    template, grid, block = qmv_fast.mma_launch_config(x, n, group_size=gs, bits=bits)
+    assert block == 32 * qmv_fast.MMA_WARPS and grid // block * 16 * qmv_fast.MMA_TILES >= n
+    got = emulate_mma(_np(x), np.array(w), _np(s), _np(b), template, dtype)
+    ref = _rounded_weight_reference(x, w, s, b, gs=gs, bits=bits)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def _rounded_weight_reference(x, w, s, b, *, gs: int, bits: int) -> np.ndarray:
+    """Weights s * q + b rounded once to x's dtype (what the tensor-core variant multiplies)."""
+    f32 = mx.float32
+    weights = mx.dequantize(w, s.astype(f32), b.astype(f32), group_size=gs, bits=bits).astype(x.dtype)
+    return np.array(x.astype(f32) @ weights.astype(f32).T)
+
+
+def test_mma_header_has_the_transcribed_constants() -> None:
+    header = qmv_fast._MMA_HEADER
+    for snippet in (
+        "0x000F000Fu) | 0x43004300u",
+        "0x000F000Fu) | 0x64006400u",
+        "0x7440u + 2 * j",
+        "0x7441u + 2 * j",
+    ):
+        assert snippet in header, snippet
+    source = qmv_fast._MMA_SOURCE
+    for snippet in (
+        "__byte_perm(u.x, u.z, 0x5410u), __byte_perm(u.x, u.z, 0x7632u)",
+        "{p[0][0], p[1][0], p[0][1], p[1][1]}",
+    ):
+        assert snippet in source, snippet

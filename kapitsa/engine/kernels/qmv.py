@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel
-from kapitsa.engine.kernels.qmv_fast import qmv_fast, supports_fast
+from kapitsa.engine.kernels.qmv_fast import qmv_fast, qmv_mma, supports_fast, supports_mma
 
 MAX_ROWS = 16
 AFFINE_BITS = (2, 3, 4, 6, 8)
@@ -177,7 +177,8 @@ def supports(x: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
     return bits == 4 and x.shape[1] % 32 == 0 and group_size in (16, 32)
 
 
-# Which implementation serves (mode, bits) -> {rows: "v2" | "v1"} on CUDA; anything not listed
+# Which implementation serves (mode, bits) -> {rows: "v2mma" | "v2" | "v1"} on CUDA (v2mma: the
+# tensor-core variant, bf16/fp16 activations, else v2); anything not listed
 # keeps MLX's stock quantized_matmul. Measured on the H200 with bench/kernels_qmv.py (27B chain);
 # edit this table after a new run so that a row names a kernel only where it beat stock there.
 # History (docs/bench/qmv-h200.md): v1 beat stock only for affine 4-bit at 2-8 rows (44 vs 54 ms
@@ -240,12 +241,15 @@ def qmv(
 ) -> mx.array:
     """x [M, K] @ dequantize(w)[N, K]^T -> [M, N], through a kernel when the backend has one.
 
-    CUDA: v2 (qmv_fast) where CUDA_ROUTES names it and it supports the call, else v1, else the
-    reference. Metal: the v2 port where it supports the call (unmeasured, so `prefer_kernel` keeps
+    CUDA: what CUDA_ROUTES names where it supports the call (v2mma = qmv_mma, else v2 =
+    qmv_fast), else v1, else the reference. Metal: the v2 port where it supports the call (unmeasured, so `prefer_kernel` keeps
     models on the stock op there), else the reference."""
     rows = x.shape[0] if x.ndim == 2 else 0
+    choice = route(rows, bits=bits, mode=mode)
     fast = mode == "affine" and supports_fast(x, w, scales, biases, group_size=group_size, bits=bits)
-    if fast and (backend() == "metal" or route(rows, bits=bits, mode=mode) == "v2"):
+    if fast and choice == "v2mma" and supports_mma(x, w, scales, biases, group_size=group_size, bits=bits):
+        return qmv_mma(x, w, scales, biases, group_size=group_size, bits=bits)
+    if fast and (backend() == "metal" or choice in ("v2", "v2mma")):
         return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
     if supports(x, group_size=group_size, bits=bits, mode=mode):
         return qmv_v1(x, w, scales, biases, group_size=group_size, bits=bits, mode=mode)
