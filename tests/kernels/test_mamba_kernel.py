@@ -38,9 +38,11 @@ SHAPE_DORY = (112, 64, 8, 128)
 SHAPE_SMALL = (8, 32, 2, 64)
 
 
-def make_inputs(B, T, shape, dtype, *, K=4, bias=True, seed=0, state=True):
-    """Random inputs of realistic scale for one call (keyword dims included)."""
+def make_inputs(B, T, shape, dtype, *, K=4, bias=True, seed=0, state=True, param_dtype=None):
+    """Random inputs of realistic scale for one call (keyword dims included). `param_dtype`: the
+    per-head parameters and the norm weight in another dtype (checkpoints keep some in float32)."""
     H, P, G, N = shape
+    pdt = param_dtype or dtype
     inner = H * P
     C = inner + 2 * G * N
     mx.random.seed(seed)
@@ -50,11 +52,11 @@ def make_inputs(B, T, shape, dtype, *, K=4, bias=True, seed=0, state=True):
         conv_weight=(0.5 * normal((C, K, 1))).astype(dtype),
         conv_bias=(0.1 * normal((C,))).astype(dtype) if bias else None,
         dt=normal((B, T, H)).astype(dtype),
-        dt_bias=mx.random.uniform(-2.0, 0.0, (H,)).astype(dtype),
-        A_log=mx.log(mx.random.uniform(1.0, 8.0, (H,))).astype(dtype),
-        D=mx.random.uniform(0.5, 1.5, (H,)).astype(dtype),
+        dt_bias=mx.random.uniform(-2.0, 0.0, (H,)).astype(pdt),
+        A_log=mx.log(mx.random.uniform(1.0, 8.0, (H,))).astype(pdt),
+        D=mx.random.uniform(0.5, 1.5, (H,)).astype(pdt),
         gate=normal((B, T, inner)).astype(dtype),
-        norm_weight=(1.0 + 0.1 * normal((inner,))).astype(dtype),
+        norm_weight=(1.0 + 0.1 * normal((inner,))).astype(pdt),
         state=normal((B, H, P, N)) if state else None,
     )
     dims = dict(heads=H, head_dim=P, groups=G, state_size=N, time_step_limit=(0.0, INF), norm_eps=1e-5)
@@ -410,7 +412,7 @@ def _kernel_sources(which: str) -> tuple[str, str, str, str]:
     return _METAL_PRELUDE, header, step, norm
 
 
-def _main(inputs, gate_dt, B, T, d: mk.Dims, types) -> str:
+def _main(inputs, gate_dt, norm_dt, B, T, d: mk.Dims, types) -> str:
     """main(): load the inputs, launch both kernels with `_launch`'s grids, save the outputs."""
     rows = mk.rows_per_block(T)
     inner, n_state = d.inner, B * d.heads * d.head_dim * d.state_size
@@ -418,7 +420,7 @@ def _main(inputs, gate_dt, B, T, d: mk.Dims, types) -> str:
     for i, (a, name) in enumerate(zip(inputs, mk.STEP_INPUTS, strict=True)):
         lines.append(f'auto {name} = load<{types[a.dtype]}>("in{i}.bin", {a.size});')
     lines.append(f'auto gate = load<{types[gate_dt]}>("gate.bin", {B * T * inner});')
-    lines.append(f'auto norm_w = load<{types[gate_dt]}>("norm_w.bin", {inner});')
+    lines.append(f'auto norm_w = load<{types[norm_dt]}>("norm_w.bin", {inner});')
     lines.append(f"Buffer<float> y({B * T * inner}), state_out({n_state});")
     lines.append(f"Buffer<{types[gate_dt]}> out({B * T * inner});")
     call = ", ".join(f"{n}.data()" for n in (*mk.STEP_INPUTS, *mk.STEP_OUTPUTS))
@@ -435,7 +437,7 @@ def emulate_step(which: str, args: dict, dims: dict, mask=None) -> tuple[mx.arra
     types = _TYPES[which]
     d = mk.Dims(**dims)
     B, T = args["dt"].shape[:2]
-    has_bias, gate_dt = args["conv_bias"] is not None, args["gate"].dtype
+    has_bias, gate_dt, norm_dt = args["conv_bias"] is not None, args["gate"].dtype, args["norm_weight"].dtype
     bias = args["conv_bias"] if has_bias else mx.zeros((1,), args["conv_in"].dtype)
     inputs = [args["conv_in"], args["conv_weight"], bias, args["dt"], args["dt_bias"], args["A_log"]]
     inputs += [args["D"], args["state"].astype(mx.float32), mx.ones((1,), mx.bool_) if mask is None else mask]
@@ -461,11 +463,11 @@ def emulate_step(which: str, args: dict, dims: dict, mask=None) -> tuple[mx.arra
                 "norm_fn",
                 norm,
                 (mk.NORM_INPUTS, mk.NORM_OUTPUTS),
-                ([mx.float32, gate_dt, gate_dt], [gate_dt]),
+                ([mx.float32, gate_dt, norm_dt], [gate_dt]),
                 mk.norm_template(gate_dt, d),
                 types,
             ),  # fmt: skip
-            _main(inputs, gate_dt, B, T, d, types),
+            _main(inputs, gate_dt, norm_dt, B, T, d, types),
         ]
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -474,7 +476,7 @@ def emulate_step(which: str, args: dict, dims: dict, mask=None) -> tuple[mx.arra
         for i, a in enumerate(inputs):
             _raw(a).tofile(folder / f"in{i}.bin")
         _raw(args["gate"]).tofile(folder / "gate.bin")
-        _raw(args["norm_weight"].astype(gate_dt)).tofile(folder / "norm_w.bin")
+        _raw(args["norm_weight"]).tofile(folder / "norm_w.bin")
         cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", "-I", str(CUDA_INCLUDE), "emu.cpp", "-o", "emu"]
         built = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
         assert built.returncode == 0, built.stderr[-4000:]
@@ -523,6 +525,7 @@ EMULATION_CASES = [
     ((2, 32, 1, 96), 2, 5, mx.float16, True, False, (0.0, INF)),  # scalar lanes, no conv bias
     ((8, 64, 2, 128), 1, 1, mx.bfloat16, False, True, (0.001, 0.1)),  # decode, dt clipped
 ]
+MIXED = ((4, 32, 2, 64), 2, 2, mx.bfloat16, True, True, (0.0, INF))  # float32 parameters, bf16 rest
 
 
 @needs_gxx
@@ -538,16 +541,26 @@ def test_kernel_bodies_match_reference_under_emulation(
     assert_matches(out, state, args, dims, mask)
 
 
+@needs_gxx
+def test_cuda_body_with_float32_parameters_under_emulation() -> None:
+    shape, B, T, dtype, _, _, _ = MIXED
+    args, dims = make_inputs(B, T, shape, dtype, param_dtype=mx.float32)
+    mask = _ragged(B, T)
+    out, state = emulate_step("cuda", args, dims, mask)
+    assert_matches(out, state, args, dims, mask)
+
+
 # -- nvcc: every template variant `mamba_step` launches -----------------------------------------
 
 
-def _variant_sources(dtype: mx.Dtype, T: int, shape=SHAPE_30B) -> list[str]:
+def _variant_sources(dtype: mx.Dtype, T: int, shape=SHAPE_30B, param_dtype=None) -> list[str]:
     step, norm = mk.cuda_kernels()
     d = mk.Dims(*shape, (0.0, INF), 1e-5)
-    step_in = [dtype] * 7 + [mx.float32, mx.bool_]
+    pdt = param_dtype or dtype
+    step_in = [dtype] * 4 + [pdt] * 3 + [mx.float32, mx.bool_]
     return [
         step.render(step_in, [mx.float32] * 2, mk.step_template(T, 4, d, has_bias=True, has_mask=T > 1)),
-        norm.render([mx.float32, dtype, dtype], [dtype], mk.norm_template(dtype, d)),
+        norm.render([mx.float32, dtype, pdt], [dtype], mk.norm_template(dtype, d)),
     ]
 
 
@@ -564,6 +577,7 @@ def test_every_launched_variant_compiles_for_sm90() -> None:
     sources = [s for dt in mk.DTYPES for T in (1, 4, 16) for s in _variant_sources(dt, T)]
     sources += _variant_sources(mx.bfloat16, 64, shape=(16, 256, 2, 256))  # largest shared memory
     sources += _variant_sources(mx.float16, 8, shape=(4, 32, 1, 96))  # scalar lanes
+    sources += _variant_sources(mx.bfloat16, 1, param_dtype=mx.float32)  # float32 A_log, D, norm weight
     ok, log = compile_together(sources)
     assert ok, log[-4000:]
     assert "warning" not in log.lower(), log[-4000:]
@@ -602,8 +616,8 @@ DEVICE_CASES = [
 ]
 
 
-def _device_check(shape, B, T, dtype, masked) -> None:
-    args, dims = make_inputs(B, T, shape, dtype, seed=B * 100 + T)
+def _device_check(shape, B, T, dtype, masked, param_dtype=None) -> None:
+    args, dims = make_inputs(B, T, shape, dtype, seed=B * 100 + T, param_dtype=param_dtype)
     mask = _ragged(B, T) if masked else None
     assert mk.supports(args["conv_in"], args["conv_weight"], head_dim=shape[1], state_size=shape[3])
     out, state = mk.mamba_step(**args, **dims, mask=mask)
@@ -620,6 +634,14 @@ def test_cuda_kernel_matches_reference(shape, B, T, dtype, masked) -> None:
     if backend() != "cuda":
         pytest.skip("needs the CUDA backend")
     _device_check(shape, B, T, dtype, masked)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8])
+def test_cuda_kernel_with_float32_parameters(T: int) -> None:
+    if backend() != "cuda":
+        pytest.skip("needs the CUDA backend")
+    _device_check(SHAPE_30B, 2, T, mx.bfloat16, True, param_dtype=mx.float32)
 
 
 @pytest.mark.metal
