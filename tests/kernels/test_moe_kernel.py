@@ -174,6 +174,175 @@ def test_kernel_algorithm_repeated_and_unknown_experts() -> None:
     np.testing.assert_allclose(got_bad, np.array(want_bad), rtol=1e-4, atol=1e-4)
 
 
+# --- the CUDA sources themselves, run on CPU --------------------------------------------------
+# The kernel bodies are compiled as C++ (g++) with one std::thread per CUDA thread: __shared__
+# locals become function statics (one block runs at a time), __syncthreads a std::barrier, warp
+# shuffles an exchange through a per-warp buffer between two per-warp barriers. Float32 only.
+
+_EMULATION_PRELUDE = r"""
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::min;
+struct uint4 { uint32_t x, y, z, w; };
+struct Idx { int x, y, z; };
+static thread_local Idx threadIdx, blockIdx;
+static Idx blockDim;
+static std::barrier<>* g_block;
+static std::barrier<>* g_warp[32];
+static float g_lanes[32][32];
+static std::atomic<int> g_or{0};
+static float* g_dynamic;
+static void __syncthreads() { g_block->arrive_and_wait(); }
+static bool __syncthreads_or(bool v) {
+  __syncthreads();
+  if (v) g_or = 1;
+  __syncthreads();
+  const bool r = g_or.load();
+  __syncthreads();
+  if (threadIdx.x == 0) g_or = 0;
+  return r;
+}
+static float __shfl_xor_sync(unsigned, float v, int o) {
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_lanes[w][l] = v;
+  g_warp[w]->arrive_and_wait();
+  const float r = g_lanes[w][l ^ o];
+  g_warp[w]->arrive_and_wait();
+  return r;
+}
+"""
+
+_EMULATION_LAUNCH = r"""
+extern "C" void launch(int blocks_x, int blocks_y, int threads, long dynamic_floats, PARAMS) {
+  std::vector<float> dynamic(dynamic_floats);
+  g_dynamic = dynamic.data();
+  std::barrier<> block(threads);
+  g_block = &block;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  for (int w = 0; w < threads / 32; ++w) {
+    warps.emplace_back(new std::barrier<>(32));
+    g_warp[w] = warps.back().get();
+  }
+  blockDim = {threads, 1, 1};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      threadIdx = {t, 0, 0};
+      for (int by = 0; by < blocks_y; ++by)
+        for (int bx = 0; bx < blocks_x; ++bx) {
+          blockIdx = {bx, by, 0};
+          body(ARGS);
+          __syncthreads();  // the next block reuses the statics
+        }
+    });
+  for (auto& th : pool) th.join();
+}
+"""
+
+
+def _emulated(kernel, template: list, tmp_path, tag: str):
+    """A ctypes function launch(blocks_x, blocks_y, threads, dynamic_floats, *pointers)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    names = (*kernel.input_names, *kernel.output_names)
+    ctype = {"indices": "const uint32_t*", "h": "float*", "y": "float*"}
+    params = [
+        ctype.get(n, "const uint32_t*" if n.startswith("w") else "const float*") + f" {n}" for n in names
+    ]
+    consts = [
+        f"using {n} = float;" if isinstance(v, mx.Dtype) else f"constexpr int {n} = {v};" for n, v in template
+    ]
+    body = kernel.source.replace("extern __shared__ float", "float* const").replace("__shared__", "static")
+    body = body.replace("xs[];", "xs = g_dynamic;").replace("hs[];", "hs = g_dynamic;")
+    src = (
+        _EMULATION_PRELUDE
+        + "static void body("
+        + ", ".join(params)
+        + ") {\n"
+        + "\n".join(consts)
+        + body
+        + "}\n"
+        + _EMULATION_LAUNCH.replace("PARAMS", ", ".join(params)).replace("ARGS", ", ".join(names))
+    )
+    cpp, lib = tmp_path / f"{tag}.cpp", tmp_path / f"{tag}.so"
+    cpp.write_text(src)
+    proc = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib), str(cpp)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(lib)).launch
+
+
+def _ptr(a: np.ndarray):
+    import ctypes
+
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget: int) -> np.ndarray:
+    import ctypes
+
+    threads = moe.WARPS * 32
+    t1 = plan.hidden_template(mx.float32, mx.float32, mx.uint32, budget=budget)
+    weights = [np.ascontiguousarray(np.array(a)) for st in first for a in st]
+    xn, idxn, scn = (np.ascontiguousarray(np.array(a)) for a in (x, idx, scores))
+    h = np.full((plan.pairs, plan.hidden), np.nan, np.float32)
+    launch = _emulated(moe.hidden_kernel(plan.kind), t1, tmp_path, "hidden")
+    launch(
+        plan.blocks(plan.hidden, t1), plan.pairs, threads, ctypes.c_long(plan.shared_bytes(t1, plan.tokens) // 4),
+        *(_ptr(a) for a in (xn, idxn, *weights, h)),
+    )  # fmt: skip
+    t2 = plan.out_template(mx.float32, mx.float32, mx.uint32, mx.float32, budget=budget)
+    y = np.full((plan.tokens, plan.n_out), np.nan, np.float32)
+    launch = _emulated(moe.OUT_KERNEL, t2, tmp_path, "out")
+    second = [np.ascontiguousarray(np.array(a)) for a in second]
+    launch(
+        plan.blocks(plan.n_out, t2), 1, threads, ctypes.c_long(plan.shared_bytes(t2, plan.pairs) // 4),
+        *(_ptr(a) for a in (h, idxn, scn, *second, y)),
+    )  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize(
+    "kind,bits,gs,tokens,budget",
+    [
+        pytest.param("swiglu", 4, 32, 1, moe.SHARED_BUDGET, marks=pytest.mark.slow),
+        ("swiglu", 4, 64, 4, 3 * 1024),  # small budget: several tiles; short rows: lanes split rows
+        ("relu2", 8, 64, 3, moe.SHARED_BUDGET),
+        pytest.param("relu2", 4, 128, 5, 4 * 1024, marks=pytest.mark.slow),
+    ],
+)
+def test_cuda_source_runs_on_cpu_emulation(kind, bits, gs, tokens, budget, tmp_path) -> None:
+    mx.random.seed(6)
+    k, experts, d, hidden = 3, 6, 256, 128
+    module = SwitchGLU(d, hidden, experts) if kind == "swiglu" else SwitchReluSquared(d, hidden, experts)
+    _, first, second, _, _ = _stacks(_quantize_module(module, gs, bits))
+    x = mx.random.normal((tokens, d))
+    idx, scores = _routing(tokens, k, experts, seed=tokens, pool=4)
+    if tokens > 1:  # a repeated expert within a token, and one the model does not have
+        idx = mx.array(np.array(idx)[:, [0, 0, 2]] if tokens == 4 else np.array(idx))
+        idx[tokens - 1, 2] = experts + 1
+    plan = moe.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind)
+    got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget)
+    known = mx.array(np.where(np.array(idx) < experts, np.array(scores), 0.0))
+    safe_idx = mx.minimum(idx, experts - 1)  # the reference cannot take the unknown expert
+    want = experts_decode_reference(x, safe_idx, known, first, second, kind=kind, group_size=gs, bits=bits)
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+
+
 # --- host logic --------------------------------------------------------------------------------
 
 
