@@ -660,35 +660,46 @@ class EmulatedCuda:
         return outs
 
 
-EMULATION_CASES = {
-    # name: (B, T, Hk, Hv, Dk, Dv, dtype, layout, masked, shared budget)
-    "one-warp-f32": (2, 5, 1, 2, 32, 32, mx.float32, "plain", True, None),
-    "grouped-heads-chunked-f32": (2, 7, 2, 4, 64, 32, mx.float32, "plain", True, 2 * (4 * 160 + 12)),
-    "bf16-qwen3next-views": (2, 3, 2, 4, 64, 64, mx.bfloat16, "qwen3_next", True, None),
-    "f16-qwen3_5-views-no-state": (1, 2, 1, 2, 96, 32, mx.float16, "qwen3_5", False, None),
-    "real-head-dims-bf16": (1, 2, 1, 2, 128, 128, mx.bfloat16, "plain", True, None),
-}
+def _emulation_case(name, B, T, hk, hv, dk, dv, dtype, layout, masked, state, budget=None, slow=False):
+    marks = [pytest.mark.slow] if slow else []
+    return pytest.param(B, T, hk, hv, dk, dv, dtype, layout, masked, state, budget, id=name, marks=marks)
+
+
+EMULATION_CASES = [
+    _emulation_case("one-warp-no-state-f32", 2, 5, 1, 2, 32, 32, mx.float32, "plain", True, False),
+    _emulation_case(
+        "grouped-chunked-f32", 2, 7, 2, 4, 64, 32, mx.float32, "plain", True, True, 2 * (4 * 160 + 12)
+    ),
+    _emulation_case("bf16-qwen3next-views", 2, 3, 2, 4, 64, 64, mx.bfloat16, "qwen3_next", True, True),
+    _emulation_case("real-head-dims-bf16", 1, 2, 1, 2, 128, 128, mx.bfloat16, "plain", True, True),
+    _emulation_case("f16-qwen3_5-views", 1, 2, 1, 2, 96, 32, mx.float16, "qwen3_5", False, True, slow=True),
+]
+
+
+def emulation_inputs(B, T, hk, hv, dk, dv, dtype, layout, masked, state) -> tuple[dict, dict, dict]:
+    """(kernel args, heads, plain args for the reference) of one emulation case."""
+    mask = mx.random.bernoulli(0.6, (B, T)) if masked else None
+    args, heads = make_inputs(B, T, hk, hv, dk, dv, dtype=dtype, mask=mask, seed=5, state=state)
+    plain = args
+    if layout != "plain":
+        views = embed_in_projection(args, packed=layout == "qwen3_next", hk=hk, hv=hv, dk=dk, dv=dv)
+        cast = {
+            k: gdn.HeadView(v.array.astype(dtype), v.offset, v.group, v.group_stride)
+            for k, v in views.items()
+        }
+        args = dict(args, **cast)
+    return args, heads, plain
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
-@pytest.mark.parametrize("case", list(EMULATION_CASES))
-def test_cuda_body_emulated_on_cpu_matches_reference(case: str, monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("B,T,hk,hv,dk,dv,dtype,layout,masked,state,budget", EMULATION_CASES)
+def test_cuda_body_emulated_on_cpu_matches_reference(
+    B, T, hk, hv, dk, dv, dtype, layout, masked, state, budget, monkeypatch, tmp_path
+) -> None:
     """gdn_step's real launch path with the real CUDA body, executed by host threads."""
-    B, T, hk, hv, dk, dv, dtype, layout, masked, budget = EMULATION_CASES[case]
-    mask = mx.random.bernoulli(0.6, (B, T)) if masked else None
-    args, heads = make_inputs(
-        B, T, hk, hv, dk, dv, dtype=dtype, mask=mask, seed=5, state=case != "f16-qwen3_5-views-no-state"
-    )
-    ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
-    if layout != "plain":
-        views = embed_in_projection(args, packed=layout == "qwen3_next", hk=hk, hv=hv, dk=dk, dv=dv)
-        args = dict(
-            args,
-            **{
-                k: gdn.HeadView(v.array.astype(dtype), v.offset, v.group, v.group_stride)
-                for k, v in views.items()
-            },
-        )
+    args, heads, plain = emulation_inputs(B, T, hk, hv, dk, dv, dtype, layout, masked, state)
+    ref_out, ref_state = gdn.gdn_step_reference(**plain, **heads)
+    mask = heads["mask"]
     monkeypatch.setattr(gdn, "backend", lambda: "cuda")
     monkeypatch.setattr(gdn, "CUDA_KERNEL", EmulatedCuda(gdn.CUDA_KERNEL, tmp_path))
     if budget is not None:  # force several shared-memory chunks
