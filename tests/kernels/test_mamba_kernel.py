@@ -224,6 +224,17 @@ def test_wrong_mask_and_groups_raise() -> None:
         mk.mamba_step(**args, **dict(dims, groups=3))
 
 
+@pytest.mark.parametrize("which", ["cuda", "metal"])
+def test_shared_memory_fits_for_every_supported_shape(which: str) -> None:
+    for N in range(32, mk.MAX_DIM + 1, 32):
+        for T in range(1, mk.MAX_TOKENS + 1):
+            rows = mk.rows_per_block(T)
+            chunk = mk.token_chunk(T, rows, N, mk.SHARED_LIMIT[which])
+            assert 1 <= chunk <= min(T, mk.TOKEN_CHUNK)
+            assert mk.shared_bytes(chunk, rows, N) <= mk.SHARED_LIMIT[which], (N, T)
+    assert mk.token_chunk(16, 32, 256, mk.SHARED_LIMIT["metal"]) < 16  # Apple's 32 KiB binds here
+
+
 def test_float_bits_round_trip() -> None:
     for value in (0.0, 1e-5, 1e-6, 0.001, 100.0, INF):
         bits = mk.float_bits(value)
@@ -442,7 +453,7 @@ def emulate_step(which: str, args: dict, dims: dict, mask=None) -> tuple[mx.arra
     inputs = [args["conv_in"], args["conv_weight"], bias, args["dt"], args["dt_bias"], args["A_log"]]
     inputs += [args["D"], args["state"].astype(mx.float32), mx.ones((1,), mx.bool_) if mask is None else mask]
     step_t = mk.step_template(
-        T, args["conv_weight"].shape[1], d, has_bias=has_bias, has_mask=mask is not None
+        T, args["conv_weight"].shape[1], d, has_bias=has_bias, has_mask=mask is not None, which=which
     )
     prelude, header, step, norm = _kernel_sources(which)
     source = "\n".join(

@@ -38,7 +38,9 @@ from kapitsa.errors import KapitsaError
 MAX_TOKENS = 64  # longer runs are prefill, where the chunked SSD scan is the better algorithm
 MAX_DIM = 256  # head_dim and state_size: multiples of 32 up to this
 MAX_CONV = 8
-TOKEN_CHUNK = 16  # tokens staged in shared memory at a time (bounds shared memory for any T)
+TOKEN_CHUNK = 16  # most tokens staged in shared memory at a time (bounds it for any T)
+# Static shared memory a block may use: CUDA's limit without opt-in; Apple GPUs' threadgroup memory.
+SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}
 ROWS_PER_WARP = 4
 NORM_THREADS = 256
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -167,12 +169,27 @@ def rows_per_block(tokens: int) -> int:
     return 16 if tokens <= 4 else 32
 
 
-def step_template(tokens: int, conv_kernel: int, dims: Dims, *, has_bias: bool, has_mask: bool) -> list:
+def shared_bytes(chunk: int, rows: int, state_size: int) -> int:
+    """The step kernel's shared arrays: B and C rows, x and y rows, dt and decay, per token."""
+    return chunk * (2 * state_size + 2 * rows + 2) * 4
+
+
+def token_chunk(tokens: int, rows: int, state_size: int, limit: int) -> int:
+    """Tokens per shared-memory chunk: up to TOKEN_CHUNK, fewer where the arrays would not fit."""
+    chunk = min(tokens, TOKEN_CHUNK)
+    while chunk > 1 and shared_bytes(chunk, rows, state_size) > limit:
+        chunk -= 1
+    return chunk
+
+
+def step_template(
+    tokens: int, conv_kernel: int, dims: Dims, *, has_bias: bool, has_mask: bool, which: str = "cuda"
+) -> list:
     rows = rows_per_block(tokens)
     lo, hi = dims.time_step_limit
     return [
         ("TOKENS", tokens),
-        ("TC", min(tokens, TOKEN_CHUNK)),
+        ("TC", token_chunk(tokens, rows, dims.state_size, SHARED_LIMIT[which])),
         ("K", conv_kernel),
         ("H", dims.heads),
         ("P", dims.head_dim),
@@ -217,7 +234,9 @@ def _launch(kernels, conv_in, conv_w, conv_b, dt, dt_bias, A_log, D, gate, norm_
     step_kernel, norm_kernel = kernels
     B, T = dt.shape[:2]
     H, P = dims.heads, dims.head_dim
-    template = step_template(T, conv_w.shape[1], dims, has_bias=conv_b is not None, has_mask=mask is not None)
+    template = step_template(
+        T, conv_w.shape[1], dims, has_bias=conv_b is not None, has_mask=mask is not None, which=backend()
+    )
     rows = rows_per_block(T)
     threads = rows // ROWS_PER_WARP * 32
     conv_b = conv_b if conv_b is not None else _stand_in(conv_in.dtype)
