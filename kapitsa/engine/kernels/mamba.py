@@ -26,6 +26,7 @@ import struct
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel
@@ -70,7 +71,7 @@ def mamba_step_reference(
     B, T = dt.shape[:2]
     inner = heads * head_dim
     conv_out = causal_conv_reference(conv_in, conv_weight, conv_bias)  # [B, T, C]
-    xs, Bm, Cm = mx.split(conv_out * mx.sigmoid(conv_out), [inner, inner + groups * state_size], axis=-1)
+    xs, Bm, Cm = mx.split(nn.silu(conv_out), [inner, inner + groups * state_size], axis=-1)
     step = ssm_dt(dt, dt_bias, time_step_limit, mask)  # [B, T, H] float32, 0 on padding
     y, new_state = ssm_scan_reference(
         xs.reshape(B, T, heads, head_dim),  # [B, T, H, P]
@@ -110,7 +111,10 @@ def check_shapes(
     """Raise KapitsaError naming the first argument whose shape disagrees with the others."""
     H, P, G, N = dims.heads, dims.head_dim, dims.groups, dims.state_size
     if min(H, P, G, N) <= 0 or H % G:
-        raise KapitsaError(f"mamba_step: heads ({H}) must be a positive multiple of groups ({G})")
+        raise KapitsaError(
+            f"mamba_step: heads, head_dim, groups, state_size must be positive and heads a multiple "
+            f"of groups, got H={H}, P={P}, G={G}, N={N}"
+        )
     if conv_in.ndim != 3 or conv_weight.ndim != 3 or dt.ndim != 3:
         raise KapitsaError(
             f"mamba_step: conv_in, conv_weight and dt must be 3-D, got {conv_in.shape}, "
