@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from bench.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _time_kapitsa
 from kapitsa.engine.fuse import fuse_model
+from kapitsa.engine.models import base
 from kapitsa.engine.tiny import tiny_config
 
 
@@ -118,10 +119,13 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
         model = _kapitsa_model(config)
-        record(name, "kapitsa", _profile(*_kapitsa_step(model), prompt, args.steps))
+        base.COMPILE_DECODE["on"] = False
+        record(name, "kapitsa op-by-op", _profile(*_kapitsa_step(model), prompt, args.steps))
         fuse_model(model)
+        record(name, "kapitsa fused op-by-op", _profile(*_kapitsa_step(model), prompt, args.steps))
+        base.COMPILE_DECODE["on"] = True
         for _ in range(2):
-            record(name, "kapitsa+fused", _profile(*_kapitsa_step(model), prompt, args.steps))
+            record(name, "kapitsa fused+compiled", _profile(*_kapitsa_step(model), prompt, args.steps))
         if args.engine:
             out = _time_kapitsa(model, prompt, args.steps * 2)
             record(name, "kapitsa engine", {k: round(v, 3) for k, v in out.items()})

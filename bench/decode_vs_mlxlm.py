@@ -226,11 +226,41 @@ def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
     return run()
 
 
+def _summary(rows: list[dict]) -> None:
+    """Median decode/prefill tok/s per (shape, prompt, engine) and the kapitsa / mlx-lm ratio."""
+    import statistics
+
+    keys = sorted({(r["shape"], r["prompt"]) for r in rows}, key=str)
+    for shape, plen in keys:
+        med = {}
+        for engine in ("kapitsa", "mlx-lm"):
+            mine = [r for r in rows if (r["shape"], r["prompt"], r["engine"]) == (shape, plen, engine)]
+            med[engine] = {
+                k: statistics.median(r[k] for r in mine) for k in ("decode_tok_s", "prefill_tok_s")
+            }
+        ratio = med["kapitsa"]["decode_tok_s"] / med["mlx-lm"]["decode_tok_s"]
+        print(
+            json.dumps(
+                dict(
+                    summary=shape,
+                    prompt=plen,
+                    kapitsa_decode=round(med["kapitsa"]["decode_tok_s"], 1),
+                    mlxlm_decode=round(med["mlx-lm"]["decode_tok_s"], 1),
+                    decode_ratio=round(ratio, 2),
+                    kapitsa_prefill=round(med["kapitsa"]["prefill_tok_s"], 1),
+                    mlxlm_prefill=round(med["mlx-lm"]["prefill_tok_s"], 1),
+                )
+            ),
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, nargs="+", default=[512])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timings per engine")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -243,26 +273,29 @@ def main() -> None:
         kind, dims = table[name]
         config = tiny_config(kind, **dims)
         vocab = dims.get("vocab_size", 512)
-        for engine, build, timer in (
-            ("kapitsa", _kapitsa_model, _time_kapitsa),
-            ("mlx-lm", _mlxlm_model, _time_mlxlm),
-        ):
-            model = build(config)
-            weights_gb = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters())) / 1e9
-            for plen in args.prompts:
-                prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
-                result = dict(
-                    shape=name,
-                    engine=engine,
-                    prompt=plen,
-                    weights_gb=round(weights_gb, 2),
-                    **timer(model, prompt, args.tokens),
-                )
-                rows.append(result)
-                print(json.dumps(result), flush=True)
-            del model
-            gc.collect()
-            mx.clear_cache()
+        # Both models stay loaded and are timed in alternation, `--rounds` times each: the host's
+        # speed drifts within a run on a shared machine, so compare medians of interleaved runs.
+        models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
+        timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
+        for plen in args.prompts:
+            prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
+            for rnd in range(args.rounds):
+                for engine, model in models.items():
+                    weights_gb = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters())) / 1e9
+                    result = dict(
+                        shape=name,
+                        engine=engine,
+                        prompt=plen,
+                        round=rnd,
+                        weights_gb=round(weights_gb, 2),
+                        **timers[engine](model, prompt, args.tokens),
+                    )
+                    rows.append(result)
+                    print(json.dumps(result), flush=True)
+        del models
+        gc.collect()
+        mx.clear_cache()
+    _summary(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

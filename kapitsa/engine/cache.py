@@ -49,6 +49,16 @@ class StepInfo:
         return any(n != self.T for n in self.lengths)
 
     @property
+    def plain_decode(self) -> bool:
+        """One token per row, no padding, no tree, no replay record: the steady decode step."""
+        return self.T == 1 and not self.record and self.parents is None and not self.ragged
+
+    @cached_property
+    def offsets_array(self) -> mx.array:
+        """`[B]` int32 offsets (rope positions), one array per forward for every layer."""
+        return mx.array(self.offsets, dtype=mx.int32)
+
+    @property
     def uniform_offsets(self) -> bool:
         return len(set(self.offsets)) <= 1
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, StepInfo, full_step
+from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.errors import CheckpointError
@@ -92,20 +93,41 @@ class Attention(nn.Module):
             object.__setattr__(self, "qkv_splits", splits)
         return splits is not None
 
-    def __call__(self, x: mx.array, info: StepInfo, cache: KVCache | None) -> mx.array:
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+        """q, k `[B, H, T, D]` (normed, not rotated), v `[B, Hkv, T, D]`, and the output gate."""
         B, T, _ = x.shape
         if "qkv_proj" in self:
             q, k, v = mx.split(self.qkv_proj(x), self.qkv_splits, axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(B, T, self.heads, -1)
+        gate = None
         if self.gated:
             q, gate = mx.split(q, 2, axis=-1)
+            gate = gate.reshape(B, T, -1)
         k = k.reshape(B, T, self.kv_heads, self.head_dim)
         v = v.reshape(B, T, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v, gate
+
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo, cache: KVCache | None
+    ) -> mx.array:
+        """Write k/v to the cache, attend; `[B, T, H*D]`."""
+        B, _, T, _ = q.shape
+        if cache is not None:
+            k, v = cache.update(k, v, info)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=info.attention_mask)
+        return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+    def finish(self, out: mx.array, gate: mx.array | None) -> mx.array:
+        if gate is not None:
+            out = out * mx.sigmoid(gate)
+        return self.o_proj(out)
+
+    def __call__(self, x: mx.array, info: StepInfo, cache: KVCache | None) -> mx.array:
+        q, k, v, gate = self.project(x)
         if self.rope is not None and info.parents is not None:
             q, k = (
                 self.rope.at_positions(q, info.tree_positions),
@@ -113,14 +135,50 @@ class Attention(nn.Module):
             )
         elif self.rope is not None:
             q, k = self.rope(q, info.rope_offsets), self.rope(k, info.rope_offsets)
-        if cache is not None:
-            k, v = cache.update(k, v, info)
-        mask = info.attention_mask
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        if self.gated:
-            out = out * mx.sigmoid(gate.reshape(B, T, -1))
-        return self.o_proj(out)
+        return self.finish(self.attend(q, k, v, info, cache), gate)
+
+
+# -- compiled decode steps ------------------------------------------------------------------
+# On MLX's GPU backends a decode step costs host time per op (graph building in Python, then the
+# backend encoding each kernel); measured on the H200 that is most of a 27B token
+# (docs/bench/decode-h200.md). So plain decode steps (one token per row, no padding, no draft tree,
+# no replay record) run each layer as `mx.compile`d functions of (hidden, state) -> (hidden,
+# state): traced once per batch size, elementwise chains fused, no Python per op afterwards.
+# KAPITSA_COMPILE_DECODE=0 turns it off (the uncompiled path is the same math, op for op).
+COMPILE_DECODE = {"on": os.environ.get("KAPITSA_COMPILE_DECODE", "1") != "0"}
+
+
+def fast_decode(info: StepInfo, cache: LayerCache) -> bool:
+    """Whether this layer call may take the compiled decode path."""
+    if not COMPILE_DECODE["on"] or not info.plain_decode:
+        return False
+    if isinstance(cache, RecurrentCache):
+        return cache.conv is not None and cache.state is not None
+    return True
+
+
+def compiled(owner: object, name: str, fn):  # noqa: ANN001, ANN201 - any pure array function
+    """`mx.compile(fn)`, made once per (owner, name): each layer keeps its own traced steps."""
+    table = owner.__dict__.setdefault("_compiled_steps", {})
+    if name not in table:
+        table[name] = mx.compile(fn)
+    return table[name]
+
+
+def compiled_attention(
+    owner: object, attn: Attention, x: mx.array, info: StepInfo, cache: KVCache, pre, post
+):  # noqa: ANN001
+    """Attention layer decode: compiled `pre(x, offsets) -> (q, k, v[, gate])`, the cache write
+    and attention (shapes grow every step, so not compiled), compiled `post(x, out[, gate])`."""
+    parts = compiled(owner, "pre", pre)(x, info.offsets_array)
+    out = attn.attend(parts[0], parts[1], parts[2], info, cache)
+    return compiled(owner, "post", post)(x, out, *parts[3:])
+
+
+def rotate(attn: Attention, q: mx.array, k: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array]:
+    if attn.rope is None:
+        return q, k
+    return attn.rope(q, offsets), attn.rope(k, offsets)
 
 
 class HybridLM(nn.Module):

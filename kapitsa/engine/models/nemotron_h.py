@@ -19,7 +19,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.cache import KVCache, RecurrentCache, ReplayRecord, StepInfo
-from kapitsa.engine.models.base import Attention, HybridLM, known_fields, require
+from kapitsa.engine.models.base import (
+    Attention,
+    HybridLM,
+    compiled,
+    compiled_attention,
+    fast_decode,
+    known_fields,
+    require,
+)
 from kapitsa.engine.models.nemotron_weights import sanitize_nemotron
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
@@ -185,6 +193,22 @@ class Mamba2Mixer(nn.Module):
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate))
 
+    def decode(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state)."""
+        B, T, _ = x.shape
+        gate, xbc, dt = mx.split(self.in_proj(x), [self.inner, self.inner + self.conv_dim], axis=-1)
+        conv_in = mx.concatenate([conv_state, xbc], axis=1)
+        conv_out = causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias"))
+        xs, Bm, Cm = mx.split(
+            nn.silu(conv_out), [self.inner, self.inner + self.groups * self.state_size], axis=-1
+        )
+        xs = xs.reshape(B, T, self.heads, self.head_dim)
+        Bm = Bm.reshape(B, T, self.groups, self.state_size)
+        Cm = Cm.reshape(B, T, self.groups, self.state_size)
+        step = ssm_dt(dt, self.dt_bias, self.limit)
+        y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0)
+        return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate)), conv_in[:, T:], state
+
 
 class ReluSquaredMLP(nn.Module):
     def __init__(self, dims: int, hidden: int, bias: bool = False):
@@ -269,10 +293,37 @@ class Block(nn.Module):
             self.mixer = MoE(a)
 
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        if fast_decode(info, cache) and (cache is not None or self.block_type in "-E"):
+            return self._decode(x, info, cache)
         h = self.norm(x)
         if self.block_type in "M*":
             return x + self.mixer(h, info, cache)
         return x + self.mixer(h)
+
+    # compiled decode step (see models/base.py)
+    def _decode(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        if self.block_type == "M":
+            out, cache.conv, cache.state = compiled(self, "mamba", self._mamba_step)(
+                x, cache.conv, cache.state
+            )
+            return out
+        if self.block_type == "*":
+            return compiled_attention(self, self.mixer, x, info, cache, self._attn_pre, self._attn_post)
+        return compiled(self, "ffn", self._ffn_step)(x)
+
+    def _mamba_step(self, x: mx.array, conv: mx.array, state: mx.array):
+        y, conv, state = self.mixer.decode(self.norm(x), conv, state)
+        return x + y, conv, state
+
+    def _attn_pre(self, x: mx.array, offsets: mx.array):
+        q, k, v, _ = self.mixer.project(self.norm(x))
+        return q, k, v
+
+    def _attn_post(self, x: mx.array, out: mx.array):
+        return x + self.mixer.finish(out, None)
+
+    def _ffn_step(self, x: mx.array) -> mx.array:
+        return x + self.mixer(self.norm(x))
 
 
 class Backbone(nn.Module):

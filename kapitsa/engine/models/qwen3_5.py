@@ -19,10 +19,19 @@ import mlx.nn as nn
 
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into
-from kapitsa.engine.models.base import Attention, HybridLM, known_fields, require
+from kapitsa.engine.models.base import (
+    Attention,
+    HybridLM,
+    compiled,
+    compiled_attention,
+    fast_decode,
+    known_fields,
+    require,
+    rotate,
+)
 from kapitsa.engine.models.qwen_weights import sanitize_qwen
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
-from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
+from kapitsa.engine.ops.gated_delta import fast_kernel_works, gated_delta, gdn_decay, l2norm_qk
 from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
 from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
@@ -200,6 +209,19 @@ class GatedDeltaNet(nn.Module):
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y, z).reshape(B, T, -1))
 
+    def decode(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state)."""
+        B, T, _ = x.shape
+        qkv, z, b, a = self._project(x)
+        conv_in = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = causal_conv(conv_in, self.conv1d.weight)
+        q, k, v = mx.split(nn.silu(conv_out), [self.nk * self.dk, 2 * self.nk * self.dk], axis=-1)
+        q, k = l2norm_qk(q.reshape(B, T, self.nk, self.dk), k.reshape(B, T, self.nk, self.dk))
+        v = v.reshape(B, T, self.nv, self.dv)
+        y, state = gated_delta(q, k, v, gdn_decay(self.A_log, a, self.dt_bias), mx.sigmoid(b), s0)
+        out = self.out_proj(self.norm(y, z).reshape(B, T, -1))
+        return out, conv_in[:, T:], state
+
 
 class MLP(nn.Module):
     def __init__(self, dims: int, hidden: int):
@@ -270,8 +292,35 @@ class DecoderLayer(nn.Module):
         return self.kind == "linear_attention"
 
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        if cache is not None and fast_decode(info, cache):
+            return self._decode(x, info, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), info, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    # compiled decode step (see models/base.py)
+    def _decode(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        if self.is_linear:
+            fast_kernel_works()  # probe before tracing: it evaluates
+            out, cache.conv, cache.state = compiled(self, "linear", self._linear_step)(
+                x, cache.conv, cache.state
+            )
+            return out
+        return compiled_attention(self, self.self_attn, x, info, cache, self._attn_pre, self._attn_post)
+
+    def _linear_step(self, x: mx.array, conv: mx.array, state: mx.array):
+        y, conv, state = self.linear_attn.decode(self.input_layernorm(x), conv, state)
+        return self._mlp_residual(x + y), conv, state
+
+    def _attn_pre(self, x: mx.array, offsets: mx.array):
+        q, k, v, gate = self.self_attn.project(self.input_layernorm(x))
+        q, k = rotate(self.self_attn, q, k, offsets)
+        return (q, k, v) if gate is None else (q, k, v, gate)
+
+    def _attn_post(self, x: mx.array, out: mx.array, gate: mx.array | None = None):
+        return self._mlp_residual(x + self.self_attn.finish(out, gate))
+
+    def _mlp_residual(self, h: mx.array) -> mx.array:
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -85,14 +85,14 @@ def gated_delta(
         B, _, _, Dk = q.shape
         Hv, Dv = v.shape[-2:]
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if _fast_kernel_works():
+    if fast_kernel_works():
         y, new_state = mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)
         return y, new_state
     return gated_delta_reference(q, k, v, g, beta, state, mask)
 
 
 @cache
-def _fast_kernel_works() -> bool:
+def fast_kernel_works() -> bool:
     """Whether this MLX build has `mx.fast.gated_delta_update` for the default device.
 
     Kernel errors surface only at evaluation, so probe once with a tiny input."""
