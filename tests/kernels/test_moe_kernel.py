@@ -247,15 +247,49 @@ extern "C" void launch(int blocks_x, int blocks_y, int threads, long dynamic_flo
 """
 
 
-def _emulated(kernel, template: list, tmp_path, tag: str):
-    """A ctypes function launch(blocks_x, blocks_y, threads, dynamic_floats, *pointers)."""
+_METAL_AS_CPP = r"""
+namespace metal { using std::exp; using std::max; using std::min; }
+typedef unsigned uint;
+typedef unsigned long ulong;
+typedef unsigned short ushort;
+static float simd_shuffle_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+"""
+
+
+def _cuda_as_cpp(kernel) -> tuple[str, str]:
+    """(header, body) of a CUDA kernel, its shared memory mapped onto the emulation."""
+    body = kernel.source.replace("extern __shared__ float", "float* const").replace("__shared__", "static")
+    return "", body.replace("xs[];", "xs = g_dynamic;").replace("hs[];", "hs = g_dynamic;")
+
+
+def _metal_as_cpp(kind: str, which: str) -> tuple[str, str]:
+    """(header, body) of metal/moe.metal's kernel, Metal spellings mapped onto the emulation."""
+    import re
+
+    from kapitsa.engine.kernels.metal import read_source
+
+    header, bodies = read_source("moe.metal")
+    hidden, out = bodies.split(moe.OUT_BODY_MARKER, 1)
+    nw = 2 if kind == "swiglu" else 1
+    body = hidden.replace("WEIGHT_POINTERS", moe._METAL_POINTERS[nw]) if which == "hidden" else out
+    body = body.replace("threadgroup_barrier(mem_flags::mem_threadgroup)", "__syncthreads()")
+    body = re.sub(r"^(\s*)threadgroup (int|float) ", r"\1static \2 ", body, flags=re.M)
+    body = body.replace("threadgroup_position_in_grid", "blockIdx").replace(
+        "thread_index_in_threadgroup", "threadIdx.x"
+    )
+    body = re.sub(r"\b(threadgroup|device) ", "", body)
+    return _METAL_AS_CPP + header, body
+
+
+def _emulated(names: tuple[str, ...], source: tuple[str, str], template: list, tmp_path, tag: str):
+    """A ctypes function launch(blocks_x, blocks_y, threads, dynamic_floats, *pointers) running
+    `source` = (header, body) with the given input+output names and template values."""
     import ctypes
     import shutil
     import subprocess
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    names = (*kernel.input_names, *kernel.output_names)
     ctype = {"indices": "const uint32_t*", "h": "float*", "y": "float*"}
     params = [
         ctype.get(n, "const uint32_t*" if n.startswith("w") else "const float*") + f" {n}" for n in names
@@ -263,10 +297,10 @@ def _emulated(kernel, template: list, tmp_path, tag: str):
     consts = [
         f"using {n} = float;" if isinstance(v, mx.Dtype) else f"constexpr int {n} = {v};" for n, v in template
     ]
-    body = kernel.source.replace("extern __shared__ float", "float* const").replace("__shared__", "static")
-    body = body.replace("xs[];", "xs = g_dynamic;").replace("hs[];", "hs = g_dynamic;")
+    header, body = source
     src = (
         _EMULATION_PRELUDE
+        + header
         + "static void body("
         + ", ".join(params)
         + ") {\n"
@@ -292,7 +326,9 @@ def _ptr(a: np.ndarray):
     return a.ctypes.data_as(ctypes.c_void_p)
 
 
-def _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget: int) -> np.ndarray:
+def _run_emulated(
+    plan, x, idx, scores, first, second, tmp_path, budget: int, dialect: str = "cuda"
+) -> np.ndarray:
     import ctypes
 
     threads = moe.WARPS * 32
@@ -300,14 +336,17 @@ def _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget: int) ->
     weights = [np.ascontiguousarray(np.array(a)) for st in first for a in st]
     xn, idxn, scn = (np.ascontiguousarray(np.array(a)) for a in (x, idx, scores))
     h = np.full((plan.pairs, plan.hidden), np.nan, np.float32)
-    launch = _emulated(moe.hidden_kernel(plan.kind), t1, tmp_path, "hidden")
+    kernel = moe.hidden_kernel(plan.kind)
+    source = _cuda_as_cpp(kernel) if dialect == "cuda" else _metal_as_cpp(plan.kind, "hidden")
+    launch = _emulated((*kernel.input_names, "h"), source, t1, tmp_path, "hidden")
     launch(
         plan.blocks(plan.hidden, t1), plan.pairs, threads, ctypes.c_long(plan.shared_bytes(t1, plan.tokens) // 4),
         *(_ptr(a) for a in (xn, idxn, *weights, h)),
     )  # fmt: skip
     t2 = plan.out_template(mx.float32, mx.float32, mx.uint32, mx.float32, budget=budget)
     y = np.full((plan.tokens, plan.n_out), np.nan, np.float32)
-    launch = _emulated(moe.OUT_KERNEL, t2, tmp_path, "out")
+    source = _cuda_as_cpp(moe.OUT_KERNEL) if dialect == "cuda" else _metal_as_cpp(plan.kind, "out")
+    launch = _emulated((*moe.OUT_KERNEL.input_names, "y"), source, t2, tmp_path, "out")
     second = [np.ascontiguousarray(np.array(a)) for a in second]
     launch(
         plan.blocks(plan.n_out, t2), 1, threads, ctypes.c_long(plan.shared_bytes(t2, plan.pairs) // 4),
@@ -316,16 +355,29 @@ def _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget: int) ->
     return y
 
 
+_EMULATION_CASES = [  # (kind, bits, group, tokens, shared budget), slow?
+    (("swiglu", 4, 32, 1, moe.SHARED_BUDGET), True),
+    (("swiglu", 4, 64, 4, 3 * 1024), False),  # small budget: several tiles; short rows: lanes split rows
+    (("relu2", 8, 64, 3, moe.SHARED_BUDGET), False),
+    (("relu2", 4, 128, 5, 4 * 1024), True),
+]
+
+
 @pytest.mark.parametrize(
-    "kind,bits,gs,tokens,budget",
+    "dialect,kind,bits,gs,tokens,budget",
     [
-        pytest.param("swiglu", 4, 32, 1, moe.SHARED_BUDGET, marks=pytest.mark.slow),
-        ("swiglu", 4, 64, 4, 3 * 1024),  # small budget: several tiles; short rows: lanes split rows
-        ("relu2", 8, 64, 3, moe.SHARED_BUDGET),
-        pytest.param("relu2", 4, 128, 5, 4 * 1024, marks=pytest.mark.slow),
+        pytest.param(
+            dialect,
+            *case,
+            marks=[pytest.mark.slow] if slow or (dialect, case[0]) == ("metal", "relu2") else [],
+        )
+        for dialect in ("cuda", "metal")
+        for case, slow in _EMULATION_CASES
     ],
 )
-def test_cuda_source_runs_on_cpu_emulation(kind, bits, gs, tokens, budget, tmp_path) -> None:
+def test_kernel_sources_run_on_cpu_emulation(dialect, kind, bits, gs, tokens, budget, tmp_path) -> None:
+    """The CUDA bodies, and metal/moe.metal's bodies with Metal spellings mapped to C++ (checks
+    the port's logic, not Metal's compiler)."""
     mx.random.seed(6)
     k, experts, d, hidden = 3, 6, 256, 128
     module = SwitchGLU(d, hidden, experts) if kind == "swiglu" else SwitchReluSquared(d, hidden, experts)
@@ -336,7 +388,7 @@ def test_cuda_source_runs_on_cpu_emulation(kind, bits, gs, tokens, budget, tmp_p
         idx = mx.array(np.array(idx)[:, [0, 0, 2]] if tokens == 4 else np.array(idx))
         idx[tokens - 1, 2] = experts + 1
     plan = moe.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind)
-    got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget)
+    got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget, dialect)
     known = mx.array(np.where(np.array(idx) < experts, np.array(scores), 0.0))
     safe_idx = mx.minimum(idx, experts - 1)  # the reference cannot take the unknown expert
     want = experts_decode_reference(x, safe_idx, known, first, second, kind=kind, group_size=gs, bits=bits)
