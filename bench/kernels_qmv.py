@@ -4,7 +4,8 @@ v2mma `qmv_mma`) against MLX's stock `quantized_matmul` on a Qwen3.5-27B-shaped 
 Run on the H200 (about a minute): python bench/kernels_qmv.py [--rows 1 2 4 8] [--bits 4 8]
 Prints one JSON line per (bits, rows): milliseconds and weight GB/s of the whole chain for each
 implementation, its largest error against exact float32 math, and at the end the CUDA_ROUTES table (in
-kapitsa/engine/kernels/qmv.py) that these numbers support. --per-shape adds one line per matrix.
+kapitsa/engine/kernels/qmv.py) that these numbers support. --per-shape adds one line per matrix;
+--sweep times other launch shapes of v2 and v2mma (many more JIT compiles: restrict --rows/--bits).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from functools import partial
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import qmv_fast as fast
 from kapitsa.engine.kernels.qmv import qmv_reference, qmv_v1
-from kapitsa.engine.kernels.qmv_fast import qmv_fast, qmv_mma, supports_fast, supports_mma
 
 # (name, out_features, in_features) of one Qwen3.5-27B layer's weight mat-vecs (hidden 5120,
 # intermediate 17408; Gated DeltaNet: 16 key heads x 128 for q and k, 48 value heads x 128).
@@ -42,7 +43,7 @@ def _v1(x, q, s, b, bits: int) -> mx.array:
 
 
 def _v2(x, q, s, b, bits: int) -> mx.array:
-    return qmv_fast(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+    return fast.qmv_fast(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
 
 
 def _reference(x, q, s, b, bits: int) -> mx.array:
@@ -50,7 +51,7 @@ def _reference(x, q, s, b, bits: int) -> mx.array:
 
 
 def _v2mma(x, q, s, b, bits: int) -> mx.array:
-    return qmv_mma(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+    return fast.qmv_mma(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
 
 
 IMPLS = {"stock": _stock, "v1": _v1, "v2": _v2, "v2mma": _v2mma}
@@ -104,6 +105,33 @@ def _per_shape(layer, xs, bits: int, rows: int) -> None:
         print(json.dumps(row), flush=True)
 
 
+# Launch shapes tried by --sweep: v2 (rows per warp, warps per block), v2mma (16-row tiles per
+# block, warps splitting K). The defaults live in qmv_fast.py (_SHAPE_BY_ROWS, MMA_TILES, MMA_WARPS).
+SWEEP_V2 = [(2, 4), (4, 4), (4, 8), (8, 4)]
+SWEEP_MMA = [(1, 4), (1, 8), (2, 4), (2, 8), (2, 16)]
+
+
+def _sweep(chain, xs, bits: int, rows: int, total: int, iters: int) -> None:
+    """Chain time of each launch shape (each one compiles its own kernels: slow, opt-in)."""
+    default_v2 = fast._SHAPE_BY_ROWS[rows]
+    default_mma = (fast.MMA_TILES, fast.MMA_WARPS)
+    try:
+        for shape in SWEEP_V2:
+            fast._SHAPE_BY_ROWS[rows] = shape
+            t = _time(partial(_chain, IMPLS["v2"], chain, xs, bits), warmup=2, iters=iters)
+            row = dict(bits=bits, rows=rows, kernel="v2", r_warps=shape, ms=round(t * 1e3, 2))
+            print(json.dumps({**row, "gbs": round(total / t / 1e9, 1)}), flush=True)
+        fast._SHAPE_BY_ROWS[rows] = default_v2
+        for tiles, warps in SWEEP_MMA:
+            fast.MMA_TILES, fast.MMA_WARPS = tiles, warps
+            t = _time(partial(_chain, IMPLS["v2mma"], chain, xs, bits), warmup=2, iters=iters)
+            row = dict(bits=bits, rows=rows, kernel="v2mma", tiles_warps=(tiles, warps), ms=round(t * 1e3, 2))
+            print(json.dumps({**row, "gbs": round(total / t / 1e9, 1)}), flush=True)
+    finally:
+        fast._SHAPE_BY_ROWS[rows] = default_v2
+        fast.MMA_TILES, fast.MMA_WARPS = default_mma
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -112,6 +140,7 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=4, help="distinct layers cycled (defeats L2 reuse)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--per-shape", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time other launch shapes (slow: compiles)")
     ap.add_argument("--json", default=None, help="also write every row to this file")
     ap.add_argument("--smoke", action="store_true", help="shapes / 16; kernels -> reference off CUDA")
     args = ap.parse_args()
@@ -130,10 +159,12 @@ def main() -> None:
             xs = {k: mx.random.normal((rows, k)).astype(mx.bfloat16) for k in {c[5] for c in chain}}
             if backend() == "cuda":
                 for _, q, s, b, _, k in layers[0]:
-                    assert supports_fast(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
-                    assert supports_mma(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
+                    assert fast.supports_fast(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
+                    assert fast.supports_mma(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
             if args.per_shape:
                 _per_shape(layers[0], xs, bits, rows)
+            if args.sweep:
+                _sweep(chain, xs, bits, rows, total, args.iters)
             row = dict(bits=bits, rows=rows, shape=f"chain x{args.layers}", weight_gb=round(total / 1e9, 2))
             for label, impl in IMPLS.items():
                 started = time.perf_counter()
