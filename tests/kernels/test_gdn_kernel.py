@@ -573,6 +573,26 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+// Metal spellings, for the .metal port (address-space qualifiers are stripped before compiling).
+using bfloat16_t = __nv_bfloat16;
+using half = __half;
+using uint = unsigned;
+using ushort = unsigned short;
+thread_local EmuDim threadgroup_position_in_grid;
+thread_local unsigned thread_index_in_threadgroup;
+namespace metal {
+enum class mem_flags { mem_threadgroup };
+inline float exp(float x) { return std::exp(x); }
+inline float log(float x) { return std::log(x); }
+inline float abs(float x) { return std::fabs(x); }
+inline float rsqrt(float x) { return 1.f / std::sqrt(x); }
+template <typename A> inline A max(A a, A b) { return a > b ? a : b; }
+template <typename A> inline A min(A a, A b) { return a < b ? a : b; }
+inline float simd_shuffle_xor(float v, ushort o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+}  // namespace metal
+inline void threadgroup_barrier(metal::mem_flags) { __syncthreads(); }
+template <typename To, typename From>
+inline To as_type(From x) { To t; std::memcpy(&t, &x, sizeof t); return t; }
 static std::vector<char> emu_read(const char* path) {
   std::ifstream f(path, std::ios::binary);
   return std::vector<char>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -580,13 +600,42 @@ static std::vector<char> emu_read(const char* path) {
 """
 
 
-def emulator_source(kernel, input_dtypes, output_dtypes, output_sizes, template, blocks, threads) -> str:
-    """The rendered CUDA translation unit with MLX's includes swapped for EMULATOR_PRELUDE, plus a
-    main() that reads inputs from in<i>.bin, runs every block and writes out<i>.bin."""
+def cuda_translation(kernel, input_dtypes, output_dtypes, template) -> tuple[str, str]:
+    """(source, function name): the rendered CUDA unit without MLX's includes."""
     body = kernel.render(input_dtypes, output_dtypes, template)
     body = body.split("\n", 3)[3]  # drop MLX's includes and `#define inf`
-    body = body.replace("namespace cg = cooperative_groups;\n", "")
-    names = kernel.input_names + kernel.output_names
+    return body.replace(
+        "namespace cg = cooperative_groups;\n", ""
+    ), f"mlx::core::cu::custom_kernel_{kernel.name}"
+
+
+def metal_translation(kernel, input_dtypes, output_dtypes, template) -> tuple[str, str]:
+    """(source, function name): the .metal header and body as host C++. Arrays declared
+    `threadgroup` become statics (shared by the block's threads); other address-space qualifiers
+    go; template arguments become constants as MLX's instantiation would bind them."""
+    header, body = read_source(kernel.filename)
+    body = re.sub(r"\bthreadgroup (\w+ \w+\[)", r"static \1", body)
+    strip = r"\b(threadgroup|device|thread|constant) "
+    header, body = re.sub(strip, "", header), re.sub(strip, "", body)
+    params = [f"const {cuda_type(d)}* {n}" for n, d in zip(kernel.input_names, input_dtypes, strict=True)]
+    params += [f"{cuda_type(d)}* {n}" for n, d in zip(kernel.output_names, output_dtypes, strict=True)]
+    consts = []
+    for name, value in template:
+        if isinstance(value, bool):
+            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            consts.append(f"  constexpr int {name} = {value};")
+        else:
+            consts.append(f"  using {name} = {cuda_type(value)};")
+    fn = "void emu_metal_kernel(" + ", ".join(params) + ") {\n" + "\n".join(consts) + body + "\n}\n"
+    return header + fn, "emu_metal_kernel"
+
+
+def emulator_source(
+    unit: str, function: str, input_dtypes, output_dtypes, output_sizes, blocks, threads
+) -> str:
+    """EMULATOR_PRELUDE + a translated kernel + a main() that reads inputs from in<i>.bin, runs
+    every block (one host thread per GPU thread) and writes out<i>.bin."""
     types = [f"const {cuda_type(d)}" for d in input_dtypes] + [cuda_type(d) for d in output_dtypes]
     n_in = len(input_dtypes)
     loads = "\n".join(f'  auto in{i} = emu_read("in{i}.bin");' for i in range(n_in))
@@ -608,8 +657,10 @@ int main() {{
     std::vector<std::thread> pool;
     for (unsigned t = 0; t < {threads}; ++t) {{
       pool.emplace_back([&, t] {{
-        emu = &block; threadIdx.x = t; blockIdx.x = b;
-        mlx::core::cu::custom_kernel_{kernel.name}({", ".join(ptrs)});
+        emu = &block;
+        threadIdx.x = thread_index_in_threadgroup = t;
+        blockIdx.x = threadgroup_position_in_grid.x = b;
+        {function}({", ".join(ptrs)});
       }});
     }}
     for (auto& th : pool) th.join();
@@ -617,28 +668,22 @@ int main() {{
 {saves}
 }}
 """
-    assert len(names) == len(ptrs)
-    return EMULATOR_PRELUDE + body + main
+    return EMULATOR_PRELUDE + unit + main
 
 
-class EmulatedCuda:
-    """Stands in for gdn.CUDA_KERNEL: same call, runs the body on the CPU through g++."""
+class Emulated:
+    """Stands in for gdn.CUDA_KERNEL / gdn.METAL_KERNEL: same call, runs the kernel's own source
+    on the CPU through g++ (`translate` is cuda_translation or metal_translation)."""
 
-    def __init__(self, kernel, workdir: pathlib.Path):
-        self.kernel, self.workdir = kernel, workdir
+    def __init__(self, kernel, translate, workdir: pathlib.Path):
+        self.kernel, self.translate, self.workdir = kernel, translate, workdir
 
     def __call__(self, inputs, *, template, grid, threadgroup, output_shapes, output_dtypes, **_):
         threads = threadgroup[0]
         sizes = [int(np.prod(s)) * d.size for s, d in zip(output_shapes, output_dtypes, strict=True)]
-        src = emulator_source(
-            self.kernel,
-            [x.dtype for x in inputs],
-            output_dtypes,
-            sizes,
-            template,
-            grid[0] // threads,
-            threads,
-        )
+        dtypes = [x.dtype for x in inputs]
+        unit, function = self.translate(self.kernel, dtypes, output_dtypes, template)
+        src = emulator_source(unit, function, dtypes, output_dtypes, sizes, grid[0] // threads, threads)
         run = self.workdir / f"run{len(list(self.workdir.iterdir()))}"
         run.mkdir()
         (run / "k.cpp").write_text(src)
@@ -701,15 +746,34 @@ def test_cuda_body_emulated_on_cpu_matches_reference(
     ref_out, ref_state = gdn.gdn_step_reference(**plain, **heads)
     mask = heads["mask"]
     monkeypatch.setattr(gdn, "backend", lambda: "cuda")
-    monkeypatch.setattr(gdn, "CUDA_KERNEL", EmulatedCuda(gdn.CUDA_KERNEL, tmp_path))
+    monkeypatch.setattr(gdn, "CUDA_KERNEL", Emulated(gdn.CUDA_KERNEL, cuda_translation, tmp_path))
     if budget is not None:  # force several shared-memory chunks
         monkeypatch.setitem(gdn.SHARED_BUDGET, "cuda", budget)
-    out, state = gdn.gdn_step(**args, **heads)
+    out, new_state = gdn.gdn_step(**args, **heads)
     assert len(list(tmp_path.iterdir())) == 1  # the kernel ran, not the reference
     assert_close(out, ref_out, dtype, fp32_tol=1e-5)
-    assert_close(state, ref_state, dtype, fp32_tol=1e-5)
+    assert_close(new_state, ref_state, dtype, fp32_tol=1e-5)
     if mask is not None:
         assert mx.array_equal(mx.where(mask[..., None], 0, out), mx.zeros_like(out)).item()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize("B,T,hk,hv,dk,dv,dtype,layout,masked,state,budget", EMULATION_CASES)
+def test_metal_body_emulated_on_cpu_matches_reference(
+    B, T, hk, hv, dk, dv, dtype, layout, masked, state, budget, monkeypatch, tmp_path
+) -> None:
+    """The .metal port's logic, executed as host C++ the same way (its Metal compilation and
+    Apple-GPU behaviour stay unverified here)."""
+    args, heads, plain = emulation_inputs(B, T, hk, hv, dk, dv, dtype, layout, masked, state)
+    ref_out, ref_state = gdn.gdn_step_reference(**plain, **heads)
+    monkeypatch.setattr(gdn, "backend", lambda: "metal")
+    monkeypatch.setattr(gdn, "METAL_KERNEL", Emulated(gdn.METAL_KERNEL, metal_translation, tmp_path))
+    if budget is not None:
+        monkeypatch.setitem(gdn.SHARED_BUDGET, "metal", budget)
+    out, new_state = gdn.gdn_step(**args, **heads)
+    assert len(list(tmp_path.iterdir())) == 1
+    assert_close(out, ref_out, dtype, fp32_tol=1e-5)
+    assert_close(new_state, ref_state, dtype, fp32_tol=1e-5)
 
 
 # ------------------------------------------------------------------- Metal source sanity
