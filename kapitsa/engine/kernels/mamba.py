@@ -16,6 +16,9 @@ Two kernels (CUDA here, the same algorithm for Metal in metal/mamba_step.metal):
 2. norm: one block per (row, token, group): y * silu(gate), RMS over the group, times the weight.
 The norm is a second kernel because a group spans H/G heads: fusing it would mean one block per
 group (8 blocks for the 30B at batch 1, far too few to stream its 2 MiB of state) or a grid sync.
+
+In Mamba2Mixer (chain forwards) one call replaces causal_conv, silu, the split, ssm_dt, ssm_scan
+and self.norm; the caller still builds conv_in and the next conv rows (conv_state_after).
 """
 
 from __future__ import annotations
