@@ -705,20 +705,25 @@ class Emulated:
         return outs
 
 
-def _emulation_case(name, B, T, hk, hv, dk, dv, dtype, layout, masked, state, budget=None, slow=False):
-    marks = [pytest.mark.slow] if slow else []
-    return pytest.param(B, T, hk, hv, dk, dv, dtype, layout, masked, state, budget, id=name, marks=marks)
+EMULATION_SPECS = {  # name: (B, T, Hk, Hv, Dk, Dv, dtype, layout, masked, state, shared budget)
+    "one-warp-no-state-f32": (2, 5, 1, 2, 32, 32, mx.float32, "plain", True, False, None),
+    "grouped-chunked-f32": (2, 7, 2, 4, 64, 32, mx.float32, "plain", True, True, 2 * (4 * 160 + 12)),
+    "bf16-qwen3next-views": (2, 3, 2, 4, 64, 64, mx.bfloat16, "qwen3_next", True, True, None),
+    "real-head-dims-bf16": (1, 2, 1, 2, 128, 128, mx.bfloat16, "plain", True, True, None),
+    "f16-qwen3_5-views": (1, 2, 1, 2, 96, 32, mx.float16, "qwen3_5", False, True, None),
+}
 
 
-EMULATION_CASES = [
-    _emulation_case("one-warp-no-state-f32", 2, 5, 1, 2, 32, 32, mx.float32, "plain", True, False),
-    _emulation_case(
-        "grouped-chunked-f32", 2, 7, 2, 4, 64, 32, mx.float32, "plain", True, True, 2 * (4 * 160 + 12)
-    ),
-    _emulation_case("bf16-qwen3next-views", 2, 3, 2, 4, 64, 64, mx.bfloat16, "qwen3_next", True, True),
-    _emulation_case("real-head-dims-bf16", 1, 2, 1, 2, 128, 128, mx.bfloat16, "plain", True, True),
-    _emulation_case("f16-qwen3_5-views", 1, 2, 1, 2, 96, 32, mx.float16, "qwen3_5", False, True, slow=True),
-]
+def emulation_cases(fast: set[str]) -> list:
+    """The specs as params; those not in `fast` are marked slow (each costs a g++ build and a run)."""
+    return [
+        pytest.param(*spec, id=name, marks=[] if name in fast else [pytest.mark.slow])
+        for name, spec in EMULATION_SPECS.items()
+    ]
+
+
+EMULATION_CASES = emulation_cases(set(EMULATION_SPECS) - {"f16-qwen3_5-views"})
+METAL_EMULATION_CASES = emulation_cases({"bf16-qwen3next-views"})  # same port: one case by default
 
 
 def emulation_inputs(B, T, hk, hv, dk, dv, dtype, layout, masked, state) -> tuple[dict, dict, dict]:
@@ -758,7 +763,7 @@ def test_cuda_body_emulated_on_cpu_matches_reference(
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
-@pytest.mark.parametrize("B,T,hk,hv,dk,dv,dtype,layout,masked,state,budget", EMULATION_CASES)
+@pytest.mark.parametrize("B,T,hk,hv,dk,dv,dtype,layout,masked,state,budget", METAL_EMULATION_CASES)
 def test_metal_body_emulated_on_cpu_matches_reference(
     B, T, hk, hv, dk, dv, dtype, layout, masked, state, budget, monkeypatch, tmp_path
 ) -> None:
