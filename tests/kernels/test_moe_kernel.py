@@ -395,6 +395,52 @@ def test_kernel_sources_run_on_cpu_emulation(dialect, kind, bits, gs, tokens, bu
     np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
 
 
+class _EmulatedKernel:
+    """Stands in for a CudaKernel: same call signature, runs the body through the emulation, so
+    the launcher's own input order, grid and shared memory size are what gets exercised."""
+
+    def __init__(self, kernel, tmp_path) -> None:
+        self.kernel, self.tmp_path, self.calls = kernel, tmp_path, []
+
+    def __call__(self, inputs, *, template, grid, threadgroup, output_shapes, output_dtypes, shared_memory):
+        import ctypes
+
+        names = (*self.kernel.input_names, *self.kernel.output_names)
+        tag = f"{self.kernel.name}_{len(self.calls)}"
+        launch = _emulated(names, _cuda_as_cpp(self.kernel), template, self.tmp_path, tag)
+        arrays = [np.ascontiguousarray(np.array(a)) for a in inputs]
+        assert all(a.dtype in (np.float32, np.uint32) for a in arrays), [a.dtype for a in arrays]
+        outs = [np.full(tuple(shape), np.nan, np.float32) for shape in output_shapes]
+        assert grid[0] % threadgroup[0] == 0
+        launch(grid[0] // threadgroup[0], grid[1], threadgroup[0], ctypes.c_long(shared_memory // 4),
+               *(_ptr(a) for a in (*arrays, *outs)))  # fmt: skip
+        self.calls.append(shared_memory)
+        return [mx.array(o) for o in outs]
+
+
+@pytest.mark.parametrize("kind", moe.KINDS)
+def test_launcher_runs_the_emulated_kernels(kind: str, monkeypatch, tmp_path) -> None:
+    """experts_decode / routed_experts with the CUDA backend, the kernels emulated on CPU."""
+    mx.random.seed(8)
+    d, hidden, experts, k, tokens = 128, 64, 6, 3, 2
+    module = SwitchGLU(d, hidden, experts) if kind == "swiglu" else SwitchReluSquared(d, hidden, experts)
+    module = _quantize_module(module, 64, 8 if kind == "swiglu" else 4)
+    x = mx.random.normal((1, tokens, d))
+    idx, scores = _routing(tokens, k, experts, seed=8, pool=4)
+    want = _module_path(module, x, idx[None], scores[None])
+    hidden_k = _EmulatedKernel(moe.hidden_kernel(kind), tmp_path)
+    out_k = _EmulatedKernel(moe.OUT_KERNEL, tmp_path)
+    monkeypatch.setattr(moe, "backend", lambda: "cuda")
+    monkeypatch.setattr(moe, "hidden_kernel", lambda _kind: hidden_k)
+    monkeypatch.setattr(moe, "OUT_KERNEL", out_k)
+    got = moe.routed_experts(module, x, idx[None], scores[None])
+    assert got.shape == (1, tokens, d) and got.dtype == mx.float32
+    assert hidden_k.calls and out_k.calls  # the kernels ran, not the fallback
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    with pytest.raises(KapitsaError, match="same leading shape"):
+        moe.routed_experts(module, x, idx[None], scores[None][..., :2])
+
+
 # --- host logic --------------------------------------------------------------------------------
 
 

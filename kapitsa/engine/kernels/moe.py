@@ -158,7 +158,13 @@ def experts_decode(x, indices, scores, first, second, *, kind, group_size, bits)
         return experts_decode_reference(
             x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits
         )
-    k = indices.shape[-1]
+    return _decode(x, indices, scores, stacks, second, (n_exp, hidden, n_out), kind, group_size, bits)
+
+
+def _decode(x, indices, scores, stacks, second, dims, kind: str, group_size: int, bits: int) -> mx.array:
+    """The kernel path for arguments already checked."""
+    n_exp, hidden, n_out = dims
+    n_in, k = x.shape[-1], indices.shape[-1]
     tokens = indices.size // k
     plan = Plan(tokens, k, n_exp, n_in, hidden, n_out, bits, group_size, kind)
     flat = (x.reshape(tokens, n_in), indices.reshape(tokens, k), scores.reshape(tokens, k))
@@ -166,37 +172,76 @@ def experts_decode(x, indices, scores, first, second, *, kind, group_size, bits)
     return run(plan, *flat, stacks, second).reshape(*x.shape[:-1], n_out)
 
 
-def module_stacks(switch_mlp) -> tuple[str, tuple[QuantStack, ...], QuantStack, int, int] | None:
-    """(kind, first, second, group_size, bits) of a quantized SwitchGLU / SwitchReluSquared whose
-    layers the kernels can read (affine, one format, no linear bias); None otherwise."""
+def _layers(switch_mlp) -> tuple[str, tuple] | None:
     if isinstance(switch_mlp, SwitchGLU):
-        kind, layers = "swiglu", (switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj)
-    elif isinstance(switch_mlp, SwitchReluSquared):
-        kind, layers = "relu2", (switch_mlp.fc1, switch_mlp.fc2)
-    else:
-        return None
+        return "swiglu", (switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj)
+    if isinstance(switch_mlp, SwitchReluSquared):
+        return "relu2", (switch_mlp.fc1, switch_mlp.fc2)
+    return None
+
+
+def _read_stacks(kind: str, layers: tuple):
     if not all(
-        isinstance(q, QuantizedSwitchLinear) and q.mode == "affine" and "bias" not in q for q in layers
+        isinstance(q, QuantizedSwitchLinear) and q.mode == "affine" and "bias" not in q and "biases" in q
+        for q in layers
     ):
         return None
     formats = {(q.group_size, q.bits) for q in layers}
-    if len(formats) != 1 or not all("biases" in q for q in layers):
+    if len(formats) != 1:
         return None
     stacks = tuple(QuantStack(q["weight"], q["scales"], q["biases"]) for q in layers)
     group_size, bits = formats.pop()
-    return kind, stacks[:-1], stacks[-1], group_size, bits
+    try:  # a module that does not fit the kernels' shapes and formats keeps its own path
+        dims = check_shapes(
+            mx.zeros((1, layers[0]["weight"].shape[-1] * 32 // bits)),
+            mx.zeros((1, 1), mx.uint32),
+            mx.zeros((1, 1)),
+            stacks[:-1],
+            stacks[-1],
+            kind=kind,
+            group_size=group_size,
+            bits=bits,
+        )
+    except KapitsaError:
+        return None
+    return kind, stacks[:-1], stacks[-1], group_size, bits, dims
+
+
+_CACHE_ATTR = "_kapitsa_moe_stacks"
+
+
+def module_stacks(switch_mlp) -> tuple[str, tuple[QuantStack, ...], QuantStack, int, int] | None:
+    """(kind, first, second, group_size, bits) of a quantized SwitchGLU / SwitchReluSquared whose
+    layers the kernels can read (affine, one format, no linear bias); None otherwise."""
+    found = _module_info(switch_mlp)
+    return None if found is None else found[:5]
+
+
+def _module_info(switch_mlp):
+    """module_stacks plus (experts, hidden, in, out), cached on the module until its arrays change
+    (the key is the identity of every weight array, so loading new weights re-reads them)."""
+    found = _layers(switch_mlp)
+    if found is None:
+        return None
+    kind, layers = found
+    key = tuple(id(q.get(name)) for q in layers for name in ("weight", "scales", "biases"))
+    cached = getattr(switch_mlp, _CACHE_ATTR, None)
+    if cached is None or cached[0] != key:
+        cached = (key, _read_stacks(kind, layers))
+        object.__setattr__(switch_mlp, _CACHE_ATTR, cached)
+    return cached[1]
 
 
 def routed_experts(switch_mlp, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
     """Drop-in for `(switch_mlp(x, indices) * scores[..., None]).sum(axis=-2).astype(x.dtype)`:
     the decode kernels when the module's format and the call's size allow, else exactly that."""
-    found = module_stacks(switch_mlp)
+    found = _module_info(switch_mlp)
     if found is not None:
-        kind, first, second, group_size, bits = found
+        kind, first, second, group_size, bits, (n_exp, hidden, n_in, n_out) = found
         if supports(x, indices, group_size=group_size, bits=bits, scales_dtype=second.scales.dtype):
-            return experts_decode(
-                x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits
-            )
+            if x.shape[-1] != n_in or indices.shape[:-1] != x.shape[:-1] or scores.shape != indices.shape:
+                check_shapes(x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits)
+            return _decode(x, indices, scores, first, second, (n_exp, hidden, n_out), kind, group_size, bits)
     return (switch_mlp(x, indices) * scores[..., None]).sum(axis=-2).astype(x.dtype)
 
 
@@ -546,6 +591,7 @@ _OUT_SOURCE = r"""
 """
 
 
+@functools.cache
 def hidden_kernel(kind: str) -> CudaKernel:
     nw = 2 if kind == "swiglu" else 1
     weights = tuple(f"{p}{s}" for s in range(nw) for p in ("w", "s", "b"))
@@ -567,29 +613,64 @@ OUT_KERNEL = CudaKernel(
 )
 
 
+class Launch(NamedTuple):
+    hidden_template: list
+    hidden_grid: tuple[int, int, int]
+    hidden_shared: int
+    out_template: list
+    out_grid: tuple[int, int, int]
+    out_shared: int
+
+
+@functools.cache
+def launch_for(plan: Plan, x_dtype, s1_dtype, s2_dtype, i_dtype, sc_dtype, budget: int) -> Launch:
+    """Template values, grids (in threads) and dynamic shared memory of both kernels."""
+    t1 = plan.hidden_template(x_dtype, s1_dtype, i_dtype, budget=budget)
+    t2 = plan.out_template(x_dtype, s2_dtype, i_dtype, sc_dtype, budget=budget)
+    return Launch(
+        t1,
+        (plan.blocks(plan.hidden, t1) * WARPS * 32, plan.pairs, 1),
+        plan.shared_bytes(t1, plan.tokens),
+        t2,
+        (plan.blocks(plan.n_out, t2) * WARPS * 32, 1, 1),
+        plan.shared_bytes(t2, plan.pairs),
+    )
+
+
+def _as(a: mx.array, dtype) -> mx.array:
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+def _kernel_inputs(stacks: tuple[QuantStack, ...], second: QuantStack) -> tuple[list, list]:
+    """Weight inputs of both kernels, scales and biases of a kernel in one dtype."""
+    s1, s2 = stacks[0].scales.dtype, second.scales.dtype
+    first = [a for st in stacks for a in (st.weight, _as(st.scales, s1), _as(st.biases, s1))]
+    return first, [second.weight, second.scales, _as(second.biases, s2)]
+
+
 def _run_cuda(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], second: QuantStack):
-    s_dtype = stacks[0].scales.dtype
-    t1 = plan.hidden_template(x.dtype, s_dtype, indices.dtype)
-    weights = [a for s in stacks for a in (s.weight, s.scales.astype(s_dtype), s.biases.astype(s_dtype))]
+    geo = launch_for(
+        plan, x.dtype, stacks[0].scales.dtype, second.scales.dtype, indices.dtype, scores.dtype, SHARED_BUDGET
+    )
+    first_w, second_w = _kernel_inputs(stacks, second)
+    threads = (WARPS * 32, 1, 1)
     h = hidden_kernel(plan.kind)(
-        [x, indices, *weights],
-        template=t1,
-        grid=(plan.blocks(plan.hidden, t1) * WARPS * 32, plan.pairs, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        [x, indices, *first_w],
+        template=geo.hidden_template,
+        grid=geo.hidden_grid,
+        threadgroup=threads,
         output_shapes=[(plan.pairs, plan.hidden)],
         output_dtypes=[mx.float32],
-        shared_memory=plan.shared_bytes(t1, plan.tokens),
+        shared_memory=geo.hidden_shared,
     )[0]
-    s2 = second.scales.dtype
-    t2 = plan.out_template(x.dtype, s2, indices.dtype, scores.dtype)
     return OUT_KERNEL(
-        [h, indices, scores, second.weight, second.scales, second.biases.astype(s2)],
-        template=t2,
-        grid=(plan.blocks(plan.n_out, t2) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        [h, indices, scores, *second_w],
+        template=geo.out_template,
+        grid=geo.out_grid,
+        threadgroup=threads,
         output_shapes=[(plan.tokens, plan.n_out)],
         output_dtypes=[x.dtype],
-        shared_memory=plan.shared_bytes(t2, plan.pairs),
+        shared_memory=geo.out_shared,
     )[0]
 
 
@@ -631,24 +712,24 @@ def metal_kernels(kind: str):
 
 def _run_metal(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], second: QuantStack):
     hidden, out = metal_kernels(plan.kind)
-    s_dtype = stacks[0].scales.dtype
-    t1 = plan.hidden_template(x.dtype, s_dtype, indices.dtype, budget=METAL_BUDGET)
-    weights = [a for s in stacks for a in (s.weight, s.scales.astype(s_dtype), s.biases.astype(s_dtype))]
+    geo = launch_for(
+        plan, x.dtype, stacks[0].scales.dtype, second.scales.dtype, indices.dtype, scores.dtype, METAL_BUDGET
+    )
+    first_w, second_w = _kernel_inputs(stacks, second)
+    threads = (WARPS * 32, 1, 1)
     h = hidden(
-        inputs=[x, indices, *weights],
-        template=t1,
-        grid=(plan.blocks(plan.hidden, t1) * WARPS * 32, plan.pairs, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        inputs=[x, indices, *first_w],
+        template=geo.hidden_template,
+        grid=geo.hidden_grid,
+        threadgroup=threads,
         output_shapes=[(plan.pairs, plan.hidden)],
         output_dtypes=[mx.float32],
     )[0]
-    s2 = second.scales.dtype
-    t2 = plan.out_template(x.dtype, s2, indices.dtype, scores.dtype, budget=METAL_BUDGET)
     return out(
-        inputs=[h, indices, scores, second.weight, second.scales, second.biases.astype(s2)],
-        template=t2,
-        grid=(plan.blocks(plan.n_out, t2) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        inputs=[h, indices, scores, *second_w],
+        template=geo.out_template,
+        grid=geo.out_grid,
+        threadgroup=threads,
         output_shapes=[(plan.tokens, plan.n_out)],
         output_dtypes=[x.dtype],
     )[0]
