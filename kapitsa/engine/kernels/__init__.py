@@ -20,3 +20,16 @@ def backend() -> str | None:
     if mx.metal.is_available():
         return "metal"
     return None
+
+
+def enabled(name: str) -> bool:
+    """Whether the model may use kernel family `name` ("gdn", "mamba", "moe", "qmv").
+
+    `KAPITSA_KERNELS` = "all" (default), "none", or a comma list of the families to use: a way to
+    A/B a kernel against its reference path without code changes (the bench uses it)."""
+    import os
+
+    value = os.environ.get("KAPITSA_KERNELS", "all").strip().lower()
+    if value in ("", "all"):
+        return True
+    return name in {v.strip() for v in value.split(",")}

@@ -18,7 +18,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine import kernels
 from kapitsa.engine.cache import KVCache, RecurrentCache, ReplayRecord, StepInfo
+from kapitsa.engine.kernels.mamba import mamba_step, mamba_step_reference
 from kapitsa.engine.models.base import (
     Attention,
     HybridLM,
@@ -194,20 +196,33 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate))
 
     def decode(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state)."""
-        B, T, _ = x.shape
+        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state).
+
+        One fused kernel (conv, SSM update, gated group norm; kernels/mamba.py) where the backend
+        has it, the same math in MLX ops elsewhere."""
+        T = x.shape[1]
         gate, xbc, dt = mx.split(self.in_proj(x), [self.inner, self.inner + self.conv_dim], axis=-1)
         conv_in = mx.concatenate([conv_state, xbc], axis=1)
-        conv_out = causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias"))
-        xs, Bm, Cm = mx.split(
-            nn.silu(conv_out), [self.inner, self.inner + self.groups * self.state_size], axis=-1
+        step = mamba_step if kernels.enabled("mamba") else mamba_step_reference
+        out, state = step(
+            conv_in,
+            self.conv1d.weight,
+            self.conv1d.get("bias"),
+            dt,
+            self.dt_bias,
+            self.A_log,
+            self.D,
+            gate,
+            self.norm.weight,
+            s0,
+            heads=self.heads,
+            head_dim=self.head_dim,
+            groups=self.groups,
+            state_size=self.state_size,
+            time_step_limit=self.limit,
+            norm_eps=self.norm.eps,
         )
-        xs = xs.reshape(B, T, self.heads, self.head_dim)
-        Bm = Bm.reshape(B, T, self.groups, self.state_size)
-        Cm = Cm.reshape(B, T, self.groups, self.state_size)
-        step = ssm_dt(dt, self.dt_bias, self.limit)
-        y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0)
-        return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate)), conv_in[:, T:], state
+        return self.out_proj(out), conv_in[:, T:], state
 
 
 class ReluSquaredMLP(nn.Module):
