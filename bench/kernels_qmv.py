@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels import qmv_fast as fast
+from kapitsa.engine.kernels import qmv_mma as tc
 from kapitsa.engine.kernels.qmv import qmv_reference, qmv_v1
 
 # (name, out_features, in_features) of one Qwen3.5-27B layer's weight mat-vecs (hidden 5120,
@@ -51,7 +52,7 @@ def _reference(x, q, s, b, bits: int) -> mx.array:
 
 
 def _v2mma(x, q, s, b, bits: int) -> mx.array:
-    return fast.qmv_mma(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+    return tc.qmv_mma(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
 
 
 IMPLS = {"stock": _stock, "v1": _v1, "v2": _v2, "v2mma": _v2mma}
@@ -106,7 +107,7 @@ def _per_shape(layer, xs, bits: int, rows: int) -> None:
 
 
 # Launch shapes tried by --sweep: v2 (rows per warp, warps per block), v2mma (16-row tiles per
-# block, warps splitting K). The defaults live in qmv_fast.py (_SHAPE_BY_ROWS, MMA_TILES, MMA_WARPS).
+# block, warps splitting K). Defaults: qmv_fast._SHAPE_BY_ROWS, qmv_mma.MMA_TILES and MMA_WARPS.
 SWEEP_V2 = [(2, 4), (4, 4), (4, 8), (8, 4)]
 SWEEP_MMA = [(1, 4), (1, 8), (2, 4), (2, 8), (2, 16)]
 
@@ -114,7 +115,7 @@ SWEEP_MMA = [(1, 4), (1, 8), (2, 4), (2, 8), (2, 16)]
 def _sweep(chain, xs, bits: int, rows: int, total: int, iters: int) -> None:
     """Chain time of each launch shape (each one compiles its own kernels: slow, opt-in)."""
     default_v2 = fast._SHAPE_BY_ROWS[rows]
-    default_mma = (fast.MMA_TILES, fast.MMA_WARPS)
+    default_mma = (tc.MMA_TILES, tc.MMA_WARPS)
     try:
         for shape in SWEEP_V2:
             fast._SHAPE_BY_ROWS[rows] = shape
@@ -123,13 +124,13 @@ def _sweep(chain, xs, bits: int, rows: int, total: int, iters: int) -> None:
             print(json.dumps({**row, "gbs": round(total / t / 1e9, 1)}), flush=True)
         fast._SHAPE_BY_ROWS[rows] = default_v2
         for tiles, warps in SWEEP_MMA:
-            fast.MMA_TILES, fast.MMA_WARPS = tiles, warps
+            tc.MMA_TILES, tc.MMA_WARPS = tiles, warps
             t = _time(partial(_chain, IMPLS["v2mma"], chain, xs, bits), warmup=2, iters=iters)
             row = dict(bits=bits, rows=rows, kernel="v2mma", tiles_warps=(tiles, warps), ms=round(t * 1e3, 2))
             print(json.dumps({**row, "gbs": round(total / t / 1e9, 1)}), flush=True)
     finally:
         fast._SHAPE_BY_ROWS[rows] = default_v2
-        fast.MMA_TILES, fast.MMA_WARPS = default_mma
+        tc.MMA_TILES, tc.MMA_WARPS = default_mma
 
 
 def main() -> None:
@@ -160,7 +161,7 @@ def main() -> None:
             if backend() == "cuda":
                 for _, q, s, b, _, k in layers[0]:
                     assert fast.supports_fast(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
-                    assert fast.supports_mma(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
+                    assert tc.supports_mma(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
             if args.per_shape:
                 _per_shape(layers[0], xs, bits, rows)
             if args.sweep:

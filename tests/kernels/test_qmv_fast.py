@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kapitsa.engine.kernels import backend, qmv_fast
+from kapitsa.engine.kernels import backend, qmv_fast, qmv_mma
 from kapitsa.engine.kernels import qmv as qmv_mod
 from kapitsa.engine.kernels.metal import read_source
 from kapitsa.engine.kernels.qmv import qmv, qmv_reference
@@ -274,8 +274,8 @@ def test_qmv_falls_back_to_reference_off_gpu() -> None:
 def _render(rows: int, bits: int, dtype, mma: bool = False) -> str:
     x = mx.zeros((rows, 5120), dtype)
     if mma:
-        template, _, _ = qmv_fast.mma_launch_config(x, 17408, group_size=64, bits=bits)
-        return qmv_fast._MMA_KERNEL.render([dtype, mx.uint32, dtype, dtype], [dtype], template)
+        template, _, _ = qmv_mma.mma_launch_config(x, 17408, group_size=64, bits=bits)
+        return qmv_mma._MMA_KERNEL.render([dtype, mx.uint32, dtype, dtype], [dtype], template)
     template, _, _, _ = qmv_fast.launch_config(x, 17408, group_size=64, bits=bits)
     return qmv_fast._KERNEL.render([dtype, mx.uint32, dtype, dtype], [dtype], template)
 
@@ -367,8 +367,8 @@ def test_cuda_qmv_mma_matches_reference(n: int, k: int, rows: int, bits: int, gs
         pytest.skip("needs the CUDA backend")
     w, s, b = _quantized(n, k, bits=bits, gs=gs, dtype=dtype, seed=n + k)
     x = mx.random.normal((rows, k)).astype(dtype)
-    assert qmv_fast.supports_mma(x, w, s, b, group_size=gs, bits=bits)
-    got = np.array(qmv_fast.qmv_mma(x, w, s, b, group_size=gs, bits=bits).astype(mx.float32))
+    assert qmv_mma.supports_mma(x, w, s, b, group_size=gs, bits=bits)
+    got = np.array(qmv_mma.qmv_mma(x, w, s, b, group_size=gs, bits=bits).astype(mx.float32))
     ref = _rounded_weight_reference(x, w, s, b, gs=gs, bits=bits)
     rtol = {mx.bfloat16: 2**-7, mx.float16: 2**-10}[dtype]
     np.testing.assert_allclose(got, ref, rtol=rtol, atol=1e-3 * np.abs(ref).max())
@@ -560,8 +560,8 @@ MMA_CASES = [(1, 37, 512, 4, 32), (3, 32, 1088, 4, 64), (8, 20, 1024, 8, 128), (
 def test_emulated_mma_kernel_matches_reference(rows: int, n: int, k: int, bits: int, gs: int, dtype) -> None:
     w, s, b = _quantized(n, k, bits=bits, gs=gs, dtype=dtype, seed=rows)
     x = mx.random.normal((rows, k)).astype(dtype)
-    template, grid, block = qmv_fast.mma_launch_config(x, n, group_size=gs, bits=bits)
-    assert block == 32 * qmv_fast.MMA_WARPS and grid // block * 16 * qmv_fast.MMA_TILES >= n
+    template, grid, block = qmv_mma.mma_launch_config(x, n, group_size=gs, bits=bits)
+    assert block == 32 * qmv_mma.MMA_WARPS and grid // block * 16 * qmv_mma.MMA_TILES >= n
     got = emulate_mma(_np(x), np.array(w), _np(s), _np(b), template, dtype)
     ref = _rounded_weight_reference(x, w, s, b, gs=gs, bits=bits)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -575,7 +575,7 @@ def _rounded_weight_reference(x, w, s, b, *, gs: int, bits: int) -> np.ndarray:
 
 
 def test_mma_header_has_the_transcribed_constants() -> None:
-    header = qmv_fast._MMA_HEADER
+    header = qmv_mma._MMA_HEADER
     for snippet in (
         "0x000F000Fu) | 0x43004300u",
         "0x000F000Fu) | 0x64006400u",
@@ -583,7 +583,7 @@ def test_mma_header_has_the_transcribed_constants() -> None:
         "0x7441u + 2 * j",
     ):
         assert snippet in header, snippet
-    source = qmv_fast._MMA_SOURCE
+    source = qmv_mma._MMA_SOURCE
     for snippet in (
         "__byte_perm(u.x, u.z, 0x5410u), __byte_perm(u.x, u.z, 0x7632u)",
         "{p[0][0], p[1][0], p[0][1], p[1][1]}",

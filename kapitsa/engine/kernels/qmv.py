@@ -12,7 +12,8 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel
-from kapitsa.engine.kernels.qmv_fast import qmv_fast, qmv_mma, supports_fast, supports_mma
+from kapitsa.engine.kernels.qmv_fast import qmv_fast, supports_fast
+from kapitsa.engine.kernels.qmv_mma import qmv_mma, supports_mma
 
 MAX_ROWS = 16
 AFFINE_BITS = (2, 3, 4, 6, 8)
