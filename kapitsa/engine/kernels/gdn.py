@@ -354,9 +354,13 @@ __device__ __forceinline__ void gdn_store_row(float* row, int lane, const float 
   for (int c = 0; c < COLS / VEC; ++c) {
     float* p = row + c * 32 * VEC + lane * VEC;
     if constexpr (VEC == 4) {
-      *reinterpret_cast<float4*>(p) = make_float4(src[4 * c], src[4 * c + 1], src[4 * c + 2], src[4 * c + 3]);
+      float4 v;  // (no make_float4: keep to what NVRTC surely provides)
+      v.x = src[4 * c]; v.y = src[4 * c + 1]; v.z = src[4 * c + 2]; v.w = src[4 * c + 3];
+      *reinterpret_cast<float4*>(p) = v;
     } else if constexpr (VEC == 2) {
-      *reinterpret_cast<float2*>(p) = make_float2(src[2 * c], src[2 * c + 1]);
+      float2 v;
+      v.x = src[2 * c]; v.y = src[2 * c + 1];
+      *reinterpret_cast<float2*>(p) = v;
     } else {
       p[0] = src[c];
     }
