@@ -234,8 +234,8 @@ def test_supports_fast_rules(monkeypatch) -> None:
 def test_qmv_routes_by_the_measured_table(monkeypatch) -> None:
     w, s, b = _quantized(8, 256, bits=4, gs=64)
     calls = []
-    monkeypatch.setattr(qmv_fast, "backend", lambda: "cuda")
-    monkeypatch.setattr(qmv_mod, "backend", lambda: "cuda")
+    for module in (qmv_fast, qmv_mma, qmv_mod):
+        monkeypatch.setattr(module, "backend", lambda: "cuda")
     monkeypatch.setattr(qmv_mod, "qmv_fast", lambda *a, **kw: calls.append("v2"))
     monkeypatch.setattr(qmv_mod, "qmv_v1", lambda *a, **kw: calls.append("v1"))
     monkeypatch.setattr(qmv_mod, "qmv_mma", lambda *a, **kw: calls.append("v2mma"))
