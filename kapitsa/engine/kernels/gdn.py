@@ -3,9 +3,17 @@ new tokens (decode T=1, speculative verification T<=MAX_T) and the gated RMS out
 kernel launch per layer.
 
 `gdn_step` replaces, in `GatedDeltaNet.__call__` for chains (no draft tree), everything from
-`causal_conv(conv_in, ...)` to `self.norm(y, z)`. The caller still takes the next conv state from
-`conv_in` (`conv_state_after`); the kernel does not write it. z, a and b may be `HeadView`s of the
-fused in-projection, read in place (no copies before the launch).
+`causal_conv(conv_in, ...)` to `self.norm(y, z)`:
+
+    out, state = gdn_step(conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z,
+                          self.norm.weight, s0, num_k_heads=self.nk, num_v_heads=self.nv,
+                          head_k_dim=self.dk, head_v_dim=self.dv, norm_eps=self.norm.eps,
+                          mask=info.recurrent_mask)
+    return self.out_proj(out)   # out is [B, T, Hv*Dv], already gated and normed
+
+The caller still takes the next conv state from `conv_in` (`conv_state_after`); the kernel does
+not write it. z, a and b may be `HeadView`s of the fused in-projection (`projection_views`), read
+in place, so no copies precede the launch. A rollback replay is `gdn_step(..., s0, mask=m)[1]`.
 
 Kernel layout: one thread block per (batch row, value head). The state `[Dv, Dk]` (float32) lives
 in registers for all T tokens: each warp owns `Dv / NW` whole rows, its lanes split Dk in
@@ -52,7 +60,7 @@ class GdnShapeError(KapitsaError, ValueError):
     """Inputs of `gdn_step` whose shapes disagree with each other or with the head layout."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HeadView:
     """A per-head input (z: Dv values per head; a, b: one) read in place from a wider `[B, T, N]`
     array such as the fused in-projection.
@@ -76,6 +84,8 @@ class HeadView:
 
     def materialize(self, heads: int, width: int) -> mx.array:
         """The `[B, T, heads * width]` array this view stands for (what the model's split gives)."""
+        if self.group >= heads:  # one contiguous run of columns: a slice, no gather
+            return self.array[..., self.offset : self.offset + heads * width]
         return mx.take(self.array, self.columns(heads, width), axis=-1)
 
 
