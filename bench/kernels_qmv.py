@@ -32,6 +32,14 @@ SHAPES_27B = [
     ("mlp_up", 17408, 5120),
     ("mlp_down", 5120, 17408),
 ]
+# The same layer as the engine runs it after kapitsa.engine.fuse: GDN in-projections (qkv, z, b,
+# a) stacked, MLP gate and up stacked.
+SHAPES_27B_FUSED = [
+    ("gdn_in_fused", 10240 + 6144 + 48 + 48, 5120),
+    ("gdn_out", 5120, 6144),
+    ("mlp_gate_up", 2 * 17408, 5120),
+    ("mlp_down", 5120, 17408),
+]
 GROUP_SIZE = 64
 
 
@@ -67,10 +75,10 @@ def _time(fn, *, warmup: int, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def _layer(bits: int, shrink: int) -> list:
+def _layer(shapes: list, bits: int, shrink: int) -> list:
     """[(name, q, scales, biases, n, k)] for one layer, random weights like a trained model's."""
     layer = []
-    for name, n, k in ((name, n // shrink, k // shrink) for name, n, k in SHAPES_27B):
+    for name, n, k in ((name, n // shrink, k // shrink) for name, n, k in shapes):
         w = mx.random.normal((n, k)).astype(mx.bfloat16) * 0.02
         q, s, b = mx.quantize(w, group_size=GROUP_SIZE, bits=bits)
         mx.eval(q, s, b)
@@ -142,6 +150,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--per-shape", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time other launch shapes (slow: compiles)")
+    ap.add_argument(
+        "--fused", action="store_true", help="the engine's fused projections (4 mat-vecs a layer)"
+    )
     ap.add_argument("--json", default=None, help="also write every row to this file")
     ap.add_argument("--smoke", action="store_true", help="shapes / 16; kernels -> reference off CUDA")
     args = ap.parse_args()
@@ -153,8 +164,9 @@ def main() -> None:
     print(json.dumps(dict(mlx=mx.__version__, device=str(mx.default_device()), backend=backend())))
     results, routes = [], {}
     for bits in args.bits:
-        layers = [_layer(bits, shrink) for _ in range(args.distinct)]
-        chain = [layers[i % args.distinct][j] for i in range(args.layers) for j in range(len(SHAPES_27B))]
+        shapes = SHAPES_27B_FUSED if args.fused else SHAPES_27B
+        layers = [_layer(shapes, bits, shrink) for _ in range(args.distinct)]
+        chain = [layers[i % args.distinct][j] for i in range(args.layers) for j in range(len(shapes))]
         total = sum(q.nbytes + s.nbytes + b.nbytes for _, q, s, b, _, _ in chain)
         for rows in args.rows:
             xs = {k: mx.random.normal((rows, k)).astype(mx.bfloat16) for k in {c[5] for c in chain}}
@@ -166,7 +178,8 @@ def main() -> None:
                 _per_shape(layers[0], xs, bits, rows)
             if args.sweep:
                 _sweep(chain, xs, bits, rows, total, args.iters)
-            row = dict(bits=bits, rows=rows, shape=f"chain x{args.layers}", weight_gb=round(total / 1e9, 2))
+            name = f"{'fused ' if args.fused else ''}chain x{args.layers}"
+            row = dict(bits=bits, rows=rows, shape=name, weight_gb=round(total / 1e9, 2))
             for label, impl in IMPLS.items():
                 started = time.perf_counter()
                 mx.eval(_chain(impl, layers[0], xs, bits))  # JIT compiles happen here
