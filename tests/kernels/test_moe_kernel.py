@@ -331,7 +331,6 @@ def _run_emulated(
 ) -> np.ndarray:
     import ctypes
 
-    threads = moe.WARPS * 32
     t1 = plan.hidden_template(mx.float32, mx.float32, mx.uint32, budget=budget)
     weights = [np.ascontiguousarray(np.array(a)) for st in first for a in st]
     xn, idxn, scn = (np.ascontiguousarray(np.array(a)) for a in (x, idx, scores))
@@ -340,7 +339,7 @@ def _run_emulated(
     source = _cuda_as_cpp(kernel) if dialect == "cuda" else _metal_as_cpp(plan.kind, "hidden")
     launch = _emulated((*kernel.input_names, "h"), source, t1, tmp_path, "hidden")
     launch(
-        plan.blocks(plan.hidden, t1), plan.pairs, threads, ctypes.c_long(plan.shared_bytes(t1, plan.tokens) // 4),
+        plan.blocks(plan.hidden, t1), plan.pairs, dict(t1)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t1, plan.tokens) // 4),
         *(_ptr(a) for a in (xn, idxn, *weights, h)),
     )  # fmt: skip
     t2 = plan.out_template(mx.float32, mx.float32, mx.uint32, mx.float32, budget=budget)
@@ -349,7 +348,7 @@ def _run_emulated(
     launch = _emulated((*moe.OUT_KERNEL.input_names, "y"), source, t2, tmp_path, "out")
     second = [np.ascontiguousarray(np.array(a)) for a in second]
     launch(
-        plan.blocks(plan.n_out, t2), 1, threads, ctypes.c_long(plan.shared_bytes(t2, plan.pairs) // 4),
+        plan.blocks(plan.n_out, t2), 1, dict(t2)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t2, plan.pairs) // 4),
         *(_ptr(a) for a in (h, idxn, scn, *second, y)),
     )  # fmt: skip
     return y

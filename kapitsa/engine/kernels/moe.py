@@ -248,7 +248,8 @@ def routed_experts(switch_mlp, x: mx.array, indices: mx.array, scores: mx.array)
 # ----------------------------------------------------------------------------------------------
 # Launch geometry (shared by the CUDA and Metal paths)
 
-WARPS = 8  # warps per block
+WARPS = 8  # warps per block (the output kernel drops to 4 or 2 to spread few rows over more SMs)
+MIN_BLOCKS = 132  # one block per SM of an H200: fewer leave SMs without loads in flight
 SHARED_BUDGET = 44 * 1024  # static + dynamic shared memory per block: under the 48 KiB default
 
 
@@ -312,16 +313,19 @@ class Plan:
 
     def out_template(self, y_dtype, s_dtype, i_dtype, sc_dtype, budget: int = SHARED_BUDGET) -> list:
         tile = tile_for(self.hidden, self.pairs, self.bits, budget - self.out_static_bytes)
+        lanes = lanes_per_row(tile // values_per_chunk(self.bits))
+        rows_per_warp = 32 // lanes
+        warps = next((w for w in (8, 4) if -(-self.n_out // (w * rows_per_warp)) >= MIN_BLOCKS), 2)
         return [
             ("T", y_dtype), ("S", s_dtype), ("I", i_dtype), ("SC", sc_dtype),
             ("M", self.tokens), ("K", self.k), ("E", self.experts), ("D", self.hidden), ("N", self.n_out),
-            ("GS", self.group_size), ("BITS", self.bits),
-            ("LPR", lanes_per_row(tile // values_per_chunk(self.bits))), ("WARPS", WARPS),
+            ("GS", self.group_size), ("BITS", self.bits), ("LPR", lanes), ("WARPS", warps),
             ("TILE", tile), ("U", 4),
         ]  # fmt: skip
 
     def blocks(self, rows: int, template: list) -> int:
-        rows_per_block = WARPS * (32 // dict(template)["LPR"])
+        t = dict(template)
+        rows_per_block = t["WARPS"] * (32 // t["LPR"])
         return (rows + rows_per_block - 1) // rows_per_block
 
     def shared_bytes(self, template: list, staged_rows: int) -> int:
@@ -615,10 +619,12 @@ OUT_KERNEL = CudaKernel(
 
 class Launch(NamedTuple):
     hidden_template: list
-    hidden_grid: tuple[int, int, int]
+    hidden_grid: tuple[int, int, int]  # in threads, as MLX takes it
+    hidden_threads: tuple[int, int, int]
     hidden_shared: int
     out_template: list
     out_grid: tuple[int, int, int]
+    out_threads: tuple[int, int, int]
     out_shared: int
 
 
@@ -627,12 +633,15 @@ def launch_for(plan: Plan, x_dtype, s1_dtype, s2_dtype, i_dtype, sc_dtype, budge
     """Template values, grids (in threads) and dynamic shared memory of both kernels."""
     t1 = plan.hidden_template(x_dtype, s1_dtype, i_dtype, budget=budget)
     t2 = plan.out_template(x_dtype, s2_dtype, i_dtype, sc_dtype, budget=budget)
+    threads1, threads2 = dict(t1)["WARPS"] * 32, dict(t2)["WARPS"] * 32
     return Launch(
         t1,
-        (plan.blocks(plan.hidden, t1) * WARPS * 32, plan.pairs, 1),
+        (plan.blocks(plan.hidden, t1) * threads1, plan.pairs, 1),
+        (threads1, 1, 1),
         plan.shared_bytes(t1, plan.tokens),
         t2,
-        (plan.blocks(plan.n_out, t2) * WARPS * 32, 1, 1),
+        (plan.blocks(plan.n_out, t2) * threads2, 1, 1),
+        (threads2, 1, 1),
         plan.shared_bytes(t2, plan.pairs),
     )
 
@@ -653,12 +662,11 @@ def _run_cuda(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], se
         plan, x.dtype, stacks[0].scales.dtype, second.scales.dtype, indices.dtype, scores.dtype, SHARED_BUDGET
     )
     first_w, second_w = _kernel_inputs(stacks, second)
-    threads = (WARPS * 32, 1, 1)
     h = hidden_kernel(plan.kind)(
         [x, indices, *first_w],
         template=geo.hidden_template,
         grid=geo.hidden_grid,
-        threadgroup=threads,
+        threadgroup=geo.hidden_threads,
         output_shapes=[(plan.pairs, plan.hidden)],
         output_dtypes=[mx.float32],
         shared_memory=geo.hidden_shared,
@@ -667,7 +675,7 @@ def _run_cuda(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], se
         [h, indices, scores, *second_w],
         template=geo.out_template,
         grid=geo.out_grid,
-        threadgroup=threads,
+        threadgroup=geo.out_threads,
         output_shapes=[(plan.tokens, plan.n_out)],
         output_dtypes=[x.dtype],
         shared_memory=geo.out_shared,
@@ -716,12 +724,11 @@ def _run_metal(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], s
         plan, x.dtype, stacks[0].scales.dtype, second.scales.dtype, indices.dtype, scores.dtype, METAL_BUDGET
     )
     first_w, second_w = _kernel_inputs(stacks, second)
-    threads = (WARPS * 32, 1, 1)
     h = hidden(
         inputs=[x, indices, *first_w],
         template=geo.hidden_template,
         grid=geo.hidden_grid,
-        threadgroup=threads,
+        threadgroup=geo.hidden_threads,
         output_shapes=[(plan.pairs, plan.hidden)],
         output_dtypes=[mx.float32],
     )[0]
@@ -729,7 +736,7 @@ def _run_metal(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], s
         inputs=[h, indices, scores, *second_w],
         template=geo.out_template,
         grid=geo.out_grid,
-        threadgroup=threads,
+        threadgroup=geo.out_threads,
         output_shapes=[(plan.tokens, plan.n_out)],
         output_dtypes=[x.dtype],
     )[0]
