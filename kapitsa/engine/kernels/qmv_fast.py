@@ -20,6 +20,7 @@ a plain read on the H200):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -255,12 +256,18 @@ def shared_bytes(rows: int, k: int, bits: int, budget: int | None = None) -> int
 
 def launch_config(
     x: mx.array, n: int, *, group_size: int, bits: int, budget: int | None = None
-) -> tuple[list, int, int, int]:
+) -> tuple[tuple, int, int, int]:
     """(template arguments, shared bytes, grid threads, block threads) for one call."""
     rows, k = x.shape
-    r, warps = _SHAPE_BY_ROWS[rows]
-    template = [
-        ("T", x.dtype),
+    budget = SHARED_BUDGET if budget is None else budget
+    return _launch_config(x.dtype, rows, n, k, group_size, bits, budget, _SHAPE_BY_ROWS[rows])
+
+
+@functools.cache  # called per mat-vec of every decode step: keep the host work to a dict lookup
+def _launch_config(dtype, rows, n, k, group_size, bits, budget, shape) -> tuple[tuple, int, int, int]:
+    r, warps = shape
+    template = (
+        ("T", dtype),
         ("M", rows),
         ("N", n),
         ("K", k),
@@ -269,17 +276,17 @@ def launch_config(
         ("R", r),
         ("WARPS", warps),
         ("TILE_ROUNDS", tile_rounds(rows, k, bits, budget)),
-    ]
+    )
     blocks = math.ceil(n / (r * warps))
     return template, shared_bytes(rows, k, bits, budget), blocks * warps * 32, warps * 32
 
 
-def metal_launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> tuple[list, int, int]:
+def metal_launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> tuple[tuple, int, int]:
     """(template arguments incl. SMEM_FLOATS, grid threads, threadgroup threads) for Metal."""
     template, shared, grid, block = launch_config(
         x, n, group_size=group_size, bits=bits, budget=METAL_SHARED_BUDGET
     )
-    return [*template, ("SMEM_FLOATS", math.ceil(shared / 16) * 4)], grid, block
+    return (*template, ("SMEM_FLOATS", math.ceil(shared / 16) * 4)), grid, block
 
 
 def supports_fast(

@@ -20,6 +20,7 @@ halves of 128 + q (bf16) or 1024 + q (fp16); the same pairs of x come from two b
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -199,21 +200,26 @@ MMA_TILES = 2  # 16-row tiles per block (they share each x load)
 MMA_WARPS = 8  # warps per block, splitting K
 
 
-def mma_launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> tuple[list, int, int]:
+def mma_launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> tuple[tuple, int, int]:
     """(template arguments, grid threads, block threads) of the tensor-core variant."""
     rows, k = x.shape
-    template = [
-        ("T", x.dtype),
+    return _mma_launch_config(x.dtype, rows, n, k, group_size, bits, MMA_TILES, MMA_WARPS)
+
+
+@functools.cache  # called per mat-vec of every decode step: keep the host work to a dict lookup
+def _mma_launch_config(dtype, rows, n, k, group_size, bits, tiles, warps) -> tuple[tuple, int, int]:
+    template = (
+        ("T", dtype),
         ("M", rows),
         ("N", n),
         ("K", k),
         ("GS", group_size),
         ("BITS", bits),
-        ("TM", MMA_TILES),
-        ("W", MMA_WARPS),
-    ]
-    blocks = math.ceil(n / (16 * MMA_TILES))
-    return template, blocks * MMA_WARPS * 32, MMA_WARPS * 32
+        ("TM", tiles),
+        ("W", warps),
+    )
+    blocks = math.ceil(n / (16 * tiles))
+    return template, blocks * warps * 32, warps * 32
 
 
 def supports_mma(
