@@ -373,20 +373,22 @@ def test_supports_only_with_a_kernel_backend_and_fitting_shapes(monkeypatch) -> 
 
 def test_dispatch_uses_kernel_only_when_supported(monkeypatch) -> None:
     calls = []
-
-    def fake_launch(*a, **k):
-        calls.append(k)
-        return gdn.gdn_step_reference(*a, **k)
-
-    monkeypatch.setattr(gdn, "launch", fake_launch)
     args, heads = make_inputs(1, 2, 1, 2, 32, 32)
     ref = gdn.gdn_step_reference(**args, **heads)
+
+    def fake_run(kind, plan, inputs):
+        calls.append((kind, plan))
+        return ref
+
+    monkeypatch.setattr(gdn, "run_kernel", fake_run)
     monkeypatch.setattr(gdn, "backend", lambda: None)
     out = gdn.gdn_step(**args, **heads)
     assert not calls and mx.array_equal(out[0], ref[0]).item()
     monkeypatch.setattr(gdn, "backend", lambda: "cuda")
-    out = gdn.gdn_step(**args, **heads)
-    assert len(calls) == 1 and mx.array_equal(out[1], ref[1]).item()
+    gdn.gdn_step(**args, **heads)
+    kind, plan = calls[-1]
+    assert kind == "cuda" and plan.output_shapes == ((1, 2, 64), (1, 2, 32, 32))
+    assert dict(plan.template)["HAS_MASK"] is False and dict(plan.template)["NT"] == 2
     gdn.gdn_step(**dict(args, state=args["state"].astype(mx.float16)), **heads)
     assert len(calls) == 1  # unsupported state dtype: reference
 

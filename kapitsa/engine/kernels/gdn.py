@@ -116,13 +116,6 @@ def _plain(x: Input, heads: int, width: int) -> mx.array:
     return x.materialize(heads, width) if isinstance(x, HeadView) else x
 
 
-def _layout(x: Input, heads: int, width: int) -> tuple[mx.array, tuple[int, int, int, int]]:
-    """(array to pass, (row length, offset, group, group stride)) of a plain array or a view."""
-    if isinstance(x, HeadView):
-        return x.array, (x.array.shape[-1], x.offset, x.group, x.group_stride)
-    return x, (heads * width, 0, heads, 0)
-
-
 def promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
     """MLX's result type of a binary op on two floating dtypes."""
     if a == b:
@@ -168,15 +161,15 @@ def gdn_step_reference(
     return out.reshape(B, T, hv * dv), new_state
 
 
-def _check_view(name: str, x: Input, batch: int, tokens: int, heads: int, width: int) -> None:
-    if not isinstance(x, HeadView):
-        return
-    shape = tuple(x.array.shape)
-    if len(shape) != 3 or shape[:2] != (batch, tokens):
-        raise GdnShapeError(f"{name}.array must be [{batch}, {tokens}, N], got {list(shape)}")
-    last = x.offset + (heads - 1) // x.group * x.group_stride + ((heads - 1) % x.group + 1) * width
-    if min(x.offset, x.group_stride) < 0 or x.group < 1 or last > shape[2]:
-        raise GdnShapeError(f"{name} view {x.offset, x.group, x.group_stride} runs past {shape[2]} columns")
+ShapeKey = tuple | None  # an array's shape, or (array shape, offset, group, group stride) of a view
+
+
+def shape_key(x: Input | None) -> ShapeKey:
+    if x is None:
+        return None
+    if isinstance(x, HeadView):
+        return (tuple(x.array.shape), x.offset, x.group, x.group_stride)
+    return tuple(x.shape)
 
 
 def check_shapes(
@@ -197,36 +190,58 @@ def check_shapes(
     head_v_dim: int,
 ) -> None:
     """Raise GdnShapeError naming the first input whose shape disagrees with the head layout."""
-    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    inputs = (conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, mask)
+    _validate(tuple(shape_key(x) for x in inputs), num_k_heads, num_v_heads, head_k_dim, head_v_dim)
+
+
+@functools.lru_cache(maxsize=1024)  # a decode loop repeats the same shapes: validate them once
+def _validate(keys: tuple[ShapeKey, ...], hk: int, hv: int, dk: int, dv: int) -> None:
+    conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, mask = keys
     if min(hk, hv, dk, dv) < 1 or hv % hk:
         raise GdnShapeError(f"bad head layout: {hk} k heads x {dk}, {hv} v heads x {dv}")
-    a_shape = tuple(a.array.shape[:2]) + (hv,) if isinstance(a, HeadView) else tuple(a.shape)
+    a_shape = (*_view_shape(a)[:2], hv) if _is_view(a) else a
     if len(a_shape) != 3 or a_shape[2] != hv:
         raise GdnShapeError(f"a must be [B, T, {hv}], got {list(a_shape)}")
     B, T = a_shape[:2]
     C = 2 * hk * dk + hv * dv
-    if conv_weight.ndim != 3 or conv_weight.shape[0] != C or conv_weight.shape[2] != 1:
-        raise GdnShapeError(f"conv_weight must be [{C}, K, 1], got {list(conv_weight.shape)}")
-    K = conv_weight.shape[1]
-    expected = {
-        "conv_in": (conv_in, (B, K - 1 + T, C)),
-        "A_log": (A_log, (hv,)),
-        "dt_bias": (dt_bias, (hv,)),
-        "norm_weight": (norm_weight, (dv,)),
-    }
-    if not isinstance(b, HeadView):
+    if len(conv_weight) != 3 or conv_weight[0] != C or conv_weight[2] != 1:
+        raise GdnShapeError(f"conv_weight must be [{C}, K, 1], got {list(conv_weight)}")
+    K = conv_weight[1]
+    expected = {"conv_in": (conv_in, (B, K - 1 + T, C)), "A_log": (A_log, (hv,)), "dt_bias": (dt_bias, (hv,))}
+    expected["norm_weight"] = (norm_weight, (dv,))
+    if not _is_view(b):
         expected["b"] = (b, (B, T, hv))
     if state is not None:
         expected["state"] = (state, (B, hv, dv, dk))
     if mask is not None:
         expected["mask"] = (mask, (B, T))
-    for name, (array, shape) in expected.items():
-        if tuple(array.shape) != shape:
-            raise GdnShapeError(f"{name} must be {list(shape)}, got {list(array.shape)}")
-    if not isinstance(z, HeadView) and tuple(z.shape) not in ((B, T, hv, dv), (B, T, hv * dv)):
-        raise GdnShapeError(f"z must be [{B}, {T}, {hv}, {dv}], got {list(z.shape)}")
-    for name, x, width in (("a", a, 1), ("b", b, 1), ("z", z, dv)):
-        _check_view(name, x, B, T, hv, width)
+    for name, (shape, want) in expected.items():
+        if shape != want:
+            raise GdnShapeError(f"{name} must be {list(want)}, got {list(shape)}")
+    if not _is_view(z) and z not in ((B, T, hv, dv), (B, T, hv * dv)):
+        raise GdnShapeError(f"z must be [{B}, {T}, {hv}, {dv}], got {list(z)}")
+    for name, key, width in (("a", a, 1), ("b", b, 1), ("z", z, dv)):
+        if _is_view(key):
+            _check_view(name, key, B, T, hv, width)
+
+
+def _is_view(key: ShapeKey) -> bool:
+    return key is not None and len(key) == 4 and isinstance(key[0], tuple)
+
+
+def _view_shape(key: ShapeKey) -> tuple:
+    return key[0]
+
+
+def _check_view(name: str, key: ShapeKey, batch: int, tokens: int, heads: int, width: int) -> None:
+    shape, offset, group, group_stride = key
+    if len(shape) != 3 or shape[:2] != (batch, tokens):
+        raise GdnShapeError(f"{name}.array must be [{batch}, {tokens}, N], got {list(shape)}")
+    if min(offset, group_stride) < 0 or group < 1:
+        raise GdnShapeError(f"{name} view {offset, group, group_stride} has a negative offset or empty group")
+    last = offset + (heads - 1) // group * group_stride + ((heads - 1) % group + 1) * width
+    if last > shape[2]:
+        raise GdnShapeError(f"{name} view {offset, group, group_stride} runs past {shape[2]} columns")
 
 
 def warps_for(dk: int, dv: int, max_warps: int) -> int:
@@ -248,18 +263,32 @@ def supports(
     head_v_dim: int,
 ) -> bool:
     """Whether the fused kernel can run this call here (backend, dtypes, head dims, T)."""
-    kind = backend()
+    K = conv_weight.shape[1]
+    return _supported(
+        backend(),
+        conv_in.dtype,
+        conv_weight.dtype,
+        None if state is None else state.dtype,
+        conv_in.shape[1] - (K - 1),
+        K,
+        num_k_heads,
+        num_v_heads,
+        head_k_dim,
+        head_v_dim,
+    )
+
+
+def _supported(
+    kind, act, weight_dtype, state_dtype, T: int, K: int, hk: int, hv: int, dk: int, dv: int
+) -> bool:
     if kind not in SHARED_BUDGET:
         return False
-    dk, dv = head_k_dim, head_v_dim
-    if dk % 32 or dv % 32 or dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM or num_v_heads % num_k_heads:
+    if dk % 32 or dv % 32 or dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM or hv % hk:
         return False
-    if conv_in.dtype not in _FLOATS or conv_weight.dtype not in _FLOATS:
+    if act not in _FLOATS or weight_dtype not in _FLOATS:
         return False
-    if state is not None and state.dtype != mx.float32:
+    if state_dtype is not None and state_dtype != mx.float32:
         return False
-    K = conv_weight.shape[1]
-    T = conv_in.shape[1] - (K - 1)
     rows = dv // warps_for(dk, dv, MAX_WARPS[kind])
     return 1 <= T <= MAX_T and 1 <= K <= MAX_CONV_KERNEL and rows * dk // 32 <= MAX_STATE_FLOATS
 
@@ -287,22 +316,22 @@ def launch_config(
     has_state: bool,
     has_mask: bool,
     layouts: dict[str, tuple[int, int, int, int]] | None = None,
-) -> tuple[list, tuple[int, int, int], tuple[int, int, int]]:
+) -> tuple[tuple, tuple[int, int, int], tuple[int, int, int]]:
     """(template arguments, grid in threads, threadgroup) for one launch on backend `kind`.
 
-    `layouts` maps "Z", "A", "B" to (row length, offset, group, group stride) (see `_layout`);
+    `layouts` maps "Z", "A", "B" to (row length, offset, group, group stride) (see `_key_layout`);
     missing ones are contiguous."""
-    dk, dv, hv = head_k_dim, head_v_dim, num_v_heads
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    layouts = {"Z": (hv * dv, 0, hv, 0), "A": (hv, 0, hv, 0), "B": (hv, 0, hv, 0), **(layouts or {})}
     warps = warps_for(dk, dv, MAX_WARPS[kind])
     width = 2 * dk + dv
     chunk = min(T, SHARED_BUDGET[kind] // (4 * width + 12))  # q,k,v floats + g, beta, keep per token
-    layouts = {"Z": (hv * dv, 0, hv, 0), "A": (hv, 0, hv, 0), "B": (hv, 0, hv, 0), **(layouts or {})}
     template = [
         ("T", act),
         ("OT", out_dtype),
         ("ST", sum_dtype),
         ("BT", beta_dtype),
-        ("HK", num_k_heads),
+        ("HK", hk),
         ("HV", hv),
         ("DK", dk),
         ("DV", dv),
@@ -318,7 +347,7 @@ def launch_config(
         for field, value in zip(("ROW", "OFF", "GROUP", "GSTRIDE"), layouts[name], strict=True):
             template.append((f"{name}_{field}", value))
     threads = warps * 32
-    return template, (batch * hv * threads, 1, 1), (threads, 1, 1)
+    return tuple(template), (batch * hv * threads, 1, 1), (threads, 1, 1)
 
 
 _CUDA_HEADER = r"""
@@ -552,74 +581,115 @@ def gdn_step(
     mask: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Same contract as `gdn_step_reference`, one kernel launch where the backend has one."""
-    heads = dict(
-        num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim
-    )
-    check_shapes(conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, mask, **heads)
-    args = (conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state)
-    if not supports(conv_in, conv_weight, state, **heads):
-        return gdn_step_reference(*args, **heads, norm_eps=norm_eps, mask=mask)
-    return launch(*args, **heads, norm_eps=norm_eps, mask=mask)
-
-
-def launch(
-    conv_in: mx.array,
-    conv_weight: mx.array,
-    a: Input,
-    b: Input,
-    A_log: mx.array,
-    dt_bias: mx.array,
-    z: Input,
-    norm_weight: mx.array,
-    state: mx.array | None,
-    *,
-    num_k_heads: int,
-    num_v_heads: int,
-    head_k_dim: int,
-    head_v_dim: int,
-    norm_eps: float,
-    mask: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
-    """Run the kernel of the current backend (call only when `supports(...)` is True)."""
+    inputs = (conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, mask)
+    heads = (num_k_heads, num_v_heads, head_k_dim, head_v_dim)
     kind = backend()
-    hv, dk, dv = num_v_heads, head_k_dim, head_v_dim
-    (a_in, a_layout), (b_in, b_layout), (z_in, z_layout) = (
-        _layout(a, hv, 1),
-        _layout(b, hv, 1),
-        _layout(z, hv, dv),
-    )
-    B, T = a_in.shape[:2]
-    act = promote(conv_in.dtype, conv_weight.dtype)
-    out_dtype = promote(act, norm_weight.dtype)
+    plan = plan_for(kind, inputs, heads, norm_eps)  # raises GdnShapeError on inconsistent shapes
+    if plan is None:
+        return gdn_step_reference(
+            *inputs[:9],
+            num_k_heads=num_k_heads,
+            num_v_heads=num_v_heads,
+            head_k_dim=head_k_dim,
+            head_v_dim=head_v_dim,
+            norm_eps=norm_eps,
+            mask=mask,
+        )
+    return run_kernel(kind, plan, inputs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a launch needs beyond the arrays; depends only on shapes, dtypes and heads."""
+
+    template: tuple
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    output_dtypes: tuple[mx.Dtype, mx.Dtype]
+
+
+def plan_for(
+    kind: str | None, inputs: tuple, heads: tuple[int, int, int, int], norm_eps: float
+) -> Plan | None:
+    """Validate the inputs' shapes and plan the launch (None: no kernel for this call here).
+    Cached on shapes and dtypes, so a decode loop pays the Python once."""
+    keys = tuple(shape_key(x) for x in inputs)
+    dtypes = tuple(None if x is None else (x.array if isinstance(x, HeadView) else x).dtype for x in inputs)
+    limits = (SHARED_BUDGET.get(kind), MAX_WARPS.get(kind))  # in the key: tests change them
+    return _plan(kind, keys, dtypes, heads, norm_eps, limits)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(kind, keys, dtypes, heads, norm_eps, limits) -> Plan | None:
+    hk, hv, dk, dv = heads
+    _validate(keys, hk, hv, dk, dv)
+    conv_in, conv_w, a, b, _, _, z, _, state, mask = keys
+    act_in, w_dtype, a_dtype, b_dtype, _, dt_dtype, _, norm_dtype, state_dtype, _ = dtypes
+    B, K = conv_in[0], conv_w[1]
+    T = conv_in[1] - (K - 1)
+    if not _supported(kind, act_in, w_dtype, state_dtype, T, K, hk, hv, dk, dv):
+        return None
+    act = promote(act_in, w_dtype)
+    out_dtype = promote(act, norm_dtype)
     template, grid, threadgroup = launch_config(
         kind,
         act=act,
         out_dtype=out_dtype,
-        sum_dtype=promote(a_in.dtype, dt_bias.dtype),
-        beta_dtype=b_in.dtype,
+        sum_dtype=promote(a_dtype, dt_dtype),
+        beta_dtype=b_dtype,
         batch=B,
         T=T,
-        K=conv_weight.shape[1],
-        num_k_heads=num_k_heads,
+        K=K,
+        num_k_heads=hk,
         num_v_heads=hv,
         head_k_dim=dk,
         head_v_dim=dv,
         norm_eps=norm_eps,
         has_state=state is not None,
         has_mask=mask is not None,
-        layouts={"Z": z_layout, "A": a_layout, "B": b_layout},
+        layouts={"Z": _key_layout(z, hv, dv), "A": _key_layout(a, hv, 1), "B": _key_layout(b, hv, 1)},
     )
+    return Plan(template, grid, threadgroup, ((B, T, hv * dv), (B, hv, dv, dk)), (out_dtype, mx.float32))
+
+
+def _key_layout(key: ShapeKey, heads: int, width: int) -> tuple[int, int, int, int]:
+    """(row length, offset, group, group stride) of a plain array or a view, from its shape key."""
+    if _is_view(key):
+        shape, offset, group, group_stride = key
+        return (shape[2], offset, group, group_stride)
+    return (heads * width, 0, heads, 0)
+
+
+def run_kernel(kind: str, plan: Plan, inputs: tuple) -> tuple[mx.array, mx.array]:
+    """Launch the backend's kernel on `gdn_step`'s inputs (a planned, supported call)."""
+    conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, mask = inputs
+    if mask is not None and mask.dtype != mx.bool_:
+        mask = mask.astype(mx.bool_)
     # Absent state / mask: a one-element stand-in keeps one signature (HAS_* skip reading them).
-    state_in = state if state is not None else _stand_in(mx.float32)
-    mask_in = mask.astype(mx.bool_) if mask is not None else _stand_in(mx.bool_)
-    inputs = [conv_in, conv_weight, a_in, b_in, A_log, dt_bias, z_in, norm_weight, state_in, mask_in]
+    arrays = [
+        conv_in,
+        conv_weight,
+        _array(a),
+        _array(b),
+        A_log,
+        dt_bias,
+        _array(z),
+        norm_weight,
+        state if state is not None else _stand_in(mx.float32),
+        mask if mask is not None else _stand_in(mx.bool_),
+    ]
     kernel = CUDA_KERNEL if kind == "cuda" else METAL_KERNEL
     out, new_state = kernel(
-        inputs,
-        template=template,
-        grid=grid,
-        threadgroup=threadgroup,
-        output_shapes=[(B, T, hv * dv), (B, hv, dv, dk)],
-        output_dtypes=[out_dtype, mx.float32],
+        arrays,
+        template=plan.template,
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        output_shapes=plan.output_shapes,
+        output_dtypes=plan.output_dtypes,
     )
     return out, new_state
+
+
+def _array(x: Input) -> mx.array:
+    return x.array if isinstance(x, HeadView) else x
