@@ -1,6 +1,8 @@
 """Quantized mat-vec / small-batch mat-mul: y[M, N] = x[M, K] @ W[N, K]^T for M <= 16.
 
-One warp per output row streams the row's packed weights once for all M input rows (so a
+`qmv` is the entry point: it runs the kernel that the measured table CUDA_ROUTES names (v2 in
+qmv_fast.py / qmv_mma.py for affine 4/8-bit at 1-8 rows, this file's v1 otherwise), or the
+reference. The rest of this file is v1: one warp per output row streams the row's packed weights once for all M input rows (so a
 speculative verify of M tokens costs one read of the weights). Affine formats are MLX's
 (`mx.quantize`: values packed little-endian in uint32, scale and bias per group); fp4 formats are
 e2m1 with a per-group power-of-two (mxfp4, group 32) or e4m3 (nvfp4, group 16) scale.
@@ -179,9 +181,9 @@ def supports(x: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
 
 
 # Which implementation serves (mode, bits) -> {rows: "v2mma" | "v2" | "v1"} on CUDA (v2mma: the
-# tensor-core variant, bf16/fp16 activations, else v2); anything not listed
-# keeps MLX's stock quantized_matmul. Measured on the H200 with bench/kernels_qmv.py (27B chain);
-# edit this table after a new run so that a row names a kernel only where it beat stock there.
+# tensor-core variant, bf16/fp16 activations, else v2); anything not listed keeps MLX's stock
+# quantized_matmul. Measured on the H200 with bench/kernels_qmv.py (27B chain, which prints the
+# table its numbers support); edit it so that a row names a kernel only where it beat stock.
 # History (docs/bench/qmv-h200.md): v1 beat stock only for affine 4-bit at 2-8 rows (44 vs 54 ms
 # at 4 rows); v2 is the default for affine 4/8-bit at 1-8 rows until its H200 run says otherwise.
 CUDA_ROUTES: dict[tuple[str, int], dict[int, str]] = {
@@ -191,7 +193,7 @@ CUDA_ROUTES: dict[tuple[str, int], dict[int, str]] = {
 
 
 def route(rows: int, *, bits: int, mode: str) -> str:
-    """ "v2", "v1" or "stock": what the measured table picks for this case on CUDA."""
+    """What CUDA_ROUTES picks for this case: "v2mma", "v2", "v1" or "stock"."""
     return CUDA_ROUTES.get((mode, bits), {}).get(rows, "stock")
 
 
