@@ -2,10 +2,11 @@
 
 `qmv` is the entry point: it runs the kernel that the measured table CUDA_ROUTES names (v2 in
 qmv_fast.py / qmv_mma.py for affine 4/8-bit at 1-8 rows, this file's v1 otherwise), or the
-reference. The rest of this file is v1: one warp per output row streams the row's packed weights once for all M input rows (so a
-speculative verify of M tokens costs one read of the weights). Affine formats are MLX's
-(`mx.quantize`: values packed little-endian in uint32, scale and bias per group); fp4 formats are
-e2m1 with a per-group power-of-two (mxfp4, group 32) or e4m3 (nvfp4, group 16) scale.
+reference. The rest of this file is v1: one warp per output row streams the row's packed weights
+once for all M input rows (so a speculative verify of M tokens costs one read of the weights).
+Affine formats are MLX's (`mx.quantize`: values packed little-endian in uint32, scale and bias per
+group); fp4 formats are e2m1 with a per-group power-of-two (mxfp4, group 32) or e4m3 (nvfp4,
+group 16) scale.
 """
 
 from __future__ import annotations
