@@ -618,10 +618,28 @@ def _real_case(kind: str, bits: int, dtype, tokens: int, *, n_in: int | None = N
     return x, idx, scores, first, second
 
 
-def _assert_close(got: mx.array, want: mx.array, dtype) -> None:
+def _rel_err(got: mx.array, want: mx.array) -> float:
     got, want = got.astype(mx.float32), want.astype(mx.float32)
-    err = float(mx.abs(got - want).max()) / max(float(mx.abs(want).max()), 1e-6)
-    assert err < (2e-2 if dtype != mx.float32 else 1e-3), err
+    return float(mx.abs(got - want).max()) / max(float(mx.abs(want).max()), 1e-6)
+
+
+def _f32(stack) -> QuantStack:
+    return QuantStack(stack.weight, stack.scales.astype(mx.float32), stack.biases.astype(mx.float32))
+
+
+def _check_against_references(got, x, idx, scores, first, second, args) -> None:
+    """The kernels accumulate in float32 and keep h in float32: within output rounding of the
+    reference run in float32 on the same quantized weights; and close to the reference in x's
+    dtype (what the models compute today, which rounds h and every slot's output)."""
+    first32 = _f32(first) if isinstance(first, QuantStack) else tuple(_f32(f) for f in first)
+    exact = experts_decode_reference(
+        x.astype(mx.float32), idx, scores.astype(mx.float32), first32, _f32(second), **args
+    )
+    err = _rel_err(got, exact)
+    assert err < (1e-2 if x.dtype != mx.float32 else 1e-3), err
+    if x.dtype != mx.float32:
+        as_today = experts_decode_reference(x, idx, scores, first, second, **args)
+        assert _rel_err(got, as_today) < 1e-1, _rel_err(got, as_today)
 
 
 @pytest.mark.gpu
@@ -637,7 +655,7 @@ def test_cuda_kernel_matches_reference(kind: str, bits: int, dtype, tokens: int)
     assert moe.supports(x, idx, group_size=64, bits=bits)
     got = experts_decode(x, idx, scores, first, second, **args)
     assert got.dtype == dtype and got.shape == x.shape
-    _assert_close(got, experts_decode_reference(x, idx, scores, first, second, **args), dtype)
+    _check_against_references(got, x, idx, scores, first, second, args)
 
 
 @pytest.mark.gpu
@@ -649,7 +667,7 @@ def test_cuda_latent_moe_matches_reference(tokens: int) -> None:
     x, idx, scores, first, second = _real_case("relu2", 4, mx.bfloat16, tokens, n_in=1024)
     args = dict(kind="relu2", group_size=64, bits=4)
     got = experts_decode(x, idx, scores, first, second, **args)
-    _assert_close(got, experts_decode_reference(x, idx, scores, first, second, **args), mx.bfloat16)
+    _check_against_references(got, x, idx, scores, first, second, args)
 
 
 @pytest.mark.gpu
@@ -663,7 +681,10 @@ def test_cuda_routed_experts_matches_module() -> None:
     idx, scores = _routing(2, 8, 64, seed=7)
     got = moe.routed_experts(module, x, idx[None], scores[None].astype(mx.bfloat16))
     want = _module_path(module, x, idx[None], scores[None].astype(mx.bfloat16))
-    _assert_close(got, want, mx.bfloat16)
+    assert _rel_err(got, want) < 1e-1, _rel_err(got, want)
+    kind, first, second, gs, bits = moe.module_stacks(module)
+    args = dict(kind=kind, group_size=gs, bits=bits)
+    _check_against_references(got[0], x[0], idx, scores.astype(mx.bfloat16), first, second, args)
 
 
 @pytest.mark.metal
@@ -676,4 +697,4 @@ def test_metal_kernel_matches_reference(kind: str, bits: int, tokens: int) -> No
     x, idx, scores, first, second = _real_case(kind, bits, mx.bfloat16, tokens, seed=tokens)
     args = dict(kind=kind, group_size=64, bits=bits)
     got = experts_decode(x, idx, scores, first, second, **args)
-    _assert_close(got, experts_decode_reference(x, idx, scores, first, second, **args), mx.bfloat16)
+    _check_against_references(got, x, idx, scores, first, second, args)
