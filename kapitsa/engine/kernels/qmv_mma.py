@@ -122,6 +122,15 @@ _MMA_SOURCE = r"""
     uint4 wn[TM][2], xn[XV];
     float sn[TM][2], bn[TM][2];
     if (s + W < NSTEPS) load(s + W, wn, xn, sn, bn);
+    uint32_t s2[TM][2], b2[TM][2];               // (scale, scale), (bias, bias) in T, for 4-bit
+    #pragma unroll
+    for (int tm = 0; tm < TM; ++tm) {
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        s2[tm][h] = BITS == 4 ? kq3_pair(sc[tm][h], x) : 0u;
+        b2[tm][h] = BITS == 4 ? kq3_pair(bi[tm][h], x) : 0u;
+      }
+    }
     #pragma unroll
     for (int word = 0; word < 4; ++word) {
       if constexpr (BITS == 4) {
@@ -136,9 +145,8 @@ _MMA_SOURCE = r"""
           for (int h = 0; h < 2; ++h) {
             const uint4 q = wq[tm][h];
             const uint32_t wd = word == 0 ? q.x : word == 1 ? q.y : word == 2 ? q.z : q.w;
-            const uint32_t s2 = kq3_pair(sc[tm][h], x), b2 = kq3_pair(bi[tm][h], x);
             #pragma unroll
-            for (int i = 0; i < 4; ++i) p[h][i] = kq3_deq4(wd, i, s2, b2, x);
+            for (int i = 0; i < 4; ++i) p[h][i] = kq3_deq4(wd, i, s2[tm][h], b2[tm][h], x);
           }
           const uint32_t a0[4] = {p[0][0], p[1][0], p[0][1], p[1][1]};
           const uint32_t a1[4] = {p[0][2], p[1][2], p[0][3], p[1][3]};
