@@ -21,6 +21,7 @@ import mlx.nn as nn
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import KVCache, RecurrentCache, ReplayRecord, StepInfo
 from kapitsa.engine.kernels.mamba import mamba_step, mamba_step_reference
+from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.models.base import (
     Attention,
     HybridLM,
@@ -282,8 +283,11 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         inds, weights = self.gate(x)
         routed_in = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
-        y = self.switch_mlp(routed_in, inds)
-        y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+        if kernels.enabled("moe"):  # routed experts' weights read once per step (kernels/moe.py)
+            y = routed_experts(self.switch_mlp, routed_in, inds, weights)
+        else:
+            y = self.switch_mlp(routed_in, inds)
+            y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
         if "fc2_latent_proj" in self:
             y = self.fc2_latent_proj(y)
         if "shared_experts" in self:

@@ -17,8 +17,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into
+from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, projection_views
+from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.models.base import (
     Attention,
     HybridLM,
@@ -210,17 +213,29 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(y, z).reshape(B, T, -1))
 
     def decode(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state)."""
-        B, T, _ = x.shape
-        qkv, z, b, a = self._project(x)
+        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state).
+
+        One fused kernel (conv, q/k norms, gated delta rule, gated output norm; kernels/gdn.py)
+        where the backend has it, the same math in MLX ops elsewhere. With the fused
+        in-projection, z/b/a are read in place from its output."""
+        T = x.shape[1]
+        if "in_proj" in self and not self.packed:
+            proj = self.in_proj(x)
+            qkv = proj[..., : self.conv_dim]
+            z, b, a = projection_views(proj, packed=False, **self._heads)
+        else:
+            qkv, z, b, a = self._project(x)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = causal_conv(conv_in, self.conv1d.weight)
-        q, k, v = mx.split(nn.silu(conv_out), [self.nk * self.dk, 2 * self.nk * self.dk], axis=-1)
-        q, k = l2norm_qk(q.reshape(B, T, self.nk, self.dk), k.reshape(B, T, self.nk, self.dk))
-        v = v.reshape(B, T, self.nv, self.dv)
-        y, state = gated_delta(q, k, v, gdn_decay(self.A_log, a, self.dt_bias), mx.sigmoid(b), s0)
-        out = self.out_proj(self.norm(y, z).reshape(B, T, -1))
-        return out, conv_in[:, T:], state
+        step = gdn_step if kernels.enabled("gdn") else gdn_step_reference
+        out, state = step(
+            conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
+            **self._heads, norm_eps=self.norm.eps,
+        )  # fmt: skip
+        return self.out_proj(out.reshape(*out.shape[:2], -1)), conv_in[:, T:], state
+
+    @property
+    def _heads(self) -> dict[str, int]:
+        return dict(num_k_heads=self.nk, num_v_heads=self.nv, head_k_dim=self.dk, head_v_dim=self.dv)
 
 
 class MLP(nn.Module):
@@ -261,7 +276,11 @@ class SparseMoe(nn.Module):
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        routed = (self.switch_mlp(x, inds) * scores[..., None].astype(x.dtype)).sum(axis=-2)
+        scores = scores.astype(x.dtype)
+        if kernels.enabled("moe"):  # routed experts' weights read once per step (kernels/moe.py)
+            routed = routed_experts(self.switch_mlp, x, inds, scores)
+        else:
+            routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
         return routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
