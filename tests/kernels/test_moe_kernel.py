@@ -35,10 +35,11 @@ def _stacks(module) -> tuple[str, tuple[QuantStack, ...], QuantStack, int, int]:
 
 
 def _routing(tokens: int, k: int, experts: int, seed: int, pool: int | None = None):
-    """Distinct experts per token (as top-k gives), drawn from `pool` experts to force sharing."""
+    """Distinct experts per token (as top-k gives), drawn from a random subset of `pool` experts
+    (always including the last one) to force sharing between tokens."""
     rng = np.random.default_rng(seed)
-    pool = pool or experts
-    idx = np.stack([rng.choice(pool, size=k, replace=False) for _ in range(tokens)]).astype(np.uint32)
+    chosen = np.concatenate([[experts - 1], rng.permutation(experts - 1)[: (pool or experts) - 1]])
+    idx = np.stack([rng.choice(chosen, size=k, replace=False) for _ in range(tokens)]).astype(np.uint32)
     scores = rng.random((tokens, k)).astype(np.float32)
     return mx.array(idx), mx.array(scores / scores.sum(-1, keepdims=True))
 
