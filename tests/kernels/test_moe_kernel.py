@@ -492,6 +492,19 @@ def test_module_stacks_rejects_what_the_kernels_cannot_read() -> None:
     assert (kind, len(first), gs, bits) == ("swiglu", 2, 64, 8)
 
 
+def test_module_stacks_follow_new_weights() -> None:
+    """The stacks are cached on the module, and re-read once any of its arrays is replaced."""
+    module = _quantize_module(SwitchGLU(64, 64, 4), 64, 4)
+    first = moe.module_stacks(module)
+    assert moe.module_stacks(module)[2].weight is first[2].weight
+    module.down_proj.weight = mx.array(module.down_proj.weight)
+    assert moe.module_stacks(module)[2].weight is module.down_proj.weight
+    module.down_proj = QuantizedSwitchLinear.from_switch_linear(
+        SwitchGLU(64, 64, 4).down_proj, 64, 8, "affine"
+    )
+    assert moe.module_stacks(module) is None  # now mixed formats: the module path
+
+
 def _raises(match: str, *args, **kwargs) -> None:
     with pytest.raises(KapitsaError, match=match):
         experts_decode(*args, **kwargs)
