@@ -19,7 +19,7 @@ from functools import partial
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, projection_views, supports
+from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, kernel_works, projection_views, supports
 
 SHAPES = {  # Hk, Hv, Dk, Dv of the GDN layers; layers = how many GDN layers the model has
     "qwen3.5-27b": dict(hk=16, hv=48, dk=128, dv=128, layers=48),
@@ -89,7 +89,7 @@ def main() -> None:
                     inputs["conv_weight"],
                     inputs["state"],
                     **{k: heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")},
-                )
+                ) and kernel_works(backend())
                 kernel_us = _time(partial(gdn_step, **inputs, **heads), iters=args.iters) * 1e6
                 views_us = _time(partial(gdn_step, **viewed, **heads), iters=args.iters) * 1e6
                 ref_us = _time(partial(gdn_step_reference, **inputs, **heads), iters=args.iters) * 1e6

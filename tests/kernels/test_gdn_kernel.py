@@ -382,6 +382,7 @@ def test_dispatch_uses_kernel_only_when_supported(monkeypatch) -> None:
         return ref
 
     monkeypatch.setattr(gdn, "run_kernel", fake_run)
+    monkeypatch.setattr(gdn, "kernel_works", lambda kind: True)
     monkeypatch.setattr(gdn, "backend", lambda: None)
     out = gdn.gdn_step(**args, **heads)
     assert not calls and mx.array_equal(out[0], ref[0]).item()
@@ -754,6 +755,7 @@ def test_cuda_body_emulated_on_cpu_matches_reference(
     ref_out, ref_state = gdn.gdn_step_reference(**plain, **heads)
     mask = heads["mask"]
     monkeypatch.setattr(gdn, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdn, "kernel_works", lambda kind: True)
     monkeypatch.setattr(gdn, "CUDA_KERNEL", Emulated(gdn.CUDA_KERNEL, cuda_translation, tmp_path))
     if budget is not None:  # force several shared-memory chunks
         monkeypatch.setitem(gdn.SHARED_BUDGET, "cuda", budget)
@@ -775,6 +777,7 @@ def test_metal_body_emulated_on_cpu_matches_reference(
     args, heads, plain = emulation_inputs(B, T, hk, hv, dk, dv, dtype, layout, masked, state)
     ref_out, ref_state = gdn.gdn_step_reference(**plain, **heads)
     monkeypatch.setattr(gdn, "backend", lambda: "metal")
+    monkeypatch.setattr(gdn, "kernel_works", lambda kind: True)
     monkeypatch.setattr(gdn, "METAL_KERNEL", Emulated(gdn.METAL_KERNEL, metal_translation, tmp_path))
     if budget is not None:
         monkeypatch.setitem(gdn.SHARED_BUDGET, "metal", budget)
@@ -782,6 +785,44 @@ def test_metal_body_emulated_on_cpu_matches_reference(
     assert len(list(tmp_path.iterdir())) == 1
     assert_close(out, ref_out, dtype, fp32_tol=1e-5)
     assert_close(new_state, ref_state, dtype, fp32_tol=1e-5)
+
+
+@pytest.fixture
+def fresh_probe():
+    gdn.kernel_works.cache_clear()
+    yield
+    gdn.kernel_works.cache_clear()
+
+
+class BrokenKernel:
+    def __init__(self, result=None):
+        self.result = result
+
+    def __call__(self, inputs, *, output_shapes, output_dtypes, **_):
+        if self.result is None:
+            raise RuntimeError("nvrtc: error: identifier 'x' is undefined")
+        return [mx.full(s, self.result, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+
+@pytest.mark.parametrize("result", [None, 0.5])
+def test_a_kernel_that_fails_or_disagrees_is_not_used(result, monkeypatch, fresh_probe, caplog) -> None:
+    """It raises at evaluation or returns wrong numbers: gdn_step keeps to the reference."""
+    monkeypatch.setattr(gdn, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdn, "CUDA_KERNEL", BrokenKernel(result))
+    args, heads = make_inputs(1, 2, 1, 2, 32, 32)
+    out, state = gdn.gdn_step(**args, **heads)
+    ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
+    assert mx.array_equal(out, ref_out).item() and mx.array_equal(state, ref_state).item()
+    assert not gdn.kernel_works("cuda") and "fused GDN step kernel" in caplog.text
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+def test_a_working_kernel_passes_the_probe(monkeypatch, fresh_probe, tmp_path) -> None:
+    monkeypatch.setattr(gdn, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdn, "CUDA_KERNEL", Emulated(gdn.CUDA_KERNEL, cuda_translation, tmp_path))
+    state = mx.random.state[0]
+    assert gdn.kernel_works("cuda")
+    assert mx.array_equal(state, mx.random.state[0]).item()  # the probe leaves the global seed alone
 
 
 # ------------------------------------------------------------------- Metal source sanity
@@ -827,6 +868,7 @@ def _compare_on_device(shape: str, B: int, T: int, dtype, masked: bool, monkeypa
     args, heads = make_inputs(B, T, hk, hv, dk, dv, dtype=dtype, mask=mask, seed=B * 100 + T)
     dims = {k: heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")}
     assert gdn.supports(args["conv_in"], args["conv_weight"], args["state"], **dims)
+    assert gdn.kernel_works(backend()), "the kernel failed its probe (see the warning logged)"
     out, state = gdn.gdn_step(**args, **heads)
     ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
     assert out.dtype == ref_out.dtype and out.shape == ref_out.shape and state.shape == ref_state.shape
@@ -861,6 +903,7 @@ def test_cuda_gdn_step_without_state_and_long_chunks(monkeypatch) -> None:
         args, heads = make_inputs(B, T, hk, hv, dk, dv, state=state, seed=T)
         dims = {k: heads[k] for k in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")}
         assert gdn.supports(args["conv_in"], args["conv_weight"], args["state"], **dims)
+        assert gdn.kernel_works("cuda"), "the kernel failed its probe (see the warning logged)"
         out, new_state = gdn.gdn_step(**args, **heads)
         ref_out, ref_state = gdn.gdn_step_reference(**args, **heads)
         assert rel_err(out, ref_out) < 1e-4 and rel_err(new_state, ref_state) < 1e-4
@@ -879,6 +922,7 @@ def test_cuda_gdn_step_reads_projection_views(packed: bool, dtype) -> None:
     views = {
         k: gdn.HeadView(v.array.astype(dtype), v.offset, v.group, v.group_stride) for k, v in views.items()
     }
+    assert gdn.kernel_works("cuda"), "the kernel failed its probe (see the warning logged)"
     plain = gdn.gdn_step(**args, **heads)
     viewed = gdn.gdn_step(**dict(args, **views), **heads)
     assert mx.array_equal(plain[0], viewed[0]).item() and mx.array_equal(plain[1], viewed[1]).item()

@@ -27,6 +27,7 @@ op-by-op path rounds, so bf16 results track the model's current path closely.
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
 from kapitsa.engine.ops.norm import _times_silu_f32
 from kapitsa.errors import KapitsaError
 
+_log = logging.getLogger(__name__)
 MAX_T = 64  # longer inputs (prefill) go to the chunked op path; one block per head would serialise them
 MAX_HEAD_DIM = 256
 MAX_CONV_KERNEL = 8
@@ -585,7 +587,7 @@ def gdn_step(
     heads = (num_k_heads, num_v_heads, head_k_dim, head_v_dim)
     kind = backend()
     plan = plan_for(kind, inputs, heads, norm_eps)  # raises GdnShapeError on inconsistent shapes
-    if plan is None:
+    if plan is None or not kernel_works(kind):
         return gdn_step_reference(
             *inputs[:9],
             num_k_heads=num_k_heads,
@@ -693,3 +695,49 @@ def run_kernel(kind: str, plan: Plan, inputs: tuple) -> tuple[mx.array, mx.array
 
 def _array(x: Input) -> mx.array:
     return x.array if isinstance(x, HeadView) else x
+
+
+@functools.cache
+def kernel_works(kind: str) -> bool:
+    """Whether this backend's kernel compiles, runs and roughly agrees with the reference on one
+    small case, checked once per process: a kernel's errors surface only at evaluation, in the
+    middle of a forward, and `gdn_step` must never fail. Otherwise it keeps to the reference."""
+    keys = mx.random.split(mx.random.key(0), 5)  # its own keys: the global seed stays untouched
+    hk, hv, d, T = 1, 2, 128, 2
+    C = 2 * hk * d + hv * d
+    inputs = (
+        mx.random.normal((1, 3 + T, C), key=keys[0]),
+        0.5 * mx.random.normal((C, 4, 1), key=keys[1]),
+        mx.random.normal((1, T, hv), key=keys[2]),
+        mx.random.normal((1, T, hv), key=keys[3]),
+        mx.zeros((hv,)),
+        mx.zeros((hv,)),
+        mx.ones((1, T, hv, d)),
+        mx.ones((d,)),
+        0.1 * mx.random.normal((1, hv, d, d), key=keys[4]),
+        mx.array([[True, False]]),
+    )
+    try:
+        plan = plan_for(kind, inputs, (hk, hv, d, d), 1e-6)
+        if plan is None:
+            return False
+        got = run_kernel(kind, plan, inputs)
+        ref = gdn_step_reference(
+            *inputs[:9],
+            num_k_heads=hk,
+            num_v_heads=hv,
+            head_k_dim=d,
+            head_v_dim=d,
+            norm_eps=1e-6,
+            mask=inputs[9],
+        )
+        errors = [float(mx.abs(g - r).max() / mx.abs(r).max()) for g, r in zip(got, ref, strict=True)]
+    except (RuntimeError, ValueError) as exc:
+        _log.warning("fused GDN step kernel unavailable on %s, using the op path: %s", kind, exc)
+        return False
+    if not max(errors) < 1e-2:  # a loose bound: this catches a broken kernel, not rounding
+        _log.warning(
+            "fused GDN step kernel disagrees with the op path on %s (%s); not using it", kind, errors
+        )
+        return False
+    return True
