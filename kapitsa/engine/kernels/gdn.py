@@ -14,6 +14,8 @@ kernel launch per layer.
 The caller still takes the next conv state from `conv_in` (`conv_state_after`); the kernel does
 not write it. z, a and b may be `HeadView`s of the fused in-projection (`projection_views`), read
 in place, so no copies precede the launch. A rollback replay is `gdn_step(..., s0, mask=m)[1]`.
+Dispatch: the kernel where `supports(...)` and the once-per-process `kernel_works` probe say so,
+else the reference (`gdn_step_reference`, the ops the model runs today); it never fails.
 
 Kernel layout: one thread block per (batch row, value head). The state `[Dv, Dk]` (float32) lives
 in registers for all T tokens: each warp owns `Dv / NW` whole rows, its lanes split Dk in
