@@ -183,5 +183,6 @@ def test_quantizing_on_load_never_holds_the_whole_float_model(tmp_path):
     float_bytes = (folder / "model.safetensors").stat().st_size
     mx.clear_cache()
     mx.reset_peak_memory()
+    held_before = mx.get_active_memory()  # arrays other tests keep cached count toward the peak
     load_model(folder, quantize="4bit")
-    assert mx.get_peak_memory() < 0.9 * float_bytes
+    assert mx.get_peak_memory() - held_before < 0.9 * float_bytes
