@@ -633,10 +633,15 @@ def _device_check(shape, B, T, dtype, masked, param_dtype=None) -> None:
     assert mk.supports(args["conv_in"], args["conv_weight"], head_dim=shape[1], state_size=shape[3])
     out, state = mk.mamba_step(**args, **dims, mask=mask)
     assert_matches(out, state, args, dims, mask)
-    # The model's own bf16 rounding (conv, SiLU, y before the norm) strays up to ~0.2 from exact
-    # float32 at these shapes, so this sanity check against it is loose.
+    # The model's own bf16 rounding (conv, SiLU, y before the norm) strays from exact float32 (by
+    # ~0.15 at the 30B shape with 8 tokens, seen on the H200 and under emulation), so the kernel
+    # is checked to be no further from the model's bf16 path than that path is from float32.
     ref_out, _ = mk.mamba_step_reference(**args, **dims, mask=mask)
-    assert mx.allclose(out.astype(mx.float32), ref_out.astype(mx.float32), rtol=0.1, atol=0.1).item()
+    with mx.stream(mx.cpu):
+        exact, _ = mk.mamba_step_reference(**_float32(args), **dims, mask=mask)
+    ref32 = ref_out.astype(mx.float32)
+    model_err = float(mx.abs(exact - ref32).max())
+    assert float(mx.abs(out.astype(mx.float32) - ref32).max()) <= model_err + 0.05
 
 
 @pytest.mark.gpu
