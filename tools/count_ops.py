@@ -28,10 +28,12 @@ def _q(model):
         model,
         group_size=32,
         bits=4,
-        class_predicate=lambda p, m: hasattr(m, "to_quantized")
-        and getattr(m, "weight", None) is not None
-        and m.weight.shape[-1] % 32 == 0
-        and not p.endswith(("mlp.gate", "shared_expert_gate")),
+        class_predicate=lambda p, m: (
+            hasattr(m, "to_quantized")
+            and getattr(m, "weight", None) is not None
+            and m.weight.shape[-1] % 32 == 0
+            and not p.endswith(("mlp.gate", "shared_expert_gate"))
+        ),
     )
     mx.eval(model.parameters())
     return model
