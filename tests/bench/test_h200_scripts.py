@@ -1,0 +1,48 @@
+"""The H200 benchmark scripts run end to end on CPU with tiny widths (`--tiny`), so a broken
+script is found here rather than after spending device time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], tmp_path: Path) -> list[dict]:
+    out = tmp_path / "out.json"
+    subprocess.run(
+        [sys.executable, *args, "--tiny", "--json", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return json.loads(out.read_text())
+
+
+def test_decode_vs_mlxlm_times_both_engines_interleaved(tmp_path: Path) -> None:
+    rows = _run(
+        ["bench/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "2"],
+        tmp_path,
+    )
+    assert [(r["engine"], r["round"]) for r in rows] == [
+        ("mlx-lm", 0),
+        ("kapitsa", 0),
+        ("mlx-lm", 1),
+        ("kapitsa", 1),
+    ]
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+
+
+def test_decode_profile_splits_a_step(tmp_path: Path) -> None:
+    rows = _run(
+        ["-m", "bench.decode_profile", "--shapes", "nemotron-30b-a3b", "--steps", "2", "--prompt", "4"],
+        tmp_path,
+    )
+    variants = [r["variant"] for r in rows]
+    assert variants[0] == "mlx-lm" and "kapitsa fused+compiled" in variants
+    for r in rows:
+        assert r["sync_step_ms"] >= r["build_ms"] > 0
