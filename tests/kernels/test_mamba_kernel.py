@@ -418,7 +418,7 @@ def _kernel_sources(which: str) -> tuple[str, str, str, str]:
     """(prelude, header, step body, norm body) for one backend's kernels."""
     if which == "cuda":
         step, norm = mk.cuda_kernels()
-        return _CUDA_PRELUDE, mk._HEADER, step.source, norm.source
+        return _CUDA_PRELUDE, step.header, step.source, norm.source
     header, step, norm = mk.metal_sources()
     return _METAL_PRELUDE, header, step, norm
 

@@ -34,7 +34,7 @@ MAGIC = 0x4B000000
 
 def _fields_4bit() -> list[list[tuple[str, int, float, float]]]:
     """[(source word, mask, factor, offset)] for values 0-3 and 4-7 of a word, from the header."""
-    body = qmv_fast._HEADER.split("kq2_nibbles", 1)[1].split("kq2_bytes", 1)[0]
+    body = qmv_fast._KERNEL.header.split("kq2_nibbles", 1)[1].split("kq2_bytes", 1)[0]
     low, high = body.split("const uint32_t hi = w >> 12;")
     pattern = re.compile(r"kq2_field\((w|hi), (0x[0-9A-F]+)u, ([0-9.e-]+)f, (-?[0-9.]+)f\)")
     halves = [
@@ -46,7 +46,7 @@ def _fields_4bit() -> list[list[tuple[str, int, float, float]]]:
 
 
 def _selectors_8bit() -> list[int]:
-    body = qmv_fast._HEADER.split("kq2_bytes", 1)[1]
+    body = qmv_fast._KERNEL.header.split("kq2_bytes", 1)[1]
     selectors = [int(s, 16) for s in re.findall(r"__byte_perm\(w, 0x4B000000u, (0x[0-9a-f]+)u\)", body)]
     assert len(selectors) == 4, selectors
     return selectors
@@ -309,7 +309,7 @@ def test_every_launched_variant_compiles() -> None:
 
 def test_header_constants_are_what_the_decoder_read() -> None:
     """The parsing above found every constant (a refactor of the header must update it)."""
-    assert len(re.findall(r"kq2_field\(", qmv_fast._HEADER)) == 8 + 1  # 8 uses + the definition
+    assert len(re.findall(r"kq2_field\(", qmv_fast._KERNEL.header)) == 8 + 1  # 8 uses + the definition
     assert math.isclose(_fields_4bit()[1][0][2], 2**-16)
 
 
@@ -394,7 +394,7 @@ FIELD = re.compile(r"kq2_field\((w|hi), (0x[0-9A-F]+)u, ([0-9.e-]+)f, (-?[0-9.]+
 
 def test_metal_port_uses_the_cuda_constants_and_every_template_value() -> None:
     header, body = read_source("qmv.metal")
-    assert FIELD.findall(header) == FIELD.findall(qmv_fast._HEADER)
+    assert FIELD.findall(header) == FIELD.findall(qmv_fast._KERNEL.header)
     x = mx.zeros((3, 5120), mx.bfloat16)
     template, grid, block = qmv_fast.metal_launch_config(x, 6144, group_size=64, bits=4)
     for name, _ in template:
@@ -575,7 +575,7 @@ def _rounded_weight_reference(x, w, s, b, *, gs: int, bits: int) -> np.ndarray:
 
 
 def test_mma_header_has_the_transcribed_constants() -> None:
-    header = qmv_mma._MMA_HEADER
+    header = qmv_mma._MMA_KERNEL.header
     for snippet in (
         "0x000F000Fu) | 0x43004300u",
         "0x000F000Fu) | 0x64006400u",
@@ -583,7 +583,7 @@ def test_mma_header_has_the_transcribed_constants() -> None:
         "0x7441u + 2 * j",
     ):
         assert snippet in header, snippet
-    source = qmv_mma._MMA_SOURCE
+    source = qmv_mma._MMA_KERNEL.source
     for snippet in (
         "__byte_perm(u.x, u.z, 0x5410u), __byte_perm(u.x, u.z, 0x7632u)",
         "{p[0][0], p[1][0], p[0][1], p[1][1]}",

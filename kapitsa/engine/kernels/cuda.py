@@ -4,17 +4,24 @@ exact source MLX will JIT-compile for it (so `nvcc` can check it on a machine wi
 MLX wraps a kernel body into `__global__ void name(const T0* in0, ..., T* out0, ...)` followed by
 `constexpr int NAME = value;` / `using NAME = type;` lines for the template arguments
 (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`). `render` reproduces that wrapping.
+
+Kernel bodies and headers live in `cuda_src/` beside this module (`name.cu` a body, `name.cuh`
+the helpers it needs), read with `read_cuda_source`. A file's text goes to MLX as it is (modules
+may substitute a placeholder line, e.g. moe.py's WEIGHT_POINTERS), so `render` shows exactly
+what is compiled.
 """
 
 from __future__ import annotations
 
 import functools
+import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 TemplateValue = int | bool | mx.Dtype
+SOURCE_DIR = pathlib.Path(__file__).parent / "cuda_src"  # inside the package: the wheel carries it
 
 _CUDA_TYPES = {
     mx.float32: "float",
@@ -34,6 +41,14 @@ _CUDA_TYPES = {
 
 def cuda_type(dtype: mx.Dtype) -> str:
     return _CUDA_TYPES[dtype]
+
+
+@functools.cache
+def read_cuda_source(filename: str) -> str:
+    """The text of `cuda_src/<filename>`, read once per process and byte for byte (no newline
+    translation: the text is part of what MLX compiles and caches)."""
+    with open(SOURCE_DIR / filename, encoding="utf-8", newline="") as f:
+        return f.read()
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,14 @@ in place, so no copies precede the launch. A rollback replay is `gdn_step(..., s
 Dispatch: the kernel where `supports(...)` and the once-per-process `kernel_works` probe say so,
 else the reference (`gdn_step_reference`, the ops the model runs today); it never fails.
 
-Kernel layout: one thread block per (batch row, value head). The state `[Dv, Dk]` (float32) lives
-in registers for all T tokens: each warp owns `Dv / NW` whole rows, its lanes split Dk in
-coalesced float4/float2 vectors, dot products over Dk are warp shuffles. Per chunk of tokens the
-block computes the head's q/k/v conv outputs into shared memory, normalises q and k (one warp per
-vector), runs the recurrence (y overwrites v in place: the warp that reads v[r] writes y[r]), then
-applies the output norm (one warp per token). Roundings to the activation dtype happen where the
-op-by-op path rounds, so bf16 results track the model's current path closely.
+Kernel layout (cuda_src/gdn_step.cu; metal/gdn_step.metal the same): one thread block per (batch
+row, value head). The state `[Dv, Dk]` (float32) lives in registers for all T tokens: each warp
+owns `Dv / NW` whole rows, its lanes split Dk in coalesced float4/float2 vectors, dot products
+over Dk are warp shuffles. Per chunk of tokens the block computes the head's q/k/v conv outputs
+into shared memory, normalises q and k (one warp per vector), runs the recurrence (y overwrites v
+in place: the warp that reads v[r] writes y[r]), then applies the output norm (one warp per
+token). Roundings to the activation dtype happen where the op-by-op path rounds, so bf16 results
+track the model's current path closely.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.metal import MetalKernel
 from kapitsa.engine.ops.conv import causal_conv
 from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
@@ -354,207 +355,18 @@ def launch_config(
     return tuple(template), (batch * hv * threads, 1, 1), (threads, 1, 1)
 
 
-_CUDA_HEADER = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-// x rounded to dtype U and back: where the op-by-op path stores an intermediate in U.
-template <typename U>
-__device__ __forceinline__ float gdn_round(float x) { return static_cast<float>(static_cast<U>(x)); }
-__device__ __forceinline__ float gdn_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float gdn_softplus(float x) { return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x))); }
-// Sums each of N values over the warp; every lane gets the totals (N independent chains for ILP).
-template <int N>
-__device__ __forceinline__ void gdn_warp_sum(float (&v)[N]) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
-  }
-}
-// Column of slot j of a lane's share of a row: VEC contiguous floats per 32*VEC-wide chunk, so a
-// warp reads a row in coalesced VEC-wide vectors.
-template <int VEC>
-__device__ __forceinline__ int gdn_col(int lane, int j) { return (j / VEC) * 32 * VEC + lane * VEC + j % VEC; }
-template <int VEC, int COLS>
-__device__ __forceinline__ void gdn_load_row(const float* row, int lane, float (&dst)[COLS]) {
-  #pragma unroll
-  for (int c = 0; c < COLS / VEC; ++c) {
-    const float* p = row + c * 32 * VEC + lane * VEC;
-    if constexpr (VEC == 4) {
-      const float4 v = *reinterpret_cast<const float4*>(p);
-      dst[4 * c] = v.x; dst[4 * c + 1] = v.y; dst[4 * c + 2] = v.z; dst[4 * c + 3] = v.w;
-    } else if constexpr (VEC == 2) {
-      const float2 v = *reinterpret_cast<const float2*>(p);
-      dst[2 * c] = v.x; dst[2 * c + 1] = v.y;
-    } else {
-      dst[c] = p[0];
-    }
-  }
-}
-template <int VEC, int COLS>
-__device__ __forceinline__ void gdn_store_row(float* row, int lane, const float (&src)[COLS]) {
-  #pragma unroll
-  for (int c = 0; c < COLS / VEC; ++c) {
-    float* p = row + c * 32 * VEC + lane * VEC;
-    if constexpr (VEC == 4) {
-      float4 v;  // (no make_float4: keep to what NVRTC surely provides)
-      v.x = src[4 * c]; v.y = src[4 * c + 1]; v.z = src[4 * c + 2]; v.w = src[4 * c + 3];
-      *reinterpret_cast<float4*>(p) = v;
-    } else if constexpr (VEC == 2) {
-      float2 v;
-      v.x = src[2 * c]; v.y = src[2 * c + 1];
-      *reinterpret_cast<float2*>(p) = v;
-    } else {
-      p[0] = src[c];
-    }
-  }
-}
-"""
-
-# Template arguments: T activation dtype (conv/silu/q/k/v/y roundings), OT output dtype, ST dtype
-# of `a + dt_bias`, BT dtype of beta; HK, HV, DK, DV heads; K conv taps; NT tokens; TC tokens per
-# shared-memory chunk; NW warps; HAS_STATE, HAS_MASK; EPS_BITS the norm eps as float bits;
-# {Z,A,B}_{ROW,OFF,GROUP,GSTRIDE} where z, a and b sit in their arrays (HeadView).
-_CUDA_BODY = r"""
-  constexpr int W = 2 * DK + DV;              // this head's q, k, v channels
-  constexpr int C = 2 * HK * DK + HV * DV;    // all conv channels: q | k | v
-  constexpr int ROWS = DV / NW;               // state rows per warp
-  constexpr int COLS = DK / 32;               // state columns per lane
-  constexpr int VEC = COLS % 4 == 0 ? 4 : (COLS % 2 == 0 ? 2 : 1);
-  constexpr float QK_EPS = 1e-6f;
-  __shared__ __align__(16) float qkv_s[TC * W];  // per token: q[DK] k[DK] v[DV] (v becomes y)
-  __shared__ float g_s[TC];
-  __shared__ float beta_s[TC];
-  __shared__ bool keep_s[TC];
-  const int bh = blockIdx.x;
-  const int bi = bh / HV, h = bh - bi * HV, kh = h / (HV / HK);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float norm_eps = __int_as_float(EPS_BITS);
-  const float q_scale = gdn_round<T>(1.f / DK);          // l2norm_qk: (Dk^-0.5)^2 on q
-  const float k_scale = gdn_round<T>(rsqrtf((float)DK));  // and Dk^-0.5 on k
-  const size_t head = (size_t)bh * DV * DK;
-
-  float s[ROWS][COLS];
-  #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    if constexpr (HAS_STATE) {
-      gdn_load_row<VEC, COLS>(state_in + head + (size_t)(warp * ROWS + r) * DK, lane, s[r]);
-    } else {
-      #pragma unroll
-      for (int j = 0; j < COLS; ++j) s[r][j] = 0.f;
-    }
-  }
-
-  for (int t0 = 0; t0 < NT; t0 += TC) {
-    const int tn = min(TC, NT - t0);
-    // 1. Depthwise causal conv + silu of this head's channels, and the token's decay and beta.
-    for (int i = tid; i < tn * W; i += NW * 32) {
-      const int t = i / W, j = i - t * W;
-      const int c = j < DK ? kh * DK + j : (j < 2 * DK ? HK * DK + kh * DK + (j - DK) : 2 * HK * DK + h * DV + (j - 2 * DK));
-      const size_t x0 = ((size_t)bi * (K - 1 + NT) + t0 + t) * C + c;
-      float acc = 0.f;
-      #pragma unroll
-      for (int tap = 0; tap < K; ++tap) acc += (float)conv_in[x0 + (size_t)tap * C] * (float)conv_w[c * K + tap];
-      const float x = gdn_round<T>(acc);
-      qkv_s[i] = gdn_round<T>(x * gdn_round<T>(gdn_sigmoid(x)));
-    }
-    for (int i = tid; i < tn; i += NW * 32) {  // a block may have fewer threads than tokens
-      const size_t row = (size_t)bi * NT + t0 + i;
-      const size_t ai = row * A_ROW + A_OFF + (h / A_GROUP) * A_GSTRIDE + h % A_GROUP;
-      const size_t bj = row * B_ROW + B_OFF + (h / B_GROUP) * B_GSTRIDE + h % B_GROUP;
-      const float dt = gdn_round<ST>((float)a_in[ai] + (float)dt_bias[h]);
-      g_s[i] = expf(-expf((float)a_log[h]) * gdn_softplus(dt));
-      beta_s[i] = gdn_round<BT>(gdn_sigmoid((float)b_in[bj]));
-      if constexpr (HAS_MASK) keep_s[i] = mask[row]; else keep_s[i] = true;
-    }
-    __syncthreads();
-    // 2. q and k: x * rsqrt(mean(x^2) + eps/DK) (= x / sqrt(sum x^2 + eps)), then the readout scale.
-    for (int p = warp; p < 2 * tn; p += NW) {
-      float* x = qkv_s + (p >> 1) * W + (p & 1) * DK;
-      float ss[1] = {0.f};
-      for (int i = lane; i < DK; i += 32) ss[0] += x[i] * x[i];
-      gdn_warp_sum(ss);
-      const float inv = rsqrtf(ss[0] / DK + QK_EPS / DK);
-      const float scale = (p & 1) ? k_scale : q_scale;
-      __syncwarp();
-      for (int i = lane; i < DK; i += 32) x[i] = gdn_round<T>(gdn_round<T>(x[i] * inv) * scale);
-    }
-    __syncthreads();
-    // 3. Gated delta rule, token by token; the state never leaves registers.
-    for (int t = 0; t < tn; ++t) {
-      const float* qk = qkv_s + t * W;
-      float* vy = qkv_s + t * W + 2 * DK;
-      if (!keep_s[t]) {  // masked step: state untouched, y = 0
-        if (lane == 0) {
-          #pragma unroll
-          for (int r = 0; r < ROWS; ++r) vy[warp * ROWS + r] = 0.f;
-        }
-        continue;
-      }
-      float kr[COLS], qr[COLS];
-      #pragma unroll
-      for (int j = 0; j < COLS; ++j) {
-        const int col = gdn_col<VEC>(lane, j);
-        qr[j] = qk[col];
-        kr[j] = qk[DK + col];
-      }
-      const float g = g_s[t], beta = beta_s[t];
-      float kv[ROWS];
-      #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        kv[r] = 0.f;
-        #pragma unroll
-        for (int j = 0; j < COLS; ++j) {
-          s[r][j] *= g;
-          kv[r] += s[r][j] * kr[j];
-        }
-      }
-      gdn_warp_sum(kv);
-      float y[ROWS];
-      #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const float delta = beta * (vy[warp * ROWS + r] - kv[r]);
-        y[r] = 0.f;
-        #pragma unroll
-        for (int j = 0; j < COLS; ++j) {
-          s[r][j] += delta * kr[j];
-          y[r] += s[r][j] * qr[j];
-        }
-      }
-      // Every lane read its v values before these (synchronising) shuffles, so lane 0 may then
-      // overwrite them with y.
-      gdn_warp_sum(y);
-      if (lane == 0) {
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) vy[warp * ROWS + r] = gdn_round<T>(y[r]);
-      }
-    }
-    __syncthreads();
-    // 4. Output: rms_norm(y) * weight (as mx.fast.rms_norm rounds it) * silu(z) in float32.
-    for (int t = warp; t < tn; t += NW) {
-      const float* yt = qkv_s + t * W + 2 * DK;
-      float ss[1] = {0.f};
-      for (int i = lane; i < DV; i += 32) ss[0] += yt[i] * yt[i];
-      gdn_warp_sum(ss);
-      const float inv = rsqrtf(ss[0] / DV + norm_eps);
-      const size_t row = (size_t)bi * NT + t0 + t;
-      const size_t o = (row * HV + h) * DV;
-      const size_t zo = row * Z_ROW + Z_OFF + (h / Z_GROUP) * Z_GSTRIDE + (h % Z_GROUP) * DV;
-      for (int i = lane; i < DV; i += 32) {
-        const float normed = gdn_round<OT>(gdn_round<OT>(yt[i] * inv) * (float)norm_w[i]);
-        const float gate = (float)z[zo + i];
-        out[o + i] = static_cast<OT>(normed * (gate * gdn_sigmoid(gate)));
-      }
-    }
-    __syncthreads();  // the next chunk reuses the shared buffers
-  }
-  #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    gdn_store_row<VEC, COLS>(state_out + head + (size_t)(warp * ROWS + r) * DK, lane, s[r]);
-  }
-"""
-
-CUDA_KERNEL = CudaKernel("kapitsa_gdn_step", INPUT_NAMES, OUTPUT_NAMES, _CUDA_BODY, _CUDA_HEADER)
+# cuda_src/gdn_step.cu, with its helpers in gdn_step.cuh. Template arguments: T activation dtype
+# (conv/silu/q/k/v/y roundings), OT output dtype, ST dtype of `a + dt_bias`, BT dtype of beta;
+# HK, HV, DK, DV heads; K conv taps; NT tokens; TC tokens per shared-memory chunk; NW warps;
+# HAS_STATE, HAS_MASK; EPS_BITS the norm eps as float bits; {Z,A,B}_{ROW,OFF,GROUP,GSTRIDE} where
+# z, a and b sit in their arrays (HeadView).
+CUDA_KERNEL = CudaKernel(
+    "kapitsa_gdn_step",
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    read_cuda_source("gdn_step.cu"),
+    read_cuda_source("gdn_step.cuh"),
+)
 METAL_KERNEL = MetalKernel("kapitsa_gdn_step", "gdn_step.metal", INPUT_NAMES, OUTPUT_NAMES)
 
 

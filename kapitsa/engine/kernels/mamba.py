@@ -7,7 +7,7 @@ dt_bias / A_log / D `[H]`, gate `[B, T, H*P]`, norm_weight `[H*P]`, state `[B, H
 or None (zeros), mask `[B, T]` bool or None (False = padding: dt = 0 there, the state is frozen).
 Returns (out `[B, T, H*P]` in gate's dtype, new state `[B, H, P, N]` float32).
 
-Two kernels (CUDA here, the same algorithm for Metal in metal/mamba_step.metal):
+Two kernels (CUDA in cuda_src/mamba_*.cu, the same algorithm for Metal in metal/mamba_step.metal):
 1. step: one block per (batch row, head, slice of ROWS state rows). Per chunk of up to 16 tokens
    the block computes conv + SiLU of its x channels and of its group's B and C channels into
    shared memory; then each warp advances its 4 state rows (lanes split N with vector loads, the
@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.metal import read_source
 from kapitsa.engine.ops.conv import causal_conv_reference
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm
@@ -270,166 +270,18 @@ def _launch(kernels, conv_in, conv_w, conv_b, dt, dt_bias, A_log, D, gate, norm_
 
 # -- kernels -------------------------------------------------------------------------------------
 
-_HEADER = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-// V consecutive floats from/to 16- or 8-byte aligned addresses (state rows and shared B/C rows).
-template <int V> __device__ __forceinline__ void km_load(const float* src, float* dst) {
-  if constexpr (V == 4) {
-    const float4 u = *reinterpret_cast<const float4*>(src);
-    dst[0] = u.x; dst[1] = u.y; dst[2] = u.z; dst[3] = u.w;
-  } else if constexpr (V == 2) {
-    const float2 u = *reinterpret_cast<const float2*>(src);
-    dst[0] = u.x; dst[1] = u.y;
-  } else {
-    dst[0] = src[0];
-  }
-}
-template <int V> __device__ __forceinline__ void km_store(float* dst, const float* src) {
-  if constexpr (V == 4) {
-    *reinterpret_cast<float4*>(dst) = make_float4(src[0], src[1], src[2], src[3]);
-  } else if constexpr (V == 2) {
-    *reinterpret_cast<float2*>(dst) = make_float2(src[0], src[1]);
-  } else {
-    dst[0] = src[0];
-  }
-}
-__device__ __forceinline__ float km_silu(float v) { return v / (1.f + expf(-v)); }
-// log(1 + e^v) as MLX's logaddexp(v, 0) computes it: exact for large |v|.
-__device__ __forceinline__ float km_softplus(float v) { return fmaxf(v, 0.f) + log1pf(expf(-fabsf(v))); }
-"""
-
-# Lane l holds, for each of its warp's RPW state rows, elements n = (j * 32 + l) * VEC + v
-# (j < N / (32 VEC), v < VEC): consecutive lanes read consecutive VEC-float vectors.
-_STEP_SOURCE = r"""
-  constexpr int VEC = N % 128 == 0 ? 4 : (N % 64 == 0 ? 2 : 1);
-  constexpr int PER_LANE = N / 32;
-  constexpr int RPW = ROWS / WARPS;
-  constexpr int INNER = H * P;
-  constexpr int C = INNER + 2 * G * N;
-  constexpr int LEN = TOKENS + K - 1;
-  constexpr int CH = ROWS + 2 * N;  // conv channels one block needs per token: its x rows, B, C
-  constexpr int THREADS = WARPS * 32;
-  __shared__ __align__(16) float b_s[TC][N];
-  __shared__ __align__(16) float c_s[TC][N];
-  __shared__ float x_s[TC][ROWS];
-  __shared__ float y_s[TC][ROWS];
-  __shared__ float dt_s[TC];
-  __shared__ float decay_s[TC];
-  const int p0 = blockIdx.x * ROWS, h = blockIdx.y, b = blockIdx.z;
-  const int g = h / (H / G);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float a = -expf(static_cast<float>(a_log[h]));
-  const float d = static_cast<float>(d_skip[h]);
-  const float bias_dt = static_cast<float>(dt_bias[h]);
-  const float lo = __int_as_float(LO_BITS), hi = __int_as_float(HI_BITS);
-  const size_t row0 = ((size_t)(b * H + h) * P + p0 + warp * RPW) * N;
-  float s[RPW][PER_LANE];
-  #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    #pragma unroll
-    for (int j = 0; j < PER_LANE / VEC; ++j)
-      km_load<VEC>(state_in + row0 + r * N + (j * 32 + lane) * VEC, &s[r][j * VEC]);
-  }
-  for (int t0 = 0; t0 < TOKENS; t0 += TC) {
-    const int tn = min(TC, TOKENS - t0);
-    __syncthreads();  // the previous chunk's shared rows are no longer read
-    for (int i = threadIdx.x; i < tn * CH; i += THREADS) {
-      const int tt = i / CH, k = i - tt * CH;
-      const int ch = k < ROWS ? h * P + p0 + k
-                   : (k < ROWS + N ? INNER + g * N + (k - ROWS) : INNER + (G + g) * N + (k - ROWS - N));
-      float acc = HAS_BIAS ? static_cast<float>(conv_b[ch]) : 0.f;
-      const size_t src = ((size_t)b * LEN + t0 + tt) * C + ch;
-      #pragma unroll
-      for (int j = 0; j < K; ++j)
-        acc += static_cast<float>(conv_in[src + (size_t)j * C]) * static_cast<float>(conv_w[ch * K + j]);
-      const float v = km_silu(acc);
-      if (k < ROWS) x_s[tt][k] = v;
-      else if (k < ROWS + N) b_s[tt][k - ROWS] = v;
-      else c_s[tt][k - ROWS - N] = v;
-    }
-    if (threadIdx.x < tn) {  // THREADS >= 64 >= TC
-      const int t = t0 + threadIdx.x;
-      const float raw = static_cast<float>(dt_raw[((size_t)b * TOKENS + t) * H + h]) + bias_dt;
-      float v = fminf(fmaxf(km_softplus(raw), lo), hi);
-      if (HAS_MASK && !mask[b * TOKENS + t]) v = 0.f;  // padding: decay 1, no input, state frozen
-      dt_s[threadIdx.x] = v;
-      decay_s[threadIdx.x] = expf(v * a);
-    }
-    __syncthreads();
-    for (int tt = 0; tt < tn; ++tt) {
-      const float dtv = dt_s[tt], decay = decay_s[tt];
-      float bv[PER_LANE], cv[PER_LANE];
-      #pragma unroll
-      for (int j = 0; j < PER_LANE / VEC; ++j) {
-        km_load<VEC>(&b_s[tt][(j * 32 + lane) * VEC], &bv[j * VEC]);
-        km_load<VEC>(&c_s[tt][(j * 32 + lane) * VEC], &cv[j * VEC]);
-      }
-      #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const float xv = x_s[tt][warp * RPW + r];
-        const float inject = dtv * xv;
-        float acc = 0.f;
-        #pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-          s[r][i] = fmaf(s[r][i], decay, inject * bv[i]);
-          acc = fmaf(s[r][i], cv[i], acc);
-        }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) y_s[tt][warp * RPW + r] = fmaf(d, xv, acc);
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < tn * ROWS; i += THREADS) {
-      const int tt = i / ROWS, r = i - tt * ROWS;
-      y[((size_t)b * TOKENS + t0 + tt) * INNER + h * P + p0 + r] = y_s[tt][r];
-    }
-  }
-  #pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    #pragma unroll
-    for (int j = 0; j < PER_LANE / VEC; ++j)
-      km_store<VEC>(state_out + row0 + r * N + (j * 32 + lane) * VEC, &s[r][j * VEC]);
-  }
-"""
-
-# One block per (group, row * T + token); the group's GS values are contiguous.
-_NORM_SOURCE = r"""
-  __shared__ float partial[32];
-  __shared__ float total;
-  const int grp = blockIdx.x;
-  const size_t base = (size_t)blockIdx.y * INNER + (size_t)grp * GS;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < GS; i += THREADS) {
-    const float v = y[base + i] * km_silu(static_cast<float>(gate[base + i]));
-    ss += v * v;
-  }
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) partial[warp] = ss;
-  __syncthreads();
-  if (warp == 0) {
-    float v = lane < THREADS / 32 ? partial[lane] : 0.f;
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) total = v;
-  }
-  __syncthreads();
-  const float scale = rsqrtf(total / GS + __int_as_float(EPS_BITS));
-  for (int i = threadIdx.x; i < GS; i += THREADS) {
-    const float v = y[base + i] * km_silu(static_cast<float>(gate[base + i]));
-    out[base + i] = static_cast<OutT>(v * scale * static_cast<float>(norm_w[grp * GS + i]));
-  }
-"""
-
 
 @functools.cache
 def cuda_kernels() -> tuple[CudaKernel, CudaKernel]:
+    """(step, norm): cuda_src/mamba_step.cu and mamba_norm.cu, with mamba.cuh as their header.
+
+    Step: lane l holds, for each of its warp's RPW state rows, elements n = (j * 32 + l) * VEC + v
+    (j < N / (32 VEC), v < VEC), so consecutive lanes read consecutive VEC-float vectors.
+    Norm: one block per (group, row * T + token); the group's GS values are contiguous."""
+    header, step, norm = (read_cuda_source(f) for f in ("mamba.cuh", "mamba_step.cu", "mamba_norm.cu"))
     return (
-        CudaKernel("kapitsa_mamba_step", STEP_INPUTS, STEP_OUTPUTS, _STEP_SOURCE, _HEADER),
-        CudaKernel("kapitsa_mamba_norm", NORM_INPUTS, NORM_OUTPUTS, _NORM_SOURCE, _HEADER),
+        CudaKernel("kapitsa_mamba_step", STEP_INPUTS, STEP_OUTPUTS, step, header),
+        CudaKernel("kapitsa_mamba_norm", NORM_INPUTS, NORM_OUTPUTS, norm, header),
     )
 
 

@@ -1,7 +1,7 @@
 """Routed MoE experts for few tokens (decode, speculative verify): y[m] = sum_j s[m,j] E_{i[m,j]}(x[m]).
 
-Two kernels (CUDA below, the same algorithm in metal/moe.metal), each reading a routed expert's
-quantized weights once for every (token, slot) pair routed to it:
+Two kernels (CUDA: cuda_src/moe_hidden.cu and moe_out.cu; the same algorithm in metal/moe.metal),
+each reading a routed expert's quantized weights once for every (token, slot) pair routed to it:
   1. `hidden`: h[p] = act(W1[e_p] x[token(p)]) for every pair p, the activation fused (SwiGLU:
      silu(gate) * up, or relu^2), float32. Grid (row blocks, pairs): the block of the first pair
      routed to an expert computes that expert's rows for all the tokens routed to it; the blocks of
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.metal import read_source
 from kapitsa.engine.ops.moe import QuantizedSwitchLinear, SwitchGLU, SwitchReluSquared
 from kapitsa.errors import KapitsaError
@@ -336,264 +336,16 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------------------------
-# CUDA
-
-_HEADER = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-"""
+# CUDA: cuda_src/moe_hidden.cu and moe_out.cu, both with moe.cuh as their header.
 
 # Kernel 1. Template: T (x), S (scales), I (indices), M tokens, K slots, E experts, D inputs,
 # N hidden rows, GS, BITS, NW weight stacks (2: gate, up), KIND (0 swiglu, 1 relu2), LPR lanes per
-# row, WARPS, TILE staged x values, U chunks in flight per lane and stack.
-_HIDDEN_SOURCE = r"""
-  constexpr int VPC = 128 / BITS;                 // weights per 16-byte chunk
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr unsigned MASK = (1u << BITS) - 1u;
-  constexpr int CPT = TILE / VPC;                 // chunks per staged tile
-  constexpr int ROW_CHUNKS = D / VPC;
-  constexpr int GROUPS = D / GS;
-  constexpr int RPW = 32 / LPR;                   // rows per warp
-  __shared__ int pair_of_token[M];
-  __shared__ int member_token[M];
-  __shared__ int member_pair[M];
-  __shared__ int n_members;
-  extern __shared__ float xs[];                   // [member][CPT][VPC + 1]
-  const int p = blockIdx.y;
-  const int e = (int)indices[p];
-  bool seen = false;
-  for (int q = threadIdx.x; q < p; q += blockDim.x) seen |= (int)indices[q] == e;
-  if (__syncthreads_or(seen)) return;             // an earlier pair's block serves expert e
-  for (int m = threadIdx.x; m < M; m += blockDim.x) {
-    int found = -1;                               // the first slot of token m routed to e
-    for (int j = K - 1; j >= 0; --j) if ((int)indices[m * K + j] == e) found = m * K + j;
-    pair_of_token[m] = found;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int c = 0;
-    for (int m = 0; m < M; ++m)
-      if (pair_of_token[m] >= 0) { member_token[c] = m; member_pair[c] = pair_of_token[m]; ++c; }
-    n_members = c;
-  }
-  __syncthreads();
-  const int count = n_members;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPR;
-  const int row = (blockIdx.x * WARPS + warp) * RPW + lane / LPR;
-  const bool active = row < N;
-  if (e < 0 || e >= E) {                          // no such expert: its pairs contribute zero
-    if (active && sub == 0)
-      for (int mi = 0; mi < count; ++mi) h[(size_t)member_pair[mi] * N + row] = 0.f;
-    return;
-  }
-  WEIGHT_POINTERS
-  const size_t wrow = ((size_t)e * N + (active ? row : 0)) * ROW_CHUNKS;
-  const size_t grow = ((size_t)e * N + (active ? row : 0)) * GROUPS;
-  float acc[NW][M];
-  #pragma unroll
-  for (int s = 0; s < NW; ++s)
-    #pragma unroll
-    for (int mi = 0; mi < M; ++mi) acc[s][mi] = 0.f;
-  for (int t0 = 0; t0 < D; t0 += TILE) {
-    const int tile_len = min(TILE, D - t0);
-    const int tile_chunks = tile_len / VPC;
-    __syncthreads();
-    for (int i = threadIdx.x; i < count * tile_len; i += blockDim.x) {
-      const int mi = i / tile_len, v = i - mi * tile_len;
-      xs[(mi * CPT + v / VPC) * (VPC + 1) + v % VPC] = (float)x[(size_t)member_token[mi] * D + t0 + v];
-    }
-    __syncthreads();
-    if (!active) continue;
-    for (int c0 = sub; c0 < tile_chunks; c0 += LPR * U) {
-      uint4 wv[NW][U];
-      float sc[NW][U], bi[NW][U];
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {               // issue every load before using any
-        const int cl = c0 + u * LPR;
-        if (cl < tile_chunks) {
-          const int c = t0 / VPC + cl;
-          #pragma unroll
-          for (int s = 0; s < NW; ++s) {
-            wv[s][u] = reinterpret_cast<const uint4*>(wp[s])[wrow + c];
-            sc[s][u] = (float)sp[s][grow + c * VPC / GS];
-            bi[s][u] = (float)bp[s][grow + c * VPC / GS];
-          }
-        }
-      }
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int cl = c0 + u * LPR;
-        if (cl >= tile_chunks) continue;
-        #pragma unroll
-        for (int mi = 0; mi < M; ++mi) {
-          if (mi >= count) continue;              // block-uniform
-          const float* xc = xs + (mi * CPT + cl) * (VPC + 1);
-          float dot[NW], xsum = 0.f;
-          #pragma unroll
-          for (int s = 0; s < NW; ++s) dot[s] = 0.f;
-          #pragma unroll
-          for (int j = 0; j < VPC; ++j) {
-            const float xv = xc[j];
-            xsum += xv;
-            #pragma unroll
-            for (int s = 0; s < NW; ++s) {
-              const uint4 w4 = wv[s][u];
-              const uint32_t word = j / PER_WORD == 0 ? w4.x : j / PER_WORD == 1 ? w4.y
-                                  : j / PER_WORD == 2 ? w4.z : w4.w;
-              dot[s] += (float)((word >> ((j % PER_WORD) * BITS)) & MASK) * xv;
-            }
-          }
-          #pragma unroll
-          for (int s = 0; s < NW; ++s) acc[s][mi] += sc[s][u] * dot[s] + bi[s][u] * xsum;
-        }
-      }
-    }
-  }
-  #pragma unroll
-  for (int mi = 0; mi < M; ++mi) {
-    if (mi >= count) continue;                    // block-uniform: every lane shuffles
-    float v[NW];
-    #pragma unroll
-    for (int s = 0; s < NW; ++s) {
-      v[s] = acc[s][mi];
-      #pragma unroll
-      for (int o = LPR / 2; o > 0; o >>= 1) v[s] += __shfl_xor_sync(0xffffffffu, v[s], o);
-    }
-    if (active && sub == 0) {
-      float hv;
-      if (KIND == 0) hv = v[0] / (1.f + expf(-v[0])) * v[NW - 1];
-      else { const float r = fmaxf(v[0], 0.f); hv = r * r; }
-      h[(size_t)member_pair[mi] * N + row] = hv;
-    }
-  }
-"""
-
+# row, WARPS, TILE staged x values, U chunks in flight per lane and stack. Its WEIGHT_POINTERS line
+# becomes one of these (the stacks as arrays the loops index):
 _POINTERS = {
     1: "const uint32_t* wp[1] = {w0}; const S* sp[1] = {s0}; const S* bp[1] = {b0};",
     2: "const uint32_t* wp[2] = {w0, w1}; const S* sp[2] = {s0, s1}; const S* bp[2] = {b0, b1};",
 }
-
-# Kernel 2. Template: T (y), S, I, SC (scores), M, K, E, D hidden (input of this projection),
-# N output rows, GS, BITS, LPR, WARPS, TILE staged h values, U chunks in flight per lane.
-_OUT_SOURCE = r"""
-  constexpr int P = M * K;
-  constexpr int VPC = 128 / BITS;
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr unsigned MASK = (1u << BITS) - 1u;
-  constexpr int CPT = TILE / VPC;
-  constexpr int ROW_CHUNKS = D / VPC;
-  constexpr int GROUPS = D / GS;
-  constexpr int RPW = 32 / LPR;
-  __shared__ int pidx[P];
-  __shared__ int leader[P];                       // 1 if pair q is the first routed to its expert
-  __shared__ int group_expert[P];
-  __shared__ int group_pair[P][M];                // h row of token m for this expert, or -1
-  __shared__ float group_score[P][M];             // token m's summed score for this expert
-  __shared__ int n_groups;
-  extern __shared__ float hs[];                   // [pair][CPT][VPC + 1]
-  for (int q = threadIdx.x; q < P; q += blockDim.x) pidx[q] = (int)indices[q];
-  __syncthreads();
-  for (int q = threadIdx.x; q < P; q += blockDim.x) {
-    const int e = pidx[q];
-    int lead = e >= 0 && e < E;                   // unknown experts contribute zero
-    for (int r = 0; r < q; ++r) lead &= pidx[r] != e;
-    leader[q] = lead;
-  }
-  __syncthreads();
-  for (int q = threadIdx.x; q < P; q += blockDim.x) {
-    if (!leader[q]) continue;
-    int g = 0;
-    for (int r = 0; r < q; ++r) g += leader[r];
-    const int e = pidx[q];
-    group_expert[g] = e;
-    for (int m = 0; m < M; ++m) {
-      int first = -1;
-      float score = 0.f;
-      for (int j = 0; j < K; ++j) {
-        if (pidx[m * K + j] != e) continue;
-        if (first < 0) first = m * K + j;         // kernel 1 wrote h for the first such slot
-        score += (float)scores[m * K + j];
-      }
-      group_pair[g][m] = first;
-      group_score[g][m] = score;
-    }
-  }
-  if (threadIdx.x == 0) {
-    int c = 0;
-    for (int q = 0; q < P; ++q) c += leader[q];
-    n_groups = c;
-  }
-  __syncthreads();
-  const int groups = n_groups;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane % LPR;
-  const int row = (blockIdx.x * WARPS + warp) * RPW + lane / LPR;
-  const bool active = row < N;
-  const int safe_row = active ? row : 0;
-  float acc[M];
-  #pragma unroll
-  for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  for (int t0 = 0; t0 < D; t0 += TILE) {
-    const int tile_len = min(TILE, D - t0);
-    const int tile_chunks = tile_len / VPC;
-    const int per_lane = (tile_chunks + LPR - 1) / LPR;   // chunk slots per lane and expert
-    __syncthreads();
-    for (int i = threadIdx.x; i < P * tile_len; i += blockDim.x) {
-      const int q = i / tile_len, v = i - q * tile_len;
-      hs[(q * CPT + v / VPC) * (VPC + 1) + v % VPC] = h[(size_t)q * D + t0 + v];
-    }
-    __syncthreads();
-    if (!active) continue;
-    const int items = groups * per_lane;           // (expert, chunk) work items of this lane
-    for (int i0 = 0; i0 < items; i0 += U) {
-      uint4 wv[U];
-      float sc[U], bi[U];
-      int gi[U], cli[U];
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {                // issue every load before using any
-        const int it = i0 + u;
-        const int g = it / per_lane;
-        const int cl = sub + (it - g * per_lane) * LPR;
-        gi[u] = g;
-        cli[u] = it < items && cl < tile_chunks ? cl : -1;
-        if (cli[u] >= 0) {
-          const size_t r = (size_t)group_expert[g] * N + safe_row;
-          const int c = t0 / VPC + cl;
-          wv[u] = reinterpret_cast<const uint4*>(w)[r * ROW_CHUNKS + c];
-          sc[u] = (float)scales[r * GROUPS + c * VPC / GS];
-          bi[u] = (float)biases[r * GROUPS + c * VPC / GS];
-        }
-      }
-      #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (cli[u] < 0) continue;
-        const uint4 w4 = wv[u];
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const int q = group_pair[gi[u]][m];
-          if (q < 0) continue;                     // token m not routed to this expert
-          const float* hc = hs + (q * CPT + cli[u]) * (VPC + 1);
-          float dot = 0.f, hsum = 0.f;
-          #pragma unroll
-          for (int j = 0; j < VPC; ++j) {
-            const float hv = hc[j];
-            const uint32_t word = j / PER_WORD == 0 ? w4.x : j / PER_WORD == 1 ? w4.y
-                                : j / PER_WORD == 2 ? w4.z : w4.w;
-            dot += (float)((word >> ((j % PER_WORD) * BITS)) & MASK) * hv;
-            hsum += hv;
-          }
-          acc[m] += group_score[gi[u]][m] * (sc[u] * dot + bi[u] * hsum);
-        }
-      }
-    }
-  }
-  #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    float v = acc[m];
-    #pragma unroll
-    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (active && sub == 0) y[(size_t)m * N + row] = (T)v;
-  }
-"""
 
 
 @functools.cache
@@ -604,17 +356,19 @@ def hidden_kernel(kind: str) -> CudaKernel:
         name=f"kapitsa_moe_hidden_{kind}",
         input_names=("x", "indices", *weights),
         output_names=("h",),
-        source=_HIDDEN_SOURCE.replace("WEIGHT_POINTERS", _POINTERS[nw]),
-        header=_HEADER,
+        source=read_cuda_source("moe_hidden.cu").replace("WEIGHT_POINTERS", _POINTERS[nw]),
+        header=read_cuda_source("moe.cuh"),
     )
 
 
+# Kernel 2. Template: T (y), S, I, SC (scores), M, K, E, D hidden (input of this projection),
+# N output rows, GS, BITS, LPR, WARPS, TILE staged h values, U chunks in flight per lane.
 OUT_KERNEL = CudaKernel(
     name="kapitsa_moe_out",
     input_names=("h", "indices", "scores", "w", "scales", "biases"),
     output_names=("y",),
-    source=_OUT_SOURCE,
-    header=_HEADER,
+    source=read_cuda_source("moe_out.cu"),
+    header=read_cuda_source("moe.cuh"),
 )
 
 

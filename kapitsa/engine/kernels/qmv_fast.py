@@ -26,7 +26,7 @@ import math
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.cuda import CudaKernel
+from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.metal import MetalKernel
 
 MAX_ROWS = 8
@@ -37,188 +37,13 @@ SHARED_BUDGET = 44 * 1024  # under the 48 KiB a CUDA kernel gets without an opt-
 METAL_SHARED_BUDGET = 28 * 1024  # Apple GPUs have 32 KiB of threadgroup memory
 PAD = 4  # floats after each staged chunk (bank-conflict-free float4 reads)
 
-_HEADER = r"""
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-// 8 consecutive activations as float (16-byte aligned source).
-__device__ __forceinline__ void kq2_load8(const __nv_bfloat16* p, float* o) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const uint32_t v[4] = {u.x, u.y, u.z, u.w};
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    o[2 * i] = __uint_as_float(v[i] << 16);           // bf16 is the top half of a float
-    o[2 * i + 1] = __uint_as_float(v[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void kq2_load8(const __half* p, float* o) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]);
-    o[2 * i] = f.x;
-    o[2 * i + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void kq2_load8(const float* p, float* o) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-}
-// The field (w & mask) sits at bit p of the mantissa of 2^23: the float is 2^23 + q * 2^p, and
-// fma(f, 2^-p, -2^(23-p)) is q with no rounding (both steps are exact in float32).
-__device__ __forceinline__ float kq2_field(uint32_t w, uint32_t mask, float inv, float off) {
-  return fmaf(__uint_as_float((w & mask) | 0x4B000000u), inv, off);
-}
-// Values 4h..4h+3 of a 32-bit word of 4-bit weights (h = 0 or 1).
-__device__ __forceinline__ float4 kq2_nibbles(uint32_t w, int h) {
-  if (h == 0) {
-    return make_float4(kq2_field(w, 0xFu, 1.f, -8388608.f), kq2_field(w, 0xF0u, 0.0625f, -524288.f),
-                       kq2_field(w, 0xF00u, 0.00390625f, -32768.f),
-                       kq2_field(w, 0xF000u, 0.000244140625f, -2048.f));
-  }
-  const uint32_t hi = w >> 12;  // values 5, 6, 7 move to bits 8, 12, 16
-  return make_float4(kq2_field(w, 0xF0000u, 1.52587890625e-05f, -128.f),
-                     kq2_field(hi, 0xF00u, 0.00390625f, -32768.f),
-                     kq2_field(hi, 0xF000u, 0.000244140625f, -2048.f),
-                     kq2_field(hi, 0xF0000u, 1.52587890625e-05f, -128.f));
-}
-// The four bytes of a word of 8-bit weights: byte_perm puts byte i under the exponent 0x4B.
-__device__ __forceinline__ float4 kq2_bytes(uint32_t w) {
-  return make_float4(__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u)) - 8388608.f,
-                     __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7441u)) - 8388608.f,
-                     __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7442u)) - 8388608.f,
-                     __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7443u)) - 8388608.f);
-}
-"""
-
-_SOURCE = r"""
-  constexpr int CH = 128 / BITS;               // values per 16-byte chunk of a row
-  constexpr int NCH = K / CH;                  // chunks per row
-  constexpr int ROUNDS = (NCH + 31) / 32;      // a round: every lane takes one chunk
-  constexpr int TCH = TILE_ROUNDS * 32 < NCH ? TILE_ROUNDS * 32 : NCH;  // chunks per staged tile
-  constexpr int STRIDE = CH + 4;               // staged floats per chunk (padded)
-  constexpr int GROUPS = K / GS;
-  extern __shared__ __align__(16) float kq2_smem[];
-  float* xs = kq2_smem;                        // [M][TCH][STRIDE]
-  float* xsum = kq2_smem + M * TCH * STRIDE;   // [M][TCH]
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * WARPS + warp) * R;
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
-  int rows[R];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);  // past N: recompute row N-1, never stored
-
-  uint4 cur[R];
-  float cur_s[R], cur_b[R];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int c = lane < NCH ? lane : 0;
-    cur[r] = wv[(size_t)rows[r] * NCH + c];
-    cur_s[r] = (float)scales[rows[r] * GROUPS + c * CH / GS];
-    cur_b[r] = (float)biases[rows[r] * GROUPS + c * CH / GS];
-  }
-  float acc[R][M];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    #pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-  }
-
-  for (int j = 0; j < ROUNDS; ++j) {
-    const int c0 = (j / TILE_ROUNDS) * TCH;    // first chunk of the staged tile
-    if (j % TILE_ROUNDS == 0) {
-      const int tile_chunks = min(TCH, NCH - c0);
-      __syncthreads();                           // the previous tile is no longer read
-      for (int i = threadIdx.x; i < M * tile_chunks; i += WARPS * 32) {
-        const int m = i / tile_chunks, cl = i - m * tile_chunks;
-        const T* src = x + (size_t)m * K + (size_t)(c0 + cl) * CH;
-        float* dst = xs + (m * TCH + cl) * STRIDE;
-        float total = 0.f;
-        #pragma unroll
-        for (int e = 0; e < CH; e += 8) {
-          float v[8];
-          kq2_load8(src + e, v);
-          #pragma unroll
-          for (int t = 0; t < 8; ++t) total += v[t];
-          *reinterpret_cast<float4*>(dst + e) = make_float4(v[0], v[1], v[2], v[3]);
-          *reinterpret_cast<float4*>(dst + e + 4) = make_float4(v[4], v[5], v[6], v[7]);
-        }
-        xsum[m * TCH + cl] = total;
-      }
-      __syncthreads();
-    }
-    const int c = j * 32 + lane;
-    // Next round's chunk: its loads are in flight while this one is computed.
-    uint4 nxt[R];
-    float nxt_s[R], nxt_b[R];
-    const int cn = c + 32 < NCH ? c + 32 : 0;
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      nxt[r] = wv[(size_t)rows[r] * NCH + cn];
-      nxt_s[r] = (float)scales[rows[r] * GROUPS + cn * CH / GS];
-      nxt_b[r] = (float)biases[rows[r] * GROUPS + cn * CH / GS];
-    }
-    if (c < NCH) {
-      const int cl = c - c0;
-      float dot[R][M];
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        #pragma unroll
-        for (int m = 0; m < M; ++m) dot[r][m] = 0.f;
-      }
-      #pragma unroll
-      for (int q4 = 0; q4 < CH / 4; ++q4) {     // 4 values at a time: one float4 of x per row
-        const int word = BITS == 4 ? q4 >> 1 : q4;
-        float4 qv[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t wd = word == 0 ? cur[r].x : word == 1 ? cur[r].y : word == 2 ? cur[r].z : cur[r].w;
-          if constexpr (BITS == 4) qv[r] = kq2_nibbles(wd, q4 & 1);
-          else qv[r] = kq2_bytes(wd);
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float4 xv = *reinterpret_cast<const float4*>(xs + (m * TCH + cl) * STRIDE + 4 * q4);
-          #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            dot[r][m] = fmaf(qv[r].x, xv.x, dot[r][m]);
-            dot[r][m] = fmaf(qv[r].y, xv.y, dot[r][m]);
-            dot[r][m] = fmaf(qv[r].z, xv.z, dot[r][m]);
-            dot[r][m] = fmaf(qv[r].w, xv.w, dot[r][m]);
-          }
-        }
-      }
-      #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float sx = xsum[m * TCH + cl];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][m] = fmaf(cur_s[r], dot[r][m], fmaf(cur_b[r], sx, acc[r][m]));
-      }
-    }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) { cur[r] = nxt[r]; cur_s[r] = nxt_s[r]; cur_b[r] = nxt_b[r]; }
-  }
-
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[r][m];
-      #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0 && row0 + r < N) y[(size_t)m * N + row0 + r] = (T)v;
-    }
-  }
-"""
-
+# cuda_src/qmv_fast.cu; qmv_fast.cuh holds its activation loads and weight decoders.
 _KERNEL = CudaKernel(
     name="kapitsa_qmv_fast",
     input_names=("x", "w", "scales", "biases"),
     output_names=("y",),
-    source=_SOURCE,
-    header=_HEADER,
+    source=read_cuda_source("qmv_fast.cu"),
+    header=read_cuda_source("qmv_fast.cuh"),
 )
 
 # The same algorithm for Apple GPUs (metal/qmv.metal, unverified on hardware): SMEM_FLOATS sizes

@@ -1,0 +1,3 @@
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
