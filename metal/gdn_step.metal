@@ -1,5 +1,5 @@
 // Fused Gated DeltaNet step (kapitsa/engine/kernels/gdn.py): a line-by-line port of the CUDA
-// kernel there. One threadgroup per (batch row, value head); the float32 state [DV, DK] stays in
+// kernel in kapitsa/engine/kernels/cuda_src/gdn_step.cu. One threadgroup per (batch row, value head); the float32 state [DV, DK] stays in
 // registers for all NT tokens, each simdgroup owning DV / NW rows, lanes splitting DK.
 // Template arguments: T, OT, ST, BT dtypes; HK, HV, DK, DV, K, NT, TC, NW ints; HAS_STATE,
 // HAS_MASK bools; EPS_BITS the norm eps as float bits; {Z,A,B}_{ROW,OFF,GROUP,GSTRIDE} where

@@ -1,5 +1,5 @@
 // Fused Mamba-2 step (Nemotron-H): a line-by-line port of the CUDA kernels in
-// kapitsa/engine/kernels/mamba.py, for mx.fast.metal_kernel. Two bodies share this header:
+// kapitsa/engine/kernels/cuda_src/mamba_*.cu (driven by kernels/mamba.py), for mx.fast.metal_kernel. Two bodies share this header:
 // the step kernel after "---- body ----", the group-gated RMS norm after "---- norm body ----"
 // (mamba.py splits them). A simdgroup plays the CUDA warp (32 lanes), simd_sum its shuffles.
 // Not run on Apple hardware yet; see tests/kernels/test_mamba_kernel.py (marker `metal`).

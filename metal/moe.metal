@@ -1,4 +1,4 @@
-// MoE decode experts: a line-by-line port of the two CUDA kernels in kapitsa/engine/kernels/moe.py,
+// MoE decode experts: a line-by-line port of the two CUDA kernels in kapitsa/engine/kernels/cuda_src/moe_*.cu,
 // for mx.fast.metal_kernel. The hidden kernel's body follows "---- body ----", the output kernel's
 // "---- out body ----" (moe.py splits them). A simdgroup plays the CUDA warp (32 lanes),
 // simd_shuffle_xor its shuffles; WEIGHT_POINTERS is replaced by moe.py as for CUDA.

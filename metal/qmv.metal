@@ -1,5 +1,5 @@
 // Quantized mat-vec v2 (MLX affine 4/8-bit, M <= 8 rows): a line-by-line port of the CUDA kernel
-// in kapitsa/engine/kernels/qmv_fast.py for mx.fast.metal_kernel. A simdgroup plays the CUDA warp
+// in kapitsa/engine/kernels/cuda_src/qmv_fast.cu for mx.fast.metal_kernel. A simdgroup plays the CUDA warp
 // (32 lanes) and simd_sum its shuffle reduction; x is staged per threadgroup as float with chunk
 // sums (SMEM_FLOATS sized by the host to Apple's 32 KiB of threadgroup memory).
 // Not run on Apple hardware yet; see tests/kernels/test_qmv_fast.py (marker `metal`).
