@@ -27,6 +27,7 @@ from kapitsa.engine.tiny import tiny_config
 from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
 
 QWEN_VOCAB = 248320
+MEASURED_LIMIT_GB_S = 3770.0  # H200 grid-stride read through mx.fast.cuda_kernel (shared/gpu/README.md)
 SHAPES = {
     "4b": (
         "qwen3_5",
@@ -239,6 +240,10 @@ def _summary(rows: list[dict]) -> None:
                 k: statistics.median(r[k] for r in mine) for k in ("decode_tok_s", "prefill_tok_s")
             }
         ratio = med["kapitsa"]["decode_tok_s"] / med["mlx-lm"]["decode_tok_s"]
+        weights_gb = next(r["weights_gb"] for r in rows if r["shape"] == shape)
+        dense = "moe" not in SHAPES[shape][0] and "a3b" not in shape
+        # dense models read every weight once per token; MoE models only the routed experts
+        stream = weights_gb * med["kapitsa"]["decode_tok_s"] if dense else None
         print(
             json.dumps(
                 dict(
@@ -247,6 +252,10 @@ def _summary(rows: list[dict]) -> None:
                     kapitsa_decode=round(med["kapitsa"]["decode_tok_s"], 1),
                     mlxlm_decode=round(med["mlx-lm"]["decode_tok_s"], 1),
                     decode_ratio=round(ratio, 2),
+                    kapitsa_weight_gb_s=None if stream is None else round(stream, 1),
+                    share_of_measured_limit=None
+                    if stream is None
+                    else round(stream / MEASURED_LIMIT_GB_S, 3),
                     kapitsa_prefill=round(med["kapitsa"]["prefill_tok_s"], 1),
                     mlxlm_prefill=round(med["mlx-lm"]["prefill_tok_s"], 1),
                 )
