@@ -87,4 +87,7 @@ def fuse_model(model: nn.Module) -> int:
         fuse = getattr(sub, "fuse", None)
         if callable(fuse) and fuse():
             count += 1
+    if count:  # compiled decode steps traced before captured the unfused weights: drop them
+        for _, sub in model.named_modules():
+            sub.__dict__.pop("_compiled_steps", None)
     return count

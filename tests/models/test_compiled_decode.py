@@ -42,3 +42,14 @@ def test_compiled_decode_matches_op_by_op(arch: str, fused: bool) -> None:
     assert "_compiled_steps" in model.layers[0].__dict__  # the compiled path did run
     for a, b in zip(plain, fast, strict=True):
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), float(mx.abs(a - b).max())
+
+
+def test_fusing_after_a_compiled_step_drops_the_stale_traces() -> None:
+    model = build_ours("qwen3_5_dense")
+    before = _steps(model, [[3, 17, 5]], 2, compile_on=True)
+    assert "_compiled_steps" in model.layers[0].__dict__
+    fuse_model(model)
+    assert "_compiled_steps" not in model.layers[0].__dict__  # retraced with the fused weights
+    after = _steps(model, [[3, 17, 5]], 2, compile_on=True)
+    for a, b in zip(before, after, strict=True):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()

@@ -145,6 +145,8 @@ class Attention(nn.Module):
 # no replay record) run each layer as `mx.compile`d functions of (hidden, state) -> (hidden,
 # state): traced once per batch size, elementwise chains fused, no Python per op afterwards.
 # KAPITSA_COMPILE_DECODE=0 turns it off (the uncompiled path is the same math, op for op).
+# A trace captures the layer's weight arrays as they are when it is made: code that replaces
+# weights afterwards must drop the layer's `_compiled_steps` (fuse_model does).
 COMPILE_DECODE = {"on": os.environ.get("KAPITSA_COMPILE_DECODE", "1") != "0"}
 
 
