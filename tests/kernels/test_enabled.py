@@ -25,4 +25,15 @@ def test_enabled(monkeypatch, value, family, expected) -> None:
     else:
         monkeypatch.setenv("KAPITSA_KERNELS", value)
     assert enabled(family) is expected
-    assert {"gdn", "moe"} == DEFAULT_FAMILIES
+    assert {"gdn", "moe"} == DEFAULT_FAMILIES["cuda"]
+
+
+def test_metal_uses_no_kernel_unless_asked(monkeypatch) -> None:
+    """The Metal ports are unverified on Apple hardware: opt-in only."""
+    import kapitsa.engine.kernels as kernels
+
+    monkeypatch.setattr(kernels, "backend", lambda: "metal")
+    monkeypatch.delenv("KAPITSA_KERNELS", raising=False)
+    assert not any(enabled(f) for f in ("gdn", "moe", "mamba"))
+    monkeypatch.setenv("KAPITSA_KERNELS", "all")
+    assert enabled("gdn")

@@ -22,22 +22,25 @@ def backend() -> str | None:
     return None
 
 
-# Families the models use unless told otherwise: those verified AND timed in the model on the H200
-# (docs/bench/decode-h200.md). The Mamba-2 kernel passed its decode-shape GPU tests but its
-# model-level timing run did not complete, so it is opt-in until measured.
-DEFAULT_FAMILIES = frozenset({"gdn", "moe"})
+# Families the models use unless told otherwise: those verified AND timed in the model on the
+# H200 (docs/bench/decode-h200.md). The Mamba-2 kernel passed its decode-shape GPU tests but its
+# model-level timing run did not complete, so it is opt-in until measured. No Metal kernel has
+# been compiled or run on Apple hardware yet, so on Metal every family is opt-in: the models run
+# the fused + compiled op path there. Off-GPU (no backend) the kernels fall back to their
+# references anyway; the CUDA set keeps the CPU tests on the same call path as CUDA.
+DEFAULT_FAMILIES = {"cuda": frozenset({"gdn", "moe"}), "metal": frozenset(), None: frozenset({"gdn", "moe"})}
 
 
 def enabled(name: str) -> bool:
     """Whether the model may use kernel family `name` ("gdn", "mamba", "moe").
 
-    `KAPITSA_KERNELS` unset: DEFAULT_FAMILIES; "all": every family; "none": none; else a comma
-    list of the families to use (how the bench A/Bs a kernel against its reference path)."""
+    `KAPITSA_KERNELS` unset: DEFAULT_FAMILIES of this backend; "all": every family; "none": none;
+    else a comma list of the families to use (how the bench A/Bs a kernel against its reference)."""
     import os
 
     value = os.environ.get("KAPITSA_KERNELS", "").strip().lower()
     if not value:
-        return name in DEFAULT_FAMILIES
+        return name in DEFAULT_FAMILIES[backend()]
     if value == "all":
         return True
     return name in {v.strip() for v in value.split(",")}
