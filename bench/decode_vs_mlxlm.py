@@ -241,8 +241,8 @@ def _summary(rows: list[dict]) -> None:
             }
         ratio = med["kapitsa"]["decode_tok_s"] / med["mlx-lm"]["decode_tok_s"]
         weights_gb = next(r["weights_gb"] for r in rows if r["shape"] == shape)
-        dense = "moe" not in SHAPES[shape][0] and "a3b" not in shape
         # dense models read every weight once per token; MoE models only the routed experts
+        dense = not {"num_experts", "n_routed_experts"} & SHAPES[shape][1].keys()
         stream = weights_gb * med["kapitsa"]["decode_tok_s"] if dense else None
         print(
             json.dumps(
@@ -286,17 +286,20 @@ def main() -> None:
         # speed drifts within a run on a shared machine, so compare medians of interleaved runs.
         models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
         timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
+        sizes = {
+            e: sum(v.nbytes for _, v in nn.utils.tree_flatten(m.parameters())) / 1e9
+            for e, m in models.items()
+        }
         for plen in args.prompts:
             prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
             for rnd in range(args.rounds):
                 for engine, model in models.items():
-                    weights_gb = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters())) / 1e9
                     result = dict(
                         shape=name,
                         engine=engine,
                         prompt=plen,
                         round=rnd,
-                        weights_gb=round(weights_gb, 2),
+                        weights_gb=round(sizes[engine], 2),
                         **timers[engine](model, prompt, args.tokens),
                     )
                     rows.append(result)

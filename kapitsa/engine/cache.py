@@ -48,7 +48,7 @@ class StepInfo:
     def ragged(self) -> bool:
         return any(n != self.T for n in self.lengths)
 
-    @property
+    @cached_property  # asked by every layer of a forward
     def plain_decode(self) -> bool:
         """One token per row, no padding, no tree, no replay record: the steady decode step."""
         return self.T == 1 and not self.record and self.parents is None and not self.ragged

@@ -50,21 +50,33 @@ def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module | None:
     return fused
 
 
-def fuse_into(module: nn.Module, names: Sequence[str], fused_name: str) -> list[int] | None:
-    """Replace `module.<names>` by one `module.<fused_name>`; returns the split points of its
-    output (None, and nothing changed, when the linears can't fuse or are already fused)."""
+def fuse_into(module: nn.Module, names: Sequence[str], fused_name: str) -> bool:
+    """Replace `module.<names>` by one `module.<fused_name>` (and remember where its output
+    splits); False, and nothing changed, when the linears can't fuse or are already fused."""
     if fused_name in module or not all(n in module for n in names):
-        return None
+        return False
     parts = [module[n] for n in names]
     fused = fuse_linears(parts)
     if fused is None:
-        return None
-    sizes = [_out_features(p) for p in parts]
+        return False
     mx.eval(fused.parameters())
     for n in names:
         delattr(module, n)
     setattr(module, fused_name, fused)
-    return split_points(sizes)
+    # a plain attribute, not a module entry: it must not show up among the parameters
+    object.__setattr__(module, _splits_attr(fused_name), split_points([_out_features(p) for p in parts]))
+    return True
+
+
+def projections(module: nn.Module, x: mx.array, names: Sequence[str], fused_name: str) -> list[mx.array]:
+    """`[module.<name>(x) for name in names]`, through the fused linear when `fuse_into` made one."""
+    if fused_name in module:
+        return mx.split(module[fused_name](x), getattr(module, _splits_attr(fused_name)), axis=-1)
+    return [module[n](x) for n in names]
+
+
+def _splits_attr(fused_name: str) -> str:
+    return f"_{fused_name}_splits"
 
 
 def split_points(sizes: Sequence[int]) -> list[int]:

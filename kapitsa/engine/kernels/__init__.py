@@ -7,6 +7,7 @@ public op falls back to its reference when there is no kernel for the backend, n
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 
@@ -36,8 +37,6 @@ def enabled(name: str) -> bool:
 
     `KAPITSA_KERNELS` unset: DEFAULT_FAMILIES of this backend; "all": every family; "none": none;
     else a comma list of the families to use (how the bench A/Bs a kernel against its reference)."""
-    import os
-
     value = os.environ.get("KAPITSA_KERNELS", "").strip().lower()
     if not value:
         return name in DEFAULT_FAMILIES[backend()]

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
-from kapitsa.engine.fuse import fuse_into
+from kapitsa.engine.fuse import fuse_into, projections
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.errors import CheckpointError
 
@@ -86,20 +86,16 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.rope = rope
 
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
     def fuse(self) -> bool:
         """One q/k/v projection (see kapitsa.engine.fuse)."""
-        splits = fuse_into(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        if splits is not None:
-            object.__setattr__(self, "qkv_splits", splits)
-        return splits is not None
+        return fuse_into(self, self.PROJECTIONS, "qkv_proj")
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
         """q, k `[B, H, T, D]` (normed, not rotated), v `[B, Hkv, T, D]`, and the output gate."""
         B, T, _ = x.shape
-        if "qkv_proj" in self:
-            q, k, v = mx.split(self.qkv_proj(x), self.qkv_splits, axis=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = projections(self, x, self.PROJECTIONS, "qkv_proj")
         q = q.reshape(B, T, self.heads, -1)
         gate = None
         if self.gated:
@@ -126,6 +122,12 @@ class Attention(nn.Module):
             out = out * mx.sigmoid(gate)
         return self.o_proj(out)
 
+    def rotate(self, q: mx.array, k: mx.array, offsets: int | mx.array) -> tuple[mx.array, mx.array]:
+        """q, k at positions `offsets[b] + t` (no-op without rope)."""
+        if self.rope is None:
+            return q, k
+        return self.rope(q, offsets), self.rope(k, offsets)
+
     def __call__(self, x: mx.array, info: StepInfo, cache: KVCache | None) -> mx.array:
         q, k, v, gate = self.project(x)
         if self.rope is not None and info.parents is not None:
@@ -133,8 +135,8 @@ class Attention(nn.Module):
                 self.rope.at_positions(q, info.tree_positions),
                 self.rope.at_positions(k, info.tree_positions),
             )
-        elif self.rope is not None:
-            q, k = self.rope(q, info.rope_offsets), self.rope(k, info.rope_offsets)
+        else:
+            q, k = self.rotate(q, k, info.rope_offsets)
         return self.finish(self.attend(q, k, v, info, cache), gate)
 
 
@@ -175,12 +177,6 @@ def compiled_attention(
     parts = compiled(owner, "pre", pre)(x, info.offsets_array)
     out = attn.attend(parts[0], parts[1], parts[2], info, cache)
     return compiled(owner, "post", post)(x, out, *parts[3:])
-
-
-def rotate(attn: Attention, q: mx.array, k: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array]:
-    if attn.rope is None:
-        return q, k
-    return attn.rope(q, offsets), attn.rope(k, offsets)
 
 
 class HybridLM(nn.Module):

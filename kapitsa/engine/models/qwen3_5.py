@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
-from kapitsa.engine.fuse import fuse_into
+from kapitsa.engine.fuse import fuse_into, projections
 from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, projection_views
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.models.base import (
@@ -30,7 +30,6 @@ from kapitsa.engine.models.base import (
     fast_decode,
     known_fields,
     require,
-    rotate,
 )
 from kapitsa.engine.models.qwen_weights import sanitize_qwen
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
@@ -146,29 +145,24 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, a.hidden_size, bias=False)
 
+    @property
+    def _in_projections(self) -> tuple[str, ...]:
+        if self.packed:
+            return ("in_proj_qkvz", "in_proj_ba")
+        return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
     def fuse(self) -> bool:
         """One in-projection for the layer (see kapitsa.engine.fuse)."""
-        names = (
-            ("in_proj_qkvz", "in_proj_ba")
-            if self.packed
-            else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        )
-        splits = fuse_into(self, names, "in_proj")
-        if splits is not None:
-            object.__setattr__(self, "in_splits", splits)
-        return splits is not None
+        return fuse_into(self, self._in_projections, "in_proj")
 
     def _project(self, x: mx.array):
         B, T, _ = x.shape
-        fused = mx.split(self.in_proj(x), self.in_splits, axis=-1) if "in_proj" in self else None
+        outputs = projections(self, x, self._in_projections, "in_proj")
         if not self.packed:
-            if fused is not None:
-                qkv, z, b, a = fused
-            else:
-                qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            qkv, z, b, a = outputs
             return qkv, z.reshape(B, T, self.nv, self.dv), b, a
         per = self.nv // self.nk
-        qkvz, ba = fused if fused is not None else (self.in_proj_qkvz(x), self.in_proj_ba(x))
+        qkvz, ba = outputs
         q, k, v, z = mx.split(
             qkvz.reshape(B, T, self.nk, -1), [self.dk, 2 * self.dk, 2 * self.dk + per * self.dv], axis=-1
         )
@@ -245,17 +239,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dims, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dims, bias=False)
 
+    PROJECTIONS = ("gate_proj", "up_proj")
+
     def fuse(self) -> bool:
-        splits = fuse_into(self, ("gate_proj", "up_proj"), "gate_up_proj")
-        if splits is not None:
-            object.__setattr__(self, "gate_up_splits", splits)
-        return splits is not None
+        return fuse_into(self, self.PROJECTIONS, "gate_up_proj")
 
     def __call__(self, x: mx.array) -> mx.array:
-        if "gate_up_proj" in self:
-            gate, up = mx.split(self.gate_up_proj(x), self.gate_up_splits, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = projections(self, x, self.PROJECTIONS, "gate_up_proj")
         return self.down_proj(silu_mul(gate, up))
 
 
@@ -333,7 +323,7 @@ class DecoderLayer(nn.Module):
 
     def _attn_pre(self, x: mx.array, offsets: mx.array):
         q, k, v, gate = self.self_attn.project(self.input_layernorm(x))
-        q, k = rotate(self.self_attn, q, k, offsets)
+        q, k = self.self_attn.rotate(q, k, offsets)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attn_post(self, x: mx.array, out: mx.array, gate: mx.array | None = None):
