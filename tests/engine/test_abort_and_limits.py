@@ -124,11 +124,13 @@ async def test_memory_short_now_waits_then_reports_busy(qwen_model, make_client)
     client = make_client(
         qwen_model,
         memory_limit_bytes=mx.get_active_memory() + int(one * 1.5),
-        queue_timeout_s=0.2,
+        # the wait must end well before the first request's 200 tokens do (~0.25 s on a quiet
+        # machine with the compiled decode step; a loaded one only makes it longer)
+        queue_timeout_s=0.05,
         prefix_cache_bytes=0,
     )
     first = asyncio.create_task(collect(client, _req("first", 200)))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.01)
     _, events = await collect(client, _req("other", 200))
     assert isinstance(events[-1], ErrorEvent) and isinstance(events[-1].error, EngineBusy)
     ids, events = await first
