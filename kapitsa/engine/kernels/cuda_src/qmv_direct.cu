@@ -1,0 +1,89 @@
+  // y[M, N] = x[M, K] @ dequantize(w)[N, K]^T, no shared memory: x is read through L1 (it is a
+  // few KiB that every warp of the SM reads), so a block starts streaming weights at once.
+  constexpr int CH = 128 / BITS;               // values per 16-byte chunk of a row
+  constexpr int NCH = K / CH;                  // chunks per row
+  constexpr int ROUNDS = (NCH + 31) / 32;      // a round: every lane takes one chunk
+  constexpr int U = ROUNDS < UNROLL ? ROUNDS : UNROLL;  // rounds whose loads are issued together
+  constexpr int GROUPS = K / GS;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.x * WARPS + warp) * R;
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  int rows[R];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);  // past N: recompute row N-1, never stored
+
+  float acc[R][M];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    #pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+  }
+
+  for (int j0 = 0; j0 < ROUNDS; j0 += U) {
+    // Issue every weight load of U rounds before using any: R * U 16-byte loads in flight per lane.
+    uint4 wq[U][R];
+    float ws[U][R], wb[U][R];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = (j0 + u) * 32 + lane;
+      const int cc = c < NCH ? c : 0;
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        wq[u][r] = __ldcs(wv + (size_t)rows[r] * NCH + cc);  // streamed once: don't keep in L1/L2
+        ws[u][r] = (float)scales[(size_t)rows[r] * GROUPS + cc * CH / GS];
+        wb[u][r] = (float)biases[(size_t)rows[r] * GROUPS + cc * CH / GS];
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = (j0 + u) * 32 + lane;
+      if (j0 + u < ROUNDS && c < NCH) {
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const T* xc = x + (size_t)m * K + (size_t)c * CH;
+          float dot[R];
+          #pragma unroll
+          for (int r = 0; r < R; ++r) dot[r] = 0.f;
+          float xsum = 0.f;
+          #pragma unroll
+          for (int e = 0; e < CH; e += 8) {
+            float xv[8];
+            kq2_load8(xc + e, xv);
+            #pragma unroll
+            for (int t = 0; t < 8; ++t) xsum += xv[t];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+              #pragma unroll
+              for (int h = 0; h < 8; h += 4) {
+                const int q4 = (e + h) / 4;  // index of 4 values within the chunk
+                const int word = BITS == 4 ? q4 >> 1 : q4;
+                const uint4 cw = wq[u][r];
+                const uint32_t wd = word == 0 ? cw.x : word == 1 ? cw.y : word == 2 ? cw.z : cw.w;
+                float4 qv;
+                if constexpr (BITS == 4) qv = kq2_nibbles(wd, q4 & 1);
+                else qv = kq2_bytes(wd);
+                dot[r] = fmaf(qv.x, xv[h], dot[r]);
+                dot[r] = fmaf(qv.y, xv[h + 1], dot[r]);
+                dot[r] = fmaf(qv.z, xv[h + 2], dot[r]);
+                dot[r] = fmaf(qv.w, xv[h + 3], dot[r]);
+              }
+            }
+          }
+          #pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][m] = fmaf(ws[u][r], dot[r], fmaf(wb[u][r], xsum, acc[r][m]));
+        }
+      }
+    }
+  }
+
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = acc[r][m];
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && row0 + r < N) y[(size_t)m * N + row0 + r] = (T)v;
+    }
+  }
