@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache
 from kapitsa.engine.fuse import fuse_model
+from kapitsa.engine.qlinear import route_quantized_linears
 from kapitsa.engine.memory import StateSizes
 from kapitsa.engine.prefix_cache import PrefixMatch
 
@@ -25,6 +26,7 @@ class ModelRunner:
     def __init__(self, model, *, dtype: mx.Dtype | None = None) -> None:  # noqa: ANN001 - any HybridLM
         self.model = model
         fuse_model(model)  # same-input projections as one mat-vec each (kapitsa.engine.fuse)
+        route_quantized_linears(model)  # per-row-count mat-muls on CUDA (kapitsa.engine.qlinear)
         probe = model.make_cache(1)
         self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
         self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]

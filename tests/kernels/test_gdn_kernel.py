@@ -368,8 +368,8 @@ def test_supports_only_with_a_kernel_backend_and_fitting_shapes(monkeypatch) -> 
     assert not gdn.supports(ci.astype(mx.int32), cw, st, **dims)
     assert not gdn.supports(ci, cw, st, **dict(dims, head_k_dim=48))  # not a multiple of 32
     assert not gdn.supports(ci, cw, st, **dict(dims, head_k_dim=512))
-    long_in = mx.zeros((1, 3 + gdn.MAX_T + 1, ci.shape[2]))
-    assert not gdn.supports(long_in, cw, st, **dims)  # prefill stays on the chunked op path
+    long_in = mx.zeros((1, 3 + gdn.MAX_KERNEL_T + 1, ci.shape[2]))
+    assert not gdn.supports(long_in, cw, st, **dims)  # past MAX_KERNEL_T: the op path
 
 
 def test_dispatch_uses_kernel_only_when_supported(monkeypatch) -> None:

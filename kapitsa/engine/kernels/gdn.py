@@ -46,7 +46,8 @@ from kapitsa.engine.ops.norm import _times_silu_f32
 from kapitsa.errors import KapitsaError
 
 _log = logging.getLogger(__name__)
-MAX_T = 64  # longer inputs (prefill) go to the chunked op path; one block per head would serialise them
+MAX_T = 64  # token counts compiled exactly (decode, verification); gdn_prefill pads longer calls
+MAX_KERNEL_T = 8192  # one block per (row, head) walks the tokens: longer calls take the op path
 MAX_HEAD_DIM = 256
 MAX_CONV_KERNEL = 8
 # State floats per thread (Dv/NW rows x Dk/32 columns). MLX writes the kernel signature, so there
@@ -269,7 +270,7 @@ def supports(
 ) -> bool:
     """Whether the fused kernel can run this call here (backend, dtypes, head dims, T)."""
     K = conv_weight.shape[1]
-    return _supported(
+    return supported(
         backend(),
         conv_in.dtype,
         conv_weight.dtype,
@@ -283,7 +284,7 @@ def supports(
     )
 
 
-def _supported(
+def supported(
     kind, act, weight_dtype, state_dtype, T: int, K: int, hk: int, hv: int, dk: int, dv: int
 ) -> bool:
     if kind not in SHARED_BUDGET:
@@ -295,7 +296,7 @@ def _supported(
     if state_dtype is not None and state_dtype != mx.float32:
         return False
     rows = dv // warps_for(dk, dv, MAX_WARPS[kind])
-    return 1 <= T <= MAX_T and 1 <= K <= MAX_CONV_KERNEL and rows * dk // 32 <= MAX_STATE_FLOATS
+    return 1 <= T <= MAX_KERNEL_T and 1 <= K <= MAX_CONV_KERNEL and rows * dk // 32 <= MAX_STATE_FLOATS
 
 
 def float_bits(x: float) -> int:
@@ -444,7 +445,7 @@ def _plan(kind, keys, dtypes, heads, norm_eps, limits) -> Plan | None:
     act_in, w_dtype, a_dtype, b_dtype, _, dt_dtype, _, norm_dtype, state_dtype, _ = dtypes
     B, K = conv_in[0], conv_w[1]
     T = conv_in[1] - (K - 1)
-    if not _supported(kind, act_in, w_dtype, state_dtype, T, K, hk, hv, dk, dv):
+    if not supported(kind, act_in, w_dtype, state_dtype, T, K, hk, hv, dk, dv):
         return None
     act = promote(act_in, w_dtype)
     out_dtype = promote(act, norm_dtype)

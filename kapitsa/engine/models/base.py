@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,11 +163,18 @@ def fast_decode(info: StepInfo, cache: LayerCache) -> bool:
 
 
 def compiled(owner: object, name: str, fn):  # noqa: ANN001, ANN201 - any pure array function
-    """`mx.compile(fn)`, made once per (owner, name): each layer keeps its own traced steps."""
+    """`mx.compile(fn)`, made once per (owner, name, thread): each layer keeps its own traces.
+
+    Per thread because MLX's trace cache is thread-local and keyed by the Python function's id,
+    while a compiled function erases its traces only from the cache of the thread that called it
+    last. One function called from two threads (a test's forward, then the engine thread) left a
+    trace behind in the first thread's cache; once the model was freed, a new function reusing
+    that id found the other model's trace (wrong weights and shapes)."""
     table = owner.__dict__.setdefault("_compiled_steps", {})
-    if name not in table:
-        table[name] = mx.compile(fn)
-    return table[name]
+    key = (name, threading.get_ident())
+    if key not in table:
+        table[key] = mx.compile(fn)
+    return table[key]
 
 
 def compiled_attention(

@@ -21,6 +21,7 @@ from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into, projections
 from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, projection_views
+from kapitsa.engine.kernels.gdn_prefill import gdn_chain
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.models.base import (
     Attention,
@@ -177,6 +178,8 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             conv_state, s0 = mx.zeros((B, self.kernel - 1, self.conv_dim), qkv.dtype), None
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
+        if info.parents is None and kernels.enabled("gdn"):
+            return self._chain_fused(conv_in, z, b, a, s0, info, cache)
         if info.parents is None:
             conv_out = causal_conv(conv_in, self.conv1d.weight)
         else:
@@ -205,6 +208,29 @@ class GatedDeltaNet(nn.Module):
 
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y, z).reshape(B, T, -1))
+
+    def _chain_fused(self, conv_in, z, b, a, s0, info: StepInfo, cache: RecurrentCache | None) -> mx.array:
+        """A chain of tokens (prefill chunk, verification) through the fused kernel, any length
+        (kernels/gdn_prefill.py); the rollback replay runs it again from s0 under its mask."""
+        B, T = a.shape[:2]
+
+        def run(mask):
+            return gdn_chain(
+                conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
+                **self._heads, norm_eps=self.norm.eps, mask=mask,
+            )  # fmt: skip
+
+        out, state = run(info.recurrent_mask)
+        if cache is not None:
+            cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
+            if info.record:
+
+                def replay(mask, order=None):
+                    assert order is None, "a chain's replay takes its tokens in order"
+                    return run(mask)[1]
+
+                cache.record = ReplayRecord(conv_in, self.kernel, replay)
+        return self.out_proj(out)
 
     def decode(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state).

@@ -1,0 +1,94 @@
+"""RoutedQuantizedLinear: same layer, product routed by input rows (kernel / dequant / stock)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from kapitsa.engine import qlinear
+from kapitsa.engine.kernels.qmv import qmv_reference
+
+
+def _model(bits: int = 4, bias: bool = False) -> nn.Module:
+    mx.random.seed(0)
+    model = nn.Sequential(nn.Linear(128, 64, bias=bias), nn.Linear(64, 32, bias=bias))
+    nn.quantize(model, group_size=64, bits=bits)
+    return model
+
+
+def test_reclassing_keeps_parameters_and_is_idempotent() -> None:
+    model = _model()
+    before = dict(nn.utils.tree_flatten(model.parameters()))
+    assert qlinear.route_quantized_linears(model) == 2
+    assert qlinear.route_quantized_linears(model) == 0
+    assert all(type(m) is qlinear.RoutedQuantizedLinear for m in model.layers)
+    after = dict(nn.utils.tree_flatten(model.parameters()))
+    assert before.keys() == after.keys() and all(mx.array_equal(before[k], after[k]).item() for k in before)
+
+
+def test_off_cuda_it_is_the_stock_layer() -> None:
+    model = _model()
+    x = mx.random.normal((3, 128))
+    ref = model(x)
+    qlinear.route_quantized_linears(model)
+    assert not qlinear.routes_enabled()
+    assert mx.array_equal(model(x), ref).item()
+
+
+@pytest.fixture
+def forced(monkeypatch) -> list:
+    """Routes on (as on CUDA), the kernel replaced by its reference; records the kernel calls."""
+    calls = []
+
+    def kernel(x, w, scales, biases, *, group_size, bits):
+        calls.append(x.shape)
+        return qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits)
+
+    monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
+    monkeypatch.setattr(qlinear, "qmv_fast", kernel)
+    monkeypatch.setattr(qlinear, "supports_fast", lambda x, w, s, b, group_size, bits: bits in (4, 8))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "shape,route",
+    [((1, 1, 128), "kernel"), ((2, 4, 128), "kernel"), ((3, 5, 128), "stock"), ((1, 400, 128), "dequant")],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_route_computes_the_same_product(forced, shape, route, bias) -> None:
+    model = _model(bias=bias)
+    layer = model.layers[0]
+    x = mx.random.normal(shape)
+    ref = layer(x)
+    qlinear.route_quantized_linears(model)
+    assert qlinear.route_for(shape[0] * shape[1], layer, x) == route
+    got = layer(x)
+    assert got.shape == ref.shape == (*shape[:-1], 64)
+    assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item(), float(mx.abs(got - ref).max())
+    assert len(forced) == (1 if route == "kernel" else 0)
+    if route == "kernel":
+        assert forced[0] == (shape[0] * shape[1], 128)
+
+
+def test_unsupported_bits_take_the_stock_kernel(forced) -> None:
+    model = _model(bits=6)
+    qlinear.route_quantized_linears(model)
+    x = mx.random.normal((1, 128))
+    assert qlinear.route_for(1, model.layers[0], x) == "stock"
+    model(x)
+    assert forced == []
+
+
+def test_huge_dense_copy_stays_stock(forced, monkeypatch) -> None:
+    monkeypatch.setattr(qlinear, "DEQUANT_MAX_BYTES", 64 * 128 * 4 - 1)
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    assert qlinear.route_for(500, model.layers[0], mx.zeros((500, 128))) == "stock"
+
+
+def test_env_switch_turns_routes_off(monkeypatch) -> None:
+    monkeypatch.setattr(qlinear, "backend", lambda: "cuda")
+    assert qlinear.routes_enabled()
+    monkeypatch.setenv("KAPITSA_QLINEAR", "stock")
+    assert not qlinear.routes_enabled()
