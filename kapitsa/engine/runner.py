@@ -13,9 +13,9 @@ import mlx.core as mx
 
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache
 from kapitsa.engine.fuse import fuse_model
-from kapitsa.engine.qlinear import route_quantized_linears
 from kapitsa.engine.memory import StateSizes
 from kapitsa.engine.prefix_cache import PrefixMatch
+from kapitsa.engine.qlinear import route_quantized_linears
 
 KV_AXIS = 2  # token axis of KV buffers
 
