@@ -22,6 +22,7 @@ import mlx.core as mx
 from kapitsa.engine.kernels import gdn
 from kapitsa.engine.kernels import qmv_direct as direct
 from kapitsa.engine.kernels import qmv_fast as fast
+from kapitsa.engine.kernels import qmv_tc as tc
 from kapitsa.engine.kernels.cuda import CudaKernel
 
 GS = 64
@@ -74,6 +75,11 @@ def timed(fn, iters: int = 5) -> tuple[float, float]:
     return total / iters * 1e3, encode / iters * 1e3
 
 
+def _tc(x, q, s, b, tiles: int, exact: bool) -> mx.array:
+    tc.OPTIONS.update(tiles=tiles, exact_q=exact)
+    return tc.qmv_tc(x, q, s, b, group_size=GS)
+
+
 def qmv_diag(rows_list, bits: int) -> None:
     layers = []
     for _ in range(4):
@@ -95,9 +101,12 @@ def qmv_diag(rows_list, bits: int) -> None:
             "v2": lambda x, q, s, b: fast.qmv_fast(x, q, s, b, group_size=GS, bits=bits),
             "read_only": lambda x, q, s, b: read_only(q),
         }
-        for shape in [(1, 4, 4), (2, 4, 4), (2, 8, 4), (4, 4, 4), (2, 4, 8), (1, 8, 8), (1, 4, 8)]:
-            impls[f"direct{shape}"] = lambda x, q, s, b, sh=shape: direct.qmv_direct(
-                x, q, s, b, group_size=GS, bits=bits, shape=sh
+        impls["direct(2, 4, 8)"] = lambda x, q, s, b: direct.qmv_direct(
+            x, q, s, b, group_size=GS, bits=bits, shape=(2, 4, 8)
+        )
+        for tiles, exact in [(2, True), (2, False), (1, True)]:
+            impls[f"tc(tiles={tiles}, exact={exact})"] = lambda x, q, s, b, o=(tiles, exact): _tc(
+                x, q, s, b, *o
             )
         ref = [impls["stock"](xs[k], q, s, b) for q, s, b, k in layers[0]]
         for name, impl in impls.items():

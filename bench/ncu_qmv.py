@@ -1,6 +1,6 @@
 """One launch of each mat-vec kernel on Qwen3.5-27B shapes, for Nsight Compute to profile:
 
-    ncu --kernel-name regex:'kapitsa|qmv|gemv' --section SpeedOfLight ... python bench/ncu_qmv.py
+ncu --kernel-name regex:'kapitsa|qmv|gemv' --section SpeedOfLight ... python bench/ncu_qmv.py
 """
 
 from __future__ import annotations

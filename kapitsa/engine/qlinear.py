@@ -3,7 +3,8 @@
 Measured on the H200 (bench/diag_h200.py, docs/bench/decode-h200.md), MLX 0.32.4:
 - Decode (1-8 rows): the stock affine 4-bit mat-vec streamed a Qwen3.5-27B layer chain at
   0.92 TB/s, kapitsa's v2 kernel (kernels/qmv_fast.py) at 1.41 TB/s; at 4 rows (speculative
-  verification) 0.25 against 0.94 TB/s.
+  verification) 0.25 against 0.94 TB/s. The tensor-core kernel (kernels/qmv_tc.py) takes the bf16
+  4-bit calls with group size 64/128 first; v2 the other affine 4/8-bit ones.
 - Prefill (512 rows): stock `quantized_matmul` ran at 138 TFLOP/s, dequantizing to the activation
   dtype and running a dense mat-mul at 275 TFLOP/s (the dequantized copy is transient).
 
@@ -23,6 +24,7 @@ import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
+from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
 
 DEQUANT_MIN_ROWS = 384  # below, the dense copy costs more than stock's slower mat-mul saves
 DEQUANT_MAX_BYTES = 1 << 30  # the transient dense weight; the vocabulary head at prefill stays stock
@@ -61,9 +63,11 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
             return super().__call__(x)
         w, scales, biases = self["weight"], self["scales"], self.get("biases")
         if route == "kernel":
-            y = qmv_fast(
-                x.reshape(rows, x.shape[-1]), w, scales, biases, group_size=self.group_size, bits=self.bits
-            )
+            x2 = x.reshape(rows, x.shape[-1])
+            if supports_tc(x2, w, scales, biases, group_size=self.group_size, bits=self.bits):
+                y = qmv_tc(x2, w, scales, biases, group_size=self.group_size)
+            else:
+                y = qmv_fast(x2, w, scales, biases, group_size=self.group_size, bits=self.bits)
             y = y.reshape(*x.shape[:-1], w.shape[0])
         else:
             dense = mx.dequantize(

@@ -1,0 +1,107 @@
+"""Quantized mat-vec on tensor cores ("tc"): y[M, N] = x[M, K] @ dequantize(W)[N, K]^T for
+M <= 8 rows of bf16 x and MLX affine 4-bit weights (group size 64 or 128), CUDA only.
+
+Why: Nsight Compute on the H200 showed the v2 and v3 mat-vecs (qmv_fast.py, qmv_direct.py) at a
+27B gate/up shape issue-bound, not memory-bound (SM throughput 72%, DRAM 36%): about 3.6
+instructions per weight (mask, FMA to the integer, FMA with x, x conversion). Here a weight
+costs about one: two nibbles become a bf16 pair with one shift and one LOP3, and `mma.m16n8k16`
+does the multiply-adds, 16 rows by up to 8 x rows at a time (speculative verification's rows
+share one read of the weights for free). Large-K, small-N matrices (the down projection) also
+split K over S warps of a block, so they have enough warps in flight to reach the bandwidth.
+
+The CUDA source is cuda_src/qmv_tc.cu (+ .cuh); its layout notes are there. No Metal port: Apple
+GPUs have no `mma.sync` (simdgroup matrices are a different design), so Macs keep the stock path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+
+from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
+
+MAX_ROWS = 8
+GROUP_SIZES = (64, 128)
+WARPS = 8
+TARGET_WARPS = 132 * 12  # about 12 warps per SM of the H200 keep its memory busy
+
+_KERNEL = CudaKernel(
+    name="kapitsa_qmv_tc",
+    input_names=("x", "w", "scales", "biases"),
+    output_names=("y",),
+    source=read_cuda_source("qmv_tc.cu"),
+    header=read_cuda_source("qmv_tc.cuh"),
+)
+OPTIONS = {"exact_q": True, "tiles": 2}  # the bench flips these to A/B them
+
+
+def splits_for(n: int, k: int, group_size: int, tiles: int) -> int:
+    """Warps splitting K per 16*tiles-row tile: the fewest (a power of two up to WARPS) that give
+    about TARGET_WARPS warps, and never more than the groups in a row."""
+    tile_count = math.ceil(n / (16 * tiles))
+    s = 1
+    while s < WARPS and tile_count * s < TARGET_WARPS and (k // group_size) >= 2 * s:
+        s *= 2
+    return s
+
+
+@functools.cache  # called per mat-vec of every decode step: keep the host work to a dict lookup
+def launch_config(
+    rows: int, n: int, k: int, group_size: int, tiles: int, exact_q: bool
+) -> tuple[tuple, int, int]:
+    """(template arguments, grid threads, block threads) for one call."""
+    s = splits_for(n, k, group_size, tiles)
+    spans_per_group = group_size // 64
+    template = (
+        ("M", rows),
+        ("N", n),
+        ("K", k),
+        ("GS", group_size),
+        ("TILES", tiles),
+        ("WARPS", WARPS),
+        ("S", s),
+        ("UG", max(1, 4 // spans_per_group)),
+        ("EXACT_Q", exact_q),
+    )
+    warps = math.ceil(n / (16 * tiles)) * s
+    blocks = math.ceil(warps / WARPS)
+    return template, blocks * WARPS * 32, WARPS * 32
+
+
+def supports_tc(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
+) -> bool:
+    """Whether this kernel can run the call here (CUDA, bf16 x, affine 4-bit, group 64/128)."""
+    if backend() != "cuda" or biases is None or x.ndim != 2 or w.ndim != 2:
+        return False
+    rows, k = x.shape
+    return (
+        1 <= rows <= MAX_ROWS
+        and bits == 4
+        and group_size in GROUP_SIZES
+        and x.dtype == mx.bfloat16
+        and scales.dtype == mx.bfloat16
+        and biases.dtype == mx.bfloat16
+        and k % group_size == 0
+        and w.shape[1] * 8 == k
+        and scales.shape == (w.shape[0], k // group_size)
+        and biases.shape == scales.shape
+    )
+
+
+def qmv_tc(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int) -> mx.array:
+    """x [M, K] bf16 @ dequantize(w)[N, K]^T -> [M, N] bf16. Callers check `supports_tc`."""
+    rows, k = x.shape
+    n = w.shape[0]
+    template, grid, block = launch_config(rows, n, k, group_size, OPTIONS["tiles"], OPTIONS["exact_q"])
+    return _KERNEL(
+        [x, w, scales, biases],
+        template=template,
+        grid=(grid, 1, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[mx.bfloat16],
+    )[0]
