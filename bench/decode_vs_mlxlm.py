@@ -227,6 +227,28 @@ def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
     return run()
 
 
+def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -> dict:
+    """Milliseconds of one speculative verify forward of T tokens (record=True, logits for all T,
+    then the rollback that drops them all) after the prompt, per T: what a draft of T-1 tokens
+    costs on this shape. Run on the engine's model (fused and routed by its ModelRunner)."""
+    cache = model.make_cache(1)
+    mx.eval(model.logits(model.forward(mx.array([prompt]), cache).hidden[:, -1:]), *cache.state_arrays())
+    out = {}
+    for T in sizes:
+        tokens = mx.array([[(7 * i + 11) % 200 + 5 for i in range(T)]])
+        times = []
+        for i in range(iters + 2):
+            start = time.perf_counter()
+            logits = model.logits(model.forward(tokens, cache, record=True).hidden)
+            mx.eval(logits, *cache.state_arrays())
+            cache.rollback(T)
+            mx.eval(*cache.state_arrays())
+            if i >= 2:  # the first two compile the T-token kernels
+                times.append(time.perf_counter() - start)
+        out[f"verify_ms_T{T}"] = round(sorted(times)[len(times) // 2] * 1e3, 2)
+    return out
+
+
 def _summary(rows: list[dict]) -> None:
     """Median decode/prefill tok/s per (shape, prompt, engine) and the kapitsa / mlx-lm ratio."""
     import statistics
@@ -272,12 +294,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timings per engine")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--verify-shapes", nargs="*", default=[], help="also time T-token verify forwards")
+    ap.add_argument("--verify-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     args = ap.parse_args()
     table = TINY if args.tiny else SHAPES
     if args.tiny:
         DTYPE["value"] = mx.float32
     print(f"mlx {mx.__version__} on {mx.default_device()}")
-    rows = []
+    rows, extra = [], []
     for name in args.shapes:
         kind, dims = table[name]
         config = tiny_config(kind, **dims)
@@ -304,13 +328,19 @@ def main() -> None:
                     )
                     rows.append(result)
                     print(json.dumps(result), flush=True)
+        if name in args.verify_shapes:
+            verify = dict(
+                shape=name, engine="kapitsa", **_verify_cost(models["kapitsa"], prompt, args.verify_sizes)
+            )
+            print(json.dumps(verify), flush=True)
+            extra.append(verify)
         del models
         gc.collect()
         mx.clear_cache()
     _summary(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows + extra, f, indent=1)
 
 
 if __name__ == "__main__":

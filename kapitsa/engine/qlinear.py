@@ -3,8 +3,11 @@
 Measured on the H200 (bench/diag_h200.py, docs/bench/decode-h200.md), MLX 0.32.4:
 - Decode (1-8 rows): the stock affine 4-bit mat-vec streamed a Qwen3.5-27B layer chain at
   0.92 TB/s, kapitsa's v2 kernel (kernels/qmv_fast.py) at 1.41 TB/s; at 4 rows (speculative
-  verification) 0.25 against 0.94 TB/s. The tensor-core kernel (kernels/qmv_tc.py) takes the bf16
-  4-bit calls with group size 64/128 first; v2 the other affine 4/8-bit ones.
+  verification) 0.25 against 0.94 TB/s.
+  Then (same chain, one run): at 1 row v3 "direct" (kernels/qmv_direct.py) 1.57 TB/s, v2 1.38,
+  the tensor-core kernel (kernels/qmv_tc.py) 1.33; at 4 rows tensor-core 1.37, v2 0.98, direct
+  0.73. So one row goes to direct, 2-8 rows to tensor-core (bf16, 4-bit, group 64/128), anything
+  else affine 4/8-bit to v2.
 - Prefill (512 rows): stock `quantized_matmul` ran at 138 TFLOP/s, dequantizing to the activation
   dtype and running a dense mat-mul at 275 TFLOP/s (the dequantized copy is transient).
 
@@ -23,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.qmv_direct import qmv_direct, supports_direct
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
 from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
 
@@ -64,7 +68,11 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         w, scales, biases = self["weight"], self["scales"], self.get("biases")
         if route == "kernel":
             x2 = x.reshape(rows, x.shape[-1])
-            if supports_tc(x2, w, scales, biases, group_size=self.group_size, bits=self.bits):
+            if rows == 1 and supports_direct(
+                x2, w, scales, biases, group_size=self.group_size, bits=self.bits
+            ):
+                y = qmv_direct(x2, w, scales, biases, group_size=self.group_size, bits=self.bits)
+            elif supports_tc(x2, w, scales, biases, group_size=self.group_size, bits=self.bits):
                 y = qmv_tc(x2, w, scales, biases, group_size=self.group_size)
             else:
                 y = qmv_fast(x2, w, scales, biases, group_size=self.group_size, bits=self.bits)

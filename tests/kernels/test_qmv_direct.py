@@ -1,0 +1,94 @@
+"""The v3 "direct" mat-vec (kernels/qmv_direct.py): compiled for sm_90 for every launched variant,
+executed on the CPU from its own CUDA source by the threads emulator of test_gdn_kernel.py, and on
+the H200 against the float32 reference (gpu tests)."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import pytest
+from nvcc_check import compile_source, nvcc
+
+from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import qmv_direct as direct
+from kapitsa.engine.kernels.qmv import qmv_reference
+from tests.kernels.test_gdn_kernel import Emulated, cuda_translation
+from tests.kernels.test_qmv_tc import MMA_EMULATION  # __byte_perm / __ldcs on the host
+
+HOST_INTRINSICS = (
+    MMA_EMULATION
+    + r"""
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+"""
+)
+
+
+def _translate(kernel, dtypes, output_dtypes, template):
+    unit, function = cuda_translation(kernel, dtypes, output_dtypes, template)
+    return HOST_INTRINSICS + unit, function
+
+
+def _weights(n: int, k: int, gs: int, bits: int, seed: int = 0):
+    mx.random.seed(seed)
+    return mx.quantize((mx.random.normal((n, k)) * 0.05).astype(mx.bfloat16), group_size=gs, bits=bits)
+
+
+def _rel_err(got: mx.array, ref: mx.array) -> float:
+    return float(mx.abs(got.astype(mx.float32) - ref).max() / mx.abs(ref).max())
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize(
+    "dtype,rows,n,k,gs,bits",
+    [
+        (mx.bfloat16, 1, 34816, 5120, 64, 4),
+        (mx.bfloat16, 1, 5120, 17408, 64, 4),
+        (mx.float16, 1, 5120, 6144, 32, 8),
+        (mx.float32, 4, 16480, 5120, 128, 4),
+    ],
+)
+def test_cuda_source_compiles(dtype, rows, n, k, gs, bits) -> None:
+    template, _, _ = direct.launch_config(dtype, rows, n, k, gs, bits, direct.SHAPE_BY_ROWS[rows])
+    ok, log = compile_source(direct._KERNEL.render([dtype, mx.uint32, dtype, dtype], [dtype], template))
+    assert ok, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,rows,n,k,gs,bits",
+    [(mx.bfloat16, 1, 20, 640, 64, 4), (mx.float32, 3, 9, 1152, 32, 8), (mx.float16, 2, 16, 256, 128, 4)],
+)
+def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, dtype, rows, n, k, gs, bits) -> None:
+    """N not a multiple of the block's rows, K past one round of 32 chunks and not a multiple of
+    UNROLL rounds (640 4-bit values = 20 chunks; 1152 8-bit = 72 chunks = 3 rounds)."""
+    q, s, b = _weights(n, k, gs, bits)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    ref = qmv_reference(
+        x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits
+    )
+    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
+    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits, shape=(2, 2, 2))
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 8e-3)
+
+
+def test_supports_only_on_cuda() -> None:
+    q, s, b = _weights(32, 128, 64, 4)
+    x = mx.zeros((1, 128), mx.bfloat16)
+    assert direct.supports_direct(x, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs the CUDA backend")
+@pytest.mark.parametrize("n,k,gs,bits", [(34816, 5120, 64, 4), (5120, 17408, 64, 4), (5120, 6144, 64, 8)])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_gpu_matches_reference(n, k, gs, bits, dtype) -> None:
+    q, s, b = _weights(n, k, gs, bits)
+    x = mx.random.normal((1, k)).astype(dtype)
+    ref = qmv_reference(
+        x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits
+    )
+    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits)
+    assert _rel_err(got, ref) < (1e-4 if dtype == mx.float32 else 8e-3)
