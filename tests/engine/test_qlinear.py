@@ -92,3 +92,21 @@ def test_env_switch_turns_routes_off(monkeypatch) -> None:
     assert qlinear.routes_enabled()
     monkeypatch.setenv("KAPITSA_QLINEAR", "stock")
     assert not qlinear.routes_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(qlinear.backend() != "cuda", reason="needs the CUDA backend")
+@pytest.mark.parametrize("rows,route", [(1, "kernel"), (4, "kernel"), (8, "kernel"), (400, "dequant")])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> None:
+    """On CUDA, every route (direct / tensor-core / v2 kernels, dequantize + mat-mul) against
+    MLX's stock quantized mat-mul, in bf16 as the models run."""
+    mx.random.seed(1)
+    layer = nn.QuantizedLinear(1024, 768, bias=True, group_size=64, bits=bits)
+    x = mx.random.normal((1, rows, 1024)).astype(mx.bfloat16)
+    ref = layer(x).astype(mx.float32)
+    qlinear.route_quantized_linears(nn.Sequential(layer))
+    assert qlinear.route_for(rows, layer, x) == route
+    got = layer(x).astype(mx.float32)
+    err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
+    assert err < 1e-2, err

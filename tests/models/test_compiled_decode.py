@@ -53,3 +53,39 @@ def test_fusing_after_a_compiled_step_drops_the_stale_traces() -> None:
     after = _steps(model, [[3, 17, 5]], 2, compile_on=True)
     for a, b in zip(before, after, strict=True):
         assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+
+
+def _verify_then_rollback(model, compile_on: bool, T: int) -> list[mx.array]:
+    """Prefill two rows at different offsets, verify T tokens per row with a replay record, roll
+    back a different number per row, then decode one step: every logit along the way."""
+    base.COMPILE_DECODE["on"] = compile_on
+    try:
+        prompts = [[3, 17, 5, 9, 41, 2], [7, 8, 9]]
+        cache = model.make_cache(2)
+        padded = mx.array([p + [0] * (6 - len(p)) for p in prompts])
+        hidden = model.forward(padded, cache, lengths=[6, 3]).hidden
+        out = [model.logits(model.last_hidden(hidden, [6, 3]))[:, -1]]
+        drafts = mx.array([[11 + i for i in range(T)], [23 + 2 * i for i in range(T)]], dtype=mx.int32)
+        out.append(model.logits(model.forward(drafts, cache, record=True).hidden))
+        cache.rollback([T - 1, 1])
+        out.append(model(mx.array([[4], [6]], dtype=mx.int32), cache)[:, -1])
+        out.append(model(mx.array([[5], [1]], dtype=mx.int32), cache)[:, -1])
+        mx.eval(out)
+        return out
+    finally:
+        base.COMPILE_DECODE["on"] = True
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a.startswith("qwen")])
+@pytest.mark.parametrize("T", [2, 5])
+def test_compiled_verify_chain_matches_op_by_op(arch: str, T: int) -> None:
+    """Short chains with replay records (speculative verification) take compiled functions; the
+    logits, and the states left by the rollback, equal the op-by-op path's."""
+    model = build_ours(arch)
+    fuse_model(model)
+    plain = _verify_then_rollback(model, False, T)
+    fast = _verify_then_rollback(model, True, T)
+    table = next(layer for layer in model.layers if layer.is_linear).__dict__["_compiled_steps"]
+    assert any(name == "linear_chain" for name, _ in table)  # the compiled chain did run
+    for a, b in zip(plain, fast, strict=True):
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), float(mx.abs(a - b).max())

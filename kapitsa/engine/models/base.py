@@ -162,6 +162,22 @@ def fast_decode(info: StepInfo, cache: LayerCache) -> bool:
     return True
 
 
+# Short chains (speculative verification: T <= CHAIN_MAX_T tokens per row, none padded, no tree)
+# take compiled functions too, one trace per T; a verify forward op by op cost ~2.8 compiled decode
+# steps of host time on the H200 (docs/bench/decode-h200.md). Replay records are built outside
+# the traced functions from arrays they return.
+CHAIN_MAX_T = 16
+
+
+def fast_chain(info: StepInfo, cache: LayerCache) -> bool:
+    """Whether this layer call may take the compiled short-chain path (T > 1)."""
+    if not COMPILE_DECODE["on"] or info.parents is not None or info.ragged or not 1 < info.T <= CHAIN_MAX_T:
+        return False
+    if isinstance(cache, RecurrentCache):
+        return cache.conv is not None and cache.state is not None
+    return cache is not None
+
+
 def compiled(owner: object, name: str, fn):  # noqa: ANN001, ANN201 - any pure array function
     """`mx.compile(fn)`, made once per (owner, name, thread): each layer keeps its own traces.
 

@@ -28,6 +28,7 @@ from kapitsa.engine.models.base import (
     HybridLM,
     compiled,
     compiled_attention,
+    fast_chain,
     fast_decode,
     known_fields,
     require,
@@ -253,6 +254,36 @@ class GatedDeltaNet(nn.Module):
         )  # fmt: skip
         return self.out_proj(out.reshape(*out.shape[:2], -1)), conv_in[:, T:], state
 
+    def chain(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, ...]:
+        """T tokens of a chain (no padding) through the fused kernel, as a pure function:
+        (out, conv_in, state, *replay inputs) — the fused projection, or z, b, a (`chain_record`)."""
+        if "in_proj" in self and not self.packed:
+            proj = self.in_proj(x)
+            qkv, extra = proj[..., : self.conv_dim], (proj,)
+            z, b, a = projection_views(proj, packed=False, **self._heads)
+        else:
+            qkv, z, b, a = self._project(x)
+            extra = (z, b, a)
+        conv_in = mx.concatenate([conv_state, qkv], axis=1)
+        out, state = gdn_step(
+            conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
+            **self._heads, norm_eps=self.norm.eps,
+        )  # fmt: skip
+        return (self.out_proj(out.reshape(*out.shape[:2], -1)), conv_in, state, *extra)
+
+    def chain_record(self, conv_in: mx.array, s0: mx.array, extra: list[mx.array]) -> ReplayRecord:
+        """The rollback record of a `chain` call: the kernel again from s0 under the kept mask."""
+        z, b, a = projection_views(extra[0], packed=False, **self._heads) if len(extra) == 1 else extra
+
+        def replay(mask, order=None):
+            assert order is None, "a chain's replay takes its tokens in order"
+            return gdn_step(
+                conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
+                **self._heads, norm_eps=self.norm.eps, mask=mask,
+            )[1]  # fmt: skip
+
+        return ReplayRecord(conv_in, self.kernel, replay)
+
     @property
     def _heads(self) -> dict[str, int]:
         return dict(num_k_heads=self.nk, num_v_heads=self.nv, head_k_dim=self.dk, head_v_dim=self.dv)
@@ -329,6 +360,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
         if cache is not None and fast_decode(info, cache):
             return self._decode(x, info, cache)
+        if kernels.enabled("gdn") and fast_chain(info, cache):
+            return self._chain(x, info, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), info, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -342,6 +375,21 @@ class DecoderLayer(nn.Module):
             )
             return out
         return compiled_attention(self, self.self_attn, x, info, cache, self._attn_pre, self._attn_post)
+
+    def _chain(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        """A short chain (verification) through compiled functions, one trace per T."""
+        if not self.is_linear:
+            return compiled_attention(self, self.self_attn, x, info, cache, self._attn_pre, self._attn_post)
+        s0 = cache.state
+        out, conv_in, state, *extra = compiled(self, "linear_chain", self._linear_chain)(x, cache.conv, s0)
+        cache.conv, cache.state = conv_in[:, info.T :], state
+        if info.record:
+            cache.record = self.linear_attn.chain_record(conv_in, s0, extra)
+        return out
+
+    def _linear_chain(self, x: mx.array, conv: mx.array, state: mx.array):
+        y, conv_in, state, *extra = self.linear_attn.chain(self.input_layernorm(x), conv, state)
+        return (self._mlp_residual(x + y), conv_in, state, *extra)
 
     def _linear_step(self, x: mx.array, conv: mx.array, state: mx.array):
         y, conv, state = self.linear_attn.decode(self.input_layernorm(x), conv, state)
