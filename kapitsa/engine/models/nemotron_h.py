@@ -27,6 +27,7 @@ from kapitsa.engine.models.base import (
     HybridLM,
     compiled,
     compiled_attention,
+    fast_chain,
     fast_decode,
     known_fields,
     require,
@@ -201,7 +202,12 @@ class Mamba2Mixer(nn.Module):
 
         One fused kernel (conv, SSM update, gated group norm; kernels/mamba.py) where the backend
         has it, the same math in MLX ops elsewhere."""
-        T = x.shape[1]
+        out, conv_in, state, _ = self.chain(x, conv_state, s0)
+        return out, conv_in[:, x.shape[1] :], state
+
+    def chain(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, ...]:
+        """T tokens of a chain (no padding) as a pure function: (out, conv_in, state, dt), the
+        last two what `chain_record` needs to replay the recurrence."""
         gate, xbc, dt = mx.split(self.in_proj(x), [self.inner, self.inner + self.conv_dim], axis=-1)
         conv_in = mx.concatenate([conv_state, xbc], axis=1)
         step = mamba_step if kernels.enabled("mamba") else mamba_step_reference
@@ -223,7 +229,26 @@ class Mamba2Mixer(nn.Module):
             time_step_limit=self.limit,
             norm_eps=self.norm.eps,
         )
-        return self.out_proj(out), conv_in[:, T:], state
+        return self.out_proj(out), conv_in, state, dt
+
+    def chain_record(self, conv_in: mx.array, s0: mx.array, dt: mx.array) -> ReplayRecord:
+        """The rollback record of a `chain` call: the scan's inputs are rebuilt from the conv rows
+        and dt (as `__call__` computes them) only if a rollback happens."""
+
+        def replay(mask, order=None):
+            assert order is None, "a chain's replay takes its tokens in order"
+            B, T = dt.shape[:2]
+            conv_out = causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias"))
+            xs, Bm, Cm = mx.split(
+                nn.silu(conv_out), [self.inner, self.inner + self.groups * self.state_size], axis=-1
+            )
+            xs = xs.reshape(B, T, self.heads, self.head_dim)
+            Bm = Bm.reshape(B, T, self.groups, self.state_size)
+            Cm = Cm.reshape(B, T, self.groups, self.state_size)
+            step = ssm_dt(dt, self.dt_bias, self.limit, None)
+            return ssm_scan(xs, step * mask[..., None], self.A_log, Bm, Cm, self.D, s0)[1]
+
+        return ReplayRecord(conv_in, self.kernel, replay)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -314,6 +339,8 @@ class Block(nn.Module):
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
         if fast_decode(info, cache) and (cache is not None or self.block_type in "-E"):
             return self._decode(x, info, cache)
+        if fast_chain(info, cache) and (cache is not None or self.block_type in "-E"):
+            return self._chain(x, info, cache)
         h = self.norm(x)
         if self.block_type in "M*":
             return x + self.mixer(h, info, cache)
@@ -329,6 +356,22 @@ class Block(nn.Module):
         if self.block_type == "*":
             return compiled_attention(self, self.mixer, x, info, cache, self._attn_pre, self._attn_post)
         return compiled(self, "ffn", self._ffn_step)(x)
+
+    def _chain(self, x: mx.array, info: StepInfo, cache) -> mx.array:
+        """A short chain (verification) through compiled functions, one trace per T; attention and
+        FFN blocks reuse their decode functions, which take any T."""
+        if self.block_type != "M":
+            return self._decode(x, info, cache)
+        s0 = cache.state
+        out, conv_in, state, dt = compiled(self, "mamba_chain", self._mamba_chain)(x, cache.conv, s0)
+        cache.conv, cache.state = conv_in[:, info.T :], state
+        if info.record:
+            cache.record = self.mixer.chain_record(conv_in, s0, dt)
+        return out
+
+    def _mamba_chain(self, x: mx.array, conv: mx.array, state: mx.array):
+        y, conv_in, state, dt = self.mixer.chain(self.norm(x), conv, state)
+        return x + y, conv_in, state, dt
 
     def _mamba_step(self, x: mx.array, conv: mx.array, state: mx.array):
         y, conv, state = self.mixer.decode(self.norm(x), conv, state)

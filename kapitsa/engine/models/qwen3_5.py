@@ -360,7 +360,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
         if cache is not None and fast_decode(info, cache):
             return self._decode(x, info, cache)
-        if kernels.enabled("gdn") and fast_chain(info, cache):
+        if cache is not None and kernels.enabled("gdn") and fast_chain(info, cache):
             return self._chain(x, info, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), info, cache)
