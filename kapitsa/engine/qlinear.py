@@ -19,6 +19,7 @@ layer. The routes are exact rewrites of the same product; float32 accumulation t
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -26,12 +27,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_direct import qmv_direct, supports_direct
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
 from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
 
 DEQUANT_MIN_ROWS = 384  # below, the dense copy costs more than stock's slower mat-mul saves
 DEQUANT_MAX_BYTES = 1 << 30  # the transient dense weight; the vocabulary head at prefill stays stock
+_log = logging.getLogger(__name__)
+
+# Kernels that compiled, ran and agreed with the reference in this process (`probe_kernels`).
+# A kernel's failure surfaces only when a graph is evaluated, in the middle of a forward (and the
+# first call may sit inside a compiled decode step, where nothing may be evaluated), so every
+# kernel is tried once on a small case before any route may use it; unprobed means unused.
+WORKING: dict[str, bool] = {}
 
 
 def routes_enabled() -> bool:
@@ -40,15 +49,54 @@ def routes_enabled() -> bool:
     return backend() == "cuda" and os.environ.get("KAPITSA_QLINEAR", "").strip().lower() != "stock"
 
 
+def _kernel_call(name: str, x: mx.array, w, scales, biases, group_size: int, bits: int) -> mx.array:
+    if name == "direct":
+        return qmv_direct(x, w, scales, biases, group_size=group_size, bits=bits)
+    if name == "tc":
+        return qmv_tc(x, w, scales, biases, group_size=group_size)
+    return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
+def probe_kernels() -> dict[str, bool]:
+    """Try each mat-vec kernel once (bf16, 4-bit, group 64, two rows for tc) against the reference;
+    record which work. Idempotent; call it outside any `mx.compile` trace."""
+    for name in ("direct", "tc", "v2"):
+        if name in WORKING:
+            continue
+        keys = mx.random.split(mx.random.key(7), 2)  # own keys: the global seed stays untouched
+        w = (0.05 * mx.random.normal((64, 256), key=keys[0])).astype(mx.bfloat16)
+        q, scales, biases = mx.quantize(w, group_size=64, bits=4)
+        x = mx.random.normal((1 if name == "direct" else 2, 256), key=keys[1]).astype(mx.bfloat16)
+        ref = qmv_reference(x.astype(mx.float32), q, scales, biases, group_size=64, bits=4)
+        try:
+            got = _kernel_call(name, x, q, scales, biases, 64, 4).astype(mx.float32)
+            err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
+        except (RuntimeError, ValueError) as exc:
+            _log.warning("quantized mat-vec kernel %s unavailable, using the stock one: %s", name, exc)
+            WORKING[name] = False
+            continue
+        WORKING[name] = err < 1e-2
+        if not WORKING[name]:
+            _log.warning(
+                "quantized mat-vec kernel %s disagrees with the reference (%.3g); not using it", name, err
+            )
+    return dict(WORKING)
+
+
 def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
-    """'kernel', 'dequant' or 'stock' for a call with `rows` input rows."""
+    """'direct', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
     if rows <= MAX_ROWS:
-        x2 = x.reshape(rows, x.shape[-1])
-        biases = layer.get("biases")
-        ok = supports_fast(
-            x2, layer["weight"], layer["scales"], biases, group_size=layer.group_size, bits=layer.bits
-        )
-        return "kernel" if ok and layer.mode == "affine" else "stock"
+        if layer.mode != "affine":
+            return "stock"
+        args = (x.reshape(rows, x.shape[-1]), layer["weight"], layer["scales"], layer.get("biases"))
+        quant = dict(group_size=layer.group_size, bits=layer.bits)
+        if rows == 1 and WORKING.get("direct") and supports_direct(*args, **quant):
+            return "direct"
+        if WORKING.get("tc") and supports_tc(*args, **quant):
+            return "tc"
+        if WORKING.get("v2") and supports_fast(*args, **quant):
+            return "v2"
+        return "stock"
     dense_bytes = layer["weight"].shape[0] * x.shape[-1] * x.dtype.size
     if rows >= DEQUANT_MIN_ROWS and dense_bytes <= DEQUANT_MAX_BYTES:
         return "dequant"
@@ -66,29 +114,26 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         if route == "stock":
             return super().__call__(x)
         w, scales, biases = self["weight"], self["scales"], self.get("biases")
-        if route == "kernel":
-            x2 = x.reshape(rows, x.shape[-1])
-            if rows == 1 and supports_direct(
-                x2, w, scales, biases, group_size=self.group_size, bits=self.bits
-            ):
-                y = qmv_direct(x2, w, scales, biases, group_size=self.group_size, bits=self.bits)
-            elif supports_tc(x2, w, scales, biases, group_size=self.group_size, bits=self.bits):
-                y = qmv_tc(x2, w, scales, biases, group_size=self.group_size)
-            else:
-                y = qmv_fast(x2, w, scales, biases, group_size=self.group_size, bits=self.bits)
-            y = y.reshape(*x.shape[:-1], w.shape[0])
-        else:
+        if route == "dequant":
             dense = mx.dequantize(
                 w, scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode
             )
             y = x @ dense.astype(x.dtype).T
+        else:
+            y = _kernel_call(
+                route, x.reshape(rows, x.shape[-1]), w, scales, biases, self.group_size, self.bits
+            )
+            y = y.reshape(*x.shape[:-1], w.shape[0])
         if "bias" in self:
             y = y + self["bias"]
         return y
 
 
 def route_quantized_linears(model: nn.Module) -> int:
-    """Re-class the model's quantized linears in place; returns how many. Idempotent."""
+    """Re-class the model's quantized linears in place (probing the kernels first where the routes
+    apply); returns how many. Idempotent."""
+    if routes_enabled():
+        probe_kernels()
     count = 0
     for _, sub in model.named_modules():
         if type(sub) is nn.QuantizedLinear:

@@ -38,22 +38,24 @@ def test_off_cuda_it_is_the_stock_layer() -> None:
 
 @pytest.fixture
 def forced(monkeypatch) -> list:
-    """Routes on (as on CUDA), the kernel replaced by its reference; records the kernel calls."""
+    """Routes on (as on CUDA) with the v2 kernel probed good and replaced by its reference;
+    records the kernel calls."""
     calls = []
 
-    def kernel(x, w, scales, biases, *, group_size, bits):
-        calls.append(x.shape)
+    def kernel(name, x, w, scales, biases, group_size, bits):
+        calls.append((name, x.shape))
         return qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits)
 
     monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
-    monkeypatch.setattr(qlinear, "qmv_fast", kernel)
+    monkeypatch.setattr(qlinear, "_kernel_call", kernel)
+    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": True})  # probed
     monkeypatch.setattr(qlinear, "supports_fast", lambda x, w, s, b, group_size, bits: bits in (4, 8))
     return calls
 
 
 @pytest.mark.parametrize(
     "shape,route",
-    [((1, 1, 128), "kernel"), ((2, 4, 128), "kernel"), ((3, 5, 128), "stock"), ((1, 400, 128), "dequant")],
+    [((1, 1, 128), "v2"), ((2, 4, 128), "v2"), ((3, 5, 128), "stock"), ((1, 400, 128), "dequant")],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_route_computes_the_same_product(forced, shape, route, bias) -> None:
@@ -66,9 +68,32 @@ def test_each_route_computes_the_same_product(forced, shape, route, bias) -> Non
     got = layer(x)
     assert got.shape == ref.shape == (*shape[:-1], 64)
     assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item(), float(mx.abs(got - ref).max())
-    assert len(forced) == (1 if route == "kernel" else 0)
-    if route == "kernel":
-        assert forced[0] == (shape[0] * shape[1], 128)
+    assert forced == ([("v2", (shape[0] * shape[1], 128))] if route == "v2" else [])
+
+
+def test_a_kernel_not_probed_good_is_never_routed(forced, monkeypatch) -> None:
+    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": False})
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    x = mx.random.normal((1, 128))
+    assert qlinear.route_for(1, model.layers[0], x) == "stock"
+    monkeypatch.setattr(qlinear, "WORKING", {})  # unprobed: unused too
+    assert qlinear.route_for(1, model.layers[0], x) == "stock"
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong", None])
+def test_probe_records_which_kernels_work(monkeypatch, failure) -> None:
+    def kernel(name, x, w, scales, biases, group_size, bits):
+        if failure == "raises":
+            raise RuntimeError("nvrtc: no kernel image for this device")
+        ref = qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits)
+        return ref * 2 if failure == "wrong" else ref
+
+    monkeypatch.setattr(qlinear, "_kernel_call", kernel)
+    monkeypatch.setattr(qlinear, "WORKING", {})
+    state = mx.random.state[0]
+    assert qlinear.probe_kernels() == dict.fromkeys(("direct", "tc", "v2"), failure is None)
+    assert mx.array_equal(mx.random.state[0], state).item()  # the global seed is untouched
 
 
 def test_unsupported_bits_take_the_stock_kernel(forced) -> None:
@@ -96,7 +121,7 @@ def test_env_switch_turns_routes_off(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(qlinear.backend() != "cuda", reason="needs the CUDA backend")
-@pytest.mark.parametrize("rows,route", [(1, "kernel"), (4, "kernel"), (8, "kernel"), (400, "dequant")])
+@pytest.mark.parametrize("rows,route", [(1, "direct"), (4, "tc"), (8, "tc"), (400, "dequant")])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> None:
     """On CUDA, every route (direct / tensor-core / v2 kernels, dequantize + mat-mul) against
@@ -106,7 +131,9 @@ def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> N
     x = mx.random.normal((1, rows, 1024)).astype(mx.bfloat16)
     ref = layer(x).astype(mx.float32)
     qlinear.route_quantized_linears(nn.Sequential(layer))
-    assert qlinear.route_for(rows, layer, x) == route
+    assert qlinear.route_for(rows, layer, x) == (
+        route if bits == 4 or route in ("direct", "dequant") else "v2"
+    )
     got = layer(x).astype(mx.float32)
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
     assert err < 1e-2, err
