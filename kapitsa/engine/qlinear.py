@@ -26,6 +26,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine import kernels
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_direct import qmv_direct, supports_direct
@@ -45,7 +46,7 @@ WORKING: dict[str, bool] = {}
 
 def routes_enabled() -> bool:
     """CUDA only (Metal's stock kernels are tuned; CPU has no kernel); KAPITSA_QLINEAR=stock turns
-    the routes off for A/B runs."""
+    every route off for A/B runs, a KAPITSA_KERNELS list without "qmv" the kernel routes only."""
     return backend() == "cuda" and os.environ.get("KAPITSA_QLINEAR", "").strip().lower() != "stock"
 
 
@@ -86,7 +87,7 @@ def probe_kernels() -> dict[str, bool]:
 def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
     """'direct', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
     if rows <= MAX_ROWS:
-        if layer.mode != "affine":
+        if layer.mode != "affine" or not kernels.enabled("qmv"):
             return "stock"
         args = (x.reshape(rows, x.shape[-1]), layer["weight"], layer["scales"], layer.get("biases"))
         quant = dict(group_size=layer.group_size, bits=layer.bits)

@@ -137,3 +137,13 @@ def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> N
     got = layer(x).astype(mx.float32)
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
     assert err < 1e-2, err
+
+
+def test_kernels_env_without_qmv_keeps_the_stock_mat_vec(forced, monkeypatch) -> None:
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    x = mx.random.normal((1, 128))
+    assert qlinear.route_for(1, model.layers[0], x) == "v2"
+    monkeypatch.setenv("KAPITSA_KERNELS", "gdn,moe")
+    assert qlinear.route_for(1, model.layers[0], x) == "stock"
+    assert qlinear.route_for(400, model.layers[0], mx.zeros((400, 128))) == "dequant"  # not a kernel

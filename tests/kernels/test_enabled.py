@@ -25,7 +25,7 @@ def test_enabled(monkeypatch, value, family, expected) -> None:
     else:
         monkeypatch.setenv("KAPITSA_KERNELS", value)
     assert enabled(family) is expected
-    assert {"gdn", "moe"} == DEFAULT_FAMILIES["cuda"]
+    assert {"gdn", "moe", "qmv"} == DEFAULT_FAMILIES["cuda"]
 
 
 def test_metal_uses_no_kernel_unless_asked(monkeypatch) -> None:
@@ -34,6 +34,6 @@ def test_metal_uses_no_kernel_unless_asked(monkeypatch) -> None:
 
     monkeypatch.setattr(kernels, "backend", lambda: "metal")
     monkeypatch.delenv("KAPITSA_KERNELS", raising=False)
-    assert not any(enabled(f) for f in ("gdn", "moe", "mamba"))
+    assert not any(enabled(f) for f in ("gdn", "moe", "mamba", "qmv"))
     monkeypatch.setenv("KAPITSA_KERNELS", "all")
     assert enabled("gdn")
