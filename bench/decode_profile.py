@@ -22,6 +22,7 @@ import mlx.core as mx
 from bench.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _time_kapitsa
 from kapitsa.engine.fuse import fuse_model
 from kapitsa.engine.models import base
+from kapitsa.engine.qlinear import route_quantized_linears
 from kapitsa.engine.tiny import tiny_config
 
 
@@ -126,6 +127,9 @@ def main() -> None:
         base.COMPILE_DECODE["on"] = True
         for _ in range(2):
             record(name, "kapitsa fused+compiled", _profile(*_kapitsa_step(model), prompt, args.steps))
+        route_quantized_linears(model)  # what the engine runs (kapitsa/engine/qlinear.py)
+        for _ in range(2):
+            record(name, "kapitsa fused+compiled+routed", _profile(*_kapitsa_step(model), prompt, args.steps))
         if args.engine:
             out = _time_kapitsa(model, prompt, args.steps * 2)
             record(name, "kapitsa engine", {k: round(v, 3) for k, v in out.items()})

@@ -44,5 +44,6 @@ def test_decode_profile_splits_a_step(tmp_path: Path) -> None:
     )
     variants = [r["variant"] for r in rows]
     assert variants[0] == "mlx-lm" and "kapitsa fused+compiled" in variants
+    assert "kapitsa fused+compiled+routed" in variants
     for r in rows:
         assert r["sync_step_ms"] >= r["build_ms"] > 0
