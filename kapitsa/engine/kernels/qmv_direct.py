@@ -20,11 +20,7 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
-
-MAX_ROWS = 8
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
-DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, supported_affine
 
 _KERNEL = CudaKernel(
     name="kapitsa_qmv_direct",
@@ -63,20 +59,8 @@ def launch_config(
 def supports_direct(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
-    """Whether this kernel can run the call here (CUDA, affine 4/8-bit, shapes it handles)."""
-    if backend() != "cuda" or biases is None or x.ndim != 2 or w.ndim != 2:
-        return False
-    rows, k = x.shape
-    return (
-        1 <= rows <= MAX_ROWS
-        and bits in BITS
-        and group_size in GROUP_SIZES
-        and x.dtype in DTYPES
-        and k % group_size == 0
-        and w.shape[1] * 32 == k * bits
-        and scales.shape == (w.shape[0], k // group_size)
-        and biases.shape == scales.shape
-    )
+    """Whether this kernel can run the call here: CUDA, and the calls v2 takes (`supported_affine`)."""
+    return backend() == "cuda" and supported_affine(x, w, scales, biases, group_size, bits)
 
 
 def qmv_direct(

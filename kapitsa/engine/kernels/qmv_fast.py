@@ -118,11 +118,21 @@ def supports_fast(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
     """Whether the v2 kernel can run this call (CUDA or Metal, affine 4/8-bit, shapes it handles)."""
-    if backend() not in ("cuda", "metal") or biases is None or x.ndim != 2 or w.ndim != 2:
+    if backend() not in ("cuda", "metal") or not supported_affine(x, w, scales, biases, group_size, bits):
         return False
     rows, k = x.shape
-    if backend() == "metal" and shared_bytes(rows, k, bits, METAL_SHARED_BUDGET) > METAL_SHARED_BUDGET:
-        return False  # one round of staged x (32 chunks per row) must fit Apple's 32 KiB
+    # on Metal one round of staged x (32 chunks per row) must fit Apple's 32 KiB
+    return backend() == "cuda" or shared_bytes(rows, k, bits, METAL_SHARED_BUDGET) <= METAL_SHARED_BUDGET
+
+
+def supported_affine(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int
+) -> bool:
+    """Whether a call is one the mat-vec kernels take, whatever the backend: x [1-8, K] in a float
+    dtype, MLX affine 4/8-bit weights with group size 32/64/128, shapes consistent with K."""
+    if biases is None or x.ndim != 2 or w.ndim != 2:
+        return False
+    rows, k = x.shape
     return (
         1 <= rows <= MAX_ROWS
         and bits in BITS

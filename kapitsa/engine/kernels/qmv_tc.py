@@ -22,8 +22,8 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
+from kapitsa.engine.kernels.qmv_fast import supported_affine
 
-MAX_ROWS = 8
 GROUP_SIZES = (64, 128)
 WARPS = 8
 TARGET_WARPS = 132 * 12  # about 12 warps per SM of the H200 keep its memory busy
@@ -74,21 +74,13 @@ def launch_config(
 def supports_tc(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
-    """Whether this kernel can run the call here (CUDA, bf16 x, affine 4-bit, group 64/128)."""
-    if backend() != "cuda" or biases is None or x.ndim != 2 or w.ndim != 2:
-        return False
-    rows, k = x.shape
+    """Whether this kernel can run the call here (CUDA, bf16 x and scales, affine 4-bit, group 64/128)."""
     return (
-        1 <= rows <= MAX_ROWS
+        backend() == "cuda"
+        and supported_affine(x, w, scales, biases, group_size, bits)
         and bits == 4
         and group_size in GROUP_SIZES
-        and x.dtype == mx.bfloat16
-        and scales.dtype == mx.bfloat16
-        and biases.dtype == mx.bfloat16
-        and k % group_size == 0
-        and w.shape[1] * 8 == k
-        and scales.shape == (w.shape[0], k // group_size)
-        and biases.shape == scales.shape
+        and x.dtype == scales.dtype == biases.dtype == mx.bfloat16
     )
 
 

@@ -247,12 +247,17 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv, z, b, a = self._project(x)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        step = gdn_step if kernels.enabled("gdn") else gdn_step_reference
-        out, state = step(
+        out, state = self._step()(
             conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
             **self._heads, norm_eps=self.norm.eps,
         )  # fmt: skip
         return self.out_proj(out.reshape(*out.shape[:2], -1)), conv_in[:, T:], state
+
+    @staticmethod
+    def _step():
+        """The fused kernel where the `gdn` family is on (it falls back itself off-GPU), else the
+        model's op-by-op math: one choice for decode, chains and their replays."""
+        return gdn_step if kernels.enabled("gdn") else gdn_step_reference
 
     def chain(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, ...]:
         """T tokens of a chain (no padding) through the fused kernel, as a pure function:
@@ -265,7 +270,7 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self._project(x)
             extra = (z, b, a)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        out, state = gdn_step(
+        out, state = self._step()(
             conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
             **self._heads, norm_eps=self.norm.eps,
         )  # fmt: skip
@@ -277,7 +282,7 @@ class GatedDeltaNet(nn.Module):
 
         def replay(mask, order=None):
             assert order is None, "a chain's replay takes its tokens in order"
-            return gdn_step(
+            return self._step()(
                 conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
                 **self._heads, norm_eps=self.norm.eps, mask=mask,
             )[1]  # fmt: skip
@@ -360,7 +365,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
         if cache is not None and fast_decode(info, cache):
             return self._decode(x, info, cache)
-        if cache is not None and kernels.enabled("gdn") and fast_chain(info, cache):
+        if cache is not None and fast_chain(info, cache):
             return self._chain(x, info, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), info, cache)
