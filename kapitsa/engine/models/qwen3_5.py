@@ -382,9 +382,10 @@ class DecoderLayer(nn.Module):
         return compiled_attention(self, self.self_attn, x, info, cache, self._attn_pre, self._attn_post)
 
     def _chain(self, x: mx.array, info: StepInfo, cache) -> mx.array:
-        """A short chain (verification) through compiled functions, one trace per T."""
+        """A short chain (verification) through compiled functions, one trace per T; attention
+        layers reuse their decode functions, which take any T."""
         if not self.is_linear:
-            return compiled_attention(self, self.self_attn, x, info, cache, self._attn_pre, self._attn_post)
+            return self._decode(x, info, cache)
         s0 = cache.state
         out, conv_in, state, *extra = compiled(self, "linear_chain", self._linear_chain)(x, cache.conv, s0)
         cache.conv, cache.state = conv_in[:, info.T :], state
