@@ -228,24 +228,28 @@ def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
 
 
 def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -> dict:
-    """Milliseconds of one speculative verify forward of T tokens (record=True, logits for all T,
-    then the rollback that drops them all) after the prompt, per T: what a draft of T-1 tokens
-    costs on this shape. Run on the engine's model (fused and routed by its ModelRunner)."""
+    """Milliseconds of one speculative verify of T tokens after the prompt, per T: the forward
+    (record=True, logits for all T, evaluated) and the rollback of a rejected draft, which keeps
+    the first token (evaluated), each timed alone; what a draft of T-1 tokens costs on this shape. Run on the
+    engine's model (fused and routed by its ModelRunner)."""
     cache = model.make_cache(1)
     mx.eval(model.logits(model.forward(mx.array([prompt]), cache).hidden[:, -1:]), *cache.state_arrays())
     out = {}
     for T in sizes:
         tokens = mx.array([[(7 * i + 11) % 200 + 5 for i in range(T)]])
-        times = []
+        forward, rollback = [], []
         for i in range(iters + 2):
             start = time.perf_counter()
             logits = model.logits(model.forward(tokens, cache, record=True).hidden)
             mx.eval(logits, *cache.state_arrays())
-            cache.rollback(T)
+            middle = time.perf_counter()
+            cache.rollback(T - 1)  # a rejected draft: the target's own token stays
             mx.eval(*cache.state_arrays())
             if i >= 2:  # the first two compile the T-token kernels
-                times.append(time.perf_counter() - start)
-        out[f"verify_ms_T{T}"] = round(sorted(times)[len(times) // 2] * 1e3, 2)
+                forward.append(middle - start)
+                rollback.append(time.perf_counter() - middle)
+        out[f"verify_ms_T{T}"] = round(sorted(forward)[len(forward) // 2] * 1e3, 2)
+        out[f"rollback_ms_T{T}"] = round(sorted(rollback)[len(rollback) // 2] * 1e3, 2)
     return out
 
 
