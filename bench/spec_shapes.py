@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
-from decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _Tokenizer, _time_mlxlm
+from decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _time_mlxlm, _Tokenizer
 
 from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
@@ -172,7 +172,9 @@ def bench_shape(name: str, table: dict, rounds: int, tokens: int, max_draft: int
     for rnd in range(rounds):
         runs = {
             "kapitsa-plain": lambda: _time_plain(models["kapitsa"], prompt, tokens),
-            "kapitsa-spec": lambda: _time_spec(models["kapitsa"], prompt, answer, greedy, vocab, tokens, max_draft),
+            "kapitsa-spec": lambda: _time_spec(
+                models["kapitsa"], prompt, answer, greedy, vocab, tokens, max_draft
+            ),
             "mlx-lm": lambda: _time_mlxlm(models["mlx-lm"], prompt, tokens),
         }
         for engine, run in runs.items():
@@ -181,7 +183,7 @@ def bench_shape(name: str, table: dict, rounds: int, tokens: int, max_draft: int
             row = dict(shape=name, engine=engine, round=rnd, prompt=len(prompt), tokens=tokens, **result)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    del models
+    models.clear()
     gc.collect()
     mx.clear_cache()
     return rows
