@@ -103,7 +103,7 @@ SHAPES = {
         ),
     ),
 }
-TINY = {k: (kind, {}) for k, (kind, _) in SHAPES.items()}
+TINY = {k: (kind, {"vocab_size": 8192}) for k, (kind, _) in SHAPES.items()}  # the demo tokenizer's ids fit
 FULL_PRECISION_SUFFIXES = ("mlp.gate", "shared_expert_gate", "mixer.gate")
 
 
@@ -300,12 +300,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--verify-shapes", nargs="*", default=[], help="also time T-token verify forwards")
     ap.add_argument("--verify-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument(
+        "--spec-shapes", nargs="*", default=[], help="also time n-gram speculation on the edit workload"
+    )
+    ap.add_argument("--spec-tokens", type=int, default=256)
     args = ap.parse_args()
     table = TINY if args.tiny else SHAPES
     if args.tiny:
         DTYPE["value"] = mx.float32
     print(f"mlx {mx.__version__} on {mx.default_device()}")
-    rows, extra = [], []
+    rows, extra, spec = [], [], []
     for name in args.shapes:
         kind, dims = table[name]
         config = tiny_config(kind, **dims)
@@ -338,13 +342,23 @@ def main() -> None:
             )
             print(json.dumps(verify), flush=True)
             extra.append(verify)
+        if name in args.spec_shapes:  # last: it scripts the kapitsa model (spec_shapes.py)
+            from spec_shapes import spec_rounds
+
+            spec += spec_rounds(
+                name, models["kapitsa"], models["mlx-lm"], vocab, args.rounds, args.spec_tokens, 8
+            )
         del models
         gc.collect()
         mx.clear_cache()
     _summary(rows)
+    if spec:
+        from spec_shapes import summary
+
+        summary(spec)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows + extra, f, indent=1)
+            json.dump(rows + extra + spec, f, indent=1)
 
 
 if __name__ == "__main__":

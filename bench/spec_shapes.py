@@ -3,22 +3,18 @@
     python bench/spec_shapes.py --shapes 27b 35b-a3b 4b nemotron-30b-a3b [--tokens 256] [--rounds 2]
     python bench/spec_shapes.py --tiny       # a smoke run on any machine
 
-Random weights cannot rewrite a file, so this bench takes the workload's acceptance from the
-workload and every cost from the real shape:
+Random weights cannot rewrite a file, so the target is made to: `script_model` adds one op after
+the model's logits that sets the logit of the edit's true answer at each position to 1e4, so the
+target's greedy output is that answer while every forward still runs the whole real-shape model.
+The workload is speculative_bench.py's edit (the model is shown Python code and asked to rename
+`o` to `obj`); its true answer is the renamed code in a fenced block; prompt and answer are
+tokenized with the demo checkpoint's tokenizer and chat template.
 
-- The edit workload is speculative_bench.py's (the model is shown Python code and asked to
-  rename `o` to `obj`). Its true answer, the renamed code in a fenced block, and the prompt are
-  tokenized with the demo checkpoint's tokenizer and chat template.
-- At each step the engine's own n-gram drafter proposes from prompt + the true answer so far, at
-  the length the engine's adaptive controller asks for: what it would propose to a model writing
-  that answer. The tokens of its draft that match the answer are the tokens such a model accepts.
-- `ReplayDrafter` hands the target that many of the target's own greedy tokens (from a plain run
-  first), then a token it will reject, padded to the n-gram draft's length. So the target's real
-  verify forward accepts exactly what the workload would, and the engine pays the real verify,
-  acceptance and rollback costs of this shape.
-
-Greedy speculation must reproduce plain decoding; each run's tokens are compared with the plain
-run's (bf16 verify forwards can flip near-ties, reported as `first_difference`).
+Speculation then runs exactly as it does for a real model writing that answer: the engine's own
+n-gram drafter and adaptive draft length, the real verify forward, acceptance and rollback of this
+shape. kapitsa's plain decoding runs the scripted model too (the same extra op); mlx-lm runs the
+unscripted model (its cost does not depend on which tokens it picks). Greedy speculation must
+write exactly what plain decoding writes; each run is checked (`same_as_plain`).
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ from decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _
 from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
-from kapitsa.engine.speculative.drafter import Draft
 from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.engine.tiny import tiny_config
 from kapitsa.engine.tokenizer import Tokenizer
@@ -68,32 +63,26 @@ def edit_workload() -> tuple[list[int], list[int]]:
     return prompt, tokenizer.encode(answer)
 
 
-class ReplayDrafter:
-    """Drafts what the n-gram drafter would for a model writing `answer`, in the target's tokens.
+def script_model(model, prompt: Sequence[int], answer: Sequence[int]) -> None:
+    """Make `model` (batch 1) pick `answer` greedily after `prompt`, in place: after each forward,
+    the logits row at absolute position p gets 1e4 at token `answer[p + 1 - len(prompt)]` (rows
+    past the answer are left alone). Wraps the instance's `forward` and `logits`."""
+    script = [-1] * (len(prompt) - 1) + list(answer)  # script[p]: the token position p must predict
+    forward, logits = model.forward, model.logits
+    last = {}
 
-    `greedy` is the target's own plain greedy output for this prompt: the first `a` draft tokens
-    come from it (so the target accepts them), where `a` is how many of the n-gram draft match
-    the true answer; the token after them is one the target rejects."""
+    def scripted_forward(inputs, cache=None, **kwargs):
+        last["end"] = cache.offsets[0] + inputs.shape[1]  # positions [end - T, end) this forward
+        return forward(inputs, cache, **kwargs)
 
-    name = "ngram-replay"
+    def scripted_logits(hidden):
+        out = logits(hidden)
+        rows = hidden.shape[-2]  # the last `rows` positions of the latest forward
+        wanted = [script[p] if p < len(script) else -1 for p in range(last["end"] - rows, last["end"])]
+        hit = mx.arange(out.shape[-1]) == mx.array(wanted, dtype=mx.int32)[:, None]
+        return mx.where(hit, mx.array(1e4, out.dtype), out)
 
-    def __init__(self, prompt: Sequence[int], answer: Sequence[int], greedy: Sequence[int], vocab: int):
-        self.prompt, self.answer, self.greedy, self.vocab = list(prompt), list(answer), list(greedy), vocab
-        self.ngram = NGramDrafter()
-
-    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
-        done = len(context) - len(self.prompt)  # output tokens committed so far
-        room = min(max_tokens, len(self.answer) - done, len(self.greedy) - done)
-        if room <= 0:
-            return Draft(())
-        draft = self.ngram.propose(self.prompt + self.answer[:done], room).tokens
-        truth = self.answer[done : done + len(draft)]
-        accepted = next((i for i, (d, t) in enumerate(zip(draft, truth, strict=True)) if d != t), len(draft))
-        ahead = self.greedy[done : done + len(draft)]
-        return Draft(tuple(ahead[:accepted]) + tuple((t + 1) % self.vocab for t in ahead[accepted:]))
-
-    def observe(self, new_tokens: Sequence[int]) -> None:
-        pass
+    model.forward, model.logits = scripted_forward, scripted_logits
 
 
 def _engine(model, tokens: int, prompt: list[int], decode=None) -> InProcessEngine:
@@ -128,10 +117,8 @@ def _generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
     return asyncio.run(run())
 
 
-def _time_spec(model, prompt, answer, greedy, vocab, tokens, max_draft) -> dict:
-    strategy = SpeculativeDecode(
-        lambda: ReplayDrafter(prompt, answer, greedy, vocab), name="ngram-replay", max_draft=max_draft
-    )
+def _time_spec(model, prompt, tokens, max_draft) -> dict:
+    strategy = SpeculativeDecode(NGramDrafter, name="ngram", max_draft=max_draft)
     client = _engine(model, tokens, prompt, strategy)
     try:
         _generate(client, prompt, tokens)  # warm-up: compiles every verify length it meets
@@ -139,13 +126,10 @@ def _time_spec(model, prompt, answer, greedy, vocab, tokens, max_draft) -> dict:
         result = _generate(client, prompt, tokens)
     finally:
         client.close()
-    ids = result.pop("ids")
-    diff = next((i for i, (a, b) in enumerate(zip(ids, greedy, strict=False)) if a != b), None)
     return dict(
         result,
         tokens_per_step=round(strategy.stats.tokens_per_step, 3),
         acceptance=round(strategy.stats.acceptance_rate, 3),
-        first_difference=diff,
     )
 
 
@@ -158,35 +142,44 @@ def _time_plain(model, prompt, tokens) -> dict:
         client.close()
 
 
-def bench_shape(name: str, table: dict, rounds: int, tokens: int, max_draft: int) -> list[dict]:
-    kind, dims = table[name]
-    config = tiny_config(kind, **dims)
-    vocab = config.get("text_config", config)["vocab_size"]
+def spec_rounds(name: str, kapitsa_model, mlxlm_model, vocab: int, rounds: int, tokens: int, max_draft: int):
+    """Interleaved rounds of kapitsa plain, kapitsa n-gram speculation (both on the scripted
+    model) and mlx-lm plain decoding on the edit workload; rows as dicts. Leaves the kapitsa
+    model scripted (call last)."""
     prompt, answer = edit_workload()
     if max(prompt + answer) >= vocab:
         raise SystemExit(f"{name}: vocab {vocab} is smaller than the demo tokenizer's ids")
     tokens = min(tokens, len(answer))
-    models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
-    greedy = _time_plain(models["kapitsa"], prompt, tokens)["ids"]
+    script_model(kapitsa_model, prompt, answer)
+    runs = {
+        "kapitsa-plain": lambda: _time_plain(kapitsa_model, prompt, tokens),
+        "kapitsa-spec": lambda: _time_spec(kapitsa_model, prompt, tokens, max_draft),
+        "mlx-lm": lambda: _time_mlxlm(mlxlm_model, prompt, tokens),
+    }
     rows = []
     for rnd in range(rounds):
-        runs = {
-            "kapitsa-plain": lambda: _time_plain(models["kapitsa"], prompt, tokens),
-            "kapitsa-spec": lambda: _time_spec(
-                models["kapitsa"], prompt, answer, greedy, vocab, tokens, max_draft
-            ),
-            "mlx-lm": lambda: _time_mlxlm(models["mlx-lm"], prompt, tokens),
-        }
         for engine, run in runs.items():
             result = run()
-            result.pop("ids", None)
+            ids = result.pop("ids", None)
+            if ids is not None:
+                result["same_as_plain"] = ids == answer[: len(ids)]
             row = dict(shape=name, engine=engine, round=rnd, prompt=len(prompt), tokens=tokens, **result)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    models.clear()
-    gc.collect()
-    mx.clear_cache()
     return rows
+
+
+def bench_shape(name: str, table: dict, rounds: int, tokens: int, max_draft: int) -> list[dict]:
+    kind, dims = table[name]
+    config = tiny_config(kind, **dims)
+    vocab = config.get("text_config", config)["vocab_size"]
+    models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
+    try:
+        return spec_rounds(name, models["kapitsa"], models["mlx-lm"], vocab, rounds, tokens, max_draft)
+    finally:
+        models.clear()
+        gc.collect()
+        mx.clear_cache()
 
 
 def summary(rows: list[dict]) -> None:
@@ -198,17 +191,18 @@ def summary(rows: list[dict]) -> None:
             for engine in ("kapitsa-plain", "kapitsa-spec", "mlx-lm")
         }
         spec = [r for r in rows if (r["shape"], r["engine"]) == (shape, "kapitsa-spec")]
+        kapitsa = [r for r in rows if r["shape"] == shape and r["engine"].startswith("kapitsa")]
         print(
             json.dumps(
                 dict(
-                    summary=shape,
+                    summary=f"{shape} edit speculation",
                     kapitsa_spec=round(med["kapitsa-spec"], 1),
                     kapitsa_plain=round(med["kapitsa-plain"], 1),
                     mlxlm=round(med["mlx-lm"], 1),
                     spec_vs_mlxlm=round(med["kapitsa-spec"] / med["mlx-lm"], 2),
                     spec_vs_plain=round(med["kapitsa-spec"] / med["kapitsa-plain"], 2),
                     tokens_per_step=spec[-1]["tokens_per_step"],
-                    first_difference=[r["first_difference"] for r in spec],
+                    all_wrote_the_answer=all(r["same_as_plain"] for r in kapitsa),
                 )
             ),
             flush=True,
@@ -227,7 +221,7 @@ def main() -> None:
     table = SHAPES
     if args.tiny:
         DTYPE["value"] = mx.float32
-        table = {k: (kind, {"vocab_size": 8192}) for k, (kind, _) in TINY.items()}
+        table = TINY
     print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
     rows = []
     for name in args.shapes:
