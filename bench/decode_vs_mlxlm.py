@@ -23,6 +23,7 @@ import mlx.nn as nn
 from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.models import get_model_module
+from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
 from kapitsa.engine.tiny import tiny_config
 from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
 
@@ -304,6 +305,7 @@ def main() -> None:
         "--spec-shapes", nargs="*", default=[], help="also time n-gram speculation on the edit workload"
     )
     ap.add_argument("--spec-tokens", type=int, default=256)
+    ap.add_argument("--spec-draft", type=int, default=DEFAULT_MAX_DRAFT, help="longest n-gram draft")
     args = ap.parse_args()
     table = TINY if args.tiny else SHAPES
     if args.tiny:
@@ -346,7 +348,13 @@ def main() -> None:
             from spec_shapes import spec_rounds
 
             spec += spec_rounds(
-                name, models["kapitsa"], models["mlx-lm"], vocab, args.rounds, args.spec_tokens, 8
+                name,
+                models["kapitsa"],
+                models["mlx-lm"],
+                vocab,
+                args.rounds,
+                args.spec_tokens,
+                args.spec_draft,
             )
         del models
         gc.collect()

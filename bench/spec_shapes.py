@@ -36,6 +36,7 @@ from decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _
 from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
+from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
 from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.engine.tiny import tiny_config
 from kapitsa.engine.tokenizer import Tokenizer
@@ -214,7 +215,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=256, help="at most the true answer's length")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--max-draft", type=int, default=DEFAULT_MAX_DRAFT)
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -39,7 +39,7 @@ DraftOpt = Annotated[
 ]
 DraftTokensOpt = Annotated[
     int | None,
-    typer.Option("--draft-tokens", help="Longest draft per step (default 8; adaptive below that)."),
+    typer.Option("--draft-tokens", help="Longest draft per step (default 7; adaptive below that)."),
 ]
 TreeOpt = Annotated[
     bool,

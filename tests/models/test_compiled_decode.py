@@ -10,6 +10,15 @@ from kapitsa.engine.models import base
 from tests.models.builders import ARCHS, build_ours
 
 
+def _assert_close(a: mx.array, b: mx.array) -> None:
+    """Op for op on the CPU; on a GPU the compiled path runs other kernels (fused GDN/Mamba steps,
+    TF32 float32 mat-muls on CUDA) than the op-by-op one, which sum in another order: 1e-3 of the
+    logits' scale there (a wrong state or mask is off by the whole scale)."""
+    cpu = mx.default_device() == mx.cpu
+    tol = 1e-5 if cpu else 1e-3 * max(float(mx.abs(a).max()), 1.0)
+    assert mx.allclose(a, b, rtol=tol, atol=tol).item(), float(mx.abs(a - b).max())
+
+
 def _steps(model, prompts: list[list[int]], steps: int, compile_on: bool) -> list[mx.array]:
     base.COMPILE_DECODE["on"] = compile_on
     try:
@@ -41,7 +50,7 @@ def test_compiled_decode_matches_op_by_op(arch: str, fused: bool) -> None:
     fast = _steps(model, prompts, 4, compile_on=True)
     assert "_compiled_steps" in model.layers[0].__dict__  # the compiled path did run
     for a, b in zip(plain, fast, strict=True):
-        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), float(mx.abs(a - b).max())
+        _assert_close(a, b)
 
 
 def test_fusing_after_a_compiled_step_drops_the_stale_traces() -> None:
@@ -52,7 +61,7 @@ def test_fusing_after_a_compiled_step_drops_the_stale_traces() -> None:
     assert "_compiled_steps" not in model.layers[0].__dict__  # retraced with the fused weights
     after = _steps(model, [[3, 17, 5]], 2, compile_on=True)
     for a, b in zip(before, after, strict=True):
-        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+        _assert_close(a, b)
 
 
 def _verify_then_rollback(model, compile_on: bool, T: int) -> list[mx.array]:
@@ -88,4 +97,4 @@ def test_compiled_verify_chain_matches_op_by_op(arch: str, T: int) -> None:
     tables = [layer.__dict__.get("_compiled_steps", {}) for layer in model.layers]
     assert any(name in ("linear_chain", "mamba_chain") for t in tables for name, _ in t)  # it ran
     for a, b in zip(plain, fast, strict=True):
-        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), float(mx.abs(a - b).max())
+        _assert_close(a, b)
