@@ -337,7 +337,7 @@ class Engine:
             self._grow_reservation(seq)
         samplers = [seq.sampler for seq in seqs]
         t0 = time.perf_counter()
-        if getattr(self.decode_strategy, "pipelined", False) and can_pipeline(samplers):
+        if self._pipeline_now(seqs) and can_pipeline(samplers):
             last = [seq.output_ids[-1] for seq in seqs]
             picks = [[] if t is None else [t] for t in self.batch.pipelined_step(self.runner, samplers, last)]
         elif self.batch.in_flight:  # a sequence that needs synchronous sampling joined: drain first
@@ -351,6 +351,13 @@ class Engine:
                 self._accept(seq, tokens)
                 self._maybe_checkpoint_output(seq, row)
         self._leave_batch([i for i, s in enumerate(seqs) if s.is_finished], checkpoint=True)
+
+    def _pipeline_now(self, seqs: list[Sequence]) -> bool:
+        """Plain decoding pipelines always; a speculative strategy while its drafts are resting."""
+        wants = getattr(self.decode_strategy, "wants_pipeline", None)
+        if wants is not None:
+            return wants(seqs)
+        return getattr(self.decode_strategy, "pipelined", False)
 
     def _maybe_checkpoint_output(self, seq: Sequence, row: int) -> None:
         """A periodic checkpoint inside a long generation (a later request may resume mid-way)."""

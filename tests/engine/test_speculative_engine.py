@@ -335,3 +335,45 @@ async def test_engine_takes_a_model_with_lazy_parameters() -> None:
     finally:
         client.close()
     assert len(ids) == 4 and finish.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+async def test_resting_speculation_runs_pipelined_plain_steps(kind: str) -> None:
+    """Drafts that can't pay for their verify turn speculation off; the engine then pipelines
+    plain steps (the strategy sees one call per probe), and the output stays the plain one."""
+    model = tiny_model(kind)
+    n = 48
+    client = _client(model)
+    try:
+        plain = [(await _run(client, p, n=n))[0] for p in PROMPTS]
+    finally:
+        client.close()
+    never_pays = [1.0] + [50.0] * 6  # c(T) for T = 1..6: no acceptance rate beats plain decoding
+    strategy = SpeculativeDecode(
+        lambda: OracleDrafter(_references(plain), seed=2), name="oracle", max_draft=5, cost_curve=never_pays
+    )
+    client = _client(model, strategy)
+    try:
+        got = [(await _run(client, p, n=n))[0] for p in PROMPTS]
+    finally:
+        client.close()
+    assert got == plain
+    # per request: the first step (speculation goes off), then a 1-token probe every 16 tokens,
+    # against n strategy steps per request if nothing were pipelined
+    assert strategy.stats.steps <= len(PROMPTS) * (2 + n // 16)
+    assert strategy.stats.proposed > 0  # the probes did draft
+
+
+def test_speculation_prices_verify_steps_by_backend() -> None:
+    """A GPU verify can't be pipelined, so it costs ~1.8 decode steps there (measured); on the CPU
+    the bandwidth-only default applies."""
+    import mlx.core as mx
+
+    from kapitsa.engine.speculative.controller import default_cost_curve, gpu_cost_curve
+
+    strategy = SpeculativeDecode(lambda: None, max_draft=4)
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    expected = gpu_cost_curve(4) if on_gpu else default_cost_curve(4)
+    assert strategy._cost_curve() == expected
+    assert gpu_cost_curve(4)[0] == 1.0 and min(gpu_cost_curve(4)[1:]) >= 1.5
+    assert SpeculativeDecode(lambda: None, max_draft=1, cost_curve=[1.0, 3.0])._cost_curve() == [1.0, 3.0]

@@ -70,3 +70,17 @@ def test_controller_turns_speculation_up_and_down() -> None:
         c.update(c.max_draft, 0)
     assert c.choose() == 0
     assert any(c.choose() == 1 for _ in range(c.probe_every))  # it probes again
+
+
+def test_controller_rests_between_probes_by_position() -> None:
+    c = DraftLengthController(max_draft=4)
+    for _ in range(80):
+        c.update(4, 0)
+    assert not c.resting(100)
+    assert c.choose(100) == 0  # off from position 100
+    assert c.resting(101) and c.resting(115) and not c.resting(116)
+    assert c.choose(116) == 1  # the probe is due 16 tokens later
+    assert c.resting(117)  # and the next one 16 after that
+    for _ in range(40):
+        c.update(4, 4)  # drafts pay again: speculation comes back on
+    assert c.choose(140) > 0 and not c.resting(141)

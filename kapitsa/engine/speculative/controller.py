@@ -13,6 +13,16 @@ def default_cost_curve(max_tokens: int, *, per_token: float = 0.08) -> list[floa
     return [1.0 + per_token * (t - 1) for t in range(1, max_tokens + 2)]
 
 
+def gpu_cost_curve(max_tokens: int, *, verify: float = 1.8, per_token: float = 0.02) -> list[float]:
+    """c(T) on a GPU, relative to a pipelined decode step (the next step queued on the device
+    before the previous token is read). A verify step can't be pipelined: its draft depends on
+    what the previous one accepted, so it pays a host round trip and the rollback as well. Measured
+    on the H200 (docs/bench/decode-h200.md, session 4): a Qwen3.5-27B verify of 2-8 tokens plus its
+    rollback cost 2.1 decode steps, a whole speculative step of the 4B 1.5; hence 1.8, nearly flat
+    in T. Metal is assumed alike (not measured)."""
+    return [1.0] + [verify + per_token * (t - 1) for t in range(2, max_tokens + 2)]
+
+
 @dataclass(slots=True)
 class DraftLengthController:
     max_draft: int = 8
@@ -20,8 +30,9 @@ class DraftLengthController:
     margin: float = 0.05  # speculate only if it beats plain decode by this much
     cost: list[float] = field(default_factory=list)  # cost[T-1] = c(T)
     alphas: list[float] = field(default_factory=list)  # P(accept depth i | accepted depth i-1)
-    probe_every: int = 16  # when speculation is off, try one short draft this often to re-measure
-    _steps_off: int = 0
+    probe_every: int = 16  # when speculation is off, try one short draft every this many tokens
+    _off_since: int | None = None  # position (output tokens) where speculation last went off
+    _calls: int = 0
 
     def __post_init__(self) -> None:
         if not self.cost:
@@ -38,20 +49,32 @@ class DraftLengthController:
             total += reach
         return total
 
-    def choose(self) -> int:
-        """The draft length to use next; 0 means plain decoding is better right now."""
+    def choose(self, position: int | None = None) -> int:
+        """The draft length to use next; 0 means plain decoding is better right now.
+
+        `position` is the sequence's output length (None: count calls instead). While off, one
+        1-token probe every `probe_every` positions keeps the acceptance estimate current."""
+        self._calls += 1
+        position = self._calls if position is None else position
         base = 1.0 / self.cost[0]
         best_k, best = 0, base * (1 + self.margin)
         for k in range(1, self.max_draft + 1):
             rate = self.expected_tokens(k) / self.cost[k]
             if rate > best:
                 best_k, best = k, rate
-        if best_k == 0:
-            self._steps_off += 1
-            if self._steps_off >= self.probe_every:
-                self._steps_off = 0
-                return 1
+        if best_k > 0:
+            self._off_since = None
+        elif self._off_since is None:
+            self._off_since = position
+        elif position - self._off_since >= self.probe_every:
+            self._off_since = position
+            return 1
         return best_k
+
+    def resting(self, position: int) -> bool:
+        """Whether speculation is off and no probe is due at `position`: plain steps until then
+        (which the engine can pipeline)."""
+        return self._off_since is not None and position - self._off_since < self.probe_every
 
     def update(self, proposed: int, accepted: int) -> None:
         """Fold one verify step in: depths < accepted passed, depth `accepted` failed (if proposed)."""

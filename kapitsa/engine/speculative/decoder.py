@@ -19,10 +19,11 @@ import numpy as np
 
 from kapitsa.engine.cache import HybridCache
 from kapitsa.engine.decode import PlainDecode
+from kapitsa.engine.kernels import backend
 from kapitsa.engine.runner import ModelRunner
 from kapitsa.engine.sampler import SampledToken, SequenceSampler, filter_logits
 from kapitsa.engine.sequence import Sequence
-from kapitsa.engine.speculative.controller import DraftLengthController
+from kapitsa.engine.speculative.controller import DraftLengthController, default_cost_curve, gpu_cost_curve
 from kapitsa.engine.speculative.drafter import Drafter
 from kapitsa.engine.speculative.tree import DraftTree
 
@@ -58,6 +59,8 @@ class SpeculativeDecode:
     name: the mode reported in stats ("ngram", "draft", ...).
     max_draft: the longest draft per step.
     adaptive: choose each sequence's draft length from running acceptance (else always max_draft).
+    cost_curve: verify cost c(T) relative to a decode step, T = 1..max_draft+1; None picks the
+        measured GPU curve on a GPU, the bandwidth-only default elsewhere.
     """
 
     make_drafter: Callable[[], Drafter]
@@ -65,6 +68,7 @@ class SpeculativeDecode:
     max_draft: int = 8
     adaptive: bool = True
     tree: bool = False  # verify a draft tree (drafters with `propose_tree`) instead of a chain
+    cost_curve: list[float] | None = None
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     _states: dict[int, _SequenceState] = field(default_factory=dict)
     _plain: PlainDecode = field(default_factory=PlainDecode)
@@ -76,6 +80,20 @@ class SpeculativeDecode:
     @property
     def tokens_per_step(self) -> float:
         return self.stats.tokens_per_step
+
+    def wants_pipeline(self, sequences: Seq[Sequence]) -> bool:
+        """True while every sequence's controller has speculation off with no probe due, and no
+        drafter needs the target's hidden states each step: the engine then runs plain steps
+        pipelined (as without speculation) instead of calling `step`, until a probe is due."""
+        states = [self._states.get(id(seq)) for seq in sequences]
+        return bool(states) and all(
+            st is not None
+            and st.seq is seq
+            and not getattr(st.drafter, "needs_hidden", False)
+            and not getattr(st.drafter, "tap_layers", ())
+            and st.controller.resting(len(seq.output_ids))
+            for st, seq in zip(states, sequences, strict=True)
+        )
 
     def step(
         self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]
@@ -160,7 +178,7 @@ class SpeculativeDecode:
     def _propose_tree(self, state: _SequenceState) -> DraftTree:
         seq = state.seq
         room = seq.max_tokens - len(seq.output_ids) - 1
-        budget = min(state.controller.choose() if self.adaptive else self.max_draft, room)
+        budget = min(state.controller.choose(len(seq.output_ids)) if self.adaptive else self.max_draft, room)
         propose = getattr(state.drafter, "propose_tree", None)
         if propose is not None:
             return propose(seq.all_ids, max(budget, 0))
@@ -177,10 +195,15 @@ class SpeculativeDecode:
     def _state(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(id(seq))
         if state is None or state.seq is not seq:
-            controller = DraftLengthController(max_draft=self.max_draft)
+            controller = DraftLengthController(max_draft=self.max_draft, cost=self._cost_curve())
             state = _SequenceState(seq, self.make_drafter(), controller)
             self._states[id(seq)] = state
         return state
+
+    def _cost_curve(self) -> list[float]:
+        if self.cost_curve is not None:
+            return list(self.cost_curve)
+        return (gpu_cost_curve if backend() else default_cost_curve)(self.max_draft)
 
     def _forget_finished(self, sequences: Seq[Sequence]) -> None:
         live = {id(seq) for seq in sequences}
@@ -192,7 +215,7 @@ class SpeculativeDecode:
         if not seq.output_ids:
             return []
         room = seq.max_tokens - len(seq.output_ids) - 1  # the target adds one token of its own
-        k = min(state.controller.choose() if self.adaptive else self.max_draft, room)
+        k = min(state.controller.choose(len(seq.output_ids)) if self.adaptive else self.max_draft, room)
         if k <= 0 and not getattr(state.drafter, "needs_hidden", False):
             return []
         return list(state.drafter.propose(seq.all_ids, max(k, 0)).tokens)
