@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from kapitsa.engine.ops import tree
 from kapitsa.engine.ops.conv import conv_state_after
+from kapitsa.engine.replay import replay_compiled
 
 KV_STEP = 256  # KV buffers grow in multiples of this many positions
 
@@ -159,6 +160,11 @@ class ReplayRecord:
     # (mask [B, P], order [B, P] | None) -> state after the masked steps, taking the forward's
     # per-token inputs in `order` (node indices of a tree path; None: as they were, a chain)
     replay: Callable[..., mx.array]
+    # The same replay of a chain as a pure function, `fn(mask, *args)`, args[0] being conv_in:
+    # a rollback whose layers all have one runs as one compiled call (replay.py). `fn` is a
+    # bound method of the layer's mixer (stable: the compiled trace is kept on that module).
+    fn: Callable[..., mx.array] | None = None
+    args: tuple[mx.array, ...] = ()
 
 
 @dataclass
@@ -265,11 +271,15 @@ class HybridCache:
             raise ValueError(f"cannot drop {drop} tokens from a forward that consumed {info.lengths}")
         kept = [k - d for k, d in zip(info.lengths, drop, strict=True)]
         mask = mx.arange(info.T)[None, :] < mx.array(kept)[:, None]
-        for layer in self._recurrent():
+        layers = self._recurrent()
+        if layers and all(layer.record.fn is not None for layer in layers):
+            replay_compiled(layers, mask, kept)
+        for layer in layers:
             rec = layer.record
-            layer.conv = conv_state_after(rec.conv_in, kept, rec.kernel)
-            layer.state = rec.replay(mask)
-            layer.record = None
+            if rec is not None:
+                layer.conv = conv_state_after(rec.conv_in, kept, rec.kernel)
+                layer.state = rec.replay(mask)
+                layer.record = None
         self.offsets = [o - d for o, d in zip(self.offsets, drop, strict=True)]
         self._last = None
 

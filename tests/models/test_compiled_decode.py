@@ -96,5 +96,8 @@ def test_compiled_verify_chain_matches_op_by_op(arch: str, T: int) -> None:
     fast = _verify_then_rollback(model, True, T)
     tables = [layer.__dict__.get("_compiled_steps", {}) for layer in model.layers]
     assert any(name in ("linear_chain", "mamba_chain") for t in tables for name, _ in t)  # it ran
+    mixers = [m for _, m in model.named_modules() if "_compiled_steps" in m.__dict__]
+    names = [name for m in mixers for name, _ in m.__dict__["_compiled_steps"]]
+    assert any(isinstance(n, tuple) and n[0] == "rollback" for n in names)  # one compiled rollback
     for a, b in zip(plain, fast, strict=True):
         _assert_close(a, b)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ import mlx.nn as nn
 from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into, projections
 from kapitsa.engine.ops.rope import Rope
+from kapitsa.engine.traces import compiled
 from kapitsa.errors import CheckpointError
 
 
@@ -176,21 +176,6 @@ def fast_chain(info: StepInfo, cache: LayerCache) -> bool:
     if isinstance(cache, RecurrentCache):
         return cache.conv is not None and cache.state is not None
     return True
-
-
-def compiled(owner: object, name: str, fn):  # noqa: ANN001, ANN201 - any pure array function
-    """`mx.compile(fn)`, made once per (owner, name, thread): each layer keeps its own traces.
-
-    Per thread because MLX's trace cache is thread-local and keyed by the Python function's id,
-    while a compiled function erases its traces only from the cache of the thread that called it
-    last. One function called from two threads (a test's forward, then the engine thread) left a
-    trace behind in the first thread's cache; once the model was freed, a new function reusing
-    that id found the other model's trace (wrong weights and shapes)."""
-    table = owner.__dict__.setdefault("_compiled_steps", {})
-    key = (name, threading.get_ident())
-    if key not in table:
-        table[key] = mx.compile(fn)
-    return table[key]
 
 
 def compiled_attention(

@@ -237,18 +237,22 @@ class Mamba2Mixer(nn.Module):
 
         def replay(mask, order=None):
             assert order is None, "a chain's replay takes its tokens in order"
-            B, T = dt.shape[:2]
-            conv_out = causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias"))
-            xs, Bm, Cm = mx.split(
-                nn.silu(conv_out), [self.inner, self.inner + self.groups * self.state_size], axis=-1
-            )
-            xs = xs.reshape(B, T, self.heads, self.head_dim)
-            Bm = Bm.reshape(B, T, self.groups, self.state_size)
-            Cm = Cm.reshape(B, T, self.groups, self.state_size)
-            step = ssm_dt(dt, self.dt_bias, self.limit, None)
-            return ssm_scan(xs, step * mask[..., None], self.A_log, Bm, Cm, self.D, s0)[1]
+            return self.chain_replay(mask, conv_in, s0, dt)
 
-        return ReplayRecord(conv_in, self.kernel, replay)
+        return ReplayRecord(conv_in, self.kernel, replay, fn=self.chain_replay, args=(conv_in, s0, dt))
+
+    def chain_replay(self, mask: mx.array, conv_in: mx.array, s0: mx.array, dt: mx.array) -> mx.array:
+        """The state after the masked tokens of a `chain` call, from its conv rows, s0 and dt."""
+        B, T = dt.shape[:2]
+        conv_out = causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias"))
+        xs, Bm, Cm = mx.split(
+            nn.silu(conv_out), [self.inner, self.inner + self.groups * self.state_size], axis=-1
+        )
+        xs = xs.reshape(B, T, self.heads, self.head_dim)
+        Bm = Bm.reshape(B, T, self.groups, self.state_size)
+        Cm = Cm.reshape(B, T, self.groups, self.state_size)
+        step = ssm_dt(dt, self.dt_bias, self.limit, None)
+        return ssm_scan(xs, step * mask[..., None], self.A_log, Bm, Cm, self.D, s0)[1]
 
 
 class ReluSquaredMLP(nn.Module):

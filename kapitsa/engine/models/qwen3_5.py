@@ -278,16 +278,21 @@ class GatedDeltaNet(nn.Module):
 
     def chain_record(self, conv_in: mx.array, s0: mx.array, extra: list[mx.array]) -> ReplayRecord:
         """The rollback record of a `chain` call: the kernel again from s0 under the kept mask."""
-        z, b, a = projection_views(extra[0], packed=False, **self._heads) if len(extra) == 1 else extra
+        args = (conv_in, s0, *extra)
 
         def replay(mask, order=None):
             assert order is None, "a chain's replay takes its tokens in order"
-            return self._step()(
-                conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
-                **self._heads, norm_eps=self.norm.eps, mask=mask,
-            )[1]  # fmt: skip
+            return self.chain_replay(mask, *args)
 
-        return ReplayRecord(conv_in, self.kernel, replay)
+        return ReplayRecord(conv_in, self.kernel, replay, fn=self.chain_replay, args=args)
+
+    def chain_replay(self, mask: mx.array, conv_in: mx.array, s0: mx.array, *extra: mx.array) -> mx.array:
+        """The state after the masked tokens of a `chain` call (its conv rows, s0 and projection)."""
+        z, b, a = projection_views(extra[0], packed=False, **self._heads) if len(extra) == 1 else extra
+        return self._step()(
+            conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
+            **self._heads, norm_eps=self.norm.eps, mask=mask,
+        )[1]  # fmt: skip
 
     @property
     def _heads(self) -> dict[str, int]:
