@@ -48,7 +48,7 @@ def forced(monkeypatch) -> list:
 
     monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
-    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": True})  # probed
+    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": True, "tc16": False})
     monkeypatch.setattr(qlinear, "supports_fast", lambda x, w, s, b, group_size, bits: bits in (4, 8))
     return calls
 
@@ -72,7 +72,7 @@ def test_each_route_computes_the_same_product(forced, shape, route, bias) -> Non
 
 
 def test_a_kernel_not_probed_good_is_never_routed(forced, monkeypatch) -> None:
-    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": False})
+    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": False, "tc16": False})
     model = _model()
     qlinear.route_quantized_linears(model)
     x = mx.random.normal((1, 128))
@@ -92,8 +92,25 @@ def test_probe_records_which_kernels_work(monkeypatch, failure) -> None:
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(qlinear, "WORKING", {})
     state = mx.random.state[0]
-    assert qlinear.probe_kernels() == dict.fromkeys(("direct", "tc", "v2"), failure is None)
+    assert qlinear.probe_kernels() == dict.fromkeys(("direct", "tc", "v2", "tc16"), failure is None)
     assert mx.array_equal(mx.random.state[0], state).item()  # the global seed is untouched
+
+
+def test_nine_to_sixteen_rows_take_the_two_block_tensor_core_kernel(forced, monkeypatch) -> None:
+    monkeypatch.setattr(qlinear, "supports_tc", lambda x, w, s, b, group_size, bits: bits == 4)
+    model = _model()
+    layer = model.layers[0]
+    x = mx.random.normal((1, 12, 128))
+    ref = layer(x)
+    qlinear.route_quantized_linears(model)
+    assert qlinear.route_for(12, layer, x) == "stock"  # tc16 not probed good
+    monkeypatch.setitem(qlinear.WORKING, "tc16", True)
+    assert qlinear.route_for(12, layer, x) == "tc"
+    assert qlinear.route_for(16, layer, mx.zeros((16, 128))) == "tc"
+    assert qlinear.route_for(17, layer, mx.zeros((17, 128))) == "stock"
+    got = layer(x)
+    assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item()
+    assert forced == [("tc", (12, 128))]
 
 
 def test_unsupported_bits_take_the_stock_kernel(forced) -> None:
@@ -121,7 +138,9 @@ def test_env_switch_turns_routes_off(monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(qlinear.backend() != "cuda", reason="needs the CUDA backend")
-@pytest.mark.parametrize("rows,route", [(1, "direct"), (4, "tc"), (8, "tc"), (400, "dequant")])
+@pytest.mark.parametrize(
+    "rows,route", [(1, "direct"), (4, "tc"), (8, "tc"), (12, "tc"), (16, "tc"), (400, "dequant")]
+)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> None:
     """On CUDA, every route (direct / tensor-core / v2 kernels, dequantize + mat-mul) against
@@ -132,7 +151,7 @@ def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> N
     ref = layer(x).astype(mx.float32)
     qlinear.route_quantized_linears(nn.Sequential(layer))
     assert qlinear.route_for(rows, layer, x) == (
-        route if bits == 4 or route in ("direct", "dequant") else "v2"
+        route if bits == 4 or route in ("direct", "dequant") else "v2" if rows <= 8 else "stock"
     )
     got = layer(x).astype(mx.float32)
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())

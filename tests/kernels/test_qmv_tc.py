@@ -80,6 +80,9 @@ LAUNCHED = [  # (rows, n, k, group size, tiles, exact_q): decode and verificatio
     (8, 5120, 6144, 64, 2, True),
     (4, 16480, 5120, 128, 1, False),
     (3, 248320, 5120, 64, 1, True),
+    (12, 5120, 6144, 64, 2, True),  # 9-16 rows: two 8-column blocks (longer drafts)
+    (16, 34816, 5120, 64, 2, True),
+    (16, 5120, 17408, 64, 2, False),
 ]
 
 
@@ -109,6 +112,9 @@ def test_splits_fill_the_gpu_and_respect_groups() -> None:
         (3, 40, 384, 128, 1, False),
         (8, 32, 256, 64, 2, False),
         (5, 24, 640, 64, 1, True),
+        (12, 40, 384, 64, 2, True),  # two blocks of x rows, K split four ways
+        (16, 32, 512, 128, 1, False),
+        (9, 24, 640, 64, 1, True),
     ],
 )
 def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, rows, n, k, gs, tiles, exact) -> None:
@@ -132,11 +138,14 @@ def test_supports() -> None:
     q, s, b = _weights(32, 128, 64)
     x = mx.zeros((1, 128), mx.bfloat16)
     assert tc.supports_tc(x, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
+    x16, x17 = mx.zeros((16, 128), mx.bfloat16), mx.zeros((17, 128), mx.bfloat16)
+    assert tc.supports_tc(x16, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
+    assert not tc.supports_tc(x17, q, s, b, group_size=64, bits=4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs the CUDA backend")
-@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 12, 16])
 @pytest.mark.parametrize(
     "n,k,gs", [(34816, 5120, 64), (5120, 17408, 64), (16480, 5120, 128), (5120, 6144, 64)]
 )

@@ -126,15 +126,21 @@ def supports_fast(
 
 
 def supported_affine(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    max_rows: int = MAX_ROWS,
 ) -> bool:
-    """Whether a call is one the mat-vec kernels take, whatever the backend: x [1-8, K] in a float
-    dtype, MLX affine 4/8-bit weights with group size 32/64/128, shapes consistent with K."""
+    """Whether a call is one the mat-vec kernels take, whatever the backend: x [1-max_rows, K] in
+    a float dtype, MLX affine 4/8-bit weights with group size 32/64/128, shapes consistent with K."""
     if biases is None or x.ndim != 2 or w.ndim != 2:
         return False
     rows, k = x.shape
     return (
-        1 <= rows <= MAX_ROWS
+        1 <= rows <= max_rows
         and bits in BITS
         and group_size in GROUP_SIZES
         and x.dtype in DTYPES

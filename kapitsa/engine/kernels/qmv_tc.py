@@ -1,12 +1,13 @@
 """Quantized mat-vec on tensor cores ("tc"): y[M, N] = x[M, K] @ dequantize(W)[N, K]^T for
-M <= 8 rows of bf16 x and MLX affine 4-bit weights (group size 64 or 128), CUDA only.
+M <= 16 rows of bf16 x and MLX affine 4-bit weights (group size 64 or 128), CUDA only.
 
 Why: Nsight Compute on the H200 showed the v2 and v3 mat-vecs (qmv_fast.py, qmv_direct.py) at a
 27B gate/up shape issue-bound, not memory-bound (SM throughput 72%, DRAM 36%): about 3.6
 instructions per weight (mask, FMA to the integer, FMA with x, x conversion). Here a weight
 costs about one: two nibbles become a bf16 pair with one shift and one LOP3, and `mma.m16n8k16`
 does the multiply-adds, 16 rows by up to 8 x rows at a time (speculative verification's rows
-share one read of the weights for free). Large-K, small-N matrices (the down projection) also
+share one read of the weights for free); 9-16 x rows take a second block of 8 columns, which
+reuses each weight fragment. Large-K, small-N matrices (the down projection) also
 split K over S warps of a block, so they have enough warps in flight to reach the bandwidth.
 
 The CUDA source is cuda_src/qmv_tc.cu (+ .cuh); its layout notes are there. No Metal port: Apple
@@ -25,6 +26,7 @@ from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.qmv_fast import supported_affine
 
 GROUP_SIZES = (64, 128)
+MAX_ROWS = 16  # two 8-column blocks of B
 WARPS = 8
 TARGET_WARPS = 132 * 12  # about 12 warps per SM of the H200 keep its memory busy
 
@@ -55,6 +57,7 @@ def launch_config(
     """(template arguments, grid threads, block threads) for one call."""
     s = splits_for(n, k, group_size, tiles)
     spans_per_group = group_size // 64
+    blocks_of_x = math.ceil(rows / 8)  # each holds its x loads in flight: fewer groups per round
     template = (
         ("M", rows),
         ("N", n),
@@ -63,7 +66,7 @@ def launch_config(
         ("TILES", tiles),
         ("WARPS", WARPS),
         ("S", s),
-        ("UG", max(1, 4 // spans_per_group)),
+        ("UG", max(1, 4 // spans_per_group // blocks_of_x)),
         ("EXACT_Q", exact_q),
     )
     warps = math.ceil(n / (16 * tiles)) * s
@@ -74,10 +77,11 @@ def launch_config(
 def supports_tc(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
-    """Whether this kernel can run the call here (CUDA, bf16 x and scales, affine 4-bit, group 64/128)."""
+    """Whether this kernel can run the call here (CUDA, 1-16 rows of bf16 x, bf16 scales, affine
+    4-bit, group 64/128)."""
     return (
         backend() == "cuda"
-        and supported_affine(x, w, scales, biases, group_size, bits)
+        and supported_affine(x, w, scales, biases, group_size, bits, max_rows=MAX_ROWS)
         and bits == 4
         and group_size in GROUP_SIZES
         and x.dtype == scales.dtype == biases.dtype == mx.bfloat16

@@ -1,5 +1,6 @@
-  // y[M, N] = x[M, K] @ dequantize(w)[N, K]^T for M <= 8, affine 4-bit, bf16 x, on tensor cores:
-  // mma.m16n8k16 with the weights as A (16 rows) and the M rows of x as B's 8 columns.
+  // y[M, N] = x[M, K] @ dequantize(w)[N, K]^T for M <= 16, affine 4-bit, bf16 x, on tensor cores:
+  // mma.m16n8k16 with the weights as A (16 rows) and the M rows of x as B's 8 columns, in NB
+  // blocks of 8 rows (one A fragment serves every block).
   // Layout of a lane (g = lane / 4, t = lane % 4): weight rows g and g + 8 of each 16-row tile,
   // x row g (B's column g), accumulators for columns 2t, 2t + 1. A 64-value span of a row is 8
   // words; lane t takes words 2t and 2t + 1 (one 8-byte load; a quad reads 32 contiguous bytes),
@@ -13,6 +14,7 @@
   constexpr int GROUPS = K / GS;
   constexpr int ROWS_PER_WARP = 16 * TILES;
   constexpr int TG = (N + ROWS_PER_WARP - 1) / ROWS_PER_WARP;  // warp tiles over N
+  constexpr int NB = (M + 7) / 8;                // 8-row blocks of x (B operands)
   constexpr uint32_t ONES = 0x3F803F80u;         // bf16 pair (1, 1)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -22,7 +24,9 @@
   const int g0 = split * GROUPS / S, g1 = (split + 1) * GROUPS / S;
   const uint2* w2 = reinterpret_cast<const uint2*>(w);
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
-  const int xrow = g < M ? g : M - 1;            // B's columns past M repeat the last row
+  int xrow[NB];                                  // B's columns past M repeat the last row
+  #pragma unroll
+  for (int nb = 0; nb < NB; ++nb) xrow[nb] = nb * 8 + g < M ? nb * 8 + g : M - 1;
 
   int rows[TILES][2];
   #pragma unroll
@@ -30,17 +34,20 @@
     #pragma unroll
     for (int h = 0; h < 2; ++h) rows[tt][h] = min(tile_c * ROWS_PER_WARP + tt * 16 + h * 8 + g, N - 1);
   }
-  float acc[TILES][4];
+  float acc[TILES][NB][4];
   #pragma unroll
   for (int tt = 0; tt < TILES; ++tt) {
     #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[tt][j] = 0.f;
+    for (int nb = 0; nb < NB; ++nb) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) acc[tt][nb][j] = 0.f;
+    }
   }
 
   for (int gi0 = g0; gi0 < g1; gi0 += UG) {
     // Loads of UG groups first (all in flight), then their math.
     uint2 wv[UG][SPG][TILES][2];
-    uint4 xv[UG][SPG][2];
+    uint4 xv[UG][SPG][NB][2];
     #pragma unroll
     for (int u = 0; u < UG; ++u) {
       const int gi = gi0 + u < g1 ? gi0 + u : g0;  // past the range: reload a valid group, unused
@@ -52,39 +59,53 @@
           #pragma unroll
           for (int h = 0; h < 2; ++h) wv[u][sp][tt][h] = __ldcs(w2 + (size_t)rows[tt][h] * (SPANS * 4) + span * 4 + t);
         }
-        const size_t xi = (size_t)xrow * (K / 8) + span * 8 + 2 * t;
-        xv[u][sp][0] = x4[xi];
-        xv[u][sp][1] = x4[xi + 1];
+        #pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          const size_t xi = (size_t)xrow[nb] * (K / 8) + span * 8 + 2 * t;
+          xv[u][sp][nb][0] = x4[xi];
+          xv[u][sp][nb][1] = x4[xi + 1];
+        }
       }
     }
     #pragma unroll
     for (int u = 0; u < UG; ++u) {
       if (gi0 + u >= g1) break;
       const int gi = gi0 + u;
-      float dq[TILES][4], dn[4] = {0.f, 0.f, 0.f, 0.f};
+      float dq[TILES][NB][4], dn[NB][4];
       #pragma unroll
-      for (int tt = 0; tt < TILES; ++tt) {
+      for (int nb = 0; nb < NB; ++nb) {
         #pragma unroll
-        for (int j = 0; j < 4; ++j) dq[tt][j] = 0.f;
+        for (int j = 0; j < 4; ++j) {
+          dn[nb][j] = 0.f;
+          #pragma unroll
+          for (int tt = 0; tt < TILES; ++tt) dq[tt][nb][j] = 0.f;
+        }
       }
       #pragma unroll
       for (int sp = 0; sp < SPG; ++sp) {
         #pragma unroll
         for (int half = 0; half < 2; ++half) {   // word 2t (x values 0-7), word 2t+1 (8-15)
-          const uint4 xq = xv[u][sp][half];
-          const uint32_t xw[4] = {xq.x, xq.y, xq.z, xq.w};
           #pragma unroll
           for (int step = 0; step < 2; ++step) {  // nibble pairs (2s, 2s+4) and (2s+1, 2s+5)
-            const uint32_t b0 = ktc_xpair(xw, 2 * step), b1 = ktc_xpair(xw, 2 * step + 1);
-            const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
-            ktc_mma(dn, ones, b0, b1);
+            uint32_t a[TILES][4];
             #pragma unroll
             for (int tt = 0; tt < TILES; ++tt) {
               const uint32_t w0 = half ? wv[u][sp][tt][0].y : wv[u][sp][tt][0].x;
               const uint32_t w1 = half ? wv[u][sp][tt][1].y : wv[u][sp][tt][1].x;
-              const uint32_t a[4] = {ktc_pair<EXACT_Q>(w0, 2 * step), ktc_pair<EXACT_Q>(w1, 2 * step),
-                                     ktc_pair<EXACT_Q>(w0, 2 * step + 1), ktc_pair<EXACT_Q>(w1, 2 * step + 1)};
-              ktc_mma(dq[tt], a, b0, b1);
+              a[tt][0] = ktc_pair<EXACT_Q>(w0, 2 * step);
+              a[tt][1] = ktc_pair<EXACT_Q>(w1, 2 * step);
+              a[tt][2] = ktc_pair<EXACT_Q>(w0, 2 * step + 1);
+              a[tt][3] = ktc_pair<EXACT_Q>(w1, 2 * step + 1);
+            }
+            #pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+              const uint4 xq = xv[u][sp][nb][half];
+              const uint32_t xw[4] = {xq.x, xq.y, xq.z, xq.w};
+              const uint32_t b0 = ktc_xpair(xw, 2 * step), b1 = ktc_xpair(xw, 2 * step + 1);
+              const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
+              ktc_mma(dn[nb], ones, b0, b1);
+              #pragma unroll
+              for (int tt = 0; tt < TILES; ++tt) ktc_mma(dq[tt][nb], a[tt], b0, b1);
             }
           }
         }
@@ -95,27 +116,36 @@
         for (int h = 0; h < 2; ++h) {
           const float s = (float)scales[(size_t)rows[tt][h] * GROUPS + gi];
           const float c = (float)biases[(size_t)rows[tt][h] * GROUPS + gi] - (EXACT_Q ? 0.f : 128.f * s);
-          acc[tt][2 * h] = fmaf(s, dq[tt][2 * h], fmaf(c, dn[0], acc[tt][2 * h]));
-          acc[tt][2 * h + 1] = fmaf(s, dq[tt][2 * h + 1], fmaf(c, dn[1], acc[tt][2 * h + 1]));
+          #pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            acc[tt][nb][2 * h] = fmaf(s, dq[tt][nb][2 * h], fmaf(c, dn[nb][0], acc[tt][nb][2 * h]));
+            acc[tt][nb][2 * h + 1] = fmaf(s, dq[tt][nb][2 * h + 1], fmaf(c, dn[nb][1], acc[tt][nb][2 * h + 1]));
+          }
         }
       }
     }
   }
 
   if constexpr (S > 1) {  // the S warps of a tile sit in one block: sum their partial dots
-    __shared__ float ktc_red[WARPS][TILES * 4][32];
+    __shared__ float ktc_red[WARPS][TILES * NB * 4][32];
     #pragma unroll
     for (int tt = 0; tt < TILES; ++tt) {
       #pragma unroll
-      for (int j = 0; j < 4; ++j) ktc_red[warp][tt * 4 + j][lane] = acc[tt][j];
+      for (int nb = 0; nb < NB; ++nb) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) ktc_red[warp][(tt * NB + nb) * 4 + j][lane] = acc[tt][nb][j];
+      }
     }
     __syncthreads();
     if (split == 0) {
       #pragma unroll
       for (int tt = 0; tt < TILES; ++tt) {
         #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          for (int p = 1; p < S; ++p) acc[tt][j] += ktc_red[warp + p][tt * 4 + j][lane];
+        for (int nb = 0; nb < NB; ++nb) {
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            for (int p = 1; p < S; ++p) acc[tt][nb][j] += ktc_red[warp + p][(tt * NB + nb) * 4 + j][lane];
+          }
         }
       }
     }
@@ -127,9 +157,12 @@
       for (int h = 0; h < 2; ++h) {
         const int n = tile * ROWS_PER_WARP + tt * 16 + h * 8 + g;
         #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int m = 2 * t + j;
-          if (m < M && n < N) y[(size_t)m * N + n] = (__nv_bfloat16)acc[tt][2 * h + j];
+        for (int nb = 0; nb < NB; ++nb) {
+          #pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int m = nb * 8 + 2 * t + j;
+            if (m < M && n < N) y[(size_t)m * N + n] = (__nv_bfloat16)acc[tt][nb][2 * h + j];
+          }
         }
       }
     }
