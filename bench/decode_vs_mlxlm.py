@@ -305,6 +305,7 @@ def main() -> None:
         "--spec-shapes", nargs="*", default=[], help="also time n-gram speculation on the edit workload"
     )
     ap.add_argument("--spec-tokens", type=int, default=256)
+    ap.add_argument("--spec-rounds", type=int, default=None, help="default: --rounds")
     ap.add_argument("--spec-draft", type=int, default=DEFAULT_MAX_DRAFT, help="longest n-gram draft")
     args = ap.parse_args()
     table = TINY if args.tiny else SHAPES
@@ -352,7 +353,7 @@ def main() -> None:
                 models["kapitsa"],
                 models["mlx-lm"],
                 vocab,
-                args.rounds,
+                args.spec_rounds or args.rounds,
                 args.spec_tokens,
                 args.spec_draft,
             )

@@ -47,3 +47,22 @@ def test_decode_profile_splits_a_step(tmp_path: Path) -> None:
     assert "kapitsa fused+compiled+routed" in variants
     for r in rows:
         assert r["sync_step_ms"] >= r["build_ms"] > 0
+
+
+def test_edit_speculation_writes_the_true_answer_with_long_accepted_drafts(tmp_path: Path) -> None:
+    """spec_shapes.py: the scripted target writes the edit's true answer under plain decoding and
+    under n-gram speculation alike; the answer copies the prompt, so drafts are mostly accepted."""
+    rows = _run(
+        [
+            "bench/decode_vs_mlxlm.py", "--shapes", "nemotron-30b-a3b", "--tokens", "4", "--prompts", "8",
+            "--rounds", "1", "--verify-shapes", "nemotron-30b-a3b", "--verify-sizes", "1", "3",
+            "--spec-shapes", "nemotron-30b-a3b", "--spec-tokens", "64",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    spec = {r["engine"]: r for r in rows if r.get("tokens") == 64}
+    assert set(spec) == {"kapitsa-plain", "kapitsa-spec", "mlx-lm"}
+    assert spec["kapitsa-plain"]["same_as_plain"] and spec["kapitsa-spec"]["same_as_plain"]
+    assert spec["kapitsa-spec"]["tokens_per_step"] > 2.0 and spec["kapitsa-spec"]["acceptance"] > 0.5
+    verify = next(r for r in rows if "verify_ms_T3" in r)
+    assert verify["verify_ms_T3"] > 0 and verify["rollback_ms_T3"] > 0
