@@ -119,11 +119,13 @@ class SpeculativeDecode:
         out = model.forward(mx.array(rows, dtype=mx.int32), cache, lengths=lengths, record=True, taps=taps)
         logits = model.logits(out.hidden).astype(mx.float32)
         normed = model.final_norm(out.hidden) if needs_hidden else None
-        mx.eval(logits)
+        argmax = _greedy_picks(states, logits)
         picks: list[list[SampledToken]] = []
         drops: list[int] = []
         for b, (state, draft) in enumerate(zip(states, drafts, strict=True)):
-            tokens, accepted = _accept(state.seq.sampler, draft, logits[b])
+            tokens, accepted = _accept(
+                state.seq.sampler, draft, logits[b], None if argmax is None else argmax[b]
+            )
             picks.append(tokens)
             drops.append(len(draft) - accepted)
             if draft:
@@ -221,14 +223,30 @@ class SpeculativeDecode:
         return list(state.drafter.propose(seq.all_ids, max(k, 0)).tokens)
 
 
-def _accept(sampler: SequenceSampler, draft: list[int], rows: mx.array) -> tuple[list[SampledToken], int]:
-    """The tokens to emit for one sequence and how many drafts they keep.
+def _plain_greedy(sampler: SequenceSampler) -> bool:
+    return sampler.is_greedy_plain and sampler.params.logprobs is None
+
+
+def _greedy_picks(states: list[_SequenceState], logits: mx.array) -> list[list[int]] | None:
+    """Evaluate the verify forward. When every row is bare greedy, only its argmax ids come back
+    (one device round trip for the step, and no [B, T, V] float32 logits kept); else the logits."""
+    if all(_plain_greedy(st.seq.sampler) for st in states):
+        return mx.argmax(logits, axis=-1).tolist()
+    mx.eval(logits)
+    return None
+
+
+def _accept(
+    sampler: SequenceSampler, draft: list[int], rows: mx.array, argmax: list[int] | None = None
+) -> tuple[list[SampledToken], int]:
+    """The tokens to emit for one sequence and how many drafts they keep (`argmax`: the rows'
+    argmax ids, already read back, for bare greedy sampling).
 
     Positions are taken in order so penalties and logit processors see each position's true
     prefix (the sampler observes every emitted token before the next position is processed).
     """
-    if sampler.is_greedy_plain and sampler.params.logprobs is None:
-        return _accept_plain_greedy(sampler, draft, rows)
+    if _plain_greedy(sampler):
+        return _accept_plain_greedy(sampler, draft, rows, argmax)
     out: list[SampledToken] = []
     greedy = sampler.params.temperature == 0
     for i, token in enumerate(draft):
@@ -252,10 +270,12 @@ def _accept(sampler: SequenceSampler, draft: list[int], rows: mx.array) -> tuple
 
 
 def _accept_plain_greedy(
-    sampler: SequenceSampler, draft: list[int], rows: mx.array
+    sampler: SequenceSampler, draft: list[int], rows: mx.array, argmax: list[int] | None = None
 ) -> tuple[list[SampledToken], int]:
     """Bare argmax rows need no per-position processing: one read-back for the whole draft."""
-    picks = mx.argmax(rows[: len(draft) + 1], axis=-1).tolist()
+    if argmax is None:
+        argmax = mx.argmax(rows[: len(draft) + 1], axis=-1).tolist()
+    picks = argmax[: len(draft) + 1]
     accepted = next((i for i, token in enumerate(draft) if picks[i] != token), len(draft))
     emitted = picks[: accepted + 1]
     for token in emitted:
