@@ -50,7 +50,23 @@ def _rel_err(got: mx.array, ref: mx.array) -> float:
 )
 def test_cuda_source_compiles(dtype, rows, n, k, gs, bits) -> None:
     template, _, _ = direct.launch_config(dtype, rows, n, k, gs, bits, direct.SHAPE_BY_ROWS[rows])
-    ok, log = compile_source(direct._KERNEL.render([dtype, mx.uint32, dtype, dtype], [dtype], template))
+    ok, log = compile_source(
+        direct._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template)
+    )
+    assert ok, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("eps,resid", [(1e-6, False), (None, True), (1e-5, True)])
+def test_fused_variants_compile(eps, resid) -> None:
+    dtype = mx.bfloat16
+    template, _, _ = direct.launch_config(
+        dtype, 1, 17408 * 2, 5120, 64, 4, direct.SHAPE_BY_ROWS[1], eps, resid
+    )
+    ok, log = compile_source(
+        direct._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template)
+    )
     assert ok, log[-3000:]
     assert "warning" not in log.lower(), log[-3000:]
 
@@ -74,6 +90,28 @@ def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, dtype, rows, n
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 8e-3)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,rows,norm,resid",
+    [(mx.bfloat16, 1, True, False), (mx.bfloat16, 1, False, True), (mx.float32, 3, True, True)],
+)
+def test_emulated_fused_norm_and_residual(monkeypatch, tmp_path, dtype, rows, norm, resid) -> None:
+    """RMSNorm before the product and the residual add after it, in the kernel, against the ops."""
+    n, k, gs, bits = 20, 640, 64, 4
+    q, s, b = _weights(n, k, gs, bits)
+    x = (mx.random.normal((rows, k)) * 3).astype(dtype)  # not unit scale: the norm matters
+    nw = (1 + 0.3 * mx.random.normal((k,))).astype(dtype)
+    res = mx.random.normal((rows, n)).astype(dtype)
+    kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None, residual=res if resid else None)
+    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
+    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
+    got = direct.qmv_direct(x, q, s, b, shape=(2, 2, 2), **kw)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 1e-2)
+    plain = direct.qmv_reference(x.astype(mx.float32), q, s, b, group_size=gs, bits=bits)
+    assert _rel_err(plain, ref) > 0.05  # the fused parts change the result: the test can fail
+
+
 def test_supports_only_on_cuda() -> None:
     q, s, b = _weights(32, 128, 64, 4)
     x = mx.zeros((1, 128), mx.bfloat16)
@@ -92,3 +130,17 @@ def test_gpu_matches_reference(n, k, gs, bits, dtype) -> None:
     )
     got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits)
     assert _rel_err(got, ref) < (1e-4 if dtype == mx.float32 else 8e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs the CUDA backend")
+@pytest.mark.parametrize("n,k", [(34816, 5120), (5120, 17408), (2560, 9216)])
+@pytest.mark.parametrize("norm,resid", [(True, False), (False, True), (True, True)])
+def test_gpu_fused_norm_and_residual(n, k, norm, resid) -> None:
+    q, s, b = _weights(n, k, 64, 4)
+    x = (mx.random.normal((1, k)) * 3).astype(mx.bfloat16)
+    nw = (1 + 0.3 * mx.random.normal((k,))).astype(mx.bfloat16)
+    res = mx.random.normal((1, n)).astype(mx.bfloat16)
+    kw = dict(group_size=64, bits=4, norm=(nw, 1e-6) if norm else None, residual=res if resid else None)
+    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
+    assert _rel_err(direct.qmv_direct(x, q, s, b, **kw), ref) < 1e-2

@@ -9,22 +9,30 @@ warp on the SM) comes through L1, and each lane issues the weight loads of UNROL
 each lane the same chunks of K in all of them, so one x load serves R rows. Dequantisation is
 v2's (qmv_fast.cuh): a masked field OR'ed into the mantissa of 2^23 and one FMA give q exactly;
 the group bias enters as bias * sum(x) per chunk.
+
+The same kernel can fuse the RMSNorm before a projection and the residual add after it
+(`norm=(weight, eps)`, `residual=`), so a decode layer's norms and adds cost no kernels of their
+own: the sum of squares comes from the x loads the product makes anyway, the 1/rms scalar is
+applied after the reduction, and the residual is added in the epilogue. `qmv_direct_reference`
+is the same computation in MLX ops.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
+from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, supported_affine
 
 _KERNEL = CudaKernel(
     name="kapitsa_qmv_direct",
-    input_names=("x", "w", "scales", "biases"),
+    input_names=("x", "w", "scales", "biases", "nw", "res"),
     output_names=("y",),
     source=read_cuda_source("qmv_direct.cu"),
     header=read_cuda_source("qmv_fast.cuh"),
@@ -37,9 +45,17 @@ SHAPE_BY_ROWS = {m: (2, 4, 4) for m in range(1, MAX_ROWS + 1)}
 
 @functools.cache  # called per mat-vec of every decode step: keep the host work to a dict lookup
 def launch_config(
-    dtype, rows: int, n: int, k: int, group_size: int, bits: int, shape
+    dtype,
+    rows: int,
+    n: int,
+    k: int,
+    group_size: int,
+    bits: int,
+    shape,
+    eps: float | None = None,
+    resid: bool = False,
 ) -> tuple[tuple, int, int]:
-    """(template arguments, grid threads, block threads) for one call."""
+    """(template arguments, grid threads, block threads) for one call; `eps` set: RMSNorm fused."""
     r, warps, unroll = shape
     template = (
         ("T", dtype),
@@ -51,6 +67,9 @@ def launch_config(
         ("R", r),
         ("WARPS", warps),
         ("UNROLL", unroll),
+        ("NORM", eps is not None),
+        ("RESID", resid),
+        ("EPS_BITS", _float_bits(eps or 0.0)),
     )
     blocks = math.ceil(n / (r * warps))
     return template, blocks * warps * 32, warps * 32
@@ -63,19 +82,69 @@ def supports_direct(
     return backend() == "cuda" and supported_affine(x, w, scales, biases, group_size, bits)
 
 
+def supports_fused(x: mx.array, n: int, norm_weight: mx.array | None, residual: mx.array | None) -> bool:
+    """Whether the norm weight ([K], x's dtype) and residual ([M, N], x's dtype) fit a call."""
+    rows, k = x.shape
+    return (norm_weight is None or (norm_weight.shape == (k,) and norm_weight.dtype == x.dtype)) and (
+        residual is None or (residual.shape == (rows, n) and residual.dtype == x.dtype)
+    )
+
+
 def qmv_direct(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int, shape=None
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+    shape=None,
+    norm: tuple[mx.array, float] | None = None,
+    residual: mx.array | None = None,
 ) -> mx.array:
-    """x [M, K] @ dequantize(w)[N, K]^T -> [M, N] in x's dtype. Callers check `supports_direct`."""
+    """[residual +] [RMSNorm(x; norm)] @ dequantize(w)[N, K]^T -> [M, N] in x's dtype, x [M, K].
+    Callers check `supports_direct` (and `supports_fused` for norm / residual)."""
     rows, k = x.shape
     n = w.shape[0]
     shape = SHAPE_BY_ROWS[rows] if shape is None else shape
-    template, grid, block = launch_config(x.dtype, rows, n, k, group_size, bits, shape)
+    eps = None if norm is None else float(norm[1])
+    template, grid, block = launch_config(
+        x.dtype, rows, n, k, group_size, bits, shape, eps, residual is not None
+    )
     return _KERNEL(
-        [x, w, scales, biases],
+        [x, w, scales, biases, x if norm is None else norm[0], x if residual is None else residual],
         template=template,
         grid=(grid, 1, 1),
         threadgroup=(block, 1, 1),
         output_shapes=[(rows, n)],
         output_dtypes=[x.dtype],
     )[0]
+
+
+def qmv_direct_reference(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+    norm: tuple[mx.array, float] | None = None,
+    residual: mx.array | None = None,
+) -> mx.array:
+    """What `qmv_direct` computes, in MLX ops (the norm in float32, as `mx.fast.rms_norm` does)."""
+    dtype = x.dtype
+    if norm is not None:
+        x = mx.fast.rms_norm(x.astype(mx.float32), norm[0].astype(mx.float32), norm[1])
+    f32 = mx.float32  # the kernel dequantizes in float32 too
+    y = qmv_reference(
+        x.astype(f32), w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits
+    )
+    if residual is not None:
+        y = y + residual.astype(mx.float32)
+    return y.astype(dtype)
+
+
+def _float_bits(value: float) -> int:
+    """The bits of a float32 as a (signed) int: a template constant the kernel reinterprets."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]

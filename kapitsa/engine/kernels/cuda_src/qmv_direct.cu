@@ -1,5 +1,9 @@
   // y[M, N] = x[M, K] @ dequantize(w)[N, K]^T, no shared memory: x is read through L1 (it is a
   // few KiB that every warp of the SM reads), so a block starts streaming weights at once.
+  // NORM: x is a pre-norm hidden state and the product is RMSNorm(x) (weight nw, epsilon the
+  // float whose bits are EPS_BITS) @ W^T = rsqrt(mean(x^2) + eps) * (W @ (x * nw)): the sum of
+  // squares comes from the same x loads, the scalar is applied after the reduction.
+  // RESID: y += res (the residual stream). Unused inputs (nw, res) are x again.
   constexpr int CH = 128 / BITS;               // values per 16-byte chunk of a row
   constexpr int NCH = K / CH;                  // chunks per row
   constexpr int ROUNDS = (NCH + 31) / 32;      // a round: every lane takes one chunk
@@ -13,11 +17,12 @@
   #pragma unroll
   for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);  // past N: recompute row N-1, never stored
 
-  float acc[R][M];
+  float acc[R][M], ss[M];
   #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int m = 0; m < M; ++m) {
+    ss[m] = 0.f;
     #pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    for (int r = 0; r < R; ++r) acc[r][m] = 0.f;
   }
 
   for (int j0 = 0; j0 < ROUNDS; j0 += U) {
@@ -50,6 +55,15 @@
           for (int e = 0; e < CH; e += 8) {
             float xv[8];
             kq2_load8(xc + e, xv);
+            if constexpr (NORM) {
+              float gv[8];
+              kq2_load8(nw + (size_t)c * CH + e, gv);
+              #pragma unroll
+              for (int t = 0; t < 8; ++t) {
+                ss[m] = fmaf(xv[t], xv[t], ss[m]);
+                xv[t] *= gv[t];
+              }
+            }
             #pragma unroll
             for (int t = 0; t < 8; ++t) xsum += xv[t];
             #pragma unroll
@@ -77,6 +91,17 @@
     }
   }
 
+  float inv[M];
+  #pragma unroll
+  for (int m = 0; m < M; ++m) {
+    inv[m] = 1.f;
+    if constexpr (NORM) {
+      float v = ss[m];
+      #pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      inv[m] = rsqrtf(v / K + __uint_as_float((uint32_t)EPS_BITS));
+    }
+  }
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
@@ -84,6 +109,10 @@
       float v = acc[r][m];
       #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      v *= inv[m];
+      if constexpr (RESID) {
+        if (row0 + r < N) v += (float)res[(size_t)m * N + row0 + r];
+      }
       if (lane == 0 && row0 + r < N) y[(size_t)m * N + row0 + r] = (T)v;
     }
   }
