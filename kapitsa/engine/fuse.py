@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine.qlinear import normed_linear
+
 _QUANT_FIELDS = ("group_size", "bits", "mode")
 
 
@@ -73,6 +75,17 @@ def projections(module: nn.Module, x: mx.array, names: Sequence[str], fused_name
     if fused_name in module:
         return mx.split(module[fused_name](x), getattr(module, _splits_attr(fused_name)), axis=-1)
     return [module[n](x) for n in names]
+
+
+def normed_projections(
+    module: nn.Module, norm: nn.Module, x: mx.array, names: Sequence[str], fused_name: str
+) -> list[mx.array]:
+    """`projections(module, norm(x), ...)`; with a fused linear, the norm can run inside its
+    one-row mat-vec at decode (qlinear.normed_linear)."""
+    if fused_name in module:
+        out = normed_linear(norm, module[fused_name], x)
+        return mx.split(out, getattr(module, _splits_attr(fused_name)), axis=-1)
+    return projections(module, norm(x), names, fused_name)
 
 
 def _splits_attr(fused_name: str) -> str:

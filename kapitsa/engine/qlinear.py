@@ -32,7 +32,12 @@ import mlx.nn as nn
 from kapitsa.engine import kernels
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.qmv import qmv_reference
-from kapitsa.engine.kernels.qmv_direct import qmv_direct, supports_direct
+from kapitsa.engine.kernels.qmv_direct import (
+    qmv_direct,
+    qmv_direct_reference,
+    supports_direct,
+    supports_fused,
+)
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
 from kapitsa.engine.kernels.qmv_tc import MAX_ROWS as TC_MAX_ROWS
 from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
@@ -47,7 +52,8 @@ _log = logging.getLogger(__name__)
 # kernel is tried once on a small case before any route may use it; unprobed means unused.
 WORKING: dict[str, bool] = {}
 # kernel (tc16: the tensor-core kernel's two-block variant, 9-16 rows) -> rows it is probed at
-PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12}
+# (fused: the direct kernel with the RMSNorm prologue and residual epilogue)
+PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1}
 
 
 def routes_enabled() -> bool:
@@ -56,9 +62,10 @@ def routes_enabled() -> bool:
     return backend() == "cuda" and os.environ.get("KAPITSA_QLINEAR", "").strip().lower() != "stock"
 
 
-def _kernel_call(name: str, x: mx.array, w, scales, biases, group_size: int, bits: int) -> mx.array:
-    if name == "direct":
-        return qmv_direct(x, w, scales, biases, group_size=group_size, bits=bits)
+def _kernel_call(name: str, x: mx.array, w, scales, biases, group_size: int, bits: int, **fused) -> mx.array:
+    """`fused`: `norm=(weight, eps)` and/or `residual=` (the direct kernel only)."""
+    if name in ("direct", "fused"):
+        return qmv_direct(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
     if name == "tc":
         return qmv_tc(x, w, scales, biases, group_size=group_size)
     return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
@@ -70,13 +77,22 @@ def probe_kernels() -> dict[str, bool]:
     for name, rows in PROBES.items():
         if name in WORKING:
             continue
-        keys = mx.random.split(mx.random.key(7), 2)  # own keys: the global seed stays untouched
+        keys = mx.random.split(mx.random.key(7), 3)  # own keys: the global seed stays untouched
         w = (0.05 * mx.random.normal((64, 256), key=keys[0])).astype(mx.bfloat16)
         q, scales, biases = mx.quantize(w, group_size=64, bits=4)
         x = mx.random.normal((rows, 256), key=keys[1]).astype(mx.bfloat16)
-        ref = qmv_reference(x.astype(mx.float32), q, scales, biases, group_size=64, bits=4)
+        fused = {}
+        if name == "fused":
+            norm_weight = (1 + 0.2 * mx.random.normal((256,), key=keys[2])).astype(mx.bfloat16)
+            fused = dict(norm=(norm_weight, 1e-6), residual=x[:, :64])
+            ref = qmv_direct_reference(x, q, scales, biases, group_size=64, bits=4, **fused)
+        else:
+            ref = qmv_reference(x.astype(mx.float32), q, scales, biases, group_size=64, bits=4)
+        ref = ref.astype(mx.float32)
         try:
-            got = _kernel_call(name.removesuffix("16"), x, q, scales, biases, 64, 4).astype(mx.float32)
+            got = _kernel_call(name.removesuffix("16"), x, q, scales, biases, 64, 4, **fused).astype(
+                mx.float32
+            )
             err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
         except (RuntimeError, ValueError) as exc:
             _log.warning("quantized mat-vec kernel %s unavailable, using the stock one: %s", name, exc)
@@ -138,6 +154,46 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+def _fusable(linear: nn.Module, x: mx.array) -> bool:
+    """Whether `linear(x)` is a one-row call on the direct route that the fused kernel may take."""
+    return (
+        isinstance(linear, RoutedQuantizedLinear)
+        and "bias" not in linear
+        and WORKING.get("fused", False)
+        and routes_enabled()
+        and math.prod(x.shape[:-1]) == 1
+        and route_for(1, linear, x) == "direct"
+    )
+
+
+def _fused_call(linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array:
+    y = _kernel_call(
+        "fused", x.reshape(1, x.shape[-1]), linear["weight"], linear["scales"], linear["biases"],
+        linear.group_size, linear.bits, **fused,
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
+    """`linear(norm(x))`: one kernel at decode (the RMSNorm inside the one-row mat-vec) where the
+    fused route takes it (CUDA, a plain `nn.RMSNorm`, a routed 1-row direct call), else as written."""
+    if type(norm) is nn.RMSNorm and _fusable(linear, x):
+        weight = norm.weight
+        if supports_fused(x.reshape(1, -1), linear["weight"].shape[0], weight, None):
+            return _fused_call(linear, x, norm=(weight, norm.eps))
+    return linear(norm(x))
+
+
+def linear_plus(linear: nn.Module, h: mx.array, residual: mx.array) -> mx.array:
+    """`residual + linear(h)`: the add in the one-row mat-vec's epilogue where the fused route
+    takes it, else as written."""
+    if _fusable(linear, h) and residual.shape[:-1] == h.shape[:-1]:
+        flat = residual.reshape(1, -1)
+        if supports_fused(h.reshape(1, -1), linear["weight"].shape[0], None, flat):
+            return _fused_call(linear, h, residual=flat).reshape(residual.shape)
+    return residual + linear(h)
 
 
 def route_quantized_linears(model: nn.Module) -> int:

@@ -8,6 +8,7 @@ import pytest
 
 from kapitsa.engine import qlinear
 from kapitsa.engine.kernels.qmv import qmv_reference
+from kapitsa.engine.kernels.qmv_direct import qmv_direct_reference
 
 
 def _model(bits: int = 4, bias: bool = False) -> nn.Module:
@@ -48,7 +49,9 @@ def forced(monkeypatch) -> list:
 
     monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
-    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": True, "tc16": False})
+    monkeypatch.setattr(
+        qlinear, "WORKING", {"direct": False, "tc": False, "v2": True, "tc16": False, "fused": False}
+    )
     monkeypatch.setattr(qlinear, "supports_fast", lambda x, w, s, b, group_size, bits: bits in (4, 8))
     return calls
 
@@ -72,7 +75,9 @@ def test_each_route_computes_the_same_product(forced, shape, route, bias) -> Non
 
 
 def test_a_kernel_not_probed_good_is_never_routed(forced, monkeypatch) -> None:
-    monkeypatch.setattr(qlinear, "WORKING", {"direct": False, "tc": False, "v2": False, "tc16": False})
+    monkeypatch.setattr(
+        qlinear, "WORKING", {"direct": False, "tc": False, "v2": False, "tc16": False, "fused": False}
+    )
     model = _model()
     qlinear.route_quantized_linears(model)
     x = mx.random.normal((1, 128))
@@ -83,16 +88,16 @@ def test_a_kernel_not_probed_good_is_never_routed(forced, monkeypatch) -> None:
 
 @pytest.mark.parametrize("failure", ["raises", "wrong", None])
 def test_probe_records_which_kernels_work(monkeypatch, failure) -> None:
-    def kernel(name, x, w, scales, biases, group_size, bits):
+    def kernel(name, x, w, scales, biases, group_size, bits, **fused):
         if failure == "raises":
             raise RuntimeError("nvrtc: no kernel image for this device")
-        ref = qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits)
+        ref = qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
         return ref * 2 if failure == "wrong" else ref
 
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(qlinear, "WORKING", {})
     state = mx.random.state[0]
-    assert qlinear.probe_kernels() == dict.fromkeys(("direct", "tc", "v2", "tc16"), failure is None)
+    assert qlinear.probe_kernels() == dict.fromkeys(("direct", "tc", "v2", "tc16", "fused"), failure is None)
     assert mx.array_equal(mx.random.state[0], state).item()  # the global seed is untouched
 
 
@@ -166,3 +171,76 @@ def test_kernels_env_without_qmv_keeps_the_stock_mat_vec(forced, monkeypatch) ->
     monkeypatch.setenv("KAPITSA_KERNELS", "gdn,moe")
     assert qlinear.route_for(1, model.layers[0], x) == "stock"
     assert qlinear.route_for(400, model.layers[0], mx.zeros((400, 128))) == "dequant"  # not a kernel
+
+
+@pytest.fixture
+def fused_route(monkeypatch) -> list:
+    """Routes on with the direct and fused kernels probed good, run by their reference; records
+    each kernel call's name, rows and which parts were fused."""
+    calls = []
+
+    def kernel(name, x, w, scales, biases, group_size, bits, **fused):
+        calls.append((name, x.shape[0], tuple(sorted(k for k, v in fused.items() if v is not None))))
+        return qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
+
+    monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
+    monkeypatch.setattr(qlinear, "_kernel_call", kernel)
+    monkeypatch.setattr(
+        qlinear, "WORKING", {"direct": True, "tc": False, "v2": False, "tc16": False, "fused": True}
+    )
+    monkeypatch.setattr(qlinear, "supports_direct", lambda *a, **k: True)
+    return calls
+
+
+def test_norm_and_residual_fuse_into_one_row_calls_only(fused_route) -> None:
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    linear = model.layers[0]
+    norm = nn.RMSNorm(128, eps=1e-5)
+    norm.weight = 1 + 0.3 * mx.random.normal((128,))
+    x, res = mx.random.normal((1, 1, 128)) * 3, mx.random.normal((1, 1, 64))
+    assert mx.allclose(qlinear.normed_linear(norm, linear, x), linear(norm(x)), atol=1e-4).item()
+    assert mx.allclose(qlinear.linear_plus(linear, x, res), res + linear(x), atol=1e-4).item()
+    fused = [c for c in fused_route if c[0] == "fused"]
+    assert fused == [("fused", 1, ("norm",)), ("fused", 1, ("residual",))]
+    fused_route.clear()
+    x2 = mx.random.normal((1, 2, 128))  # two rows: no fused kernel
+    qlinear.normed_linear(norm, linear, x2)
+    qlinear.linear_plus(linear, x2, mx.zeros((1, 2, 64)))
+    assert all(c[0] != "fused" for c in fused_route)
+
+
+def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route) -> None:
+    """Qwen3.5 dense decode with every input norm and residual add inside the one-row mat-vecs
+    (the kernel's reference standing in for it) gives the op-by-op logits."""
+    from kapitsa.engine.fuse import fuse_model
+    from kapitsa.engine.models import base
+    from tests.models.builders import build_ours
+
+    model = build_ours("qwen3_5_dense")
+    fuse_model(model)
+    for layer in model.layers:
+        nn.quantize(layer, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    qlinear.route_quantized_linears(model)
+
+    def steps(compile_on: bool) -> list[mx.array]:
+        base.COMPILE_DECODE["on"] = compile_on
+        try:
+            cache = model.make_cache(1)
+            logits = model(mx.array([[3, 17, 5, 9]]), cache)[:, -1]
+            out = [logits]
+            for _ in range(3):
+                logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
+                out.append(logits)
+            mx.eval(out)
+            return out
+        finally:
+            base.COMPILE_DECODE["on"] = True
+
+    plain = steps(False)
+    fused_route.clear()
+    fast = steps(True)
+    kinds = {c[2] for c in fused_route if c[0] == "fused"}
+    assert kinds == {("norm",), ("residual",)}  # both fusions ran in the compiled decode
+    for a, b in zip(plain, fast, strict=True):
+        assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())

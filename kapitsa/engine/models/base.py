@@ -33,8 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
-from kapitsa.engine.fuse import fuse_into, projections
+from kapitsa.engine.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.ops.rope import Rope
+from kapitsa.engine.qlinear import linear_plus
 from kapitsa.engine.traces import compiled
 from kapitsa.errors import CheckpointError
 
@@ -93,10 +94,16 @@ class Attention(nn.Module):
         """One q/k/v projection (see kapitsa.engine.fuse)."""
         return fuse_into(self, self.PROJECTIONS, "qkv_proj")
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
-        """q, k `[B, H, T, D]` (normed, not rotated), v `[B, Hkv, T, D]`, and the output gate."""
+    def project(
+        self, x: mx.array, norm: nn.Module | None = None
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+        """q, k `[B, H, T, D]` (normed, not rotated), v `[B, Hkv, T, D]`, and the output gate, of
+        x or of norm(x) (`norm`: the layer's input norm, fused into the projection at decode)."""
         B, T, _ = x.shape
-        q, k, v = projections(self, x, self.PROJECTIONS, "qkv_proj")
+        if norm is None:
+            q, k, v = projections(self, x, self.PROJECTIONS, "qkv_proj")
+        else:
+            q, k, v = normed_projections(self, norm, x, self.PROJECTIONS, "qkv_proj")
         q = q.reshape(B, T, self.heads, -1)
         gate = None
         if self.gated:
@@ -118,10 +125,11 @@ class Attention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=info.attention_mask)
         return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
 
-    def finish(self, out: mx.array, gate: mx.array | None) -> mx.array:
+    def finish(self, out: mx.array, gate: mx.array | None, residual: mx.array | None = None) -> mx.array:
+        """The output projection of the gated attention output (+ `residual`, fused at decode)."""
         if gate is not None:
             out = out * mx.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(out) if residual is None else linear_plus(self.o_proj, out, residual)
 
     def rotate(self, q: mx.array, k: mx.array, offsets: int | mx.array) -> tuple[mx.array, mx.array]:
         """q, k at positions `offsets[b] + t` (no-op without rope)."""

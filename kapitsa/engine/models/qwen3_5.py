@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
-from kapitsa.engine.fuse import fuse_into, projections
+from kapitsa.engine.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, projection_views
 from kapitsa.engine.kernels.gdn_prefill import gdn_chain
 from kapitsa.engine.kernels.moe import routed_experts
@@ -40,6 +40,7 @@ from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
 from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
+from kapitsa.engine.qlinear import linear_plus, normed_linear
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
 
@@ -233,25 +234,37 @@ class GatedDeltaNet(nn.Module):
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(out)
 
-    def decode(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state).
+    def decode(
+        self,
+        x: mx.array,
+        conv_state: mx.array,
+        s0: mx.array,
+        *,
+        norm: nn.Module | None = None,
+        residual: mx.array | None = None,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state);
+        of norm(x) when `norm` is given, and residual + out when `residual` is.
 
         One fused kernel (conv, q/k norms, gated delta rule, gated output norm; kernels/gdn.py)
         where the backend has it, the same math in MLX ops elsewhere. With the fused
-        in-projection, z/b/a are read in place from its output."""
+        in-projection, z/b/a are read in place from its output, and the input norm and the
+        residual add can run inside the projections' one-row mat-vecs (qlinear.py)."""
         T = x.shape[1]
         if "in_proj" in self and not self.packed:
-            proj = self.in_proj(x)
+            proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
             qkv = proj[..., : self.conv_dim]
             z, b, a = projection_views(proj, packed=False, **self._heads)
         else:
-            qkv, z, b, a = self._project(x)
+            qkv, z, b, a = self._project(x if norm is None else norm(x))
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
         out, state = self._step()(
             conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
             **self._heads, norm_eps=self.norm.eps,
         )  # fmt: skip
-        return self.out_proj(out.reshape(*out.shape[:2], -1)), conv_in[:, T:], state
+        out = out.reshape(*out.shape[:2], -1)
+        y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
+        return y, conv_in[:, T:], state
 
     @staticmethod
     def _step():
@@ -314,6 +327,11 @@ class MLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = projections(self, x, self.PROJECTIONS, "gate_up_proj")
         return self.down_proj(silu_mul(gate, up))
+
+    def residual(self, h: mx.array, norm: nn.Module) -> mx.array:
+        """`h + self(norm(h))`, with the norm and the add inside the one-row mat-vecs at decode."""
+        gate, up = normed_projections(self, norm, h, self.PROJECTIONS, "gate_up_proj")
+        return linear_plus(self.down_proj, silu_mul(gate, up), h)
 
 
 class SparseMoe(nn.Module):
@@ -403,18 +421,21 @@ class DecoderLayer(nn.Module):
         return (self._mlp_residual(x + y), conv_in, state, *extra)
 
     def _linear_step(self, x: mx.array, conv: mx.array, state: mx.array):
-        y, conv, state = self.linear_attn.decode(self.input_layernorm(x), conv, state)
-        return self._mlp_residual(x + y), conv, state
+        # the input norm and the residual add go into the projections (one kernel each at decode)
+        h, conv, state = self.linear_attn.decode(x, conv, state, norm=self.input_layernorm, residual=x)
+        return self._mlp_residual(h), conv, state
 
     def _attn_pre(self, x: mx.array, offsets: mx.array):
-        q, k, v, gate = self.self_attn.project(self.input_layernorm(x))
+        q, k, v, gate = self.self_attn.project(x, norm=self.input_layernorm)
         q, k = self.self_attn.rotate(q, k, offsets)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attn_post(self, x: mx.array, out: mx.array, gate: mx.array | None = None):
-        return self._mlp_residual(x + self.self_attn.finish(out, gate))
+        return self._mlp_residual(self.self_attn.finish(out, gate, residual=x))
 
     def _mlp_residual(self, h: mx.array) -> mx.array:
+        if isinstance(self.mlp, MLP):  # norm and add fused into its projections at decode
+            return self.mlp.residual(h, self.post_attention_layernorm)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
