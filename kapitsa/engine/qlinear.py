@@ -156,10 +156,15 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
+# KAPITSA_FUSED_NORMS=0 keeps norms and residual adds as their own kernels (A/B runs).
+FUSED_NORMS = {"on": os.environ.get("KAPITSA_FUSED_NORMS", "1") != "0"}
+
+
 def _fusable(linear: nn.Module, x: mx.array) -> bool:
     """Whether `linear(x)` is a one-row call on the direct route that the fused kernel may take."""
     return (
-        isinstance(linear, RoutedQuantizedLinear)
+        FUSED_NORMS["on"]
+        and isinstance(linear, RoutedQuantizedLinear)
         and "bias" not in linear
         and WORKING.get("fused", False)
         and routes_enabled()

@@ -210,14 +210,15 @@ def test_norm_and_residual_fuse_into_one_row_calls_only(fused_route) -> None:
     assert all(c[0] != "fused" for c in fused_route)
 
 
-def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route) -> None:
-    """Qwen3.5 dense decode with every input norm and residual add inside the one-row mat-vecs
-    (the kernel's reference standing in for it) gives the op-by-op logits."""
+@pytest.mark.parametrize("arch", ["qwen3_5_dense", "qwen3_5_moe", "nemotron_dense", "nemotron_moe"])
+def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, arch) -> None:
+    """Decode with every fusable input norm and residual add inside the one-row mat-vecs (the
+    kernel's reference standing in for it) gives the op-by-op logits."""
     from kapitsa.engine.fuse import fuse_model
     from kapitsa.engine.models import base
     from tests.models.builders import build_ours
 
-    model = build_ours("qwen3_5_dense")
+    model = build_ours(arch)
     fuse_model(model)
     for layer in model.layers:
         nn.quantize(layer, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
@@ -244,3 +245,12 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route) -
     assert kinds == {("norm",), ("residual",)}  # both fusions ran in the compiled decode
     for a, b in zip(plain, fast, strict=True):
         assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())
+
+
+def test_fused_norms_switch_off(fused_route, monkeypatch) -> None:
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", False)
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    norm = nn.RMSNorm(128)
+    qlinear.normed_linear(norm, model.layers[0], mx.random.normal((1, 128)))
+    assert fused_route == [("direct", 1, ())]

@@ -38,6 +38,7 @@ from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm, relu_squared
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
+from kapitsa.engine.qlinear import linear_plus, normed_linear
 
 _BLOCK_CHARS = {
     "linear_attention": "M",
@@ -197,18 +198,30 @@ class Mamba2Mixer(nn.Module):
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate))
 
-    def decode(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def decode(
+        self, x: mx.array, conv_state: mx.array, s0: mx.array, **fused
+    ) -> tuple[mx.array, mx.array, mx.array]:
         """Plain decode step as a pure function: (x, conv rows, state) -> (out, conv rows, state).
 
         One fused kernel (conv, SSM update, gated group norm; kernels/mamba.py) where the backend
-        has it, the same math in MLX ops elsewhere."""
-        out, conv_in, state, _ = self.chain(x, conv_state, s0)
+        has it, the same math in MLX ops elsewhere. `fused`: as `chain`'s."""
+        out, conv_in, state, _ = self.chain(x, conv_state, s0, **fused)
         return out, conv_in[:, x.shape[1] :], state
 
-    def chain(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, ...]:
+    def chain(
+        self,
+        x: mx.array,
+        conv_state: mx.array,
+        s0: mx.array,
+        *,
+        norm: nn.Module | None = None,
+        residual: mx.array | None = None,
+    ) -> tuple[mx.array, ...]:
         """T tokens of a chain (no padding) as a pure function: (out, conv_in, state, dt), the
-        last two what `chain_record` needs to replay the recurrence."""
-        gate, xbc, dt = mx.split(self.in_proj(x), [self.inner, self.inner + self.conv_dim], axis=-1)
+        last two what `chain_record` needs to replay the recurrence. Of norm(x) when `norm` is
+        given, residual + out when `residual` is (both inside the one-row mat-vecs at decode)."""
+        proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
+        gate, xbc, dt = mx.split(proj, [self.inner, self.inner + self.conv_dim], axis=-1)
         conv_in = mx.concatenate([conv_state, xbc], axis=1)
         step = mamba_step if kernels.enabled("mamba") else mamba_step_reference
         out, state = step(
@@ -229,7 +242,8 @@ class Mamba2Mixer(nn.Module):
             time_step_limit=self.limit,
             norm_eps=self.norm.eps,
         )
-        return self.out_proj(out), conv_in, state, dt
+        y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
+        return y, conv_in, state, dt
 
     def chain_record(self, conv_in: mx.array, s0: mx.array, dt: mx.array) -> ReplayRecord:
         """The rollback record of a `chain` call: the scan's inputs are rebuilt from the conv rows
@@ -263,6 +277,10 @@ class ReluSquaredMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(relu_squared(self.up_proj(x)))
+
+    def residual(self, h: mx.array, norm: nn.Module) -> mx.array:
+        """`h + self(norm(h))`, with the norm and the add inside the one-row mat-vecs at decode."""
+        return linear_plus(self.down_proj, relu_squared(normed_linear(norm, self.up_proj, h)), h)
 
 
 class Router(nn.Module):
@@ -373,22 +391,23 @@ class Block(nn.Module):
             cache.record = self.mixer.chain_record(conv_in, s0, dt)
         return out
 
+    # The block's norm and residual add go into the mixers' projections (one kernel each at decode).
     def _mamba_chain(self, x: mx.array, conv: mx.array, state: mx.array):
-        y, conv_in, state, dt = self.mixer.chain(self.norm(x), conv, state)
-        return x + y, conv_in, state, dt
+        return self.mixer.chain(x, conv, state, norm=self.norm, residual=x)
 
     def _mamba_step(self, x: mx.array, conv: mx.array, state: mx.array):
-        y, conv, state = self.mixer.decode(self.norm(x), conv, state)
-        return x + y, conv, state
+        return self.mixer.decode(x, conv, state, norm=self.norm, residual=x)
 
     def _attn_pre(self, x: mx.array, offsets: mx.array):
-        q, k, v, _ = self.mixer.project(self.norm(x))
+        q, k, v, _ = self.mixer.project(x, norm=self.norm)
         return q, k, v
 
     def _attn_post(self, x: mx.array, out: mx.array):
-        return x + self.mixer.finish(out, None)
+        return self.mixer.finish(out, None, residual=x)
 
     def _ffn_step(self, x: mx.array) -> mx.array:
+        if isinstance(self.mixer, ReluSquaredMLP):
+            return self.mixer.residual(x, self.norm)
         return x + self.mixer(self.norm(x))
 
 
