@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -199,6 +200,21 @@ def linear_plus(linear: nn.Module, h: mx.array, residual: mx.array) -> mx.array:
         if supports_fused(h.reshape(1, -1), linear["weight"].shape[0], None, flat):
             return _fused_call(linear, h, residual=flat).reshape(residual.shape)
     return residual + linear(h)
+
+
+def act_linear_plus(
+    linear: nn.Module, x: mx.array, residual: mx.array, act: str, fallback: Callable[[mx.array], mx.array]
+) -> mx.array:
+    """`residual + linear(fallback(x))`, where `fallback` computes the activation `act`
+    (qmv_direct.ACTS: "silu_glu" on x = [gate | up], "relu2"); at decode, the activation is made
+    as the one-row mat-vec loads x and the add is in its epilogue."""
+    k = x.shape[-1] // 2 if act == "silu_glu" else x.shape[-1]
+    product_input = x[..., :k]  # the shape the product sees, for the route checks
+    if _fusable(linear, product_input) and residual.shape[:-1] == x.shape[:-1]:
+        flat = residual.reshape(1, -1)
+        if supports_fused(product_input.reshape(1, -1), linear["weight"].shape[0], None, flat):
+            return _fused_call(linear, x, residual=flat, act=act).reshape(residual.shape)
+    return residual + linear(fallback(x))
 
 
 def route_quantized_linears(model: nn.Module) -> int:

@@ -242,7 +242,9 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, a
     fused_route.clear()
     fast = steps(True)
     kinds = {c[2] for c in fused_route if c[0] == "fused"}
-    assert kinds == {("norm",), ("residual",)}  # both fusions ran in the compiled decode
+    assert {("norm",), ("residual",)} <= kinds  # both fusions ran in the compiled decode
+    if arch.endswith("dense"):  # and the MLP's activation, made by the down projection's kernel
+        assert ("act", "residual") in kinds
     for a, b in zip(plain, fast, strict=True):
         assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())
 

@@ -20,6 +20,7 @@ HOST_INTRINSICS = (
     MMA_EMULATION
     + r"""
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __expf(float x) { return std::exp(x); }
 """
 )
 
@@ -58,11 +59,20 @@ def test_cuda_source_compiles(dtype, rows, n, k, gs, bits) -> None:
 
 
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("eps,resid", [(1e-6, False), (None, True), (1e-5, True)])
-def test_fused_variants_compile(eps, resid) -> None:
+@pytest.mark.parametrize(
+    "eps,resid,act",
+    [
+        (1e-6, False, None),
+        (None, True, None),
+        (1e-5, True, None),
+        (None, True, "silu_glu"),
+        (None, True, "relu2"),
+    ],
+)
+def test_fused_variants_compile(eps, resid, act) -> None:
     dtype = mx.bfloat16
     template, _, _ = direct.launch_config(
-        dtype, 1, 17408 * 2, 5120, 64, 4, direct.SHAPE_BY_ROWS[1], eps, resid
+        dtype, 1, 17408 * 2, 5120, 64, 4, direct.SHAPE_BY_ROWS[1], eps, resid, act
     )
     ok, log = compile_source(
         direct._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template)
@@ -110,6 +120,23 @@ def test_emulated_fused_norm_and_residual(monkeypatch, tmp_path, dtype, rows, no
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 1e-2)
     plain = direct.qmv_reference(x.astype(mx.float32), q, s, b, group_size=gs, bits=bits)
     assert _rel_err(plain, ref) > 0.05  # the fused parts change the result: the test can fail
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,rows,act", [(mx.bfloat16, 1, "silu_glu"), (mx.float32, 2, "silu_glu"), (mx.bfloat16, 1, "relu2")]
+)
+def test_emulated_activation_prologue(monkeypatch, tmp_path, dtype, rows, act) -> None:
+    """SwiGLU (x rows = [gate | up]) or relu^2 made on load, then the product and the residual."""
+    n, k, gs, bits = 20, 640, 64, 4
+    q, s, b = _weights(n, k, gs, bits)
+    x = (mx.random.normal((rows, 2 * k if act == "silu_glu" else k)) * 2).astype(dtype)
+    res = mx.random.normal((rows, n)).astype(dtype)
+    ref = direct.qmv_direct_reference(x, q, s, b, group_size=gs, bits=bits, residual=res, act=act)
+    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
+    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits, shape=(2, 2, 2), residual=res, act=act)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert _rel_err(got, ref.astype(mx.float32)) < (1e-5 if dtype == mx.float32 else 1e-2)
 
 
 def test_supports_only_on_cuda() -> None:

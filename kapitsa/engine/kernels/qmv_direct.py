@@ -24,11 +24,14 @@ import math
 import struct
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, supported_affine
+
+ACTS = (None, "silu_glu", "relu2")  # the kernel's ACT codes: input activations made on load
 
 _KERNEL = CudaKernel(
     name="kapitsa_qmv_direct",
@@ -54,6 +57,7 @@ def launch_config(
     shape,
     eps: float | None = None,
     resid: bool = False,
+    act: str | None = None,
 ) -> tuple[tuple, int, int]:
     """(template arguments, grid threads, block threads) for one call; `eps` set: RMSNorm fused."""
     r, warps, unroll = shape
@@ -70,6 +74,7 @@ def launch_config(
         ("NORM", eps is not None),
         ("RESID", resid),
         ("EPS_BITS", _float_bits(eps or 0.0)),
+        ("ACT", ACTS.index(act)),
     )
     blocks = math.ceil(n / (r * warps))
     return template, blocks * warps * 32, warps * 32
@@ -101,15 +106,20 @@ def qmv_direct(
     shape=None,
     norm: tuple[mx.array, float] | None = None,
     residual: mx.array | None = None,
+    act: str | None = None,
 ) -> mx.array:
-    """[residual +] [RMSNorm(x; norm)] @ dequantize(w)[N, K]^T -> [M, N] in x's dtype, x [M, K].
-    Callers check `supports_direct` (and `supports_fused` for norm / residual)."""
+    """[residual +] [RMSNorm(x; norm) | act(x)] @ dequantize(w)[N, K]^T -> [M, N] in x's dtype,
+    x [M, K] ([M, 2K] for act "silu_glu": gate then up). Callers check `supports_direct` (on the
+    product's input shape) and `supports_fused` for norm / residual; norm and act exclude each other."""
+    if norm is not None and act is not None:
+        raise ValueError("qmv_direct fuses a norm or an activation before the product, not both")
     rows, k = x.shape
+    k = k // 2 if act == "silu_glu" else k
     n = w.shape[0]
     shape = SHAPE_BY_ROWS[rows] if shape is None else shape
     eps = None if norm is None else float(norm[1])
     template, grid, block = launch_config(
-        x.dtype, rows, n, k, group_size, bits, shape, eps, residual is not None
+        x.dtype, rows, n, k, group_size, bits, shape, eps, residual is not None, act
     )
     return _KERNEL(
         [x, w, scales, biases, x if norm is None else norm[0], x if residual is None else residual],
@@ -131,9 +141,11 @@ def qmv_direct_reference(
     bits: int,
     norm: tuple[mx.array, float] | None = None,
     residual: mx.array | None = None,
+    act: str | None = None,
 ) -> mx.array:
-    """What `qmv_direct` computes, in MLX ops (the norm in float32, as `mx.fast.rms_norm` does)."""
+    """What `qmv_direct` computes, in MLX ops (the norm and activation in float32)."""
     dtype = x.dtype
+    x = activation(act, x.astype(mx.float32)) if act is not None else x
     if norm is not None:
         x = mx.fast.rms_norm(x.astype(mx.float32), norm[0].astype(mx.float32), norm[1])
     f32 = mx.float32  # the kernel dequantizes in float32 too
@@ -148,3 +160,13 @@ def qmv_direct_reference(
 def _float_bits(value: float) -> int:
     """The bits of a float32 as a (signed) int: a template constant the kernel reinterprets."""
     return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def activation(act: str, x: mx.array) -> mx.array:
+    """The input activations the kernel can make on load, in MLX ops (`ACTS`)."""
+    if act == "silu_glu":
+        gate, up = mx.split(x, 2, axis=-1)
+        return nn.silu(gate) * up
+    if act == "relu2":
+        return mx.square(nn.relu(x))
+    raise ValueError(f"unknown activation {act!r}; one of {ACTS[1:]}")

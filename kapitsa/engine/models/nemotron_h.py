@@ -38,7 +38,7 @@ from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm, relu_squared
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
-from kapitsa.engine.qlinear import linear_plus, normed_linear
+from kapitsa.engine.qlinear import act_linear_plus, linear_plus, normed_linear
 
 _BLOCK_CHARS = {
     "linear_attention": "M",
@@ -280,7 +280,8 @@ class ReluSquaredMLP(nn.Module):
 
     def residual(self, h: mx.array, norm: nn.Module) -> mx.array:
         """`h + self(norm(h))`, with the norm and the add inside the one-row mat-vecs at decode."""
-        return linear_plus(self.down_proj, relu_squared(normed_linear(norm, self.up_proj, h)), h)
+        up = normed_linear(norm, self.up_proj, h)
+        return act_linear_plus(self.down_proj, up, h, "relu2", relu_squared)
 
 
 class Router(nn.Module):

@@ -40,7 +40,7 @@ from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
 from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
-from kapitsa.engine.qlinear import linear_plus, normed_linear
+from kapitsa.engine.qlinear import act_linear_plus, linear_plus, normed_linear
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
 
@@ -329,9 +329,17 @@ class MLP(nn.Module):
         return self.down_proj(silu_mul(gate, up))
 
     def residual(self, h: mx.array, norm: nn.Module) -> mx.array:
-        """`h + self(norm(h))`, with the norm and the add inside the one-row mat-vecs at decode."""
+        """`h + self(norm(h))`, with the norm, the SwiGLU and the add inside the one-row mat-vecs
+        at decode."""
+        if "gate_up_proj" in self:  # [gate | up]: down's mat-vec can make silu(gate) * up itself
+            gate_up = normed_linear(norm, self.gate_up_proj, h)
+            return act_linear_plus(self.down_proj, gate_up, h, "silu_glu", _swiglu)
         gate, up = normed_projections(self, norm, h, self.PROJECTIONS, "gate_up_proj")
         return linear_plus(self.down_proj, silu_mul(gate, up), h)
+
+
+def _swiglu(gate_up: mx.array) -> mx.array:
+    return silu_mul(*mx.split(gate_up, 2, axis=-1))
 
 
 class SparseMoe(nn.Module):

@@ -4,11 +4,14 @@
   // float whose bits are EPS_BITS) @ W^T = rsqrt(mean(x^2) + eps) * (W @ (x * nw)): the sum of
   // squares comes from the same x loads, the scalar is applied after the reduction.
   // RESID: y += res (the residual stream). Unused inputs (nw, res) are x again.
+  // ACT: the product's input is an activation of x, made on load: 1 = SwiGLU (x rows are
+  // [gate | up], 2K wide; the input is silu(gate) * up), 2 = relu(x)^2.
   constexpr int CH = 128 / BITS;               // values per 16-byte chunk of a row
   constexpr int NCH = K / CH;                  // chunks per row
   constexpr int ROUNDS = (NCH + 31) / 32;      // a round: every lane takes one chunk
   constexpr int U = ROUNDS < UNROLL ? ROUNDS : UNROLL;  // rounds whose loads are issued together
   constexpr int GROUPS = K / GS;
+  constexpr int XS = ACT == 1 ? 2 * K : K;     // x row stride
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.x * WARPS + warp) * R;
@@ -46,7 +49,7 @@
       if (j0 + u < ROUNDS && c < NCH) {
         #pragma unroll
         for (int m = 0; m < M; ++m) {
-          const T* xc = x + (size_t)m * K + (size_t)c * CH;
+          const T* xc = x + (size_t)m * XS + (size_t)c * CH;
           float dot[R];
           #pragma unroll
           for (int r = 0; r < R; ++r) dot[r] = 0.f;
@@ -55,6 +58,15 @@
           for (int e = 0; e < CH; e += 8) {
             float xv[8];
             kq2_load8(xc + e, xv);
+            if constexpr (ACT == 1) {
+              float uv[8];
+              kq2_load8(xc + K + e, uv);
+              #pragma unroll
+              for (int t = 0; t < 8; ++t) xv[t] = xv[t] / (1.f + __expf(-xv[t])) * uv[t];
+            } else if constexpr (ACT == 2) {
+              #pragma unroll
+              for (int t = 0; t < 8; ++t) xv[t] = xv[t] > 0.f ? xv[t] * xv[t] : 0.f;
+            }
             if constexpr (NORM) {
               float gv[8];
               kq2_load8(nw + (size_t)c * CH + e, gv);
