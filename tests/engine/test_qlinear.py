@@ -185,6 +185,7 @@ def fused_route(monkeypatch) -> list:
 
     monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", True)
     monkeypatch.setattr(
         qlinear, "WORKING", {"direct": True, "tc": False, "v2": False, "tc16": False, "fused": True}
     )
@@ -247,6 +248,13 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, a
         assert ("act", "residual") in kinds
     for a, b in zip(plain, fast, strict=True):
         assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())
+
+
+def test_fused_norms_are_opt_in(monkeypatch) -> None:
+    monkeypatch.delenv("KAPITSA_FUSED_NORMS", raising=False)
+    assert not qlinear._opted_in("KAPITSA_FUSED_NORMS")  # off until timed on the H200
+    monkeypatch.setenv("KAPITSA_FUSED_NORMS", "1")
+    assert qlinear._opted_in("KAPITSA_FUSED_NORMS")
 
 
 def test_fused_norms_switch_off(fused_route, monkeypatch) -> None:
