@@ -137,8 +137,19 @@ async def test_disk_tier_budget(qwen_model, make_client, tmp_path, budget_files)
     )
     for i in range(4):
         await chat(client, [{"role": "user", "content": f"{i}" * 300}])
-        total = sum(p.stat().st_size for p in (tmp_path / "b").rglob("*.safetensors"))
-        assert total <= budget
+        assert _stored_bytes(tmp_path / "b") <= budget
+
+
+def _stored_bytes(folder) -> int:
+    """Bytes of the disk tier's files; the engine thread may evict one between the listing and
+    its stat (seen once as a FileNotFoundError), which counts as gone."""
+    total = 0
+    for path in folder.rglob("*.safetensors"):
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 async def test_exact_hit_resumes_from_stored_logits(qwen_model, make_client) -> None:
