@@ -3,6 +3,8 @@ almost all of their prompt, and the disk tier survives a restart and corrupt fil
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from engine_standins import OFFSET, ByteTokenizer  # noqa: I001
 
@@ -145,10 +147,8 @@ def _stored_bytes(folder) -> int:
     its stat (seen once as a FileNotFoundError), which counts as gone."""
     total = 0
     for path in folder.rglob("*.safetensors"):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             total += path.stat().st_size
-        except FileNotFoundError:
-            pass
     return total
 
 
