@@ -6,6 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# The longest draft by default: a verify forward of 1 + 7 tokens is the widest that the measured
+# quantized mat-vec kernels take on CUDA (kernels/qmv_fast.py MAX_ROWS = 8); a 9-row forward fell
+# back to the stock mat-mul, which on the H200 doubled a Qwen3.5-27B verify (42.6 ms at 9 tokens,
+# 20 ms at 2-8). The tensor-core kernel's 9-16-row variant (qlinear.py) is not timed yet; until
+# it is, longer drafts are opt-in (`--draft-tokens 15`).
+DEFAULT_MAX_DRAFT = 7
+
 
 def default_cost_curve(max_tokens: int, *, per_token: float = 0.08) -> list[float]:
     """c(T) relative to one decode step. Verify of T tokens reads the weights once, so on
@@ -25,7 +32,7 @@ def gpu_cost_curve(max_tokens: int, *, verify: float = 1.8, per_token: float = 0
 
 @dataclass(slots=True)
 class DraftLengthController:
-    max_draft: int = 8
+    max_draft: int = DEFAULT_MAX_DRAFT
     decay: float = 0.9  # EWMA weight of history
     margin: float = 0.05  # speculate only if it beats plain decode by this much
     cost: list[float] = field(default_factory=list)  # cost[T-1] = c(T)

@@ -23,7 +23,12 @@ from kapitsa.engine.kernels import backend
 from kapitsa.engine.runner import ModelRunner
 from kapitsa.engine.sampler import SampledToken, SequenceSampler, filter_logits
 from kapitsa.engine.sequence import Sequence
-from kapitsa.engine.speculative.controller import DraftLengthController, default_cost_curve, gpu_cost_curve
+from kapitsa.engine.speculative.controller import (
+    DEFAULT_MAX_DRAFT,
+    DraftLengthController,
+    default_cost_curve,
+    gpu_cost_curve,
+)
 from kapitsa.engine.speculative.drafter import Drafter
 from kapitsa.engine.speculative.tree import DraftTree
 
@@ -65,7 +70,7 @@ class SpeculativeDecode:
 
     make_drafter: Callable[[], Drafter]
     name: str = "ngram"
-    max_draft: int = 8
+    max_draft: int = DEFAULT_MAX_DRAFT
     adaptive: bool = True
     tree: bool = False  # verify a draft tree (drafters with `propose_tree`) instead of a chain
     cost_curve: list[float] | None = None

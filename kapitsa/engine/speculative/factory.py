@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kapitsa.engine.decode import DecodeStrategy, PlainDecode
+from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
 from kapitsa.engine.speculative.dflash import DFlashDrafter
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter
@@ -11,12 +12,6 @@ from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.errors import InvalidRequest
 
 MODES = ("none", "ngram", "mtp", "draft", "block", "auto")
-# The longest draft by default: a verify forward of 1 + 7 tokens is the widest that the measured
-# quantized mat-vec kernels take on CUDA (kernels/qmv_fast.py MAX_ROWS = 8); a 9-row forward fell
-# back to the stock mat-mul, which on the H200 doubled a Qwen3.5-27B verify (42.6 ms at 9 tokens,
-# 20 ms at 2-8). The tensor-core kernel's 9-16-row variant (qlinear.py) is not timed yet; until
-# it is, longer drafts are opt-in (`--draft-tokens 15`).
-DEFAULT_MAX_DRAFT = 7
 
 
 def make_decode_strategy(
