@@ -139,3 +139,14 @@ def test_rollback_after_a_padded_verify_batch():
     with pytest.raises(ValueError):  # cannot drop more than the row consumed
         model(drafts, cache, lengths=[5, 3], record=True)
         cache.rollback([0, 4])
+
+
+def test_conv_rows_at_matches_conv_state_after() -> None:
+    """The compiled rollback's conv rows (start as an array) equal `conv_state_after`'s."""
+    from kapitsa.engine.ops.conv import conv_state_after
+    from kapitsa.engine.replay import conv_rows_at
+
+    conv_in = mx.random.normal((3, 3 + 6, 5))  # kernel 4: 3 rows before + 6 new
+    for kept in ([6, 6, 6], [0, 3, 6], [1, 5, 2]):
+        got = conv_rows_at(conv_in, mx.array(kept, dtype=mx.int32), 4)
+        assert mx.array_equal(got, conv_state_after(conv_in, kept, 4)).item(), kept
