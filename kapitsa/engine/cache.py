@@ -274,9 +274,9 @@ class HybridCache:
         layers = self._recurrent()
         if layers and all(layer.record.fn is not None for layer in layers):
             replay_compiled(layers, mask, kept)
-        for layer in layers:
-            rec = layer.record
-            if rec is not None:
+        else:
+            for layer in layers:
+                rec = layer.record
                 layer.conv = conv_state_after(rec.conv_in, kept, rec.kernel)
                 layer.state = rec.replay(mask)
                 layer.record = None
