@@ -96,6 +96,7 @@ def test_probe_records_which_kernels_work(monkeypatch, failure) -> None:
 
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(qlinear, "WORKING", {})
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", True)  # the fused forms are probed when opted in
     state = mx.random.state[0]
     assert qlinear.probe_kernels() == dict.fromkeys(("direct", "tc", "v2", "tc16", "fused"), failure is None)
     assert mx.array_equal(mx.random.state[0], state).item()  # the global seed is untouched
@@ -255,6 +256,14 @@ def test_fused_norms_are_opt_in(monkeypatch) -> None:
     assert not qlinear._opted_in("KAPITSA_FUSED_NORMS")  # off until timed on the H200
     monkeypatch.setenv("KAPITSA_FUSED_NORMS", "1")
     assert qlinear._opted_in("KAPITSA_FUSED_NORMS")
+
+
+def test_the_opt_in_fused_kernel_is_not_probed_when_off(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(qlinear, "_kernel_call", lambda name, *a, **k: calls.append(name) or a[0][:, :64])
+    monkeypatch.setattr(qlinear, "WORKING", {})
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", False)
+    assert "fused" not in qlinear.probe_kernels() and "fused" not in calls
 
 
 def test_fused_norms_switch_off(fused_route, monkeypatch) -> None:
