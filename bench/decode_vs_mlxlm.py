@@ -166,42 +166,56 @@ class _Tokenizer:
         return ""
 
 
-def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
+def kapitsa_engine(model, prompt_len: int, tokens: int, decode=None) -> InProcessEngine:
+    """kapitsa's engine (the path of `kapitsa run` / `serve`) over a bench model, no prefix cache."""
     info = ModelInfo(
-        id="bench", family="bench", context_length=len(prompt) + tokens + 16, max_output_tokens=tokens
+        id="bench", family="bench", context_length=prompt_len + tokens + 16, max_output_tokens=tokens
     )
-    client = InProcessEngine(
+    return InProcessEngine(
         model,
         _Tokenizer(),
         info,
         eos_token_ids=set(),
         config=EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048),
+        decode=decode,
     )
 
-    async def run(tokens: int = tokens) -> dict:
+
+def generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
+    """One greedy request of `tokens` tokens: its ids, time to first token, decode and prefill tok/s."""
+
+    async def run() -> dict:
         start = time.perf_counter()
-        first = None
-        n = 0
+        ids: list[int] = []
+        first = end = None
         request = GenerationRequest(
             prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
         )
         async for event in client.generate(request):
             if isinstance(event, TokenEvent):
-                n += len(event.token_ids)
+                ids += event.token_ids
                 first = first or time.perf_counter()
             elif isinstance(event, FinishEvent):
                 end = time.perf_counter()
         return dict(
+            ids=ids,
             ttft_s=first - start,
-            decode_tok_s=(n - 1) / (end - first),
+            decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9),
             prefill_tok_s=len(prompt) / (first - start),
         )
 
+    return asyncio.run(run())
+
+
+def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
+    client = kapitsa_engine(model, len(prompt), tokens)
     try:
-        asyncio.run(run(8))  # warm-up: kernels compile, buffers allocate
-        return asyncio.run(run())
+        generate(client, prompt, 8)  # warm-up: kernels compile, buffers allocate
+        result = generate(client, prompt, tokens)
     finally:
         client.close()
+    result.pop("ids")
+    return result
 
 
 def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:

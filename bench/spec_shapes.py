@@ -20,27 +20,31 @@ write exactly what plain decoding writes; each run is checked (`same_as_plain`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import inspect
 import json
 import re
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
-from decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _time_mlxlm, _Tokenizer
+from decode_vs_mlxlm import (
+    DTYPE,
+    SHAPES,
+    TINY,
+    _kapitsa_model,
+    _mlxlm_model,
+    _time_mlxlm,
+    generate,
+    kapitsa_engine,
+)
 
-from kapitsa.engine.engine import EngineConfig
-from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.speculative.decoder import SpeculativeDecode
+from kapitsa.engine.speculative.decoder import SpeculativeDecode, SpeculativeStats
 from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
 from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.engine.tiny import tiny_config
 from kapitsa.engine.tokenizer import Tokenizer
-from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
 
 DEMO = Path(__file__).resolve().parents[1] / "kapitsa" / "demo"
 
@@ -86,45 +90,13 @@ def script_model(model, prompt: Sequence[int], answer: Sequence[int]) -> None:
     model.forward, model.logits = scripted_forward, scripted_logits
 
 
-def _engine(model, tokens: int, prompt: list[int], decode=None) -> InProcessEngine:
-    info = ModelInfo(
-        id="bench", family="bench", context_length=len(prompt) + tokens + 16, max_output_tokens=tokens
-    )
-    return InProcessEngine(
-        model,
-        _Tokenizer(),
-        info,
-        eos_token_ids=set(),
-        config=EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048),
-        decode=decode,
-    )
-
-
-def _generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
-    async def run() -> dict:
-        ids: list[int] = []
-        first = end = None
-        request = GenerationRequest(
-            prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
-        )
-        async for event in client.generate(request):
-            if isinstance(event, TokenEvent):
-                ids += event.token_ids
-                first = first or time.perf_counter()
-            elif isinstance(event, FinishEvent):
-                end = time.perf_counter()
-        return dict(ids=ids, decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9))
-
-    return asyncio.run(run())
-
-
 def _time_spec(model, prompt, tokens, max_draft) -> dict:
     strategy = SpeculativeDecode(NGramDrafter, name="ngram", max_draft=max_draft)
-    client = _engine(model, tokens, prompt, strategy)
+    client = kapitsa_engine(model, len(prompt), tokens, strategy)
     try:
-        _generate(client, prompt, tokens)  # warm-up: compiles every verify length it meets
-        strategy.stats.__init__()
-        result = _generate(client, prompt, tokens)
+        generate(client, prompt, tokens)  # warm-up: compiles every verify length it meets
+        strategy.stats = SpeculativeStats()  # count the timed run only
+        result = generate(client, prompt, tokens)
     finally:
         client.close()
     return dict(
@@ -135,10 +107,10 @@ def _time_spec(model, prompt, tokens, max_draft) -> dict:
 
 
 def _time_plain(model, prompt, tokens) -> dict:
-    client = _engine(model, tokens, prompt)
+    client = kapitsa_engine(model, len(prompt), tokens)
     try:
-        _generate(client, prompt, 8)
-        return _generate(client, prompt, tokens)
+        generate(client, prompt, 8)
+        return generate(client, prompt, tokens)
     finally:
         client.close()
 
