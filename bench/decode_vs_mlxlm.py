@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import gc
 import json
+import statistics
 import time
 
 import mlx.core as mx
@@ -207,10 +208,11 @@ def generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
     return asyncio.run(run())
 
 
-def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
+def _time_kapitsa(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
+    """`warmup`: the prompt of the warm-up request (default: `prompt`)."""
     client = kapitsa_engine(model, len(prompt), tokens)
     try:
-        generate(client, prompt, 8)  # warm-up: kernels compile, buffers allocate
+        generate(client, warmup or prompt, 8)  # warm-up: kernels compile, buffers allocate
         result = generate(client, prompt, tokens)
     finally:
         client.close()
@@ -218,10 +220,31 @@ def _time_kapitsa(model, prompt: list[int], tokens: int) -> dict:
     return result
 
 
-def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
+def _drop_traces(model) -> None:
+    for _, sub in model.named_modules():
+        sub.__dict__.pop("_compiled_steps", None)
+
+
+def _time_kapitsa_fused(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
+    """`_time_kapitsa` with KAPITSA_FUSED_NORMS on for this run only (an A/B in one process: the
+    compiled traces made under the other setting are dropped on both sides)."""
+    from kapitsa.engine import qlinear
+
+    qlinear.FUSED_NORMS["on"] = True
+    qlinear.probe_kernels()
+    _drop_traces(model)
+    try:
+        timed = _time_kapitsa(model, prompt, tokens, warmup)
+        return dict(timed, fused_working=qlinear.WORKING.get("fused"))
+    finally:
+        qlinear.FUSED_NORMS["on"] = False
+        _drop_traces(model)
+
+
+def _time_mlxlm(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
     from mlx_lm.generate import generate_step
 
-    def run(tokens: int = tokens) -> dict:
+    def run(tokens: int = tokens, prompt: list[int] = prompt) -> dict:
         start = time.perf_counter()
         first = None
         n = 0
@@ -238,7 +261,7 @@ def _time_mlxlm(model, prompt: list[int], tokens: int) -> dict:
             prefill_tok_s=len(prompt) / (first - start),
         )
 
-    run(8)
+    run(8, warmup or prompt)
     return run()
 
 
@@ -268,41 +291,77 @@ def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -
     return out
 
 
-def _summary(rows: list[dict]) -> None:
-    """Median decode/prefill tok/s per (shape, prompt, engine) and the kapitsa / mlx-lm ratio."""
-    import statistics
-
-    keys = sorted({(r["shape"], r["prompt"]) for r in rows}, key=str)
-    for shape, plen in keys:
-        med = {}
-        for engine in ("kapitsa", "mlx-lm"):
-            mine = [r for r in rows if (r["shape"], r["prompt"], r["engine"]) == (shape, plen, engine)]
-            med[engine] = {
-                k: statistics.median(r[k] for r in mine) for k in ("decode_tok_s", "prefill_tok_s")
-            }
-        ratio = med["kapitsa"]["decode_tok_s"] / med["mlx-lm"]["decode_tok_s"]
-        weights_gb = next(r["weights_gb"] for r in rows if r["shape"] == shape)
-        # dense models read every weight once per token; MoE models only the routed experts
-        dense = not {"num_experts", "n_routed_experts"} & SHAPES[shape][1].keys()
-        stream = weights_gb * med["kapitsa"]["decode_tok_s"] if dense else None
-        print(
-            json.dumps(
-                dict(
-                    summary=shape,
-                    prompt=plen,
-                    kapitsa_decode=round(med["kapitsa"]["decode_tok_s"], 1),
-                    mlxlm_decode=round(med["mlx-lm"]["decode_tok_s"], 1),
-                    decode_ratio=round(ratio, 2),
-                    kapitsa_weight_gb_s=None if stream is None else round(stream, 1),
-                    share_of_measured_limit=None
-                    if stream is None
-                    else round(stream / MEASURED_LIMIT_GB_S, 3),
-                    kapitsa_prefill=round(med["kapitsa"]["prefill_tok_s"], 1),
-                    mlxlm_prefill=round(med["mlx-lm"]["prefill_tok_s"], 1),
-                )
-            ),
-            flush=True,
+def _prefill_rows(name: str, models: dict, timers: dict, plen: int, vocab: int, sizes: dict) -> list[dict]:
+    """One prefill of `plen` tokens per engine (2 tokens decoded: the decode figure is not kept),
+    after a warm-up of one 2048-token chunk (both engines prefill in chunks of 2048)."""
+    prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
+    rows = []
+    for engine in ("mlx-lm", "kapitsa"):
+        result = timers[engine](models[engine], prompt, 2, prompt[:2048])
+        row = dict(
+            shape=name,
+            engine=engine,
+            prompt=plen,
+            round=0,
+            weights_gb=round(sizes[engine], 2),
+            prefill_only=True,
+            ttft_s=result["ttft_s"],
+            prefill_tok_s=result["prefill_tok_s"],
         )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _median(rows: list[dict], key: str, **match) -> float | None:
+    mine = [r[key] for r in rows if all(r.get(k) == v for k, v in match.items())]
+    return statistics.median(mine) if mine else None
+
+
+def _decode_summary(rows: list[dict], shape: str, plen: int) -> dict:
+    """Medians of one (shape, prompt) decode comparison, the ratio and the weight bandwidth."""
+    kapitsa = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="kapitsa")
+    mlxlm = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="mlx-lm")
+    fused = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="kapitsa-fused")
+    weights_gb = next(r["weights_gb"] for r in rows if r["shape"] == shape)
+    # dense models read every weight once per token; MoE models only the routed experts
+    dense = not {"num_experts", "n_routed_experts"} & SHAPES.get(shape, ("", {}))[1].keys()
+    stream = weights_gb * kapitsa if dense else None
+    out = dict(
+        summary=shape,
+        prompt=plen,
+        kapitsa_decode=round(kapitsa, 1),
+        mlxlm_decode=round(mlxlm, 1),
+        decode_ratio=round(kapitsa / mlxlm, 2),
+        kapitsa_weight_gb_s=None if stream is None else round(stream, 1),
+        share_of_measured_limit=None if stream is None else round(stream / MEASURED_LIMIT_GB_S, 3),
+        kapitsa_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="kapitsa"), 1),
+        mlxlm_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="mlx-lm"), 1),
+    )
+    if fused is not None:
+        out.update(kapitsa_fused_decode=round(fused, 1), fused_ratio=round(fused / mlxlm, 2))
+    return out
+
+
+def _summary(rows: list[dict]) -> None:
+    """Median decode/prefill tok/s per (shape, prompt, engine) and the kapitsa / mlx-lm ratio;
+    prefill-only rows (`--prefill-prompts`) get their own lines."""
+    decode = [r for r in rows if "decode_tok_s" in r]
+    for shape, plen in sorted({(r["shape"], r["prompt"]) for r in decode}, key=str):
+        print(json.dumps(_decode_summary(decode, shape, plen)), flush=True)
+    prefill = [r for r in rows if r.get("prefill_only")]
+    for shape, plen in sorted({(r["shape"], r["prompt"]) for r in prefill}, key=str):
+        match = dict(shape=shape, prompt=plen, prefill_only=True)
+        kapitsa = _median(prefill, "prefill_tok_s", engine="kapitsa", **match)
+        mlxlm = _median(prefill, "prefill_tok_s", engine="mlx-lm", **match)
+        line = dict(
+            summary=f"{shape} prefill",
+            prompt=plen,
+            kapitsa_prefill=round(kapitsa, 1),
+            mlxlm_prefill=round(mlxlm, 1),
+            prefill_ratio=round(kapitsa / mlxlm, 2),
+        )
+        print(json.dumps(line), flush=True)
 
 
 def main() -> None:
@@ -321,6 +380,16 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=256)
     ap.add_argument("--spec-rounds", type=int, default=None, help="default: --rounds")
     ap.add_argument("--spec-draft", type=int, default=DEFAULT_MAX_DRAFT, help="longest n-gram draft")
+    ap.add_argument(
+        "--fused-ab", action="store_true", help="also time kapitsa with KAPITSA_FUSED_NORMS on, interleaved"
+    )
+    ap.add_argument(
+        "--prefill-prompts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time prefill alone at these prompt lengths (one round per engine, 2 tokens)",
+    )
     args = ap.parse_args()
     table = TINY if args.tiny else SHAPES
     if args.tiny:
@@ -333,12 +402,17 @@ def main() -> None:
         vocab = dims.get("vocab_size", 512)
         # Both models stay loaded and are timed in alternation, `--rounds` times each: the host's
         # speed drifts within a run on a shared machine, so compare medians of interleaved runs.
+        built_from = time.perf_counter()
         models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
         timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
+        if args.fused_ab:
+            models["kapitsa-fused"] = models["kapitsa"]
+            timers["kapitsa-fused"] = _time_kapitsa_fused
         sizes = {
             e: sum(v.nbytes for _, v in nn.utils.tree_flatten(m.parameters())) / 1e9
             for e, m in models.items()
         }
+        print(json.dumps(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1))), flush=True)
         for plen in args.prompts:
             prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
             for rnd in range(args.rounds):
@@ -353,6 +427,8 @@ def main() -> None:
                     )
                     rows.append(result)
                     print(json.dumps(result), flush=True)
+        for plen in args.prefill_prompts:
+            rows += _prefill_rows(name, models, timers, plen, vocab, sizes)
         if name in args.verify_shapes:
             verify = dict(
                 shape=name, engine="kapitsa", **_verify_cost(models["kapitsa"], prompt, args.verify_sizes)

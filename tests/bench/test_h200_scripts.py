@@ -37,6 +37,22 @@ def test_decode_vs_mlxlm_times_both_engines_interleaved(tmp_path: Path) -> None:
     assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
 
 
+def test_decode_vs_mlxlm_fused_ab_and_prefill_only(tmp_path: Path) -> None:
+    """--fused-ab adds a kapitsa-fused run per round (the flag is back off afterwards);
+    --prefill-prompts adds one prefill-only row per engine."""
+    rows = _run(
+        [
+            "bench/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+            "--fused-ab", "--prefill-prompts", "16",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert [r["engine"] for r in rows if not r.get("prefill_only")] == ["mlx-lm", "kapitsa", "kapitsa-fused"]
+    prefill = [r for r in rows if r.get("prefill_only")]
+    assert [(r["engine"], r["prompt"]) for r in prefill] == [("mlx-lm", 16), ("kapitsa", 16)]
+    assert all(r["prefill_tok_s"] > 0 for r in prefill)
+
+
 def test_decode_profile_splits_a_step(tmp_path: Path) -> None:
     rows = _run(
         ["-m", "bench.decode_profile", "--shapes", "nemotron-30b-a3b", "--steps", "2", "--prompt", "4"],
@@ -66,3 +82,19 @@ def test_edit_speculation_writes_the_true_answer_with_long_accepted_drafts(tmp_p
     assert spec["kapitsa-spec"]["tokens_per_step"] > 2.0 and spec["kapitsa-spec"]["acceptance"] > 0.5
     verify = next(r for r in rows if "verify_ms_T3" in r)
     assert verify["verify_ms_T3"] > 0 and verify["rollback_ms_T3"] > 0
+
+
+def test_pick_knobs_keeps_a_setting_only_when_it_beats_the_default() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from pick_knobs import pick
+
+    def line(knob: str, plain: float, fused: float | None = None) -> str:
+        return json.dumps(dict(knob=knob, summary="4b", kapitsa_decode=plain, kapitsa_fused_decode=fused))
+
+    noise = ["mlx 0.32.4 on gpu", json.dumps(dict(knob="default", shape="4b", decode_tok_s=1.0))]
+    assert pick([*noise, line("default", 200.0), line("MLX_USE_CUDA_GRAPHS=0", 260.0, 250.0)]) == (
+        "MLX_USE_CUDA_GRAPHS=0"
+    )
+    assert pick([line("default", 200.0, 240.0), line("MLX_USE_CUDA_GRAPHS=0", 230.0)]) is None
+    assert pick([line("default", 200.0), line("MLX_MAX_OPS_PER_BUFFER=1000", 202.0)]) is None
+    assert pick(noise) is None

@@ -377,3 +377,51 @@ def test_speculation_prices_verify_steps_by_backend() -> None:
     assert strategy._cost_curve() == expected
     assert gpu_cost_curve(4)[0] == 1.0 and min(gpu_cost_curve(4)[1:]) >= 1.5
     assert SpeculativeDecode(lambda: None, max_draft=1, cost_curve=[1.0, 3.0])._cost_curve() == [1.0, 3.0]
+
+
+class _WidthSpy:
+    """Wraps a strategy's `_pad_drafts`: records (verify width, room) per row of every forward."""
+
+    def __init__(self, strategy: SpeculativeDecode) -> None:
+        self.rows: list[tuple[int, int]] = []
+        pad = strategy._pad_drafts
+
+        def spy(sequences, drafts):
+            padded = pad(sequences, drafts)
+            for seq, draft in zip(sequences, padded, strict=True):
+                self.rows.append((1 + len(draft), seq.max_tokens - len(seq.output_ids) - 1))
+            return padded
+
+        strategy._pad_drafts = spy
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+async def test_drafts_padded_to_verify_widths_keep_the_plain_output(kind: str) -> None:
+    """With verify widths (what GPUs use), every verify forward is 2, 4 or 8 tokens wide unless a
+    row's max_tokens leaves less room, padded rows never emit past max_tokens, and greedy output
+    alone and batched is still the plain one."""
+    model = tiny_model(kind)
+    plain = await _plain_outputs(model)
+    refs = _references(plain)
+    strategy = SpeculativeDecode(
+        lambda: OracleDrafter(refs, seed=5), name="oracle", max_draft=7, verify_widths=(2, 4, 8)
+    )
+    spy = _WidthSpy(strategy)
+    alone, together = await _alone_and_batched(model, strategy)
+    assert alone == plain and together == plain
+    assert all(len(ids) == N_TOKENS for ids in alone + together)
+    assert spy.rows and all(w <= room + 1 for w, room in spy.rows)  # padding stays inside max_tokens
+    assert {w for w, _ in spy.rows} - {2, 4, 8} <= {w for w, room in spy.rows if w == room + 1}
+    assert any(w == 8 for w, _ in spy.rows) and any(w in (2, 4) for w, _ in spy.rows)
+    assert 0 < strategy.stats.accepted <= strategy.stats.proposed
+
+
+def test_verify_widths_follow_max_draft_and_backend() -> None:
+    import mlx.core as mx
+
+    widths = SpeculativeDecode(lambda: None, max_draft=7, verify_widths=(2, 4, 8, 16))
+    assert widths._widths() == (2, 4, 8) and widths._width_for(3) == 4 and widths._width_for(8) == 8
+    assert SpeculativeDecode(lambda: None, max_draft=5, verify_widths=(2, 4, 8))._widths() == (2, 4, 6)
+    assert SpeculativeDecode(lambda: None, max_draft=5, verify_widths=())._width_for(3) == 3
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    assert bool(SpeculativeDecode(lambda: None, max_draft=7)._widths()) == on_gpu  # CPU: exact widths

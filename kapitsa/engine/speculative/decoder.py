@@ -32,6 +32,12 @@ from kapitsa.engine.speculative.controller import (
 from kapitsa.engine.speculative.drafter import Drafter
 from kapitsa.engine.speculative.tree import DraftTree
 
+# On a GPU every new verify width compiles kernels (templated on their row count) and a trace per
+# layer, which cost seconds on a large model's first requests. A verify of 2-8 tokens costs about
+# the same as one of 2 there (docs/bench/decode-h200.md), so drafts are padded up to one of these
+# widths (capped at max_draft + 1): three shapes to compile instead of seven.
+GPU_VERIFY_WIDTHS = (2, 4, 8, 16)
+
 
 @dataclass
 class _SequenceState:
@@ -66,6 +72,10 @@ class SpeculativeDecode:
     adaptive: choose each sequence's draft length from running acceptance (else always max_draft).
     cost_curve: verify cost c(T) relative to a decode step, T = 1..max_draft+1; None picks the
         measured GPU curve on a GPU, the bandwidth-only default elsewhere.
+    verify_widths: the verify widths (1 + draft tokens) drafts are padded up to; None picks
+        GPU_VERIFY_WIDTHS on a GPU and no padding elsewhere, () turns padding off. Padding is
+        exact: a padded position is verified like any draft token (kept only if it is the token
+        the target picks), and it never lets a row emit more than its max_tokens.
     """
 
     make_drafter: Callable[[], Drafter]
@@ -74,6 +84,7 @@ class SpeculativeDecode:
     adaptive: bool = True
     tree: bool = False  # verify a draft tree (drafters with `propose_tree`) instead of a chain
     cost_curve: list[float] | None = None
+    verify_widths: tuple[int, ...] | None = None
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     _states: dict[int, _SequenceState] = field(default_factory=dict)
     _plain: PlainDecode = field(default_factory=PlainDecode)
@@ -112,8 +123,10 @@ class SpeculativeDecode:
         taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
         if not any(drafts) and not needs_hidden and not taps:
             picks = self._plain.step(runner, cache, sequences)
-            self._count(picks, drafts)
+            self._count(picks, [0] * len(picks))
             return picks
+        proposed = [len(d) for d in drafts]  # the drafters' own tokens, before padding
+        drafts = self._pad_drafts(sequences, drafts)
         width = 1 + max(len(d) for d in drafts)
         rows = [
             [seq.output_ids[-1], *d] + [0] * (width - 1 - len(d))
@@ -133,8 +146,8 @@ class SpeculativeDecode:
             )
             picks.append(tokens)
             drops.append(len(draft) - accepted)
-            if draft:
-                state.controller.update(len(draft), accepted)
+            if proposed[b]:  # padding says nothing about the drafter: it is not counted
+                state.controller.update(proposed[b], min(accepted, proposed[b]))
             if normed is not None or taps:
                 kept = accepted + 1
                 state.drafter.after_verify(
@@ -143,7 +156,7 @@ class SpeculativeDecode:
                     {i: out.taps[i][b, :kept] for i in taps},
                 )
         cache.rollback(drops)
-        self._count(picks, drafts)
+        self._count(picks, proposed)
         return picks
 
     def _step_tree(
@@ -179,7 +192,7 @@ class SpeculativeDecode:
                     {i: out.taps[i][b][index] for i in taps},
                 )
         cache.commit_path(paths)
-        self._count(picks, [list(t.tokens[1:]) for t in trees])
+        self._count(picks, [len(t) - 1 for t in trees])
         return picks
 
     def _propose_tree(self, state: _SequenceState) -> DraftTree:
@@ -191,13 +204,15 @@ class SpeculativeDecode:
             return propose(seq.all_ids, max(budget, 0))
         return DraftTree.chain(seq.output_ids[-1], state.drafter.propose(seq.all_ids, max(budget, 0)).tokens)
 
-    def _count(self, picks: list[list[SampledToken]], drafts: list[list[int]]) -> None:
+    def _count(self, picks: list[list[SampledToken]], proposed: list[int]) -> None:
+        """`proposed`: each row's drafted tokens (padding excluded; an accepted pad counts as
+        an emitted token, not as an accepted draft)."""
         s = self.stats
         s.steps += 1
         s.rows += len(picks)
         s.emitted += sum(len(p) for p in picks)
-        s.proposed += sum(len(d) for d in drafts)
-        s.accepted += sum(len(p) - 1 for p, d in zip(picks, drafts, strict=True) if d)
+        s.proposed += sum(proposed)
+        s.accepted += sum(min(len(p) - 1, n) for p, n in zip(picks, proposed, strict=True))
 
     def _state(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(id(seq))
@@ -225,7 +240,35 @@ class SpeculativeDecode:
         k = min(state.controller.choose(len(seq.output_ids)) if self.adaptive else self.max_draft, room)
         if k <= 0 and not getattr(state.drafter, "needs_hidden", False):
             return []
+        if k > 0 and getattr(state.drafter, "extends_free", False):
+            k = min(self._width_for(1 + k) - 1, room)  # the padding's places, filled by real drafts
         return list(state.drafter.propose(seq.all_ids, max(k, 0)).tokens)
+
+    def _widths(self) -> tuple[int, ...]:
+        widths = self.verify_widths
+        if widths is None:
+            widths = GPU_VERIFY_WIDTHS if backend() else ()
+        if not widths:
+            return ()
+        top = self.max_draft + 1
+        return tuple(sorted({w for w in widths if 1 < w < top} | {top}))
+
+    def _width_for(self, width: int) -> int:
+        """The verify width a forward of `width` tokens is padded up to."""
+        return next((w for w in self._widths() if w >= width), width)
+
+    def _pad_drafts(self, sequences: Seq[Sequence], drafts: list[list[int]]) -> list[list[int]]:
+        """Every row's draft padded to the batch's verify width (repeating its last token) as far as
+        the row's max_tokens allows: equal rows take the compiled chain path, not the ragged one."""
+        if not self._widths():
+            return drafts
+        width = self._width_for(1 + max(len(d) for d in drafts))
+        padded = []
+        for seq, draft in zip(sequences, drafts, strict=True):
+            room = seq.max_tokens - len(seq.output_ids) - 1
+            fill = draft[-1] if draft else seq.output_ids[-1]
+            padded.append(draft + [fill] * max(0, min(width - 1, room) - len(draft)))
+        return padded
 
 
 def _plain_greedy(sampler: SequenceSampler) -> bool:

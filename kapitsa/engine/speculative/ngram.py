@@ -17,6 +17,7 @@ class NGramDrafter:
     """
 
     name = "ngram"
+    extends_free = True  # a longer proposal costs nothing: the decoder fills padding with it
 
     def __init__(self, *, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
