@@ -225,19 +225,23 @@ def _drop_traces(model) -> None:
         sub.__dict__.pop("_compiled_steps", None)
 
 
+FUSED_AB = {"parts": "all"}  # --fused-ab PARTS
+
+
 def _time_kapitsa_fused(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
     """`_time_kapitsa` with KAPITSA_FUSED_NORMS on for this run only (an A/B in one process: the
     compiled traces made under the other setting are dropped on both sides)."""
     from kapitsa.engine import qlinear
 
-    qlinear.FUSED_NORMS["on"] = True
+    before = dict(qlinear.FUSED_NORMS)
+    qlinear.FUSED_NORMS.update(qlinear._fused_setting(FUSED_AB["parts"]))
     qlinear.probe_kernels()
     _drop_traces(model)
     try:
         timed = _time_kapitsa(model, prompt, tokens, warmup)
-        return dict(timed, fused_working=qlinear.WORKING.get("fused"))
+        return dict(timed, fused_working=qlinear.WORKING.get("fused"), fused_parts=FUSED_AB["parts"])
     finally:
-        qlinear.FUSED_NORMS["on"] = False
+        qlinear.FUSED_NORMS.update(before)
         _drop_traces(model)
 
 
@@ -293,11 +297,14 @@ def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -
 
 def _prefill_rows(name: str, models: dict, timers: dict, plen: int, vocab: int, sizes: dict) -> list[dict]:
     """One prefill of `plen` tokens per engine (2 tokens decoded: the decode figure is not kept),
-    after a warm-up of one 2048-token chunk (both engines prefill in chunks of 2048)."""
+    after a warm-up prefill of the same length with other tokens: every chunk offset's kernels
+    are compiled before the timed run (session 5 warmed up on one chunk only, and kapitsa's 8k
+    figures came out 3-5x below its 512-token ones per token)."""
     prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
+    warmup = [(i * 104729) % (vocab - 10) + 5 for i in range(plen)]
     rows = []
     for engine in ("mlx-lm", "kapitsa"):
-        result = timers[engine](models[engine], prompt, 2, prompt[:2048])
+        result = timers[engine](models[engine], prompt, 2, warmup)
         row = dict(
             shape=name,
             engine=engine,
@@ -381,7 +388,12 @@ def main() -> None:
     ap.add_argument("--spec-rounds", type=int, default=None, help="default: --rounds")
     ap.add_argument("--spec-draft", type=int, default=DEFAULT_MAX_DRAFT, help="longest n-gram draft")
     ap.add_argument(
-        "--fused-ab", action="store_true", help="also time kapitsa with KAPITSA_FUSED_NORMS on, interleaved"
+        "--fused-ab",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="PARTS",
+        help="also time kapitsa with KAPITSA_FUSED_NORMS=PARTS (default all), interleaved",
     )
     ap.add_argument(
         "--prefill-prompts",
@@ -406,6 +418,7 @@ def main() -> None:
         models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
         timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
         if args.fused_ab:
+            FUSED_AB["parts"] = args.fused_ab
             models["kapitsa-fused"] = models["kapitsa"]
             timers["kapitsa-fused"] = _time_kapitsa_fused
         sizes = {

@@ -3,15 +3,18 @@
 #   bash bench/h200_all.sh knobs        4B decode (kapitsa default and with fused norms, mlx-lm) under
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
-#   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~3 min)
+#   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa with
 #                                       and without fused norms, mlx-lm, interleaved), prefill at 8192
 #                                       tokens, verify cost per T (27b), edit speculation (1 round)
 # Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
 # the "summary" lines last. Run after .gpu/ is staged (docs in ../shared/gpu/README.md): source
 # .gpu/b/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
-# same machine compile less. KNOB_SETTINGS overrides the settings the knobs part tries.
+# same machine compile less. KNOB_SETTINGS overrides the settings the knobs part tries; the
+# *_TIMEOUT variables the limits (seconds).
 set -u
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root" && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
 out=${OUT:-.}
 py=${PY:-python3}
 part=${1:?which part: knobs, tests, or shapes (27b 35b-a3b 4b nemotron-30b-a3b)}
@@ -25,7 +28,7 @@ case "$part" in
     for setting in ${KNOB_SETTINGS:-default MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=1000}; do
       env_args=()
       [ "$setting" != default ] && env_args=("$setting")
-      env "${env_args[@]}" timeout 150 $py bench/decode_vs_mlxlm.py --shapes 4b --tokens 64 --prompts 512 \
+      env "${env_args[@]}" timeout "${KNOB_TIMEOUT:-200}" $py bench/decode_vs_mlxlm.py --shapes 4b --tokens 64 --prompts 512 \
         --rounds 2 --fused-ab 2>&1 | sed "s/^{/{\"knob\": \"$setting\", /" >> "$out/knobs.log"
       grep '"summary"' "$out/knobs.log" | tail -1
     done
@@ -33,11 +36,16 @@ case "$part" in
     echo "kept: $(cat "$knobs_file")"
     ;;
   tests)
-    for f in tests/engine/test_qlinear.py tests/kernels/test_qmv_tc.py tests/kernels/test_qmv_direct.py \
-             tests/models/test_compiled_decode.py; do
-      timeout 80 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf "$f" >> "$out/tests.log" 2>&1
-      echo "$f: $(tail -1 "$out/tests.log")"
-    done
+    # The gpu-marked tests of the mat-vec kernels and routes (their NVRTC compiles take most of the
+    # time: ~30 tests a minute on a cold machine), then the compiled decode/verify paths on the GPU.
+    # -rf --tb=line names every failure; a part cut by its timeout prints no summary line.
+    timeout "${TESTS_TIMEOUT:-330}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
+      tests/engine/test_qlinear.py tests/kernels/test_qmv_tc.py tests/kernels/test_qmv_direct.py \
+      tests/kernels/test_gdn_prefill.py tests/kernels/test_mamba_kernel.py > "$out/tests.log" 2>&1
+    tail -3 "$out/tests.log"
+    timeout "${COMPILED_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line \
+      tests/models/test_compiled_decode.py >> "$out/tests.log" 2>&1
+    tail -3 "$out/tests.log"
     ;;
   *)
     for shape in "$@"; do

@@ -29,9 +29,9 @@ def pick(lines: list[str]) -> str | None:
         row = json.loads(line)
         if "summary" in row and "knob" in row:
             scores[row["knob"]] = best_decode(row)
-    if not scores:
-        return None
-    default = scores.get("default", 0.0)
+    if "default" not in scores:
+        return None  # nothing to compare with (a run that timed out keeps the default)
+    default = scores["default"]
     knob, score = max(scores.items(), key=lambda item: item[1])
     return knob if knob != "default" and score > MARGIN * default else None
 

@@ -2,6 +2,20 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def on_cpu():
+    """Run the test on MLX's CPU device wherever it runs (the float32 references of CPU-side tests,
+    e.g. kernel emulators and routing logic, would otherwise run in the GPU's matmul precision)."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)

@@ -57,15 +57,27 @@ WORKING: dict[str, bool] = {}
 PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1}
 
 
-def _opted_in(variable: str) -> bool:
-    return os.environ.get(variable, "0").strip() == "1"
+# KAPITSA_FUSED_NORMS=1 runs norms, MLP activations and residual adds inside the one-row mat-vecs;
+# a comma list of FUSED_PARTS ("norm,residual") fuses only those. Off by default: timed on the H200
+# (docs/bench/decode-h200.md, session 5) it made the MoE shapes 4-10% faster and the dense ones
+# 18-30% slower, in the same processes; the parts are separate switches to find which part costs.
+FUSED_PARTS = ("norm", "residual", "act")
 
 
-# KAPITSA_FUSED_NORMS=1 runs norms, MLP activations and residual adds inside the one-row mat-vecs.
-# Off by default until timed in the model on the H200 (the policy for kernel families too): it is
-# verified (emulation, nvcc, model-level tests with the reference) but was written after the
-# session's device time was spent.
-FUSED_NORMS = {"on": _opted_in("KAPITSA_FUSED_NORMS")}
+def _fused_setting(value: str) -> dict:
+    value = value.strip().lower()
+    if value in ("", "0", "off", "none"):
+        return {"on": False, "parts": frozenset(FUSED_PARTS)}
+    if value in ("1", "all", "on"):
+        return {"on": True, "parts": frozenset(FUSED_PARTS)}
+    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
+    unknown = parts - set(FUSED_PARTS)
+    if unknown:
+        _log.warning("KAPITSA_FUSED_NORMS: unknown parts %s ignored (known: %s)", sorted(unknown), FUSED_PARTS)
+    return {"on": bool(parts - unknown), "parts": parts - unknown}
+
+
+FUSED_NORMS = _fused_setting(os.environ.get("KAPITSA_FUSED_NORMS", ""))
 
 
 def routes_enabled() -> bool:
@@ -168,10 +180,12 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
-def _fusable(linear: nn.Module, x: mx.array) -> bool:
-    """Whether `linear(x)` is a one-row call on the direct route that the fused kernel may take."""
+def _fusable(linear: nn.Module, x: mx.array, part: str) -> bool:
+    """Whether `linear(x)` is a one-row call on the direct route that the fused kernel may take
+    with `part` (one of FUSED_PARTS) switched on."""
     return (
         FUSED_NORMS["on"]
+        and part in FUSED_NORMS["parts"]
         and isinstance(linear, RoutedQuantizedLinear)
         and "bias" not in linear
         and WORKING.get("fused", False)
@@ -192,7 +206,7 @@ def _fused_call(linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array
 def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
     """`linear(norm(x))`: one kernel at decode (the RMSNorm inside the one-row mat-vec) where the
     fused route takes it (CUDA, a plain `nn.RMSNorm`, a routed 1-row direct call), else as written."""
-    if type(norm) is nn.RMSNorm and _fusable(linear, x):
+    if type(norm) is nn.RMSNorm and _fusable(linear, x, "norm"):
         weight = norm.weight
         if supports_fused(x.reshape(1, -1), linear["weight"].shape[0], weight, None):
             return _fused_call(linear, x, norm=(weight, norm.eps))
@@ -202,7 +216,7 @@ def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
 def linear_plus(linear: nn.Module, h: mx.array, residual: mx.array) -> mx.array:
     """`residual + linear(h)`: the add in the one-row mat-vec's epilogue where the fused route
     takes it, else as written."""
-    if _fusable(linear, h) and residual.shape[:-1] == h.shape[:-1]:
+    if _fusable(linear, h, "residual") and residual.shape[:-1] == h.shape[:-1]:
         flat = residual.reshape(1, -1)
         if supports_fused(h.reshape(1, -1), linear["weight"].shape[0], None, flat):
             return _fused_call(linear, h, residual=flat).reshape(residual.shape)
@@ -217,11 +231,11 @@ def act_linear_plus(
     as the one-row mat-vec loads x and the add is in its epilogue."""
     k = x.shape[-1] // 2 if act == "silu_glu" else x.shape[-1]
     product_input = x[..., :k]  # the shape the product sees, for the route checks
-    if _fusable(linear, product_input) and residual.shape[:-1] == x.shape[:-1]:
+    if _fusable(linear, product_input, "act") and residual.shape[:-1] == x.shape[:-1]:
         flat = residual.reshape(1, -1)
         if supports_fused(product_input.reshape(1, -1), linear["weight"].shape[0], None, flat):
             return _fused_call(linear, x, residual=flat, act=act).reshape(residual.shape)
-    return residual + linear(fallback(x))
+    return linear_plus(linear, fallback(x), residual)
 
 
 def route_quantized_linears(model: nn.Module) -> int:

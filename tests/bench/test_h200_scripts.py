@@ -43,11 +43,12 @@ def test_decode_vs_mlxlm_fused_ab_and_prefill_only(tmp_path: Path) -> None:
     rows = _run(
         [
             "bench/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
-            "--fused-ab", "--prefill-prompts", "16",
+            "--fused-ab", "norm,residual", "--prefill-prompts", "16",
         ],
         tmp_path,
     )  # fmt: skip
     assert [r["engine"] for r in rows if not r.get("prefill_only")] == ["mlx-lm", "kapitsa", "kapitsa-fused"]
+    assert rows[2]["fused_parts"] == "norm,residual"
     prefill = [r for r in rows if r.get("prefill_only")]
     assert [(r["engine"], r["prompt"]) for r in prefill] == [("mlx-lm", 16), ("kapitsa", 16)]
     assert all(r["prefill_tok_s"] > 0 for r in prefill)
@@ -98,3 +99,4 @@ def test_pick_knobs_keeps_a_setting_only_when_it_beats_the_default() -> None:
     assert pick([line("default", 200.0, 240.0), line("MLX_USE_CUDA_GRAPHS=0", 230.0)]) is None
     assert pick([line("default", 200.0), line("MLX_MAX_OPS_PER_BUFFER=1000", 202.0)]) is None
     assert pick(noise) is None
+    assert pick([line("MLX_USE_CUDA_GRAPHS=0", 150.0)]) is None  # the default's run timed out

@@ -28,7 +28,7 @@ def test_reclassing_keeps_parameters_and_is_idempotent() -> None:
     assert before.keys() == after.keys() and all(mx.array_equal(before[k], after[k]).item() for k in before)
 
 
-def test_off_cuda_it_is_the_stock_layer() -> None:
+def test_off_cuda_it_is_the_stock_layer(on_cpu) -> None:
     model = _model()
     x = mx.random.normal((3, 128))
     ref = model(x)
@@ -38,7 +38,7 @@ def test_off_cuda_it_is_the_stock_layer() -> None:
 
 
 @pytest.fixture
-def forced(monkeypatch) -> list:
+def forced(monkeypatch, on_cpu) -> list:
     """Routes on (as on CUDA) with the v2 kernel probed good and replaced by its reference;
     records the kernel calls."""
     calls = []
@@ -153,6 +153,7 @@ def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> N
     MLX's stock quantized mat-mul, in bf16 as the models run."""
     mx.random.seed(1)
     layer = nn.QuantizedLinear(1024, 768, bias=True, group_size=64, bits=bits)
+    layer.set_dtype(mx.bfloat16)  # bf16 scales and biases, as the models' layers have
     x = mx.random.normal((1, rows, 1024)).astype(mx.bfloat16)
     ref = layer(x).astype(mx.float32)
     qlinear.route_quantized_linears(nn.Sequential(layer))
@@ -175,7 +176,7 @@ def test_kernels_env_without_qmv_keeps_the_stock_mat_vec(forced, monkeypatch) ->
 
 
 @pytest.fixture
-def fused_route(monkeypatch) -> list:
+def fused_route(monkeypatch, on_cpu) -> list:
     """Routes on with the direct and fused kernels probed good, run by their reference; records
     each kernel call's name, rows and which parts were fused."""
     calls = []
@@ -251,11 +252,37 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, a
         assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())
 
 
-def test_fused_norms_are_opt_in(monkeypatch) -> None:
-    monkeypatch.delenv("KAPITSA_FUSED_NORMS", raising=False)
-    assert not qlinear._opted_in("KAPITSA_FUSED_NORMS")  # off until timed on the H200
-    monkeypatch.setenv("KAPITSA_FUSED_NORMS", "1")
-    assert qlinear._opted_in("KAPITSA_FUSED_NORMS")
+def test_fused_norms_are_opt_in_and_take_a_list_of_parts(caplog) -> None:
+    everything = frozenset(qlinear.FUSED_PARTS)
+    assert qlinear._fused_setting("") == {"on": False, "parts": everything}  # slower on dense shapes
+    assert qlinear._fused_setting("0")["on"] is False
+    assert qlinear._fused_setting("1") == {"on": True, "parts": everything}
+    assert qlinear._fused_setting(" norm, residual ") == {"on": True, "parts": {"norm", "residual"}}
+    assert qlinear._fused_setting("norms") == {"on": False, "parts": frozenset()}
+    assert "unknown parts ['norms']" in caplog.text
+
+
+@pytest.mark.parametrize("parts", [("norm",), ("residual",), ("norm", "residual"), ("act",)])
+def test_each_fused_part_switches_alone(fused_route, monkeypatch, parts) -> None:
+    """With only some parts on, only those fuse; the rest run as written, with the same result."""
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(parts))
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    linear, down = model.layers
+    norm = nn.RMSNorm(128)
+    x, res = mx.random.normal((1, 1, 128)), mx.random.normal((1, 1, 64))
+    assert mx.allclose(qlinear.normed_linear(norm, linear, x), linear(norm(x)), atol=1e-4).item()
+    assert mx.allclose(qlinear.linear_plus(linear, x, res), res + linear(x), atol=1e-4).item()
+    up, h = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 32))
+    relu2 = lambda v: mx.square(mx.maximum(v, 0))  # noqa: E731
+    got = qlinear.act_linear_plus(down, up, h, "relu2", relu2)
+    assert mx.allclose(got, h + down(relu2(up)), atol=1e-4).item()
+    fused = [c for c in fused_route if c[0] == "fused"]
+    expected = [("fused", 1, ("norm",))] if "norm" in parts else []
+    expected += [("fused", 1, ("residual",))] if "residual" in parts else []
+    expected += [("fused", 1, ("residual",))] if "residual" in parts and "act" not in parts else []
+    expected += [("fused", 1, ("act", "residual"))] if "act" in parts else []
+    assert fused == expected
 
 
 def test_the_opt_in_fused_kernel_is_not_probed_when_off(monkeypatch) -> None:

@@ -86,7 +86,7 @@ def test_fused_variants_compile(eps, resid, act) -> None:
     "dtype,rows,n,k,gs,bits",
     [(mx.bfloat16, 1, 20, 640, 64, 4), (mx.float32, 3, 9, 1152, 32, 8), (mx.float16, 2, 16, 256, 128, 4)],
 )
-def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, dtype, rows, n, k, gs, bits) -> None:
+def test_emulated_kernel_matches_reference(on_cpu, monkeypatch, tmp_path, dtype, rows, n, k, gs, bits) -> None:
     """N not a multiple of the block's rows, K past one round of 32 chunks and not a multiple of
     UNROLL rounds (640 4-bit values = 20 chunks; 1152 8-bit = 72 chunks = 3 rounds)."""
     q, s, b = _weights(n, k, gs, bits)
@@ -105,7 +105,7 @@ def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, dtype, rows, n
     "dtype,rows,norm,resid",
     [(mx.bfloat16, 1, True, False), (mx.bfloat16, 1, False, True), (mx.float32, 3, True, True)],
 )
-def test_emulated_fused_norm_and_residual(monkeypatch, tmp_path, dtype, rows, norm, resid) -> None:
+def test_emulated_fused_norm_and_residual(on_cpu, monkeypatch, tmp_path, dtype, rows, norm, resid) -> None:
     """RMSNorm before the product and the residual add after it, in the kernel, against the ops."""
     n, k, gs, bits = 20, 640, 64, 4
     q, s, b = _weights(n, k, gs, bits)
@@ -126,7 +126,7 @@ def test_emulated_fused_norm_and_residual(monkeypatch, tmp_path, dtype, rows, no
 @pytest.mark.parametrize(
     "dtype,rows,act", [(mx.bfloat16, 1, "silu_glu"), (mx.float32, 2, "silu_glu"), (mx.bfloat16, 1, "relu2")]
 )
-def test_emulated_activation_prologue(monkeypatch, tmp_path, dtype, rows, act) -> None:
+def test_emulated_activation_prologue(on_cpu, monkeypatch, tmp_path, dtype, rows, act) -> None:
     """SwiGLU (x rows = [gate | up]) or relu^2 made on load, then the product and the residual."""
     n, k, gs, bits = 20, 640, 64, 4
     q, s, b = _weights(n, k, gs, bits)
