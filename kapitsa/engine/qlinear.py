@@ -73,7 +73,9 @@ def _fused_setting(value: str) -> dict:
     parts = frozenset(p.strip() for p in value.split(",") if p.strip())
     unknown = parts - set(FUSED_PARTS)
     if unknown:
-        _log.warning("KAPITSA_FUSED_NORMS: unknown parts %s ignored (known: %s)", sorted(unknown), FUSED_PARTS)
+        _log.warning(
+            "KAPITSA_FUSED_NORMS: unknown parts %s ignored (known: %s)", sorted(unknown), FUSED_PARTS
+        )
     return {"on": bool(parts - unknown), "parts": parts - unknown}
 
 

@@ -467,10 +467,10 @@ def test_falls_back_to_reference_off_gpu() -> None:
 def test_supports_routes_only_small_affine_batches(monkeypatch) -> None:
     monkeypatch.setattr(moe, "backend", lambda: "cuda")
     x1, x8, x9 = (mx.zeros((m, 2048), mx.bfloat16) for m in (1, 8, 9))
-    idx = {m: mx.zeros((m, 8), mx.uint32) for m in (1, 8, 9)}
+    idx = {m: mx.zeros((m, 9), mx.uint32) for m in (1, 8, 9)}  # top-8 + a folded shared expert
     assert moe.supports(x1, idx[1], group_size=64, bits=4)
-    assert moe.supports(x8, idx[8], group_size=128, bits=8)  # 64 pairs: the limit
-    assert not moe.supports(x9, idx[9], group_size=64, bits=4)  # 72 pairs: gather_qmm
+    assert moe.supports(x8, idx[8], group_size=128, bits=8)  # 72 pairs: the limit
+    assert not moe.supports(x9, idx[9], group_size=64, bits=4)  # 81 pairs: gather_qmm
     assert not moe.supports(x1, idx[1], group_size=64, bits=6)
     assert not moe.supports(x1, idx[1], group_size=16, bits=4)
     assert not moe.supports(x1, idx[1].astype(mx.int64), group_size=64, bits=4)

@@ -86,7 +86,9 @@ def test_fused_variants_compile(eps, resid, act) -> None:
     "dtype,rows,n,k,gs,bits",
     [(mx.bfloat16, 1, 20, 640, 64, 4), (mx.float32, 3, 9, 1152, 32, 8), (mx.float16, 2, 16, 256, 128, 4)],
 )
-def test_emulated_kernel_matches_reference(on_cpu, monkeypatch, tmp_path, dtype, rows, n, k, gs, bits) -> None:
+def test_emulated_kernel_matches_reference(
+    on_cpu, monkeypatch, tmp_path, dtype, rows, n, k, gs, bits
+) -> None:
     """N not a multiple of the block's rows, K past one round of 32 chunks and not a multiple of
     UNROLL rounds (640 4-bit values = 20 chunks; 1152 8-bit = 72 chunks = 3 rounds)."""
     q, s, b = _weights(n, k, gs, bits)

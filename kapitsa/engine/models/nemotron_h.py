@@ -33,6 +33,7 @@ from kapitsa.engine.models.base import (
     require,
 )
 from kapitsa.engine.models.nemotron_weights import sanitize_nemotron
+from kapitsa.engine.moe_fold import fold_shared_mlp, shared_slots
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm, relu_squared
@@ -328,8 +329,25 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(a.hidden_size, a.moe_latent_size, bias=a.mlp_bias)
             self.fc2_latent_proj = nn.Linear(a.moe_latent_size, a.hidden_size, bias=a.mlp_bias)
 
+    def fuse(self) -> bool:
+        """For inference (fuse_model): the shared experts appended to the routed experts' stacks
+        at score 1 (kapitsa.engine.moe_fold); not with a latent MoE, whose experts work in
+        another width than the shared ones."""
+        if "shared_experts" not in self or "fc1_latent_proj" in self or "shared_fold" in self.__dict__:
+            return False
+        mlp = self.shared_experts
+        folded = fold_shared_mlp(self.switch_mlp, {"fc1": mlp.up_proj}, {"fc2": mlp.down_proj})
+        if folded is None:
+            return False
+        delattr(self, "shared_experts")
+        object.__setattr__(self, "shared_fold", folded)  # (first expert, count): not a parameter
+        return True
+
     def __call__(self, x: mx.array) -> mx.array:
         inds, weights = self.gate(x)
+        folded = self.__dict__.get("shared_fold")
+        if folded is not None:  # the shared experts ride along as experts at score 1
+            inds, weights = shared_slots(inds, weights, *folded, 1.0)
         routed_in = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
         if kernels.enabled("moe"):  # routed experts' weights read once per step (kernels/moe.py)
             y = routed_experts(self.switch_mlp, routed_in, inds, weights)

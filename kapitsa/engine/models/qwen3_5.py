@@ -34,6 +34,7 @@ from kapitsa.engine.models.base import (
     require,
 )
 from kapitsa.engine.models.qwen_weights import sanitize_qwen
+from kapitsa.engine.moe_fold import fold_shared_mlp, shared_slots, split_rows
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.gated_delta import fast_kernel_works, gated_delta, gdn_decay, l2norm_qk
 from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
@@ -353,18 +354,54 @@ class SparseMoe(nn.Module):
         self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
 
+    ROUTER = ("gate", "shared_expert_gate")
+
+    def fuse(self) -> bool:
+        """For inference (fuse_model): the router and the shared expert's gate as one mat-vec,
+        and the shared expert appended to the routed experts' stacks (kapitsa.engine.moe_fold)."""
+        fused = fuse_into(self, self.ROUTER, "router_proj")
+        return self._fold_shared_expert() or fused
+
+    def _fold_shared_expert(self) -> bool:
+        if "shared_expert" not in self or "shared_fold" in self.__dict__:
+            return False
+        mlp = self.shared_expert
+        gate_up = _gate_and_up(mlp)
+        folded = gate_up and fold_shared_mlp(
+            self.switch_mlp, {"gate_proj": gate_up[0], "up_proj": gate_up[1]}, {"down_proj": mlp.down_proj}
+        )
+        if not folded:
+            return False
+        delattr(self, "shared_expert")
+        object.__setattr__(self, "shared_fold", folded)  # (first expert, count): not a parameter
+        return True
+
     def __call__(self, x: mx.array) -> mx.array:
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        logits, shared_logit = projections(self, x, self.ROUTER, "router_proj")
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         inds = topk_indices(probs, self.top_k)
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
         scores = scores.astype(x.dtype)
+        folded = self.__dict__.get("shared_fold")
+        if folded is not None:  # the shared expert rides along as expert(s) at its gate's score
+            inds, scores = shared_slots(inds, scores, *folded, mx.sigmoid(shared_logit))
         if kernels.enabled("moe"):  # routed experts' weights read once per step (kernels/moe.py)
             routed = routed_experts(self.switch_mlp, x, inds, scores)
         else:
             routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
-        return routed + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if folded is not None:
+            return routed
+        return routed + mx.sigmoid(shared_logit) * self.shared_expert(x)
+
+
+def _gate_and_up(mlp: MLP) -> tuple[nn.Module, nn.Module] | None:
+    """The MLP's gate and up projections (views of the fused one's row halves); None if fused unquantized."""
+    if "gate_up_proj" not in mlp:
+        return mlp.gate_proj, mlp.up_proj
+    halves = split_rows(mlp.gate_up_proj, 2) if isinstance(mlp.gate_up_proj, nn.QuantizedLinear) else None
+    return None if halves is None else (halves[0], halves[1])
 
 
 class DecoderLayer(nn.Module):
