@@ -220,31 +220,6 @@ def _time_kapitsa(model, prompt: list[int], tokens: int, warmup: list[int] | Non
     return result
 
 
-def _drop_traces(model) -> None:
-    for _, sub in model.named_modules():
-        sub.__dict__.pop("_compiled_steps", None)
-
-
-FUSED_AB = {"parts": "all"}  # --fused-ab PARTS
-
-
-def _time_kapitsa_fused(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
-    """`_time_kapitsa` with KAPITSA_FUSED_NORMS on for this run only (an A/B in one process: the
-    compiled traces made under the other setting are dropped on both sides)."""
-    from kapitsa.engine import qlinear
-
-    before = dict(qlinear.FUSED_NORMS)
-    qlinear.FUSED_NORMS.update(qlinear._fused_setting(FUSED_AB["parts"]))
-    qlinear.probe_kernels()
-    _drop_traces(model)
-    try:
-        timed = _time_kapitsa(model, prompt, tokens, warmup)
-        return dict(timed, fused_working=qlinear.WORKING.get("fused"), fused_parts=FUSED_AB["parts"])
-    finally:
-        qlinear.FUSED_NORMS.update(before)
-        _drop_traces(model)
-
-
 def _time_mlxlm(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
     from mlx_lm.generate import generate_step
 
@@ -329,11 +304,9 @@ def _decode_summary(rows: list[dict], shape: str, plen: int) -> dict:
     """Medians of one (shape, prompt) decode comparison, the ratio and the weight bandwidth."""
     kapitsa = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="kapitsa")
     mlxlm = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="mlx-lm")
-    fused = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="kapitsa-fused")
     weights_gb = next(r["weights_gb"] for r in rows if r["shape"] == shape)
     # dense models read every weight once per token; MoE models only the routed experts
-    dense = not {"num_experts", "n_routed_experts"} & SHAPES.get(shape, ("", {}))[1].keys()
-    stream = weights_gb * kapitsa if dense else None
+    stream = None if _is_moe(shape) else weights_gb * kapitsa
     out = dict(
         summary=shape,
         prompt=plen,
@@ -345,9 +318,18 @@ def _decode_summary(rows: list[dict], shape: str, plen: int) -> dict:
         kapitsa_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="kapitsa"), 1),
         mlxlm_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="mlx-lm"), 1),
     )
-    if fused is not None:
-        out.update(kapitsa_fused_decode=round(fused, 1), fused_ratio=round(fused / mlxlm, 2))
+    variants = sorted(
+        {r["engine"] for r in rows if r["shape"] == shape and r["engine"].startswith("kapitsa-")}
+    )
+    for engine in variants:  # kapitsa-fused -> kapitsa_fused_decode, fused_ratio
+        tok_s = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine=engine)
+        name = engine.removeprefix("kapitsa-")
+        out.update({f"kapitsa_{name}_decode": round(tok_s, 1), f"{name}_ratio": round(tok_s / mlxlm, 2)})
     return out
+
+
+def _is_moe(shape: str) -> bool:
+    return bool({"num_experts", "n_routed_experts"} & SHAPES.get(shape, ("", {}))[1].keys())
 
 
 def _summary(rows: list[dict]) -> None:
@@ -372,6 +354,8 @@ def _summary(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    from variants import add_variants  # beside this script (decode_profile imports this module as bench.*)
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=128)
@@ -396,6 +380,17 @@ def main() -> None:
         help="also time kapitsa with KAPITSA_FUSED_NORMS=PARTS (default all), interleaved",
     )
     ap.add_argument(
+        "--kernels-ab",
+        default=None,
+        metavar="FAMILIES",
+        help="also time kapitsa with KAPITSA_KERNELS=FAMILIES",
+    )
+    ap.add_argument(
+        "--fold-ab",
+        action="store_true",
+        help="MoE shapes: also time a copy whose shared experts stay unfolded",
+    )
+    ap.add_argument(
         "--prefill-prompts",
         type=int,
         nargs="*",
@@ -417,10 +412,7 @@ def main() -> None:
         built_from = time.perf_counter()
         models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
         timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
-        if args.fused_ab:
-            FUSED_AB["parts"] = args.fused_ab
-            models["kapitsa-fused"] = models["kapitsa"]
-            timers["kapitsa-fused"] = _time_kapitsa_fused
+        add_variants(args, models, timers, lambda config=config: _kapitsa_model(config), moe=_is_moe(name))
         sizes = {
             e: sum(v.nbytes for _, v in nn.utils.tree_flatten(m.parameters())) / 1e9
             for e, m in models.items()

@@ -7,7 +7,8 @@
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa with
 #                                       and without the fused parts $FUSED_AB (default norm,residual),
 #                                       mlx-lm, interleaved), prefill at 8192 tokens, verify cost per T
-#                                       (27b, nemotron), edit speculation (1 round)
+#                                       (27b, nemotron), edit speculation (1 round); the MoE shapes
+#                                       also unfolded shared experts, Nemotron the Mamba-2 kernel
 # Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
 # the "summary" lines last. Run after .gpu/ is staged (docs in ../shared/gpu/README.md): source
 # .gpu/b/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
@@ -52,7 +53,9 @@ case "$part" in
     for shape in "$@"; do
       verify=()
       [ "$shape" = 27b ] && verify=(--verify-shapes 27b --verify-sizes 1 2 4 8 12 16)
-      [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 2 4 8)
+      [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 2 4 8
+        --kernels-ab gdn,moe,qmv,mamba)  # the Mamba-2 kernel, never timed in the model
+      case "$shape" in 35b-a3b | nemotron-30b-a3b) verify+=(--fold-ab) ;; esac  # shared experts folded or not
       timeout "${SHAPE_TIMEOUT:-290}" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
         --rounds 2 --fused-ab "${FUSED_AB:-norm,residual}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \

@@ -54,6 +54,22 @@ def test_decode_vs_mlxlm_fused_ab_and_prefill_only(tmp_path: Path) -> None:
     assert all(r["prefill_tok_s"] > 0 for r in prefill)
 
 
+def test_decode_vs_mlxlm_kernel_and_fold_variants(tmp_path: Path) -> None:
+    """--kernels-ab times the same model under other kernel families; --fold-ab an unfolded copy
+    (MoE shapes), whose shared experts stay separate MLPs while the default's are folded."""
+    rows = _run(
+        [
+            "bench/decode_vs_mlxlm.py", "--shapes", "35b-a3b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+            "--kernels-ab", "gdn,qmv", "--fold-ab",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    engines = [r["engine"] for r in rows]
+    assert engines == ["mlx-lm", "kapitsa", "kapitsa-kernels", "kapitsa-unfolded"]
+    assert rows[2]["kernels"] == "gdn,qmv" and rows[3]["folded"] is False
+    assert all(r["decode_tok_s"] > 0 for r in rows)
+
+
 def test_decode_profile_splits_a_step(tmp_path: Path) -> None:
     rows = _run(
         ["-m", "bench.decode_profile", "--shapes", "nemotron-30b-a3b", "--steps", "2", "--prompt", "4"],
@@ -99,4 +115,8 @@ def test_pick_knobs_keeps_a_setting_only_when_it_beats_the_default() -> None:
     assert pick([line("default", 200.0, 240.0), line("MLX_USE_CUDA_GRAPHS=0", 230.0)]) is None
     assert pick([line("default", 200.0), line("MLX_MAX_OPS_PER_BUFFER=1000", 202.0)]) is None
     assert pick(noise) is None
+    kernels = json.dumps(
+        dict(knob="default", summary="4b", kapitsa_decode=100.0, kapitsa_kernels_decode=300.0)
+    )
+    assert pick([kernels, line("MLX_USE_CUDA_GRAPHS=0", 200.0)]) is None  # the default's variant was best
     assert pick([line("MLX_USE_CUDA_GRAPHS=0", 150.0)]) is None  # the default's run timed out

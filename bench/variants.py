@@ -1,0 +1,92 @@
+"""kapitsa settings timed beside its defaults in one process (`decode_vs_mlxlm.py --fused-ab,
+--kernels-ab, --fold-ab`): each variant is one more engine in the interleaved rounds, so the host's
+drift within a run falls on all of them alike.
+
+A variant changes what the models trace (fused mat-vec parts, kernel families) or how the engine
+prepares the model (shared-expert folding), so its timer drops the model's compiled traces before
+and after its runs, and `--fold-ab` times a second copy of the model that is never folded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+Timer = Callable[..., dict]
+
+
+def drop_traces(model) -> None:
+    for _, sub in model.named_modules():
+        sub.__dict__.pop("_compiled_steps", None)
+
+
+@contextlib.contextmanager
+def fused_parts(parts: str) -> Iterator[dict]:
+    """KAPITSA_FUSED_NORMS=parts for the block (the kernels' probe runs first)."""
+    from kapitsa.engine import qlinear
+
+    before = dict(qlinear.FUSED_NORMS)
+    qlinear.FUSED_NORMS.update(qlinear._fused_setting(parts))
+    qlinear.probe_kernels()
+    try:
+        yield {"fused_parts": parts, "fused_working": qlinear.WORKING.get("fused")}
+    finally:
+        qlinear.FUSED_NORMS.update(before)
+
+
+@contextlib.contextmanager
+def kernel_families(families: str) -> Iterator[dict]:
+    """KAPITSA_KERNELS=families for the block (read when a model traces its steps)."""
+    before = os.environ.get("KAPITSA_KERNELS")
+    os.environ["KAPITSA_KERNELS"] = families
+    try:
+        yield {"kernels": families}
+    finally:
+        if before is None:
+            os.environ.pop("KAPITSA_KERNELS", None)
+        else:
+            os.environ["KAPITSA_KERNELS"] = before
+
+
+@contextlib.contextmanager
+def unfolded() -> Iterator[dict]:
+    """Shared experts kept as separate MLPs when the engine prepares the model."""
+    from kapitsa.engine import moe_fold
+
+    before = moe_fold.FOLD["on"]
+    moe_fold.FOLD["on"] = False
+    try:
+        yield {"folded": False}
+    finally:
+        moe_fold.FOLD["on"] = before
+
+
+def timed_with(setting: Callable[[], contextlib.AbstractContextManager], timer: Timer) -> Timer:
+    """`timer` run inside `setting()`, the model's traces dropped on both sides; the setting's
+    description joins the result."""
+
+    def run(model, prompt, tokens, warmup=None) -> dict:
+        with setting() as described:
+            drop_traces(model)
+            try:
+                return dict(timer(model, prompt, tokens, warmup), **described)
+            finally:
+                drop_traces(model)
+
+    return run
+
+
+def add_variants(args, models: dict, timers: dict, build_kapitsa: Callable[[], object], *, moe: bool) -> None:
+    """Register the variants `args` asks for next to models["kapitsa"] / timers["kapitsa"]."""
+    base = timers["kapitsa"]
+    if args.fused_ab:
+        models["kapitsa-fused"] = models["kapitsa"]
+        timers["kapitsa-fused"] = timed_with(lambda: fused_parts(args.fused_ab), base)
+    if args.kernels_ab:
+        models["kapitsa-kernels"] = models["kapitsa"]
+        timers["kapitsa-kernels"] = timed_with(lambda: kernel_families(args.kernels_ab), base)
+    if args.fold_ab and moe:
+        with unfolded():
+            models["kapitsa-unfolded"] = build_kapitsa()
+        timers["kapitsa-unfolded"] = timed_with(unfolded, base)
