@@ -11,7 +11,7 @@ from engine_standins import EOS, ByteTokenizer, tiny_model  # noqa: I001
 from kapitsa.engine.cache import HybridCache
 from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.speculative.decoder import SpeculativeDecode
+from kapitsa.engine.speculative.decoder import GPU_VERIFY_WIDTHS, SpeculativeDecode
 from kapitsa.engine.speculative.drafter import Draft
 from kapitsa.engine.speculative.factory import make_decode_strategy
 from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
@@ -23,6 +23,10 @@ PROMPTS = [
     "The quick brown fox. The quick brown fox. The quick",
 ]
 N_TOKENS = 24
+
+# A GPU pads drafts to verify widths (GPU_VERIFY_WIDTHS); the CPU doesn't. The drafters that read
+# the target's hidden states or keep their own caches run both ways here.
+PADDING = pytest.mark.parametrize("widths", [None, GPU_VERIFY_WIDTHS], ids=["backend", "padded"])
 
 
 class OracleDrafter:
@@ -110,12 +114,14 @@ async def test_greedy_speculation_equals_plain_alone_and_batched(kind: str) -> N
     assert oracle.accepted > 0 and oracle.tokens_per_step > 1.2  # drafts really were accepted
 
 
+@PADDING
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
-async def test_draft_model_drafter_equals_plain(kind: str) -> None:
+async def test_draft_model_drafter_equals_plain(kind: str, widths) -> None:
     model = tiny_model(kind)
     plain = await _plain_outputs(model)
     # The target drafting for itself accepts everything; output must still be the plain one.
     strategy = make_decode_strategy("draft", draft_model=model, draft_tokens=4)
+    strategy.verify_widths = widths
     client = _client(model, strategy)
     try:
         got = [(await _run(client, p))[0] for p in PROMPTS]
@@ -187,7 +193,8 @@ def test_unknown_and_unavailable_modes_are_clear_errors() -> None:
         make_decode_strategy("draft")
 
 
-async def test_mtp_drafter_equals_plain(tmp_path) -> None:
+@PADDING
+async def test_mtp_drafter_equals_plain(tmp_path, widths) -> None:
     from kapitsa.engine.loading import load_model
     from kapitsa.engine.tiny import write_tiny_checkpoint
 
@@ -196,6 +203,7 @@ async def test_mtp_drafter_equals_plain(tmp_path) -> None:
     assert model.mtp is not None
     plain = await _plain_outputs(model)
     strategy = make_decode_strategy("auto", target_model=model)
+    strategy.verify_widths = widths
     assert strategy.name == "mtp"
     alone, together = await _alone_and_batched(model, strategy)
     assert alone == plain
@@ -232,8 +240,9 @@ def _write_dflash(folder, hidden: int, target_layers: list[int], mask_token_id: 
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
 
 
+@PADDING
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
-async def test_block_drafter_equals_plain(kind: str, tmp_path) -> None:
+async def test_block_drafter_equals_plain(kind: str, tmp_path, widths) -> None:
     from kapitsa.engine.speculative.dflash import load_dflash
 
     model = tiny_model(kind)
@@ -241,6 +250,7 @@ async def test_block_drafter_equals_plain(kind: str, tmp_path) -> None:
     _write_dflash(tmp_path / "dflash", hidden=64, target_layers=[1, 2], mask_token_id=2)
     drafter = load_dflash(tmp_path / "dflash")
     strategy = make_decode_strategy("block", target_model=model, block_drafter=drafter)
+    strategy.verify_widths = widths
     alone, together = await _alone_and_batched(model, strategy)
     assert alone == plain
     assert together == plain
