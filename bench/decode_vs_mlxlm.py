@@ -388,7 +388,7 @@ def main() -> None:
     ap.add_argument(
         "--fold-ab",
         action="store_true",
-        help="MoE shapes: also time a copy whose shared experts stay unfolded",
+        help="MoE shapes: also time a copy with shared experts folded",
     )
     ap.add_argument(
         "--prefill-prompts",

@@ -8,7 +8,7 @@
 #                                       and without the fused parts $FUSED_AB (default norm,residual),
 #                                       mlx-lm, interleaved), prefill at 8192 tokens, verify cost per T
 #                                       (27b, nemotron), edit speculation (1 round); the MoE shapes
-#                                       also unfolded shared experts, Nemotron the Mamba-2 kernel
+#                                       also folded shared experts, Nemotron the Mamba-2 kernel
 # Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
 # the "summary" lines last. Run after .gpu/ is staged (docs in ../shared/gpu/README.md): source
 # .gpu/b/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the

@@ -55,8 +55,8 @@ def test_decode_vs_mlxlm_fused_ab_and_prefill_only(tmp_path: Path) -> None:
 
 
 def test_decode_vs_mlxlm_kernel_and_fold_variants(tmp_path: Path) -> None:
-    """--kernels-ab times the same model under other kernel families; --fold-ab an unfolded copy
-    (MoE shapes), whose shared experts stay separate MLPs while the default's are folded."""
+    """--kernels-ab times the same model under other kernel families; --fold-ab a copy (MoE
+    shapes) prepared with shared-expert folding on."""
     rows = _run(
         [
             "bench/decode_vs_mlxlm.py", "--shapes", "35b-a3b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
@@ -65,8 +65,8 @@ def test_decode_vs_mlxlm_kernel_and_fold_variants(tmp_path: Path) -> None:
         tmp_path,
     )  # fmt: skip
     engines = [r["engine"] for r in rows]
-    assert engines == ["mlx-lm", "kapitsa", "kapitsa-kernels", "kapitsa-unfolded"]
-    assert rows[2]["kernels"] == "gdn,qmv" and rows[3]["folded"] is False
+    assert engines == ["mlx-lm", "kapitsa", "kapitsa-kernels", "kapitsa-folded"]
+    assert rows[2]["kernels"] == "gdn,qmv" and rows[3]["folded"] is True
     assert all(r["decode_tok_s"] > 0 for r in rows)
 
 

@@ -14,6 +14,16 @@ from tests.models.builders import build_ours
 from tests.models.test_fuse import _decode_logits, _quantize
 
 
+@pytest.fixture(autouse=True)
+def fold_on(monkeypatch):
+    monkeypatch.setitem(moe_fold.FOLD, "on", True)  # opt-in until timed on the H200
+
+
+def test_folding_is_opt_in() -> None:
+    assert moe_fold._fold_setting("") is False and moe_fold._fold_setting("0") is False
+    assert moe_fold._fold_setting(" 1 ") is True
+
+
 def _qlinear(out_dims: int, in_dims: int, bits: int = 4, group_size: int = 32) -> nn.QuantizedLinear:
     mx.random.seed(3)
     return nn.QuantizedLinear.from_linear(nn.Linear(in_dims, out_dims, bias=False), group_size, bits)
