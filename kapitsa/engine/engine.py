@@ -365,7 +365,7 @@ class Engine:
             return
         pos = self.batch.cache.offsets[row]
         step = self.checkpoint_interval
-        if pos // step <= seq.last_checkpoint_pos // step or pos > len(seq.all_ids):
+        if pos // step <= seq.last_checkpoint_pos // step or pos > seq.num_tokens:
             return
         seq.last_checkpoint_pos = pos
         cache = self.batch.extract(row)
@@ -378,7 +378,7 @@ class Engine:
 
     def _grow_reservation(self, seq: Sequence) -> None:
         """A request without max_tokens may outgrow its reservation while memory lasts."""
-        if len(seq.all_ids) + 1 <= seq.reserved_tokens:
+        if seq.num_tokens + 1 <= seq.reserved_tokens:
             return
         more = self.memory.sequence_bytes(seq.reserved_tokens + 1024) - seq.reserved_bytes
         if self._make_room(more):

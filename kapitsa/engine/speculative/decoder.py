@@ -201,8 +201,10 @@ class SpeculativeDecode:
         budget = min(state.controller.choose(len(seq.output_ids)) if self.adaptive else self.max_draft, room)
         propose = getattr(state.drafter, "propose_tree", None)
         if propose is not None:
-            return propose(seq.all_ids, max(budget, 0))
-        return DraftTree.chain(seq.output_ids[-1], state.drafter.propose(seq.all_ids, max(budget, 0)).tokens)
+            return propose(seq.token_ids, max(budget, 0))
+        return DraftTree.chain(
+            seq.output_ids[-1], state.drafter.propose(seq.token_ids, max(budget, 0)).tokens
+        )
 
     def _count(self, picks: list[list[SampledToken]], proposed: list[int]) -> None:
         """`proposed`: each row's drafted tokens (padding excluded; an accepted pad counts as
@@ -242,7 +244,7 @@ class SpeculativeDecode:
             return []
         if k > 0 and getattr(state.drafter, "extends_free", False):
             k = min(self._width_for(1 + k) - 1, room)  # the padding's places, filled by real drafts
-        return list(state.drafter.propose(seq.all_ids, max(k, 0)).tokens)
+        return list(state.drafter.propose(seq.token_ids, max(k, 0)).tokens)
 
     def _widths(self) -> tuple[int, ...]:
         widths = self.verify_widths

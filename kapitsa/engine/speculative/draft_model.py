@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kapitsa.engine.speculative.drafter import Draft
+from kapitsa.engine.speculative.drafter import Draft, new_tokens
 from kapitsa.engine.speculative.tree import DraftTree, tree_from_paths
 
 
@@ -27,12 +27,12 @@ class DraftModelDrafter:
         """Nothing to do eagerly: `propose` catches up on whatever was committed."""
 
     def _catch_up(self, context: Sequence[int]) -> mx.array:
-        known = len(self.fed)
-        if known >= len(context) or list(context[:known]) != self.fed:
-            self.cache, self.fed, known = self.model.make_cache(1), [], 0
-        tail = list(context[known:])
+        tail = new_tokens(context, self.fed)
+        if not tail:  # not an extension, or nothing new to take logits from: start over
+            self.cache, self.fed = self.model.make_cache(1), []
+            tail = list(context)
         logits = self.model(mx.array([tail], dtype=mx.int32), self.cache)[0, -1]
-        self.fed = list(context)
+        self.fed.extend(tail)
         return logits
 
     def _greedy_chain(self, first: int, length: int) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kapitsa.engine.speculative.drafter import Draft
+from kapitsa.engine.speculative.drafter import Draft, new_tokens
 from kapitsa.engine.speculative.tree import DraftTree, tree_from_paths
 
 
@@ -41,11 +41,11 @@ class NGramDrafter:
                     self._ends.setdefault(tuple(self._tokens[end - n : end]), []).append(end)
 
     def _sync(self, context: Sequence[int]) -> None:
-        known = len(self._tokens)
-        if known > len(context) or list(context[:known]) != self._tokens:
+        tail = new_tokens(context, self._tokens)
+        if tail is None:
             self.reset(context)
-        elif known < len(context):
-            self.observe(context[known:])
+        elif tail:
+            self.observe(tail)
 
     def _earlier_matches(self) -> list[int]:
         """Start positions of what followed earlier occurrences of the longest matching suffix,
