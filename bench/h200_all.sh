@@ -9,6 +9,12 @@
 #                                       mlx-lm, interleaved), prefill at 8192 tokens, verify cost per T
 #                                       (27b, nemotron), edit speculation (1 round); the MoE shapes
 #                                       also folded shared experts, Nemotron the Mamba-2 kernel
+# Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
+# 64 MiB transfer limit; move the trained checkpoints' *.safetensors (kapitsa/demo, tests/checkpoints/
+# trained) out of the tree for the device calls and back after. mlx-lm travels in .gpu/b:
+# `python3 -m pip download --no-deps -d .gpu/b mlx-lm==0.32.2`, then on the machine, after
+# `source .gpu/b/activate.sh`: `python3 -m pip install -q --no-index --no-deps --target /tmp/mlx-site
+# .gpu/b/mlx_lm-*.whl`. The machine stays warm 30 s between calls: have the next command ready.
 # Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
 # the "summary" lines last. Run after .gpu/ is staged (docs in ../shared/gpu/README.md): source
 # .gpu/b/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
