@@ -270,13 +270,17 @@ def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -
     return out
 
 
+def _prompt(length: int, vocab: int, stride: int = 7919) -> list[int]:
+    """Deterministic token ids spread over the vocabulary (ids 0-4 left out)."""
+    return [(i * stride) % (vocab - 10) + 5 for i in range(length)]
+
+
 def _prefill_rows(name: str, models: dict, timers: dict, plen: int, vocab: int, sizes: dict) -> list[dict]:
     """One prefill of `plen` tokens per engine (2 tokens decoded: the decode figure is not kept),
     after a warm-up prefill of the same length with other tokens: every chunk offset's kernels
     are compiled before the timed run (session 5 warmed up on one chunk only, and kapitsa's 8k
     figures came out 3-5x below its 512-token ones per token)."""
-    prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
-    warmup = [(i * 104729) % (vocab - 10) + 5 for i in range(plen)]
+    prompt, warmup = _prompt(plen, vocab), _prompt(plen, vocab, stride=104729)
     rows = []
     for engine in ("mlx-lm", "kapitsa"):
         result = timers[engine](models[engine], prompt, 2, warmup)
@@ -419,7 +423,7 @@ def main() -> None:
         }
         print(json.dumps(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1))), flush=True)
         for plen in args.prompts:
-            prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(plen)]
+            prompt = _prompt(plen, vocab)
             for rnd in range(args.rounds):
                 for engine, model in models.items():
                     result = dict(

@@ -255,16 +255,17 @@ class SpeculativeDecode:
         top = self.max_draft + 1
         return tuple(sorted({w for w in widths if 1 < w < top} | {top}))
 
-    def _width_for(self, width: int) -> int:
-        """The verify width a forward of `width` tokens is padded up to."""
-        return next((w for w in self._widths() if w >= width), width)
+    def _width_for(self, width: int, widths: tuple[int, ...] | None = None) -> int:
+        """The verify width a forward of `width` tokens is padded up to (`widths`: `_widths()`)."""
+        return next((w for w in (self._widths() if widths is None else widths) if w >= width), width)
 
     def _pad_drafts(self, sequences: Seq[Sequence], drafts: list[list[int]]) -> list[list[int]]:
         """Every row's draft padded to the batch's verify width (repeating its last token) as far as
         the row's max_tokens allows: equal rows take the compiled chain path, not the ragged one."""
-        if not self._widths():
+        widths = self._widths()
+        if not widths:
             return drafts
-        width = self._width_for(1 + max(len(d) for d in drafts))
+        width = self._width_for(1 + max(len(d) for d in drafts), widths)
         padded = []
         for seq, draft in zip(sequences, drafts, strict=True):
             room = seq.max_tokens - len(seq.output_ids) - 1
