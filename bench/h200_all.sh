@@ -4,11 +4,12 @@
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
-#   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa with
-#                                       and without the fused parts $FUSED_AB (default norm,residual),
-#                                       mlx-lm, interleaved), prefill at 8192 tokens, verify cost per T
-#                                       (27b, nemotron), edit speculation (1 round); the MoE shapes
-#                                       also folded shared experts, Nemotron the Mamba-2 kernel
+#   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa at its
+#                                       defaults and with the fused parts $FUSED_AB (default 0: none,
+#                                       the default before session 6), mlx-lm, interleaved), prefill at
+#                                       8192 tokens, verify cost per T (27b, nemotron), edit speculation
+#                                       (1 round); Nemotron also without the Mamba-2 kernel (gdn,moe,qmv),
+#                                       the MoE shapes folded shared experts when FOLD_AB=1
 # Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
 # 64 MiB transfer limit; move the trained checkpoints' *.safetensors (kapitsa/demo, tests/checkpoints/
 # trained) out of the tree for the device calls and back after. mlx-lm travels in .gpu/b:
@@ -60,12 +61,12 @@ case "$part" in
   *)
     for shape in "$@"; do
       verify=()
-      [ "$shape" = 27b ] && verify=(--verify-shapes 27b --verify-sizes 1 2 4 8 12 16)
-      [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 2 4 8
-        --kernels-ab gdn,moe,qmv,mamba)  # the Mamba-2 kernel, never timed in the model
-      case "$shape" in 35b-a3b | nemotron-30b-a3b) verify+=(--fold-ab) ;; esac  # shared experts folded or not
+      [ "$shape" = 27b ] && verify=(--verify-shapes 27b --verify-sizes 1 4 8 16)
+      [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 4 8
+        --kernels-ab gdn,moe,qmv)  # without the Mamba-2 kernel (on by default since session 6)
+      case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
       timeout "${SHAPE_TIMEOUT:-290}" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
-        --rounds 2 --fused-ab "${FUSED_AB:-norm,residual}" --prefill-prompts 8192 "${verify[@]}" \
+        --rounds 2 --fused-ab "${FUSED_AB:-0}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \
         --spec-tokens 256 > "$out/$shape.log" 2>&1
       grep -E 'summary|verify_ms|Error' "$out/$shape.log"

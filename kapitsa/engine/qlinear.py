@@ -57,16 +57,20 @@ WORKING: dict[str, bool] = {}
 PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1}
 
 
-# KAPITSA_FUSED_NORMS=1 runs norms, MLP activations and residual adds inside the one-row mat-vecs;
-# a comma list of FUSED_PARTS ("norm,residual") fuses only those. Off by default: timed on the H200
-# (docs/bench/decode-h200.md, session 5) it made the MoE shapes 4-10% faster and the dense ones
-# 18-30% slower, in the same processes; the parts are separate switches to find which part costs.
+# Norms, MLP activations and residual adds can run inside the one-row mat-vecs (FUSED_PARTS).
+# KAPITSA_FUSED_NORMS unset: DEFAULT_FUSED ("norm,residual"); "1"/"all": every part; "0": none; or
+# a comma list. Timed on the H200 (docs/bench/decode-h200.md, session 5), every part together made
+# the MoE shapes 4-10% faster and the dense ones 18-30% slower: the dense shapes' extra part is the
+# SwiGLU made per x element by every warp of the down projection ("act"), which stays opt-in. The
+# norm prologue and residual epilogue cost little on the device and save two primitives each per
+# layer, at ~3-5 us of host time apiece on that backend (bench/host_costs.py).
 FUSED_PARTS = ("norm", "residual", "act")
+DEFAULT_FUSED = "norm,residual"
 
 
 def _fused_setting(value: str) -> dict:
-    value = value.strip().lower()
-    if value in ("", "0", "off", "none"):
+    value = value.strip().lower() or DEFAULT_FUSED
+    if value in ("0", "off", "none"):
         return {"on": False, "parts": frozenset(FUSED_PARTS)}
     if value in ("1", "all", "on"):
         return {"on": True, "parts": frozenset(FUSED_PARTS)}
@@ -137,7 +141,7 @@ def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
     if rows <= MAX_ROWS:
         if layer.mode != "affine" or not kernels.enabled("qmv"):
             return "stock"
-        args = (x.reshape(rows, x.shape[-1]), layer["weight"], layer["scales"], layer.get("biases"))
+        args = (x, layer["weight"], layer["scales"], layer.get("biases"))
         quant = dict(group_size=layer.group_size, bits=layer.bits)
         if rows == 1 and WORKING.get("direct") and supports_direct(*args, **quant):
             return "direct"
@@ -147,7 +151,7 @@ def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
             return "v2"
         return "stock"
     if rows <= TC_MAX_ROWS and layer.mode == "affine" and kernels.enabled("qmv") and WORKING.get("tc16"):
-        args = (x.reshape(rows, x.shape[-1]), layer["weight"], layer["scales"], layer.get("biases"))
+        args = (x, layer["weight"], layer["scales"], layer.get("biases"))
         if supports_tc(*args, group_size=layer.group_size, bits=layer.bits):
             return "tc"  # long drafts' verification (9-16 rows)
     dense_bytes = layer["weight"].shape[0] * x.shape[-1] * x.dtype.size
@@ -172,11 +176,8 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
                 w, scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode
             )
             y = x @ dense.astype(x.dtype).T
-        else:
-            y = _kernel_call(
-                route, x.reshape(rows, x.shape[-1]), w, scales, biases, self.group_size, self.bits
-            )
-            y = y.reshape(*x.shape[:-1], w.shape[0])
+        else:  # the kernels take x [..., K] and return [..., N]: no reshapes to encode
+            y = _kernel_call(route, x, w, scales, biases, self.group_size, self.bits)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -198,11 +199,16 @@ def _fusable(linear: nn.Module, x: mx.array, part: str) -> bool:
 
 
 def _fused_call(linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array:
-    y = _kernel_call(
-        "fused", x.reshape(1, x.shape[-1]), linear["weight"], linear["scales"], linear["biases"],
-        linear.group_size, linear.bits, **fused,
-    )  # fmt: skip
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return _kernel_call(
+        "fused",
+        x,
+        linear["weight"],
+        linear["scales"],
+        linear["biases"],
+        linear.group_size,
+        linear.bits,
+        **fused,
+    )
 
 
 def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
@@ -210,7 +216,7 @@ def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
     fused route takes it (CUDA, a plain `nn.RMSNorm`, a routed 1-row direct call), else as written."""
     if type(norm) is nn.RMSNorm and _fusable(linear, x, "norm"):
         weight = norm.weight
-        if supports_fused(x.reshape(1, -1), linear["weight"].shape[0], weight, None):
+        if supports_fused(x, linear["weight"].shape[0], weight, None):
             return _fused_call(linear, x, norm=(weight, norm.eps))
     return linear(norm(x))
 
@@ -218,10 +224,12 @@ def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
 def linear_plus(linear: nn.Module, h: mx.array, residual: mx.array) -> mx.array:
     """`residual + linear(h)`: the add in the one-row mat-vec's epilogue where the fused route
     takes it, else as written."""
-    if _fusable(linear, h, "residual") and residual.shape[:-1] == h.shape[:-1]:
-        flat = residual.reshape(1, -1)
-        if supports_fused(h.reshape(1, -1), linear["weight"].shape[0], None, flat):
-            return _fused_call(linear, h, residual=flat).reshape(residual.shape)
+    if (
+        _fusable(linear, h, "residual")
+        and residual.shape[:-1] == h.shape[:-1]
+        and supports_fused(h, linear["weight"].shape[0], None, residual)
+    ):
+        return _fused_call(linear, h, residual=residual)
     return residual + linear(h)
 
 
@@ -233,10 +241,12 @@ def act_linear_plus(
     as the one-row mat-vec loads x and the add is in its epilogue."""
     k = x.shape[-1] // 2 if act == "silu_glu" else x.shape[-1]
     product_input = x[..., :k]  # the shape the product sees, for the route checks
-    if _fusable(linear, product_input, "act") and residual.shape[:-1] == x.shape[:-1]:
-        flat = residual.reshape(1, -1)
-        if supports_fused(product_input.reshape(1, -1), linear["weight"].shape[0], None, flat):
-            return _fused_call(linear, x, residual=flat, act=act).reshape(residual.shape)
+    if (
+        _fusable(linear, product_input, "act")
+        and residual.shape[:-1] == x.shape[:-1]
+        and supports_fused(product_input, linear["weight"].shape[0], None, residual)
+    ):
+        return _fused_call(linear, x, residual=residual, act=act)
     return linear_plus(linear, fallback(x), residual)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -71,7 +73,7 @@ def test_each_route_computes_the_same_product(forced, shape, route, bias) -> Non
     got = layer(x)
     assert got.shape == ref.shape == (*shape[:-1], 64)
     assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item(), float(mx.abs(got - ref).max())
-    assert forced == ([("v2", (shape[0] * shape[1], 128))] if route == "v2" else [])
+    assert forced == ([("v2", shape)] if route == "v2" else [])  # x as it is: no reshape to encode
 
 
 def test_a_kernel_not_probed_good_is_never_routed(forced, monkeypatch) -> None:
@@ -116,7 +118,7 @@ def test_nine_to_sixteen_rows_take_the_two_block_tensor_core_kernel(forced, monk
     assert qlinear.route_for(17, layer, mx.zeros((17, 128))) == "stock"
     got = layer(x)
     assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item()
-    assert forced == [("tc", (12, 128))]
+    assert forced == [("tc", (1, 12, 128))]  # x as it is: no reshape to encode
 
 
 def test_unsupported_bits_take_the_stock_kernel(forced) -> None:
@@ -182,12 +184,14 @@ def fused_route(monkeypatch, on_cpu) -> list:
     calls = []
 
     def kernel(name, x, w, scales, biases, group_size, bits, **fused):
-        calls.append((name, x.shape[0], tuple(sorted(k for k, v in fused.items() if v is not None))))
+        rows = math.prod(x.shape[:-1])
+        calls.append((name, rows, tuple(sorted(k for k, v in fused.items() if v is not None))))
         return qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
 
     monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setitem(qlinear.FUSED_NORMS, "on", True)
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(qlinear.FUSED_PARTS))  # the act part too
     monkeypatch.setattr(
         qlinear, "WORKING", {"direct": True, "tc": False, "v2": False, "tc16": False, "fused": True}
     )
@@ -252,9 +256,10 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, a
         assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())
 
 
-def test_fused_norms_are_opt_in_and_take_a_list_of_parts(caplog) -> None:
+def test_fused_norms_default_to_norm_and_residual_and_take_a_list_of_parts(caplog) -> None:
     everything = frozenset(qlinear.FUSED_PARTS)
-    assert qlinear._fused_setting("") == {"on": False, "parts": everything}  # slower on dense shapes
+    # unset: the norm prologue and residual epilogue; the activation (slower on dense shapes) opt-in
+    assert qlinear._fused_setting("") == {"on": True, "parts": {"norm", "residual"}}
     assert qlinear._fused_setting("0")["on"] is False
     assert qlinear._fused_setting("1") == {"on": True, "parts": everything}
     assert qlinear._fused_setting(" norm, residual ") == {"on": True, "parts": {"norm", "residual"}}

@@ -40,3 +40,30 @@ def test_broken_source_is_caught() -> None:
     kernel = qmv_mod.CudaKernel("broken", ("x",), ("y",), "y[0] = undefined_symbol;")
     ok, _ = compile_source(kernel.render([mx.float32], [mx.float32], []))
     assert not ok
+
+
+def test_compact_source_drops_comments_and_indentation_but_not_code() -> None:
+    """What MLX receives (and hashes at every launch) is the kernel text without comments."""
+    from kapitsa.engine.kernels.cuda import compact_source
+
+    text = '  // a comment line\n\n  int a = 1;  // trailing\n  asm("x // not a comment");\n#define B 2 // note\n'
+    assert compact_source(text) == 'int a = 1;\nasm("x // not a comment");\n#define B 2\n'
+    assert compact_source("// only comments\n\n") == ""
+
+
+def test_every_kernel_file_compacts_to_code_only() -> None:
+    """Compaction keeps every non-comment token of every kernel file (a sloppy cut inside a string
+    or an expression would drop code); the compile tests above build the compacted texts."""
+    import pathlib
+    import re
+
+    from kapitsa.engine.kernels.cuda import SOURCE_DIR, compact_source, read_cuda_source
+
+    for path in sorted(pathlib.Path(SOURCE_DIR).glob("*.cu*")):
+        text = read_cuda_source(path.name)
+        compact = compact_source(text)
+        assert len(compact) < len(text)
+        code = re.sub(
+            r"\s+", "", "".join(line.split("//")[0] for line in text.splitlines() if '"' not in line)
+        )
+        assert code == re.sub(r"\s+", "", "".join(line for line in compact.splitlines() if '"' not in line))

@@ -12,7 +12,7 @@ from kapitsa.engine.kernels import DEFAULT_FAMILIES, enabled
     [
         (None, "gdn", True),
         (None, "moe", True),
-        (None, "mamba", False),  # opt-in until timed in the model on the H200
+        (None, "mamba", True),  # on since session 6 (the CPU set mirrors CUDA's)
         ("all", "mamba", True),
         ("none", "gdn", False),
         ("gdn, mamba", "mamba", True),
@@ -25,7 +25,7 @@ def test_enabled(monkeypatch, value, family, expected) -> None:
     else:
         monkeypatch.setenv("KAPITSA_KERNELS", value)
     assert enabled(family) is expected
-    assert {"gdn", "moe", "qmv"} == DEFAULT_FAMILIES["cuda"]
+    assert {"gdn", "moe", "qmv", "mamba"} == DEFAULT_FAMILIES["cuda"]
 
 
 def test_metal_uses_no_kernel_unless_asked(monkeypatch) -> None:

@@ -6,9 +6,14 @@ MLX wraps a kernel body into `__global__ void name(const T0* in0, ..., T* out0, 
 (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`). `render` reproduces that wrapping.
 
 Kernel bodies and headers live in `cuda_src/` beside this module (`name.cu` a body, `name.cuh`
-the helpers it needs), read with `read_cuda_source`. A file's text goes to MLX as it is (modules
-may substitute a placeholder line, e.g. moe.py's WEIGHT_POINTERS), so `render` shows exactly
-what is compiled.
+the helpers it needs), read with `read_cuda_source`. A file's text goes to MLX with its comments,
+indentation and blank lines removed (`compact_source`; modules may substitute a placeholder line,
+e.g. moe.py's WEIGHT_POINTERS), and `render` shows exactly that.
+
+Why compact: MLX hashes a custom kernel's whole source string at every launch to find its
+compiled module (mlx/backend/cuda/custom_kernel.cpp, `CustomKernel::eval_gpu`). On the H200 a
+launch cost the host ~3.4 us with a short source and ~7.5 us with a 16 KB one
+(bench/host_costs.py), and a decode step launches 150+ of these kernels.
 """
 
 from __future__ import annotations
@@ -41,6 +46,34 @@ _CUDA_TYPES = {
 
 def cuda_type(dtype: mx.Dtype) -> str:
     return _CUDA_TYPES[dtype]
+
+
+def compact_source(text: str) -> str:
+    """The same CUDA text without `//` comments, indentation and blank lines; line breaks stay
+    (preprocessor lines end at them). A `//` inside a string literal (inline asm) is kept."""
+    lines = []
+    for line in text.splitlines():
+        cut = _comment_start(line)
+        code = (line if cut < 0 else line[:cut]).strip()
+        if code:
+            lines.append(code)
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _comment_start(line: str) -> int:
+    """Index of the `//` that starts a comment in `line`, or -1 (quotes tracked, escapes skipped)."""
+    quoted, i = False, 0
+    while i < len(line) - 1:
+        ch = line[i]
+        if ch == "\\" and quoted:
+            i += 2
+            continue
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and line.startswith("//", i):
+            return i
+        i += 1
+    return -1
 
 
 @functools.cache
@@ -107,12 +140,12 @@ class CudaKernel:
         return (
             '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
             "#define inf cuda::std::numeric_limits<float>::infinity()\n"
-            f"{self.header}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
+            f"{compact_source(self.header)}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
             f"__global__ void custom_kernel_{self.name}(\n"
             + ",\n".join(params)
             + ") {\n"
             + "\n".join(consts)
-            + f"\n{self.source}\n}}\n}} // namespace mlx::core::cu\n"
+            + f"\n{compact_source(self.source)}\n}}\n}} // namespace mlx::core::cu\n"
         )
 
 
@@ -122,7 +155,7 @@ def _compiled(kernel: CudaKernel, shared_memory: int):
         name=kernel.name,
         input_names=list(kernel.input_names),
         output_names=list(kernel.output_names),
-        source=kernel.source,
-        header=kernel.header,
+        source=compact_source(kernel.source),
+        header=compact_source(kernel.header),
         shared_memory=shared_memory,
     )

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.qmv import qmv_reference
-from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, supported_affine
+from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, rows_and_k, supported_affine
 
 ACTS = (None, "silu_glu", "relu2")  # the kernel's ACT codes: input activations made on load
 
@@ -88,10 +88,10 @@ def supports_direct(
 
 
 def supports_fused(x: mx.array, n: int, norm_weight: mx.array | None, residual: mx.array | None) -> bool:
-    """Whether the norm weight ([K], x's dtype) and residual ([M, N], x's dtype) fit a call."""
-    rows, k = x.shape
+    """Whether the norm weight ([K], x's dtype) and residual ([..., N] like x's rows, x's dtype) fit a call."""
+    k = x.shape[-1]
     return (norm_weight is None or (norm_weight.shape == (k,) and norm_weight.dtype == x.dtype)) and (
-        residual is None or (residual.shape == (rows, n) and residual.dtype == x.dtype)
+        residual is None or (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype)
     )
 
 
@@ -108,12 +108,12 @@ def qmv_direct(
     residual: mx.array | None = None,
     act: str | None = None,
 ) -> mx.array:
-    """[residual +] [RMSNorm(x; norm) | act(x)] @ dequantize(w)[N, K]^T -> [M, N] in x's dtype,
-    x [M, K] ([M, 2K] for act "silu_glu": gate then up). Callers check `supports_direct` (on the
+    """[residual +] [RMSNorm(x; norm) | act(x)] @ dequantize(w)[N, K]^T -> [..., N] in x's dtype,
+    x [..., K] with M rows ([..., 2K] for act "silu_glu": gate then up; residual [..., N]). Callers check `supports_direct` (on the
     product's input shape) and `supports_fused` for norm / residual; norm and act exclude each other."""
     if norm is not None and act is not None:
         raise ValueError("qmv_direct fuses a norm or an activation before the product, not both")
-    rows, k = x.shape
+    rows, k = rows_and_k(x)
     k = k // 2 if act == "silu_glu" else k
     n = w.shape[0]
     shape = SHAPE_BY_ROWS[rows] if shape is None else shape
@@ -126,7 +126,7 @@ def qmv_direct(
         template=template,
         grid=(grid, 1, 1),
         threadgroup=(block, 1, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(*x.shape[:-1], n)],
         output_dtypes=[x.dtype],
     )[0]
 

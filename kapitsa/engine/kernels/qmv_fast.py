@@ -60,6 +60,13 @@ _METAL_KERNEL = MetalKernel(
 _SHAPE_BY_ROWS = {1: (4, 4), 2: (4, 4), 3: (4, 4), 4: (4, 4), 5: (2, 8), 6: (2, 8), 7: (2, 8), 8: (2, 8)}
 
 
+def rows_and_k(x: mx.array) -> tuple[int, int]:
+    """(rows, K) of a mat-vec input `[..., K]`: the kernels read x as rows of K contiguous values,
+    so callers pass `[B, T, K]` as it is (a reshape is one more primitive for the host to encode
+    on every decode step) and get `[B, T, N]` back."""
+    return math.prod(x.shape[:-1]), x.shape[-1]
+
+
 def chunk_values(bits: int) -> int:
     """Values in one 16-byte chunk of a packed row."""
     return 128 // bits
@@ -83,7 +90,7 @@ def launch_config(
     x: mx.array, n: int, *, group_size: int, bits: int, budget: int | None = None
 ) -> tuple[tuple, int, int, int]:
     """(template arguments, shared bytes, grid threads, block threads) for one call."""
-    rows, k = x.shape
+    rows, k = rows_and_k(x)
     budget = SHARED_BUDGET if budget is None else budget
     return _launch_config(x.dtype, rows, n, k, group_size, bits, budget, _SHAPE_BY_ROWS[rows])
 
@@ -120,7 +127,7 @@ def supports_fast(
     """Whether the v2 kernel can run this call (CUDA or Metal, affine 4/8-bit, shapes it handles)."""
     if backend() not in ("cuda", "metal") or not supported_affine(x, w, scales, biases, group_size, bits):
         return False
-    rows, k = x.shape
+    rows, k = rows_and_k(x)
     # on Metal one round of staged x (32 chunks per row) must fit Apple's 32 KiB
     return backend() == "cuda" or shared_bytes(rows, k, bits, METAL_SHARED_BUDGET) <= METAL_SHARED_BUDGET
 
@@ -134,11 +141,12 @@ def supported_affine(
     bits: int,
     max_rows: int = MAX_ROWS,
 ) -> bool:
-    """Whether a call is one the mat-vec kernels take, whatever the backend: x [1-max_rows, K] in
-    a float dtype, MLX affine 4/8-bit weights with group size 32/64/128, shapes consistent with K."""
-    if biases is None or x.ndim != 2 or w.ndim != 2:
+    """Whether a call is one the mat-vec kernels take, whatever the backend: x [..., K] with 1 to
+    max_rows rows in a float dtype, MLX affine 4/8-bit weights with group size 32/64/128, shapes
+    consistent with K."""
+    if biases is None or x.ndim < 2 or w.ndim != 2:
         return False
-    rows, k = x.shape
+    rows, k = rows_and_k(x)
     return (
         1 <= rows <= max_rows
         and bits in BITS
@@ -154,9 +162,10 @@ def supported_affine(
 def qmv_fast(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int
 ) -> mx.array:
-    """The v2 kernel: x [M, K] @ dequantize(w)[N, K]^T -> [M, N] in x's dtype. Callers check
+    """The v2 kernel: x [..., K] @ dequantize(w)[N, K]^T -> [..., N] in x's dtype. Callers check
     `supports_fast` first (qmv.qmv does, and falls back otherwise)."""
     n = w.shape[0]
+    out_shape = (*x.shape[:-1], n)
     if backend() == "metal":
         template, grid, block = metal_launch_config(x, n, group_size=group_size, bits=bits)
         return _METAL_KERNEL(
@@ -164,7 +173,7 @@ def qmv_fast(
             template=template,
             grid=(grid, 1, 1),
             threadgroup=(block, 1, 1),
-            output_shapes=[(x.shape[0], n)],
+            output_shapes=[out_shape],
             output_dtypes=[x.dtype],
         )[0]
     template, shared, grid, block = launch_config(x, n, group_size=group_size, bits=bits)
@@ -173,7 +182,7 @@ def qmv_fast(
         template=template,
         grid=(grid, 1, 1),
         threadgroup=(block, 1, 1),
-        output_shapes=[(x.shape[0], n)],
+        output_shapes=[out_shape],
         output_dtypes=[x.dtype],
         shared_memory=shared,
     )[0]

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
-from kapitsa.engine.kernels.qmv_fast import supported_affine
+from kapitsa.engine.kernels.qmv_fast import rows_and_k, supported_affine
 
 GROUP_SIZES = (64, 128)
 MAX_ROWS = 16  # two 8-column blocks of B
@@ -89,8 +89,8 @@ def supports_tc(
 
 
 def qmv_tc(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int) -> mx.array:
-    """x [M, K] bf16 @ dequantize(w)[N, K]^T -> [M, N] bf16. Callers check `supports_tc`."""
-    rows, k = x.shape
+    """x [..., K] bf16 (M rows) @ dequantize(w)[N, K]^T -> [..., N] bf16. Callers check `supports_tc`."""
+    rows, k = rows_and_k(x)
     n = w.shape[0]
     template, grid, block = launch_config(rows, n, k, group_size, OPTIONS["tiles"], OPTIONS["exact_q"])
     return _KERNEL(
@@ -98,6 +98,6 @@ def qmv_tc(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, grou
         template=template,
         grid=(grid, 1, 1),
         threadgroup=(block, 1, 1),
-        output_shapes=[(rows, n)],
+        output_shapes=[(*x.shape[:-1], n)],
         output_dtypes=[mx.bfloat16],
     )[0]
