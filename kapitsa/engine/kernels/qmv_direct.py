@@ -42,8 +42,12 @@ _KERNEL = CudaKernel(
 )
 
 # (rows per warp, warps per block, rounds unrolled) by number of input rows. Registers: about
-# R * UNROLL * 6 for the loads in flight plus R * M accumulators.
-SHAPE_BY_ROWS = {m: (2, 4, 4) for m in range(1, MAX_ROWS + 1)}
+# R * UNROLL * 6 for the loads in flight plus R * M accumulators. One row: (4, 4, 2), the fastest
+# of nine shapes over the Qwen3.5-27B's fused mat-vec chain on the H200 (session 6, bench/
+# host_costs.py: 9.22 ms against 9.74 for (2, 4, 4); ptxas: 88-96 registers, no spills). Four rows
+# per warp also halve, per weight, the x-side work of the fused norm prologue, which each warp
+# does once for all its rows.
+SHAPE_BY_ROWS = {m: (4, 4, 2) if m == 1 else (2, 4, 4) for m in range(1, MAX_ROWS + 1)}
 
 
 @functools.cache  # called per mat-vec of every decode step: keep the host work to a dict lookup
