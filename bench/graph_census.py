@@ -24,7 +24,7 @@ from bench.decode_vs_mlxlm import SHAPES, _kapitsa_model
 from bench.host_costs import primitive_histogram
 from kapitsa.engine import kernels, qlinear
 from kapitsa.engine.kernels import cuda as cuda_mod
-from kapitsa.engine.kernels import gdn
+from kapitsa.engine.kernels import gdn, router
 from kapitsa.engine.ops import gated_delta
 from kapitsa.engine.runner import ModelRunner
 from kapitsa.engine.tiny import tiny_config
@@ -60,6 +60,7 @@ def pretend_cuda() -> None:
     gated_delta.fast_kernel_works = lambda: True
     qlinear.probe_kernels = lambda: {name: True for name in qlinear.PROBES}
     qlinear.WORKING.update({name: True for name in qlinear.PROBES})
+    router.WORKING["router"] = True
 
 
 def census(shape: str) -> dict:

@@ -5,11 +5,11 @@
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa at its
-#                                       defaults and with the fused parts $FUSED_AB (default 0: none,
-#                                       the default before session 6), mlx-lm, interleaved), prefill at
-#                                       8192 tokens, verify cost per T (27b, nemotron), edit speculation
-#                                       (1 round); Nemotron also without the Mamba-2 kernel (gdn,moe,qmv),
-#                                       the MoE shapes folded shared experts when FOLD_AB=1
+#                                       defaults and with the fused parts $FUSED_AB (default residual:
+#                                       the norm prologue off), mlx-lm, interleaved), prefill at 8192
+#                                       tokens, verify cost per T (27b, nemotron), edit speculation
+#                                       (1 round); the MoE shapes also with the fused router (family
+#                                       "route"), and folded shared experts when FOLD_AB=1
 # Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
 # 64 MiB transfer limit; move the trained checkpoints' *.safetensors (kapitsa/demo, tests/checkpoints/
 # trained) out of the tree for the device calls and back after. mlx-lm travels in .gpu/b:
@@ -52,7 +52,8 @@ case "$part" in
     # -rf --tb=line names every failure; a part cut by its timeout prints no summary line.
     timeout "${TESTS_TIMEOUT:-330}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
       tests/engine/test_qlinear.py tests/kernels/test_qmv_tc.py tests/kernels/test_qmv_direct.py \
-      tests/kernels/test_gdn_prefill.py tests/kernels/test_mamba_kernel.py > "$out/tests.log" 2>&1
+      tests/kernels/test_gdn_prefill.py tests/kernels/test_mamba_kernel.py tests/kernels/test_router_kernel.py \
+      > "$out/tests.log" 2>&1
     tail -3 "$out/tests.log"
     timeout "${COMPILED_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line \
       tests/models/test_compiled_decode.py >> "$out/tests.log" 2>&1
@@ -62,11 +63,14 @@ case "$part" in
     for shape in "$@"; do
       verify=()
       [ "$shape" = 27b ] && verify=(--verify-shapes 27b --verify-sizes 1 4 8 16)
-      [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 4 8
-        --kernels-ab gdn,moe,qmv)  # without the Mamba-2 kernel (on by default since session 6)
-      case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
+      [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 4 8)
+      case "$shape" in
+        35b-a3b | nemotron-30b-a3b)
+          verify+=(--kernels-ab gdn,moe,qmv,mamba,route)  # the fused MoE router (opt-in, untimed)
+          [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;;
+      esac
       timeout "${SHAPE_TIMEOUT:-290}" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
-        --rounds 2 --fused-ab "${FUSED_AB:-0}" --prefill-prompts 8192 "${verify[@]}" \
+        --rounds 2 --fused-ab "${FUSED_AB:-residual}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \
         --spec-tokens 256 > "$out/$shape.log" 2>&1
       grep -E 'summary|verify_ms|Error' "$out/$shape.log"

@@ -675,6 +675,9 @@ int main() {{
     return EMULATOR_PRELUDE + unit + main
 
 
+_NP_TYPES = {mx.float32: np.float32, mx.uint32: np.uint32, mx.int32: np.int32}
+
+
 class Emulated:
     """Stands in for gdn.CUDA_KERNEL / gdn.METAL_KERNEL: same call, runs the kernel's own source
     on the CPU through g++ (`translate` is cuda_translation or metal_translation)."""
@@ -705,7 +708,8 @@ class Emulated:
                 raw = np.fromfile(run / f"out{i}.bin", np.uint16)
                 outs.append(mx.array(raw).view(dtype).reshape(shape))
             else:
-                outs.append(mx.array(np.fromfile(run / f"out{i}.bin", np.float32)).reshape(shape))
+                raw = np.fromfile(run / f"out{i}.bin", _NP_TYPES.get(dtype, np.float32))
+                outs.append(mx.array(raw).reshape(shape))
         return outs
 
 

@@ -31,7 +31,8 @@ def backend() -> str | None:
 # been compiled or run on Apple hardware yet, so on Metal every family is opt-in: the models run
 # the fused + compiled op path there. Off-GPU (no backend) the kernels fall back to their
 # references anyway; the CUDA set keeps the CPU tests on the same call path as CUDA.
-# "qmv" is the quantized mat-vec routes of kapitsa/engine/qlinear.py (CUDA only).
+# "qmv" is the quantized mat-vec routes of kapitsa/engine/qlinear.py (CUDA only); "route" the fused
+# MoE router (kernels/router.py), opt-in everywhere until timed on the H200.
 DEFAULT_FAMILIES = {
     "cuda": frozenset({"gdn", "moe", "qmv", "mamba"}),
     "metal": frozenset(),
@@ -40,7 +41,7 @@ DEFAULT_FAMILIES = {
 
 
 def enabled(name: str) -> bool:
-    """Whether the model may use kernel family `name` ("gdn", "mamba", "moe", "qmv").
+    """Whether the model may use kernel family `name` ("gdn", "mamba", "moe", "qmv", "route").
 
     `KAPITSA_KERNELS` unset: DEFAULT_FAMILIES of this backend; "all": every family; "none": none;
     else a comma list of the families to use (how the bench A/Bs a kernel against its reference)."""

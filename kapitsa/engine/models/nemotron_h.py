@@ -22,6 +22,7 @@ from kapitsa.engine import kernels
 from kapitsa.engine.cache import KVCache, RecurrentCache, ReplayRecord, StepInfo
 from kapitsa.engine.kernels.mamba import mamba_step, mamba_step_reference
 from kapitsa.engine.kernels.moe import routed_experts
+from kapitsa.engine.kernels.router import route
 from kapitsa.engine.models.base import (
     Attention,
     HybridLM,
@@ -297,6 +298,12 @@ class Router(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         a = self.a
+        if (a.n_group <= 1 or a.topk_group >= a.n_group) and kernels.enabled("route"):
+            inds, weights, _ = route(
+                x, self.weight, experts=a.n_routed_experts, top_k=a.num_experts_per_tok, mode="sigmoid",
+                bias=self.e_score_correction_bias, normalize=a.norm_topk_prob, scale=a.routed_scaling_factor,
+            )  # fmt: skip
+            return inds, weights
         scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
         choice = scores + self.e_score_correction_bias.astype(mx.float32)
         if a.n_group > 1:

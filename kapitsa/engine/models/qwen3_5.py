@@ -23,6 +23,7 @@ from kapitsa.engine.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, projection_views
 from kapitsa.engine.kernels.gdn_prefill import gdn_chain
 from kapitsa.engine.kernels.moe import routed_experts
+from kapitsa.engine.kernels.router import plain_weight, route
 from kapitsa.engine.models.base import (
     Attention,
     HybridLM,
@@ -348,7 +349,11 @@ class SparseMoe(nn.Module):
 
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.top_k, self.norm_topk_prob = a.num_experts_per_tok, a.norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.num_experts = (
+            a.num_experts_per_tok,
+            a.norm_topk_prob,
+            a.num_experts,
+        )
         self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(a.hidden_size, a.moe_intermediate_size, a.num_experts)
         self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
@@ -376,14 +381,30 @@ class SparseMoe(nn.Module):
         object.__setattr__(self, "shared_fold", folded)  # (first expert, count): not a parameter
         return True
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(expert indices, their weights in x's dtype, the shared expert's gate logit): through
+        the fused router kernel (kernels/router.py, family "route") where it applies."""
+        weight = plain_weight(self.router_proj) if "router_proj" in self else None
+        if weight is not None and kernels.enabled("route"):
+            inds, scores, shared_logit = route(
+                x,
+                weight,
+                experts=self.num_experts,
+                top_k=self.top_k,
+                mode="softmax",
+                normalize=self.norm_topk_prob,
+            )
+            return inds, scores.astype(x.dtype), shared_logit
         logits, shared_logit = projections(self, x, self.ROUTER, "router_proj")
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         inds = topk_indices(probs, self.top_k)
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        scores = scores.astype(x.dtype)
+        return inds, scores.astype(x.dtype), shared_logit
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, scores, shared_logit = self.route(x)
         folded = self.__dict__.get("shared_fold")
         if folded is not None:  # the shared expert rides along as expert(s) at its gate's score
             inds, scores = shared_slots(inds, scores, *folded, mx.sigmoid(shared_logit))

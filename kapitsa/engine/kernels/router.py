@@ -1,0 +1,216 @@
+"""Fused MoE router for short steps (decode and verification): the router's logits, the family's
+scores, the top-k experts and their weights in two CUDA kernels.
+
+Why: at batch 1 on MLX's CUDA backend a decode step costs the host ~3-5 us per primitive
+(bench/host_costs.py), and an MoE layer's routing is ~10 of them (a transposed weight, the
+matmul's reshapes, casts, softmax or sigmoid, argpartition, take_along_axis, the sum and the
+division); bench/graph_census.py counts 10-12 fewer primitives per MoE layer with these two.
+1. cuda_src/router_logits.cu: float32 logits, one warp per (token, weight row), so the router
+   weight (1 MiB for Qwen3.5-35B-A3B, 0.7 MiB for Nemotron-3-Nano) streams over many SMs.
+2. cuda_src/router_select.cu: one warp per token scores the logits, picks the top k (k rounds of
+   a warp argmax) and writes the indices, the weights and any extra rows' logits.
+
+Modes (the reference, `route_reference`, is each model's own routing math):
+- "softmax" (Qwen3.5/3.6 MoE): probs = softmax(logits as x's dtype), the top-k by prob, weights =
+  their probs (renormalised to sum 1 with `normalize`). Extra weight rows after the experts (the
+  fused shared-expert gate) come back as logits in x's dtype.
+- "sigmoid" (Nemotron-H, one expert group): scores = sigmoid(fp32 logits), the top-k of scores +
+  bias, weights = their scores (/ (sum + 1e-20) with `normalize`) times `scale`.
+
+Opt-in (kernel family "route") until timed on the H200. `route` falls back to the reference off
+CUDA, for shapes it does not take, and unless `probe()` ran and passed: it evaluates, so it runs
+before any compiled trace (the engine's ModelRunner calls it), never inside one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import struct
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
+from kapitsa.engine.ops.moe import topk_indices
+
+MODES = ("softmax", "sigmoid")
+MAX_TOKENS = 16  # one block per token: decode and verification; prefill keeps the op path
+MAX_EXPERTS = 1024  # 32 per lane of the selecting warp
+MAX_EXTRA = 32
+MAX_TOP_K = 32
+BLOCK = 256  # router_logits: 8 weight rows per block
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+_log = logging.getLogger(__name__)
+WORKING: dict[str, bool] = {}  # "router" -> whether the kernel passed its probe in this process
+
+_LOGITS = CudaKernel(
+    name="kapitsa_router_logits",
+    input_names=("x", "weight"),
+    output_names=("logits",),
+    source=read_cuda_source("router_logits.cu"),
+    header=read_cuda_source("qmv_fast.cuh"),  # kq2_load8
+)
+_SELECT = CudaKernel(
+    name="kapitsa_router_select",
+    input_names=("logits", "bias"),
+    output_names=("inds", "weights", "extra"),
+    source=read_cuda_source("router_select.cu"),
+)
+
+
+def route_reference(
+    x: mx.array,
+    weight: mx.array,
+    *,
+    experts: int,
+    top_k: int,
+    mode: str,
+    bias: mx.array | None = None,
+    normalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """(indices [..., k] uint32, weights [..., k] float32, extra logits [..., EW - E] or None) in
+    MLX ops: what Qwen's SparseMoe and Nemotron's Router compute."""
+    if mode == "softmax":
+        logits = x @ weight.T
+        extra = logits[..., experts:] if weight.shape[0] > experts else None
+        probs = mx.softmax(logits[..., :experts].astype(mx.float32), axis=-1)
+        inds = topk_indices(probs, top_k)
+        picked = mx.take_along_axis(probs, inds, axis=-1)
+        if normalize:
+            picked = picked / picked.sum(axis=-1, keepdims=True)
+        return inds, picked * scale, extra
+    if mode != "sigmoid":
+        raise ValueError(f"unknown router mode {mode!r}; one of {MODES}")
+    logits = x.astype(mx.float32) @ weight.astype(mx.float32).T
+    extra = logits[..., experts:].astype(x.dtype) if weight.shape[0] > experts else None
+    scores = mx.sigmoid(logits[..., :experts])
+    choice = scores if bias is None else scores + bias.astype(mx.float32)
+    inds = topk_indices(choice, top_k)
+    picked = mx.take_along_axis(scores, inds, axis=-1)
+    if normalize:
+        picked = picked / (picked.sum(axis=-1, keepdims=True) + 1e-20)
+    return inds, picked * scale, extra
+
+
+def supports(x: mx.array, weight: mx.array, *, experts: int, top_k: int, bias: mx.array | None) -> bool:
+    """Whether the kernel takes this call here (CUDA, a short step, shapes within its limits)."""
+    if backend() != "cuda" or x.ndim < 1 or weight.ndim != 2:
+        return False
+    k = x.shape[-1]
+    return (
+        1 <= math.prod(x.shape[:-1]) <= MAX_TOKENS
+        and x.dtype in DTYPES
+        and weight.dtype in DTYPES
+        and weight.shape[1] == k
+        and k % 8 == 0
+        and 1 <= experts <= min(MAX_EXPERTS, weight.shape[0])
+        and weight.shape[0] - experts <= MAX_EXTRA
+        and 1 <= top_k <= min(MAX_TOP_K, experts)
+        and (bias is None or (bias.shape == (experts,) and bias.dtype in DTYPES))
+    )
+
+
+@functools.cache
+def _logits_template(xd, wd, k: int, rows_w: int, block: int) -> tuple:
+    return (("T", xd), ("WT", wd), ("K", k), ("EW", rows_w), ("BLOCK", block))
+
+
+@functools.cache
+def _select_template(
+    xd, experts: int, rows_w: int, top_k: int, mode: str, normalize: bool, scale: float
+) -> tuple:
+    return (
+        ("T", xd),
+        ("E", experts),
+        ("EW", rows_w),
+        ("TOPK", top_k),
+        ("MODE", MODES.index(mode)),
+        ("NORM", bool(normalize)),
+        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
+    )
+
+
+def route_kernel(
+    x: mx.array,
+    weight: mx.array,
+    *,
+    experts: int,
+    top_k: int,
+    mode: str,
+    bias: mx.array | None = None,
+    normalize: bool = True,
+    scale: float = 1.0,
+    block: int = BLOCK,
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """The kernel itself (callers check `supports`); the same results as `route_reference`."""
+    lead = x.shape[:-1]
+    tokens, rows_w = math.prod(lead), weight.shape[0]
+    extra_rows = rows_w - experts
+    blocks_per_token = math.ceil(rows_w / (block // 32))
+    (logits,) = _LOGITS(
+        [x, weight],
+        template=_logits_template(x.dtype, weight.dtype, x.shape[-1], rows_w, block),
+        grid=(tokens * blocks_per_token * block, 1, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[(tokens, rows_w)],
+        output_dtypes=[mx.float32],
+    )
+    inds, weights, extra = _SELECT(
+        [logits, logits if bias is None else bias],  # the bias is unread in softmax mode
+        template=_select_template(x.dtype, experts, rows_w, top_k, mode, normalize, float(scale)),
+        grid=(tokens * 32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(*lead, top_k), (*lead, top_k), (*lead, max(extra_rows, 1))],
+        output_dtypes=[mx.uint32, mx.float32, x.dtype],
+    )
+    return inds, weights, (extra if extra_rows > 0 else None)
+
+
+def route(x: mx.array, weight: mx.array, **kw) -> tuple[mx.array, mx.array, mx.array | None]:
+    """The kernel where it applies and passed its probe, else the reference."""
+    if WORKING.get("router") and supports(
+        x, weight, experts=kw["experts"], top_k=kw["top_k"], bias=kw.get("bias")
+    ):
+        return route_kernel(x, weight, **kw)
+    return route_reference(x, weight, **kw)
+
+
+def plain_weight(layer) -> mx.array | None:  # noqa: ANN001 - any module
+    """The weight of an unquantized, bias-free `nn.Linear` (what the kernel reads), else None."""
+    return layer.weight if type(layer) is nn.Linear and "bias" not in layer else None
+
+
+def probe() -> bool:
+    """Run the kernel's one-time check where it can apply (CUDA); idempotent."""
+    if "router" not in WORKING and backend() == "cuda":
+        WORKING["router"] = kernel_works()
+    return WORKING.get("router", False)
+
+
+@functools.cache
+def kernel_works() -> bool:
+    """Whether the kernel compiles, runs and agrees with the reference on one small case of each
+    mode, checked once per process (outside any compiled trace: this evaluates)."""
+    keys = mx.random.split(mx.random.key(11), 3)
+    x = mx.random.normal((2, 256), key=keys[0]).astype(mx.bfloat16)
+    w = (0.1 * mx.random.normal((65, 256), key=keys[1])).astype(mx.bfloat16)
+    bias = 0.1 * mx.random.normal((64,), key=keys[2])
+    try:
+        for mode, b in (("softmax", None), ("sigmoid", bias)):
+            kw = dict(experts=64, top_k=4, mode=mode, bias=b, normalize=True, scale=2.5)
+            got, ref = route_kernel(x, w, **kw), route_reference(x, w, **kw)
+            same_experts = mx.all(mx.sort(got[0], axis=-1) == mx.sort(ref[0], axis=-1)).item()
+            close = mx.allclose(
+                mx.sort(got[1], axis=-1), mx.sort(ref[1], axis=-1), rtol=1e-2, atol=1e-3
+            ).item()
+            if not (same_experts and close):
+                _log.warning("MoE router kernel disagrees with the reference (%s); not using it", mode)
+                return False
+    except (RuntimeError, ValueError) as exc:
+        _log.warning("MoE router kernel unavailable, using the op path: %s", exc)
+        return False
+    return True

@@ -1,0 +1,200 @@
+"""The fused MoE router (kernels/router.py): its reference is each model's routing, its CUDA body
+compiles for sm_90, runs on the CPU under the threads emulator (test_gdn_kernel.py) with the
+reference's results, and on the H200 (gpu tests)."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from nvcc_check import compile_source, nvcc
+
+from kapitsa.engine.kernels import backend, router
+from tests.kernels.test_gdn_kernel import Emulated
+from tests.kernels.test_qmv_direct import _translate
+
+
+def _case(tokens, k, experts, extra, dtype, seed=0):
+    keys = mx.random.split(mx.random.key(seed), 3)
+    x = mx.random.normal((1, tokens, k), key=keys[0]).astype(dtype)
+    w = (0.2 * mx.random.normal((experts + extra, k), key=keys[1])).astype(dtype)
+    bias = 0.2 * mx.random.normal((experts,), key=keys[2])
+    return x, w, bias
+
+
+def _same(got, ref, *, rtol=2e-3) -> None:
+    """Same experts per token (any order) with the same weights; same extra logits."""
+    g_inds, g_w, g_extra = got
+    r_inds, r_w, r_extra = ref
+    order_g, order_r = mx.argsort(g_inds, axis=-1), mx.argsort(r_inds, axis=-1)
+    assert mx.array_equal(mx.take_along_axis(g_inds, order_g, -1), mx.take_along_axis(r_inds, order_r, -1))
+    gw, rw = mx.take_along_axis(g_w, order_g, -1), mx.take_along_axis(r_w, order_r, -1)
+    assert mx.allclose(gw, rw, rtol=rtol, atol=1e-5).item(), float(mx.abs(gw - rw).max())
+    assert (g_extra is None) == (r_extra is None)
+    if g_extra is not None:
+        ge, re_ = g_extra.astype(mx.float32), r_extra.astype(mx.float32)
+        assert mx.allclose(ge, re_, rtol=1e-2, atol=1e-2).item(), float(mx.abs(ge - re_).max())
+
+
+def test_reference_is_nemotrons_router() -> None:
+    from kapitsa.engine.models import nemotron_h
+    from kapitsa.engine.tiny import tiny_config
+
+    args = nemotron_h.ModelArgs.from_dict(tiny_config("nemotron_h"))
+    gate = nemotron_h.Router(args)
+    x, w, bias = _case(3, args.hidden_size, args.n_routed_experts, 0, mx.float32)
+    gate.weight, gate.e_score_correction_bias = w, bias
+    want = gate(x)
+    got = router.route_reference(
+        x, w, experts=args.n_routed_experts, top_k=args.num_experts_per_tok, mode="sigmoid", bias=bias,
+        normalize=args.norm_topk_prob, scale=args.routed_scaling_factor,
+    )  # fmt: skip
+    _same((got[0], got[1], None), (want[0], want[1], None), rtol=1e-6)
+
+
+def test_reference_is_qwens_routing() -> None:
+    """SparseMoe's own path (the op path it takes off CUDA) against the reference's pieces."""
+    from kapitsa.engine.models import qwen3_5
+    from kapitsa.engine.tiny import tiny_config
+
+    args = qwen3_5.ModelArgs.from_dict(tiny_config("qwen3_5_moe"))
+    moe = qwen3_5.SparseMoe(args)
+    x, w, _ = _case(2, args.hidden_size, args.num_experts, 1, mx.float32)
+    moe.gate.weight, moe.shared_expert_gate.weight = w[:-1], w[-1:]
+    inds, scores, shared = moe.route(x)
+    got = router.route_reference(
+        x,
+        w,
+        experts=args.num_experts,
+        top_k=args.num_experts_per_tok,
+        mode="softmax",
+        normalize=args.norm_topk_prob,
+    )
+    _same((inds, scores.astype(mx.float32), shared), got, rtol=1e-6)
+
+
+def test_route_falls_back_to_the_reference_off_cuda() -> None:
+    x, w, bias = _case(2, 64, 16, 0, mx.float32)
+    kw = dict(experts=16, top_k=4, mode="sigmoid", bias=bias, scale=2.0)
+    if backend() != "cuda":
+        assert not router.supports(x, w, experts=16, top_k=4, bias=bias)
+    _same(router.route(x, w, **kw), router.route_reference(x, w, **kw))
+
+
+def test_bad_mode_is_a_clear_error() -> None:
+    x, w, _ = _case(1, 64, 8, 0, mx.float32)
+    with pytest.raises(ValueError, match="unknown router mode"):
+        router.route_reference(x, w, experts=8, top_k=2, mode="relu")
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize(
+    "dtype,k,experts,rows,top_k,mode",
+    [
+        (mx.bfloat16, 2048, 256, 257, 8, "softmax"),  # Qwen3.5-35B-A3B, shared gate fused
+        (mx.bfloat16, 2688, 128, 128, 6, "sigmoid"),  # Nemotron-3-Nano-30B-A3B
+        (mx.float32, 512, 40, 41, 4, "softmax"),
+    ],
+)
+def test_cuda_source_compiles(dtype, k, experts, rows, top_k, mode) -> None:
+    template = router._logits_template(dtype, dtype, k, rows, router.BLOCK)
+    sources = [router._LOGITS.render([dtype, dtype], [mx.float32], template)]
+    template = router._select_template(dtype, experts, rows, top_k, mode, True, 2.5)
+    sources.append(router._SELECT.render([mx.float32, mx.float32], [mx.uint32, mx.float32, dtype], template))
+    for source in sources:
+        ok, log = compile_source(source)
+        assert ok, log[-3000:]
+        assert "warning" not in log.lower(), log[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,tokens,k,experts,extra,top_k,mode,normalize",
+    [
+        (mx.float32, 2, 64, 40, 1, 4, "softmax", True),
+        (mx.bfloat16, 3, 128, 64, 0, 6, "sigmoid", True),
+        (mx.float32, 1, 64, 33, 0, 8, "sigmoid", False),
+        (mx.bfloat16, 2, 64, 70, 2, 3, "softmax", False),
+    ],
+)
+def test_emulated_kernel_matches_reference(
+    monkeypatch, tmp_path, dtype, tokens, k, experts, extra, top_k, mode, normalize
+) -> None:
+    monkeypatch.setattr(router, "_LOGITS", Emulated(router._LOGITS, _translate, tmp_path))
+    monkeypatch.setattr(router, "_SELECT", Emulated(router._SELECT, _translate, tmp_path))
+    x, w, bias = _case(tokens, k, experts, extra, dtype, seed=tokens)
+    kw = dict(
+        experts=experts,
+        top_k=top_k,
+        mode=mode,
+        bias=bias if mode == "sigmoid" else None,
+        normalize=normalize,
+        scale=1.5,
+    )
+    with mx.stream(mx.cpu):
+        got = router.route_kernel(x, w, block=64, **kw)
+        ref = router.route_reference(x, w, **kw)
+    _same(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("mode,experts,extra,top_k", [("softmax", 256, 1, 8), ("sigmoid", 128, 0, 6)])
+def test_gpu_matches_reference(mode, experts, extra, top_k) -> None:
+    x, w, bias = _case(4, 2048, experts, extra, mx.bfloat16)
+    kw = dict(experts=experts, top_k=top_k, mode=mode, bias=bias if mode == "sigmoid" else None, scale=2.5)
+    assert router.kernel_works()
+    _same(router.route_kernel(x, w, **kw), router.route_reference(x, w, **kw))
+
+
+def test_module_is_plain_linear_only() -> None:
+    """The kernel reads a plain weight matrix: quantized routers keep the op path."""
+    layer = nn.Linear(64, 8, bias=False)
+    assert router.plain_weight(layer) is layer.weight
+    assert router.plain_weight(nn.QuantizedLinear(64, 8, bias=False)) is None
+    assert router.plain_weight(nn.Linear(64, 8, bias=True)) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "nemotron_moe"])
+def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
+    """With the "route" family on and the kernel probed good (its reference standing in for it),
+    a fused model's compiled decode takes the router kernel in every MoE layer and gives the same
+    logits as with the family off."""
+    from kapitsa.engine.fuse import fuse_model
+    from tests.models.builders import build_ours
+
+    calls = []
+
+    def kernel(x, weight, **kw):
+        calls.append(kw["mode"])
+        return router.route_reference(x, weight, **kw)
+
+    monkeypatch.setattr(router, "route_kernel", kernel)
+    monkeypatch.setattr(router, "supports", lambda *a, **k: True)
+    monkeypatch.setitem(router.WORKING, "router", True)
+    model = build_ours(arch)
+    fuse_model(model)
+
+    def decode(families: str) -> list[mx.array]:
+        monkeypatch.setenv("KAPITSA_KERNELS", families)
+        for _, sub in model.named_modules():
+            sub.__dict__.pop("_compiled_steps", None)
+        cache = model.make_cache(1)
+        logits = model(mx.array([[3, 17, 5, 9]]), cache)[:, -1]
+        out = [logits]
+        for _ in range(3):
+            logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
+            out.append(logits)
+        mx.eval(out)
+        return out
+
+    plain = decode("gdn,moe,qmv,mamba")
+    assert calls == []
+    routed = decode("gdn,moe,qmv,mamba,route")
+    moe_layers = sum(1 for _, m in model.named_modules() if type(m).__name__ in ("SparseMoe", "Router"))
+    assert len(calls) >= moe_layers > 0
+    assert set(calls) == {"softmax" if arch.startswith("qwen") else "sigmoid"}
+    for a, b in zip(plain, routed, strict=True):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), float(mx.abs(a - b).max())
