@@ -62,8 +62,10 @@ PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1}
 # a comma list. Timed on the H200 (docs/bench/decode-h200.md, session 5), every part together made
 # the MoE shapes 4-10% faster and the dense ones 18-30% slower: the dense shapes' extra part is the
 # SwiGLU made per x element by every warp of the down projection ("act"), which stays opt-in. The
-# norm prologue and residual epilogue cost little on the device and save two primitives each per
-# layer, at ~3-5 us of host time apiece on that backend (bench/host_costs.py).
+# norm prologue and residual epilogue save two primitives each per layer, at ~3-5 us of host time
+# apiece on that backend (bench/host_costs.py); against nothing fused (session 6, same processes)
+# they made the host-bound 4B 28% and 35B-A3B 17% faster, the mat-vec-bound 27B 7% and Nemotron
+# 6% slower (the prologue's x-side work is per warp; one-row calls now use 4 rows per warp).
 FUSED_PARTS = ("norm", "residual", "act")
 DEFAULT_FUSED = "norm,residual"
 
