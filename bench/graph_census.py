@@ -20,7 +20,7 @@ import sys
 
 import mlx.core as mx
 
-from bench.decode_vs_mlxlm import SHAPES, _kapitsa_model
+from bench.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model
 from bench.host_costs import primitive_histogram
 from kapitsa.engine import kernels, qlinear
 from kapitsa.engine.kernels import cuda as cuda_mod
@@ -63,8 +63,8 @@ def pretend_cuda() -> None:
     router.WORKING["router"] = True
 
 
-def census(shape: str) -> dict:
-    kind, dims = SHAPES[shape]
+def census(shape: str, tiny: bool = False) -> dict:
+    kind, dims = (TINY if tiny else SHAPES)[shape]
     config = tiny_config(kind, **{**dims, **{k: v for k, v in SMALLER.items() if k in dims}})
     model = _kapitsa_model(config)
     runner = ModelRunner(model)
@@ -80,13 +80,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["4b"])
     ap.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings applied first")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run)")
     args = ap.parse_args()
     for setting in args.env:
         name, _, value = setting.partition("=")
         os.environ[name] = value
     pretend_cuda()
+    if args.tiny:
+        DTYPE["value"] = mx.float32
     for shape in args.shapes:
-        print(json.dumps(census(shape)), flush=True)
+        print(json.dumps(census(shape, args.tiny)), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@
 #                                       defaults and with the fused parts $FUSED_AB (default residual:
 #                                       the norm prologue off), mlx-lm, interleaved), prefill at 8192
 #                                       tokens, verify cost per T (27b, nemotron), edit speculation
-#                                       (1 round); the MoE shapes also with the fused router (family
-#                                       "route"), and folded shared experts when FOLD_AB=1
+#                                       (1 round); also with the opt-in families (the fused MoE router
+#                                       "route", the decode attention "attn"), and on the MoE shapes
+#                                       folded shared experts when FOLD_AB=1
 # Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
 # 64 MiB transfer limit; move the trained checkpoints' *.safetensors (kapitsa/demo, tests/checkpoints/
 # trained) out of the tree for the device calls and back after. mlx-lm travels in .gpu/b:
@@ -53,6 +54,7 @@ case "$part" in
     timeout "${TESTS_TIMEOUT:-330}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
       tests/engine/test_qlinear.py tests/kernels/test_qmv_tc.py tests/kernels/test_qmv_direct.py \
       tests/kernels/test_gdn_prefill.py tests/kernels/test_mamba_kernel.py tests/kernels/test_router_kernel.py \
+      tests/kernels/test_attention_kernel.py \
       > "$out/tests.log" 2>&1
     tail -3 "$out/tests.log"
     timeout "${COMPILED_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line \
@@ -64,11 +66,14 @@ case "$part" in
       verify=()
       [ "$shape" = 27b ] && verify=(--verify-shapes 27b --verify-sizes 1 4 8 16)
       [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 4 8)
+      # the opt-in, untimed families beside the defaults: the fused MoE router (route) and the
+      # decode attention for Qwen's head size 256 (attn)
       case "$shape" in
-        35b-a3b | nemotron-30b-a3b)
-          verify+=(--kernels-ab gdn,moe,qmv,mamba,route)  # the fused MoE router (opt-in, untimed)
-          [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;;
+        27b | 4b) verify+=(--kernels-ab gdn,moe,qmv,mamba,attn) ;;
+        35b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba,route,attn) ;;
+        nemotron-30b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba,route) ;;
       esac
+      case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
       timeout "${SHAPE_TIMEOUT:-290}" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
         --rounds 2 --fused-ab "${FUSED_AB:-residual}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \

@@ -120,3 +120,33 @@ def test_pick_knobs_keeps_a_setting_only_when_it_beats_the_default() -> None:
     )
     assert pick([kernels, line("MLX_USE_CUDA_GRAPHS=0", 200.0)]) is None  # the default's variant was best
     assert pick([line("MLX_USE_CUDA_GRAPHS=0", 150.0)]) is None  # the default's run timed out
+
+
+def _json_lines(args: list[str]) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, check=True, capture_output=True, text=True, timeout=600
+    )
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_host_costs_counts_both_engines_primitives() -> None:
+    rows = _json_lines(["bench/host_costs.py", "--tiny", "--shapes", "4b", "--skip", "micro", "--steps", "4"])
+    steps = {r["engine"]: r for r in rows if r["kind"] == "step"}
+    assert set(steps) == {"kapitsa", "mlx-lm"}
+    assert all(r["primitives"] > 0 and r["pipelined_step_ms"] > 0 for r in steps.values())
+    assert steps["kapitsa"]["primitives"] < steps["mlx-lm"]["primitives"]
+
+
+def test_graph_census_sees_the_opt_in_kernels_remove_primitives() -> None:
+    """The census builds the CUDA code paths on the CPU: the fused router and the decode
+    attention, switched on, each take primitives out of a tiny Qwen MoE step."""
+
+    def count(families: str) -> int:
+        rows = _json_lines(
+            ["bench/graph_census.py", "--tiny", "--shapes", "35b-a3b", "--env", f"KAPITSA_KERNELS={families}"]
+        )
+        return rows[0]["primitives"]
+
+    base = count("gdn,moe,qmv,mamba")
+    assert count("gdn,moe,qmv,mamba,route") < base
+    assert count("gdn,moe,qmv,mamba,attn") < base

@@ -32,7 +32,8 @@ def backend() -> str | None:
 # the fused + compiled op path there. Off-GPU (no backend) the kernels fall back to their
 # references anyway; the CUDA set keeps the CPU tests on the same call path as CUDA.
 # "qmv" is the quantized mat-vec routes of kapitsa/engine/qlinear.py (CUDA only); "route" the fused
-# MoE router (kernels/router.py), opt-in everywhere until timed on the H200.
+# MoE router (kernels/router.py) and "attn" the decode attention for head sizes MLX's CUDA backend
+# lacks (kernels/attention.py), both opt-in everywhere until timed on the H200.
 DEFAULT_FAMILIES = {
     "cuda": frozenset({"gdn", "moe", "qmv", "mamba"}),
     "metal": frozenset(),
@@ -41,7 +42,7 @@ DEFAULT_FAMILIES = {
 
 
 def enabled(name: str) -> bool:
-    """Whether the model may use kernel family `name` ("gdn", "mamba", "moe", "qmv", "route").
+    """Whether the model may use kernel family `name` ("gdn", "mamba", "moe", "qmv", "route", "attn").
 
     `KAPITSA_KERNELS` unset: DEFAULT_FAMILIES of this backend; "all": every family; "none": none;
     else a comma list of the families to use (how the bench A/Bs a kernel against its reference)."""

@@ -32,8 +32,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into, normed_projections, projections
+from kapitsa.engine.kernels.attention import decode_attention
+from kapitsa.engine.kernels.attention import supports as attention_supports
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.qlinear import linear_plus
 from kapitsa.engine.traces import compiled
@@ -119,11 +122,29 @@ class Attention(nn.Module):
         self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo, cache: KVCache | None
     ) -> mx.array:
         """Write k/v to the cache, attend; `[B, T, H*D]`."""
-        B, _, T, _ = q.shape
         if cache is not None:
             k, v = cache.update(k, v, info)
+        return self._sdpa(q, k, v, info)
+
+    def _sdpa(self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo) -> mx.array:
+        B, _, T, _ = q.shape
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=info.attention_mask)
         return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+    def attend_step(
+        self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo, cache: KVCache, gate: mx.array | None
+    ) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """`attend` for a compiled decode step -> (output, the gate still to apply, if any). With
+        kernel family "attn", one query token per row and a head size MLX's CUDA backend has no
+        fast kernel for, attention is kapitsa's decode kernel (kernels/attention.py), which also
+        applies the output gate."""
+        if not (kernels.enabled("attn") and info.T == 1 and info.parents is None and info.uniform_offsets):
+            return self.attend(q, k, v, info, cache), (() if gate is None else (gate,))
+        keys, values = cache.update(k, v, info)
+        if attention_supports(q, cache.keys, cache.values):
+            out = decode_attention(q, cache.keys, cache.values, info.kv_len, scale=self.scale, gate=gate)
+            return out, ()
+        return self._sdpa(q, keys, values, info), (() if gate is None else (gate,))
 
     def finish(self, out: mx.array, gate: mx.array | None, residual: mx.array | None = None) -> mx.array:
         """The output projection of the gated attention output (+ `residual`, fused at decode)."""
@@ -192,8 +213,10 @@ def compiled_attention(
     """Attention layer decode: compiled `pre(x, offsets) -> (q, k, v[, gate])`, the cache write
     and attention (shapes grow every step, so not compiled), compiled `post(x, out[, gate])`."""
     parts = compiled(owner, "pre", pre)(x, info.offsets_array)
-    out = attn.attend(parts[0], parts[1], parts[2], info, cache)
-    return compiled(owner, "post", post)(x, out, *parts[3:])
+    gate = parts[3] if len(parts) > 3 else None
+    out, rest = attn.attend_step(parts[0], parts[1], parts[2], info, cache, gate)
+    name = "post_gate_applied" if gate is not None and not rest else "post"  # one trace per arity
+    return compiled(owner, name, post)(x, out, *rest)
 
 
 class HybridLM(nn.Module):

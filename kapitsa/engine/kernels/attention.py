@@ -1,0 +1,122 @@
+"""Decode attention on CUDA where MLX has no fast kernel for the head size (Qwen3.5's 256).
+
+MLX 0.32's CUDA `scaled_dot_product_attention` has fast paths for head dims 64, 96 and 128 only
+(mlx/backend/cuda/scaled_dot_product_attention.cu, `supports_sdpa_vector`; cuDNN up to 128), so a
+Qwen3.5 decode step's attention falls back to matmul + softmax + matmul with the GQA reshapes:
+about ten primitives per attention layer, each ~3-5 us of host time on that backend
+(bench/host_costs.py). Here it is two kernels, flash-decoding style, for one query token per row:
+1. cuda_src/attn_partial.cu: block (row, kv head, split of the keys) runs an online softmax for
+   the query heads sharing that kv head; each warp leaves one partial (max, sum, weighted values).
+2. cuda_src/attn_combine.cu: block (row, query head) merges the partials and writes the output as
+   `[B, 1, Hq * D]`, times sigmoid(gate) for gated attention, ready for the output projection.
+The number of valid keys and the buffer's capacity are runtime inputs, so a growing KV cache
+never recompiles. `decode_attention_reference` is the same computation in MLX ops.
+
+Opt-in (kernel family "attn") until timed on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import mlx.core as mx
+
+from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
+
+MLX_FAST_HEAD_DIMS = (64, 96, 128)  # MLX's own CUDA kernels take these: nothing to gain
+MAX_REPEATS = 8  # query heads per kv head (registers: NREP * D / 16 floats per lane)
+MAX_HEAD_DIM = 256
+SPLITS = 16  # key splits per (row, kv head): enough blocks for the SMs at batch 1
+WARPS = 4
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+_PARTIAL = CudaKernel(
+    name="kapitsa_attn_partial",
+    input_names=("q", "k", "v", "meta"),
+    output_names=("part_o", "part_ml"),
+    source=read_cuda_source("attn_partial.cu"),
+)
+_COMBINE = CudaKernel(
+    name="kapitsa_attn_combine",
+    input_names=("part_o", "part_ml", "gate"),
+    output_names=("out",),
+    source=read_cuda_source("attn_combine.cu"),
+)
+
+
+def supports(q: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """q `[B, Hq, 1, D]`, keys/values the cache's whole buffers `[B, Hkv, capacity, D]`."""
+    if backend() != "cuda" or q.ndim != 4 or keys.ndim != 4 or keys.shape != values.shape:
+        return False
+    B, hq, T, D = q.shape
+    hkv = keys.shape[1]
+    return (
+        T == 1
+        and keys.shape[0] == B
+        and keys.shape[3] == D
+        and D not in MLX_FAST_HEAD_DIMS
+        and D % 32 == 0
+        and D <= MAX_HEAD_DIM
+        and hq % hkv == 0
+        and hq // hkv <= MAX_REPEATS
+        and q.dtype in DTYPES
+        and keys.dtype == values.dtype == q.dtype
+    )
+
+
+@functools.cache
+def _templates(dtype, D: int, nrep: int, hq: int, scale: float, gated: bool) -> tuple[tuple, tuple]:
+    bits = struct.unpack("<i", struct.pack("<f", scale))[0]
+    partial = (("T", dtype), ("D", D), ("NREP", nrep), ("S", SPLITS), ("SCALE_BITS", bits))
+    combine = (
+        ("T", dtype),
+        ("D", D),
+        ("HQ", hq),
+        ("P", SPLITS * WARPS),
+        ("GATE", gated),
+        ("THREADS", min(D, 256)),
+    )
+    return partial, combine
+
+
+def decode_attention(
+    q: mx.array, keys: mx.array, values: mx.array, length: int, *, scale: float, gate: mx.array | None = None
+) -> mx.array:
+    """softmax(q K^T * scale) V over the first `length` positions of the buffers, for one query
+    token per row -> `[B, 1, Hq * D]` in q's dtype (times sigmoid(gate), gate `[B, 1, Hq * D]`).
+    Callers check `supports`."""
+    B, hq, _, D = q.shape
+    hkv, cap = keys.shape[1], keys.shape[2]
+    partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
+    meta = mx.array([length, cap], dtype=mx.int32)
+    part_o, part_ml = _PARTIAL(
+        [q, keys, values, meta],
+        template=partial,
+        grid=(B * hkv * SPLITS * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(B * hq, SPLITS * WARPS, D), (B * hq, SPLITS * WARPS, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    threads = min(D, 256)  # the template's THREADS
+    return _COMBINE(
+        [part_o, part_ml, part_o if gate is None else gate],  # the gate is unread without GATE
+        template=combine,
+        grid=(B * hq * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(B, 1, hq * D)],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def decode_attention_reference(
+    q: mx.array, keys: mx.array, values: mx.array, length: int, *, scale: float, gate: mx.array | None = None
+) -> mx.array:
+    """What `decode_attention` computes, in MLX ops (the model's own path)."""
+    B, hq, T, _ = q.shape
+    out = mx.fast.scaled_dot_product_attention(
+        q, keys[:, :, :length], values[:, :, :length], scale=scale, mask=None
+    )
+    out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+    return out if gate is None else out * mx.sigmoid(gate)

@@ -1,0 +1,134 @@
+"""Decode attention for head sizes MLX's CUDA backend has no fast kernel for (kernels/attention.py):
+the CUDA bodies compile for sm_90 and, run on the CPU by the threads emulator of
+test_gdn_kernel.py, give the reference's output; the GPU test runs on the H200."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import pytest
+from nvcc_check import compile_source, nvcc
+
+from kapitsa.engine.kernels import attention, backend
+from tests.kernels.test_gdn_kernel import Emulated
+from tests.kernels.test_qmv_direct import _translate
+
+
+def _case(B, hq, hkv, D, cap, dtype, seed=0, gated=False):
+    keys = mx.random.split(mx.random.key(seed), 4)
+    q = mx.random.normal((B, hq, 1, D), key=keys[0]).astype(dtype)
+    k = mx.random.normal((B, hkv, cap, D), key=keys[1]).astype(dtype)
+    v = mx.random.normal((B, hkv, cap, D), key=keys[2]).astype(dtype)
+    gate = mx.random.normal((B, 1, hq * D), key=keys[3]).astype(dtype) if gated else None
+    return q, k, v, gate
+
+
+def test_supports_only_what_mlx_lacks() -> None:
+    q, k, v, _ = _case(1, 8, 2, 256, 16, mx.bfloat16)
+    assert attention.supports(q, k, v) == (backend() == "cuda")
+    q128, k128, v128, _ = _case(1, 8, 2, 128, 16, mx.bfloat16)
+    assert not attention.supports(q128, k128, v128)  # MLX's own sdpa_vector takes head dim 128
+    q2 = mx.concatenate([q, q], axis=2)
+    assert not attention.supports(q2, k, v)  # one query token per row only
+
+
+def test_reference_is_the_models_attention() -> None:
+    """The reference over the first L positions equals SDPA over a cache holding exactly L."""
+    q, k, v, gate = _case(2, 8, 2, 64, 24, mx.float32, gated=True)
+    got = attention.decode_attention_reference(q, k, v, 19, scale=0.125, gate=gate)
+    want = mx.fast.scaled_dot_product_attention(q, k[:, :, :19], v[:, :, :19], scale=0.125)
+    want = want.transpose(0, 2, 1, 3).reshape(2, 1, -1) * mx.sigmoid(gate)
+    assert mx.allclose(got, want, atol=1e-6).item()
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize(
+    "dtype,D,nrep,gated",
+    [(mx.bfloat16, 256, 4, True), (mx.bfloat16, 256, 8, True), (mx.float16, 192, 6, False)],
+)
+def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
+    partial, combine = attention._templates(dtype, D, nrep, 4 * nrep, D**-0.5, gated)
+    sources = [
+        attention._PARTIAL.render([dtype, dtype, dtype, mx.int32], [mx.float32, mx.float32], partial),
+        attention._COMBINE.render([mx.float32, mx.float32, dtype], [dtype], combine),
+    ]
+    for source in sources:
+        ok, log = compile_source(source)
+        assert ok, log[-3000:]
+        assert "warning" not in log.lower(), log[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,B,hq,hkv,D,cap,length,gated",
+    [
+        (mx.float32, 1, 4, 2, 64, 64, 37, False),  # several keys per warp
+        (mx.bfloat16, 2, 8, 2, 256, 32, 5, True),  # most splits and warps see no key
+        (mx.float32, 1, 3, 1, 32, 16, 16, True),  # the whole buffer
+    ],
+)
+def test_emulated_kernels_match_reference(
+    monkeypatch, tmp_path, dtype, B, hq, hkv, D, cap, length, gated
+) -> None:
+    monkeypatch.setattr(attention, "_PARTIAL", Emulated(attention._PARTIAL, _translate, tmp_path))
+    monkeypatch.setattr(attention, "_COMBINE", Emulated(attention._COMBINE, _translate, tmp_path))
+    q, k, v, gate = _case(B, hq, hkv, D, cap, dtype, seed=length, gated=gated)
+    with mx.stream(mx.cpu):
+        got = attention.decode_attention(q, k, v, length, scale=D**-0.5, gate=gate).astype(mx.float32)
+        ref = attention.decode_attention_reference(q, k, v, length, scale=D**-0.5, gate=gate).astype(
+            mx.float32
+        )
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert got.shape == ref.shape == (B, 1, hq * D)
+    assert mx.allclose(got, ref, atol=tol, rtol=tol).item(), float(mx.abs(got - ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("length", [1, 300, 4097])
+def test_gpu_matches_reference(length) -> None:
+    q, k, v, gate = _case(1, 16, 4, 256, 4352, mx.bfloat16, gated=True)
+    got = attention.decode_attention(q, k, v, length, scale=1 / 16, gate=gate).astype(mx.float32)
+    ref = attention.decode_attention_reference(q, k, v, length, scale=1 / 16, gate=gate).astype(mx.float32)
+    assert mx.allclose(got, ref, atol=2e-2, rtol=2e-2).item(), float(mx.abs(got - ref).max())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_dense", "qwen3_5_moe"])
+def test_models_attend_through_the_kernel_when_on(monkeypatch, arch) -> None:
+    """With the "attn" family on and a head size it takes (its reference standing in for the
+    kernel), every attention layer of the compiled decode takes it, the gate included, and the
+    logits are those of the default path."""
+    from kapitsa.engine.models import base
+    from tests.models.builders import build_ours
+
+    calls = []
+
+    def kernel(q, keys, values, length, *, scale, gate=None):
+        calls.append(gate is not None)
+        return attention.decode_attention_reference(q, keys, values, length, scale=scale, gate=gate)
+
+    monkeypatch.setattr(base, "decode_attention", kernel)
+    monkeypatch.setattr(base, "attention_supports", lambda q, k, v: True)
+    model = build_ours(arch)
+
+    def decode(families: str) -> list[mx.array]:
+        monkeypatch.setenv("KAPITSA_KERNELS", families)
+        for _, sub in model.named_modules():
+            sub.__dict__.pop("_compiled_steps", None)
+        cache = model.make_cache(1)
+        logits = model(mx.array([[3, 17, 5, 9]]), cache)[:, -1]
+        out = [logits]
+        for _ in range(3):
+            logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
+            out.append(logits)
+        mx.eval(out)
+        return out
+
+    plain = decode("gdn,moe,qmv,mamba")
+    assert calls == []
+    fast = decode("gdn,moe,qmv,mamba,attn")
+    attention_layers = sum(1 for layer in model.layers if not layer.is_linear)
+    assert len(calls) == 3 * attention_layers > 0 and all(calls)  # 3 decode steps, gated attention
+    for a, b in zip(plain, fast, strict=True):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), float(mx.abs(a - b).max())
