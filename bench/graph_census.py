@@ -23,8 +23,8 @@ import mlx.core as mx
 from bench.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model
 from bench.host_costs import primitive_histogram
 from kapitsa.engine import kernels, qlinear
+from kapitsa.engine.kernels import attention, gdn, router
 from kapitsa.engine.kernels import cuda as cuda_mod
-from kapitsa.engine.kernels import gdn, router
 from kapitsa.engine.ops import gated_delta
 from kapitsa.engine.runner import ModelRunner
 from kapitsa.engine.tiny import tiny_config
@@ -61,6 +61,7 @@ def pretend_cuda() -> None:
     qlinear.probe_kernels = lambda: {name: True for name in qlinear.PROBES}
     qlinear.WORKING.update({name: True for name in qlinear.PROBES})
     router.WORKING["router"] = True
+    attention.WORKING["attn"] = True
 
 
 def census(shape: str, tiny: bool = False) -> dict:

@@ -38,12 +38,14 @@ def fused_parts(parts: str) -> Iterator[dict]:
 @contextlib.contextmanager
 def kernel_families(families: str) -> Iterator[dict]:
     """KAPITSA_KERNELS=families for the block (read when a model traces its steps)."""
-    from kapitsa.engine.kernels import router
+    from kapitsa.engine.kernels import attention, router
 
     before = os.environ.get("KAPITSA_KERNELS")
     os.environ["KAPITSA_KERNELS"] = families
     if "route" in families or families == "all":
         router.probe()  # the ModelRunner probed under the defaults, where "route" is off
+    if "attn" in families or families == "all":
+        attention.probe()
     try:
         yield {"kernels": families}
     finally:

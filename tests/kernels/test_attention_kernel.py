@@ -109,7 +109,7 @@ def test_models_attend_through_the_kernel_when_on(monkeypatch, arch) -> None:
         return attention.decode_attention_reference(q, keys, values, length, scale=scale, gate=gate)
 
     monkeypatch.setattr(base, "decode_attention", kernel)
-    monkeypatch.setattr(base, "attention_supports", lambda q, k, v: True)
+    monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
     model = build_ours(arch)
 
     def decode(families: str) -> list[mx.array]:
@@ -132,3 +132,16 @@ def test_models_attend_through_the_kernel_when_on(monkeypatch, arch) -> None:
     assert len(calls) == 3 * attention_layers > 0 and all(calls)  # 3 decode steps, gated attention
     for a, b in zip(plain, fast, strict=True):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), float(mx.abs(a - b).max())
+
+
+def test_unprobed_kernel_is_never_used(monkeypatch) -> None:
+    """Until its probe passed (never, off CUDA), the models keep MLX's attention."""
+    q, k, v, _ = _case(1, 8, 2, 256, 16, mx.bfloat16)
+    monkeypatch.setattr(attention, "supports", lambda *a: True)
+    monkeypatch.setattr(attention, "WORKING", {})
+    assert not attention.usable(q, k, v)
+    monkeypatch.setitem(attention.WORKING, "attn", True)
+    assert attention.usable(q, k, v)
+    if backend() != "cuda":
+        monkeypatch.setattr(attention, "WORKING", {})
+        assert attention.probe() is False and "attn" not in attention.WORKING

@@ -12,12 +12,15 @@ about ten primitives per attention layer, each ~3-5 us of host time on that back
 The number of valid keys and the buffer's capacity are runtime inputs, so a growing KV cache
 never recompiles. `decode_attention_reference` is the same computation in MLX ops.
 
-Opt-in (kernel family "attn") until timed on the H200.
+Opt-in (kernel family "attn") until timed on the H200, and used only after `probe()` passed
+(the engine's ModelRunner runs it when the family is on): a kernel's errors surface only when a
+graph is evaluated, in the middle of a forward.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 
 import mlx.core as mx
@@ -31,6 +34,8 @@ MAX_HEAD_DIM = 256
 SPLITS = 16  # key splits per (row, kv head): enough blocks for the SMs at batch 1
 WARPS = 4
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+WORKING: dict[str, bool] = {}  # "attn" -> whether the kernels passed their probe in this process
+_log = logging.getLogger(__name__)
 
 _PARTIAL = CudaKernel(
     name="kapitsa_attn_partial",
@@ -64,6 +69,33 @@ def supports(q: mx.array, keys: mx.array, values: mx.array) -> bool:
         and q.dtype in DTYPES
         and keys.dtype == values.dtype == q.dtype
     )
+
+
+def usable(q: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """`supports` and the probe passed."""
+    return WORKING.get("attn", False) and supports(q, keys, values)
+
+
+def probe() -> bool:
+    """Run the kernels once against the reference where they can apply (CUDA); idempotent.
+    Call it outside any compiled trace: it evaluates."""
+    if "attn" in WORKING or backend() != "cuda":
+        return WORKING.get("attn", False)
+    keys = mx.random.split(mx.random.key(5), 4)
+    q = mx.random.normal((1, 8, 1, 256), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, 2, 64, 256), key=keys[1]).astype(mx.bfloat16)
+    v = mx.random.normal((1, 2, 64, 256), key=keys[2]).astype(mx.bfloat16)
+    gate = mx.random.normal((1, 1, 8 * 256), key=keys[3]).astype(mx.bfloat16)
+    try:
+        got = decode_attention(q, k, v, 37, scale=1 / 16, gate=gate).astype(mx.float32)
+        ref = decode_attention_reference(q, k, v, 37, scale=1 / 16, gate=gate).astype(mx.float32)
+        WORKING["attn"] = bool(mx.allclose(got, ref, atol=3e-2, rtol=3e-2).item())
+    except (RuntimeError, ValueError) as exc:
+        _log.warning("decode attention kernel unavailable, using MLX's attention: %s", exc)
+        WORKING["attn"] = False
+    if not WORKING["attn"]:
+        _log.warning("decode attention kernel disagrees with the reference; using MLX's attention")
+    return WORKING["attn"]
 
 
 @functools.cache

@@ -36,7 +36,7 @@ from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.kernels.attention import decode_attention
-from kapitsa.engine.kernels.attention import supports as attention_supports
+from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.qlinear import linear_plus
 from kapitsa.engine.traces import compiled
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         if not (kernels.enabled("attn") and info.T == 1 and info.parents is None and info.uniform_offsets):
             return self.attend(q, k, v, info, cache), (() if gate is None else (gate,))
         keys, values = cache.update(k, v, info)
-        if attention_supports(q, cache.keys, cache.values):
+        if attention_usable(q, cache.keys, cache.values):
             out = decode_attention(q, cache.keys, cache.values, info.kv_len, scale=self.scale, gate=gate)
             return out, ()
         return self._sdpa(q, keys, values, info), (() if gate is None else (gate,))
