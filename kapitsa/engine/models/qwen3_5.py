@@ -349,11 +349,8 @@ class SparseMoe(nn.Module):
 
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.top_k, self.norm_topk_prob, self.num_experts = (
-            a.num_experts_per_tok,
-            a.norm_topk_prob,
-            a.num_experts,
-        )
+        self.top_k, self.norm_topk_prob = a.num_experts_per_tok, a.norm_topk_prob
+        self.num_experts = a.num_experts
         self.gate = nn.Linear(a.hidden_size, a.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(a.hidden_size, a.moe_intermediate_size, a.num_experts)
         self.shared_expert = MLP(a.hidden_size, a.shared_expert_intermediate_size)
@@ -386,14 +383,10 @@ class SparseMoe(nn.Module):
         the fused router kernel (kernels/router.py, family "route") where it applies."""
         weight = plain_weight(self.router_proj) if "router_proj" in self else None
         if weight is not None and kernels.enabled("route"):
-            inds, scores, shared_logit = route(
-                x,
-                weight,
-                experts=self.num_experts,
-                top_k=self.top_k,
-                mode="softmax",
-                normalize=self.norm_topk_prob,
+            kw = dict(
+                experts=self.num_experts, top_k=self.top_k, mode="softmax", normalize=self.norm_topk_prob
             )
+            inds, scores, shared_logit = route(x, weight, **kw)
             return inds, scores.astype(x.dtype), shared_logit
         logits, shared_logit = projections(self, x, self.ROUTER, "router_proj")
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
