@@ -4,6 +4,7 @@
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
+#   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa at its
 #                                       defaults and with the fused parts $FUSED_AB (default residual:
 #                                       the norm prologue off), mlx-lm, interleaved), prefill at 8192
@@ -46,6 +47,11 @@ case "$part" in
     done
     $py bench/pick_knobs.py "$out/knobs.log" > "$knobs_file"
     echo "kept: $(cat "$knobs_file")"
+    ;;
+  qmv)
+    # one-row mat-vec launch shapes over the 27B's chain (bench/host_costs.py qmv; ~2 minutes)
+    timeout "${QMV_TIMEOUT:-240}" $py bench/host_costs.py --shapes --skip micro > "$out/qmv.log" 2>&1
+    cat "$out/qmv.log"
     ;;
   tests)
     # The gpu-marked tests of the mat-vec kernels and routes (their NVRTC compiles take most of the

@@ -83,21 +83,28 @@ def test_fused_variants_compile(eps, resid, act) -> None:
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
 @pytest.mark.parametrize(
-    "dtype,rows,n,k,gs,bits",
-    [(mx.bfloat16, 1, 20, 640, 64, 4), (mx.float32, 3, 9, 1152, 32, 8), (mx.float16, 2, 16, 256, 128, 4)],
+    "dtype,rows,n,k,gs,bits,shape",
+    [
+        (mx.bfloat16, 1, 20, 640, 64, 4, (2, 2, 2)),
+        (mx.float32, 3, 9, 1152, 32, 8, (2, 2, 2)),
+        (mx.float16, 2, 16, 256, 128, 4, (2, 2, 2)),
+        (mx.float32, 1, 9, 3072, 64, 4, (4, 2, 2, True)),  # pipelined: 3 round groups, the last short
+        (mx.bfloat16, 2, 20, 1152, 32, 8, (2, 2, 2, True)),
+    ],
 )
 def test_emulated_kernel_matches_reference(
-    on_cpu, monkeypatch, tmp_path, dtype, rows, n, k, gs, bits
+    on_cpu, monkeypatch, tmp_path, dtype, rows, n, k, gs, bits, shape
 ) -> None:
     """N not a multiple of the block's rows, K past one round of 32 chunks and not a multiple of
-    UNROLL rounds (640 4-bit values = 20 chunks; 1152 8-bit = 72 chunks = 3 rounds)."""
+    UNROLL rounds (640 4-bit values = 20 chunks; 1152 8-bit = 72 chunks = 3 rounds; 3072 4-bit =
+    96 chunks = 3 rounds); with the loop over round groups unrolled (pipelined) too."""
     q, s, b = _weights(n, k, gs, bits)
     x = mx.random.normal((rows, k)).astype(dtype)
     ref = qmv_reference(
         x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits
     )
     monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
-    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits, shape=(2, 2, 2))
+    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits, shape=shape)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 8e-3)
 
@@ -173,3 +180,17 @@ def test_gpu_fused_norm_and_residual(n, k, norm, resid) -> None:
     kw = dict(group_size=64, bits=4, norm=(nw, 1e-6) if norm else None, residual=res if resid else None)
     ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
     assert _rel_err(direct.qmv_direct(x, q, s, b, **kw), ref) < 1e-2
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("n,k,eps,resid", [(16480, 5120, 1e-6, False), (5120, 17408, None, True)])
+def test_pipelined_variants_compile(n, k, eps, resid) -> None:
+    """The bench's pipelined launch shapes (loop over round groups unrolled) at the 27B's widths."""
+    dtype = mx.bfloat16
+    template, _, _ = direct.launch_config(dtype, 1, n, k, 64, 4, (4, 4, 2, True), eps, resid, None)
+    assert ("PIPELINE", True) in template
+    ok, log = compile_source(
+        direct._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template)
+    )
+    assert ok, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]

@@ -63,8 +63,11 @@ def launch_config(
     resid: bool = False,
     act: str | None = None,
 ) -> tuple[tuple, int, int]:
-    """(template arguments, grid threads, block threads) for one call; `eps` set: RMSNorm fused."""
-    r, warps, unroll = shape
+    """(template arguments, grid threads, block threads) for one call; `eps` set: RMSNorm fused.
+    `shape`: (rows per warp, warps per block, rounds unrolled[, pipelined]) - pipelined unrolls the
+    loop over round groups completely, so one group's loads may overlap the previous one's math."""
+    r, warps, unroll, *rest = shape
+    pipelined = bool(rest and rest[0])
     template = (
         ("T", dtype),
         ("M", rows),
@@ -79,6 +82,7 @@ def launch_config(
         ("RESID", resid),
         ("EPS_BITS", _float_bits(eps or 0.0)),
         ("ACT", ACTS.index(act)),
+        ("PIPELINE", pipelined),
     )
     blocks = math.ceil(n / (r * warps))
     return template, blocks * warps * 32, warps * 32

@@ -28,8 +28,10 @@
     for (int r = 0; r < R; ++r) acc[r][m] = 0.f;
   }
 
-  for (int j0 = 0; j0 < ROUNDS; j0 += U) {
-    // Issue every weight load of U rounds before using any: R * U 16-byte loads in flight per lane.
+  // One round group: issue every weight load of U rounds before using any (R * U 16-byte loads
+  // in flight per lane), then the math. PIPELINE unrolls the loop over groups completely, so the
+  // compiler may issue the next group's loads while this one's math runs.
+  auto group = [&](const int j0) {
     uint4 wq[U][R];
     float ws[U][R], wb[U][R];
     #pragma unroll
@@ -101,6 +103,12 @@
         }
       }
     }
+  };
+  if constexpr (PIPELINE) {
+    #pragma unroll
+    for (int j0 = 0; j0 < ROUNDS; j0 += U) group(j0);
+  } else {
+    for (int j0 = 0; j0 < ROUNDS; j0 += U) group(j0);
   }
 
   float inv[M];
