@@ -679,3 +679,39 @@ def test_cuda_kernel_inside_mx_compile() -> None:
     want = mk.mamba_step(**args, **dims)
     assert mx.allclose(got[0].astype(mx.float32), want[0].astype(mx.float32), rtol=1e-5, atol=1e-5).item()
     assert mx.allclose(got[1], want[1], rtol=1e-6, atol=1e-6).item()
+
+
+# -- the one-time probe ----------------------------------------------------------------------------
+
+
+def test_probe_is_false_off_a_kernel_backend(monkeypatch) -> None:
+    monkeypatch.setattr(mk, "backend", lambda: None)
+    monkeypatch.setattr(mk, "WORKING", {})
+    assert mk.probe() is False and mk.WORKING == {}
+
+
+@pytest.mark.parametrize("outcome", ["agrees", "disagrees", "raises"])
+def test_probe_result_decides_whether_mamba_step_uses_the_kernel(monkeypatch, outcome) -> None:
+    """The probe runs `_launch` once against the reference; after a failed probe every call keeps
+    to the reference, even where `supports` says a kernel runs."""
+    launches = []
+
+    def launch(kernels, *args):
+        launches.append(args[-1])
+        if outcome == "raises":
+            raise RuntimeError("nvrtc: compile failed")
+        ref = mk.mamba_step_reference(*args[:10], **args[10].__dict__, mask=args[11])
+        return ref if outcome == "agrees" else tuple(mx.zeros_like(r) for r in ref)
+
+    monkeypatch.setattr(mk, "backend", lambda: "cuda")
+    monkeypatch.setattr(mk, "cuda_kernels", lambda: (None, None))
+    monkeypatch.setattr(mk, "_launch", launch)
+    monkeypatch.setattr(mk, "supports", lambda *a, **k: True)
+    monkeypatch.setattr(mk, "WORKING", {})
+    assert mk.probe() is (outcome == "agrees")
+    assert mk.probe() is (outcome == "agrees") and len(launches) == 1  # once per process
+    args, dims = make_inputs(1, 1, SHAPE_30B, mx.float32)
+    out, _ = mk.mamba_step(**args, **dims)
+    assert len(launches) == (2 if outcome == "agrees" else 1)
+    ref, _ = mk.mamba_step_reference(**args, **dims)
+    assert mx.allclose(out, ref, atol=1e-5).item()

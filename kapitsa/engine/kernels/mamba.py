@@ -24,6 +24,7 @@ and self.norm; the caller still builds conv_in and the next conv rows (conv_stat
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import struct
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}
 ROWS_PER_WARP = 4
 NORM_THREADS = 256
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+_log = logging.getLogger(__name__)
 METAL_FILE = "mamba_step.metal"
 METAL_NORM_MARKER = "// ---- norm body ----"
 
@@ -100,12 +102,65 @@ def mamba_step(
         state = mx.zeros((conv_in.shape[0], heads, head_dim, state_size), mx.float32)
     args = (conv_in, conv_weight, conv_bias, dt, dt_bias, A_log, D, gate, norm_weight, state)
     check_shapes(*args, dims, mask)
-    if not supports(
+    if WORKING.get(backend()) is False or not supports(
         conv_in, conv_weight, head_dim=head_dim, state_size=state_size, time_step_limit=dims.time_step_limit
     ):
         return mamba_step_reference(*args, **dims.__dict__, mask=mask)
     kernels = cuda_kernels() if backend() == "cuda" else metal_kernels()
     return _launch(kernels, *args, dims, mask)
+
+
+# backend -> whether the kernels agreed with the reference on `probe`'s case in this process
+WORKING: dict[str, bool] = {}
+
+
+def probe() -> bool:
+    """Run the step and norm kernels once on a small case against the reference (once per
+    process and backend): a kernel's errors surface only when a graph is evaluated, in the middle
+    of a forward, so a model probes before it traces a compiled step (this evaluates). After a
+    failed probe `mamba_step` keeps to the reference."""
+    kind = backend()
+    if kind not in ("cuda", "metal"):
+        return False
+    if kind not in WORKING:
+        WORKING[kind] = _kernels_agree(kind)
+    return WORKING[kind]
+
+
+def _kernels_agree(kind: str) -> bool:
+    keys = mx.random.split(mx.random.key(3), 6)  # its own keys: the global seed stays untouched
+    H, P, G, N, K = 2, 32, 1, 32, 4
+    C = H * P + 2 * G * N
+    args = (
+        mx.random.normal((1, K, C), key=keys[0]).astype(mx.bfloat16),  # K - 1 rows + 1 token
+        (0.3 * mx.random.normal((C, K, 1), key=keys[1])).astype(mx.bfloat16),
+        None,
+        mx.random.normal((1, 1, H), key=keys[2]).astype(mx.bfloat16),
+        mx.zeros((H,), mx.bfloat16),
+        mx.zeros((H,), mx.float32),
+        mx.ones((H,), mx.bfloat16),
+        mx.random.normal((1, 1, H * P), key=keys[3]).astype(mx.bfloat16),
+        mx.ones((H * P,), mx.bfloat16),
+        0.1 * mx.random.normal((1, H, P, N), key=keys[4]),
+    )
+    dims = Dims(H, P, G, N, (0.0, math.inf), 1e-5)
+    try:
+        kernels = cuda_kernels() if kind == "cuda" else metal_kernels()
+        got = _launch(kernels, *args, dims, None)
+        ref = mamba_step_reference(*args, **dims.__dict__)
+        errors = [
+            float(
+                mx.abs(g.astype(mx.float32) - r.astype(mx.float32)).max() / mx.abs(r.astype(mx.float32)).max()
+            )
+            for g, r in zip(got, ref, strict=True)
+        ]
+    except (RuntimeError, ValueError) as exc:
+        _log.warning("Mamba-2 step kernel unavailable on %s, using the op path: %s", kind, exc)
+        return False
+    if not max(errors) < 3e-2:  # loose: this catches a broken kernel, not bf16 rounding
+        _log.warning("Mamba-2 step kernel disagrees with the op path on %s (%s); not using it", kind, errors)
+        return False
+    return True
 
 
 def check_shapes(

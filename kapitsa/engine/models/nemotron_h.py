@@ -21,6 +21,7 @@ import mlx.nn as nn
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import KVCache, RecurrentCache, ReplayRecord, StepInfo
 from kapitsa.engine.kernels.mamba import mamba_step, mamba_step_reference
+from kapitsa.engine.kernels.mamba import probe as probe_mamba_kernels
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.kernels.router import route
 from kapitsa.engine.models.base import (
@@ -397,6 +398,8 @@ class Block(nn.Module):
     # compiled decode step (see models/base.py)
     def _decode(self, x: mx.array, info: StepInfo, cache) -> mx.array:
         if self.block_type == "M":
+            if kernels.enabled("mamba"):
+                probe_mamba_kernels()  # before tracing: it evaluates (once per process)
             out, cache.conv, cache.state = compiled(self, "mamba", self._mamba_step)(
                 x, cache.conv, cache.state
             )
@@ -410,6 +413,8 @@ class Block(nn.Module):
         FFN blocks reuse their decode functions, which take any T."""
         if self.block_type != "M":
             return self._decode(x, info, cache)
+        if kernels.enabled("mamba"):
+            probe_mamba_kernels()
         s0 = cache.state
         out, conv_in, state, dt = compiled(self, "mamba_chain", self._mamba_chain)(x, cache.conv, s0)
         cache.conv, cache.state = conv_in[:, info.T :], state
