@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 
 import mlx.core as mx
 
@@ -21,6 +22,12 @@ def backend() -> str | None:
     if mx.metal.is_available():
         return "metal"
     return None
+
+
+def float_bits(value: float) -> int:
+    """A float32's bit pattern as a signed int: kernels take floats as integer template arguments
+    and reinterpret them (`__int_as_float`, `as_type<float>`)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 # Families the models use unless told otherwise: those verified and timed in the models on the H200

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
 
 import mlx.core as mx
 
-from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import backend, float_bits
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 
 MLX_FAST_HEAD_DIMS = (64, 96, 128)  # MLX's own CUDA kernels take these: nothing to gain
@@ -100,8 +99,7 @@ def probe() -> bool:
 
 @functools.cache
 def _templates(dtype, D: int, nrep: int, hq: int, scale: float, gated: bool) -> tuple[tuple, tuple]:
-    bits = struct.unpack("<i", struct.pack("<f", scale))[0]
-    partial = (("T", dtype), ("D", D), ("NREP", nrep), ("S", SPLITS), ("SCALE_BITS", bits))
+    partial = (("T", dtype), ("D", D), ("NREP", nrep), ("S", SPLITS), ("SCALE_BITS", float_bits(scale)))
     combine = (
         ("T", dtype),
         ("D", D),

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import backend, float_bits
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.metal import MetalKernel
 from kapitsa.engine.ops.conv import causal_conv
@@ -297,11 +296,6 @@ def supported(
         return False
     rows = dv // warps_for(dk, dv, MAX_WARPS[kind])
     return 1 <= T <= MAX_KERNEL_T and 1 <= K <= MAX_CONV_KERNEL and rows * dk // 32 <= MAX_STATE_FLOATS
-
-
-def float_bits(x: float) -> int:
-    """The float32 bit pattern of x as a signed int (template arguments are ints, not floats)."""
-    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def launch_config(

@@ -26,13 +26,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import struct
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import backend, float_bits
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.metal import read_source
 from kapitsa.engine.ops.conv import causal_conv_reference
@@ -218,11 +217,6 @@ def supports(
 
 
 # -- launch parameters (shared by CUDA and Metal) ------------------------------------------------
-
-
-def float_bits(value: float) -> int:
-    """A float32's bit pattern as an int, so a float can travel as an integer template argument."""
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def rows_per_block(tokens: int) -> int:

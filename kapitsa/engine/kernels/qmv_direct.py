@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import backend, float_bits
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, rows_and_k, supported_affine
@@ -80,7 +79,7 @@ def launch_config(
         ("UNROLL", unroll),
         ("NORM", eps is not None),
         ("RESID", resid),
-        ("EPS_BITS", _float_bits(eps or 0.0)),
+        ("EPS_BITS", float_bits(eps or 0.0)),
         ("ACT", ACTS.index(act)),
         ("PIPELINE", pipelined),
     )
@@ -163,11 +162,6 @@ def qmv_direct_reference(
     if residual is not None:
         y = y + residual.astype(mx.float32)
     return y.astype(dtype)
-
-
-def _float_bits(value: float) -> int:
-    """The bits of a float32 as a (signed) int: a template constant the kernel reinterprets."""
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def activation(act: str, x: mx.array) -> mx.array:

@@ -27,12 +27,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import struct
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import backend, float_bits
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.ops.moe import topk_indices
 
@@ -130,7 +129,7 @@ def _select_template(
         ("TOPK", top_k),
         ("MODE", MODES.index(mode)),
         ("NORM", bool(normalize)),
-        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
+        ("SCALE_BITS", float_bits(scale)),
     )
 
 
