@@ -13,12 +13,9 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 
+from kapitsa.engine.traces import drop_traces
+
 Timer = Callable[..., dict]
-
-
-def drop_traces(model) -> None:
-    for _, sub in model.named_modules():
-        sub.__dict__.pop("_compiled_steps", None)
 
 
 @contextlib.contextmanager
@@ -38,14 +35,11 @@ def fused_parts(parts: str) -> Iterator[dict]:
 @contextlib.contextmanager
 def kernel_families(families: str) -> Iterator[dict]:
     """KAPITSA_KERNELS=families for the block (read when a model traces its steps)."""
-    from kapitsa.engine.kernels import attention, router
+    from kapitsa.engine.kernels import probe_enabled
 
     before = os.environ.get("KAPITSA_KERNELS")
     os.environ["KAPITSA_KERNELS"] = families
-    if "route" in families or families == "all":
-        router.probe()  # the ModelRunner probed under the defaults, where "route" is off
-    if "attn" in families or families == "all":
-        attention.probe()
+    probe_enabled()  # the ModelRunner probed under the defaults, where opt-in families are off
     try:
         yield {"kernels": families}
     finally:

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.qlinear import normed_linear
+from kapitsa.engine.traces import drop_traces
 
 _QUANT_FIELDS = ("group_size", "bits", "mode")
 
@@ -113,6 +114,5 @@ def fuse_model(model: nn.Module) -> int:
         if callable(fuse) and fuse():
             count += 1
     if count:  # compiled decode steps traced before captured the unfused weights: drop them
-        for _, sub in model.named_modules():
-            sub.__dict__.pop("_compiled_steps", None)
+        drop_traces(model)
     return count

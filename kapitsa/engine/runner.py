@@ -14,7 +14,6 @@ import mlx.core as mx
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache
 from kapitsa.engine.fuse import fuse_model
-from kapitsa.engine.kernels import attention, router
 from kapitsa.engine.memory import StateSizes
 from kapitsa.engine.prefix_cache import PrefixMatch
 from kapitsa.engine.qlinear import route_quantized_linears
@@ -29,10 +28,7 @@ class ModelRunner:
         self.model = model
         fuse_model(model)  # same-input projections as one mat-vec each (kapitsa.engine.fuse)
         route_quantized_linears(model)  # per-row-count mat-muls on CUDA (kapitsa.engine.qlinear)
-        if kernels.enabled("route"):
-            router.probe()  # the fused MoE router's one-time check evaluates: before any trace
-        if kernels.enabled("attn"):
-            attention.probe()
+        kernels.probe_enabled()  # the opt-in kernels' one-time checks evaluate: before any trace
         probe = model.make_cache(1)
         self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
         self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]

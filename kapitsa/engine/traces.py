@@ -14,6 +14,13 @@ from collections.abc import Callable, Hashable
 import mlx.core as mx
 
 
+def drop_traces(model) -> None:  # noqa: ANN001 - any nn.Module
+    """Forget every compiled function of the model's modules (their traces captured the weights
+    and settings they were made with)."""
+    for _, sub in model.named_modules():
+        sub.__dict__.pop("_compiled_steps", None)
+
+
 def compiled(owner: object, name: Hashable, fn: Callable) -> Callable:
     """`mx.compile(fn)`, made once per (owner, name, thread): each layer keeps its own traces.
 

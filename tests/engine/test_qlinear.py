@@ -223,7 +223,7 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, a
     kernel's reference standing in for it) gives the op-by-op logits."""
     from kapitsa.engine.fuse import fuse_model
     from kapitsa.engine.models import base
-    from tests.models.builders import build_ours
+    from tests.models.builders import build_ours, greedy_logits
 
     model = build_ours(arch)
     fuse_model(model)
@@ -234,14 +234,7 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, a
     def steps(compile_on: bool) -> list[mx.array]:
         base.COMPILE_DECODE["on"] = compile_on
         try:
-            cache = model.make_cache(1)
-            logits = model(mx.array([[3, 17, 5, 9]]), cache)[:, -1]
-            out = [logits]
-            for _ in range(3):
-                logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
-                out.append(logits)
-            mx.eval(out)
-            return out
+            return greedy_logits(model)
         finally:
             base.COMPILE_DECODE["on"] = True
 

@@ -163,7 +163,8 @@ def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
     a fused model's compiled decode takes the router kernel in every MoE layer and gives the same
     logits as with the family off."""
     from kapitsa.engine.fuse import fuse_model
-    from tests.models.builders import build_ours
+    from kapitsa.engine.traces import drop_traces
+    from tests.models.builders import build_ours, greedy_logits
 
     calls = []
 
@@ -179,16 +180,8 @@ def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
 
     def decode(families: str) -> list[mx.array]:
         monkeypatch.setenv("KAPITSA_KERNELS", families)
-        for _, sub in model.named_modules():
-            sub.__dict__.pop("_compiled_steps", None)
-        cache = model.make_cache(1)
-        logits = model(mx.array([[3, 17, 5, 9]]), cache)[:, -1]
-        out = [logits]
-        for _ in range(3):
-            logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
-            out.append(logits)
-        mx.eval(out)
-        return out
+        drop_traces(model)  # traces are made under the families in force
+        return greedy_logits(model)
 
     plain = decode("gdn,moe,qmv,mamba")
     assert calls == []

@@ -31,6 +31,18 @@ def build_ours(arch: str, seed: int = 0, mtp: bool = False):
     return model
 
 
+def greedy_logits(model, steps: int = 3, prompt=(3, 17, 5, 9)) -> list[mx.array]:  # noqa: ANN001
+    """The last-position logits of a prompt and of `steps` greedy decode steps after it, evaluated."""
+    cache = model.make_cache(1)
+    logits = model(mx.array([list(prompt)]), cache)[:, -1]
+    out = [logits]
+    for _ in range(steps):
+        logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
+        out.append(logits)
+    mx.eval(out)
+    return out
+
+
 def build_mlx_lm(arch: str, seed: int = 0):
     cfg, w = config_and_weights(arch, seed)
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")

@@ -47,6 +47,17 @@ DEFAULT_FAMILIES = {
 }
 
 
+def probe_enabled() -> None:
+    """Run the one-time probe of each enabled opt-in family that has one ("route", "attn"); each
+    kernel is used only after its probe passed. They evaluate: call this outside any trace."""
+    from kapitsa.engine.kernels import attention, router  # they import this module
+
+    if enabled("route"):
+        router.probe()
+    if enabled("attn"):
+        attention.probe()
+
+
 def enabled(name: str) -> bool:
     """Whether the model may use kernel family `name` ("gdn", "mamba", "moe", "qmv", "route", "attn").
 
