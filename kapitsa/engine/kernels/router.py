@@ -190,7 +190,6 @@ def probe() -> bool:
     return WORKING.get("router", False)
 
 
-@functools.cache
 def kernel_works() -> bool:
     """Whether the kernel compiles, runs and agrees with the reference on one small case of each
     mode, checked once per process (outside any compiled trace: this evaluates)."""

@@ -138,10 +138,14 @@ class Attention(nn.Module):
         kernel family "attn", one query token per row and a head size MLX's CUDA backend has no
         fast kernel for, attention is kapitsa's decode kernel (kernels/attention.py), which also
         applies the output gate."""
-        if not (kernels.enabled("attn") and info.T == 1 and info.parents is None and info.uniform_offsets):
-            return self.attend(q, k, v, info, cache), (() if gate is None else (gate,))
         keys, values = cache.update(k, v, info)
-        if attention_usable(q, cache.keys, cache.values):
+        if (
+            kernels.enabled("attn")
+            and info.T == 1
+            and info.parents is None
+            and info.uniform_offsets
+            and attention_usable(q, cache.keys, cache.values)
+        ):
             out = decode_attention(q, cache.keys, cache.values, info.kv_len, scale=self.scale, gate=gate)
             return out, ()
         return self._sdpa(q, keys, values, info), (() if gate is None else (gate,))
