@@ -4,12 +4,15 @@
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
-#   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain
+#   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
+#                                       and streaming kernels); with STREAM_TESTS=1 the streaming
+#                                       kernel's GPU tests first
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa at its
 #                                       defaults and with the fused parts $FUSED_AB (default residual:
 #                                       the norm prologue off), mlx-lm, interleaved), prefill at 8192
 #                                       tokens, verify cost per T (27b, nemotron), edit speculation
-#                                       (1 round); also with the opt-in families (the fused MoE router
+#                                       (1 round); also with the 1-8 row mat-vec kernel $QMV_AB (default
+#                                       stream; KERNEL:PARTS sets the fused parts too), with the opt-in families (the fused MoE router
 #                                       "route", the decode attention "attn"), and on the MoE shapes
 #                                       folded shared experts when FOLD_AB=1
 # Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
@@ -49,9 +52,15 @@ case "$part" in
     echo "kept: $(cat "$knobs_file")"
     ;;
   qmv)
+    : > "$out/qmv.log"
+    if [ "${STREAM_TESTS:-0}" = 1 ]; then
+      timeout "${TESTS_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
+        tests/kernels/test_qmv_stream.py >> "$out/qmv.log" 2>&1
+      tail -3 "$out/qmv.log"
+    fi
     # one-row mat-vec launch shapes over the 27B's chain (bench/host_costs.py qmv; ~2 minutes)
-    timeout "${QMV_TIMEOUT:-240}" $py bench/host_costs.py --shapes --skip micro > "$out/qmv.log" 2>&1
-    cat "$out/qmv.log"
+    timeout "${QMV_TIMEOUT:-240}" $py bench/host_costs.py --shapes --skip micro >> "$out/qmv.log" 2>&1
+    grep '"kind": "qmv"' "$out/qmv.log"
     ;;
   tests)
     # The gpu-marked tests of the mat-vec kernels and routes (their NVRTC compiles take most of the
@@ -60,7 +69,7 @@ case "$part" in
     timeout "${TESTS_TIMEOUT:-330}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
       tests/engine/test_qlinear.py tests/kernels/test_qmv_tc.py tests/kernels/test_qmv_direct.py \
       tests/kernels/test_gdn_prefill.py tests/kernels/test_mamba_kernel.py tests/kernels/test_router_kernel.py \
-      tests/kernels/test_attention_kernel.py \
+      tests/kernels/test_attention_kernel.py tests/kernels/test_qmv_stream.py \
       > "$out/tests.log" 2>&1
     tail -3 "$out/tests.log"
     timeout "${COMPILED_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line \
@@ -81,7 +90,7 @@ case "$part" in
       esac
       case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
       timeout "${SHAPE_TIMEOUT:-290}" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
-        --rounds 2 --fused-ab "${FUSED_AB:-residual}" --prefill-prompts 8192 "${verify[@]}" \
+        --rounds 2 --fused-ab "${FUSED_AB:-residual}" --qmv-ab "${QMV_AB:-stream}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \
         --spec-tokens 256 > "$out/$shape.log" 2>&1
       grep -E 'summary|verify_ms|Error' "$out/$shape.log"

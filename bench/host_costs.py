@@ -9,7 +9,8 @@
   (from `mx.export_to_dot` of the unevaluated step), so the launch count per token is known.
 
 Run on the H200: python bench/host_costs.py [--shapes 4b nemotron-30b-a3b] [--skip micro qmv]
-- `qmv`: the 27B's one-row mat-vec chain through the direct kernel at several launch shapes.
+- `qmv`: the 27B's one-row mat-vec chain through the direct kernel at several launch shapes and
+  through the streaming kernel (kernels/qmv_stream.py) at several of its options.
 
 CPU smoke run: python bench/host_costs.py --tiny --shapes 4b --skip micro
 """
@@ -171,6 +172,39 @@ DIRECT_SHAPES = [
 ]
 
 
+# qmv_stream.OPTIONS to time: (rows per warp / 16, exact_q, ring stages or None for the default)
+STREAM_OPTIONS = [
+    (1, False, None),
+    (1, False, 4),
+    (1, False, 3),
+    (2, False, None),
+    (2, False, 4),
+    (1, True, None),
+]
+
+
+def _fused_extras(x: mx.array, q: mx.array) -> dict:
+    """A norm prologue and, where the output is no wider than x, a residual epilogue (x's own
+    values stand in for the norm weight and the residual: the cost is what is timed)."""
+    n = q.shape[0]
+    return dict(norm=(x[0], 1e-6), residual=x[..., :n] if x.shape[-1] >= n else None)
+
+
+def _stream_impl(group_size: int, tiles: int, exact: bool, stages: int | None, fused: bool = False):
+    from kapitsa.engine.kernels import qmv_stream as stream
+
+    def impl(x, q, s, b):
+        before = dict(stream.OPTIONS)
+        stream.OPTIONS.update(tiles=tiles, exact_q=exact, stages=stages)
+        try:
+            extra = _fused_extras(x, q) if fused else {}
+            return stream.qmv_stream(x, q, s, b, group_size=group_size, **extra)
+        finally:
+            stream.OPTIONS.update(before)
+
+    return impl
+
+
 def qmv_sweep() -> None:
     """The 27B's fused one-row mat-vec chain (bench/diag_h200.py) through stock, a read-only
     kernel and the direct kernel at each of DIRECT_SHAPES: ms, GB/s, error against stock."""
@@ -196,11 +230,17 @@ def qmv_sweep() -> None:
         impls[f"direct{shape}"] = lambda x, q, s, b, shape=shape: direct.qmv_direct(
             x, q, s, b, group_size=GS, bits=4, shape=shape
         )
+    for tiles, exact, stages in STREAM_OPTIONS:
+        impls[f"stream(tiles={tiles},exact={exact},stages={stages})"] = _stream_impl(GS, tiles, exact, stages)
+    impls["stream_fused_norm_res"] = _stream_impl(GS, 1, False, None, fused=True)
+    impls["direct_fused_norm_res"] = lambda x, q, s, b: direct.qmv_direct(
+        x, q, s, b, group_size=GS, bits=4, **_fused_extras(x, q)
+    )
     ref = [impls["stock"](xs[k], q, s, b) for q, s, b, k in layers[0]]
     for name, impl in impls.items():
         try:
             err = 0.0
-            if name != "read_only":
+            if name != "read_only" and "fused" not in name:
                 got = [impl(xs[k], q, s, b) for q, s, b, k in layers[0]]
                 err = max(
                     (mx.abs(g.astype(mx.float32) - r.astype(mx.float32)).max() / mx.abs(r).max()).item()

@@ -1,5 +1,5 @@
 """kapitsa settings timed beside its defaults in one process (`decode_vs_mlxlm.py --fused-ab,
---kernels-ab, --fold-ab`): each variant is one more engine in the interleaved rounds, so the host's
+--kernels-ab, --qmv-ab, --fold-ab`): each variant is one more engine in the interleaved rounds, so the host's
 drift within a run falls on all of them alike.
 
 A variant changes what the models trace (fused mat-vec parts, kernel families) or how the engine
@@ -50,6 +50,23 @@ def kernel_families(families: str) -> Iterator[dict]:
 
 
 @contextlib.contextmanager
+def matvec_kernel(spec: str) -> Iterator[dict]:
+    """KAPITSA_QMV_KERNEL=kernel for the block (its kernels' probe runs first); spec
+    "kernel:parts" also sets KAPITSA_FUSED_NORMS=parts."""
+    from kapitsa.engine import qlinear
+
+    kernel, _, parts = spec.partition(":")
+    before = qlinear.MATVEC["kernel"]
+    qlinear.MATVEC["kernel"] = qlinear._matvec_setting(kernel)
+    try:
+        with fused_parts(parts) if parts else contextlib.nullcontext({}) as described:
+            qlinear.probe_kernels()
+            yield {"qmv_kernel": kernel, "qmv_working": qlinear.WORKING.get(kernel), **described}
+    finally:
+        qlinear.MATVEC["kernel"] = before
+
+
+@contextlib.contextmanager
 def folded() -> Iterator[dict]:
     """Shared experts folded into the routed stacks when the engine prepares the model."""
     from kapitsa.engine import moe_fold
@@ -86,6 +103,9 @@ def add_variants(args, models: dict, timers: dict, build_kapitsa: Callable[[], o
     if args.kernels_ab:
         models["kapitsa-kernels"] = models["kapitsa"]
         timers["kapitsa-kernels"] = timed_with(lambda: kernel_families(args.kernels_ab), base)
+    if args.qmv_ab:
+        models["kapitsa-qmv"] = models["kapitsa"]
+        timers["kapitsa-qmv"] = timed_with(lambda: matvec_kernel(args.qmv_ab), base)
     if args.fold_ab and moe:
         models["kapitsa-folded"] = build_kapitsa()  # a copy: folding changes the model in place
         timers["kapitsa-folded"] = timed_with(folded, base)

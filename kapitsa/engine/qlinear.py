@@ -40,6 +40,8 @@ from kapitsa.engine.kernels.qmv_direct import (
     supports_fused,
 )
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
+from kapitsa.engine.kernels.qmv_stream import MAX_ROWS as STREAM_MAX_ROWS
+from kapitsa.engine.kernels.qmv_stream import qmv_stream, supports_stream
 from kapitsa.engine.kernels.qmv_tc import MAX_ROWS as TC_MAX_ROWS
 from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
 
@@ -53,8 +55,30 @@ _log = logging.getLogger(__name__)
 # kernel is tried once on a small case before any route may use it; unprobed means unused.
 WORKING: dict[str, bool] = {}
 # kernel (tc16: the tensor-core kernel's two-block variant, 9-16 rows) -> rows it is probed at
-# (fused: the direct kernel with the RMSNorm prologue and residual epilogue)
-PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1}
+# (fused: the direct kernel with the RMSNorm prologue and residual epilogue; stream, streamfused:
+# the streaming kernel plain and fused, probed only where MATVEC selects it)
+PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1, "stream": 3, "streamfused": 1}
+FUSED_PROBES = ("fused", "streamfused")
+STREAM_PROBES = ("stream", "streamfused")
+
+# The mat-vec kernel for 1-8 input rows, where it takes the call: "direct" (one row; 2-8 rows
+# the tensor-core kernel) or "stream" (kernels/qmv_stream.py: cp.async-pipelined tensor-core
+# math, bf16 4-bit). KAPITSA_QMV_KERNEL overrides; the bench A/Bs it (`--qmv-ab`).
+MATVEC_KERNELS = ("direct", "stream")
+DEFAULT_MATVEC = "direct"
+
+
+def _matvec_setting(value: str) -> str:
+    value = value.strip().lower() or DEFAULT_MATVEC
+    if value not in MATVEC_KERNELS:
+        _log.warning(
+            "KAPITSA_QMV_KERNEL=%r unknown (one of %s); using %s", value, MATVEC_KERNELS, DEFAULT_MATVEC
+        )
+        return DEFAULT_MATVEC
+    return value
+
+
+MATVEC = {"kernel": _matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))}
 
 
 # Norms, MLP activations and residual adds can run inside the one-row mat-vecs (FUSED_PARTS).
@@ -95,9 +119,12 @@ def routes_enabled() -> bool:
 
 
 def _kernel_call(name: str, x: mx.array, w, scales, biases, group_size: int, bits: int, **fused) -> mx.array:
-    """`fused`: `norm=(weight, eps)` and/or `residual=` (the direct kernel only)."""
+    """`fused`: `norm=(weight, eps)` and/or `residual=` (the direct and stream kernels; `act=`
+    the direct kernel only)."""
     if name in ("direct", "fused"):
         return qmv_direct(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
+    if name in ("stream", "streamfused"):
+        return qmv_stream(x, w, scales, biases, group_size=group_size, **fused)
     if name == "tc":
         return qmv_tc(x, w, scales, biases, group_size=group_size)
     return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
@@ -107,14 +134,16 @@ def probe_kernels() -> dict[str, bool]:
     """Try each mat-vec kernel once (bf16, 4-bit, group 64, at the rows of `PROBES`) against the
     reference; record which work. Idempotent; call it outside any `mx.compile` trace."""
     for name, rows in PROBES.items():
-        if name in WORKING or (name == "fused" and not FUSED_NORMS["on"]):
+        if name in WORKING or (name in FUSED_PROBES and not FUSED_NORMS["on"]):
             continue  # (the fused forms are opt-in: no compile for them otherwise)
+        if name in STREAM_PROBES and MATVEC["kernel"] != "stream":
+            continue
         keys = mx.random.split(mx.random.key(7), 3)  # own keys: the global seed stays untouched
         w = (0.05 * mx.random.normal((64, 256), key=keys[0])).astype(mx.bfloat16)
         q, scales, biases = mx.quantize(w, group_size=64, bits=4)
         x = mx.random.normal((rows, 256), key=keys[1]).astype(mx.bfloat16)
         fused = {}
-        if name == "fused":
+        if name in FUSED_PROBES:
             norm_weight = (1 + 0.2 * mx.random.normal((256,), key=keys[2])).astype(mx.bfloat16)
             fused = dict(norm=(norm_weight, 1e-6), residual=x[:, :64])
             ref = qmv_direct_reference(x, q, scales, biases, group_size=64, bits=4, **fused)
@@ -139,12 +168,19 @@ def probe_kernels() -> dict[str, bool]:
 
 
 def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
-    """'direct', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
+    """'direct', 'stream', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
     if rows <= MAX_ROWS:
         if layer.mode != "affine" or not kernels.enabled("qmv"):
             return "stock"
         args = (x, layer["weight"], layer["scales"], layer.get("biases"))
         quant = dict(group_size=layer.group_size, bits=layer.bits)
+        if (
+            MATVEC["kernel"] == "stream"
+            and rows <= STREAM_MAX_ROWS
+            and WORKING.get("stream")
+            and supports_stream(*args, **quant)
+        ):
+            return "stream"
         if rows == 1 and WORKING.get("direct") and supports_direct(*args, **quant):
             return "direct"
         if WORKING.get("tc") and supports_tc(*args, **quant):
@@ -185,24 +221,32 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
-def _fusable(linear: nn.Module, x: mx.array, part: str) -> bool:
-    """Whether `linear(x)` is a one-row call on the direct route that the fused kernel may take
-    with `part` (one of FUSED_PARTS) switched on."""
-    return (
+# one-row route -> the fused kernel that stands in for it
+FUSED_KERNEL = {"direct": "fused", "stream": "streamfused"}
+
+
+def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
+    """The fused kernel ("fused", "streamfused") that may take the one-row call `linear(x)` with
+    `part` (one of FUSED_PARTS) switched on, or None. The activation prologue is the direct
+    kernel's only."""
+    if not (
         FUSED_NORMS["on"]
         and part in FUSED_NORMS["parts"]
         and isinstance(linear, RoutedQuantizedLinear)
         and "bias" not in linear
-        and WORKING.get("fused", False)
         and routes_enabled()
         and math.prod(x.shape[:-1]) == 1
-        and route_for(1, linear, x) == "direct"
-    )
+    ):
+        return None
+    name = FUSED_KERNEL.get(route_for(1, linear, x))
+    if name is None or not WORKING.get(name, False) or (part == "act" and name != "fused"):
+        return None
+    return name
 
 
-def _fused_call(linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array:
+def _fused_call(name: str, linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array:
     return _kernel_call(
-        "fused",
+        name,
         x,
         linear["weight"],
         linear["scales"],
@@ -216,22 +260,22 @@ def _fused_call(linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array
 def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
     """`linear(norm(x))`: one kernel at decode (the RMSNorm inside the one-row mat-vec) where the
     fused route takes it (CUDA, a plain `nn.RMSNorm`, a routed 1-row direct call), else as written."""
-    if type(norm) is nn.RMSNorm and _fusable(linear, x, "norm"):
-        weight = norm.weight
-        if supports_fused(x, linear["weight"].shape[0], weight, None):
-            return _fused_call(linear, x, norm=(weight, norm.eps))
+    name = _fused_kernel(linear, x, "norm") if type(norm) is nn.RMSNorm else None
+    if name is not None and supports_fused(x, linear["weight"].shape[0], norm.weight, None):
+        return _fused_call(name, linear, x, norm=(norm.weight, norm.eps))
     return linear(norm(x))
 
 
 def linear_plus(linear: nn.Module, h: mx.array, residual: mx.array) -> mx.array:
     """`residual + linear(h)`: the add in the one-row mat-vec's epilogue where the fused route
     takes it, else as written."""
+    name = _fused_kernel(linear, h, "residual")
     if (
-        _fusable(linear, h, "residual")
+        name is not None
         and residual.shape[:-1] == h.shape[:-1]
         and supports_fused(h, linear["weight"].shape[0], None, residual)
     ):
-        return _fused_call(linear, h, residual=residual)
+        return _fused_call(name, linear, h, residual=residual)
     return residual + linear(h)
 
 
@@ -243,12 +287,13 @@ def act_linear_plus(
     as the one-row mat-vec loads x and the add is in its epilogue."""
     k = x.shape[-1] // 2 if act == "silu_glu" else x.shape[-1]
     product_input = x[..., :k]  # the shape the product sees, for the route checks
+    name = _fused_kernel(linear, product_input, "act")
     if (
-        _fusable(linear, product_input, "act")
+        name is not None
         and residual.shape[:-1] == x.shape[:-1]
         and supports_fused(product_input, linear["weight"].shape[0], None, residual)
     ):
-        return _fused_call(linear, x, residual=residual, act=act)
+        return _fused_call(name, linear, x, residual=residual, act=act)
     return linear_plus(linear, fallback(x), residual)
 
 

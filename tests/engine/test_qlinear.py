@@ -298,3 +298,67 @@ def test_fused_norms_switch_off(fused_route, monkeypatch) -> None:
     norm = nn.RMSNorm(128)
     qlinear.normed_linear(norm, model.layers[0], mx.random.normal((1, 128)))
     assert fused_route == [("direct", 1, ())]
+
+
+@pytest.fixture
+def stream_route(fused_route, monkeypatch) -> list:
+    """fused_route with KAPITSA_QMV_KERNEL=stream and the streaming kernels probed good."""
+    monkeypatch.setitem(qlinear.MATVEC, "kernel", "stream")
+    monkeypatch.setitem(qlinear.WORKING, "stream", True)
+    monkeypatch.setitem(qlinear.WORKING, "streamfused", True)
+    monkeypatch.setattr(qlinear, "supports_stream", lambda x, w, s, b, group_size, bits: bits == 4)
+    return fused_route
+
+
+def test_the_stream_kernel_takes_one_to_eight_rows_and_fuses_norms_and_adds(stream_route) -> None:
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    linear, down = model.layers
+    for rows in (1, 3, 8):
+        assert qlinear.route_for(rows, linear, mx.zeros((rows, 128))) == "stream"
+    assert qlinear.route_for(9, linear, mx.zeros((9, 128))) == "stock"  # past 8 rows: tc16 unprobed
+    norm = nn.RMSNorm(128)
+    norm.weight = 1 + 0.3 * mx.random.normal((128,))
+    x, res = mx.random.normal((1, 1, 128)), mx.random.normal((1, 1, 64))
+    assert mx.allclose(qlinear.normed_linear(norm, linear, x), linear(norm(x)), atol=1e-4).item()
+    assert mx.allclose(qlinear.linear_plus(linear, x, res), res + linear(x), atol=1e-4).item()
+    assert [c for c in stream_route if c[0] == "streamfused"] == [
+        ("streamfused", 1, ("norm",)),
+        ("streamfused", 1, ("residual",)),
+    ]
+    stream_route.clear()
+    up, h = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 32))
+    relu2 = lambda v: mx.square(mx.maximum(v, 0))  # noqa: E731
+    assert mx.allclose(
+        qlinear.act_linear_plus(down, up, h, "relu2", relu2), h + down(relu2(up)), atol=1e-4
+    ).item()
+    fused = [c for c in stream_route if c[0] == "streamfused"]
+    assert fused == [("streamfused", 1, ("residual",))]  # the activation prologue is direct's only
+
+
+def test_the_stream_kernel_falls_back_where_it_does_not_apply(stream_route, monkeypatch) -> None:
+    model = _model(bits=8)
+    qlinear.route_quantized_linears(model)
+    assert qlinear.route_for(1, model.layers[0], mx.zeros((1, 128))) == "direct"  # 8-bit
+    monkeypatch.setitem(qlinear.WORKING, "stream", False)  # probed bad: the earlier routes
+    model4 = _model()
+    qlinear.route_quantized_linears(model4)
+    assert qlinear.route_for(1, model4.layers[0], mx.zeros((1, 128))) == "direct"
+
+
+def test_the_stream_kernel_is_probed_only_when_selected(monkeypatch, caplog) -> None:
+    calls = []
+
+    def kernel(name, x, w, scales, biases, group_size, bits, **fused):
+        calls.append(name)
+        return qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
+
+    monkeypatch.setattr(qlinear, "_kernel_call", kernel)
+    monkeypatch.setattr(qlinear, "WORKING", {})
+    assert "stream" not in qlinear.probe_kernels() and "stream" not in calls
+    monkeypatch.setitem(qlinear.MATVEC, "kernel", "stream")
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", True)
+    working = qlinear.probe_kernels()
+    assert working["stream"] and working["streamfused"]
+    assert qlinear._matvec_setting(" Stream ") == "stream" and qlinear._matvec_setting("") == "direct"
+    assert qlinear._matvec_setting("fast") == "direct" and "KAPITSA_QMV_KERNEL='fast' unknown" in caplog.text
