@@ -3,6 +3,8 @@
 #   bash bench/h200_all.sh knobs        4B decode (kapitsa default and with fused norms, mlx-lm) under
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
+#   bash bench/h200_all.sh prefill      Nemotron's 8k prefill per layer kind, kapitsa beside mlx-lm, and
+#                                       kapitsa's Mamba layers at SSD chunk lengths $SSD_CHUNKS
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
 #   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
 #                                       and streaming kernels); with STREAM_TESTS=1 the streaming
@@ -61,6 +63,11 @@ case "$part" in
     # one-row mat-vec launch shapes over the 27B's chain (bench/host_costs.py qmv; ~2 minutes)
     timeout "${QMV_TIMEOUT:-240}" $py bench/host_costs.py --shapes --skip micro >> "$out/qmv.log" 2>&1
     grep '"kind": "qmv"' "$out/qmv.log"
+    ;;
+  prefill)
+    timeout "${PREFILL_TIMEOUT:-300}" $py bench/prefill_parts.py --prompt 8192 --ssd-chunks ${SSD_CHUNKS:-128 256} \
+      > "$out/prefill.log" 2>&1
+    grep -E 'prefill_part|Error' "$out/prefill.log"
     ;;
   tests)
     # The gpu-marked tests of the mat-vec kernels and routes (their NVRTC compiles take most of the

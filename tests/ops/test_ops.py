@@ -66,12 +66,13 @@ def _ssm_inputs(B=2, T=150, H=6, P=4, G=2, N=8, seed=1):
     )
 
 
-@pytest.mark.parametrize("T", [1, 5, 64, 150])
-def test_ssm_chunked_scan_equals_reference(T):
+@pytest.mark.parametrize("T,chunk", [(1, 64), (5, 64), (64, 64), (150, 64), (150, 32), (300, 256)])
+def test_ssm_chunked_scan_equals_reference(T, chunk):
     x, dt, A_log, Bm, Cm, D, s = _ssm_inputs(T=T)
-    y1, s1 = ssm_scan(x, dt, A_log, Bm, Cm, D, s, chunk=64)
+    y1, s1 = ssm_scan(x, dt, A_log, Bm, Cm, D, s, chunk=chunk)
     y2, s2 = ssm_scan_reference(x, dt, A_log, Bm, Cm, D, s)
-    assert _close(y1, y2, 1e-4) and _close(s1, s2, 1e-4)
+    # relative to the largest value: longer chunks difference longer cumulative decay sums
+    assert _close(y1, y2, 1e-5 * mx.abs(y2).max().item()) and _close(s1, s2, 1e-5 * mx.abs(s2).max().item())
 
 
 def test_ssm_zero_dt_is_identity_and_limits_clip():

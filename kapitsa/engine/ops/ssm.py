@@ -11,9 +11,13 @@ the identity on S; that is how ragged right-padded batches keep every sequence's
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
+
+# Tokens per chunk of the chunked scan (prefill): KAPITSA_SSD_CHUNK overrides; the bench A/Bs it.
+SSD = {"chunk": int(os.environ.get("KAPITSA_SSD_CHUNK", "") or 64)}
 
 
 def ssm_dt(
@@ -71,26 +75,28 @@ def ssm_scan(
     C: mx.array,
     D: mx.array,
     state: mx.array | None = None,
-    chunk: int = 64,
+    chunk: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Same contract as `ssm_scan_reference`: one step for T == 1, else the chunked SSD form
-    (quadratic within a chunk, recurrent across chunks), all in float32."""
+    (quadratic within a chunk, recurrent across chunks), all in float32. `chunk`: tokens per
+    chunk (default SSD["chunk"])."""
     if x.shape[1] == 1:
         if state is None:
             state = mx.zeros((x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), dtype=mx.float32)
         return _decode_step(x, dt, A_log, B, C, D, state)
     b, T, H, P = x.shape
     N = B.shape[-1]
+    chunk = chunk or SSD["chunk"]
     if state is None:
         state = mx.zeros((b, H, P, N), dtype=mx.float32)
     A = -mx.exp(A_log.astype(mx.float32))
     xf = x.astype(mx.float32)
-    Bh, Ch = _heads(B, H).astype(mx.float32), _heads(C, H).astype(mx.float32)
+    Bf, Cf = B.astype(mx.float32), C.astype(mx.float32)  # per group: never copied out to heads
     ys = []
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         y, state = _ssd_chunk(
-            xf[:, start:end], dt[:, start:end], A, Bh[:, start:end], Ch[:, start:end], state
+            xf[:, start:end], dt[:, start:end], A, Bf[:, start:end], Cf[:, start:end], state
         )
         ys.append(y)
     y = mx.concatenate(ys, axis=1) + xf * D.astype(mx.float32)[:, None]
@@ -102,19 +108,25 @@ def _decode_step(x, dt, A_log, B, C, D, state):
     return ssm_scan_reference(x, dt, A_log, B, C, D, state)
 
 
-def _ssd_chunk(x, dt, A, Bh, Ch, state):
-    """One chunk. x `[b,L,H,P]`, dt `[b,L,H]`, Bh/Ch `[b,L,H,N]`, state `[b,H,P,N]`."""
-    L = x.shape[1]
+def _ssd_chunk(x, dt, A, B, C, state):
+    """One chunk. x `[b,L,H,P]`, dt `[b,L,H]`, B/C `[b,L,G,N]` (group g serves heads g*R to
+    g*R + R - 1, R = H/G), state `[b,H,P,N]`. The C.B products are made once per group, not per
+    head, and B and C are never copied out to heads: heads enter as an R axis beside G."""
+    b, L, H, P = x.shape
+    G, N = B.shape[-2:]
+    R = H // G
     log_decay = mx.cumsum(dt * A, axis=1).transpose(0, 2, 1)  # [b,H,L]: sum of dt*A up to t
     diff = log_decay[..., :, None] - log_decay[..., None, :]  # [b,H,t,s]
     causal = mx.tril(mx.ones((L, L), dtype=mx.bool_))
     weights = mx.exp(mx.where(causal, diff, -mx.inf))  # decay from s to t, 0 above the diagonal
-    ch, bh = Ch.transpose(0, 2, 1, 3), Bh.transpose(0, 2, 1, 3)  # [b,H,L,N]
-    scores = (ch @ bh.swapaxes(-1, -2)) * weights  # [b,H,t,s]
-    dtx = (dt[..., None] * x).transpose(0, 2, 1, 3)  # [b,H,L,P]
-    y = scores @ dtx  # intra-chunk
-    y = y + mx.exp(log_decay)[..., None] * (ch @ state.swapaxes(-1, -2))  # carried state
-    to_end = mx.exp(log_decay[..., -1:] - log_decay)  # [b,H,L]
-    new_state = mx.exp(log_decay[..., -1])[..., None, None] * state
-    new_state = new_state + (dtx * to_end[..., None]).swapaxes(-1, -2) @ bh
-    return y.transpose(0, 2, 1, 3), new_state
+    cg, bg = C.transpose(0, 2, 1, 3), B.transpose(0, 2, 1, 3)  # [b,G,L,N]
+    scores = (cg @ bg.swapaxes(-1, -2))[:, :, None] * weights.reshape(b, G, R, L, L)  # [b,G,R,t,s]
+    dtx = (dt[..., None] * x).transpose(0, 2, 1, 3).reshape(b, G, R, L, P)
+    y = scores @ dtx  # intra-chunk, [b,G,R,L,P]
+    grouped = state.reshape(b, G, R, P, N)
+    carried = cg[:, :, None] @ grouped.swapaxes(-1, -2)  # [b,G,R,L,P]
+    y = y + mx.exp(log_decay).reshape(b, G, R, L)[..., None] * carried
+    to_end = mx.exp(log_decay[..., -1:] - log_decay).reshape(b, G, R, L)
+    new_state = mx.exp(log_decay[..., -1]).reshape(b, G, R)[..., None, None] * grouped
+    new_state = new_state + (dtx * to_end[..., None]).swapaxes(-1, -2) @ bg[:, :, None]
+    return y.reshape(b, H, L, P).transpose(0, 2, 1, 3), new_state.reshape(b, H, P, N)
