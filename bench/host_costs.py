@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from bench.decode_profile import _kapitsa_step, _mlxlm_step, _profile
 from bench.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model
+from kapitsa.engine import qlinear
 from kapitsa.engine.kernels.cuda import CudaKernel
 from kapitsa.engine.runner import ModelRunner
 from kapitsa.engine.tiny import tiny_config
@@ -133,12 +134,12 @@ def _summarise(hist: collections.Counter) -> dict:
     )
 
 
-def shape_costs(name: str, table: dict, prompt_len: int, steps: int) -> None:
+def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("kapitsa", "mlx-lm")) -> None:
     kind, dims = table[name]
     config = tiny_config(kind, **dims)
     vocab = dims.get("vocab_size", 512)
     prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(prompt_len)]
-    for engine in ("kapitsa", "mlx-lm"):
+    for engine in engines:
         if engine == "kapitsa":
             model = _kapitsa_model(config)
             ModelRunner(model)  # fuses projections and routes quantized linears, as the engine does
@@ -152,7 +153,8 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int) -> None:
         tok = mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
         mx.eval(tok)
         hist = primitive_histogram(mx.argmax(step(tok), axis=-1))
-        _emit(dict(kind="step", shape=name, engine=engine, **result, **_summarise(hist)))
+        setting = {"qmv_kernel": qlinear.MATVEC["kernel"]} if engine == "kapitsa" else {}
+        _emit(dict(kind="step", shape=name, engine=engine, **setting, **result, **_summarise(hist)))
         del model, prefill, step
         gc.collect()
         mx.clear_cache()
@@ -266,6 +268,7 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--engines", nargs="+", default=["kapitsa", "mlx-lm"])
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     if args.tiny:
@@ -276,7 +279,7 @@ def main() -> None:
     if "qmv" not in args.skip and not args.tiny:
         qmv_sweep()
     for name in args.shapes:
-        shape_costs(name, TINY if args.tiny else SHAPES, args.prompt, args.steps)
+        shape_costs(name, TINY if args.tiny else SHAPES, args.prompt, args.steps, args.engines)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,44 @@
-"""One launch of each mat-vec kernel on Qwen3.5-27B shapes, for Nsight Compute to profile:
+"""One launch of each one-row mat-vec kernel at the Qwen3.5-27B's four fused shapes, for Nsight
+Compute to time on the GPU alone (the chain timings of bench/host_costs.py include the host's
+encoding of each launch):
 
-ncu --kernel-name regex:'kapitsa|qmv|gemv' --section SpeedOfLight ... python bench/ncu_qmv.py
+ncu --clock-control none --kernel-name regex:'kapitsa|qmv' --metrics gpu__time_duration.sum,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed python bench/ncu_qmv.py
+
+Each launch is evaluated alone, after a warm-up, so the profiled run is the kernel's own.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from bench.diag_h200 import FUSED_27B, GS
 from kapitsa.engine.kernels import qmv_direct as direct
-from kapitsa.engine.kernels import qmv_fast as fast
+from kapitsa.engine.kernels import qmv_stream as stream
 
-GS = 64
-for n, k in [(2 * 17408, 5120), (5120, 17408)]:
+
+def _stream(tiles: int, stages: int | None):
+    def run(x, q, s, b):
+        stream.OPTIONS.update(tiles=tiles, stages=stages)
+        return stream.qmv_stream(x, q, s, b, group_size=GS)
+
+    return run
+
+
+IMPLS = {
+    "stock": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=4),
+    "direct": lambda x, q, s, b: direct.qmv_direct(x, q, s, b, group_size=GS, bits=4),
+    "stream_t1": _stream(1, None),
+    "stream_t2s4": _stream(2, 4),
+}
+
+for n, k in FUSED_27B:
     q, s, b = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16) * 0.02, group_size=GS, bits=4)
     x = mx.random.normal((1, k)).astype(mx.bfloat16)
     mx.eval(q, s, b, x)
-    mx.eval(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=4))
-    mx.eval(fast.qmv_fast(x, q, s, b, group_size=GS, bits=4))
-    mx.eval(direct.qmv_direct(x, q, s, b, group_size=GS, bits=4, shape=(2, 4, 8)))
+    for name, impl in IMPLS.items():
+        mx.eval(impl(x, q, s, b))  # warm-up (JIT)
+        mx.synchronize()
+        mx.eval(impl(x, q, s, b))
+        mx.synchronize()
+        print(f"{name} n={n} k={k} bytes={q.nbytes + s.nbytes + b.nbytes}", flush=True)
