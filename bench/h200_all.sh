@@ -9,14 +9,15 @@
 #   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
 #                                       and streaming kernels); with STREAM_TESTS=1 the streaming
 #                                       kernel's GPU tests first
-#   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode (2 rounds, kapitsa at its
-#                                       defaults and with the fused parts $FUSED_AB (default residual:
-#                                       the norm prologue off), mlx-lm, interleaved), prefill at 8192
-#                                       tokens, verify cost per T (27b, nemotron), edit speculation
-#                                       (1 round); also with the 1-8 row mat-vec kernel $QMV_AB (default
-#                                       stream; KERNEL:PARTS sets the fused parts too), with the opt-in families (the fused MoE router
-#                                       "route", the decode attention "attn"), and on the MoE shapes
-#                                       folded shared experts when FOLD_AB=1
+#   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
+#                                       kapitsa at its defaults and with the fused parts $FUSED_AB
+#                                       (default residual: the norm prologue off), mlx-lm, interleaved),
+#                                       prefill at 8192 tokens, verify cost per T (27b, nemotron), edit
+#                                       speculation (1 round); also with the 1-8 row mat-vec kernel
+#                                       $QMV_AB (default stream; KERNEL:PARTS sets the fused parts too),
+#                                       with other kernel families (the decode attention "attn"; on
+#                                       Nemotron, without the fused MoE router "route"), and on the MoE
+#                                       shapes folded shared experts when FOLD_AB=1
 # Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
 # 64 MiB transfer limit; move the trained checkpoints' *.safetensors (kapitsa/demo, tests/checkpoints/
 # trained) out of the tree for the device calls and back after. mlx-lm travels in .gpu/b:
@@ -88,16 +89,20 @@ case "$part" in
       verify=()
       [ "$shape" = 27b ] && verify=(--verify-shapes 27b --verify-sizes 1 4 8 16)
       [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 4 8)
-      # the opt-in, untimed families beside the defaults: the fused MoE router (route) and the
-      # decode attention for Qwen's head size 256 (attn)
-      case "$shape" in
-        27b | 4b) verify+=(--kernels-ab gdn,moe,qmv,mamba,attn) ;;
-        35b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba,route,attn) ;;
-        nemotron-30b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba,route) ;;
-      esac
+      # beside the defaults: the opt-in decode attention for Qwen's head size 256 (attn); on
+      # Nemotron the defaults without the fused MoE router (route, default since session 7).
+      # FUSED_AB=none, QMV_AB=none, KERNELS_AB=none leave that variant out (a shorter part).
+      if [ "${KERNELS_AB:-}" != none ]; then
+        case "$shape" in
+          27b | 4b | 35b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba,route,attn) ;;
+          nemotron-30b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba) ;;
+        esac
+      fi
       case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
+      [ "${FUSED_AB:-residual}" != none ] && verify+=(--fused-ab "${FUSED_AB:-residual}")
+      [ "${QMV_AB:-stream}" != none ] && verify+=(--qmv-ab "${QMV_AB:-stream}")
       timeout "${SHAPE_TIMEOUT:-290}" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
-        --rounds 2 --fused-ab "${FUSED_AB:-residual}" --qmv-ab "${QMV_AB:-stream}" --prefill-prompts 8192 "${verify[@]}" \
+        --rounds "${ROUNDS:-2}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \
         --spec-tokens 256 > "$out/$shape.log" 2>&1
       grep -E 'summary|verify_ms|Error' "$out/$shape.log"

@@ -38,12 +38,14 @@ def float_bits(value: float) -> int:
 # the fused + compiled op path there. Off-GPU (no backend) the kernels fall back to their
 # references anyway; the CUDA set keeps the CPU tests on the same call path as CUDA.
 # "qmv" is the quantized mat-vec routes of kapitsa/engine/qlinear.py (CUDA only); "route" the fused
-# MoE router (kernels/router.py) and "attn" the decode attention for head sizes MLX's CUDA backend
-# lacks (kernels/attention.py), both opt-in everywhere until timed on the H200.
+# MoE router (kernels/router.py): in session 7's in-process A/B it made the 35B-A3B decode 30% and
+# 22% faster in each of two rounds (with "attn" also on; Nemotron's rounds were mixed on a noisy
+# host). "attn", the decode attention for head sizes MLX's CUDA backend lacks
+# (kernels/attention.py), stays opt-in: the 27B decoded 2% slower with it (docs/bench/decode-h200.md).
 DEFAULT_FAMILIES = {
-    "cuda": frozenset({"gdn", "moe", "qmv", "mamba"}),
+    "cuda": frozenset({"gdn", "moe", "qmv", "mamba", "route"}),
     "metal": frozenset(),
-    None: frozenset({"gdn", "moe", "qmv", "mamba"}),
+    None: frozenset({"gdn", "moe", "qmv", "mamba", "route"}),
 }
 
 
