@@ -3,8 +3,10 @@
 #   bash bench/h200_all.sh knobs        4B decode (kapitsa default and with fused norms, mlx-lm) under
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
-#   bash bench/h200_all.sh prefill      Nemotron's 8k prefill per layer kind, kapitsa beside mlx-lm, and
-#                                       kapitsa's Mamba layers at SSD chunk lengths $SSD_CHUNKS
+#   bash bench/h200_all.sh prefill      Nemotron's 8k prefill per layer kind ($PREFILL_KINDS, default moe
+#                                       attention), kapitsa beside mlx-lm; kapitsa's MoE layers without
+#                                       the dequantized grouped GEMM, its Mamba layers at SSD chunk
+#                                       lengths $SSD_CHUNKS
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
 #   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
 #                                       and streaming kernels); with STREAM_TESTS=1 the streaming
@@ -66,8 +68,9 @@ case "$part" in
     grep '"kind": "qmv"' "$out/qmv.log"
     ;;
   prefill)
-    timeout "${PREFILL_TIMEOUT:-300}" $py bench/prefill_parts.py --prompt 8192 --ssd-chunks ${SSD_CHUNKS:-128 256} \
-      > "$out/prefill.log" 2>&1
+    # shellcheck disable=SC2086
+    timeout "${PREFILL_TIMEOUT:-300}" $py bench/prefill_parts.py --prompt 8192 --kinds ${PREFILL_KINDS:-moe attention} \
+      --moe-dequant-ab --ssd-chunks ${SSD_CHUNKS:-} > "$out/prefill.log" 2>&1
     grep -E 'prefill_part|Error' "$out/prefill.log"
     ;;
   tests)

@@ -8,7 +8,8 @@ mlx-lm's generate_step) after a warm-up prefill of the same length. The per-laye
 difference against the model with one layer of that kind, divided by the layers added.
 
 `--ssd-chunks 64 256` also times kapitsa's Mamba layers at each chunk length of its chunked scan
-(ops/ssm.py SSD).
+(ops/ssm.py SSD); `--moe-dequant-ab` its MoE layers with the dequantize + grouped GEMM route off
+(ops/moe.py MOE_DEQUANT).
 
 Run on the H200: python bench/prefill_parts.py [--shape nemotron-30b-a3b] [--prompt 8192]
 CPU smoke run: python bench/prefill_parts.py --tiny --prompt 64
@@ -32,7 +33,7 @@ from bench.decode_vs_mlxlm import (
     _time_kapitsa,
     _time_mlxlm,
 )
-from kapitsa.engine.ops import ssm
+from kapitsa.engine.ops import moe, ssm
 from kapitsa.engine.tiny import tiny_config
 
 KINDS = {"nemotron_h": {"mamba": "M", "moe": "E", "attention": "*"}}
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--kinds", nargs="*", default=None)
     ap.add_argument("--ssd-chunks", type=int, nargs="*", default=[])
+    ap.add_argument("--moe-dequant-ab", action="store_true")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     if args.tiny:
@@ -85,34 +87,27 @@ def main() -> None:
             row[f"{engine}_ms_per_layer"] = round(per_layer_ms, 2)
             row[f"{engine}_total_s"] = round(many[engine], 3)
         row["kapitsa_over_mlxlm"] = round(row["kapitsa_ms_per_layer"] / row["mlx-lm_ms_per_layer"], 3)
-        row["ssd_chunk"] = ssm.SSD["chunk"]
+        row.update(ssd_chunk=ssm.SSD["chunk"], moe_dequant=moe.MOE_DEQUANT["on"])
         print(json.dumps(row), flush=True)
-        if name != "mamba":
-            continue
-        for chunk in args.ssd_chunks:
-            before = ssm.SSD["chunk"]
-            ssm.SSD["chunk"] = chunk
+        variants = []
+        if name == "mamba":
+            variants = [("ssd_chunk", ssm.SSD, "chunk", chunk) for chunk in args.ssd_chunks]
+        if name == "moe" and args.moe_dequant_ab:
+            variants = [("moe_dequant", moe.MOE_DEQUANT, "on", False)]
+        for label, table, key, value in variants:
+            before = table[key]
+            table[key] = value
             try:
                 pair = [
                     _prefill_s(kind, dims, BASE[kind] + letter * n, args.prompt, ("kapitsa",))
                     for n in (1, LAYERS)
                 ]
             finally:
-                ssm.SSD["chunk"] = before
+                table[key] = before
             per_layer_ms = (pair[1]["kapitsa"] - pair[0]["kapitsa"]) / (LAYERS - 1) * 1e3
-            print(
-                json.dumps(
-                    dict(
-                        kind="prefill_part",
-                        shape=args.shape,
-                        layer=name,
-                        prompt=args.prompt,
-                        ssd_chunk=chunk,
-                        kapitsa_ms_per_layer=round(per_layer_ms, 2),
-                    )
-                ),
-                flush=True,
-            )
+            variant = dict(kind="prefill_part", shape=args.shape, layer=name, prompt=args.prompt)
+            variant.update({label: value, "kapitsa_ms_per_layer": round(per_layer_ms, 2)})
+            print(json.dumps(variant), flush=True)
 
 
 if __name__ == "__main__":

@@ -179,3 +179,58 @@ def test_tree_helpers_reduce_to_chains():
     assert conv_windows(branchy, 3)[0].tolist() == [[0, 1, 2], [1, 2, 3], [1, 2, 4], [2, 4, 5]]
     mask = tree_attention_mask(branchy, [2], 6)[0, 0]
     assert mask[3].tolist() == [True, True, True, False, True, True]  # prefix, root, node 2, itself
+
+
+@pytest.fixture
+def moe_dequant_on_cuda(monkeypatch):
+    """The MoE prefill route as on CUDA (backend reported as cuda), counting its calls."""
+    import kapitsa.engine.kernels as kernels
+    from kapitsa.engine.ops import moe
+
+    calls = []
+    real = moe._dequant_gather
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(moe, "_dequant_gather", lambda *a: calls.append(a[1].shape) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["glu", "relu2"])
+def test_many_sorted_rows_take_the_dequantized_grouped_gemm_with_the_same_result(moe_dequant_on_cuda, kind):
+    from kapitsa.engine.ops import moe
+
+    mx.random.seed(8)
+    experts = SwitchGLU(64, 32, 8) if kind == "glu" else SwitchReluSquared(64, 32, 8)
+    nn.quantize(experts, group_size=32, bits=4)
+    experts.set_dtype(mx.bfloat16)
+    x = mx.random.normal((1, 160, 64)).astype(mx.bfloat16)
+    indices = mx.random.randint(0, 8, (1, 160, 4))  # 640 token-expert rows
+    routed = experts(x, indices)
+    assert moe_dequant_on_cuda, "the dequantize + gather_mm route was not taken"
+    moe.MOE_DEQUANT["on"] = False
+    try:
+        plain = experts(x, indices)
+        experts.set_dtype(mx.float32)  # float32 scales: the same weights, a float32 reference
+        exact = experts(x.astype(mx.float32), indices)
+    finally:
+        moe.MOE_DEQUANT["on"] = True
+
+    def err(y):
+        return mx.abs(y.astype(mx.float32) - exact).max().item()
+
+    # bf16 roundings differ (the dense copy rounds each weight once): no worse than gather_qmm's
+    assert err(routed) <= 2 * err(plain) + 1e-3, (err(routed), err(plain))
+
+
+def test_few_rows_or_a_big_stack_keep_gather_qmm(moe_dequant_on_cuda, monkeypatch):
+    from kapitsa.engine.ops import moe
+
+    mx.random.seed(9)
+    experts = SwitchReluSquared(64, 32, 8)
+    nn.quantize(experts, group_size=32, bits=4)
+    experts.set_dtype(mx.bfloat16)
+    few = mx.random.normal((1, 20, 64)).astype(mx.bfloat16)
+    experts(few, mx.random.randint(0, 8, (1, 20, 4)))  # 80 rows: sorted, but under min_rows
+    monkeypatch.setitem(moe.MOE_DEQUANT, "max_bytes", 8 * 32 * 64 * 2 - 1)  # fc1's dense copy is over
+    many = mx.random.normal((1, 160, 64)).astype(mx.bfloat16)
+    experts(many, mx.random.randint(0, 8, (1, 160, 4)))
+    assert moe_dequant_on_cuda == []

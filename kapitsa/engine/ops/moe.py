@@ -7,6 +7,7 @@ mlx-lm's, so MLX checkpoints published by mlx-community load unchanged.
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +15,17 @@ import mlx.nn as nn
 from kapitsa.engine.ops.norm import relu_squared, silu_mul
 
 _SORT_THRESHOLD = 64  # token-expert pairs above which grouping rows by expert pays off
+
+# Prefill on CUDA: MLX's gather_qmm there runs each (token, expert) row as its own M = 1 product
+# (qmm_sm80 over lhs/rhs indices; `sorted_indices` is not used), while gather_mm on rows sorted by
+# expert is one CUTLASS grouped GEMM. So a call with at least `min_rows` sorted rows dequantizes
+# the expert stack to the activation dtype (a transient copy of at most `max_bytes`) and takes the
+# grouped GEMM. KAPITSA_MOE_DEQUANT=0 turns it off (the bench A/Bs it).
+MOE_DEQUANT = {
+    "on": os.environ.get("KAPITSA_MOE_DEQUANT", "").strip().lower() not in ("0", "off", "false"),
+    "min_rows": 512,
+    "max_bytes": 3 << 30,
+}
 
 
 def _cpu_only() -> bool:
@@ -71,6 +83,11 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if _dequant_route(self, x, indices, sorted_indices):
+            out = _dequant_gather(self, x, indices)
+            if "bias" in self:
+                out = out + mx.expand_dims(self["bias"][indices], -2)
+            return out
         out = mx.gather_qmm(
             x,
             self["weight"],
@@ -98,6 +115,45 @@ class QuantizedSwitchLinear(nn.Module):
         if "bias" in layer:
             q.bias = layer.bias
         return q
+
+
+def _dequant_route(
+    layer: QuantizedSwitchLinear, x: mx.array, indices: mx.array, sorted_indices: bool
+) -> bool:
+    """Whether this call takes the dequantize + grouped GEMM route (MOE_DEQUANT): CUDA, rows sorted
+    by expert, enough of them, a float activation and a stack whose dense copy fits the budget."""
+    from kapitsa.engine.kernels import backend  # (kernels imports the ops)
+
+    if not (MOE_DEQUANT["on"] and sorted_indices and indices.size >= MOE_DEQUANT["min_rows"]):
+        return False
+    experts, out_dims = layer["weight"].shape[:2]
+    dense_bytes = experts * out_dims * x.shape[-1] * x.dtype.size
+    return (
+        backend() == "cuda"
+        and x.dtype in (mx.bfloat16, mx.float16)
+        and dense_bytes <= MOE_DEQUANT["max_bytes"]
+    )
+
+
+def _dequant_gather(layer: QuantizedSwitchLinear, x: mx.array, indices: mx.array) -> mx.array:
+    """`gather_qmm` of `layer` as gather_mm over its dequantized stack (rows sorted by expert)."""
+    dense = mx.dequantize(
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    ).astype(x.dtype)
+    if _CPU_GATHER_FP32_ONLY:  # (the tests' CPU: gather_mm takes float32 only there)
+        out = mx.gather_mm(
+            x.astype(mx.float32),
+            dense.astype(mx.float32).swapaxes(-1, -2),
+            rhs_indices=indices,
+            sorted_indices=True,
+        )
+        return out.astype(x.dtype)
+    return mx.gather_mm(x, dense.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True)
 
 
 def _expert_rows(x: mx.array, indices: mx.array):
