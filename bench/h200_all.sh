@@ -7,6 +7,8 @@
 #                                       attention), kapitsa beside mlx-lm; kapitsa's MoE layers without
 #                                       the dequantized grouped GEMM, its Mamba layers at SSD chunk
 #                                       lengths $SSD_CHUNKS
+#   bash bench/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
+#                                       default 27b) under Nsight Systems (bench/decode_kernels.py)
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
 #   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
 #                                       and streaming kernels); with STREAM_TESTS=1 the streaming
@@ -66,6 +68,19 @@ case "$part" in
     # one-row mat-vec launch shapes over the 27B's chain (bench/host_costs.py qmv; ~2 minutes)
     timeout "${QMV_TIMEOUT:-240}" $py bench/host_costs.py --shapes --skip micro >> "$out/qmv.log" 2>&1
     grep '"kind": "qmv"' "$out/qmv.log"
+    ;;
+  timeline)
+    nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    [ -n "$nsys" ] || { echo "no nsys on this machine"; exit 1; }
+    : > "$out/timeline.log"
+    for shape in ${TIMELINE_SHAPES:-27b}; do
+      timeout "${TIMELINE_TIMEOUT:-240}" "$nsys" profile -t cuda --cuda-graph-trace=node --capture-range=cudaProfilerApi -f true \
+        -o "/tmp/steps-$shape" $py bench/decode_kernels.py --shape "$shape" --steps 16 >> "$out/timeline.log" 2>&1
+      "$nsys" export --type sqlite -f true -o "/tmp/steps-$shape.sqlite" "/tmp/steps-$shape.nsys-rep" >> "$out/timeline.log" 2>&1
+      $py bench/decode_kernels.py --summarize "/tmp/steps-$shape.sqlite" --steps 16 | sed "s/^{/{\"shape\": \"$shape\", /" \
+        >> "$out/timeline.log"
+    done
+    grep -E '^\{"shape"' "$out/timeline.log"
     ;;
   prefill)
     # shellcheck disable=SC2086

@@ -150,3 +150,61 @@ def test_graph_census_sees_the_opt_in_kernels_remove_primitives() -> None:
     base = count("gdn,moe,qmv,mamba")
     assert count("gdn,moe,qmv,mamba,route") < base
     assert count("gdn,moe,qmv,mamba,attn") < base
+
+
+def test_decode_vs_mlxlm_qmv_variant_with_fused_parts(tmp_path: Path) -> None:
+    """--qmv-ab KERNEL:PARTS times the model with another 1-8 row mat-vec kernel and fused parts
+    (on CPU the kernel's probe fails, so the run says so and falls back)."""
+    rows = _run(
+        [
+            "bench/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+            "--qmv-ab", "stream:residual",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert [r["engine"] for r in rows] == ["mlx-lm", "kapitsa", "kapitsa-qmv"]
+    assert rows[2]["qmv_kernel"] == "stream" and rows[2]["fused_parts"] == "residual"
+    assert rows[2]["qmv_working"] is False  # no CUDA here: probed, found unusable, not routed
+
+
+def test_prefill_parts_times_each_layer_kind_and_its_variants() -> None:
+    rows = _json_lines(
+        ["bench/prefill_parts.py", "--tiny", "--prompt", "16", "--ssd-chunks", "8", "--moe-dequant-ab"]
+    )
+    base = {r["layer"]: r for r in rows if "mlx-lm_ms_per_layer" in r}
+    assert set(base) == {"mamba", "moe", "attention"}
+    assert all(r["kapitsa_total_s"] > 0 and r["mlx-lm_total_s"] > 0 for r in base.values())
+    variants = [r for r in rows if "mlx-lm_ms_per_layer" not in r]
+    assert [(r["layer"], r.get("ssd_chunk"), r.get("moe_dequant")) for r in variants] == [
+        ("mamba", 8, None),
+        ("moe", None, False),
+    ]
+
+
+def test_decode_kernels_runs_steps_and_summarizes_a_report(tmp_path: Path) -> None:
+    import sqlite3
+
+    rows = _json_lines(
+        ["bench/decode_kernels.py", "--tiny", "--shape", "4b", "--steps", "2", "--prompt", "4"]
+    )
+    assert rows == [dict(shape="4b", steps=2, profiler_range=False)]
+    report = tmp_path / "steps.sqlite"  # the two tables of nsys's SQLite export the summary reads
+    con = sqlite3.connect(report)
+    con.execute("CREATE TABLE StringIds(id INTEGER, value TEXT)")
+    con.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER, end INTEGER, demangledName INTEGER)")
+    con.executemany(
+        "INSERT INTO StringIds VALUES (?, ?)",
+        [
+            (1, "custom_kernel_kapitsa_qmv_direct_bfloat16_t_1_5120_6144_64_4_4_4_2_f_f_0_0_f"),
+            (2, "void qmv_kernel<8>(int)"),
+        ],
+    )
+    con.executemany(
+        "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, ?)", [(0, 3000, 1), (5, 1005, 1), (0, 1000, 2)]
+    )
+    con.commit()
+    table = _json_lines(["bench/decode_kernels.py", "--summarize", str(report), "--steps", "2"])
+    assert table[0] == dict(
+        kernel="custom_kernel_kapitsa_qmv_direct", ms_per_step=0.002, share=0.8, launches_per_step=1.0
+    )
+    assert table[-1] == dict(kind="step_total", gpu_ms_per_step=0.003, launches_per_step=1.5)
