@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from bench.diag_h200 import FUSED_27B, GS
+from bench.diag_h200 import FUSED_27B, GS, read_only
 from kapitsa.engine.kernels import qmv_direct as direct
 from kapitsa.engine.kernels import qmv_stream as stream
 
@@ -25,7 +25,8 @@ def _stream(tiles: int, stages: int | None):
     return run
 
 
-IMPLS = {
+IMPLS = {  # read_only: a grid-stride read of the packed weights alone, the bandwidth a launch of this size can reach
+    "read_only": lambda x, q, s, b: read_only(q),
     "stock": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=4),
     "direct": lambda x, q, s, b: direct.qmv_direct(x, q, s, b, group_size=GS, bits=4),
     "stream_t1": _stream(1, None),

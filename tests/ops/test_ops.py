@@ -194,13 +194,15 @@ def moe_dequant_on_cuda(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kind", ["glu", "relu2"])
-def test_many_sorted_rows_take_the_dequantized_grouped_gemm_with_the_same_result(moe_dequant_on_cuda, kind):
+@pytest.mark.parametrize(("kind", "mode"), [("glu", "affine"), ("relu2", "affine"), ("relu2", "mxfp4")])
+def test_many_sorted_rows_take_the_dequantized_grouped_gemm_with_the_same_result(
+    moe_dequant_on_cuda, kind, mode
+):
     from kapitsa.engine.ops import moe
 
     mx.random.seed(8)
     experts = SwitchGLU(64, 32, 8) if kind == "glu" else SwitchReluSquared(64, 32, 8)
-    nn.quantize(experts, group_size=32, bits=4)
+    nn.quantize(experts, group_size=32, bits=4, mode=mode)
     experts.set_dtype(mx.bfloat16)
     x = mx.random.normal((1, 160, 64)).astype(mx.bfloat16)
     indices = mx.random.randint(0, 8, (1, 160, 4))  # 640 token-expert rows
