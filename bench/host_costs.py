@@ -192,12 +192,14 @@ def _fused_extras(x: mx.array, q: mx.array) -> dict:
     return dict(norm=(x[0], 1e-6), residual=x[..., :n] if x.shape[-1] >= n else None)
 
 
-def _stream_impl(group_size: int, tiles: int, exact: bool, stages: int | None, fused: bool = False):
+def _stream_impl(
+    group_size: int, tiles: int, exact: bool, stages: int | None, ks=None, warps: int = 4, fused: bool = False
+):
     from kapitsa.engine.kernels import qmv_stream as stream
 
     def impl(x, q, s, b):
         before = dict(stream.OPTIONS)
-        stream.OPTIONS.update(tiles=tiles, exact_q=exact, stages=stages)
+        stream.OPTIONS.update(tiles=tiles, exact_q=exact, stages=stages, stage_values=ks, warps=warps)
         try:
             extra = _fused_extras(x, q) if fused else {}
             return stream.qmv_stream(x, q, s, b, group_size=group_size, **extra)
@@ -232,8 +234,9 @@ def qmv_sweep() -> None:
         impls[f"direct{shape}"] = lambda x, q, s, b, shape=shape: direct.qmv_direct(
             x, q, s, b, group_size=GS, bits=4, shape=shape
         )
-    for tiles, exact, stages in STREAM_OPTIONS:
-        impls[f"stream(tiles={tiles},exact={exact},stages={stages})"] = _stream_impl(GS, tiles, exact, stages)
+    for tiles, exact, stages, ks, warps in STREAM_OPTIONS:
+        name = f"stream(tiles={tiles},exact={exact},stages={stages},ks={ks},warps={warps})"
+        impls[name] = _stream_impl(GS, tiles, exact, stages, ks, warps)
     impls["stream_fused_norm_res"] = _stream_impl(GS, 1, False, None, fused=True)
     impls["direct_fused_norm_res"] = lambda x, q, s, b: direct.qmv_direct(
         x, q, s, b, group_size=GS, bits=4, **_fused_extras(x, q)

@@ -17,9 +17,9 @@ from kapitsa.engine.kernels import qmv_direct as direct
 from kapitsa.engine.kernels import qmv_stream as stream
 
 
-def _stream(tiles: int, stages: int | None):
+def _stream(tiles: int, stages: int | None, ks: int | None = None, warps: int = 4):
     def run(x, q, s, b):
-        stream.OPTIONS.update(tiles=tiles, stages=stages)
+        stream.OPTIONS.update(tiles=tiles, stages=stages, stage_values=ks, warps=warps)
         return stream.qmv_stream(x, q, s, b, group_size=GS)
 
     return run
@@ -31,6 +31,8 @@ IMPLS = {  # read_only: a grid-stride read of the packed weights alone, the band
     "direct": lambda x, q, s, b: direct.qmv_direct(x, q, s, b, group_size=GS, bits=4),
     "stream_t1": _stream(1, None),
     "stream_t2s4": _stream(2, 4),
+    "stream_ks1024_w2": _stream(1, 3, 1024, 2),  # rows read in 512-byte runs per stage
+    "stream_ks512": _stream(1, 4, 512),
 }
 
 for n, k in FUSED_27B:

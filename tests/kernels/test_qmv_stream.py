@@ -71,6 +71,7 @@ LAUNCHED = [  # (rows, n, k, group size, tiles, exact_q, fused): decode and veri
     (4, 5120, 6144, 128, 1, False, False),
     (8, 5120, 17408, 32, 2, True, True),
 ]
+LONG_STAGES = [(1, 34816, 5120, 64, 1024, 2), (1, 5120, 17408, 64, 1024, 2), (1, 5120, 6144, 128, 512, 4)]
 
 
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
@@ -85,11 +86,26 @@ def test_cuda_source_compiles(rows, n, k, gs, tiles, exact, fused) -> None:
     assert "warning" not in log.lower(), log[-3000:]
 
 
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("rows,n,k,gs,ks,warps", LONG_STAGES)
+def test_long_stages_compile(rows, n, k, gs, ks, warps) -> None:
+    """Stages of 512-1024 values (rows read in 256-512 byte runs), scales copied in 16-byte pieces."""
+    template, _, block, shared = stream.launch_config(rows, n, k, gs, 1, False, 3, None, False, ks, warps)
+    assert dict(template)["KS"] == ks and block == 32 * warps and shared <= 227 * 1024
+    dtypes = [mx.bfloat16, mx.uint32] + [mx.bfloat16] * 4
+    ok, log = compile_source(stream._KERNEL.render(dtypes, [mx.bfloat16], template))
+    assert ok, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]
+
+
 def test_launch_config_fills_the_gpu_and_keeps_stages_queued() -> None:
     assert stream.stage_values(5120, 64) == 256
     assert stream.stage_values(2688, 64) == 128  # 2688 = 21 x 128
     assert stream.stage_values(2688, 128) is None  # a 128-value stage would hold one group
     assert stream.stage_values(5120 + 64, 64) is None
+    assert stream.stage_values(5120, 64, 1024) == 1024  # 16 groups: scales copied in 16-byte pieces
+    assert stream.stage_values(5120, 64, 2048) == 256  # 2048 does not divide 5120: the default
+    assert stream.stage_values(5120, 64, 320) == 256  # 5 groups a stage: no copy size fits
     assert stream.splits_for(34816, 5120, 256, 1) == 1  # 2176 tiles already fill the GPU
     assert stream.splits_for(5120, 17408, 256, 1) == 4  # 320 tiles: split K
     assert stream.splits_for(64, 256, 256, 1) == 1  # one stage: nothing to split
@@ -105,17 +121,18 @@ def test_launch_config_fills_the_gpu_and_keeps_stages_queued() -> None:
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
 @pytest.mark.parametrize(
-    "rows,n,k,gs,tiles,exact,stages,fused",
+    "rows,n,k,gs,tiles,exact,stages,fused,ks,warps",
     [
-        (1, 40, 512, 64, 1, False, None, False),  # a partial tile, two stages
-        (1, 24, 1536, 64, 1, True, 3, True),  # K split, ring wrapping, norm + residual
-        (3, 48, 768, 128, 2, False, 2, True),  # two tiles per warp, several x rows
-        (8, 16, 384, 32, 1, False, 4, False),  # 128 per stage, eight x rows
-        (5, 32, 2048, 64, 1, True, 3, True),  # K split with the norm's partial sums
+        (1, 40, 512, 64, 1, False, None, False, None, 4),  # a partial tile, two stages
+        (1, 24, 1536, 64, 1, True, 3, True, None, 4),  # K split, ring wrapping, norm + residual
+        (3, 48, 768, 128, 2, False, 2, True, None, 4),  # two tiles per warp, several x rows
+        (8, 16, 384, 32, 1, False, 4, False, None, 4),  # 128 per stage, eight x rows
+        (5, 32, 2048, 64, 1, True, 3, True, None, 4),  # K split with the norm's partial sums
+        (2, 40, 4096, 64, 1, False, 3, True, 1024, 2),  # long stages: scales in 16-byte pieces
     ],
 )
 def test_emulated_kernel_matches_reference(
-    monkeypatch, tmp_path, rows, n, k, gs, tiles, exact, stages, fused
+    monkeypatch, tmp_path, rows, n, k, gs, tiles, exact, stages, fused, ks, warps
 ) -> None:
     x, q, s, b, extra = _inputs(rows, n, k, gs, fused)
     ref = qmv_direct_reference(x, q, s, b, group_size=gs, bits=4, **extra)
@@ -123,6 +140,8 @@ def test_emulated_kernel_matches_reference(
     monkeypatch.setitem(stream.OPTIONS, "tiles", tiles)
     monkeypatch.setitem(stream.OPTIONS, "exact_q", exact)
     monkeypatch.setitem(stream.OPTIONS, "stages", stages)
+    monkeypatch.setitem(stream.OPTIONS, "stage_values", ks)
+    monkeypatch.setitem(stream.OPTIONS, "warps", warps)
     monkeypatch.setattr(stream, "TARGET_WARPS", 10_000)  # small shapes still split K
     stream.launch_config.cache_clear()
     try:

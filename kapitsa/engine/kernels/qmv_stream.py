@@ -33,9 +33,10 @@ TARGET_WARPS = 132 * 12  # about 12 warps per SM of the H200 (the split heuristi
 IN_FLIGHT_BYTES = 12 * 1024  # weight bytes a warp keeps queued (sets STAGES)
 BLOCK_SHARED_MAX = 110 * 1024  # at least two blocks per SM (228 KB)
 # The bench flips these to A/B them on the GPU: rows per warp (16 * tiles), the folded 128
-# offset (exact_q False) or a bf16 subtraction per pair, and the stage count (None: by
-# IN_FLIGHT_BYTES).
-OPTIONS = {"tiles": 1, "exact_q": False, "stages": None}
+# offset (exact_q False) or a bf16 subtraction per pair, the stage count (None: by
+# IN_FLIGHT_BYTES), the values of K per stage (None: `stage_values`; larger stages read longer
+# runs of each row) and the warps per block.
+OPTIONS = {"tiles": 1, "exact_q": False, "stages": None, "stage_values": None, "warps": WARPS}
 
 _KERNEL = CudaKernel(
     name="kapitsa_qmv_stream",
@@ -46,11 +47,13 @@ _KERNEL = CudaKernel(
 )
 
 
-def stage_values(k: int, group_size: int) -> int | None:
-    """Values of K per stage: 256 or 128 dividing K, holding at least two groups (a row's scales
-    for one stage are then a 4-16 byte copy); None when neither fits."""
-    for ks in (256, 128):
-        if k % ks == 0 and ks >= 2 * group_size:
+def stage_values(k: int, group_size: int, wanted: int | None = None) -> int | None:
+    """Values of K per stage: `wanted` if it fits, else 256 or 128; one that divides K and holds at
+    least two groups (a row's scales for one stage are a copy of 4, 8 or a multiple of 16 bytes).
+    None when none fits."""
+    for ks in (wanted, 256, 128) if wanted else (256, 128):
+        groups = ks // group_size
+        if k % ks == 0 and ks % 64 == 0 and (groups in (2, 4, 8) or (groups > 8 and groups % 8 == 0)):
             return ks
     return None
 
@@ -64,22 +67,22 @@ def stage_bytes(rows: int, ks: int, group_size: int, tiles: int, norm: bool) -> 
     return (w + x + nw + sb + 15) // 16 * 16
 
 
-def splits_for(n: int, k: int, ks: int, tiles: int) -> int:
-    """Warps splitting K per tile: the fewest (a power of two up to WARPS) giving about
+def splits_for(n: int, k: int, ks: int, tiles: int, warps: int = WARPS) -> int:
+    """Warps splitting K per tile: the fewest (a power of two up to `warps`) giving about
     TARGET_WARPS warps, each with at least three stages of its own."""
     tile_count = math.ceil(n / (16 * tiles))
     stages = k // ks
     s = 1
-    while s < WARPS and tile_count * s < TARGET_WARPS and stages // (2 * s) >= 3:
+    while s < warps and tile_count * s < TARGET_WARPS and stages // (2 * s) >= 3:
         s *= 2
     return s
 
 
-def stage_count(stage: int, ks: int, tiles: int, fixed: int | None) -> int:
+def stage_count(stage: int, ks: int, tiles: int, fixed: int | None, warps: int = WARPS) -> int:
     """Stages per warp ring: enough for IN_FLIGHT_BYTES of weights queued, within the block budget."""
     weights = 16 * tiles * ks // 2
     stages = fixed or max(3, min(8, 1 + math.ceil(IN_FLIGHT_BYTES / weights)))
-    while stages > 2 and WARPS * stages * stage > BLOCK_SHARED_MAX:
+    while stages > 2 and warps * stages * stage > BLOCK_SHARED_MAX:
         stages -= 1
     return stages
 
@@ -95,16 +98,18 @@ def launch_config(
     stages: int | None,
     eps: float | None = None,
     resid: bool = False,
+    wanted_ks: int | None = None,
+    warps: int = WARPS,
 ) -> tuple[tuple, int, int, int]:
     """(template arguments, grid threads, block threads, shared bytes) for one call; `eps` set:
     RMSNorm fused."""
-    ks = stage_values(k, group_size)
+    ks = stage_values(k, group_size, wanted_ks)
     if ks is None:
         raise ValueError(f"qmv_stream needs K ({k}) a multiple of 128 and of 2 x group size ({group_size})")
     norm = eps is not None
     stage = stage_bytes(rows, ks, group_size, tiles, norm)
-    ring = stage_count(stage, ks, tiles, stages)
-    s = splits_for(n, k, ks, tiles)
+    ring = stage_count(stage, ks, tiles, stages, warps)
+    s = splits_for(n, k, ks, tiles, warps)
     template = (
         ("M", rows),
         ("N", n),
@@ -112,7 +117,7 @@ def launch_config(
         ("GS", group_size),
         ("KS", ks),
         ("STAGES", ring),
-        ("WARPS", WARPS),
+        ("WARPS", warps),
         ("S", s),
         ("TILES", tiles),
         ("NORM", norm),
@@ -120,11 +125,10 @@ def launch_config(
         ("EPS_BITS", float_bits(eps or 0.0)),
         ("EXACT_Q", exact_q),
     )
-    warps = math.ceil(n / (16 * tiles)) * s
-    blocks = math.ceil(warps / WARPS)
-    reduction = WARPS * (tiles * 4 + (rows if norm else 0)) * 32 * 4
-    shared = max(WARPS * ring * stage, reduction if s > 1 else 0)
-    return template, blocks * WARPS * 32, WARPS * 32, shared
+    blocks = math.ceil(math.ceil(n / (16 * tiles)) * s / warps)
+    reduction = warps * (tiles * 4 + (rows if norm else 0)) * 32 * 4
+    shared = max(warps * ring * stage, reduction if s > 1 else 0)
+    return template, blocks * warps * 32, warps * 32, shared
 
 
 def supports_stream(
@@ -167,6 +171,8 @@ def qmv_stream(
         OPTIONS["stages"],
         eps,
         residual is not None,
+        OPTIONS["stage_values"],
+        OPTIONS["warps"],
     )
     return _KERNEL(
         [x, w, scales, biases, x if norm is None else norm[0], x if residual is None else residual],

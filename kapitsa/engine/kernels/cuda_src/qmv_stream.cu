@@ -21,6 +21,7 @@
   constexpr int WP = KS / 2 + 16;            // bytes per weight row of a stage (the pad spreads ldmatrix rows over the banks)
   constexpr int XP = KS * 2 + 16;            // bytes per x row of a stage
   constexpr int SBB = 2 * GPS;               // bytes of one row's scales (or biases) in a stage
+  constexpr int SBC = SBB < 16 ? SBB : 16;   // ... copied in pieces of SBC bytes (4, 8 or 16)
   constexpr int X_OFF = ROWS * WP;
   constexpr int NW_OFF = X_OFF + M * XP;
   constexpr int SB_OFF = NW_OFF + (NORM ? XP : 0);
@@ -57,7 +58,11 @@
     for (int i = lane; i < 2 * ROWS; i += 32) {     // scales of the ROWS rows, then their biases
       const int r = i < ROWS ? i : i - ROWS;
       const int row = min(tile_c * ROWS + r, N - 1);
-      kst_copy_shared<SBB>(base + SB_OFF + i * SBB, (i < ROWS ? scales : biases) + (size_t)row * GROUPS + st * GPS);
+      const __nv_bfloat16* const src = (i < ROWS ? scales : biases) + (size_t)row * GROUPS + st * GPS;
+      #pragma unroll
+      for (int piece = 0; piece < SBB / SBC; ++piece) {
+        kst_copy_shared<SBC>(base + SB_OFF + i * SBB + piece * SBC, src + piece * (SBC / 2));
+      }
     }
   };
 
