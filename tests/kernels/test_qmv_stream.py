@@ -117,6 +117,8 @@ def test_launch_config_fills_the_gpu_and_keeps_stages_queued() -> None:
     assert grid == 320 * 4 * 32  # every (tile, split) has a warp
     with pytest.raises(ValueError, match="multiple of 128"):
         stream.launch_config(1, 64, 192, 64, 1, False, None)
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        stream.launch_config(1, 64, 256, 64, 1, False, 1)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")

@@ -80,6 +80,8 @@ def splits_for(n: int, k: int, ks: int, tiles: int, warps: int = WARPS) -> int:
 
 def stage_count(stage: int, ks: int, tiles: int, fixed: int | None, warps: int = WARPS) -> int:
     """Stages per warp ring: enough for IN_FLIGHT_BYTES of weights queued, within the block budget."""
+    if fixed is not None and fixed < 2:
+        raise ValueError(f"qmv_stream needs at least 2 stages per ring (one in flight), not {fixed}")
     weights = 16 * tiles * ks // 2
     stages = fixed or max(3, min(8, 1 + math.ceil(IN_FLIGHT_BYTES / weights)))
     while stages > 2 and warps * stages * stage > BLOCK_SHARED_MAX:
