@@ -236,3 +236,29 @@ def test_few_rows_or_a_big_stack_keep_gather_qmm(moe_dequant_on_cuda, monkeypatc
     many = mx.random.normal((1, 160, 64)).astype(mx.bfloat16)
     experts(many, mx.random.randint(0, 8, (1, 160, 4)))
     assert moe_dequant_on_cuda == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["glu", "relu2"])
+def test_gpu_moe_prefill_route_matches_gather_qmm(kind):
+    """On CUDA: a prefill-sized expert call through the dequantized grouped GEMM against MLX's
+    gather_qmm, bf16, at Nemotron's hidden width."""
+    from kapitsa.engine.kernels import backend
+    from kapitsa.engine.ops import moe
+
+    if backend() != "cuda":
+        pytest.skip("needs the CUDA backend")
+    mx.random.seed(10)
+    experts = SwitchGLU(2688, 512, 16) if kind == "glu" else SwitchReluSquared(2688, 512, 16)
+    nn.quantize(experts, group_size=64, bits=4)
+    experts.set_dtype(mx.bfloat16)
+    x = mx.random.normal((1, 1024, 2688)).astype(mx.bfloat16)
+    indices = mx.random.randint(0, 16, (1, 1024, 6))
+    routed = experts(x, indices)
+    moe.MOE_DEQUANT["on"] = False
+    try:
+        plain = experts(x, indices)
+    finally:
+        moe.MOE_DEQUANT["on"] = True
+    err = mx.abs(routed.astype(mx.float32) - plain.astype(mx.float32)).max().item()
+    assert err <= 2e-2 * mx.abs(plain.astype(mx.float32)).max().item(), err
