@@ -161,18 +161,10 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
 
 
 # (rows per warp, warps per block, rounds unrolled) of the one-row direct kernel to time
-# (a fourth element True: the loop over round groups unrolled, so loads may overlap the math)
-DIRECT_SHAPES = [
-    (4, 4, 2),
-    (2, 4, 8),
-    (2, 4, 4),
-    (4, 4, 2, True),
-    (2, 4, 4, True),
-    (2, 4, 2, True),
-    (4, 8, 2, True),
-    (4, 4, 4, True),
-]
-
+# (a fourth element True: the loop over round groups unrolled, so loads may overlap the math).
+# Sessions 6-7 timed nine shapes at 4 and 8 warps (docs/bench/qmv-h200-s7.log); fewer warps per
+# block make the blocks finer, so the last wave's tail is shorter.
+DIRECT_SHAPES = [(4, 4, 2), (4, 2, 2), (4, 1, 2), (2, 4, 2, True)]
 
 # qmv_stream.OPTIONS to time: (rows per warp / 16, exact_q, ring stages or None for the default)
 STREAM_OPTIONS = [

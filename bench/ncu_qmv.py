@@ -33,6 +33,7 @@ IMPLS = {  # read_only: a grid-stride read of the packed weights alone, the band
     "stream_t2s4": _stream(2, 4),
     "stream_ks1024_w2": _stream(1, 3, 1024, 2),  # rows read in 512-byte runs per stage
     "stream_ks512": _stream(1, 4, 512),
+    "stream_w1": _stream(1, None, None, 1),  # one warp per block: the finest blocks
 }
 
 for n, k in FUSED_27B:
