@@ -123,7 +123,9 @@ case "$part" in
       case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
       [ "${FUSED_AB:-residual}" != none ] && verify+=(--fused-ab "${FUSED_AB:-residual}")
       [ "${QMV_AB:-stream}" != none ] && verify+=(--qmv-ab "${QMV_AB:-stream}")
-      timeout "${SHAPE_TIMEOUT:-290}" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
+      # the 27B's part is the longest (mlx-lm prefills its 8k prompt twice at ~175 tok/s)
+      limit=${SHAPE_TIMEOUT:-$([ "$shape" = 27b ] && echo 360 || echo 290)}
+      timeout "$limit" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
         --rounds "${ROUNDS:-2}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \
         --spec-tokens 256 > "$out/$shape.log" 2>&1
