@@ -264,7 +264,7 @@ class GatedDeltaNet(nn.Module):
             conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
             **self._heads, norm_eps=self.norm.eps,
         )  # fmt: skip
-        out = out.reshape(*out.shape[:2], -1)
+        # out is already [B, T, Hv*Dv]: a reshape to (B, T, -1) would still be one more primitive
         y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
         return y, conv_in[:, T:], state
 
@@ -289,7 +289,7 @@ class GatedDeltaNet(nn.Module):
             conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
             **self._heads, norm_eps=self.norm.eps,
         )  # fmt: skip
-        return (self.out_proj(out.reshape(*out.shape[:2], -1)), conv_in, state, *extra)
+        return (self.out_proj(out), conv_in, state, *extra)  # out: [B, T, Hv*Dv]
 
     def chain_record(self, conv_in: mx.array, s0: mx.array, extra: list[mx.array]) -> ReplayRecord:
         """The rollback record of a `chain` call: the kernel again from s0 under the kept mask."""
