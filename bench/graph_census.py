@@ -57,6 +57,7 @@ def pretend_cuda() -> None:
             module.backend = kernels.backend
     cuda_mod.CudaKernel.__call__ = _placeholder_launch
     gdn.kernel_works = lambda kind: True
+    gdn.decode_kernel_works = lambda kind: True
     gated_delta.fast_kernel_works = lambda: True
     qlinear.probe_kernels = lambda: {name: True for name in qlinear.PROBES}
     qlinear.WORKING.update({name: True for name in qlinear.PROBES})

@@ -938,3 +938,66 @@ def test_metal_gdn_step_matches_reference(shape, B, T, dtype, masked, monkeypatc
     if backend() != "metal":
         pytest.skip("needs the Metal backend")
     _compare_on_device(shape, B, T, dtype, masked, monkeypatch)
+
+
+# ------------------------------------------------------------- the decode variant (gdn_decode)
+
+
+def _decode_inputs(B, T, hk, hv, dk, dv, dtype, extra_columns, seed=7):
+    """gdn_step's inputs split as a decode step has them: the conv state, and the new rows as the
+    first C columns of a wider projection output (x_new), plus the concatenated conv_in."""
+    args, heads = make_inputs(B, T, hk, hv, dk, dv, dtype=dtype, seed=seed)
+    heads.pop("mask")
+    conv_in = args.pop("conv_in")
+    K = args["conv_weight"].shape[1]
+    conv_state, rows = conv_in[:, : K - 1], conv_in[:, K - 1 :]
+    x_new = mx.concatenate([rows, mx.random.normal((B, T, extra_columns)).astype(dtype)], axis=-1)
+    return conv_state, x_new, conv_in, args, heads
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "B,T,hk,hv,dk,dv,dtype,extra",
+    [
+        (1, 1, 1, 2, 32, 32, mx.float32, 24),  # decode: one token, a wider projection
+        (2, 3, 2, 4, 32, 64, mx.bfloat16, 0),  # short chain, two key heads shared by value heads
+    ],
+)
+def test_decode_variant_emulated_matches_the_concatenating_path(
+    B, T, hk, hv, dk, dv, dtype, extra, monkeypatch, tmp_path
+) -> None:
+    """gdn_decode's CUDA launch (the real body, host threads): the same out and state as gdn_step
+    on the concatenated window, and the window's last K-1 rows as the next conv state, exactly."""
+    conv_state, x_new, conv_in, args, heads = _decode_inputs(B, T, hk, hv, dk, dv, dtype, extra)
+    ref_out, ref_state = gdn.gdn_step_reference(conv_in, **args, **heads)
+    monkeypatch.setattr(gdn, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdn, "decode_kernel_works", lambda kind: True)
+    monkeypatch.setattr(
+        gdn, "CUDA_DECODE_KERNEL", Emulated(gdn.CUDA_DECODE_KERNEL, cuda_translation, tmp_path)
+    )
+    out, conv_out, new_state = gdn.gdn_decode(conv_state, x_new, *args.values(), **heads)
+    assert len(list(tmp_path.iterdir())) == 1  # the kernel ran, not the fallback
+    assert_close(out, ref_out, dtype, fp32_tol=1e-5)
+    assert_close(new_state, ref_state, dtype, fp32_tol=1e-5)
+    assert conv_out.dtype == conv_state.dtype and mx.array_equal(conv_out, conv_in[:, T:]).item()
+
+
+def test_decode_variant_falls_back_to_concatenating_off_cuda() -> None:
+    conv_state, x_new, conv_in, args, heads = _decode_inputs(1, 1, 1, 2, 32, 32, mx.float32, 8)
+    out, conv_out, new_state = gdn.gdn_decode(conv_state, x_new, *args.values(), **heads)
+    ref_out, ref_state = gdn.gdn_step(conv_in, **args, **heads)
+    assert mx.array_equal(out, ref_out).item() and mx.array_equal(new_state, ref_state).item()
+    assert mx.array_equal(conv_out, conv_in[:, 1:]).item()
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+def test_decode_variant_compiles() -> None:
+    conv_state, x_new, _, args, heads = _decode_inputs(1, 1, 16, 48, 128, 128, mx.bfloat16, 96, seed=1)
+    window = gdn._Window((1, 4, conv_state.shape[2]), mx.bfloat16)
+    plan = gdn.plan_for("cuda", (window, *args.values(), None), (16, 48, 128, 128), 1e-6)
+    template = (*plan.template, ("X_ROW", x_new.shape[-1]), ("CT", mx.bfloat16))
+    dtypes = [x.dtype for x in (conv_state, x_new, *args.values())] + [mx.bool_]
+    src = gdn.CUDA_DECODE_KERNEL.render(dtypes, [mx.bfloat16, mx.float32, mx.bfloat16], template)
+    ok, log = compile_source(src)
+    assert ok, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]

@@ -355,11 +355,30 @@ def launch_config(
 # HK, HV, DK, DV heads; K conv taps; NT tokens; TC tokens per shared-memory chunk; NW warps;
 # HAS_STATE, HAS_MASK; EPS_BITS the norm eps as float bits; {Z,A,B}_{ROW,OFF,GROUP,GSTRIDE} where
 # z, a and b sit in their arrays (HeadView).
+# How the body reads row r of the conv window: from conv_in `[B, K-1+NT, C]` here; in the decode
+# variant below from the conv state `[B, K-1, C]` then the new rows, the first C columns of x_new
+# (rows of X_ROW values: the fused in-projection's output read in place).
+_PLAIN_WINDOW = "#define GDN_WINDOW(r, c) ((float)conv_in[((size_t)bi * (K - 1 + NT) + (r)) * C + (c)])\n"
+_SPLIT_WINDOW = (
+    "#define GDN_WINDOW(r, c) ((r) < K - 1 ? (float)conv_state[((size_t)bi * (K - 1) + (r)) * C + (c)]"
+    " : (float)x_new[((size_t)bi * NT + (r) - (K - 1)) * X_ROW + (c)])\n"
+)
 CUDA_KERNEL = CudaKernel(
     "kapitsa_gdn_step",
     INPUT_NAMES,
     OUTPUT_NAMES,
-    read_cuda_source("gdn_step.cu"),
+    _PLAIN_WINDOW + read_cuda_source("gdn_step.cu"),
+    read_cuda_source("gdn_step.cuh"),
+)
+# The decode variant (`gdn_decode`): no concatenated conv_in before the launch and no slice of it
+# after; the kernel reads the state and the new rows where they are and writes the next state.
+DECODE_INPUT_NAMES = ("conv_state", "x_new", *INPUT_NAMES[1:])
+DECODE_OUTPUT_NAMES = (*OUTPUT_NAMES, "conv_out")
+CUDA_DECODE_KERNEL = CudaKernel(
+    "kapitsa_gdn_decode",
+    DECODE_INPUT_NAMES,
+    DECODE_OUTPUT_NAMES,
+    _SPLIT_WINDOW + read_cuda_source("gdn_step.cu") + read_cuda_source("gdn_conv_out.cu"),
     read_cuda_source("gdn_step.cuh"),
 )
 METAL_KERNEL = MetalKernel("kapitsa_gdn_step", "gdn_step.metal", INPUT_NAMES, OUTPUT_NAMES)
@@ -548,5 +567,139 @@ def kernel_works(kind: str) -> bool:
         _log.warning(
             "fused GDN step kernel disagrees with the op path on %s (%s); not using it", kind, errors
         )
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The shape and dtype of the conv window `[B, K-1+T, C]` that `gdn_decode` never builds, for
+    the planner (which reads only `.shape` and `.dtype` of conv_in)."""
+
+    shape: tuple[int, int, int]
+    dtype: mx.Dtype
+
+
+def gdn_decode(
+    conv_state: mx.array,
+    x_new: mx.array,
+    conv_weight: mx.array,
+    a: Input,
+    b: Input,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    z: Input,
+    norm_weight: mx.array,
+    state: mx.array | None,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    norm_eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`gdn_step` on `concatenate([conv_state, x_new[..., :C]], axis=1)`, also returning the next
+    conv state (the window's last K-1 rows): (out, conv state, state). x_new `[B, T, N]`, N >= C:
+    its first C columns are the new conv rows (Qwen3.5's fused in-projection output as it is).
+
+    On CUDA one launch reads the conv state and x_new in place and writes the next conv state,
+    so the concatenation and the two slices around it are not primitives of the step."""
+    C, K = conv_weight.shape[0], conv_weight.shape[1]
+    B, T = x_new.shape[0], x_new.shape[1] if x_new.ndim == 3 else 0
+    heads = dict(
+        num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim
+    )
+    kind = backend()
+    if (
+        kind == "cuda"
+        and x_new.ndim == 3
+        and x_new.shape[-1] >= C
+        and conv_state.shape == (B, K - 1, C)
+        and conv_state.dtype == x_new.dtype
+    ):
+        window = _Window((B, K - 1 + T, C), x_new.dtype)
+        inputs = (window, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, None)
+        plan = plan_for(kind, inputs, tuple(heads.values()), norm_eps)
+        if plan is not None and decode_kernel_works(kind):
+            return _run_decode(plan, conv_state, x_new, inputs[1:])
+    new_rows = x_new if x_new.shape[-1] == C else x_new[..., :C]
+    conv_in = mx.concatenate([conv_state, new_rows], axis=1)
+    out, new_state = gdn_step(
+        conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, **heads, norm_eps=norm_eps
+    )
+    return out, conv_in[:, T:], new_state
+
+
+def _run_decode(plan: Plan, conv_state: mx.array, x_new: mx.array, rest: tuple) -> tuple[mx.array, ...]:
+    conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, _ = rest
+    B, K1, C = conv_state.shape
+    arrays = [
+        conv_state,
+        x_new,
+        conv_weight,
+        _array(a),
+        _array(b),
+        A_log,
+        dt_bias,
+        _array(z),
+        norm_weight,
+        state if state is not None else _stand_in(mx.float32),
+        _stand_in(mx.bool_),
+    ]
+    out, new_state, conv_out = CUDA_DECODE_KERNEL(
+        arrays,
+        template=(*plan.template, ("X_ROW", x_new.shape[-1]), ("CT", conv_state.dtype)),
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        output_shapes=(*plan.output_shapes, (B, K1, C)),
+        output_dtypes=(*plan.output_dtypes, conv_state.dtype),
+    )
+    return out, conv_out, new_state
+
+
+def probe() -> None:
+    """Run the kernels' one-time checks where they apply (CUDA). They evaluate, so a model calls
+    this before tracing a decode step that may launch them."""
+    if backend() == "cuda":
+        decode_kernel_works("cuda")
+
+
+@functools.cache
+def decode_kernel_works(kind: str) -> bool:
+    """Whether the decode variant compiles, runs and agrees with the concatenating path on one
+    small case (x_new wider than the conv channels, as the fused projection is); once per process."""
+    if not kernel_works(kind):
+        return False
+    keys = mx.random.split(mx.random.key(1), 6)
+    hk, hv, d, T, K = 1, 2, 128, 1, 4
+    C = 2 * hk * d + hv * d
+    conv_state = mx.random.normal((1, K - 1, C), key=keys[0])
+    x_new = mx.random.normal((1, T, C + 40), key=keys[1])
+    rest = (
+        0.5 * mx.random.normal((C, K, 1), key=keys[2]),
+        mx.random.normal((1, T, hv), key=keys[3]),
+        mx.random.normal((1, T, hv), key=keys[4]),
+        mx.zeros((hv,)),
+        mx.zeros((hv,)),
+        mx.ones((1, T, hv, d)),
+        mx.ones((d,)),
+        0.1 * mx.random.normal((1, hv, d, d), key=keys[5]),
+    )
+    heads = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=d, head_v_dim=d)
+    try:
+        window = _Window((1, K - 1 + T, C), x_new.dtype)
+        plan = plan_for(kind, (window, *rest, None), (hk, hv, d, d), 1e-6)
+        if plan is None:
+            return False
+        got = _run_decode(plan, conv_state, x_new, (*rest, None))
+        conv_in = mx.concatenate([conv_state, x_new[..., :C]], axis=1)
+        out, new_state = gdn_step_reference(conv_in, *rest, **heads, norm_eps=1e-6)
+        ref = (out, conv_in[:, T:], new_state)
+        errors = [float(mx.abs(g - r).max() / mx.abs(r).max()) for g, r in zip(got, ref, strict=True)]
+    except (RuntimeError, ValueError) as exc:
+        _log.warning("GDN decode kernel unavailable on %s, concatenating instead: %s", kind, exc)
+        return False
+    if not max(errors) < 1e-2:
+        _log.warning("GDN decode kernel disagrees with the op path on %s (%s); not using it", kind, errors)
         return False
     return True

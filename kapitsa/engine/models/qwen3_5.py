@@ -20,7 +20,8 @@ import mlx.nn as nn
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into, normed_projections, projections
-from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, projection_views
+from kapitsa.engine.kernels.gdn import gdn_decode, gdn_step, gdn_step_reference, projection_views
+from kapitsa.engine.kernels.gdn import probe as probe_gdn_kernels
 from kapitsa.engine.kernels.gdn_prefill import gdn_chain
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.kernels.router import plain_weight, route
@@ -255,8 +256,15 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[1]
         if "in_proj" in self and not self.packed:
             proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
-            qkv = proj[..., : self.conv_dim]
             z, b, a = projection_views(proj, packed=False, **self._heads)
+            if kernels.enabled("gdn"):  # the conv window read in place: no concat, no slices
+                out, conv_state, state = gdn_decode(
+                    conv_state, proj, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z,
+                    self.norm.weight, s0, **self._heads, norm_eps=self.norm.eps,
+                )  # fmt: skip
+                y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
+                return y, conv_state, state
+            qkv = proj[..., : self.conv_dim]
         else:
             qkv, z, b, a = self._project(x if norm is None else norm(x))
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
@@ -457,6 +465,7 @@ class DecoderLayer(nn.Module):
     def _decode(self, x: mx.array, info: StepInfo, cache) -> mx.array:
         if self.is_linear:
             fast_kernel_works()  # probe before tracing: it evaluates
+            probe_gdn_kernels()
             out, cache.conv, cache.state = compiled(self, "linear", self._linear_step)(
                 x, cache.conv, cache.state
             )

@@ -34,10 +34,9 @@
     for (int i = tid; i < tn * W; i += NW * 32) {
       const int t = i / W, j = i - t * W;
       const int c = j < DK ? kh * DK + j : (j < 2 * DK ? HK * DK + kh * DK + (j - DK) : 2 * HK * DK + h * DV + (j - 2 * DK));
-      const size_t x0 = ((size_t)bi * (K - 1 + NT) + t0 + t) * C + c;
-      float acc = 0.f;
+      float acc = 0.f;  // GDN_WINDOW(r, c): row r of the conv window, channel c (gdn.py defines it)
       #pragma unroll
-      for (int tap = 0; tap < K; ++tap) acc += (float)conv_in[x0 + (size_t)tap * C] * (float)conv_w[c * K + tap];
+      for (int tap = 0; tap < K; ++tap) acc += GDN_WINDOW(t0 + t + tap, c) * (float)conv_w[c * K + tap];
       const float x = gdn_round<T>(acc);
       qkv_s[i] = gdn_round<T>(x * gdn_round<T>(gdn_sigmoid(x)));
     }
