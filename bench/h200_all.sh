@@ -84,8 +84,9 @@ case "$part" in
     ;;
   prefill)
     # the MoE prefill route against gather_qmm on the GPU first (a minute), then the timings
-    timeout 120 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu tests/ops/test_ops.py \
-      > "$out/prefill.log" 2>&1
+    # (and the GDN decode variant, also new in session 7, against the concatenating path)
+    timeout 150 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu tests/ops/test_ops.py \
+      tests/kernels/test_gdn_kernel.py -k "moe_prefill or decode_variant" > "$out/prefill.log" 2>&1
     tail -1 "$out/prefill.log"
     # shellcheck disable=SC2086
     timeout "${PREFILL_TIMEOUT:-300}" $py bench/prefill_parts.py --prompt 8192 --kinds ${PREFILL_KINDS:-moe attention} \

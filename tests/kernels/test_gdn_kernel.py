@@ -1001,3 +1001,19 @@ def test_decode_variant_compiles() -> None:
     ok, log = compile_source(src)
     assert ok, log[-3000:]
     assert "warning" not in log.lower(), log[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs the CUDA backend")
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_gpu_decode_variant_matches_the_concatenating_path(shape, dtype, monkeypatch) -> None:
+    use_exact_conv(monkeypatch, dtype)
+    hk, hv, dk, dv = SHAPES[shape]
+    assert gdn.decode_kernel_works("cuda"), "the decode variant failed its probe (see the warning logged)"
+    conv_state, x_new, conv_in, args, heads = _decode_inputs(1, 1, hk, hv, dk, dv, dtype, 100)
+    out, conv_out, new_state = gdn.gdn_decode(conv_state, x_new, *args.values(), **heads)
+    ref_out, ref_state = gdn.gdn_step(conv_in, **args, **heads)
+    assert_close(out, ref_out, dtype, fp32_tol=1e-5)
+    assert_close(new_state, ref_state, dtype, fp32_tol=1e-5)
+    assert mx.array_equal(conv_out, conv_in[:, 1:]).item()
