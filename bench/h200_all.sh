@@ -88,6 +88,10 @@ case "$part" in
     timeout 150 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu tests/ops/test_ops.py \
       tests/kernels/test_gdn_kernel.py -k "moe_prefill or decode_variant" > "$out/prefill.log" 2>&1
     tail -1 "$out/prefill.log"
+    # and the fused MoE router's (a default since session 7, its GPU tests not run before)
+    timeout 120 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
+      tests/kernels/test_router_kernel.py >> "$out/prefill.log" 2>&1
+    tail -1 "$out/prefill.log"
     # shellcheck disable=SC2086
     timeout "${PREFILL_TIMEOUT:-300}" $py bench/prefill_parts.py --prompt 8192 --kinds ${PREFILL_KINDS:-moe attention} \
       --moe-dequant-ab --ssd-chunks ${SSD_CHUNKS:-} >> "$out/prefill.log" 2>&1
