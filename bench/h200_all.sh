@@ -14,6 +14,7 @@
 #                                       and streaming kernels); with STREAM_TESTS=1 the streaming
 #                                       kernel's GPU tests first
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
+#                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
 #                                       (default residual: the norm prologue off), mlx-lm, interleaved),
 #                                       prefill at 8192 tokens, verify cost per T (27b, nemotron), edit
@@ -130,7 +131,7 @@ case "$part" in
       [ "${QMV_AB:-stream}" != none ] && verify+=(--qmv-ab "${QMV_AB:-stream}")
       # the 27B's part is the longest (mlx-lm prefills its 8k prompt twice at ~175 tok/s)
       limit=${SHAPE_TIMEOUT:-$([ "$shape" = 27b ] && echo 360 || echo 290)}
-      timeout "$limit" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 \
+      timeout "$limit" $py bench/decode_vs_mlxlm.py --shapes "$shape" --tokens "${TOKENS:-64}" --prompts 512 \
         --rounds "${ROUNDS:-2}" --prefill-prompts 8192 "${verify[@]}" \
         --spec-shapes "$shape" --spec-rounds 1 \
         --spec-tokens 256 > "$out/$shape.log" 2>&1
