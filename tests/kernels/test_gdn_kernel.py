@@ -1017,3 +1017,23 @@ def test_gpu_decode_variant_matches_the_concatenating_path(shape, dtype, monkeyp
     assert_close(out, ref_out, dtype, fp32_tol=1e-5)
     assert_close(new_state, ref_state, dtype, fp32_tol=1e-5)
     assert mx.array_equal(conv_out, conv_in[:, 1:]).item()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+def test_decode_variant_probe_passes_with_the_real_body_and_fails_a_broken_one(monkeypatch, tmp_path) -> None:
+    """decode_kernel_works on CUDA: the emulated real body agrees with the concatenating path
+    (out, next conv state, state); a kernel that raises or returns wrong numbers is not used."""
+    monkeypatch.setattr(gdn, "backend", lambda: "cuda")
+    monkeypatch.setattr(gdn, "kernel_works", lambda kind: True)
+    monkeypatch.setattr(
+        gdn, "CUDA_DECODE_KERNEL", Emulated(gdn.CUDA_DECODE_KERNEL, cuda_translation, tmp_path)
+    )
+    gdn.decode_kernel_works.cache_clear()
+    try:
+        assert gdn.decode_kernel_works("cuda")
+        for result in (None, 0.5):
+            gdn.decode_kernel_works.cache_clear()
+            monkeypatch.setattr(gdn, "CUDA_DECODE_KERNEL", BrokenKernel(result))
+            assert not gdn.decode_kernel_works("cuda")
+    finally:
+        gdn.decode_kernel_works.cache_clear()

@@ -491,13 +491,13 @@ def _key_layout(key: ShapeKey, heads: int, width: int) -> tuple[int, int, int, i
     return (heads * width, 0, heads, 0)
 
 
-def run_kernel(kind: str, plan: Plan, inputs: tuple) -> tuple[mx.array, mx.array]:
-    """Launch the backend's kernel on `gdn_step`'s inputs (a planned, supported call)."""
+def _kernel_arrays(inputs: tuple) -> list[mx.array]:
+    """`gdn_step`'s inputs as the kernel takes them: views as their arrays, and a one-element
+    stand-in for an absent state or mask (one signature; HAS_* skip reading them)."""
     conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, mask = inputs
     if mask is not None and mask.dtype != mx.bool_:
         mask = mask.astype(mx.bool_)
-    # Absent state / mask: a one-element stand-in keeps one signature (HAS_* skip reading them).
-    arrays = [
+    return [
         conv_in,
         conv_weight,
         _array(a),
@@ -509,9 +509,13 @@ def run_kernel(kind: str, plan: Plan, inputs: tuple) -> tuple[mx.array, mx.array
         state if state is not None else _stand_in(mx.float32),
         mask if mask is not None else _stand_in(mx.bool_),
     ]
+
+
+def run_kernel(kind: str, plan: Plan, inputs: tuple) -> tuple[mx.array, mx.array]:
+    """Launch the backend's kernel on `gdn_step`'s inputs (a planned, supported call)."""
     kernel = CUDA_KERNEL if kind == "cuda" else METAL_KERNEL
     out, new_state = kernel(
-        arrays,
+        _kernel_arrays(inputs),
         template=plan.template,
         grid=plan.grid,
         threadgroup=plan.threadgroup,
@@ -525,15 +529,13 @@ def _array(x: Input) -> mx.array:
     return x.array if isinstance(x, HeadView) else x
 
 
-@functools.cache
-def kernel_works(kind: str) -> bool:
-    """Whether this backend's kernel compiles, runs and roughly agrees with the reference on one
-    small case, checked once per process: a kernel's errors surface only at evaluation, in the
-    middle of a forward, and `gdn_step` must never fail. Otherwise it keeps to the reference."""
-    keys = mx.random.split(mx.random.key(0), 5)  # its own keys: the global seed stays untouched
-    hk, hv, d, T = 1, 2, 128, 2
+def _probe_inputs(T: int, seed: int) -> tuple:
+    """`gdn_step`'s inputs (no mask) for the kernels' one-time checks: one key head, two value
+    heads of 128, a conv of 4 taps; their own random keys, so the global seed stays untouched."""
+    keys = mx.random.split(mx.random.key(seed), 5)
+    hk, hv, d = 1, 2, 128
     C = 2 * hk * d + hv * d
-    inputs = (
+    return (
         mx.random.normal((1, 3 + T, C), key=keys[0]),
         0.5 * mx.random.normal((C, 4, 1), key=keys[1]),
         mx.random.normal((1, T, hv), key=keys[2]),
@@ -543,32 +545,46 @@ def kernel_works(kind: str) -> bool:
         mx.ones((1, T, hv, d)),
         mx.ones((d,)),
         0.1 * mx.random.normal((1, hv, d, d), key=keys[4]),
-        mx.array([[True, False]]),
     )
+
+
+_PROBE_HEADS = dict(num_k_heads=1, num_v_heads=2, head_k_dim=128, head_v_dim=128)
+
+
+def _agrees(kind: str, what: str, compare) -> bool:
+    """Run `compare()` -> (kernel outputs, reference outputs), or None when there is no kernel for
+    the case; whether every output is within a loose 1e-2 of the reference (this catches a broken
+    kernel, not rounding). Failures are logged and answer False."""
     try:
-        plan = plan_for(kind, inputs, (hk, hv, d, d), 1e-6)
-        if plan is None:
+        pair = compare()
+        if pair is None:
             return False
-        got = run_kernel(kind, plan, inputs)
-        ref = gdn_step_reference(
-            *inputs[:9],
-            num_k_heads=hk,
-            num_v_heads=hv,
-            head_k_dim=d,
-            head_v_dim=d,
-            norm_eps=1e-6,
-            mask=inputs[9],
-        )
-        errors = [float(mx.abs(g - r).max() / mx.abs(r).max()) for g, r in zip(got, ref, strict=True)]
+        errors = [float(mx.abs(g - r).max() / mx.abs(r).max()) for g, r in zip(*pair, strict=True)]
     except (RuntimeError, ValueError) as exc:
-        _log.warning("fused GDN step kernel unavailable on %s, using the op path: %s", kind, exc)
+        _log.warning("%s unavailable on %s, using the op path: %s", what, kind, exc)
         return False
-    if not max(errors) < 1e-2:  # a loose bound: this catches a broken kernel, not rounding
-        _log.warning(
-            "fused GDN step kernel disagrees with the op path on %s (%s); not using it", kind, errors
-        )
+    if not max(errors) < 1e-2:
+        _log.warning("%s disagrees with the op path on %s (%s); not using it", what, kind, errors)
         return False
     return True
+
+
+@functools.cache
+def kernel_works(kind: str) -> bool:
+    """Whether this backend's kernel compiles, runs and roughly agrees with the reference on one
+    small case, checked once per process: a kernel's errors surface only at evaluation, in the
+    middle of a forward, and `gdn_step` must never fail. Otherwise it keeps to the reference."""
+    inputs = (*_probe_inputs(2, seed=0), mx.array([[True, False]]))
+    heads = tuple(_PROBE_HEADS.values())
+
+    def compare():
+        plan = plan_for(kind, inputs, heads, 1e-6)
+        if plan is None:
+            return None
+        ref = gdn_step_reference(*inputs[:9], **_PROBE_HEADS, norm_eps=1e-6, mask=inputs[9])
+        return run_kernel(kind, plan, inputs), ref
+
+    return _agrees(kind, "fused GDN step kernel", compare)
 
 
 @dataclass(frozen=True)
@@ -605,7 +621,7 @@ def gdn_decode(
     On CUDA one launch reads the conv state and x_new in place and writes the next conv state,
     so the concatenation and the two slices around it are not primitives of the step."""
     C, K = conv_weight.shape[0], conv_weight.shape[1]
-    B, T = x_new.shape[0], x_new.shape[1] if x_new.ndim == 3 else 0
+    B, T = x_new.shape[:2]
     heads = dict(
         num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim
     )
@@ -631,23 +647,10 @@ def gdn_decode(
 
 
 def _run_decode(plan: Plan, conv_state: mx.array, x_new: mx.array, rest: tuple) -> tuple[mx.array, ...]:
-    conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, _ = rest
+    """Launch the decode variant; `rest` is `gdn_step`'s inputs after conv_in."""
     B, K1, C = conv_state.shape
-    arrays = [
-        conv_state,
-        x_new,
-        conv_weight,
-        _array(a),
-        _array(b),
-        A_log,
-        dt_bias,
-        _array(z),
-        norm_weight,
-        state if state is not None else _stand_in(mx.float32),
-        _stand_in(mx.bool_),
-    ]
     out, new_state, conv_out = CUDA_DECODE_KERNEL(
-        arrays,
+        [conv_state, x_new, *_kernel_arrays((None, *rest))[1:]],
         template=(*plan.template, ("X_ROW", x_new.shape[-1]), ("CT", conv_state.dtype)),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
@@ -670,36 +673,16 @@ def decode_kernel_works(kind: str) -> bool:
     small case (x_new wider than the conv channels, as the fused projection is); once per process."""
     if not kernel_works(kind):
         return False
-    keys = mx.random.split(mx.random.key(1), 6)
-    hk, hv, d, T, K = 1, 2, 128, 1, 4
-    C = 2 * hk * d + hv * d
-    conv_state = mx.random.normal((1, K - 1, C), key=keys[0])
-    x_new = mx.random.normal((1, T, C + 40), key=keys[1])
-    rest = (
-        0.5 * mx.random.normal((C, K, 1), key=keys[2]),
-        mx.random.normal((1, T, hv), key=keys[3]),
-        mx.random.normal((1, T, hv), key=keys[4]),
-        mx.zeros((hv,)),
-        mx.zeros((hv,)),
-        mx.ones((1, T, hv, d)),
-        mx.ones((d,)),
-        0.1 * mx.random.normal((1, hv, d, d), key=keys[5]),
-    )
-    heads = dict(num_k_heads=hk, num_v_heads=hv, head_k_dim=d, head_v_dim=d)
-    try:
-        window = _Window((1, K - 1 + T, C), x_new.dtype)
-        plan = plan_for(kind, (window, *rest, None), (hk, hv, d, d), 1e-6)
+    conv_in, *rest = _probe_inputs(1, seed=1)
+    conv_state, rows = conv_in[:, :3], conv_in[:, 3:]
+    x_new = mx.concatenate([rows, mx.ones((1, 1, 40))], axis=-1)
+
+    def compare():
+        window = _Window(conv_in.shape, conv_in.dtype)
+        plan = plan_for(kind, (window, *rest, None), tuple(_PROBE_HEADS.values()), 1e-6)
         if plan is None:
-            return False
-        got = _run_decode(plan, conv_state, x_new, (*rest, None))
-        conv_in = mx.concatenate([conv_state, x_new[..., :C]], axis=1)
-        out, new_state = gdn_step_reference(conv_in, *rest, **heads, norm_eps=1e-6)
-        ref = (out, conv_in[:, T:], new_state)
-        errors = [float(mx.abs(g - r).max() / mx.abs(r).max()) for g, r in zip(got, ref, strict=True)]
-    except (RuntimeError, ValueError) as exc:
-        _log.warning("GDN decode kernel unavailable on %s, concatenating instead: %s", kind, exc)
-        return False
-    if not max(errors) < 1e-2:
-        _log.warning("GDN decode kernel disagrees with the op path on %s (%s); not using it", kind, errors)
-        return False
-    return True
+            return None
+        out, state = gdn_step_reference(conv_in, *rest, **_PROBE_HEADS, norm_eps=1e-6)
+        return _run_decode(plan, conv_state, x_new, (*rest, None)), (out, conv_in[:, 1:], state)
+
+    return _agrees(kind, "GDN decode kernel", compare)
