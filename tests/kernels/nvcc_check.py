@@ -36,3 +36,10 @@ def compile_source(source: str) -> tuple[bool, str]:
             timeout=300,
         )
         return proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def assert_compiles(source: str) -> None:
+    """`source` compiles for sm_90 with no error and no warning (the log's tail says why not)."""
+    ok, log = compile_source(source)
+    assert ok, log[-4000:]
+    assert "warning" not in log.lower(), log[-4000:]
