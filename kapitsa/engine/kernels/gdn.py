@@ -613,13 +613,15 @@ def gdn_decode(
     head_k_dim: int,
     head_v_dim: int,
     norm_eps: float,
+    fused: bool = True,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """`gdn_step` on `concatenate([conv_state, x_new[..., :C]], axis=1)`, also returning the next
     conv state (the window's last K-1 rows): (out, conv state, state). x_new `[B, T, N]`, N >= C:
     its first C columns are the new conv rows (Qwen3.5's fused in-projection output as it is).
 
     On CUDA one launch reads the conv state and x_new in place and writes the next conv state,
-    so the concatenation and the two slices around it are not primitives of the step."""
+    so the concatenation and the two slices around it are not primitives of the step. `fused`
+    False: the op-by-op path (`gdn_step_reference`) on the concatenated window, no kernel."""
     C, K = conv_weight.shape[0], conv_weight.shape[1]
     B, T = x_new.shape[:2]
     heads = dict(
@@ -627,7 +629,8 @@ def gdn_decode(
     )
     kind = backend()
     if (
-        kind == "cuda"
+        fused
+        and kind == "cuda"
         and x_new.ndim == 3
         and x_new.shape[-1] >= C
         and conv_state.shape == (B, K - 1, C)
@@ -640,7 +643,8 @@ def gdn_decode(
             return _run_decode(plan, conv_state, x_new, inputs[1:])
     new_rows = x_new if x_new.shape[-1] == C else x_new[..., :C]
     conv_in = mx.concatenate([conv_state, new_rows], axis=1)
-    out, new_state = gdn_step(
+    step = gdn_step if fused else gdn_step_reference
+    out, new_state = step(
         conv_in, conv_weight, a, b, A_log, dt_bias, z, norm_weight, state, **heads, norm_eps=norm_eps
     )
     return out, conv_in[:, T:], new_state

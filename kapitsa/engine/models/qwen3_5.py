@@ -253,28 +253,17 @@ class GatedDeltaNet(nn.Module):
         where the backend has it, the same math in MLX ops elsewhere. With the fused
         in-projection, z/b/a are read in place from its output, and the input norm and the
         residual add can run inside the projections' one-row mat-vecs (qlinear.py)."""
-        T = x.shape[1]
-        if "in_proj" in self and not self.packed:
-            proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
-            z, b, a = projection_views(proj, packed=False, **self._heads)
-            if kernels.enabled("gdn"):  # the conv window read in place: no concat, no slices
-                out, conv_state, state = gdn_decode(
-                    conv_state, proj, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z,
-                    self.norm.weight, s0, **self._heads, norm_eps=self.norm.eps,
-                )  # fmt: skip
-                y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
-                return y, conv_state, state
-            qkv = proj[..., : self.conv_dim]
+        if "in_proj" in self and not self.packed:  # conv rows: the projection's first C columns
+            rows = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
+            z, b, a = projection_views(rows, packed=False, **self._heads)
         else:
-            qkv, z, b, a = self._project(x if norm is None else norm(x))
-        conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        out, state = self._step()(
-            conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
-            **self._heads, norm_eps=self.norm.eps,
+            rows, z, b, a = self._project(x if norm is None else norm(x))
+        out, conv_state, state = gdn_decode(
+            conv_state, rows, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
+            **self._heads, norm_eps=self.norm.eps, fused=kernels.enabled("gdn"),
         )  # fmt: skip
-        # out is already [B, T, Hv*Dv]: a reshape to (B, T, -1) would still be one more primitive
         y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
-        return y, conv_in[:, T:], state
+        return y, conv_state, state
 
     @staticmethod
     def _step():
