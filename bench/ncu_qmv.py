@@ -13,16 +13,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from bench.diag_h200 import FUSED_27B, GS, read_only
+from bench.host_costs import _stream_impl
 from kapitsa.engine.kernels import qmv_direct as direct
-from kapitsa.engine.kernels import qmv_stream as stream
 
 
 def _stream(tiles: int, stages: int | None, ks: int | None = None, warps: int = 4):
-    def run(x, q, s, b):
-        stream.OPTIONS.update(tiles=tiles, stages=stages, stage_values=ks, warps=warps)
-        return stream.qmv_stream(x, q, s, b, group_size=GS)
-
-    return run
+    return _stream_impl(GS, tiles, False, stages, ks, warps)
 
 
 IMPLS = {  # read_only: a grid-stride read of the packed weights alone, the bandwidth a launch of this size can reach
