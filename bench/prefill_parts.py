@@ -3,7 +3,9 @@
 A shape's model is rebuilt with one kind of layer repeated (for Nemotron-H: eight Mamba-2
 mixers, eight MoE blocks or eight attention blocks after one Mamba and one attention layer, at the
 real widths; a small vocabulary so the head
-costs little), and each engine prefills the same prompt through its own path (kapitsa's engine,
+costs little). The repeated layers come first: a layer after the last one holding a cache is needed
+only for the last token's logits, and mlx-lm's prefill (which evaluates only the caches until the
+last token) skips it, so after the base layers mlx-lm's MoE blocks looked free (session 8's log), and each engine prefills the same prompt through its own path (kapitsa's engine,
 mlx-lm's generate_step) after a warm-up prefill of the same length. The per-layer cost is the
 difference against the model with one layer of that kind, divided by the layers added.
 
@@ -79,8 +81,8 @@ def main() -> None:
     for name, letter in KINDS[kind].items():
         if args.kinds and name not in args.kinds:
             continue
-        one = _prefill_s(kind, dims, BASE[kind] + letter, args.prompt)
-        many = _prefill_s(kind, dims, BASE[kind] + letter * LAYERS, args.prompt)
+        one = _prefill_s(kind, dims, letter + BASE[kind], args.prompt)
+        many = _prefill_s(kind, dims, letter * LAYERS + BASE[kind], args.prompt)
         row = dict(kind="prefill_part", shape=args.shape, layer=name, prompt=args.prompt)
         for engine in one:
             per_layer_ms = (many[engine] - one[engine]) / (LAYERS - 1) * 1e3
@@ -99,7 +101,7 @@ def main() -> None:
             table[key] = value
             try:
                 pair = [
-                    _prefill_s(kind, dims, BASE[kind] + letter * n, args.prompt, ("kapitsa",))
+                    _prefill_s(kind, dims, letter * n + BASE[kind], args.prompt, ("kapitsa",))
                     for n in (1, LAYERS)
                 ]
             finally:
