@@ -23,7 +23,7 @@ import mlx.core as mx
 from bench.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model
 from bench.host_costs import primitive_histogram
 from kapitsa.engine import kernels, qlinear
-from kapitsa.engine.kernels import attention, gdn, router
+from kapitsa.engine.kernels import attention, attn_prep, gdn, mamba, router
 from kapitsa.engine.kernels import cuda as cuda_mod
 from kapitsa.engine.ops import gated_delta
 from kapitsa.engine.runner import ModelRunner
@@ -63,6 +63,8 @@ def pretend_cuda() -> None:
     qlinear.WORKING.update({name: True for name in qlinear.PROBES})
     router.WORKING["router"] = True
     attention.WORKING["attn"] = True
+    attn_prep.WORKING["prep"] = True
+    mamba.WORKING["cuda"] = True
 
 
 def census(shape: str, tiny: bool = False) -> dict:

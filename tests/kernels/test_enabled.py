@@ -14,7 +14,8 @@ from kapitsa.engine.kernels import DEFAULT_FAMILIES, enabled
         (None, "moe", True),
         (None, "mamba", True),  # on since session 6 (the CPU set mirrors CUDA's)
         (None, "route", True),  # on since session 7
-        (None, "attn", False),
+        (None, "attn", True),  # on since session 8
+        (None, "fold", False),  # not a family
         ("all", "mamba", True),
         ("none", "gdn", False),
         ("gdn, mamba", "mamba", True),
@@ -27,7 +28,7 @@ def test_enabled(monkeypatch, value, family, expected) -> None:
     else:
         monkeypatch.setenv("KAPITSA_KERNELS", value)
     assert enabled(family) is expected
-    assert {"gdn", "moe", "qmv", "mamba", "route"} == DEFAULT_FAMILIES["cuda"]
+    assert {"gdn", "moe", "qmv", "mamba", "route", "attn"} == DEFAULT_FAMILIES["cuda"]
 
 
 def test_metal_uses_no_kernel_unless_asked(monkeypatch) -> None:

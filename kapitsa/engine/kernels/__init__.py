@@ -40,24 +40,28 @@ def float_bits(value: float) -> int:
 # "qmv" is the quantized mat-vec routes of kapitsa/engine/qlinear.py (CUDA only); "route" the fused
 # MoE router (kernels/router.py): in session 7's in-process A/B it made the 35B-A3B decode 30% and
 # 22% faster in each of two rounds (with "attn" also on; Nemotron's rounds were mixed on a noisy
-# host). "attn", the decode attention for head sizes MLX's CUDA backend lacks
-# (kernels/attention.py), stays opt-in: the 27B decoded 2% slower with it (docs/bench/decode-h200.md).
+# host). "attn" is the attention layer's decode kernels: the prep of q, k, v after the fused
+# projection (kernels/attn_prep.py; the layer's decode step from ~45 primitives to 11 by
+# bench/graph_census.py, where a linear-attention layer takes 7) and the decode attention for head
+# sizes MLX's CUDA backend lacks (kernels/attention.py; alone it was within noise on the 27B in
+# session 7). A default from session 8, A/B'd in that session's H200 run (docs/bench/decode-h200.md).
 DEFAULT_FAMILIES = {
-    "cuda": frozenset({"gdn", "moe", "qmv", "mamba", "route"}),
+    "cuda": frozenset({"gdn", "moe", "qmv", "mamba", "route", "attn"}),
     "metal": frozenset(),
-    None: frozenset({"gdn", "moe", "qmv", "mamba", "route"}),
+    None: frozenset({"gdn", "moe", "qmv", "mamba", "route", "attn"}),
 }
 
 
 def probe_enabled() -> None:
-    """Run the one-time probe of each enabled opt-in family that has one ("route", "attn"); each
+    """Run the one-time probe of each enabled family that has one ("route", "attn": its two); each
     kernel is used only after its probe passed. They evaluate: call this outside any trace."""
-    from kapitsa.engine.kernels import attention, router  # they import this module
+    from kapitsa.engine.kernels import attention, attn_prep, router  # they import this module
 
     if enabled("route"):
         router.probe()
     if enabled("attn"):
         attention.probe()
+        attn_prep.probe()
 
 
 def enabled(name: str) -> bool:

@@ -35,10 +35,11 @@ import mlx.nn as nn
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into, normed_projections, projections
+from kapitsa.engine.kernels import attn_prep
 from kapitsa.engine.kernels.attention import decode_attention
 from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.ops.rope import Rope
-from kapitsa.engine.qlinear import linear_plus
+from kapitsa.engine.qlinear import linear_plus, normed_linear
 from kapitsa.engine.traces import compiled
 from kapitsa.errors import CheckpointError
 
@@ -117,6 +118,41 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v, gate
+
+    def project_rotated(
+        self, x: mx.array, offsets: mx.array, norm: nn.Module | None = None
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+        """`project` then `rotate` at `offsets`. With kernel family "attn", fused projections and
+        a short step (decode, verification chains), the split, norms and rotations are one kernel
+        after the projection (kernels/attn_prep.py): ~30 fewer primitives per layer on CUDA."""
+        spec = self._prep_spec()
+        if (
+            spec is not None
+            and "qkv_proj" in self
+            and kernels.enabled("attn")
+            and attn_prep.usable(x.shape[1], x.dtype, spec)
+        ):
+            qkv = self.qkv_proj(x) if norm is None else normed_linear(norm, self.qkv_proj, x)
+            norms = (self.q_norm.weight, self.k_norm.weight) if spec.eps is not None else (None, None)
+            inv_freq = None if self.rope is None else self.rope.inv_freq
+            return attn_prep.prep(qkv, offsets, spec, *norms, inv_freq)
+        q, k, v, gate = self.project(x, norm=norm)
+        q, k = self.rotate(q, k, offsets)
+        return q, k, v, gate
+
+    def _prep_spec(self) -> attn_prep.PrepSpec | None:
+        """The prep kernel's description of this layer, or None where it does not apply (a rope
+        with YaRN's magnitude scale)."""
+        if self.rope is not None and self.rope.mscale != 1.0:
+            return None
+        return attn_prep.PrepSpec(
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            gated=self.gated,
+            eps=self.q_norm.eps if "q_norm" in self else None,
+            rotary_dims=0 if self.rope is None else self.rope.dims,
+        )
 
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo, cache: KVCache | None

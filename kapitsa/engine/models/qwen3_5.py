@@ -483,8 +483,7 @@ class DecoderLayer(nn.Module):
         return self._mlp_residual(h), conv, state
 
     def _attn_pre(self, x: mx.array, offsets: mx.array):
-        q, k, v, gate = self.self_attn.project(x, norm=self.input_layernorm)
-        q, k = self.self_attn.rotate(q, k, offsets)
+        q, k, v, gate = self.self_attn.project_rotated(x, offsets, norm=self.input_layernorm)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
     def _attn_post(self, x: mx.array, out: mx.array, gate: mx.array | None = None):
