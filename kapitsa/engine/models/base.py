@@ -37,6 +37,7 @@ from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCach
 from kapitsa.engine.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.kernels import attn_prep
 from kapitsa.engine.kernels.attention import decode_attention
+from kapitsa.engine.kernels.attention import probe as attention_probe
 from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.qlinear import linear_plus, normed_linear
@@ -252,6 +253,9 @@ def compiled_attention(
 ):  # noqa: ANN001
     """Attention layer decode: compiled `pre(x, offsets) -> (q, k, v[, gate])`, the cache write
     and attention (shapes grow every step, so not compiled), compiled `post(x, out[, gate])`."""
+    if kernels.enabled("attn"):  # the kernels' one-time probes (they evaluate: before tracing)
+        attn_prep.probe()
+        attention_probe()
     parts = compiled(owner, "pre", pre)(x, info.offsets_array)
     gate = parts[3] if len(parts) > 3 else None
     out, rest = attn.attend_step(parts[0], parts[1], parts[2], info, cache, gate)
