@@ -107,6 +107,13 @@ SHAPES = {
 }
 TINY = {k: (kind, {"vocab_size": 8192}) for k, (kind, _) in SHAPES.items()}  # the demo tokenizer's ids fit
 FULL_PRECISION_SUFFIXES = ("mlp.gate", "shared_expert_gate", "mixer.gate")
+STARTED = time.perf_counter()
+
+
+def emit(row: dict) -> None:
+    """Print a result row as a JSON line with `t_s`, the seconds since this process started (where
+    a device call's time went, when a part is cut by its limit)."""
+    print(json.dumps({**row, "t_s": round(time.perf_counter() - STARTED, 1)}), flush=True)
 
 
 def _quantizable(path: str, module: nn.Module) -> bool:
@@ -295,7 +302,7 @@ def _prefill_rows(name: str, models: dict, timers: dict, plen: int, vocab: int, 
             prefill_tok_s=result["prefill_tok_s"],
         )
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row)
     return rows
 
 
@@ -341,7 +348,7 @@ def _summary(rows: list[dict]) -> None:
     prefill-only rows (`--prefill-prompts`) get their own lines."""
     decode = [r for r in rows if "decode_tok_s" in r]
     for shape, plen in sorted({(r["shape"], r["prompt"]) for r in decode}, key=str):
-        print(json.dumps(_decode_summary(decode, shape, plen)), flush=True)
+        emit(_decode_summary(decode, shape, plen))
     prefill = [r for r in rows if r.get("prefill_only")]
     for shape, plen in sorted({(r["shape"], r["prompt"]) for r in prefill}, key=str):
         match = dict(shape=shape, prompt=plen, prefill_only=True)
@@ -354,7 +361,7 @@ def _summary(rows: list[dict]) -> None:
             mlxlm_prefill=round(mlxlm, 1),
             prefill_ratio=round(kapitsa / mlxlm, 2),
         )
-        print(json.dumps(line), flush=True)
+        emit(line)
 
 
 def main() -> None:
@@ -427,7 +434,7 @@ def main() -> None:
             e: sum(v.nbytes for _, v in nn.utils.tree_flatten(m.parameters())) / 1e9
             for e, m in models.items()
         }
-        print(json.dumps(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1))), flush=True)
+        emit(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1)))
         for plen in args.prompts:
             prompt = _prompt(plen, vocab)
             for rnd in range(args.rounds):
@@ -441,14 +448,14 @@ def main() -> None:
                         **timers[engine](model, prompt, args.tokens),
                     )
                     rows.append(result)
-                    print(json.dumps(result), flush=True)
+                    emit(result)
         for plen in args.prefill_prompts:
             rows += _prefill_rows(name, models, timers, plen, vocab, sizes)
         if name in args.verify_shapes:
             verify = dict(
                 shape=name, engine="kapitsa", **_verify_cost(models["kapitsa"], prompt, args.verify_sizes)
             )
-            print(json.dumps(verify), flush=True)
+            emit(verify)
             extra.append(verify)
         if name in args.spec_shapes:  # last: it scripts the kapitsa model (spec_shapes.py)
             from spec_shapes import spec_rounds

@@ -10,6 +10,7 @@
 #   bash bench/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
 #                                       default 27b) under Nsight Systems (bench/decode_kernels.py)
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
+#   bash bench/h200_all.sh ptx-save     MLX's JIT cache (/tmp/mlx) as $OUT/ptx.tgz, for $PTX_TGZ next time
 #   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
 #                                       and streaming kernels); with STREAM_TESTS=1 the streaming
 #                                       kernel's GPU tests first
@@ -41,6 +42,14 @@ out=${OUT:-.}
 py=${PY:-python3}
 part=${1:?which part: knobs, tests, or shapes (27b 35b-a3b 4b nemotron-30b-a3b)}
 knobs_file=/tmp/kapitsa-knobs.env
+# MLX keeps its NVRTC output in /tmp/mlx/<version>/ptx; a fresh machine compiles every kernel again
+# (kapitsa's ~300 launches a step are a few dozen kernels, each template a compile). The ptx-save
+# part returns that cache as $OUT/ptx.tgz; kept at $PTX_TGZ (default .gpu-ptx/ptx.tgz, an ignored
+# path the device call carries) it is unpacked here before any part runs on a fresh machine.
+ptx_tgz=${PTX_TGZ:-$root/.gpu-ptx/ptx.tgz}
+if [ -f "$ptx_tgz" ] && [ ! -d /tmp/mlx ]; then
+  tar xzf "$ptx_tgz" -C /tmp && echo "ptx cache: $(du -sh /tmp/mlx | cut -f1) from $ptx_tgz"
+fi
 # shellcheck disable=SC1090
 [ -f "$knobs_file" ] && [ "$part" != knobs ] && . "$knobs_file" && echo "settings: $(cat "$knobs_file")"
 
@@ -58,6 +67,9 @@ case "$part" in
     done
     $py bench/pick_knobs.py "$out/knobs.log" > "$knobs_file"
     echo "kept: $(cat "$knobs_file")"
+    ;;
+  ptx-save)
+    tar czf "$out/ptx.tgz" -C /tmp mlx && ls -l "$out/ptx.tgz"
     ;;
   qmv)
     : > "$out/qmv.log"

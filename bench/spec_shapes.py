@@ -36,6 +36,7 @@ from decode_vs_mlxlm import (
     _kapitsa_model,
     _mlxlm_model,
     _time_mlxlm,
+    emit,
     generate,
     kapitsa_engine,
 )
@@ -138,7 +139,7 @@ def spec_rounds(name: str, kapitsa_model, mlxlm_model, vocab: int, rounds: int, 
                 result["same_as_plain"] = ids == answer[: len(ids)]
             row = dict(shape=name, engine=engine, round=rnd, prompt=len(prompt), tokens=tokens, **result)
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(row)
     return rows
 
 

@@ -142,16 +142,15 @@ def test_emulated_kernel_matches_reference(
 @pytest.mark.parametrize("mode,experts,extra,top_k", [("softmax", 256, 1, 8), ("sigmoid", 128, 0, 6)])
 def test_gpu_matches_reference(mode, experts, extra, top_k) -> None:
     x, w, bias = _case(4, 2048, experts, extra, mx.bfloat16)
+    w = w / 10  # logits of ~1 (std 0.9), as a trained router's are, not ~10
     kw = dict(experts=experts, top_k=top_k, mode=mode, bias=bias if mode == "sigmoid" else None, scale=2.5)
     assert router.kernel_works()
-    # The kernel's logits are float32 sums of the bf16 products; the reference's softmax mode
-    # rounds its logits to bf16 (x @ w.T in bf16, as the model does), which at this width (logits
-    # of ~10, a bf16 step of 0.06) moves a weight by up to ~6%. So the reference gets the same
-    # values in float32 and is held to the kernel's float32 rounding.
-    ref = router.route_reference(x.astype(mx.float32), w.astype(mx.float32), **kw)
-    _same(
-        router.route_kernel(x, w, **kw), (ref[0], ref[1], None if ref[2] is None else ref[2].astype(x.dtype))
-    )
+    # Softmax mode rounds the logits to bf16 as the model's bf16 matmul does, but the kernel's
+    # float32 sums run in another order than the matmul's, so a logit may round to the next bf16
+    # step (2^-7 of it: 2% of a weight at a logit of ~2.5; session 8's H200 run saw that at the
+    # test's former logits of ~10, 6%). Sigmoid mode sums in float32 on both sides.
+    rtol = 2e-2 if mode == "softmax" else 2e-3
+    _same(router.route_kernel(x, w, **kw), router.route_reference(x, w, **kw), rtol=rtol)
 
 
 def test_module_is_plain_linear_only() -> None:
