@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from nvcc_check import assert_compiles, nvcc
 
+from kapitsa.engine.cache import KVCache
 from kapitsa.engine.kernels import attn_prep, backend
 from kapitsa.engine.kernels.attn_prep import PrepSpec
 from kapitsa.engine.models.base import Attention
@@ -74,8 +75,13 @@ def test_probe_off_cuda_is_false_and_unused() -> None:
     assert "prep" not in attn_prep.WORKING
 
 
+NEMOTRON = PrepSpec(heads=32, kv_heads=2, head_dim=128, gated=False, eps=None, rotary_dims=0)
+
+
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("dtype,spec,tokens", [(mx.bfloat16, QWEN_27B, 1), (mx.float16, QWEN_27B, 4)])
+@pytest.mark.parametrize(
+    "dtype,spec,tokens", [(mx.bfloat16, QWEN_27B, 1), (mx.float16, QWEN_27B, 4), (mx.bfloat16, NEMOTRON, 8)]
+)
 def test_cuda_source_compiles(dtype, spec, tokens) -> None:
     template = attn_prep._template(dtype, spec, 1, tokens)
     assert_compiles(
@@ -114,7 +120,7 @@ def test_gpu_matches_reference(T) -> None:
     _close(attn_prep.prep(*case), attn_prep.prep_reference(*case), 1.6e-2)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_dense", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_moe"])
 def test_models_prepare_attention_through_the_kernel_when_on(monkeypatch, arch) -> None:
     """With the "attn" family on (the reference standing in for the kernel), every attention
     layer of a fused model's compiled steps (the 4-token prompt as a short chain, then decode
@@ -142,7 +148,7 @@ def test_models_prepare_attention_through_the_kernel_when_on(monkeypatch, arch) 
     plain = run("gdn,moe,qmv,mamba")
     assert calls == []
     fast = run("gdn,moe,qmv,mamba,attn")
-    attention_layers = sum(1 for layer in model.layers if not layer.is_linear)
+    attention_layers = sum(isinstance(c, KVCache) for c in model.make_cache(1).layers)
     # traced once per step length and layer: the prompt's chain (4) and the decode step (1)
     assert attention_layers > 0 and sorted(calls) == [1] * attention_layers + [4] * attention_layers
     for a, b in zip(plain, fast, strict=True):

@@ -430,7 +430,8 @@ class Block(nn.Module):
         return self.mixer.decode(x, conv, state, norm=self.norm, residual=x)
 
     def _attn_pre(self, x: mx.array, offsets: mx.array):
-        q, k, v, _ = self.mixer.project(x, norm=self.norm)
+        # no rope: offsets are unused; project_rotated lays q, k, v out in one kernel on CUDA
+        q, k, v, _ = self.mixer.project_rotated(x, offsets, norm=self.norm)
         return q, k, v
 
     def _attn_post(self, x: mx.array, out: mx.array):
