@@ -400,7 +400,7 @@ def main() -> None:
         "--qmv-ab",
         default=None,
         metavar="KERNEL",
-        help="also time kapitsa with KAPITSA_QMV_KERNEL=KERNEL (the 1-8 row mat-vec kernel); KERNEL:PARTS also sets KAPITSA_FUSED_NORMS",
+        help="also time kapitsa with KAPITSA_QMV_KERNEL=KERNEL (the 1-8 row mat-vec kernel); KERNEL:PARTS also sets KAPITSA_FUSED_NORMS; direct@BLOCKS a persistent grid for the one-row kernel",
     )
     ap.add_argument(
         "--fold-ab",

@@ -164,7 +164,17 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
 # (a fourth element True: the loop over round groups unrolled, so loads may overlap the math).
 # Sessions 6-7 timed nine shapes at 4 and 8 warps (docs/bench/qmv-h200-s7.log); fewer warps per
 # block make the blocks finer, so the last wave's tail is shorter.
-DIRECT_SHAPES = [(4, 4, 2), (4, 2, 2), (4, 1, 2), (2, 4, 2, True)]
+# the last three: persistent grids of 528, 660 and 792 blocks (4-6 per SM of the H200's 132 at the
+# kernel's 80-90 registers), each warp looping over its share of the row groups
+DIRECT_SHAPES = [
+    (4, 4, 2),
+    (4, 2, 2),
+    (4, 1, 2),
+    (2, 4, 2, True),
+    (4, 4, 2, False, 528),
+    (4, 4, 2, False, 660),
+    (4, 4, 2, False, 792),
+]
 
 # qmv_stream.OPTIONS to time: (rows per warp / 16, exact_q, ring stages or None for the default)
 STREAM_OPTIONS = [

@@ -25,6 +25,13 @@ IMPLS = {  # read_only: a grid-stride read of the packed weights alone, the band
     "read_only": lambda x, q, s, b: read_only(q),
     "stock": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=4),
     "direct": lambda x, q, s, b: direct.qmv_direct(x, q, s, b, group_size=GS, bits=4),
+    # persistent grids (5-6 resident blocks per SM at 80-90 registers, 132 SMs): warps loop over tasks
+    "direct_p660": lambda x, q, s, b: direct.qmv_direct(
+        x, q, s, b, group_size=GS, bits=4, shape=(4, 4, 2, False, 660)
+    ),
+    "direct_p792": lambda x, q, s, b: direct.qmv_direct(
+        x, q, s, b, group_size=GS, bits=4, shape=(4, 4, 2, False, 792)
+    ),
     "stream_t1": _stream(1, None),
     "stream_t2s4": _stream(2, 4),
     "stream_ks1024_w2": _stream(1, 3, 1024, 2),  # rows read in 512-byte runs per stage

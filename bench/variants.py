@@ -52,18 +52,27 @@ def kernel_families(families: str) -> Iterator[dict]:
 @contextlib.contextmanager
 def matvec_kernel(spec: str) -> Iterator[dict]:
     """KAPITSA_QMV_KERNEL=kernel for the block (its kernels' probe runs first); spec
-    "kernel:parts" also sets KAPITSA_FUSED_NORMS=parts."""
+    "kernel:parts" also sets KAPITSA_FUSED_NORMS=parts; "direct@BLOCKS" runs the one-row direct
+    kernel on a persistent grid of BLOCKS blocks (qmv_direct.launch_config)."""
     from kapitsa.engine import qlinear
+    from kapitsa.engine.kernels import qmv_direct
 
     kernel, _, parts = spec.partition(":")
-    before = qlinear.MATVEC["kernel"]
+    kernel, _, persist = kernel.partition("@")
+    before, shape_before = qlinear.MATVEC["kernel"], qmv_direct.SHAPE_BY_ROWS[1]
     qlinear.MATVEC["kernel"] = qlinear._matvec_setting(kernel)
+    if persist:
+        qmv_direct.SHAPE_BY_ROWS[1] = (*shape_before[:3], False, int(persist))
     try:
         with fused_parts(parts) if parts else contextlib.nullcontext({}) as described:
             qlinear.probe_kernels()
-            yield {"qmv_kernel": kernel, "qmv_working": qlinear.WORKING.get(kernel), **described}
+            yield {
+                "qmv_kernel": kernel + (f"@{persist}" if persist else ""),
+                "qmv_working": qlinear.WORKING.get(kernel),
+                **described,
+            }
     finally:
-        qlinear.MATVEC["kernel"] = before
+        qlinear.MATVEC["kernel"], qmv_direct.SHAPE_BY_ROWS[1] = before, shape_before
 
 
 @contextlib.contextmanager

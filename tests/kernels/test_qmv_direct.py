@@ -90,6 +90,8 @@ def test_fused_variants_compile(eps, resid, act) -> None:
         (mx.float16, 2, 16, 256, 128, 4, (2, 2, 2)),
         (mx.float32, 1, 9, 3072, 64, 4, (4, 2, 2, True)),  # pipelined: 3 round groups, the last short
         (mx.bfloat16, 2, 20, 1152, 32, 8, (2, 2, 2, True)),
+        (mx.bfloat16, 1, 37, 640, 64, 4, (2, 2, 2, False, 3)),  # persistent: 3 blocks, 19 tasks
+        (mx.float32, 2, 40, 1152, 32, 8, (4, 1, 2, True, 2)),  # persistent and pipelined
     ],
 )
 def test_emulated_kernel_matches_reference(
@@ -97,7 +99,8 @@ def test_emulated_kernel_matches_reference(
 ) -> None:
     """N not a multiple of the block's rows, K past one round of 32 chunks and not a multiple of
     UNROLL rounds (640 4-bit values = 20 chunks; 1152 8-bit = 72 chunks = 3 rounds; 3072 4-bit =
-    96 chunks = 3 rounds); with the loop over round groups unrolled (pipelined) too."""
+    96 chunks = 3 rounds); with the loop over round groups unrolled (pipelined) too, and with a
+    persistent grid smaller than the tasks (each warp loops over several groups of rows)."""
     q, s, b = _weights(n, k, gs, bits)
     x = mx.random.normal((rows, k)).astype(dtype)
     ref = qmv_reference(
@@ -182,13 +185,43 @@ def test_gpu_fused_norm_and_residual(n, k, norm, resid) -> None:
     assert _rel_err(direct.qmv_direct(x, q, s, b, **kw), ref) < 1e-2
 
 
-@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("n,k,eps,resid", [(16480, 5120, 1e-6, False), (5120, 17408, None, True)])
-def test_pipelined_variants_compile(n, k, eps, resid) -> None:
-    """The bench's pipelined launch shapes (loop over round groups unrolled) at the 27B's widths."""
+def test_persistent_grid_is_capped_only_below_the_tasks() -> None:
     dtype = mx.bfloat16
-    template, _, _ = direct.launch_config(dtype, 1, n, k, 64, 4, (4, 4, 2, True), eps, resid, None)
-    assert ("PIPELINE", True) in template
+    template, grid, block = direct.launch_config(dtype, 1, 34816, 5120, 64, 4, (4, 4, 2, False, 528))
+    assert ("PERSIST_BLOCKS", 528) in template and grid == 528 * block
+    template, grid, block = direct.launch_config(dtype, 1, 64, 5120, 64, 4, (4, 4, 2, False, 528))
+    assert ("PERSIST_BLOCKS", 0) in template and grid == 4 * block  # fewer tasks than the cap
+    assert ("PERSIST_BLOCKS", 0) in direct.launch_config(dtype, 1, 64, 5120, 64, 4, (4, 4, 2))[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs the CUDA backend")
+@pytest.mark.parametrize("shape", [(4, 4, 2, False, 528), (4, 4, 2, True, 924)])
+def test_gpu_persistent_matches_reference(shape) -> None:
+    q, s, b = _weights(34816, 5120, 64, 4)
+    x = mx.random.normal((1, 5120)).astype(mx.bfloat16)
+    ref = qmv_reference(
+        x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=4
+    )
+    got = direct.qmv_direct(x, q, s, b, group_size=64, bits=4, shape=shape)
+    assert _rel_err(got, ref) < 8e-3
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize(
+    "n,k,eps,resid,shape",
+    [
+        (16480, 5120, 1e-6, False, (4, 4, 2, True)),
+        (5120, 17408, None, True, (4, 4, 2, True)),
+        (34816, 5120, None, False, (4, 4, 2, False, 528)),
+        (16480, 5120, 1e-6, True, (4, 4, 2, True, 924)),
+    ],
+)
+def test_pipelined_variants_compile(n, k, eps, resid, shape) -> None:
+    """The bench's pipelined and persistent launch shapes at the 27B's widths."""
+    dtype = mx.bfloat16
+    template, _, _ = direct.launch_config(dtype, 1, n, k, 64, 4, shape, eps, resid, None)
+    assert ("PIPELINE", shape[3]) in template
     ok, log = compile_source(
         direct._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template)
     )

@@ -63,10 +63,14 @@ def launch_config(
     act: str | None = None,
 ) -> tuple[tuple, int, int]:
     """(template arguments, grid threads, block threads) for one call; `eps` set: RMSNorm fused.
-    `shape`: (rows per warp, warps per block, rounds unrolled[, pipelined]) - pipelined unrolls the
-    loop over round groups completely, so one group's loads may overlap the previous one's math."""
+    `shape`: (rows per warp, warps per block, rounds unrolled[, pipelined[, persistent blocks]]) -
+    pipelined unrolls the loop over round groups completely, so one group's loads may overlap the
+    previous one's math; persistent blocks > 0 caps the grid at that many blocks, each warp then
+    looping over every (blocks * warps)-th group of rows."""
     r, warps, unroll, *rest = shape
     pipelined = bool(rest and rest[0])
+    tasks_blocks = math.ceil(n / (r * warps))
+    persist = int(rest[1]) if len(rest) > 1 and rest[1] and rest[1] < tasks_blocks else 0
     template = (
         ("T", dtype),
         ("M", rows),
@@ -82,8 +86,9 @@ def launch_config(
         ("EPS_BITS", float_bits(eps or 0.0)),
         ("ACT", ACTS.index(act)),
         ("PIPELINE", pipelined),
+        ("PERSIST_BLOCKS", persist),
     )
-    blocks = math.ceil(n / (r * warps))
+    blocks = persist or tasks_blocks
     return template, blocks * warps * 32, warps * 32
 
 

@@ -12,10 +12,16 @@
   constexpr int U = ROUNDS < UNROLL ? ROUNDS : UNROLL;  // rounds whose loads are issued together
   constexpr int GROUPS = K / GS;
   constexpr int XS = ACT == 1 ? 2 * K : K;     // x row stride
+  // A warp's task: R consecutive output rows. PERSIST_BLOCKS = 0: one task per warp, the grid
+  // covers them all. Else the grid has PERSIST_BLOCKS blocks and each warp takes every
+  // (PERSIST_BLOCKS * WARPS)-th task: the warps stay resident and drift out of step, so some
+  // are loading while others compute (a one-task grid loads in waves, then computes in waves).
+  constexpr int TASKS = (N + R - 1) / R;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * WARPS + warp) * R;
   const uint4* wv = reinterpret_cast<const uint4*>(w);
+  auto task_rows = [&](const int task) {
+  const int row0 = task * R;
   int rows[R];
   #pragma unroll
   for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);  // past N: recompute row N-1, never stored
@@ -135,4 +141,10 @@
       }
       if (lane == 0 && row0 + r < N) y[(size_t)m * N + row0 + r] = (T)v;
     }
+  }
+  };
+  if constexpr (PERSIST_BLOCKS == 0) {
+    task_rows(blockIdx.x * WARPS + warp);
+  } else {
+    for (int task = blockIdx.x * WARPS + warp; task < TASKS; task += PERSIST_BLOCKS * WARPS) task_rows(task);
   }
