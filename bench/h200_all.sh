@@ -12,8 +12,8 @@
 #   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
 #   bash bench/h200_all.sh ptx-save     MLX's JIT cache (/tmp/mlx) as $OUT/ptx.tgz, for $PTX_TGZ next time
 #   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
-#                                       and streaming kernels); with STREAM_TESTS=1 the streaming
-#                                       kernel's GPU tests first
+#                                       kernel, persistent grids included, and the streaming kernel);
+#                                       with STREAM_TESTS=1 their GPU tests first
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
 #                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
@@ -75,7 +75,8 @@ case "$part" in
     : > "$out/qmv.log"
     if [ "${STREAM_TESTS:-0}" = 1 ]; then
       timeout "${TESTS_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
-        tests/kernels/test_qmv_stream.py >> "$out/qmv.log" 2>&1
+        tests/kernels/test_qmv_stream.py "tests/kernels/test_qmv_direct.py::test_gpu_persistent_matches_reference" \
+        >> "$out/qmv.log" 2>&1
       tail -3 "$out/qmv.log"
     fi
     # one-row mat-vec launch shapes over the 27B's chain (bench/host_costs.py qmv; ~2 minutes)
