@@ -63,7 +63,8 @@ def pretend_cuda() -> None:
     qlinear.WORKING.update({name: True for name in qlinear.PROBES})
     router.WORKING["router"] = True
     attention.WORKING["attn"] = True
-    attn_prep.WORKING["prep"] = True
+    attn_prep.probe = lambda *a, **k: True
+    attn_prep.usable = attn_prep.supports
     mamba.WORKING["cuda"] = True
 
 

@@ -72,7 +72,8 @@ def test_probe_off_cuda_is_false_and_unused() -> None:
     if backend() == "cuda":
         pytest.skip("on CUDA the probe runs the kernel")
     assert attn_prep.probe() is False
-    assert "prep" not in attn_prep.WORKING
+    assert attn_prep.probe(QWEN_27B, mx.bfloat16) is False
+    assert attn_prep.WORKING == {}
 
 
 NEMOTRON = PrepSpec(heads=32, kv_heads=2, head_dim=128, gated=False, eps=None, rotary_dims=0)
@@ -115,7 +116,7 @@ def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, B, T, spec, dt
 @pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 4])
 def test_gpu_matches_reference(T) -> None:
-    assert attn_prep.probe()
+    assert attn_prep.probe(QWEN_27B, mx.bfloat16)
     case = _case(QWEN_27B, 2, T, mx.bfloat16, seed=T)
     _close(attn_prep.prep(*case), attn_prep.prep_reference(*case), 1.6e-2)
 
@@ -156,9 +157,28 @@ def test_models_prepare_attention_through_the_kernel_when_on(monkeypatch, arch) 
 
 
 def test_unprobed_kernel_is_never_used(monkeypatch) -> None:
-    """Until its probe passed (never, off CUDA), the models keep the op path."""
+    """Until its probe passed for that layout and dtype (never, off CUDA), the models keep the op
+    path."""
     monkeypatch.setattr(attn_prep, "supports", lambda *a: True)
     monkeypatch.setattr(attn_prep, "WORKING", {})
     assert not attn_prep.usable(1, mx.bfloat16, QWEN_27B)
-    monkeypatch.setitem(attn_prep.WORKING, "prep", True)
+    monkeypatch.setitem(attn_prep.WORKING, (QWEN_27B, mx.bfloat16), True)
     assert attn_prep.usable(1, mx.bfloat16, QWEN_27B)
+    assert not attn_prep.usable(1, mx.float16, QWEN_27B)  # another dtype: another probe
+    assert not attn_prep.usable(1, mx.bfloat16, NEMOTRON)  # another layout too
+
+
+def test_layers_probe_their_own_layout(monkeypatch) -> None:
+    """A fused Qwen model's attention layers probe the prep for their layout and dtype before
+    tracing (with the family on)."""
+    from kapitsa.engine.fuse import fuse_model
+    from tests.models.builders import build_ours, greedy_logits
+
+    probed = []
+    monkeypatch.setattr(attn_prep, "probe", lambda spec, dtype: probed.append((spec, dtype)) or False)
+    monkeypatch.setenv("KAPITSA_KERNELS", "gdn,moe,qmv,mamba,attn")
+    model = build_ours("qwen3_5_dense")
+    fuse_model(model)
+    greedy_logits(model, steps=1)
+    layer = next(layer for layer in model.layers if not layer.is_linear)
+    assert probed and set(probed) == {(layer.self_attn._prep_spec(), mx.float32)}

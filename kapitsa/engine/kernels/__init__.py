@@ -53,15 +53,14 @@ DEFAULT_FAMILIES = {
 
 
 def probe_enabled() -> None:
-    """Run the one-time probe of each enabled family that has one ("route", "attn": its two); each
+    """Run the one-time probe of each enabled family that has one ("route", "attn"); each
     kernel is used only after its probe passed. They evaluate: call this outside any trace."""
-    from kapitsa.engine.kernels import attention, attn_prep, router  # they import this module
+    from kapitsa.engine.kernels import attention, router  # they import this module
 
     if enabled("route"):
         router.probe()
     if enabled("attn"):
-        attention.probe()
-        attn_prep.probe()
+        attention.probe()  # (the attention prep is probed per layout by the layers themselves)
 
 
 def enabled(name: str) -> bool:

@@ -30,7 +30,7 @@ MAX_TOKENS = 16  # a decode step or a short verification chain (models/base.py C
 MAX_HEAD_DIM = 256
 WARPS = 4
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
-WORKING: dict[str, bool] = {}  # "prep" -> whether the kernel passed its probe in this process
+WORKING: dict[tuple, bool] = {}  # (PrepSpec, dtype) -> whether the kernel passed its probe for that layout
 _log = logging.getLogger(__name__)
 
 _KERNEL = CudaKernel(
@@ -72,38 +72,45 @@ def supports(tokens: int, dtype: mx.Dtype, spec: PrepSpec) -> bool:
 
 
 def usable(tokens: int, dtype: mx.Dtype, spec: PrepSpec) -> bool:
-    """`supports` and the probe passed."""
-    return WORKING.get("prep", False) and supports(tokens, dtype, spec)
+    """`supports` and the probe passed for this layout and dtype."""
+    return WORKING.get((spec, dtype), False) and supports(tokens, dtype, spec)
 
 
-def _probe_case() -> tuple:
-    keys = mx.random.split(mx.random.key(9), 4)
-    spec = PrepSpec(heads=4, kv_heads=2, head_dim=64, gated=True, eps=1e-6, rotary_dims=16)
-    qkv = mx.random.normal((2, 2, spec.width), key=keys[0]).astype(mx.bfloat16)
-    q_w = (1 + 0.2 * mx.random.normal((64,), key=keys[1])).astype(mx.bfloat16)
-    k_w = (1 + 0.2 * mx.random.normal((64,), key=keys[2])).astype(mx.bfloat16)
-    inv_freq = 1.0 / (10000.0 ** (mx.arange(0, 16, 2, dtype=mx.float32) / 16))
+GENERIC = PrepSpec(heads=4, kv_heads=2, head_dim=64, gated=True, eps=1e-6, rotary_dims=16)
+
+
+def _probe_case(spec: PrepSpec, dtype: mx.Dtype) -> tuple:
+    keys = mx.random.split(mx.random.key(9), 4)  # its own keys: the global seed stays untouched
+    D = spec.head_dim
+    qkv = mx.random.normal((2, 2, spec.width), key=keys[0]).astype(dtype)
+    q_w = (1 + 0.2 * mx.random.normal((D,), key=keys[1])).astype(dtype)
+    k_w = (1 + 0.2 * mx.random.normal((D,), key=keys[2])).astype(dtype)
+    dims = spec.rotary_dims or 2
+    inv_freq = 1.0 / (10000.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
     return qkv, mx.array([3, 70], dtype=mx.int32), spec, q_w, k_w, inv_freq
 
 
-def probe() -> bool:
-    """Run the kernel once against the reference where it can apply (CUDA); idempotent. Call it
-    outside any compiled trace: it evaluates."""
-    if "prep" in WORKING or backend() != "cuda":
-        return WORKING.get("prep", False)
-    case = _probe_case()
+def probe(spec: PrepSpec = GENERIC, dtype: mx.Dtype = mx.bfloat16) -> bool:
+    """Run the kernel once for this layout and dtype against the reference where it can apply
+    (CUDA); idempotent. A layer probes its own layout before tracing (models/base.py), so each
+    kernel variant a model uses has run once. Call it outside any compiled trace: it evaluates."""
+    key = (spec, dtype)
+    if key in WORKING or backend() != "cuda" or not supports(2, dtype, spec):
+        return WORKING.get(key, False)
+    case = _probe_case(spec, dtype)
     try:
         got, ref = prep(*case), prep_reference(*case)
-        WORKING["prep"] = all(
-            mx.allclose(g.astype(mx.float32), r.astype(mx.float32), atol=3e-2, rtol=3e-2).item()
+        WORKING[key] = all(
+            r is None
+            or mx.allclose(g.astype(mx.float32), r.astype(mx.float32), atol=3e-2, rtol=3e-2).item()
             for g, r in zip(got, ref, strict=True)
         )
     except (RuntimeError, ValueError) as exc:
-        _log.warning("attention prep kernel unavailable, using the op path: %s", exc)
-        WORKING["prep"] = False
-    if not WORKING["prep"]:
-        _log.warning("attention prep kernel disagrees with the reference; using the op path")
-    return WORKING["prep"]
+        _log.warning("attention prep kernel unavailable for %s, using the op path: %s", spec, exc)
+        WORKING[key] = False
+    if not WORKING[key]:
+        _log.warning("attention prep kernel disagrees with the reference for %s; using the op path", spec)
+    return WORKING[key]
 
 
 @functools.cache

@@ -254,7 +254,9 @@ def compiled_attention(
     """Attention layer decode: compiled `pre(x, offsets) -> (q, k, v[, gate])`, the cache write
     and attention (shapes grow every step, so not compiled), compiled `post(x, out[, gate])`."""
     if kernels.enabled("attn"):  # the kernels' one-time probes (they evaluate: before tracing)
-        attn_prep.probe()
+        spec = attn._prep_spec()
+        if spec is not None:
+            attn_prep.probe(spec, x.dtype)
         attention_probe()
     parts = compiled(owner, "pre", pre)(x, info.offsets_array)
     gate = parts[3] if len(parts) > 3 else None
