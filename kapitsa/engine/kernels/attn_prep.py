@@ -101,8 +101,7 @@ def probe(spec: PrepSpec = GENERIC, dtype: mx.Dtype = mx.bfloat16) -> bool:
     try:
         got, ref = prep(*case), prep_reference(*case)
         WORKING[key] = all(
-            r is None
-            or mx.allclose(g.astype(mx.float32), r.astype(mx.float32), atol=3e-2, rtol=3e-2).item()
+            r is None or mx.allclose(g.astype(mx.float32), r.astype(mx.float32), atol=3e-2, rtol=3e-2).item()
             for g, r in zip(got, ref, strict=True)
         )
     except (RuntimeError, ValueError) as exc:
