@@ -90,6 +90,9 @@ def main() -> None:
     for setting in args.env:
         name, _, value = setting.partition("=")
         os.environ[name] = value
+    # (settings read once at import: read them again)
+    qlinear.FUSED_NORMS.update(qlinear._fused_setting(os.environ.get("KAPITSA_FUSED_NORMS", "")))
+    qlinear.MATVEC["kernel"] = qlinear._matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))
     pretend_cuda()
     if args.tiny:
         DTYPE["value"] = mx.float32

@@ -90,7 +90,10 @@ MATVEC = {"kernel": _matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))}
 # apiece on that backend (bench/host_costs.py); against nothing fused (session 6, same processes)
 # they made the host-bound 4B 28% and 35B-A3B 17% faster, the mat-vec-bound 27B 7% and Nemotron
 # 6% slower (the prologue's x-side work is per warp; one-row calls now use 4 rows per warp).
-FUSED_PARTS = ("norm", "residual", "act")
+# "glu" (opt-in, untimed): a [gate | up] projection's silu(gate) * up in its own epilogue, so a
+# SwiGLU MLP at decode is two kernels with no split and no activation between them (two
+# primitives fewer per dense MLP layer, and per shared expert); it takes precedence over "act".
+FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED = "norm,residual"
 
 
@@ -239,7 +242,7 @@ def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
     ):
         return None
     name = FUSED_KERNEL.get(route_for(1, linear, x))
-    if name is None or not WORKING.get(name, False) or (part == "act" and name != "fused"):
+    if name is None or not WORKING.get(name, False) or (part in ("act", "glu") and name != "fused"):
         return None
     return name
 
@@ -277,6 +280,24 @@ def linear_plus(linear: nn.Module, h: mx.array, residual: mx.array) -> mx.array:
     ):
         return _fused_call(name, linear, h, residual=residual)
     return residual + linear(h)
+
+
+def glu_linear(linear: nn.Module, x: mx.array, norm: nn.Module | None = None) -> mx.array | None:
+    """silu(gate) * up of `linear([norm](x))`, a [gate | up] projection, made in the one-row
+    mat-vec's epilogue (part "glu", with the norm in its prologue when part "norm" is on too), or
+    None where the fused route does not take this call (the caller then runs the ops)."""
+    name = _fused_kernel(linear, x, "glu")
+    if (
+        name is None
+        or linear["weight"].shape[0] % 2
+        or not supports_fused(x, linear["weight"].shape[0], None if norm is None else norm.weight, None)
+    ):
+        return None
+    if norm is None:
+        return _fused_call(name, linear, x, glu=True)
+    if type(norm) is nn.RMSNorm and "norm" in FUSED_NORMS["parts"]:
+        return _fused_call(name, linear, x, norm=(norm.weight, norm.eps), glu=True)
+    return _fused_call(name, linear, norm(x), glu=True)
 
 
 def act_linear_plus(

@@ -217,13 +217,20 @@ def test_norm_and_residual_fuse_into_one_row_calls_only(fused_route) -> None:
     assert all(c[0] != "fused" for c in fused_route)
 
 
+@pytest.mark.parametrize("glu", [True, False])
 @pytest.mark.parametrize("arch", ["qwen3_5_dense", "qwen3_5_moe", "nemotron_dense", "nemotron_moe"])
-def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, arch) -> None:
+def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(
+    fused_route, monkeypatch, arch, glu
+) -> None:
     """Decode with every fusable input norm and residual add inside the one-row mat-vecs (the
-    kernel's reference standing in for it) gives the op-by-op logits."""
+    kernel's reference standing in for it) gives the op-by-op logits; Qwen's SwiGLU made by the
+    gate/up projection's epilogue ("glu") or, without that part, by the down projection ("act")."""
     from kapitsa.engine.fuse import fuse_model
     from kapitsa.engine.models import base
     from tests.models.builders import build_ours, greedy_logits
+
+    if not glu:
+        monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(qlinear.FUSED_PARTS) - {"glu"})
 
     model = build_ours(arch)
     fuse_model(model)
@@ -243,7 +250,11 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(fused_route, a
     fast = steps(True)
     kinds = {c[2] for c in fused_route if c[0] == "fused"}
     assert {("norm",), ("residual",)} <= kinds  # both fusions ran in the compiled decode
-    if arch.endswith("dense"):  # and the MLP's activation, made by the down projection's kernel
+    if arch == "qwen3_5_dense":  # and the MLP's SwiGLU, in the gate/up or the down projection
+        assert (("glu", "norm") in kinds) == glu and (("act", "residual") in kinds) == (not glu)
+    if arch == "qwen3_5_moe" and glu:  # the shared expert's SwiGLU (its input is normed already)
+        assert ("glu",) in kinds
+    if arch == "nemotron_dense":  # relu^2, made by the down projection
         assert ("act", "residual") in kinds
     for a, b in zip(plain, fast, strict=True):
         assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())
@@ -362,3 +373,27 @@ def test_the_stream_kernel_is_probed_only_when_selected(monkeypatch, caplog) -> 
     assert working["stream"] and working["streamfused"]
     assert qlinear._matvec_setting(" Stream ") == "stream" and qlinear._matvec_setting("") == "direct"
     assert qlinear._matvec_setting("fast") == "direct" and "KAPITSA_QMV_KERNEL='fast' unknown" in caplog.text
+
+
+@pytest.mark.parametrize("parts", [("glu",), ("glu", "norm"), ("norm", "residual")])
+def test_glu_linear_fuses_only_with_its_part(fused_route, monkeypatch, parts) -> None:
+    """silu(gate) * up of a [gate | up] projection: in the one-row kernel's epilogue with part
+    "glu" (the norm in its prologue with part "norm" too), else None for the caller's ops."""
+    monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(parts))
+    model = _model()
+    qlinear.route_quantized_linears(model)
+    linear = model.layers[0]  # 128 -> 64: gate and up of 32 columns each
+    norm = nn.RMSNorm(128)
+    norm.weight = 1 + 0.3 * mx.random.normal((128,))
+    x = mx.random.normal((1, 1, 128)) * 3
+    want = nn.silu(linear(norm(x))[..., :32]) * linear(norm(x))[..., 32:]
+    fused_route.clear()
+    got = qlinear.glu_linear(linear, x, norm)
+    if "glu" not in parts:
+        assert got is None and fused_route == []
+        return
+    assert got.shape == (1, 1, 32) and mx.allclose(got, want, atol=1e-4).item()
+    assert [c for c in fused_route if c[0] == "fused"] == [
+        ("fused", 1, ("glu", "norm") if "norm" in parts else ("glu",))
+    ]
+    assert qlinear.glu_linear(linear, mx.random.normal((1, 2, 128)), norm) is None  # two rows: the ops

@@ -227,3 +227,65 @@ def test_pipelined_variants_compile(n, k, eps, resid, shape) -> None:
     )
     assert ok, log[-3000:]
     assert "warning" not in log.lower(), log[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,rows,n,norm,shape",
+    [
+        (mx.bfloat16, 1, 38, True, (4, 2, 2)),  # 19 columns: the last warp's second pair is past them
+        (mx.float32, 2, 40, False, (2, 2, 2)),
+        (mx.float32, 1, 44, True, (4, 1, 2, False, 2)),  # persistent: 2 blocks loop over 11 tasks
+    ],
+)
+def test_emulated_glu_epilogue(on_cpu, monkeypatch, tmp_path, dtype, rows, n, norm, shape) -> None:
+    """A [gate | up] projection's silu(gate) * up made in the epilogue (after the fused norm)."""
+    k, gs, bits = 640, 64, 4
+    q, s, b = _weights(n, k, gs, bits)
+    x = (mx.random.normal((rows, k)) * 3).astype(dtype)
+    nw = (1 + 0.3 * mx.random.normal((k,))).astype(dtype)
+    kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None, glu=True)
+    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
+    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
+    got = direct.qmv_direct(x, q, s, b, shape=shape, **kw)
+    assert got.shape == (rows, n // 2) and got.dtype == dtype
+    assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 1e-2)
+    unfused = direct.qmv_direct_reference(x, q, s, b, **dict(kw, glu=False)).astype(mx.float32)
+    assert _rel_err(unfused[:, : n // 2], ref) > 0.05  # the epilogue changes the result: the test can fail
+
+
+def test_glu_refuses_what_it_cannot_make() -> None:
+    q, s, b = _weights(20, 128, 64, 4)
+    x = mx.zeros((1, 128), mx.bfloat16)
+    with pytest.raises(ValueError, match="no residual"):
+        direct.qmv_direct(x, q, s, b, group_size=64, bits=4, glu=True, residual=mx.zeros((1, 20)))
+    with pytest.raises(ValueError, match="even number of rows per warp"):
+        direct.qmv_direct(x, q, s, b, group_size=64, bits=4, glu=True, shape=(1, 4, 2))
+
+
+@pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
+@pytest.mark.parametrize("n,k,eps", [(34816, 5120, 1e-6), (18432, 2560, None)])
+def test_glu_variants_compile(n, k, eps) -> None:
+    """The 27B's and 4B's gate/up projections with the SwiGLU epilogue (and the norm prologue)."""
+    dtype = mx.bfloat16
+    template, _, _ = direct.launch_config(
+        dtype, 1, n, k, 64, 4, direct.SHAPE_BY_ROWS[1], eps, False, None, True
+    )
+    assert ("GLU", True) in template
+    ok, log = compile_source(
+        direct._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template)
+    )
+    assert ok, log[-3000:]
+    assert "warning" not in log.lower(), log[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs the CUDA backend")
+@pytest.mark.parametrize("n,k", [(34816, 5120), (18432, 2560)])
+def test_gpu_glu_matches_reference(n, k) -> None:
+    q, s, b = _weights(n, k, 64, 4)
+    x = (mx.random.normal((1, k)) * 3).astype(mx.bfloat16)
+    nw = (1 + 0.3 * mx.random.normal((k,))).astype(mx.bfloat16)
+    kw = dict(group_size=64, bits=4, norm=(nw, 1e-6), glu=True)
+    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
+    assert _rel_err(direct.qmv_direct(x, q, s, b, **kw), ref) < 1e-2

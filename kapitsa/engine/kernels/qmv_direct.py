@@ -61,6 +61,7 @@ def launch_config(
     eps: float | None = None,
     resid: bool = False,
     act: str | None = None,
+    glu: bool = False,
 ) -> tuple[tuple, int, int]:
     """(template arguments, grid threads, block threads) for one call; `eps` set: RMSNorm fused.
     `shape`: (rows per warp, warps per block, rounds unrolled[, pipelined[, persistent blocks]]) -
@@ -69,7 +70,7 @@ def launch_config(
     looping over every (blocks * warps)-th group of rows."""
     r, warps, unroll, *rest = shape
     pipelined = bool(rest and rest[0])
-    tasks_blocks = math.ceil(n / (r * warps))
+    tasks_blocks = math.ceil(n / (r * warps))  # (with glu: n / 2 columns, r / 2 per warp)
     persist = int(rest[1]) if len(rest) > 1 and rest[1] and rest[1] < tasks_blocks else 0
     template = (
         ("T", dtype),
@@ -87,6 +88,7 @@ def launch_config(
         ("ACT", ACTS.index(act)),
         ("PIPELINE", pipelined),
         ("PERSIST_BLOCKS", persist),
+        ("GLU", glu),
     )
     blocks = persist or tasks_blocks
     return template, blocks * warps * 32, warps * 32
@@ -119,26 +121,33 @@ def qmv_direct(
     norm: tuple[mx.array, float] | None = None,
     residual: mx.array | None = None,
     act: str | None = None,
+    glu: bool = False,
 ) -> mx.array:
     """[residual +] [RMSNorm(x; norm) | act(x)] @ dequantize(w)[N, K]^T -> [..., N] in x's dtype,
     x [..., K] with M rows ([..., 2K] for act "silu_glu": gate then up; residual [..., N]). Callers check `supports_direct` (on the
-    product's input shape) and `supports_fused` for norm / residual; norm and act exclude each other."""
+    product's input shape) and `supports_fused` for norm / residual; norm and act exclude each other.
+    `glu`: w's rows are [gate | up] and the result is silu(gate) * up, `[..., N / 2]` (made from
+    the float32 products; an even row count per warp, no residual)."""
     if norm is not None and act is not None:
         raise ValueError("qmv_direct fuses a norm or an activation before the product, not both")
+    if glu and (residual is not None or w.shape[0] % 2):
+        raise ValueError("qmv_direct's glu epilogue takes an even number of weight rows and no residual")
     rows, k = rows_and_k(x)
     k = k // 2 if act == "silu_glu" else k
     n = w.shape[0]
     shape = SHAPE_BY_ROWS[rows] if shape is None else shape
+    if glu and shape[0] % 2:
+        raise ValueError(f"qmv_direct's glu epilogue needs an even number of rows per warp, not {shape[0]}")
     eps = None if norm is None else float(norm[1])
     template, grid, block = launch_config(
-        x.dtype, rows, n, k, group_size, bits, shape, eps, residual is not None, act
+        x.dtype, rows, n, k, group_size, bits, shape, eps, residual is not None, act, glu
     )
     return _KERNEL(
         [x, w, scales, biases, x if norm is None else norm[0], x if residual is None else residual],
         template=template,
         grid=(grid, 1, 1),
         threadgroup=(block, 1, 1),
-        output_shapes=[(*x.shape[:-1], n)],
+        output_shapes=[(*x.shape[:-1], n // 2 if glu else n)],
         output_dtypes=[x.dtype],
     )[0]
 
@@ -154,8 +163,9 @@ def qmv_direct_reference(
     norm: tuple[mx.array, float] | None = None,
     residual: mx.array | None = None,
     act: str | None = None,
+    glu: bool = False,
 ) -> mx.array:
-    """What `qmv_direct` computes, in MLX ops (the norm and activation in float32)."""
+    """What `qmv_direct` computes, in MLX ops (the norm and activations in float32)."""
     dtype = x.dtype
     x = activation(act, x.astype(mx.float32)) if act is not None else x
     if norm is not None:
@@ -164,6 +174,8 @@ def qmv_direct_reference(
     y = qmv_reference(
         x.astype(f32), w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits
     )
+    if glu:
+        y = activation("silu_glu", y)
     if residual is not None:
         y = y + residual.astype(mx.float32)
     return y.astype(dtype)

@@ -43,7 +43,7 @@ from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
 from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
-from kapitsa.engine.qlinear import act_linear_plus, linear_plus, normed_linear
+from kapitsa.engine.qlinear import act_linear_plus, glu_linear, linear_plus, normed_linear
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
 
@@ -324,13 +324,18 @@ class MLP(nn.Module):
         return fuse_into(self, self.PROJECTIONS, "gate_up_proj")
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = projections(self, x, self.PROJECTIONS, "gate_up_proj")
-        return self.down_proj(silu_mul(gate, up))
+        act = glu_linear(self.gate_up_proj, x) if "gate_up_proj" in self else None
+        if act is None:
+            act = silu_mul(*projections(self, x, self.PROJECTIONS, "gate_up_proj"))
+        return self.down_proj(act)
 
     def residual(self, h: mx.array, norm: nn.Module) -> mx.array:
         """`h + self(norm(h))`, with the norm, the SwiGLU and the add inside the one-row mat-vecs
         at decode."""
-        if "gate_up_proj" in self:  # [gate | up]: down's mat-vec can make silu(gate) * up itself
+        if "gate_up_proj" in self:  # [gate | up]: its own epilogue or down's prologue makes the SwiGLU
+            act = glu_linear(self.gate_up_proj, h, norm)
+            if act is not None:
+                return linear_plus(self.down_proj, act, h)
             gate_up = normed_linear(norm, self.gate_up_proj, h)
             return act_linear_plus(self.down_proj, gate_up, h, "silu_glu", _swiglu)
         gate, up = normed_projections(self, norm, h, self.PROJECTIONS, "gate_up_proj")

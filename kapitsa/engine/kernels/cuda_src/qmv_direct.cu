@@ -6,6 +6,9 @@
   // RESID: y += res (the residual stream). Unused inputs (nw, res) are x again.
   // ACT: the product's input is an activation of x, made on load: 1 = SwiGLU (x rows are
   // [gate | up], 2K wide; the input is silu(gate) * up), 2 = relu(x)^2.
+  // GLU: W's rows are [gate | up] (N = 2 * NH) and the output is y[M, NH] = silu(gate) * up,
+  // made in the epilogue from the float32 sums: a warp's R rows are R / 2 gate rows and the
+  // up rows of the same columns (no RESID with it).
   constexpr int CH = 128 / BITS;               // values per 16-byte chunk of a row
   constexpr int NCH = K / CH;                  // chunks per row
   constexpr int ROUNDS = (NCH + 31) / 32;      // a round: every lane takes one chunk
@@ -16,15 +19,20 @@
   // covers them all. Else the grid has PERSIST_BLOCKS blocks and each warp takes every
   // (PERSIST_BLOCKS * WARPS)-th task: the warps stay resident and drift out of step, so some
   // are loading while others compute (a one-task grid loads in waves, then computes in waves).
-  constexpr int TASKS = (N + R - 1) / R;
+  static_assert(!GLU || (R % 2 == 0 && N % 2 == 0 && !RESID), "GLU: even R and N, no residual");
+  constexpr int NH = GLU ? N / 2 : N;          // output columns
+  constexpr int COLS = GLU ? R / 2 : R;        // output columns per task
+  constexpr int TASKS = (NH + COLS - 1) / COLS;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const uint4* wv = reinterpret_cast<const uint4*>(w);
   auto task_rows = [&](const int task) {
-  const int row0 = task * R;
+  const int col0 = task * COLS;
   int rows[R];
   #pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = min(row0 + r, N - 1);  // past N: recompute row N-1, never stored
+  for (int r = 0; r < R; ++r) {  // past the last column: recompute it, never stored
+    rows[r] = GLU ? min(col0 + r / 2, NH - 1) + (r % 2) * NH : min(col0 + r, N - 1);
+  }
 
   float acc[R][M], ss[M];
   #pragma unroll
@@ -135,11 +143,24 @@
       float v = acc[r][m];
       #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      v *= inv[m];
-      if constexpr (RESID) {
-        if (row0 + r < N) v += (float)res[(size_t)m * N + row0 + r];
+      acc[r][m] = v * inv[m];
+    }
+  }
+  #pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v;
+      if constexpr (GLU) {
+        const float g = acc[2 * c][m];
+        v = g / (1.f + __expf(-g)) * acc[2 * c + 1][m];
+      } else {
+        v = acc[c][m];
       }
-      if (lane == 0 && row0 + r < N) y[(size_t)m * N + row0 + r] = (T)v;
+      if constexpr (RESID) {
+        if (col0 + c < NH) v += (float)res[(size_t)m * NH + col0 + c];
+      }
+      if (lane == 0 && col0 + c < NH) y[(size_t)m * NH + col0 + c] = (T)v;
     }
   }
   };
