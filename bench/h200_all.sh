@@ -76,6 +76,7 @@ case "$part" in
     if [ "${STREAM_TESTS:-0}" = 1 ]; then
       timeout "${TESTS_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
         tests/kernels/test_qmv_stream.py "tests/kernels/test_qmv_direct.py::test_gpu_persistent_matches_reference" \
+        "tests/kernels/test_qmv_direct.py::test_gpu_glu_matches_reference" \
         >> "$out/qmv.log" 2>&1
       tail -3 "$out/qmv.log"
     fi
