@@ -26,7 +26,14 @@ from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.models import get_model_module
 from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
 from kapitsa.engine.tiny import tiny_config
-from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
+from kapitsa.engine.types import (
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenEvent,
+)
 
 QWEN_VOCAB = 248320
 MEASURED_LIMIT_GB_S = 3770.0  # H200 grid-stride read through mx.fast.cuda_kernel (shared/gpu/README.md)
@@ -205,6 +212,8 @@ def generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
                 first = first or time.perf_counter()
             elif isinstance(event, FinishEvent):
                 end = time.perf_counter()
+            elif isinstance(event, ErrorEvent):
+                raise event.error
         return dict(
             ids=ids,
             ttft_s=first - start,
@@ -447,7 +456,8 @@ def main() -> None:
                         weights_gb=round(sizes[engine], 2),
                         **timers[engine](model, prompt, args.tokens),
                     )
-                    rows.append(result)
+                    if "error" not in result:  # a variant that failed (variants.timed_with) is reported only
+                        rows.append(result)
                     emit(result)
         for plen in args.prefill_prompts:
             rows += _prefill_rows(name, models, timers, plen, vocab, sizes)

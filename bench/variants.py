@@ -90,15 +90,19 @@ def folded() -> Iterator[dict]:
 
 def timed_with(setting: Callable[[], contextlib.AbstractContextManager], timer: Timer) -> Timer:
     """`timer` run inside `setting()`, the model's traces dropped on both sides; the setting's
-    description joins the result."""
+    description joins the result. A variant that fails (an untimed kernel that does not compile
+    or run on this machine) returns {"error": ...} instead of ending the whole run."""
 
     def run(model, prompt, tokens, warmup=None) -> dict:
-        with setting() as described:
-            drop_traces(model)
-            try:
-                return dict(timer(model, prompt, tokens, warmup), **described)
-            finally:
+        try:
+            with setting() as described:
                 drop_traces(model)
+                try:
+                    return dict(timer(model, prompt, tokens, warmup), **described)
+                finally:
+                    drop_traces(model)
+        except Exception as exc:  # noqa: BLE001 - reported in the row, the defaults' run goes on
+            return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
     return run
 

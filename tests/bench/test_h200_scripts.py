@@ -208,3 +208,26 @@ def test_decode_kernels_runs_steps_and_summarizes_a_report(tmp_path: Path) -> No
         kernel="custom_kernel_kapitsa_qmv_direct", ms_per_step=0.002, share=0.8, launches_per_step=1.0
     )
     assert table[-1] == dict(kind="step_total", gpu_ms_per_step=0.003, launches_per_step=1.5)
+
+
+def test_a_failing_variant_is_reported_not_fatal() -> None:
+    """A variant whose kernel fails (or whose setting does) gives an error row; the defaults'
+    rounds and the other variants of the same process go on."""
+    import contextlib
+
+    import mlx.nn as nn
+
+    from bench.variants import timed_with
+
+    @contextlib.contextmanager
+    def setting():
+        yield {"variant": "x"}
+
+    def failing_timer(model, prompt, tokens, warmup=None):
+        raise RuntimeError("kernel compile failed")
+
+    model = nn.Linear(4, 4)
+    row = timed_with(setting, failing_timer)(model, [1, 2], 4)
+    assert row == {"error": "RuntimeError: kernel compile failed"}
+    ok = timed_with(setting, lambda model, prompt, tokens, warmup=None: {"decode_tok_s": 1.0})(model, [1], 4)
+    assert ok == {"decode_tok_s": 1.0, "variant": "x"}
