@@ -287,17 +287,13 @@ def glu_linear(linear: nn.Module, x: mx.array, norm: nn.Module | None = None) ->
     mat-vec's epilogue (part "glu", with the norm in its prologue when part "norm" is on too), or
     None where the fused route does not take this call (the caller then runs the ops)."""
     name = _fused_kernel(linear, x, "glu")
-    if (
-        name is None
-        or linear["weight"].shape[0] % 2
-        or not supports_fused(x, linear["weight"].shape[0], None if norm is None else norm.weight, None)
-    ):
+    in_prologue = type(norm) is nn.RMSNorm and "norm" in FUSED_NORMS["parts"]
+    n = linear["weight"].shape[0]
+    if name is None or n % 2 or not supports_fused(x, n, norm.weight if in_prologue else None, None):
         return None
-    if norm is None:
-        return _fused_call(name, linear, x, glu=True)
-    if type(norm) is nn.RMSNorm and "norm" in FUSED_NORMS["parts"]:
+    if in_prologue:
         return _fused_call(name, linear, x, norm=(norm.weight, norm.eps), glu=True)
-    return _fused_call(name, linear, norm(x), glu=True)
+    return _fused_call(name, linear, x if norm is None else norm(x), glu=True)
 
 
 def act_linear_plus(
