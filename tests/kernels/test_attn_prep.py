@@ -181,4 +181,4 @@ def test_layers_probe_their_own_layout(monkeypatch) -> None:
     fuse_model(model)
     greedy_logits(model, steps=1)
     layer = next(layer for layer in model.layers if not layer.is_linear)
-    assert probed and set(probed) == {(layer.self_attn._prep_spec(), mx.float32)}
+    assert probed and set(probed) == {(layer.self_attn.prep_spec, mx.float32)}

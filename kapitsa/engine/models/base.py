@@ -24,6 +24,7 @@ Model module contract (the loader relies on it):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ class Attention(nn.Module):
         """`project` then `rotate` at `offsets`. With kernel family "attn", fused projections and
         a short step (decode, verification chains), the split, norms and rotations are one kernel
         after the projection (kernels/attn_prep.py): ~30 fewer primitives per layer on CUDA."""
-        spec = self._prep_spec()
+        spec = self.prep_spec
         if (
             spec is not None
             and "qkv_proj" in self
@@ -141,9 +142,10 @@ class Attention(nn.Module):
         q, k = self.rotate(q, k, offsets)
         return q, k, v, gate
 
-    def _prep_spec(self) -> attn_prep.PrepSpec | None:
+    @functools.cached_property
+    def prep_spec(self) -> attn_prep.PrepSpec | None:
         """The prep kernel's description of this layer, or None where it does not apply (a rope
-        with YaRN's magnitude scale)."""
+        with YaRN's magnitude scale). Made once: every decode step's probe check reads it."""
         if self.rope is not None and self.rope.mscale != 1.0:
             return None
         return attn_prep.PrepSpec(
@@ -254,7 +256,7 @@ def compiled_attention(
     """Attention layer decode: compiled `pre(x, offsets) -> (q, k, v[, gate])`, the cache write
     and attention (shapes grow every step, so not compiled), compiled `post(x, out[, gate])`."""
     if kernels.enabled("attn"):  # the kernels' one-time probes (they evaluate: before tracing)
-        spec = attn._prep_spec()
+        spec = attn.prep_spec
         if spec is not None:
             attn_prep.probe(spec, x.dtype)
         attention_probe()
