@@ -18,7 +18,8 @@
 #                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
 #                                       (default residual: the norm prologue off), mlx-lm, interleaved),
-#                                       prefill at 8192 tokens, verify cost per T (27b, nemotron), edit
+#                                       prefill at 8192 tokens, verify cost per T (27b, nemotron;
+#                                       $VERIFY_SIZES, none to skip), edit
 #                                       speculation (1 round); also with the 1-8 row mat-vec kernel
 #                                       $QMV_AB (default stream; KERNEL:PARTS sets the fused parts too),
 #                                       with other kernel families (without the attention kernels
@@ -128,9 +129,13 @@ case "$part" in
     ;;
   *)
     for shape in "$@"; do
-      verify=()
-      [ "$shape" = 27b ] && verify=(--verify-shapes 27b --verify-sizes 1 4 8 16)
-      [ "$shape" = nemotron-30b-a3b ] && verify=(--verify-shapes "$shape" --verify-sizes 1 4 8)
+      # the verify cost per T compiles every T's kernels afresh (NVRTC, ~1 s each): on a cold machine
+      # it cut session 8's 27B part before its edit speculation. VERIFY_SIZES=none leaves it out.
+      verify=() sizes=${VERIFY_SIZES:-}
+      [ -z "$sizes" ] && [ "$shape" = 27b ] && sizes="1 4 8 16"
+      [ -z "$sizes" ] && [ "$shape" = nemotron-30b-a3b ] && sizes="1 4 8"
+      # shellcheck disable=SC2206
+      [ -n "$sizes" ] && [ "$sizes" != none ] && verify=(--verify-shapes "$shape" --verify-sizes $sizes)
       # beside the defaults: on the Qwen shapes the defaults without the attention layer's decode
       # kernels (attn, default since session 8); on Nemotron without the fused MoE router (route).
       # FUSED_AB=none, QMV_AB=none, KERNELS_AB=none leave that variant out (a shorter part).
