@@ -90,9 +90,11 @@ MATVEC = {"kernel": _matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))}
 # apiece on that backend (bench/host_costs.py); against nothing fused (session 6, same processes)
 # they made the host-bound 4B 28% and 35B-A3B 17% faster, the mat-vec-bound 27B 7% and Nemotron
 # 6% slower (the prologue's x-side work is per warp; one-row calls now use 4 rows per warp).
-# "glu" (opt-in, untimed): a [gate | up] projection's silu(gate) * up in its own epilogue, so a
-# SwiGLU MLP at decode is two kernels with no split and no activation between them (two
-# primitives fewer per dense MLP layer, and per shared expert); it takes precedence over "act".
+# "glu" (opt-in): a [gate | up] projection's silu(gate) * up in its own epilogue, so a SwiGLU MLP
+# at decode is two kernels with no split and no activation between them (two primitives fewer per
+# dense MLP layer, and per shared expert); it takes precedence over "act". Session 9 on the H200,
+# beside the default: 27B +2.7%, 4B +6%, 35B-A3B +9% then -20% in a noisy round; speculation not
+# timed with it, so it is not a default yet.
 FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED = "norm,residual"
 
