@@ -9,7 +9,8 @@
 #                                       lengths $SSD_CHUNKS
 #   bash bench/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
 #                                       default 27b) under Nsight Systems (bench/decode_kernels.py)
-#   bash bench/h200_all.sh tests        GPU tests of the kernels and compiled paths (~9 min)
+#   bash bench/h200_all.sh tests        every gpu-marked test, sharded over parallel processes
+#                                       (bench/gpu_tests.py), then the compiled paths (~9 min)
 #   bash bench/h200_all.sh ptx-save     MLX's JIT cache (/tmp/mlx) as $OUT/ptx.tgz, for $PTX_TGZ next time
 #   bash bench/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
 #                                       kernel, persistent grids included, and the streaming kernel);
@@ -114,16 +115,15 @@ case "$part" in
     grep -E 'prefill_part|Error' "$out/prefill.log"
     ;;
   tests)
-    # The gpu-marked tests of the mat-vec kernels and routes (their NVRTC compiles take most of the
-    # time: ~30 tests a minute on a cold machine), then the compiled decode/verify paths on the GPU.
-    # -rf --tb=line names every failure; a part cut by its timeout prints no summary line.
-    timeout "${TESTS_TIMEOUT:-330}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
-      tests/engine/test_qlinear.py tests/kernels/test_qmv_tc.py tests/kernels/test_qmv_direct.py \
-      tests/kernels/test_gdn_prefill.py tests/kernels/test_mamba_kernel.py tests/kernels/test_router_kernel.py \
-      tests/kernels/test_attention_kernel.py tests/kernels/test_qmv_stream.py tests/ops/test_ops.py \
-      > "$out/tests.log" 2>&1
+    # Every gpu-marked test (~540 cases; in one process ~18 minutes on a fresh machine, nearly all
+    # NVRTC compiles on one core), sharded over $TEST_SHARDS parallel pytest processes on the one
+    # GPU by bench/gpu_tests.py: one JSON line per failure, then the summary (cases not reached by
+    # the deadline are counted and named). Then the compiled decode/verify paths on the GPU.
+    timeout "$(( ${TESTS_TIMEOUT:-420} + 60 ))" $py bench/gpu_tests.py --shards "${TEST_SHARDS:-12}" \
+      --budget "${TESTS_TIMEOUT:-420}" --out /tmp/gpu-tests tests > "$out/tests.log" 2>&1
     tail -3 "$out/tests.log"
-    timeout "${COMPILED_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line \
+    cat /tmp/gpu-tests/shard*.log > "$out/tests-shards.log" 2>/dev/null
+    timeout "${COMPILED_TIMEOUT:-120}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line \
       tests/models/test_compiled_decode.py >> "$out/tests.log" 2>&1
     tail -3 "$out/tests.log"
     ;;
