@@ -374,7 +374,8 @@ def _summary(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    from variants import add_variants  # beside this script (decode_profile imports this module as bench.*)
+    # beside this script (decode_profile imports this module as bench.*)
+    from variants import add_variants, fused_parts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
@@ -478,6 +479,8 @@ def main() -> None:
                 args.spec_rounds or args.rounds,
                 args.spec_tokens,
                 args.spec_draft,
+                # --fused-ab's parts time speculation too (a mat-vec part's default decides on both)
+                {"fused": lambda: fused_parts(args.fused_ab)} if args.fused_ab else None,
             )
         del models
         gc.collect()

@@ -18,7 +18,8 @@
 #   bash bench/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
 #                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
-#                                       (default residual: the norm prologue off), mlx-lm, interleaved),
+#                                       (default residual: the norm prologue off; its edit speculation
+#                                       too), mlx-lm, interleaved),
 #                                       prefill at 8192 tokens, verify cost per T (27b, nemotron;
 #                                       $VERIFY_SIZES, none to skip), edit
 #                                       speculation (1 round); also with the 1-8 row mat-vec kernel

@@ -20,12 +20,13 @@ write exactly what plain decoding writes; each run is checked (`same_as_plain`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,6 +41,7 @@ from decode_vs_mlxlm import (
     generate,
     kapitsa_engine,
 )
+from variants import timed_with
 
 from kapitsa.engine.speculative.decoder import SpeculativeDecode, SpeculativeStats
 from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
@@ -116,10 +118,20 @@ def _time_plain(model, prompt, tokens) -> dict:
         client.close()
 
 
-def spec_rounds(name: str, kapitsa_model, mlxlm_model, vocab: int, rounds: int, tokens: int, max_draft: int):
+def spec_rounds(
+    name: str,
+    kapitsa_model,
+    mlxlm_model,
+    vocab: int,
+    rounds: int,
+    tokens: int,
+    max_draft: int,
+    variants: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+):
     """Interleaved rounds of kapitsa plain, kapitsa n-gram speculation (both on the scripted
-    model) and mlx-lm plain decoding on the edit workload; rows as dicts. Leaves the kapitsa
-    model scripted (call last)."""
+    model) and mlx-lm plain decoding on the edit workload; rows as dicts. Each of `variants`
+    (name: a setting, as variants.py makes them) adds speculation under that setting,
+    "kapitsa-spec-<name>", to every round. Leaves the kapitsa model scripted (call last)."""
     prompt, answer = edit_workload()
     if max(prompt + answer) >= vocab:
         raise SystemExit(f"{name}: vocab {vocab} is smaller than the demo tokenizer's ids")
@@ -130,10 +142,18 @@ def spec_rounds(name: str, kapitsa_model, mlxlm_model, vocab: int, rounds: int, 
         "kapitsa-spec": lambda: _time_spec(kapitsa_model, prompt, tokens, max_draft),
         "mlx-lm": lambda: _time_mlxlm(mlxlm_model, prompt, tokens),
     }
+    for variant, setting in (variants or {}).items():
+        timer = timed_with(
+            setting, lambda model, prompt, tokens, warmup=None: _time_spec(model, prompt, tokens, max_draft)
+        )
+        runs[f"kapitsa-spec-{variant}"] = lambda timer=timer: timer(kapitsa_model, prompt, tokens)
     rows = []
     for rnd in range(rounds):
         for engine, run in runs.items():
             result = run()
+            if "error" in result:  # a variant that failed: reported, left out of the summary
+                emit(dict(shape=name, engine=engine, round=rnd, **result))
+                continue
             ids = result.pop("ids", None)
             if ids is not None:
                 result["same_as_plain"] = ids == answer[: len(ids)]
@@ -166,6 +186,15 @@ def summary(rows: list[dict]) -> None:
         }
         spec = [r for r in rows if (r["shape"], r["engine"]) == (shape, "kapitsa-spec")]
         kapitsa = [r for r in rows if r["shape"] == shape and r["engine"].startswith("kapitsa")]
+        variants = {
+            r["engine"].removeprefix("kapitsa-spec-"): None
+            for r in kapitsa
+            if r["engine"].startswith("kapitsa-spec-")
+        }
+        for variant in variants:
+            variants[variant] = statistics.median(
+                r["decode_tok_s"] for r in kapitsa if r["engine"] == f"kapitsa-spec-{variant}"
+            )
         print(
             json.dumps(
                 dict(
@@ -177,6 +206,10 @@ def summary(rows: list[dict]) -> None:
                     spec_vs_plain=round(med["kapitsa-spec"] / med["kapitsa-plain"], 2),
                     tokens_per_step=spec[-1]["tokens_per_step"],
                     all_wrote_the_answer=all(r["same_as_plain"] for r in kapitsa),
+                    **{f"kapitsa_spec_{v}": round(tok_s, 1) for v, tok_s in variants.items()},
+                    **{
+                        f"spec_{v}_vs_mlxlm": round(tok_s / med["mlx-lm"], 2) for v, tok_s in variants.items()
+                    },
                 )
             ),
             flush=True,

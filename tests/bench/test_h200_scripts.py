@@ -101,6 +101,29 @@ def test_edit_speculation_writes_the_true_answer_with_long_accepted_drafts(tmp_p
     assert verify["verify_ms_T3"] > 0 and verify["rollback_ms_T3"] > 0
 
 
+def test_edit_speculation_under_the_fused_ab_parts(tmp_path: Path) -> None:
+    """--fused-ab adds speculation under those parts to each spec round (kapitsa-spec-fused); it
+    writes the same answer, and the summary reports it beside the default."""
+    args = [
+        "bench/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+        "--fused-ab", "norm,residual,glu", "--spec-shapes", "4b", "--spec-tokens", "32",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *args, "--tiny", "--json", str(tmp_path / "out.json")],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    spec = {r["engine"]: r for r in json.loads((tmp_path / "out.json").read_text()) if r.get("tokens") == 32}
+    assert set(spec) == {"kapitsa-plain", "kapitsa-spec", "kapitsa-spec-fused", "mlx-lm"}
+    assert spec["kapitsa-spec-fused"]["fused_parts"] == "norm,residual,glu"
+    assert spec["kapitsa-spec-fused"]["same_as_plain"]
+    summary = next(json.loads(line) for line in done.stdout.splitlines() if '"4b edit speculation"' in line)
+    assert summary["kapitsa_spec_fused"] > 0 and summary["spec_fused_vs_mlxlm"] > 0
+
+
 def test_pick_knobs_keeps_a_setting_only_when_it_beats_the_default() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from pick_knobs import pick
