@@ -165,7 +165,7 @@ def main() -> None:
     counts = result["counts"]
     ran_on_gpu = counts["passed"] + counts["failed"] > 0
     summary = dict(
-        summary="gpu tests",
+        summary=f"tests -m {args.marker}",
         collected=len(ids),
         shards=min(args.shards, len(ids)),
         **counts,

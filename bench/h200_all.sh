@@ -119,14 +119,17 @@ case "$part" in
     # Every gpu-marked test (~540 cases; in one process ~18 minutes on a fresh machine, nearly all
     # NVRTC compiles on one core), sharded over $TEST_SHARDS parallel pytest processes on the one
     # GPU by bench/gpu_tests.py: one JSON line per failure, then the summary (cases not reached by
-    # the deadline are counted and named). Then the compiled decode/verify paths on the GPU.
-    timeout "$(( ${TESTS_TIMEOUT:-420} + 60 ))" $py bench/gpu_tests.py --shards "${TEST_SHARDS:-12}" \
-      --budget "${TESTS_TIMEOUT:-420}" --out /tmp/gpu-tests tests > "$out/tests.log" 2>&1
-    tail -3 "$out/tests.log"
+    # the deadline are counted and named). Then, sharded the same way, the compiled decode/verify
+    # paths against the op-by-op ones (tests/models/test_compiled_decode.py) on the GPU.
+    timeout "$(( ${TESTS_TIMEOUT:-360} + 60 ))" $py bench/gpu_tests.py --shards "${TEST_SHARDS:-12}" \
+      --budget "${TESTS_TIMEOUT:-360}" --out /tmp/gpu-tests tests > "$out/tests.log" 2>&1
+    tail -2 "$out/tests.log"
     cat /tmp/gpu-tests/shard*.log > "$out/tests-shards.log" 2>/dev/null
-    timeout "${COMPILED_TIMEOUT:-120}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line \
+    timeout "$(( ${COMPILED_TIMEOUT:-120} + 60 ))" $py bench/gpu_tests.py --shards "${TEST_SHARDS:-12}" \
+      --budget "${COMPILED_TIMEOUT:-120}" --marker "not metal and not slow" --out /tmp/gpu-tests-compiled \
       tests/models/test_compiled_decode.py >> "$out/tests.log" 2>&1
-    tail -3 "$out/tests.log"
+    tail -2 "$out/tests.log"
+    cat /tmp/gpu-tests-compiled/shard*.log >> "$out/tests-shards.log" 2>/dev/null
     ;;
   *)
     for shape in "$@"; do
