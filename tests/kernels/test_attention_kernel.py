@@ -98,8 +98,7 @@ def test_models_attend_through_the_kernel_when_on(monkeypatch, arch) -> None:
     kernel), every attention layer of the compiled decode takes it, the gate included, and the
     logits are those of the default path."""
     from kapitsa.engine.models import base
-    from kapitsa.engine.traces import drop_traces
-    from tests.models.builders import build_ours, greedy_logits
+    from tests.models.builders import build_ours, logits_under_families
 
     calls = []
 
@@ -111,14 +110,9 @@ def test_models_attend_through_the_kernel_when_on(monkeypatch, arch) -> None:
     monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
     model = build_ours(arch)
 
-    def decode(families: str) -> list[mx.array]:
-        monkeypatch.setenv("KAPITSA_KERNELS", families)
-        drop_traces(model)  # traces are made under the families in force
-        return greedy_logits(model)
-
-    plain = decode("gdn,moe,qmv,mamba")
+    plain = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba")
     assert calls == []
-    fast = decode("gdn,moe,qmv,mamba,attn")
+    fast = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba,attn")
     attention_layers = sum(1 for layer in model.layers if not layer.is_linear)
     assert len(calls) == 3 * attention_layers > 0 and all(calls)  # 3 decode steps, gated attention
     for a, b in zip(plain, fast, strict=True):

@@ -127,8 +127,7 @@ def test_models_prepare_attention_through_the_kernel_when_on(monkeypatch, arch) 
     layer of a fused model's compiled steps (the 4-token prompt as a short chain, then decode
     steps) takes the prep, and the logits are those of the default path."""
     from kapitsa.engine.fuse import fuse_model
-    from kapitsa.engine.traces import drop_traces
-    from tests.models.builders import build_ours, greedy_logits
+    from tests.models.builders import build_ours, logits_under_families
 
     calls = []
 
@@ -141,14 +140,9 @@ def test_models_prepare_attention_through_the_kernel_when_on(monkeypatch, arch) 
     model = build_ours(arch)
     fuse_model(model)
 
-    def run(families: str) -> list[mx.array]:
-        monkeypatch.setenv("KAPITSA_KERNELS", families)
-        drop_traces(model)  # traces are made under the families in force
-        return greedy_logits(model)
-
-    plain = run("gdn,moe,qmv,mamba")
+    plain = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba")
     assert calls == []
-    fast = run("gdn,moe,qmv,mamba,attn")
+    fast = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba,attn")
     attention_layers = sum(isinstance(c, KVCache) for c in model.make_cache(1).layers)
     # traced once per step length and layer: the prompt's chain (4) and the decode step (1)
     assert attention_layers > 0 and sorted(calls) == [1] * attention_layers + [4] * attention_layers

@@ -167,8 +167,7 @@ def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
     a fused model's compiled decode takes the router kernel in every MoE layer and gives the same
     logits as with the family off."""
     from kapitsa.engine.fuse import fuse_model
-    from kapitsa.engine.traces import drop_traces
-    from tests.models.builders import build_ours, greedy_logits
+    from tests.models.builders import build_ours, logits_under_families
 
     calls = []
 
@@ -182,14 +181,9 @@ def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
     model = build_ours(arch)
     fuse_model(model)
 
-    def decode(families: str) -> list[mx.array]:
-        monkeypatch.setenv("KAPITSA_KERNELS", families)
-        drop_traces(model)  # traces are made under the families in force
-        return greedy_logits(model)
-
-    plain = decode("gdn,moe,qmv,mamba")
+    plain = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba")
     assert calls == []
-    routed = decode("gdn,moe,qmv,mamba,route")
+    routed = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba,route")
     moe_layers = sum(1 for _, m in model.named_modules() if type(m).__name__ in ("SparseMoe", "Router"))
     assert len(calls) >= moe_layers > 0
     assert set(calls) == {"softmax" if arch.startswith("qwen") else "sigmoid"}

@@ -43,6 +43,16 @@ def greedy_logits(model, steps: int = 3, prompt=(3, 17, 5, 9)) -> list[mx.array]
     return out
 
 
+def logits_under_families(model, monkeypatch, families: str) -> list[mx.array]:  # noqa: ANN001
+    """`greedy_logits` with KAPITSA_KERNELS=families, the model's compiled traces dropped first
+    (traces are made under the families in force): how a kernel test compares a family on/off."""
+    from kapitsa.engine.traces import drop_traces
+
+    monkeypatch.setenv("KAPITSA_KERNELS", families)
+    drop_traces(model)
+    return greedy_logits(model)
+
+
 def build_mlx_lm(arch: str, seed: int = 0):
     cfg, w = config_and_weights(arch, seed)
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
