@@ -5,7 +5,8 @@ mixers, eight MoE blocks or eight attention blocks after one Mamba and one atten
 real widths; a small vocabulary so the head
 costs little). The repeated layers come first: a layer after the last one holding a cache is needed
 only for the last token's logits, and mlx-lm's prefill (which evaluates only the caches until the
-last token) skips it, so after the base layers mlx-lm's MoE blocks looked free (session 8's log), and each engine prefills the same prompt through its own path (kapitsa's engine,
+last token) skips it, so after the base layers mlx-lm's MoE blocks looked free (session 8's log).
+Each engine prefills the same prompt through its own path (kapitsa's engine,
 mlx-lm's generate_step) after a warm-up prefill of the same length. The per-layer cost is the
 difference against the model with one layer of that kind, divided by the layers added.
 

@@ -178,23 +178,20 @@ def bench_shape(name: str, table: dict, rounds: int, tokens: int, max_draft: int
 
 def summary(rows: list[dict]) -> None:
     for shape in dict.fromkeys(r["shape"] for r in rows):
+        engines = dict.fromkeys(r["engine"] for r in rows if r["shape"] == shape)  # variants too
         med = {
             engine: statistics.median(
                 r["decode_tok_s"] for r in rows if (r["shape"], r["engine"]) == (shape, engine)
             )
-            for engine in ("kapitsa-plain", "kapitsa-spec", "mlx-lm")
+            for engine in engines
         }
         spec = [r for r in rows if (r["shape"], r["engine"]) == (shape, "kapitsa-spec")]
         kapitsa = [r for r in rows if r["shape"] == shape and r["engine"].startswith("kapitsa")]
         variants = {
-            r["engine"].removeprefix("kapitsa-spec-"): None
-            for r in kapitsa
-            if r["engine"].startswith("kapitsa-spec-")
+            e.removeprefix("kapitsa-spec-"): tok_s
+            for e, tok_s in med.items()
+            if e.startswith("kapitsa-spec-")
         }
-        for variant in variants:
-            variants[variant] = statistics.median(
-                r["decode_tok_s"] for r in kapitsa if r["engine"] == f"kapitsa-spec-{variant}"
-            )
         print(
             json.dumps(
                 dict(
