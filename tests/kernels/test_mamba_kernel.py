@@ -635,13 +635,18 @@ def _device_check(shape, B, T, dtype, masked, param_dtype=None) -> None:
     assert_matches(out, state, args, dims, mask)
     # The model's own bf16 rounding (conv, SiLU, y before the norm) strays from exact float32 (by
     # ~0.15 at the 30B shape with 8 tokens, seen on the H200 and under emulation), so the kernel
-    # is checked to be no further from the model's bf16 path than that path is from float32.
+    # is checked to be no further from the model's bf16 path than that path is from float32, plus
+    # the rounding of the kernel's own output: one ulp of it, 2^-7 of the value in bf16 (at
+    # Dory's shape exact float32 rounded to bf16 is 0.25 from the bf16 path where that path is
+    # 0.19 from exact, at an output of 16.75, whose ulp is 0.125: seen on the H200, session 10).
     ref_out, _ = mk.mamba_step_reference(**args, **dims, mask=mask)
     with mx.stream(mx.cpu):
         exact, _ = mk.mamba_step_reference(**_float32(args), **dims, mask=mask)
     ref32 = ref_out.astype(mx.float32)
     model_err = float(mx.abs(exact - ref32).max())
-    assert float(mx.abs(out.astype(mx.float32) - ref32).max()) <= model_err + 0.05
+    output_ulp = mx.abs(ref32) * (2.0**-7 if out.dtype == mx.bfloat16 else 2.0**-10)
+    excess = mx.abs(out.astype(mx.float32) - ref32) - (model_err + 0.05 + output_ulp)
+    assert float(excess.max()) <= 0, float(mx.abs(out.astype(mx.float32) - ref32).max())
 
 
 @pytest.mark.gpu
