@@ -324,17 +324,19 @@ def _decode_summary(rows: list[dict], shape: str, plen: int) -> dict:
     """Medians of one (shape, prompt) decode comparison, the ratio and the weight bandwidth."""
     kapitsa = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="kapitsa")
     mlxlm = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="mlx-lm")
-    weights_gb = next(r["weights_gb"] for r in rows if r["shape"] == shape)
-    # dense models read every weight once per token; MoE models only the routed experts
-    stream = None if _is_moe(shape) else weights_gb * kapitsa
+    # what one token reads: every weight but the embedding table's other rows and, in MoE layers,
+    # the routed experts not chosen (bench/weight_reads.py)
+    read_gb = next(r["read_gb"] for r in rows if r["shape"] == shape and r["engine"] == "kapitsa")
+    stream = read_gb * kapitsa
     out = dict(
         summary=shape,
         prompt=plen,
         kapitsa_decode=round(kapitsa, 1),
         mlxlm_decode=round(mlxlm, 1),
         decode_ratio=round(kapitsa / mlxlm, 2),
-        kapitsa_weight_gb_s=None if stream is None else round(stream, 1),
-        share_of_measured_limit=None if stream is None else round(stream / MEASURED_LIMIT_GB_S, 3),
+        read_gb_per_token=round(read_gb, 3),
+        kapitsa_weight_gb_s=round(stream, 1),
+        share_of_measured_limit=round(stream / MEASURED_LIMIT_GB_S, 3),
         kapitsa_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="kapitsa"), 1),
         mlxlm_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="mlx-lm"), 1),
     )
@@ -376,6 +378,7 @@ def _summary(rows: list[dict]) -> None:
 def main() -> None:
     # beside this script (decode_profile imports this module as bench.*)
     from variants import add_variants, fused_parts
+    from weight_reads import read_bytes_per_token, routing, total_bytes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
@@ -440,10 +443,8 @@ def main() -> None:
         models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
         timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
         add_variants(args, models, timers, lambda config=config: _kapitsa_model(config), moe=_is_moe(name))
-        sizes = {
-            e: sum(v.nbytes for _, v in nn.utils.tree_flatten(m.parameters())) / 1e9
-            for e, m in models.items()
-        }
+        sizes = {e: total_bytes(m) / 1e9 for e, m in models.items()}
+        read_gb = read_bytes_per_token(models["kapitsa"], routing(config)) / 1e9
         emit(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1)))
         for plen in args.prompts:
             prompt = _prompt(plen, vocab)
@@ -455,6 +456,7 @@ def main() -> None:
                         prompt=plen,
                         round=rnd,
                         weights_gb=round(sizes[engine], 2),
+                        read_gb=round(read_gb, 3),
                         **timers[engine](model, prompt, args.tokens),
                     )
                     if "error" not in result:  # a variant that failed (variants.timed_with) is reported only
