@@ -350,10 +350,6 @@ def _decode_summary(rows: list[dict], shape: str, plen: int) -> dict:
     return out
 
 
-def _is_moe(shape: str) -> bool:
-    return bool({"num_experts", "n_routed_experts"} & SHAPES.get(shape, ("", {}))[1].keys())
-
-
 def _summary(rows: list[dict]) -> None:
     """Median decode/prefill tok/s per (shape, prompt, engine) and the kapitsa / mlx-lm ratio;
     prefill-only rows (`--prefill-prompts`) get their own lines."""
@@ -442,9 +438,12 @@ def main() -> None:
         built_from = time.perf_counter()
         models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
         timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
-        add_variants(args, models, timers, lambda config=config: _kapitsa_model(config), moe=_is_moe(name))
+        route = routing(config)
+        add_variants(
+            args, models, timers, lambda config=config: _kapitsa_model(config), moe=route is not None
+        )
         sizes = {e: total_bytes(m) / 1e9 for e, m in models.items()}
-        read_gb = read_bytes_per_token(models["kapitsa"], routing(config)) / 1e9
+        read_gb = read_bytes_per_token(models["kapitsa"], route) / 1e9
         emit(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1)))
         for plen in args.prompts:
             prompt = _prompt(plen, vocab)

@@ -59,8 +59,8 @@ def total_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
 
 
-def _lazy_model(kind: str, dims: dict) -> nn.Module:
-    """The bench's 4-bit model of a shape, unevaluated: shapes and dtypes only."""
+def _lazy_model(kind: str, dims: dict) -> tuple[nn.Module, dict]:
+    """The bench's 4-bit model of a shape, unevaluated (shapes and dtypes only), and its config."""
     import mlx.core as mx
     from decode_vs_mlxlm import _quantizable
 
@@ -72,24 +72,20 @@ def _lazy_model(kind: str, dims: dict) -> nn.Module:
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=64, bits=4, class_predicate=_quantizable)
-    return model
+    return model, config
 
 
 def main() -> None:
     from decode_vs_mlxlm import SHAPES
 
-    from kapitsa.engine.tiny import tiny_config
-
     for name, (kind, dims) in SHAPES.items():
-        model = _lazy_model(kind, dims)
+        model, config = _lazy_model(kind, dims)
         print(
             json.dumps(
                 dict(
                     shape=name,
                     weights_gb=round(total_bytes(model) / 1e9, 3),
-                    read_gb_per_token=round(
-                        read_bytes_per_token(model, routing(tiny_config(kind, **dims))) / 1e9, 3
-                    ),
+                    read_gb_per_token=round(read_bytes_per_token(model, routing(config)) / 1e9, 3),
                 )
             )
         )

@@ -93,8 +93,8 @@ MATVEC = {"kernel": _matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))}
 # "glu" (opt-in): a [gate | up] projection's silu(gate) * up in its own epilogue, so a SwiGLU MLP
 # at decode is two kernels with no split and no activation between them (two primitives fewer per
 # dense MLP layer, and per shared expert); it takes precedence over "act". Session 9 on the H200,
-# beside the default: 27B +2.7%, 4B +6%, 35B-A3B +9% then -20% in a noisy round; speculation not
-# timed with it, so it is not a default yet.
+# beside the default: 27B +2.7%, 4B +6%, 35B-A3B +9% then -20% in a noisy round; session 10, three
+# rounds on the 35B-A3B: -21%, slower in each. So it stays opt-in.
 FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED = "norm,residual"
 

@@ -68,7 +68,7 @@ def test_nemotron_reads_top_k_of_the_routed_experts() -> None:
 def test_full_shapes_are_sized_without_making_weights() -> None:
     """The bench's 4-bit 27B: its embedding table is 248320 rows of 5120 weights at 4.5 bits
     (4-bit values, a bf16 scale and bias per 64), all but one row unread."""
-    model = _lazy_model("qwen3_5", dict(hidden_size=5120, vocab_size=248320, tie_word_embeddings=False))
+    model, _ = _lazy_model("qwen3_5", dict(hidden_size=5120, vocab_size=248320, tie_word_embeddings=False))
     table = 248320 * 5120 * 4.5 / 8
     assert total_bytes(model) - read_bytes_per_token(model, None) == pytest.approx(
         table * (1 - 1 / 248320), rel=1e-9
