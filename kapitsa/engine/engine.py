@@ -51,6 +51,7 @@ class EngineConfig:
     queue_timeout_s: float = 120.0  # a request waiting longer for memory gets EngineBusy
     max_queued: int = 256
     model_key: str = "model"  # names the disk-tier folder: weights + dtype + template identity
+    cpu_float32_bytes: int = 2 * GIB  # CPU device only: float32 weights and BLAS copies (runner.py)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1 or self.max_running < 1:
@@ -83,7 +84,7 @@ class Engine:
         # MLX streams are per thread: anything still lazy in the model (a dtype cast, a fresh init)
         # must be computed here, on the building thread, before the engine thread touches it.
         mx.eval(model.parameters())
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, cpu_float32_bytes=self.config.cpu_float32_bytes)
         self.decode_strategy = decode or PlainDecode()
         sizes = self.runner.state_sizes()
         limit = self.config.memory_limit_bytes or device_memory_limit()

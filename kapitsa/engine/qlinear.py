@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine import kernels
-from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels import backend, cpu_blas
 from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_direct import (
     qmv_direct,
@@ -206,10 +206,14 @@ def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
 class RoutedQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose product goes through the route measured fastest for its rows."""
 
+    keeps_dense_copy = False  # set per layer by route_quantized_linears (CPU BLAS route)
+
     def __call__(self, x: mx.array) -> mx.array:
+        rows = math.prod(x.shape[:-1])
+        if cpu_blas.takes_rows(rows):
+            return cpu_blas.linear(self, x, keep=self.keeps_dense_copy)
         if not routes_enabled():
             return super().__call__(x)
-        rows = math.prod(x.shape[:-1])
         route = route_for(rows, self, x)
         if route == "stock":
             return super().__call__(x)
@@ -316,14 +320,35 @@ def act_linear_plus(
     return linear_plus(linear, fallback(x), residual)
 
 
-def route_quantized_linears(model: nn.Module) -> int:
-    """Re-class the model's quantized linears in place (probing the kernels first where the routes
-    apply); returns how many. Idempotent."""
+class RoutedLinear(nn.Linear):
+    """`nn.Linear` whose many-row products take the CPU BLAS route (kernels/cpu_blas.py)."""
+
+    keeps_dense_copy = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if cpu_blas.takes_rows(math.prod(x.shape[:-1])):
+            return cpu_blas.linear(self, x, keep=self.keeps_dense_copy)
+        return super().__call__(x)
+
+
+ROUTED = {nn.QuantizedLinear: RoutedQuantizedLinear, nn.Linear: RoutedLinear}
+
+
+def route_quantized_linears(model: nn.Module, *, dense_copy_bytes: int = 0) -> int:
+    """Re-class the model's linears in place (probing the kernels first where the routes apply);
+    returns how many. `dense_copy_bytes`: how much float32 copy of their weights the CPU BLAS route
+    may keep between calls (layers past the budget dequantize per call). Idempotent."""
     if routes_enabled():
         probe_kernels()
-    count = 0
+    count, kept = 0, 0
     for _, sub in model.named_modules():
-        if type(sub) is nn.QuantizedLinear:
-            sub.__class__ = RoutedQuantizedLinear
+        routed = ROUTED.get(type(sub))
+        if routed is None and not isinstance(sub, tuple(ROUTED.values())):
+            continue
+        if routed is not None:
+            sub.__class__ = routed
             count += 1
+        copy_bytes = cpu_blas.dense_bytes(sub)
+        sub.keeps_dense_copy = kept + copy_bytes <= dense_copy_bytes
+        kept += copy_bytes if sub.keeps_dense_copy else 0
     return count

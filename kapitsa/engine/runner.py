@@ -14,6 +14,7 @@ import mlx.core as mx
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache
 from kapitsa.engine.fuse import fuse_model
+from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.memory import StateSizes
 from kapitsa.engine.prefix_cache import PrefixMatch
 from kapitsa.engine.qlinear import route_quantized_linears
@@ -24,10 +25,15 @@ KV_AXIS = 2  # token axis of KV buffers
 class ModelRunner:
     """Runs one model. Owned by the engine thread (MLX is not shared across threads)."""
 
-    def __init__(self, model, *, dtype: mx.Dtype | None = None) -> None:  # noqa: ANN001 - any HybridLM
+    def __init__(self, model, *, dtype: mx.Dtype | None = None, cpu_float32_bytes: int = 0) -> None:  # noqa: ANN001 - any HybridLM
+        """`cpu_float32_bytes`: on the CPU device, how much float32 the model may take beyond its
+        stored weights: floating weights cast to float32 (the CPU has no bf16 arithmetic) and
+        dense copies of quantized weights for BLAS prefill (kernels/cpu_blas.py)."""
         self.model = model
         fuse_model(model)  # same-input projections as one mat-vec each (kapitsa.engine.fuse)
-        route_quantized_linears(model)  # per-row-count mat-muls on CUDA (kapitsa.engine.qlinear)
+        spare = _compute_in_float32(model, cpu_float32_bytes) if cpu_blas.on_cpu() else 0
+        # per-row-count mat-muls on CUDA, BLAS prefill on the CPU (kapitsa.engine.qlinear)
+        route_quantized_linears(model, dense_copy_bytes=spare)
         kernels.probe_enabled()  # the opt-in kernels' one-time checks evaluate: before any trace
         probe = model.make_cache(1)
         self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
@@ -110,6 +116,21 @@ class ModelRunner:
         # prefill scratch per chunk token: a few float32 rows of hidden size (residual, MLP widening)
         activation = 16 * hidden * 4
         return StateSizes(kv_per_token, cache.recurrent_nbytes, activation)
+
+
+def _compute_in_float32(model, budget: int) -> int:  # noqa: ANN001
+    """Cast the model's floating weights to float32 when the extra bytes fit `budget`; the bytes
+    of budget left."""
+    from mlx.utils import tree_flatten
+
+    floats = [v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    extra = sum(v.size * (4 - v.dtype.size) for v in floats)
+    if extra > budget:
+        return budget
+    if extra:
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+    return budget - extra
 
 
 def _param_dtype(model) -> mx.Dtype:  # noqa: ANN001

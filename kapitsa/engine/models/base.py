@@ -36,7 +36,7 @@ import mlx.nn as nn
 from kapitsa.engine import kernels
 from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.fuse import fuse_into, normed_projections, projections
-from kapitsa.engine.kernels import attn_prep
+from kapitsa.engine.kernels import attn_prep, cpu_blas
 from kapitsa.engine.kernels.attention import decode_attention
 from kapitsa.engine.kernels.attention import probe as attention_probe
 from kapitsa.engine.kernels.attention import usable as attention_usable
@@ -167,7 +167,11 @@ class Attention(nn.Module):
 
     def _sdpa(self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo) -> mx.array:
         B, _, T, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=info.attention_mask)
+        mask = info.attention_mask
+        if cpu_blas.attention_takes(q, k, mask):
+            out = cpu_blas.attention(q, k, v, scale=self.scale, causal=mask is not None)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
 
     def attend_step(

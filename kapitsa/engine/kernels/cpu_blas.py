@@ -1,0 +1,136 @@
+"""Large products on MLX's CPU backend through NumPy's BLAS: linears at prefill, long attention.
+
+MLX's Linux CPU build links the reference (netlib) BLAS and emulates bf16 arithmetic: on two
+cores a [2048, 256] x [256, 768] product runs at ~2 GFLOP/s in float32 and ~0.3 GFLOP/s as a bf16
+4-bit `quantized_matmul`, while NumPy's bundled OpenBLAS runs the same float32 product at
+~80 GFLOP/s. A prompt's prefill is almost only such products, so on the CPU device they go
+through NumPy on float32 copies; everything else (and every product inside an `mx.compile`
+trace, where nothing may be evaluated) stays on MLX's ops, which are the reference
+(tests/engine/test_cpu_blas.py compares them).
+
+The callers evaluate their inputs here (NumPy reads the buffer), so only eager paths use it:
+prefill chunks and long verification forwards, never a compiled decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+MIN_ROWS = 17  # more tokens than any compiled step (models/base.py CHAIN_MAX_T) carries
+ATTENTION_MIN_SCORES = 1 << 16  # query rows x keys below which MLX's own attention is as fast
+QUERY_BLOCK = 256  # query rows per attention block: scores stay ~tens of MB at 100k keys
+
+
+def on_cpu() -> bool:
+    """Whether MLX computes on its CPU device (no GPU backend in use)."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def takes_rows(rows: int) -> bool:
+    """Whether a linear call of `rows` input rows goes through BLAS here."""
+    return rows >= MIN_ROWS and on_cpu()
+
+
+@dataclass(slots=True)
+class DenseCopy:
+    """A linear's weight as float32 `[in, out]` (what `x @ W.T` reads), kept beside its source."""
+
+    source_id: int
+    weight_t: np.ndarray
+
+
+def dense_weight_t(layer: nn.Module, *, keep: bool) -> np.ndarray:
+    """`layer`'s weight as a float32 `[in, out]` array (dequantized for a quantized linear).
+
+    `keep` holds the copy on the layer for later calls (re-made if the weight array is replaced).
+    """
+    weight = layer["weight"]
+    held: DenseCopy | None = getattr(layer, "_blas_copy", None)
+    if held is not None and held.source_id == id(weight):
+        return held.weight_t
+    if isinstance(layer, nn.QuantizedLinear):
+        dense = mx.dequantize(
+            weight,
+            layer["scales"],
+            layer.get("biases"),
+            group_size=layer.group_size,
+            bits=layer.bits,
+            mode=layer.mode,
+        )
+    else:
+        dense = weight
+    weight_t = np.ascontiguousarray(np.asarray(dense.astype(mx.float32)).T)
+    if keep:
+        object.__setattr__(layer, "_blas_copy", DenseCopy(id(weight), weight_t))
+    return weight_t
+
+
+def dense_bytes(layer: nn.Module) -> int:
+    """Bytes of `layer`'s float32 dense copy."""
+    out_features = layer["weight"].shape[0]
+    in_features = layer["weight"].shape[1] * (
+        32 // layer.bits if isinstance(layer, nn.QuantizedLinear) else 1
+    )
+    return 4 * out_features * in_features
+
+
+def matmul_t(x: mx.array, weight_t: np.ndarray) -> mx.array:
+    """`x @ weight_t` for x `[..., in]` in float32 through BLAS; returned in x's dtype."""
+    lead = x.shape[:-1]
+    rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
+    product = rows @ weight_t
+    return mx.array(product.reshape(*lead, weight_t.shape[1])).astype(x.dtype)
+
+
+def linear(layer: nn.Module, x: mx.array, *, keep: bool) -> mx.array:
+    """`layer(x)` through BLAS (bias included)."""
+    y = matmul_t(x, dense_weight_t(layer, keep=keep))
+    if "bias" in layer:
+        y = y + layer["bias"]
+    return y
+
+
+def attention_takes(q: mx.array, k: mx.array, mask: object) -> bool:
+    """Whether `attention` serves this call: CPU, no mask or a causal one, enough scores to pay."""
+    if not on_cpu() or not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return False
+    return q.shape[2] >= MIN_ROWS and q.shape[2] * k.shape[2] >= ATTENTION_MIN_SCORES
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool) -> mx.array:
+    """Softmax attention of q `[B, H, T, D]` over k/v `[B, Hkv, L, D]` (H a multiple of Hkv),
+    `causal` bottom-right aligned as in `mx.fast.scaled_dot_product_attention` (query t sees keys
+    up to L - T + t). Float32 throughout; returned `[B, H, T, D]` in q's dtype."""
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    group = H // Hkv
+    qn = np.asarray(q.astype(mx.float32)).reshape(B, Hkv, group, T, D)
+    kn = np.asarray(k.astype(mx.float32))
+    vn = np.asarray(v.astype(mx.float32))
+    out = np.empty((B, Hkv, group, T, D), dtype=np.float32)
+    for b in range(B):
+        for start in range(0, T, QUERY_BLOCK):
+            stop = min(start + QUERY_BLOCK, T)
+            visible = L - T + stop if causal else L
+            out[b, :, :, start:stop] = _block(
+                qn[b, :, :, start:stop], kn[b, :, :visible], vn[b, :, :visible], scale, L - T + start, causal
+            )
+    return mx.array(out.reshape(B, H, T, D)).astype(q.dtype)
+
+
+def _block(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first_position: int, causal: bool
+) -> np.ndarray:
+    """One query block: q `[Hkv, G, Tb, D]`, k/v `[Hkv, Lb, D]`; query i sits at `first_position + i`."""
+    scores = (q * np.float32(scale)) @ k[:, None].swapaxes(-1, -2)  # [Hkv, G, Tb, Lb]
+    if causal:  # only the block's own trailing keys can lie after a query
+        tail = scores[..., first_position:]
+        tail[..., np.triu(np.ones(tail.shape[-2:], dtype=bool), 1)] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    return (scores @ v[:, None]) / total

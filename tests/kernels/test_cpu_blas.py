@@ -1,0 +1,72 @@
+"""The CPU BLAS route (kernels/cpu_blas.py) against MLX's own ops: linears (dense and quantized,
+with and without the kept copy) and attention (causal with an offset, grouped heads, no mask)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from kapitsa.engine import qlinear
+from kapitsa.engine.kernels import cpu_blas
+
+
+def _rel_err(got: mx.array, ref: mx.array) -> float:
+    return float(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref).max())
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_linear_matches_mlx(on_cpu, quantized: bool, keep: bool) -> None:
+    mx.random.seed(0)
+    layer = nn.Linear(128, 96, bias=True)
+    if quantized:
+        layer = nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4)
+    x = mx.random.normal((2, 40, 128))
+    ref = layer(x)
+    got = cpu_blas.linear(layer, x, keep=keep)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert _rel_err(got, ref) < 1e-5
+    assert (getattr(layer, "_blas_copy", None) is not None) == keep
+
+
+def test_kept_copy_follows_a_replaced_weight(on_cpu) -> None:
+    layer = nn.Linear(64, 32, bias=False)
+    x = mx.random.normal((20, 64))
+    cpu_blas.linear(layer, x, keep=True)
+    layer.weight = 2 * layer.weight
+    assert _rel_err(cpu_blas.linear(layer, x, keep=True), x @ layer.weight.T) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("T", "offset"), [(300, 0), (40, 1700), (513, 260)])
+def test_attention_matches_sdpa(on_cpu, causal: bool, T: int, offset: int) -> None:
+    mx.random.seed(1)
+    B, H, Hkv, D = 2, 4, 2, 32
+    q = mx.random.normal((B, H, T, D))
+    k, v = mx.random.normal((B, Hkv, offset + T, D)), mx.random.normal((B, Hkv, offset + T, D))
+    mask = "causal" if causal else None
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+    assert cpu_blas.attention_takes(q, k, mask)
+    got = cpu_blas.attention(q, k, v, scale=D**-0.5, causal=causal)
+    assert _rel_err(got, ref) < 1e-4
+
+
+def test_attention_declines_what_it_does_not_serve(on_cpu) -> None:
+    q, k = mx.zeros((1, 2, 1, 16)), mx.zeros((1, 2, 5000, 16))
+    assert not cpu_blas.attention_takes(q, k, None)  # one query row: a decode step
+    q = mx.zeros((1, 2, 64, 16))
+    assert not cpu_blas.attention_takes(q, k, mx.ones((64, 5000), dtype=mx.bool_))  # an explicit mask
+
+
+def test_routed_layers_take_it_only_past_compiled_sizes(on_cpu) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.QuantizedLinear(64, 64, group_size=64, bits=4))
+    qlinear.route_quantized_linears(model, dense_copy_bytes=4 * 64 * 64)
+    dense, quant = model.layers
+    assert type(dense) is qlinear.RoutedLinear and type(quant) is qlinear.RoutedQuantizedLinear
+    assert dense.keeps_dense_copy != quant.keeps_dense_copy  # the budget holds one copy
+    few, many = mx.random.normal((cpu_blas.MIN_ROWS - 1, 64)), mx.random.normal((cpu_blas.MIN_ROWS, 64))
+    dense(few)
+    assert getattr(dense, "_blas_copy", None) is None  # stock path below MIN_ROWS
+    assert _rel_err(dense(many), many @ dense.weight.T + dense.bias) < 1e-5
+    assert (getattr(dense, "_blas_copy", None) is not None) == dense.keeps_dense_copy
