@@ -28,6 +28,7 @@ from kapitsa.engine.quantize import (
     restore_checkpoint_quantization,
 )
 from kapitsa.engine.resolve import ModelRef, parse_model_ref, pick_gguf, resolve_source
+from kapitsa.engine.thinking_probe import probe_thinking
 from kapitsa.engine.tokenizer import Tokenizer
 from kapitsa.engine.types import ModelInfo
 from kapitsa.engine.weights import load_safetensors, read_config, weight_files
@@ -141,6 +142,7 @@ def make_model_info(
         max_output_tokens=context_length,
         tool_call_format=_tool_call_format(family, template),
         supports_thinking=bool(template) and ("<think>" in template or "enable_thinking" in template),
+        thinking_prompt=probe_thinking(tokenizer),
         path=str(path),
         quantization=quantization,
     )

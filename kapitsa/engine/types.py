@@ -140,13 +140,29 @@ Event = TokenEvent | PrefillProgressEvent | FinishEvent | ErrorEvent
 
 
 @dataclass(slots=True, frozen=True)
+class ThinkingPrompt:
+    """Whether the chat template's generation prompt ends inside an open `<think>`, for each value of
+    `enable_thinking` (unset, True, False): then the output starts in reasoning, with no open tag."""
+
+    by_default: bool = False
+    when_enabled: bool = False
+    when_disabled: bool = False
+
+    def starts_in_reasoning(self, enable_thinking: bool | None) -> bool:
+        if enable_thinking is None:
+            return self.by_default
+        return self.when_enabled if enable_thinking else self.when_disabled
+
+
+@dataclass(slots=True, frozen=True)
 class ModelInfo:
     id: str
     family: str  # "qwen3_5" | "nemotron_h" | "fake"
     context_length: int
     max_output_tokens: int
     tool_call_format: str = "hermes"  # "qwen3_coder" | "hermes" | "nemotron"
-    supports_thinking: bool = False
+    supports_thinking: bool = False  # the template can render reasoning (`<think>`, `enable_thinking`)
+    thinking_prompt: ThinkingPrompt = field(default_factory=ThinkingPrompt)
     path: str | None = None
     quantization: str | None = None
 

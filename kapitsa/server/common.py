@@ -95,8 +95,9 @@ def thinking_kwargs(enabled: bool | None) -> tuple[tuple[str, Any], ...]:
 
 
 def thinking_active(model: ModelInfo, enabled: bool | None) -> bool:
-    """Whether the output starts inside reasoning (the template opened `<think>` in the prompt)."""
-    return model.supports_thinking if enabled is None else enabled and model.supports_thinking
+    """Whether the output starts inside reasoning: the template's generation prompt, rendered with this
+    `enable_thinking`, ends inside an open `<think>` (probed at load time)."""
+    return model.thinking_prompt.starts_in_reasoning(enabled)
 
 
 async def start_run(request: Request, gen: GenerationRequest) -> GenerationRun:

@@ -10,7 +10,7 @@ import pytest
 from server_harness import LiveServer, live_server
 
 from kapitsa.engine.fake import FakeEngine
-from kapitsa.engine.types import ModelInfo
+from kapitsa.engine.types import ModelInfo, ThinkingPrompt
 
 BASH = {
     "type": "object",
@@ -259,7 +259,12 @@ def test_count_tokens(live: LiveServer, claude: anthropic.Anthropic) -> None:
 def test_thinking_model_starts_in_reasoning() -> None:
     engine = FakeEngine(
         model=ModelInfo(
-            id="q", family="fake", context_length=4096, max_output_tokens=1024, supports_thinking=True
+            id="q",
+            family="fake",
+            context_length=4096,
+            max_output_tokens=1024,
+            supports_thinking=True,
+            thinking_prompt=ThinkingPrompt(by_default=True, when_enabled=True),
         )
     )
     engine.enqueue("planning</think>\n\nanswer")
