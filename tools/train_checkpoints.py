@@ -44,6 +44,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="few evaluation prompts (CPU smoke runs)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="for prepare: reuse this tokenizer.json (the models already trained on it stay compatible)",
+    )
     return parser.parse_args(argv)
 
 
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.phase == "all":
         _run_all(args)
     elif args.phase == "prepare":
-        phases.prepare(args.out, args.seed)
+        phases.prepare(args.out, args.seed, args.tokenizer)
     elif args.phase == "train":
         if not args.model:
             raise SystemExit("train needs --model")

@@ -9,12 +9,14 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from .agent_chats import make_agent_conversations
 from .chats import make_conversations
 from .corpus import Function, SourceFile, functions_in, read_stdlib, split_files
 from .tokenizer import PAD_TOKEN, train_tokenizer
 
 TRAIN_CHATS = 5000
 HELD_OUT_CHATS = 300
+TRAIN_AGENT_CHATS = 500  # ~8k tokens each: about a third of the training tokens
 
 
 @dataclass
@@ -38,15 +40,17 @@ def _stream(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     return np.concatenate(pieces)
 
 
-def build_corpus(seed: int = 0) -> Corpus:
+def build_corpus(seed: int = 0, tokenizer: Tokenizer | None = None) -> Corpus:
+    """`tokenizer`: reuse this one (so fixtures trained on it stay compatible) instead of training one."""
     train_files, held_out_files = split_files(read_stdlib())
     train_pool = [(f.name, fn) for f in train_files for fn in functions_in(f)]
     held_out_pool = [(f.name, fn) for f in held_out_files for fn in functions_in(f)]
     train_chats = make_conversations(train_pool, TRAIN_CHATS, seed)
+    train_chats += make_agent_conversations(train_pool, TRAIN_AGENT_CHATS, seed + 2)
     held_out_chats = make_conversations(held_out_pool, HELD_OUT_CHATS, seed + 1)
     documents = [f.text for f in train_files] + train_chats
     random.Random(seed).shuffle(documents)
-    tokenizer = train_tokenizer(documents)
+    tokenizer = tokenizer or train_tokenizer(documents)
     corpus = Corpus(
         tokenizer=tokenizer,
         train_ids=_stream(tokenizer, documents),

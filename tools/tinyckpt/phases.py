@@ -32,8 +32,9 @@ def load_ids(out: Path, name: str) -> np.ndarray:
     return np.load(out / "data" / f"{name}.npy")
 
 
-def prepare(out: Path, seed: int) -> None:
-    corpus = build_corpus(seed)
+def prepare(out: Path, seed: int, tokenizer_file: Path | None = None) -> None:
+    reused = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file else None
+    corpus = build_corpus(seed, reused)
     write_tokenizer_files(corpus.tokenizer, out / "tokenizer")
     (out / "data").mkdir(parents=True, exist_ok=True)
     for name in ("train_ids", "held_out_code_ids", "held_out_chat_ids"):

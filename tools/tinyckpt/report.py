@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from . import acceptance
+from .agent_chats import make_agent_conversation
 from .architectures import MTPHead
 from .chats import _prompt_upto_docstring
 from .checkpoint import load_mtp_weights
@@ -59,6 +60,29 @@ def _completions(model, tokenizer: Tokenizer, functions, device: torch.device) -
             {"mode": "chat", "prompt": header, "completion": tokenizer.decode(ids, skip_special_tokens=False)}
         )
     return samples
+
+
+def _agent_answers(model, tokenizer: Tokenizer, device: torch.device, count: int) -> list[dict]:
+    """Greedy answers after held-out agent-shaped prompts (long system prompt, many tools): how long
+    the prompt was, how many tokens the answer took, and whether it stopped by itself."""
+    import random
+
+    _, held_out = split_files(read_stdlib())
+    pool = [(f.name, fn) for f in held_out for fn in functions_in(f)]
+    rng, stops, rows = random.Random(11), (tokenizer.token_to_id(EOS_TOKEN),), []
+    while len(rows) < count:
+        text = make_agent_conversation(pool, rng)
+        if text is None:
+            continue
+        prompt = (
+            text[: text.rindex("<|im_start|>assistant")] + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )
+        ids = tokenizer.encode(prompt).ids
+        answer = greedy(model, ids, 256, device, stops)
+        rows.append(
+            {"prompt_tokens": len(ids), "answer_tokens": len(answer), "stopped": answer[-1:] == [stops[0]]}
+        )
+    return rows
 
 
 def _acceptance(out: Path, target, tokenizer: Tokenizer, device: torch.device, quick: bool) -> dict:
@@ -139,5 +163,6 @@ def evaluate_all(out: Path, device: torch.device, quick: bool = False) -> dict:
         "training": logs,
         "losses": losses,
         "acceptance": _acceptance(out, target, tokenizer, device, quick),
+        "agent_answers": _agent_answers(target, tokenizer, device, 2 if quick else 8),
         "completions": completions,
     }
