@@ -123,6 +123,7 @@ class InProcessEngine:
             checkpoint_bytes_in_memory=prefix.nbytes if prefix is not None else 0,
             checkpoints_on_disk=len(disk) if disk is not None else 0,
             checkpoint_bytes_on_disk=disk.nbytes if disk is not None else 0,
+            corrupt_checkpoints_deleted=disk.num_corrupt if disk is not None else 0,
             memory_in_use_bytes=mx.get_active_memory(),
             memory_peak_bytes=mx.get_peak_memory(),
             memory_limit_bytes=e.memory.limit_bytes,
@@ -146,17 +147,14 @@ class InProcessEngine:
         prepared = prepare_prompt(self.tokenizer, request, encode=self.encoder.encode)
         if not prepared.ids:
             raise InvalidRequest("the prompt is empty")
-        context = self.info.context_length
         params = request.sampling
-        check_context(len(prepared.ids), params.max_tokens, context)
-        reserve = self.engine.memory.reserve_tokens(len(prepared.ids), params.max_tokens, context)
+        check_context(len(prepared.ids), self.info.context_length)
+        max_tokens, reserve = self._output_limit(len(prepared.ids), params.max_tokens)
         nbytes = self.engine.memory.sequence_bytes(reserve)
         if not self.engine.memory.fits_ever(nbytes):
-            raise ContextOverflow(len(prepared.ids), context, self.engine.memory.describe_shortfall(nbytes))
-        room = context - len(prepared.ids)
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else min(room, self.info.max_output_tokens)
-        )
+            raise ContextOverflow(
+                len(prepared.ids), self.info.context_length, self.engine.memory.describe_shortfall(nbytes)
+            )
         return Sequence(
             request=request,
             prompt_ids=prepared.ids,
@@ -170,6 +168,17 @@ class InProcessEngine:
             token_text=self._token_text,
             reserved_tokens=reserve,
         )
+
+    def _output_limit(self, prompt_tokens: int, wanted: int | None) -> tuple[int, int]:
+        """The output limit and the tokens to reserve. A `max_tokens` beyond the room the prompt leaves, in
+        the window or in memory, is clamped to that room: agents ask for fixed budgets whatever the model."""
+        context = self.info.context_length
+        memory = self.engine.memory
+        room = context - prompt_tokens
+        if wanted is None:
+            return min(room, self.info.max_output_tokens), memory.reserve_tokens(prompt_tokens, None, context)
+        max_tokens = max(1, min(wanted, room, memory.tokens_that_fit() - prompt_tokens))
+        return max_tokens, prompt_tokens + max_tokens
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -9,6 +9,7 @@ now waits for running requests to finish (the engine turns a long wait into `Eng
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -42,21 +43,15 @@ def device_memory_limit() -> int:
         return 16 * GIB
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, context_length: int) -> None:
-    """Raise `ContextOverflow` when the prompt (plus the requested output) exceeds the window."""
+def check_context(prompt_tokens: int, context_length: int) -> None:
+    """Raise `ContextOverflow` when the prompt leaves no room to generate. A too-large `max_tokens` is no
+    error: the engine clamps it to the room left (agents ask for fixed budgets, e.g. Claude Code's 32000)."""
     if prompt_tokens >= context_length:
         raise ContextOverflow(
             prompt_tokens,
             context_length,
             f"prompt is too long: {prompt_tokens} tokens, the model's context is {context_length} tokens "
             "(and at least one token must be left to generate)",
-        )
-    if max_tokens is not None and prompt_tokens + max_tokens > context_length:
-        raise ContextOverflow(
-            prompt_tokens,
-            context_length,
-            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {prompt_tokens + max_tokens} "
-            f"tokens, more than the model's context of {context_length}; lower max_tokens",
         )
 
 
@@ -99,6 +94,19 @@ class MemoryBudget:
         room = context_length - prompt_tokens
         output = min(max_tokens, room) if max_tokens is not None else min(DEFAULT_OUTPUT_RESERVE, room)
         return prompt_tokens + output
+
+    def tokens_that_fit(self) -> int:
+        """The longest sequence whose `sequence_bytes` fit, with nothing else admitted."""
+        s = self.sizes
+        free = self.available_bytes - s.recurrent_bytes
+        if free <= 0:
+            return 0
+        per_token = s.kv_bytes_per_token + s.activation_bytes_per_token
+        if free < per_token * self.prefill_chunk:  # shorter than one prefill chunk: scratch grows too
+            return free // per_token
+        if s.kv_bytes_per_token == 0:
+            return sys.maxsize
+        return (free - s.activation_bytes_per_token * self.prefill_chunk) // s.kv_bytes_per_token
 
     def fits_ever(self, nbytes: int) -> bool:
         return nbytes <= self.available_bytes

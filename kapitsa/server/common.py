@@ -69,12 +69,6 @@ def openai_sampling(
 def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
     """`SamplingParams` from request fields (None = default); out-of-range values become a 400."""
     given = {k: v for k, v in fields.items() if v is not None}
-    max_tokens = given.get("max_tokens")
-    if max_tokens is not None and max_tokens > model.context_length:
-        raise param_error(
-            "max_tokens",
-            f"max_tokens is {max_tokens}, more than the context window ({model.context_length}).",
-        )
     if "stop" in given:
         given["stop"] = tuple(given["stop"])
     try:
@@ -103,7 +97,8 @@ def thinking_active(model: ModelInfo, enabled: bool | None) -> bool:
 async def start_run(request: Request, gen: GenerationRequest) -> GenerationRun:
     """Start generating. A `max_tokens` larger than the room the prompt leaves is clamped to that room
     (the answer then ends with a length stop): agents ask for fixed budgets (Claude Code: 32000) whatever
-    the model's window. Only a prompt that does not fit by itself is an error."""
+    the model's window. Only a prompt that does not fit by itself is an error. The in-process engine
+    clamps by itself; the retry serves an `EngineClient` that refuses instead."""
     try:
         return await _start(request, gen)
     except ContextOverflow as exc:

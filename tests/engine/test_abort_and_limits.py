@@ -101,14 +101,29 @@ async def test_overlong_prompt_fails_before_any_compute(qwen_model, make_client)
     client = make_client(qwen_model, context_length=64)
     with pytest.raises(ContextOverflow, match="prompt is too long: 100 tokens"):
         await collect(client, _req("x" * 100, 5))
-    with pytest.raises(ContextOverflow, match="plus max_tokens"):
-        await collect(client, _req("x" * 40, 30))
     assert await client.count_tokens(_req("x" * 100, 5)) == 100
     with pytest.raises(ContextOverflow):
         await collect(client, _req("x" * 64, 1))  # no room left for even one token
     assert client.stats().prompt_tokens_computed == 0
     ids, _ = await collect(client, _req("x" * 40, 24))  # exactly fills the window
     assert len(ids) == 24
+
+
+async def test_max_tokens_beyond_the_window_is_clamped_to_the_room_left(qwen_model, make_client) -> None:
+    client = make_client(qwen_model, context_length=64)
+    ids, events = await collect(client, _req("x" * 40, 32000))  # Claude Code's fixed budget
+    assert len(ids) == 24 and events[-1].finish_reason == "length"
+    assert client.engine.memory.reserved_bytes == 0
+
+
+async def test_max_tokens_beyond_memory_is_clamped_to_what_fits(qwen_model, make_client) -> None:
+    probe = make_client(qwen_model, prefix_cache_bytes=0)
+    room = probe.engine.memory.sequence_bytes(260) - probe.engine.memory.sequence_bytes(0)
+    client = make_client(qwen_model, memory_limit_bytes=mx.get_active_memory() + room, prefix_cache_bytes=0)
+    fits = client.engine.memory.tokens_that_fit()
+    assert 200 < fits < 400
+    ids, events = await collect(client, _req("x" * 200, 4000))
+    assert len(ids) == fits - 200 and events[-1].finish_reason == "length"
 
 
 async def test_request_that_can_never_fit_memory_is_refused(qwen_model, make_client) -> None:

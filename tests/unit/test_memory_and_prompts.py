@@ -9,13 +9,30 @@ from kapitsa.engine.types import GenerationRequest
 from kapitsa.errors import ContextOverflow
 
 
-def test_context_checks() -> None:
-    check_context(10, 5, 16)
-    check_context(10, None, 11)
+def test_context_checks_only_the_prompt() -> None:
+    check_context(10, 11)
     with pytest.raises(ContextOverflow, match="prompt is too long: 16 tokens"):
-        check_context(16, None, 16)
-    with pytest.raises(ContextOverflow, match="plus max_tokens"):
-        check_context(10, 7, 16)
+        check_context(16, 16)
+
+
+@pytest.mark.parametrize(
+    ("kv", "recurrent", "scratch", "limit"),
+    [
+        (100, 1000, 10, 10_000),
+        (100, 1000, 10, 2_500),
+        (0, 1000, 10, 2_500),
+        (100, 0, 0, 7_000),
+        (7, 5, 0, 100),
+    ],
+)
+def test_tokens_that_fit_is_the_longest_sequence_that_fits(
+    kv: int, recurrent: int, scratch: int, limit: int
+) -> None:
+    sizes = StateSizes(kv_bytes_per_token=kv, recurrent_bytes=recurrent, activation_bytes_per_token=scratch)
+    budget = MemoryBudget(sizes, limit_bytes=limit, weights_bytes=0, prefill_chunk=8)
+    longest = budget.tokens_that_fit()
+    assert budget.fits_ever(budget.sequence_bytes(longest))
+    assert longest > 10**9 or not budget.fits_ever(budget.sequence_bytes(longest + 1))
 
 
 def test_budget_accounting() -> None:
