@@ -47,6 +47,7 @@ class EngineConfig:
     checkpoint_interval: int | None = None  # None: from the checkpoint / KV-per-token size ratio
     disk_cache_dir: Path | None = None  # None: no disk tier
     disk_cache_bytes: int = 8 * GIB
+    disk_write_delay_s: float = 1.0  # a new system/turn checkpoint is on disk this long after it is made
     memory_limit_bytes: int | None = None  # None: the device's limit
     queue_timeout_s: float = 120.0  # a request waiting longer for memory gets EngineBusy
     max_queued: int = 256
@@ -120,6 +121,8 @@ class Engine:
                 self.config.disk_cache_dir,
                 model_key=self.config.model_key,
                 budget_bytes=self.config.disk_cache_bytes,
+                validate=self.runner.check_stored,
+                write_delay_s=self.config.disk_write_delay_s,
             )
         return PrefixCache(budget_bytes=budget, disk=disk)
 

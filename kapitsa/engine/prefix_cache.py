@@ -22,6 +22,9 @@ from kapitsa.engine.prefix_disk import DiskTier, StoredPrefix
 
 KVSource = Callable[[int, int], tuple[mx.array, ...]]  # (start, end) -> KV arrays for that span
 CHECKPOINT_KINDS = ("system", "turn", "branch", "periodic", "final")
+# Written to disk soon after they are made, so a crash keeps them: the system prompt, and the end of
+# the last message, where the next request resumes when the template re-renders the reply differently.
+WRITE_BEHIND_KINDS = ("system", "turn")
 
 
 def nbytes_of(arrays: Sequence[mx.array]) -> int:
@@ -197,6 +200,8 @@ class PrefixCache:
             node.checkpoint = Checkpoint(len(tokens), recurrent, next_logits, kind, tick)
             self.checkpoint_bytes += node.checkpoint.nbytes
             self.num_checkpoints += 1
+            if self.disk is not None and kind in WRITE_BEHIND_KINDS:
+                self.disk.save_later(self._stored(node, node.checkpoint))
         else:
             node.checkpoint.last_used = tick
         for n in self._path_to(node):
@@ -234,8 +239,13 @@ class PrefixCache:
         return upper
 
     def _insert_stored(self, stored: StoredPrefix) -> None:
+        kv = tuple(
+            mx.concatenate(parts, axis=self.kv_axis) if len(parts) > 1 else parts[0]
+            for parts in zip(*stored.kv_parts, strict=True)
+        )
+
         def kv_source(start: int, end: int) -> tuple[mx.array, ...]:
-            return tuple(_slice(a, start, end, self.kv_axis) for a in stored.kv)
+            return tuple(_slice(a, start, end, self.kv_axis) for a in kv)
 
         self.insert(
             stored.tokens,
@@ -283,21 +293,23 @@ class PrefixCache:
 
     def _spill(self, node: _Node, ck: Checkpoint) -> None:
         assert self.disk is not None
+        self.disk.save(self._stored(node, ck))
+
+    def _stored(self, node: _Node, ck: Checkpoint) -> StoredPrefix:
+        """The checkpoint with the KV of its whole path, one span per edge (no copy)."""
         path = self._path_to(node)
         tokens = tuple(t for n in path for t in n.tokens)
-        kv = tuple(
-            mx.concatenate(parts, axis=self.kv_axis) for parts in zip(*(n.kv for n in path), strict=True)
-        )
-        self.disk.save(StoredPrefix(tokens, kv, ck.recurrent, ck.next_logits, ck.kind))
+        return StoredPrefix(tokens, tuple(n.kv for n in path), ck.recurrent, ck.next_logits, ck.kind)
 
     def flush_to_disk(self) -> None:
-        """Write every leaf and system checkpoint to the disk tier (at shutdown)."""
+        """Write every leaf, system and turn checkpoint to the disk tier and wait for its writer."""
         if self.disk is None:
             return
         for node in list(self._iter_nodes()):
             ck = node.checkpoint
-            if ck is not None and (not node.children or ck.kind == "system"):
+            if ck is not None and (not node.children or ck.kind in WRITE_BEHIND_KINDS):
                 self._spill(node, ck)
+        self.disk.flush()
 
     def clear(self) -> None:
         self._root = _Node((), (), 0)

@@ -17,9 +17,13 @@ from kapitsa.engine.fuse import fuse_model
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.memory import StateSizes
 from kapitsa.engine.prefix_cache import PrefixMatch
+from kapitsa.engine.prefix_disk import StoredPrefix
 from kapitsa.engine.qlinear import route_quantized_linears
 
 KV_AXIS = 2  # token axis of KV buffers
+_Layout = tuple[
+    list[tuple[tuple[int, ...], mx.Dtype]], list[tuple[tuple[int, ...], mx.Dtype]]
+]  # (KV, recurrent)
 
 
 class ModelRunner:
@@ -39,6 +43,7 @@ class ModelRunner:
         self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
         self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]
         self.dtype = dtype or _param_dtype(model)
+        self._layout: _Layout | None = None  # state shapes and dtypes, measured by `state_sizes`
 
     # forward
 
@@ -100,6 +105,28 @@ class ModelRunner:
         mx.eval(*cache.state_arrays())
         return cache
 
+    def check_stored(self, stored: StoredPrefix) -> None:
+        """Raises ValueError when a disk checkpoint's arrays do not fit this model's batch-1 cache."""
+        kv_ref, rec_ref = self._layout if self._layout is not None else self._measure_layout()
+        if len(stored.recurrent) != len(rec_ref) or any(len(span) != len(kv_ref) for span in stored.kv_parts):
+            raise ValueError("a checkpoint with the wrong number of state arrays")
+        for array, (shape, dtype) in zip(stored.recurrent, rec_ref, strict=True):
+            if tuple(array.shape) != shape or array.dtype != dtype:
+                raise ValueError(f"recurrent state {array.shape} {array.dtype}, expected {shape} {dtype}")
+        for span in stored.kv_parts:
+            for array, (shape, dtype) in zip(span, kv_ref, strict=True):
+                if array.ndim != len(shape) or _without_tokens(array.shape) != _without_tokens(shape):
+                    raise ValueError(f"KV of shape {array.shape}, expected {shape} with any token count")
+                if array.dtype != dtype:
+                    raise ValueError(f"KV of dtype {array.dtype}, expected {dtype}")
+        if self.kv_layers and sum(span[0].shape[KV_AXIS] for span in stored.kv_parts) != len(stored.tokens):
+            raise ValueError("the KV does not cover the checkpoint's tokens")
+
+    def _measure_layout(self) -> _Layout:
+        self.state_sizes()
+        assert self._layout is not None
+        return self._layout
+
     # sizes
 
     def state_sizes(self) -> StateSizes:
@@ -112,6 +139,7 @@ class ModelRunner:
             layer = cache.layers[i]
             assert isinstance(layer, KVCache) and layer.keys is not None
             kv_per_token += 2 * layer.keys[:, :, :1].nbytes
+        self._layout = _state_layout(cache, self.kv_layers, self.recurrent_layers)
         hidden = int(getattr(getattr(self.model, "args", None), "hidden_size", 0) or 0)
         # prefill scratch per chunk token: a few float32 rows of hidden size (residual, MLP widening)
         activation = 16 * hidden * 4
@@ -140,3 +168,22 @@ def _param_dtype(model) -> mx.Dtype:  # noqa: ANN001
         if mx.issubdtype(value.dtype, mx.floating):
             return value.dtype
     return mx.float32
+
+
+def _without_tokens(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(d for axis, d in enumerate(shape) if axis != KV_AXIS)
+
+
+def _state_layout(cache: HybridCache, kv_layers: list[int], recurrent_layers: list[int]) -> _Layout:
+    """(shape, dtype) of each array `kv_span` and `recurrent_state` return, from a 1-token cache."""
+    kv: list[tuple[tuple[int, ...], mx.Dtype]] = []
+    for i in kv_layers:
+        layer = cache.layers[i]
+        assert isinstance(layer, KVCache) and layer.keys is not None and layer.values is not None
+        kv += [(tuple(a[:, :, :1].shape), a.dtype) for a in (layer.keys, layer.values)]
+    recurrent: list[tuple[tuple[int, ...], mx.Dtype]] = []
+    for i in recurrent_layers:
+        layer = cache.layers[i]
+        assert isinstance(layer, RecurrentCache) and layer.conv is not None and layer.state is not None
+        recurrent += [(tuple(a.shape), a.dtype) for a in (layer.conv, layer.state)]
+    return kv, recurrent

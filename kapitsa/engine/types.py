@@ -183,6 +183,7 @@ class EngineStats:
     checkpoint_bytes_in_memory: int = 0
     checkpoints_on_disk: int = 0
     checkpoint_bytes_on_disk: int = 0
+    corrupt_checkpoints_deleted: int = 0  # disk files that failed their checksum or shape check
     memory_in_use_bytes: int = 0
     memory_peak_bytes: int = 0
     memory_limit_bytes: int = 0
