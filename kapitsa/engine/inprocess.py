@@ -23,7 +23,15 @@ from kapitsa.engine.prepare import prepare_prompt
 from kapitsa.engine.prompt_encoder import PromptEncoder
 from kapitsa.engine.sequence import Sequence
 from kapitsa.engine.stop import StopMatcher
-from kapitsa.engine.types import EngineStats, ErrorEvent, Event, FinishEvent, GenerationRequest, ModelInfo
+from kapitsa.engine.types import (
+    EngineStats,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    ModelInfo,
+    Usage,
+)
 from kapitsa.errors import ContextOverflow, EngineDead, InvalidRequest
 
 
@@ -54,6 +62,7 @@ class InProcessEngine:
         self.info = info
         self.eos_token_ids = frozenset(eos_token_ids)
         self.engine = Engine(model, config, decode=decode)
+        self._preparing: dict[str, bool] = {}  # request id -> aborted while its prompt was being prepared
 
     @classmethod
     def from_loaded(
@@ -76,7 +85,14 @@ class InProcessEngine:
     # EngineClient
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
-        seq = await asyncio.to_thread(self._make_sequence, request)
+        self._preparing[request.request_id] = False
+        try:
+            seq = await asyncio.to_thread(self._make_sequence, request)
+        finally:
+            aborted_early = self._preparing.pop(request.request_id, False)
+        if aborted_early:
+            yield FinishEvent(request.request_id, "abort", Usage(prompt_tokens=seq.num_prompt_tokens))
+            return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         seq.emit = _threadsafe_put(loop, events)
@@ -96,6 +112,8 @@ class InProcessEngine:
                 self.engine.abort(request.request_id)
 
     async def abort(self, request_id: str) -> None:
+        if request_id in self._preparing:  # still being rendered: the engine has not seen it yet
+            self._preparing[request_id] = True
         self.engine.abort(request_id)
 
     async def count_tokens(self, request: GenerationRequest) -> int:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 
 import mlx.core as mx
 import pytest
+from engine_standins import EOS, ByteTokenizer
 
+from kapitsa.engine.engine import EngineConfig
+from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.types import (
     ErrorEvent,
     FinishEvent,
     GenerationRequest,
+    ModelInfo,
     PrefillProgressEvent,
     SamplingParams,
     TokenEvent,
@@ -150,3 +155,33 @@ async def test_memory_short_now_waits_then_reports_busy(qwen_model, make_client)
     assert isinstance(events[-1], ErrorEvent) and isinstance(events[-1].error, EngineBusy)
     ids, events = await first
     assert len(ids) == 200 and isinstance(events[-1], FinishEvent)
+
+
+class GatedTokenizer(ByteTokenizer):
+    """Holds every encode until `gate` is set: a long prompt still being rendered and tokenized."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.entered.set()
+        self.gate.wait(10)
+        return super().encode(text)
+
+
+async def test_abort_while_the_prompt_is_prepared_never_starts_it(qwen_model) -> None:
+    tokenizer = GatedTokenizer()
+    info = ModelInfo(id="tiny", family="test", context_length=4096, max_output_tokens=1024)
+    client = InProcessEngine(qwen_model, tokenizer, info, eos_token_ids={EOS}, config=EngineConfig())
+    try:
+        request = _req("a prompt the client gives up on", 500)
+        run = asyncio.create_task(collect(client, request))
+        await asyncio.to_thread(tokenizer.entered.wait, 10)
+        await client.abort(request.request_id)
+        tokenizer.gate.set()
+        ids, events = await run
+        assert ids == [] and events[-1].finish_reason == "abort"
+        assert client.stats().prompt_tokens_computed == 0 and client.stats().generated_tokens == 0
+    finally:
+        client.close()
