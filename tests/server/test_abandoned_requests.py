@@ -76,7 +76,7 @@ async def test_disconnect_mid_stream_aborts(live: LiveServer, engine: InProcessE
                 lines += 1
                 if lines >= 12:
                     break
-        assert engine.stats().active_requests == 1  # still running when the client hangs up
+            assert engine.stats().active_requests == 1  # still running when the client hangs up
         await seconds_until_idle(engine)
 
 
