@@ -30,6 +30,14 @@ class ModelNotFound(KapitsaError):
     http_status = 404
 
 
+class NotDownloaded(ModelNotFound):
+    """A model kapitsa knows how to get, whose weights are not on this machine yet."""
+
+    def __init__(self, message: str, *, ref: str) -> None:
+        super().__init__(message)
+        self.ref = ref  # what `kapitsa pull` takes to fetch it
+
+
 class UnsupportedModel(KapitsaError):
     """The checkpoint exists but is of an architecture or format kapitsa does not run."""
 

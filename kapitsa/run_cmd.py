@@ -65,6 +65,7 @@ def load_for_spec(spec: str):  # noqa: ANN201 - LoadedModel, imported lazily (ML
     """Load a catalog alias ("27b", "27b:6bit", "demo"), a folder, a .gguf file or a cached HF repo id."""
     from kapitsa.catalog import load_catalog, parse_model_ref, resolve_model
     from kapitsa.engine.loading import load_model
+    from kapitsa.errors import NotDownloaded
     from kapitsa.settings import load_settings
 
     name, _quant = parse_model_ref(spec)
@@ -73,7 +74,12 @@ def load_for_spec(spec: str):  # noqa: ANN201 - LoadedModel, imported lazily (ML
         return load_model(spec)  # load_model handles paths, repo ids and ":4bit"-style suffixes
     resolved = resolve_model(spec, catalog)
     source = resolved.path if resolved.kind == "path" else resolved.repo_id
-    return load_model(str(source), model_id=resolved.display_name)
+    try:
+        return load_model(str(source), model_id=resolved.display_name)
+    except NotDownloaded:
+        raise NotDownloaded(
+            f"{spec} ({resolved.repo_id}) is not downloaded yet: run `kapitsa pull {spec}`", ref=spec
+        ) from None
 
 
 def default_model() -> str:

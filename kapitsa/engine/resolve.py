@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kapitsa.engine.quantize import QUANT_SPECS
-from kapitsa.errors import ModelNotFound
+from kapitsa.errors import ModelNotFound, NotDownloaded
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -72,9 +72,9 @@ def resolve_repo_id(repo_id: str, revision: str = "main", *, cache: Path | None 
     cache = cache or hf_hub_cache()
     repo_folder = cache / f"models--{repo_id.replace('/', '--')}"
     if not repo_folder.is_dir():
-        raise ModelNotFound(
-            f"{repo_id} is not in the Hugging Face cache ({cache}); kapitsa does not download models, "
-            f"so fetch it first, e.g. `hf download {repo_id}`"
+        raise NotDownloaded(
+            f"{repo_id} is not downloaded yet (looked in {cache}); get it with `kapitsa pull {repo_id}`",
+            ref=repo_id,
         )
     snapshot = _snapshot(repo_folder, revision)
     if snapshot is None and revision == "main":  # no refs/main: a cache filled by commit hash

@@ -20,7 +20,8 @@ from types import ModuleType
 from typing import Any
 
 from kapitsa.engine.client import EngineClient
-from kapitsa.errors import KapitsaError
+from kapitsa.errors import KapitsaError, NotDownloaded
+from kapitsa.private_files import make_private_dir
 
 # Agent command name → what the launch screen calls it.
 AGENT_LABELS: dict[str, str] = {"opencode": "opencode", "claude": "Claude Code", "codex": "Codex", "pi": "pi"}
@@ -119,7 +120,10 @@ class TuiServices:
         """Load `ref` in an engine thread and serve it on 127.0.0.1 (blocking: call from a worker)."""
         runner = _require("kapitsa.server.runner", "the HTTP server")
         server_settings = _require("kapitsa.server.settings", "the HTTP server").ServerSettings
-        client = self._engine_factory(ref)
+        try:
+            client = self._engine_factory(ref)
+        except NotDownloaded as err:  # the CLI's `kapitsa pull` hint, in the TUI's own terms
+            raise NotDownloaded(f"{ref} is not downloaded yet: press d to download it", ref=err.ref) from None
         try:
             settings = server_settings(host="127.0.0.1", port=_free_port(self.settings.port), model=ref)
             server, thread = _serve_in_thread(
@@ -190,7 +194,7 @@ def _serve_in_thread(
 
 def _log_server_to_file(path: Path) -> None:
     """Server warnings go to a file: the terminal belongs to the TUI."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(path.parent)  # owner only, like the rest of the state
     logger = logging.getLogger("uvicorn.error")
     if not any(getattr(h, "baseFilename", None) == str(path) for h in logger.handlers):
         logger.addHandler(logging.FileHandler(path))

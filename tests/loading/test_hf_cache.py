@@ -60,7 +60,7 @@ def test_cache_without_refs_uses_the_snapshot(cache, tiny):
 
 
 def test_repo_not_in_cache_says_how_to_get_it(cache):
-    with pytest.raises(ModelNotFound, match="not in the Hugging Face cache.*hf download org/missing"):
+    with pytest.raises(ModelNotFound, match="not downloaded yet.*`kapitsa pull org/missing`"):
         load_model("org/missing")
 
 
