@@ -10,7 +10,6 @@ Codex send one request to a throwaway local endpoint. When that fails, kapitsa p
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from typing import Any
 from kapitsa.agents.base import LaunchContext, reject_args
 from kapitsa.agents.context import default_context
 from kapitsa.errors import KapitsaError
+from kapitsa.private_files import atomic_write, make_private_dir
 
 BINARY = "codex"
 INSTALL = "npm install -g @openai/codex"
@@ -72,12 +72,8 @@ def catalog_entry(ctx: LaunchContext, base_instructions: str) -> dict[str, Any]:
 
 
 def write_catalog(ctx: LaunchContext, base_instructions: str) -> Path:
-    folder = ctx.state_dir / "codex"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model-catalog.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"models": [catalog_entry(ctx, base_instructions)]}, indent=2), "utf-8")
-    os.replace(tmp, path)
+    path = make_private_dir(ctx.state_dir / "codex") / "model-catalog.json"
+    atomic_write(path, json.dumps({"models": [catalog_entry(ctx, base_instructions)]}, indent=2).encode())
     return path
 
 
@@ -96,8 +92,8 @@ def base_instructions(binary: str, state_dir: Path, environ: Mapping[str, str]) 
         return cache.read_text("utf-8")
     captured = capture_base_instructions(binary, environ)
     if captured:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(captured, "utf-8")
+        make_private_dir(cache.parent)
+        atomic_write(cache, captured.encode())
     return captured
 
 

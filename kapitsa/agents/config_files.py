@@ -2,15 +2,15 @@
 
 The merge re-reads the file just before replacing it and starts over when someone else wrote it in
 between, so a concurrent writer's change is never lost. The file's bytes from before kapitsa's first
-change are kept, so `restore` can put them back exactly when nobody has edited the file since.
+change are kept, so `restore` can put them back exactly when nobody has edited the file since. A
+config that is a symlink (dotfile managers) is written through to its target, so it stays a link.
+kapitsa's records hold the user's API keys: their folders are 0700 and their files 0600.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kapitsa.errors import KapitsaError
+from kapitsa.private_files import PRIVATE_FILE, atomic_write, make_private_dir, write_target
 
 KEEP_BACKUPS = 5
 Transform = Callable[[dict[str, Any]], dict[str, Any]]
@@ -62,28 +63,21 @@ def _parse(path: Path, raw: bytes | None) -> dict[str, Any]:
     return data
 
 
-def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Write via a temporary file in the same folder and rename, keeping the old file's permissions."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if mode is None:
-        mode = path.stat().st_mode & 0o777 if path.exists() else 0o600
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _replace_config(path: Path, data: bytes) -> None:
+    """The other program's file (a symlink's target) replaced atomically, its permissions kept."""
+    target = write_target(path)
+    mode = target.stat().st_mode & 0o777 if target.exists() else PRIVATE_FILE
+    atomic_write(path, data, mode=mode)
+
+
+def _write_record(path: Path, data: bytes) -> None:
+    make_private_dir(path.parent)
+    atomic_write(path, data)
 
 
 def _backup(managed: ManagedFile, raw: bytes) -> None:
-    folder = managed.state_dir / "backups"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{managed.path.name}.{time.time_ns()}").write_bytes(raw)
+    folder = make_private_dir(managed.state_dir / "backups")
+    _write_record(folder / f"{managed.path.name}.{time.time_ns()}", raw)
     for old in sorted(folder.iterdir())[:-KEEP_BACKUPS]:
         old.unlink(missing_ok=True)
 
@@ -91,11 +85,10 @@ def _backup(managed: ManagedFile, raw: bytes) -> None:
 def _remember_original(managed: ManagedFile, raw: bytes | None) -> None:
     if managed.original.exists() or managed.absent_marker.exists():
         return
-    managed.state_dir.mkdir(parents=True, exist_ok=True)
     if raw is None:
-        managed.absent_marker.write_text("")
+        _write_record(managed.absent_marker, b"")
     else:
-        managed.original.write_bytes(raw)
+        _write_record(managed.original, raw)
 
 
 def merge_json(
@@ -122,8 +115,8 @@ def merge_json(
         _remember_original(managed, raw)
         if raw is not None:
             _backup(managed, raw)
-        atomic_write(managed.path, data)
-        managed.last_written.write_text(hashlib.sha256(data).hexdigest())
+        _replace_config(managed.path, data)
+        _write_record(managed.last_written, hashlib.sha256(data).hexdigest().encode())
         return updated
     raise KapitsaError(f"{managed.path} kept changing while kapitsa tried to update it; try again")
 
@@ -142,7 +135,7 @@ def restore(managed: ManagedFile, remove_managed: Transform) -> str:
         managed.path.unlink()
         message = f"{managed.path}: removed (it did not exist before kapitsa)"
     elif untouched:
-        atomic_write(managed.path, managed.original.read_bytes())
+        _replace_config(managed.path, managed.original.read_bytes())
         message = f"{managed.path}: restored byte-for-byte"
     else:
         merge_json(managed, remove_managed)

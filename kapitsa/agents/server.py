@@ -14,6 +14,7 @@ from typing import Literal
 import httpx
 
 from kapitsa.errors import KapitsaError
+from kapitsa.private_files import PRIVATE_FILE, make_private_dir
 
 PORTS_TO_TRY = 20
 
@@ -121,13 +122,12 @@ def start_server(
     environ: Mapping[str, str] | None = None,
     serve_args: tuple[str, ...] = (),
 ) -> ServerHandle:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"serve-{port}.log"
+    log_path = make_private_dir(log_dir) / f"serve-{port}.log"  # owner only, like the rest of the state
     env = dict(environ if environ is not None else os.environ)
     if api_key:
         env["KAPITSA_API_KEY"] = api_key
     cmd = serve_command(model_ref, host, port, serve_args)
-    with log_path.open("ab") as log:
+    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE), "ab") as log:
         # A new session: the server outlives this launcher (which exec()s into the agent) and its terminal.
         process = subprocess.Popen(
             cmd,

@@ -1,9 +1,11 @@
 """Merging into another program's JSON config: unrelated keys kept, concurrent writers survive,
-restore is byte-for-byte when nobody touched the file since."""
+restore is byte-for-byte when nobody touched the file since, kapitsa's records are private, and a
+symlinked config stays a link."""
 
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -131,3 +133,47 @@ def test_a_file_that_never_settles_is_an_error(tmp_path: Path) -> None:
 
     with pytest.raises(KapitsaError, match="kept changing"):
         merge_json(managed, pi.upsert_provider(_ctx(tmp_path)), before_replace=always_write)
+
+
+@pytest.fixture
+def open_umask():
+    """The common umask, under which plain writes would be readable by everyone."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_records_and_backups_are_private(tmp_path: Path, open_umask) -> None:
+    managed = _managed(tmp_path)
+    managed.path.parent.mkdir()
+    managed.path.write_bytes(ORIGINAL)
+    merge_json(managed, pi.upsert_provider(_ctx(tmp_path, "27b")))
+    merge_json(managed, pi.upsert_provider(_ctx(tmp_path, "bolt")))
+    (backup, *_) = (managed.state_dir / "backups").iterdir()
+    assert {_mode(p) for p in (managed.original, managed.last_written, backup)} == {0o600}
+    assert _mode(managed.state_dir) == _mode(managed.state_dir / "backups") == 0o700
+
+
+def test_a_new_config_file_is_private(tmp_path: Path, open_umask) -> None:
+    managed = _managed(tmp_path)
+    merge_json(managed, pi.upsert_provider(_ctx(tmp_path)))
+    assert _mode(managed.path) == 0o600 and _mode(managed.path.parent) == 0o700
+
+
+def test_a_symlinked_config_stays_a_link_through_merge_and_restore(tmp_path: Path) -> None:
+    managed = _managed(tmp_path)
+    dotfiles = tmp_path / "dotfiles"
+    dotfiles.mkdir()
+    target = dotfiles / "models.json"
+    target.write_bytes(ORIGINAL)
+    managed.path.parent.mkdir()
+    managed.path.symlink_to(Path("..") / "dotfiles" / "models.json")  # relative, as dotfile managers make
+    merge_json(managed, pi.upsert_provider(_ctx(tmp_path)))
+    assert managed.path.is_symlink() and "kapitsa" in json.loads(target.read_text())["providers"]
+    assert "byte-for-byte" in restore(managed, pi.remove_managed)
+    assert managed.path.is_symlink() and target.read_bytes() == ORIGINAL
+    assert [p.name for p in dotfiles.iterdir()] == ["models.json"]  # no temporary file left

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -68,6 +69,8 @@ def test_starts_a_detached_server_and_waits_for_health(fake_serve, tmp_path: Pat
         assert fake_serve == [["27b", "127.0.0.1", str(port), "--speculative", "ngram"]]
         assert os.getsid(handle.pid) == handle.pid  # its own session: it outlives the launcher
         assert "serving 27b" in handle.log_path.read_text()  # type: ignore[union-attr]
+        assert stat.S_IMODE(handle.log_path.stat().st_mode) == 0o600  # type: ignore[union-attr]
+        assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
         again = server_mod.ensure_server(
             model_ref="27b",
             wanted_ids=("27b",),
