@@ -18,7 +18,15 @@ from kapitsa.agents import claude, codex, opencode, pi
 from kapitsa.agents.base import LaunchContext, exec_agent, find_binary
 from kapitsa.agents.context import PLACEHOLDER_KEY, default_context
 from kapitsa.agents.server import ServerHandle, ensure_server
-from kapitsa.catalog import Architecture, ResolvedModel, arch_for_folder, load_catalog, resolve_model
+from kapitsa.agents.window import WindowTooSmall, suggest_model, window_shortfall
+from kapitsa.catalog import (
+    Architecture,
+    Catalog,
+    ResolvedModel,
+    arch_for_folder,
+    load_catalog,
+    resolve_model,
+)
 from kapitsa.errors import KapitsaError
 from kapitsa.settings import KapitsaSettings
 
@@ -95,8 +103,18 @@ def prepare_launch(
         raise KapitsaError(f"unknown agent {agent!r}; known: {', '.join(AGENTS)}")
     env_in = dict(os.environ if environ is None else environ)
     binary = find_binary(module.BINARY, module.INSTALL, module.EXTRA_DIRS, env_in.get("PATH"))
-    model = resolve_model(model_ref, load_catalog(settings.catalog))
+    catalog = load_catalog(settings.catalog)
+    model = resolve_model(model_ref, catalog)
     local_path = ensure_weights(model) if ensure_weights else None
+    context, max_output = model_limits(model, local_path, usable_bytes, settings.num_checkpoints)
+    check_window(
+        agent,
+        model,
+        context,
+        catalog=catalog,
+        usable_bytes=usable_bytes,
+        num_checkpoints=settings.num_checkpoints,
+    )
     server = ensure_server(
         model_ref=model_ref,
         wanted_ids=(model_ref, model.display_name, model.repo_id or ""),
@@ -108,7 +126,6 @@ def prepare_launch(
         environ=env_in,
         serve_args=serve_args,
     )
-    context, max_output = model_limits(model, local_path, usable_bytes, settings.num_checkpoints)
     ctx = LaunchContext(
         base_url=server.base_url,
         model_id=server.model_id,
@@ -119,6 +136,28 @@ def prepare_launch(
         state_dir=settings.state_dir,
     )
     return _plan(agent, module, binary, ctx, server, args, env_in)
+
+
+def check_window(
+    agent: str,
+    model: ResolvedModel,
+    context_window: int,
+    *,
+    catalog: Catalog,
+    usable_bytes: int | None,
+    num_checkpoints: int,
+) -> None:
+    """Refuse, in one line, a model whose window cannot hold the agent's first request (it would get a 400),
+    naming a catalog model that can. Runs before any server starts."""
+    model_name = model.entry.alias if model.entry else model.display_name
+    shortfall = window_shortfall(agent, model_name, context_window)
+    if shortfall is None:
+        return
+    alias = suggest_model(
+        catalog, agent, exclude=model_name, usable_bytes=usable_bytes, num_checkpoints=num_checkpoints
+    )
+    hint = f"try `kapitsa {agent} --model {alias}`" if alias else "no catalog model holds it on this machine"
+    raise WindowTooSmall(f"{shortfall}; {hint}")
 
 
 def _plan(

@@ -145,9 +145,11 @@ class KapitsaApp(App):
 
     def action_launch(self) -> None:
         handle = self.engine_handle
-        self.push_screen(
-            LaunchScreen(AGENT_LABELS, server_url=f"{handle.url}/v1" if handle else None), self.launch_agent
+        too_small = self.services.agents_the_window_cannot_hold(handle) if handle else frozenset()
+        screen = LaunchScreen(
+            AGENT_LABELS, server_url=f"{handle.url}/v1" if handle else None, too_small=too_small
         )
+        self.push_screen(screen, self.launch_agent)
 
     def launch_agent(self, agent: str | None) -> None:
         if agent is None:
@@ -157,6 +159,9 @@ class KapitsaApp(App):
             self.show_error("Launch", "the engine is not running: start it first (s)")
             return
         try:
+            if shortfall := self.services.window_shortfall(agent, handle):
+                self.show_error(f"Launch {AGENT_LABELS[agent]}", shortfall)
+                return
             argv, env = self.services.agent_invocation(agent, handle)
             with self.suspend():
                 returncode = self.services.run_agent(argv, env)

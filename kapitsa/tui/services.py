@@ -149,6 +149,35 @@ class TuiServices:
         plan = launch.prepare_launch(agent, handle.model, [], settings=self.settings, api_key=handle.api_key)
         return list(plan.command), dict(plan.env)
 
+    def agents_the_window_cannot_hold(self, handle: EngineHandle) -> frozenset[str]:
+        """The agents whose first request the running model's window cannot hold."""
+        try:
+            window = _require("kapitsa.agents.window", "the agent launchers")
+        except Unavailable:
+            return frozenset()
+        served = handle.client.models()[0].context_length
+        return frozenset(a for a in AGENT_LABELS if window.window_shortfall(a, handle.model, served))
+
+    def window_shortfall(self, agent: str, handle: EngineHandle) -> str | None:
+        """Why `agent` would only get 400s from the running model (its window cannot hold the agent's first
+        request), naming a catalog model that can; None when the window holds it."""
+        window = _require("kapitsa.agents.window", "the agent launchers")
+        served = handle.client.models()[0].context_length
+        shortfall = window.window_shortfall(agent, handle.model, served)
+        if shortfall is None:
+            return None
+        hardware = self._hardware or _require("kapitsa.doctor", "doctor").probe_hardware()
+        alias = window.suggest_model(
+            self.catalog(),
+            agent,
+            exclude=handle.model.split(":")[0],
+            usable_bytes=hardware.usable_memory_bytes,
+            num_checkpoints=self.settings.num_checkpoints,
+        )
+        if alias is None:
+            return f"{shortfall}; no catalog model holds it on this machine"
+        return f"{shortfall}; stop the engine (s), then select {alias}, download it (d) and start it (s)"
+
     def run_agent(self, argv: list[str], env: dict[str, str]) -> int:
         """Run the agent in this terminal until it exits (the TUI is suspended around this)."""
         try:

@@ -161,7 +161,7 @@ def test_cli_launch_execs_the_agent(
                 "ssm_state_size": 16,
                 "n_groups": 1,
                 "vocab_size": 512,
-                "max_position_embeddings": 4096,
+                "max_position_embeddings": 16384,
             }
         )
     )
@@ -178,7 +178,7 @@ def test_cli_launch_execs_the_agent(
     command, env = exec_.call_args.args
     assert command[1:] == ["run", "x"]
     limits = json.loads(env["OPENCODE_CONFIG_CONTENT"])["provider"]["kapitsa"]["models"]["my-model"]["limit"]
-    assert limits["context"] == 4096  # the checkpoint's own window
+    assert limits["context"] == 16384  # the checkpoint's own window
 
 
 def test_cli_missing_agent_exits_with_the_install_hint(

@@ -6,7 +6,7 @@ import contextlib
 
 import httpx
 from textual.widgets import OptionList
-from tui_support import of_type, settle, wait_until
+from tui_support import FakeServices, of_type, settle, wait_until
 
 from kapitsa.errors import KapitsaError
 from kapitsa.tui.messages import AgentExited
@@ -107,3 +107,39 @@ async def test_unexpected_worker_errors_become_modals(make_app) -> None:
         await settle(pilot)
         assert isinstance(app.screen, ErrorModal) and "RuntimeError: boom" in app.screen.message
         assert app.is_running
+
+
+async def test_an_agent_the_window_cannot_hold_is_refused_in_one_line(
+    tmp_path, messages, monkeypatch
+) -> None:
+    from kapitsa.engine.fake import FakeEngine
+    from kapitsa.engine.types import ModelInfo
+    from kapitsa.tui.app import KapitsaApp
+
+    small = ModelInfo("4b", "fake", context_length=8192, max_output_tokens=4096)
+    services = FakeServices(tmp_path, engine_factory=lambda ref: FakeEngine(model=small))
+    app = KapitsaApp(services)
+    monkeypatch.setattr(app, "suspend", contextlib.nullcontext)
+    async with app.run_test(size=(80, 24), message_hook=messages.append) as pilot:
+        await settle(pilot)
+        await pilot.press("s")
+        await wait_until(pilot, lambda: app.engine_status == "running")
+        await pilot.press("a")
+        options = app.screen.query_one(OptionList)
+        labels = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+        assert labels == [
+            "opencode  (window too small)",
+            "Claude Code  (window too small)",
+            "Codex  (window too small)",
+            "pi",
+        ]
+        await pilot.press("down", "enter")  # Claude Code
+        await pilot.pause()
+        assert isinstance(app.screen, ErrorModal) and app.screen.title_text == "Launch Claude Code"
+        message = app.screen.message
+        assert "\n" not in message and "4b's context window is 8,192 tokens" in message
+        assert "then select " in message and "download it (d) and start it (s)" in message
+        assert services.agent_runs == []
+        await pilot.press("enter", "a", "down", "down", "down", "enter")  # pi's first request fits
+        await pilot.pause()
+        assert [argv[0] for argv, _ in services.agent_runs] == ["fake-pi"]

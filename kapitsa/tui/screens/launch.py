@@ -15,10 +15,13 @@ class LaunchScreen(ModalScreen[str | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, agents: dict[str, str], *, server_url: str | None) -> None:
+    def __init__(
+        self, agents: dict[str, str], *, server_url: str | None, too_small: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__()
         self.agents = agents
         self.server_url = server_url
+        self.too_small = too_small  # agents whose first request the model's window cannot hold
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="modal-box launch-box") as box:
@@ -29,9 +32,11 @@ class LaunchScreen(ModalScreen[str | None]):
                 else "the engine is not running: start it first (s)"
             )
             yield Static(f"{target}\nthe TUI comes back when the agent exits", id="launch-target")
-            yield OptionList(
-                *[Option(label, id=name) for name, label in self.agents.items()], id="agent-list"
-            )
+            yield OptionList(*[Option(self._label(name), id=name) for name in self.agents], id="agent-list")
+
+    def _label(self, name: str) -> str:
+        label = self.agents[name]
+        return f"{label}  (window too small)" if name in self.too_small else label
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
