@@ -192,5 +192,6 @@ def chat_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
 
 
 def thinking_choice(body: MessagesRequest) -> bool | None:
+    """`enabled`/`disabled` ask; `adaptive` (what Claude Code sends) leaves it to the model's template."""
     kind = (body.thinking or {}).get("type")
-    return None if kind is None else kind != "disabled"
+    return None if kind in (None, "adaptive") else kind != "disabled"

@@ -75,11 +75,24 @@ def test_responses_answer_in_output_text(demo: LiveServer) -> None:
     assert [item.type for item in out.output] == ["message"]
 
 
-def test_anthropic_message_has_a_text_block(demo: LiveServer) -> None:
+@pytest.mark.parametrize("thinking", [None, {"type": "adaptive"}], ids=["unset", "adaptive"])
+def test_anthropic_message_has_a_text_block(demo: LiveServer, thinking: dict | None) -> None:
     claude = anthropic.Anthropic(base_url=demo.url, api_key="x", max_retries=0, timeout=60)
-    out = claude.messages.create(model="demo", max_tokens=16, messages=ASK)  # type: ignore[arg-type]
+    extra = {"extra_body": {"thinking": thinking}} if thinking else {}
+    out = claude.messages.create(model="demo", max_tokens=16, messages=ASK, **extra)  # type: ignore[arg-type]
     assert [block.type for block in out.content] == ["text"]
     assert out.content[0].text  # type: ignore[union-attr]
+
+
+def test_anthropic_thinking_enabled_starts_a_thinking_block(demo: LiveServer) -> None:
+    claude = anthropic.Anthropic(base_url=demo.url, api_key="x", max_retries=0, timeout=60)
+    out = claude.messages.create(
+        model="demo",
+        max_tokens=16,
+        messages=ASK,  # type: ignore[arg-type]
+        extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    )
+    assert out.content[0].type == "thinking"
 
 
 def test_asking_for_thinking_routes_to_reasoning(demo: LiveServer) -> None:
