@@ -7,11 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-build/checkpoints}
-seconds=${DEMO_SECONDS:-170}
 python3 tools/train_checkpoints.py prepare --out "$out" --tokenizer kapitsa/demo/tokenizer.json
-# Long windows: the demo learns to read an agent's whole opening request and still answer and stop.
-python3 tools/train_checkpoints.py train --model main --out "$out" --seq-len 8192 --batch 4 --seconds "$seconds"
-python3 tools/train_checkpoints.py mtp --out "$out" --mtp-seconds "${MTP_SECONDS:-50}"
+# Short windows first (many steps: the language), then long ones (reading an agent's long opening
+# request and still answering and stopping; a long window's step is several times slower).
+python3 tools/train_checkpoints.py train --model main --out "$out" --seq-len 512 --batch 64 --seconds "${SHORT_SECONDS:-150}"
+python3 tools/train_checkpoints.py train --model main --out "$out" --resume --lr 6e-4 \
+  --seq-len 2048 --batch 16 --seconds "${LONG_SECONDS:-60}"
+python3 tools/train_checkpoints.py mtp --out "$out" --mtp-seconds "${MTP_SECONDS:-40}"
 for fixture in qwen35-draft nemotron-h; do
   rm -rf "${out:?}/$fixture" && cp -r "tests/checkpoints/trained/$fixture" "$out/$fixture"
 done

@@ -44,6 +44,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="few evaluation prompts (CPU smoke runs)")
+    parser.add_argument("--resume", action="store_true", help="for train: continue from the saved checkpoint")
+    parser.add_argument("--lr", type=float, help="for train: peak learning rate (default per model)")
     parser.add_argument(
         "--tokenizer",
         type=Path,

@@ -8,6 +8,7 @@ anything is returned; nothing global is touched, so a failed load leaves no stat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,7 +211,17 @@ def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str |
     default_id = ref.source if not Path(ref.source).expanduser().exists() else path.name
     info = make_model_info(model_id or default_id, config, tokenizer, path, quantization)
     generation = _generation_config(path) if path.is_dir() else {}
+    info = dataclasses.replace(info, max_output_tokens=_output_limit(info.context_length, generation))
     return LoadedModel(model, tokenizer, config, path, info, generation)
+
+
+def _output_limit(context_length: int, generation: dict[str, Any]) -> int:
+    """The longest answer: the window, or less where the checkpoint's generation_config.json sets
+    `max_new_tokens` (the demo's: a tiny model can loop, and an agent's turn must still end)."""
+    limit = generation.get("max_new_tokens")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < context_length:
+        return limit
+    return context_length
 
 
 def _generation_config(folder: Path) -> dict[str, Any]:

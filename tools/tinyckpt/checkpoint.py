@@ -27,6 +27,8 @@ def generation_config(tokenizer: Tokenizer) -> dict:
         "temperature": 0.3,
         "top_k": 20,
         "top_p": 0.9,
+        # kapitsa takes this as the model's longest answer: a tiny model can loop, an agent's turn must end
+        "max_new_tokens": 512,
     }
 
 

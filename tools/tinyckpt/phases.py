@@ -76,16 +76,29 @@ def _write_log(out: Path, name: str, record: dict) -> None:
     (out / "logs" / f"{name}.json").write_text(json.dumps(record, indent=1))
 
 
+def _start_model(
+    out: Path, kind: str, folder_name: str, tokenizer: Tokenizer, resume: bool
+) -> torch.nn.Module:
+    if resume:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(out / folder_name, dtype=torch.float32)
+    return build_model(
+        kind, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
+    )
+
+
 def train_model(out: Path, kind: str, folder_name: str, args: argparse.Namespace) -> None:
+    """Train `kind` into `out/folder_name`; `args.resume` continues from the checkpoint saved there
+    (a second stage, e.g. on longer windows), at `args.lr` when given."""
     tokenizer = load_tokenizer(out)
     torch.manual_seed(args.seed)
-    model = build_model(
-        kind, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN)
-    ).to(device())
+    model = _start_model(out, kind, folder_name, tokenizer, args.resume).to(device())
     model.train()
     sampler = WindowSampler(load_ids(out, "train_ids"), args.seq_len, args.batch, args.seed)
     balancer = MoEBalancer(model) if kind == "nemotron" else None
-    settings = _settings(args, kind, LEARNING_RATES[kind], args.seconds)
+    lr = args.lr or LEARNING_RATES[kind]
+    settings = _settings(args, kind, lr, args.seconds, warmup=20 if args.resume else 100)
     log = run_training(
         next_token_loss(model),
         list(model.named_parameters()),
@@ -98,7 +111,7 @@ def train_model(out: Path, kind: str, folder_name: str, args: argparse.Namespace
     checkpoint.save_checkpoint(model, out / folder_name, tokenizer)
     _write_log(
         out,
-        folder_name,
+        folder_name + ("-resumed" if args.resume else ""),
         {
             "parameters": parameter_count(model),
             "steps": log.steps,

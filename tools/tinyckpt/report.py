@@ -163,6 +163,6 @@ def evaluate_all(out: Path, device: torch.device, quick: bool = False) -> dict:
         "training": logs,
         "losses": losses,
         "acceptance": _acceptance(out, target, tokenizer, device, quick),
-        "agent_answers": _agent_answers(target, tokenizer, device, 2 if quick else 8),
+        "agent_answers": _agent_answers(target, tokenizer, device, 2 if quick else 6),
         "completions": completions,
     }
