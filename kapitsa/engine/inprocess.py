@@ -23,6 +23,7 @@ from kapitsa.engine.prepare import prepare_prompt
 from kapitsa.engine.prompt_encoder import PromptEncoder
 from kapitsa.engine.sequence import Sequence
 from kapitsa.engine.stop import StopMatcher
+from kapitsa.engine.token_checks import check_request_token_ids, model_vocab_size
 from kapitsa.engine.types import (
     EngineStats,
     ErrorEvent,
@@ -59,7 +60,8 @@ class InProcessEngine:
     ) -> None:
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer)
-        self.info = info
+        vocab_size = model_vocab_size(model) or info.vocab_size
+        self.info = dataclasses.replace(info, vocab_size=vocab_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.engine = Engine(model, config, decode=decode)
         self._preparing: dict[str, bool] = {}  # request id -> aborted while its prompt was being prepared
@@ -165,6 +167,7 @@ class InProcessEngine:
         prepared = prepare_prompt(self.tokenizer, request, encode=self.encoder.encode)
         if not prepared.ids:
             raise InvalidRequest("the prompt is empty")
+        check_request_token_ids(request, prepared.ids, self.info.vocab_size)
         params = request.sampling
         check_context(len(prepared.ids), self.info.context_length)
         max_tokens, reserve = self._output_limit(len(prepared.ids), params.max_tokens)

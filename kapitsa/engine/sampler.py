@@ -17,6 +17,7 @@ import mlx.core as mx
 from kapitsa.engine.types import SamplingParams
 
 _NEG_INF = float("-inf")
+_SEED_RANGE = 2**64
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,7 +38,7 @@ class SequenceSampler:
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self._key = mx.random.key(seed)
+        self._key = mx.random.key(seed % _SEED_RANGE)  # OpenAI takes any integer; MLX a uint64
         self._prompt_ids = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
         self._output_counts: Counter[int] = Counter()
         bias = params.logit_bias

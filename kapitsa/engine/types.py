@@ -24,7 +24,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
+    seed: int | None = None  # any integer; the sampler reduces it modulo 2**64 (what `mx.random.key` takes)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int | None = None  # None = up to the context window
@@ -165,6 +165,7 @@ class ModelInfo:
     thinking_prompt: ThinkingPrompt = field(default_factory=ThinkingPrompt)
     path: str | None = None
     quantization: str | None = None
+    vocab_size: int | None = None  # rows of the model's embedding: token ids must lie in [0, vocab_size)
 
 
 @dataclass(slots=True, frozen=True)
