@@ -209,9 +209,9 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
     keeps_dense_copy = False  # set per layer by route_quantized_linears (CPU BLAS route)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
+            return y
         rows = math.prod(x.shape[:-1])
-        if cpu_blas.takes_rows(rows):
-            return cpu_blas.linear(self, x, keep=self.keeps_dense_copy)
         if not routes_enabled():
             return super().__call__(x)
         route = route_for(rows, self, x)
@@ -326,8 +326,8 @@ class RoutedLinear(nn.Linear):
     keeps_dense_copy = False
 
     def __call__(self, x: mx.array) -> mx.array:
-        if cpu_blas.takes_rows(math.prod(x.shape[:-1])):
-            return cpu_blas.linear(self, x, keep=self.keeps_dense_copy)
+        if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
+            return y
         return super().__call__(x)
 
 

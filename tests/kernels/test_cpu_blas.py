@@ -70,3 +70,15 @@ def test_routed_layers_take_it_only_past_compiled_sizes(on_cpu) -> None:
     assert getattr(dense, "_blas_copy", None) is None  # stock path below MIN_ROWS
     assert _rel_err(dense(many), many @ dense.weight.T + dense.bias) < 1e-5
     assert (getattr(dense, "_blas_copy", None) is not None) == dense.keeps_dense_copy
+
+
+def test_inside_a_compiled_function_the_ops_run(on_cpu) -> None:
+    model = nn.Sequential(nn.QuantizedLinear(64, 32, group_size=64, bits=4))
+    qlinear.route_quantized_linears(model)
+    x = mx.random.normal((1, 2 * cpu_blas.MIN_ROWS, 64))
+    compiled = mx.compile(lambda h: model(h))
+    assert _rel_err(compiled(x), model.layers[0](x)) < 1e-5
+    q = mx.random.normal((1, 2, 64, 16))
+    k = v = mx.random.normal((1, 2, 2048, 16))
+    with pytest.raises(cpu_blas.Traced):
+        mx.compile(lambda a, b, c: cpu_blas.attention(a, b, c, scale=0.25, causal=True))(q, k, v)

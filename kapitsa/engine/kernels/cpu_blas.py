@@ -8,8 +8,9 @@ through NumPy on float32 copies; everything else (and every product inside an `m
 trace, where nothing may be evaluated) stays on MLX's ops, which are the reference
 (tests/engine/test_cpu_blas.py compares them).
 
-The callers evaluate their inputs here (NumPy reads the buffer), so only eager paths use it:
-prefill chunks and long verification forwards, never a compiled decode step.
+NumPy reads evaluated buffers, so only eager paths can use it: prefill chunks and long forwards.
+Inside an `mx.compile` trace the read raises (`host_array` turns that into `Traced`) and the
+caller runs MLX's op instead, which the trace then records.
 """
 
 from __future__ import annotations
@@ -25,14 +26,30 @@ ATTENTION_MIN_SCORES = 1 << 16  # query rows x keys below which MLX's own attent
 QUERY_BLOCK = 256  # query rows per attention block: scores stay ~tens of MB at 100k keys
 
 
+class Traced(Exception):
+    """An input cannot be read on the host: the call is being traced (`mx.compile`, `vmap`)."""
+
+
+def host_array(x: mx.array) -> np.ndarray:
+    """x as float32 NumPy (evaluating it); raises `Traced` inside a function transformation."""
+    try:
+        return np.asarray(x.astype(mx.float32))
+    except ValueError as err:
+        if "transformation" in str(err) or "compile" in str(err):
+            raise Traced from err
+        raise
+
+
 def on_cpu() -> bool:
     """Whether MLX computes on its CPU device (no GPU backend in use)."""
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def takes_rows(rows: int) -> bool:
-    """Whether a linear call of `rows` input rows goes through BLAS here."""
-    return rows >= MIN_ROWS and on_cpu()
+def takes_rows(x: mx.array) -> bool:
+    """Whether a call on x `[..., tokens, features]` (or `[tokens, ...]`) goes through BLAS here:
+    more tokens than a compiled step carries, on the CPU device."""
+    tokens = x.shape[-2] if x.ndim >= 3 else x.shape[0]
+    return tokens >= MIN_ROWS and on_cpu()
 
 
 @dataclass(slots=True)
@@ -81,14 +98,17 @@ def dense_bytes(layer: nn.Module) -> int:
 def matmul_t(x: mx.array, weight_t: np.ndarray) -> mx.array:
     """`x @ weight_t` for x `[..., in]` in float32 through BLAS; returned in x's dtype."""
     lead = x.shape[:-1]
-    rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
+    rows = host_array(x).reshape(-1, x.shape[-1])
     product = rows @ weight_t
     return mx.array(product.reshape(*lead, weight_t.shape[1])).astype(x.dtype)
 
 
-def linear(layer: nn.Module, x: mx.array, *, keep: bool) -> mx.array:
-    """`layer(x)` through BLAS (bias included)."""
-    y = matmul_t(x, dense_weight_t(layer, keep=keep))
+def linear(layer: nn.Module, x: mx.array, *, keep: bool) -> mx.array | None:
+    """`layer(x)` through BLAS (bias included); None inside a trace (the caller runs the layer's op)."""
+    try:
+        y = matmul_t(x, dense_weight_t(layer, keep=keep))
+    except Traced:
+        return None
     if "bias" in layer:
         y = y + layer["bias"]
     return y
@@ -102,15 +122,14 @@ def attention_takes(q: mx.array, k: mx.array, mask: object) -> bool:
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool) -> mx.array:
-    """Softmax attention of q `[B, H, T, D]` over k/v `[B, Hkv, L, D]` (H a multiple of Hkv),
+    """(Raises `Traced` inside a trace.) Softmax attention of q `[B, H, T, D]` over k/v `[B, Hkv, L, D]` (H a multiple of Hkv),
     `causal` bottom-right aligned as in `mx.fast.scaled_dot_product_attention` (query t sees keys
     up to L - T + t). Float32 throughout; returned `[B, H, T, D]` in q's dtype."""
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     group = H // Hkv
-    qn = np.asarray(q.astype(mx.float32)).reshape(B, Hkv, group, T, D)
-    kn = np.asarray(k.astype(mx.float32))
-    vn = np.asarray(v.astype(mx.float32))
+    qn = host_array(q).reshape(B, Hkv, group, T, D)
+    kn, vn = host_array(k), host_array(v)
     out = np.empty((B, Hkv, group, T, D), dtype=np.float32)
     for b in range(B):
         for start in range(0, T, QUERY_BLOCK):

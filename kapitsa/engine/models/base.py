@@ -168,9 +168,8 @@ class Attention(nn.Module):
     def _sdpa(self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo) -> mx.array:
         B, _, T, _ = q.shape
         mask = info.attention_mask
-        if cpu_blas.attention_takes(q, k, mask):
-            out = cpu_blas.attention(q, k, v, scale=self.scale, causal=mask is not None)
-        else:
+        out = _cpu_attention(q, k, v, self.scale, mask) if cpu_blas.attention_takes(q, k, mask) else None
+        if out is None:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
 
@@ -215,6 +214,13 @@ class Attention(nn.Module):
         else:
             q, k = self.rotate(q, k, info.rope_offsets)
         return self.finish(self.attend(q, k, v, info, cache), gate)
+
+
+def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: object) -> mx.array | None:
+    try:
+        return cpu_blas.attention(q, k, v, scale=scale, causal=mask is not None)
+    except cpu_blas.Traced:
+        return None
 
 
 # -- compiled decode steps ------------------------------------------------------------------

@@ -15,6 +15,9 @@ from functools import cache, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from kapitsa.engine.kernels import cpu_blas
+from kapitsa.engine.kernels.cpu_gdn import gated_delta_chunked
+
 
 @partial(mx.compile, shapeless=True)  # one fused kernel per decode step instead of six
 def gdn_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
@@ -80,11 +83,16 @@ def gated_delta(
 ) -> tuple[mx.array, mx.array]:
     """Same contract as `gated_delta_reference`, through `mx.fast.gated_delta_update` (a fused
     sequential kernel; the state stays float32). Falls back to the reference where the build
-    lacks the kernel."""
+    lacks the kernel. Long chains on the CPU device take the chunked BLAS form (kernels/cpu_gdn.py)."""
     if state is None:
         B, _, _, Dk = q.shape
         Hv, Dv = v.shape[-2:]
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if cpu_blas.on_cpu() and q.shape[1] >= cpu_blas.MIN_ROWS:
+        try:
+            return gated_delta_chunked(q, k, v, g, beta, state, mask)
+        except cpu_blas.Traced:
+            pass
     if fast_kernel_works():
         y, new_state = mx.fast.gated_delta_update(q, k, v, g, beta, state, mask)
         return y, new_state
