@@ -38,11 +38,13 @@ from kapitsa.server.common import (
     usage_cached,
 )
 from kapitsa.server.errors import ApiError, anthropic_error_body, api_error_from_kapitsa
+from kapitsa.server.input_checks import check_prompt_size
+from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
 from kapitsa.server.streaming import ClientGone, GenerationRun
 from kapitsa.server.tool_calls import ToolCall
 
-router = APIRouter()
+router = APIRouter(route_class=WellFormedJsonRoute)
 
 
 def anthropic_usage(usage: Usage) -> dict[str, Any]:
@@ -239,6 +241,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     client = state_of(request).client
     model = resolve_model(client, body.model, anthropic=True)
     gen = to_generation_request(body, model)
+    check_prompt_size(gen, model)
     return {"input_tokens": await client.count_tokens(gen)}
 
 

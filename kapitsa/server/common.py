@@ -12,6 +12,8 @@ from fastapi import Request
 from kapitsa.engine.client import EngineClient
 from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams, Usage
 from kapitsa.errors import ContextOverflow, InvalidRequest, ModelNotFound
+from kapitsa.server.errors import param_error
+from kapitsa.server.input_checks import check_prompt_size, logit_bias_pairs
 from kapitsa.server.settings import ServerSettings
 from kapitsa.server.streaming import ClientGone, GenerationRun
 
@@ -63,6 +65,7 @@ def openai_sampling(
         stop=stop,
         max_tokens=max_tokens,
         logprobs=logprobs,
+        logit_bias=logit_bias_pairs(body.logit_bias, model) or None,
     )
 
 
@@ -75,13 +78,6 @@ def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
         return SamplingParams(**given)
     except ValueError as exc:
         raise param_error(str(exc).split(" ")[0], str(exc)) from None
-
-
-def param_error(param: str, message: str) -> InvalidRequest:
-    """An `InvalidRequest` that names the offending field (OpenAI's `error.param`)."""
-    err = InvalidRequest(message)
-    err.param = param  # type: ignore[attr-defined]
-    return err
 
 
 def thinking_kwargs(enabled: bool | None) -> tuple[tuple[str, Any], ...]:
@@ -111,6 +107,7 @@ async def start_run(request: Request, gen: GenerationRequest) -> GenerationRun:
 
 async def _start(request: Request, gen: GenerationRequest) -> GenerationRun:
     state = state_of(request)
+    check_prompt_size(gen, resolve_model(state.client, gen.model))
     run = GenerationRun(state.client, gen, request.receive, keepalive_s=state.settings.keepalive_s)
     await run.start(first_event_wait_s=state.settings.first_event_wait_s)
     return run

@@ -70,6 +70,13 @@ class ApiError(Exception):
         return self.message
 
 
+def param_error(param: str, message: str) -> InvalidRequest:
+    """An `InvalidRequest` that names the offending field (OpenAI's `error.param`)."""
+    err = InvalidRequest(message)
+    err.param = param  # type: ignore[attr-defined]
+    return err
+
+
 def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 

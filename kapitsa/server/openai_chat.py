@@ -27,12 +27,13 @@ from kapitsa.server.common import (
     usage_cached,
 )
 from kapitsa.server.errors import api_error_from_kapitsa, openai_error_body
+from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.openai_models import ChatRequest
 from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
 from kapitsa.server.streaming import ClientGone, GenerationRun
 from kapitsa.server.tool_calls import ToolCall
 
-router = APIRouter()
+router = APIRouter(route_class=WellFormedJsonRoute)
 
 
 # ---- response rendering (pure) -------------------------------------------------------------------------

@@ -24,12 +24,14 @@ from kapitsa.server.common import (
     state_of,
     steps,
 )
+from kapitsa.server.input_checks import check_prompt_ids
+from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.openai_chat import failure_frames, openai_usage
 from kapitsa.server.openai_models import CompletionRequest
 from kapitsa.server.output import TextPart
 from kapitsa.server.streaming import ClientGone, GenerationRun
 
-router = APIRouter()
+router = APIRouter(route_class=WellFormedJsonRoute)
 
 
 class RawParser:
@@ -58,6 +60,7 @@ def to_generation_request(body: CompletionRequest, model: ModelInfo) -> Generati
     request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     if isinstance(prompt, str):
         return GenerationRequest(prompt=prompt, sampling=sampling, model=model.id, request_id=request_id)
+    check_prompt_ids(prompt, model)
     return GenerationRequest(
         prompt_token_ids=tuple(prompt), sampling=sampling, model=model.id, request_id=request_id
     )  # type: ignore[arg-type]

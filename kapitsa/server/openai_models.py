@@ -73,8 +73,9 @@ class SamplingFields(_Lenient):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
+    seed: int | None = None  # any integer (the engine reduces it modulo 2**64)
     stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=1)
 
 

@@ -27,12 +27,13 @@ from kapitsa.server.common import (
     thinking_active,
     thinking_kwargs,
 )
+from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser
 from kapitsa.server.responses_events import ResponseBuilder
 from kapitsa.server.responses_input import ResponsesRequest, build_messages, function_tools, thinking_choice
 from kapitsa.server.streaming import ClientGone, GenerationRun
 
-router = APIRouter()
+router = APIRouter(route_class=WellFormedJsonRoute)
 
 
 @router.post("/v1/responses")

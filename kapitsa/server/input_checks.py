@@ -1,0 +1,74 @@
+"""Checks at the API edge that keep hostile values from the engine: token ids and logit biases outside
+the vocabulary, and prompts so long that they cannot fit, refused before they are rendered or tokenized
+(tokenizing a 10 MB prompt takes seconds of a core)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kapitsa.engine.token_checks import check_token_ids
+from kapitsa.engine.types import GenerationRequest, ModelInfo
+from kapitsa.errors import ContextOverflow, InvalidRequest
+from kapitsa.server.errors import param_error
+
+MAX_CHARS_PER_TOKEN = 64
+"""Code and prose average 3-4 characters a token, and the demo vocabulary's longest token (a run of `#`)
+has 64: a prompt of more than `context_length * 64` characters cannot fit unless it were nearly all
+such runs, so it is refused without tokenizing it."""
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
+
+
+def check_prompt_ids(ids: Sequence[int], model: ModelInfo) -> None:
+    """A token-id prompt (`/v1/completions`) must name rows of the model's vocabulary."""
+    try:
+        check_token_ids(ids, model.vocab_size, where="`prompt`")
+    except InvalidRequest as err:
+        raise param_error("prompt", str(err)) from None
+
+
+def logit_bias_pairs(bias: dict[str, float] | None, model: ModelInfo) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` ({"token id": bias}) as (id, bias) pairs; a bad id or bias is a 400."""
+    if not bias:
+        return ()
+    pairs = []
+    for key, value in bias.items():
+        token_id = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token_id is None:
+            raise param_error("logit_bias", f"logit_bias keys are token ids; {key!r} is not an integer.")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise param_error("logit_bias", f"logit_bias values lie in [-100, 100]; {key!r} has {value}.")
+        pairs.append((token_id, float(value)))
+    try:
+        check_token_ids([i for i, _ in pairs], model.vocab_size, where="`logit_bias`")
+    except InvalidRequest as err:
+        raise param_error("logit_bias", str(err)) from None
+    return tuple(pairs)
+
+
+def prompt_chars(request: GenerationRequest) -> int:
+    """Characters the rendered prompt holds at least: the prompt, or every message's content (templates
+    may drop old reasoning, never content)."""
+    if request.prompt is not None:
+        return len(request.prompt)
+    return sum(len(m["content"]) for m in request.messages or () if isinstance(m.get("content"), str))
+
+
+def check_prompt_size(request: GenerationRequest, model: ModelInfo) -> None:
+    """Refuse, from its length alone, a prompt that cannot fit the window (`ContextOverflow`, so clients
+    that compact on "prompt is too long" do). Prompts that may fit are left to the engine's exact count."""
+    window = model.context_length
+    if request.prompt_token_ids is not None and len(request.prompt_token_ids) >= window:
+        count = len(request.prompt_token_ids)
+        raise ContextOverflow(
+            count, window, f"prompt is too long: {count} tokens, the model's context is {window}"
+        )
+    chars = prompt_chars(request)
+    if chars > window * MAX_CHARS_PER_TOKEN:
+        at_least = chars // MAX_CHARS_PER_TOKEN
+        raise ContextOverflow(
+            at_least,
+            window,
+            f"prompt is too long: {chars} characters are at least {at_least} tokens, the model's context "
+            f"is {window} tokens",
+        )
