@@ -131,7 +131,10 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids (as in transformers)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL while Rust works (`encode` holds it): a long prompt tokenized
+        # on a worker thread then leaves the event loop free. The fast variant skips unused offsets.
+        encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
