@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.prompt import fold_system_messages, strip_attribution
 from kapitsa.server.settings import MAX_MESSAGES
+from kapitsa.server.tool_schema import check_tool_schema
 
 _UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 log = logging.getLogger("kapitsa.server")
@@ -164,13 +165,15 @@ def chat_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
     if choice == "none":
         return None
     tools = []
-    for tool in body.tools or []:
+    for index, tool in enumerate(body.tools or []):
         # Server tools (web_search_2025…, bash_2025…) have their own `type`; the local model cannot run them.
-        if tool.get("type") not in (None, "custom") or not isinstance(tool.get("name"), str):
+        if tool.get("type") not in (None, "custom"):
             continue
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise InvalidRequest(f"`tools[{index}].name` must be a non-empty string.")
         schema = (
-            tool.get("input_schema")
-            if isinstance(tool.get("input_schema"), dict)
+            check_tool_schema(tool["input_schema"], f"tools[{index}].input_schema")
+            if "input_schema" in tool
             else {"type": "object", "properties": {}}
         )
         tools.append(

@@ -9,6 +9,7 @@ from kapitsa.engine.types import GenerationRequest, ModelInfo
 from kapitsa.server.common import flatten_text, openai_sampling, param_error, thinking_kwargs
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
+from kapitsa.server.tool_schema import check_tool_schema
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -44,7 +45,11 @@ def _assistant_message(m: ChatMessage, text: str) -> dict[str, Any]:
 
 def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
     """The function tools the model may call, after `tool_choice` (a named tool narrows the list)."""
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or [] if t.type == "function" and t.function]
+    tools = [
+        _checked(i, t.model_dump(exclude_none=True))
+        for i, t in enumerate(body.tools or [])
+        if t.type == "function" and t.function
+    ]
     if body.tool_choice == "none" or not tools:
         return None
     if isinstance(body.tool_choice, dict):
@@ -53,6 +58,12 @@ def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
         if not tools:
             raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
     return tools
+
+
+def _checked(index: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if "parameters" in tool["function"]:
+        check_tool_schema(tool["function"]["parameters"], f"tools[{index}].function.parameters")
+    return tool
 
 
 def chat_thinking(body: ChatRequest) -> bool | None:

@@ -15,6 +15,7 @@ from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import flatten_text
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 from kapitsa.server.settings import MAX_MESSAGES
+from kapitsa.server.tool_schema import check_tool_schema
 
 log = logging.getLogger("kapitsa.server")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
@@ -159,8 +160,8 @@ def function_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]], dict[s
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
     params = (
-        tool.get("parameters")
-        if isinstance(tool.get("parameters"), dict)
+        check_tool_schema(tool["parameters"], f"tools.{tool['name']}.parameters")
+        if tool.get("parameters") is not None
         else {"type": "object", "properties": {}}
     )
     return {
