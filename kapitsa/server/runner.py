@@ -21,11 +21,12 @@ _HEADER_LIMIT = 64 * 1024  # uvicorn's h11 header cap, in bytes (431 above it)
 
 
 def check_bind(settings: ServerSettings) -> None:
-    """A non-loopback bind without a token would hand the machine's model to the whole network."""
-    if not is_loopback_host(settings.host) and not settings.api_key:
+    """A non-loopback bind without a token would hand the machine's model to the whole network; a blank
+    token (an empty variable, a stray space) is no token."""
+    if not is_loopback_host(settings.host) and not (settings.api_key or "").strip():
         raise InvalidRequest(
-            f"Refusing to listen on {settings.host} without a token: set KAPITSA_API_KEY (clients then send it as "
-            "`Authorization: Bearer …` or `x-api-key`), or bind to 127.0.0.1."
+            f"Refusing to listen on {settings.host} without a token: set KAPITSA_API_KEY to a non-blank token "
+            "(clients then send it as `Authorization: Bearer …` or `x-api-key`), or bind to 127.0.0.1."
         )
 
 

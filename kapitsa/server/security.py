@@ -66,7 +66,9 @@ class SecurityMiddleware:
         bind = settings.host.lower()
         self.allowed_hosts = LOOPBACK_NAMES | {h.lower() for h in settings.allowed_hosts} | {bind}
         self.cors_origins = frozenset(o.rstrip("/") for o in settings.cors_origins)
-        self.token = settings.api_key.encode() if settings.api_key else None
+        # Presented tokens are compared stripped, so the key is too; a blank key is no key.
+        key = (settings.api_key or "").strip()
+        self.token = key.encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
