@@ -1,4 +1,4 @@
-"""A real uvicorn server over a FakeEngine, for the server tests."""
+"""A real uvicorn server over a FakeEngine or a real tiny engine, for the server tests."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from kapitsa.engine.fake import FakeEngine
 from kapitsa.server.runner import make_server
@@ -43,3 +45,30 @@ def live_server(engine: FakeEngine | None = None, **settings: object) -> Iterato
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def open_tiny_engine(folder: Path, kind: str = "qwen3_5", **checkpoint: Any) -> Any:
+    """A real `InProcessEngine` over a tiny random checkpoint written to `folder` and read back by the
+    real loading code (tokenizer.json, chat template, generation_config)."""
+    from kapitsa.engine.engine import EngineConfig
+    from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.tiny import write_tiny_checkpoint
+
+    loaded = load_model(write_tiny_checkpoint(folder, kind, **checkpoint))  # type: ignore[arg-type]
+    return InProcessEngine.from_loaded(loaded, config=EngineConfig(prefill_chunk=64))
+
+
+def assert_error_shape(path: str, response: Any, status: int, param: str | None = None) -> dict[str, Any]:
+    """`response` is a `status` error in the shape of the API `path` belongs to; returns its body."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    else:
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        if param is not None:
+            assert body["error"]["param"] == param, body
+    assert body["error"]["message"], body
+    return body  # type: ignore[no-any-return]
