@@ -285,6 +285,11 @@ class Engine:
             seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
         self.stats.prompt_cached += seq.num_cached_tokens
         self._plan_checkpoints(seq)
+        seq.emit(
+            PrefillProgressEvent(
+                seq.request_id, seq.num_processed, seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens
+            )
+        )
 
     def _plan_checkpoints(self, seq: Sequence) -> None:
         """Add a branch boundary where the tree's KV runs past its checkpoints, and periodic ones."""
@@ -313,6 +318,7 @@ class Engine:
             kind=boundary.kind,
             next_logits=logits,
         )
+        seq.num_checkpointed_tokens = max(seq.num_checkpointed_tokens, pos)
 
     def _checkpoint_final(self, seq: Sequence, cache: HybridCache | None) -> None:
         """Keep the state at the end of a response hot: the agent's next request extends it."""
@@ -483,6 +489,7 @@ def _usage(seq: Sequence) -> Usage:
         prompt_tokens=seq.num_prompt_tokens,
         completion_tokens=len(seq.output_ids),
         cached_tokens=seq.num_cached_tokens,
+        cache_write_tokens=max(0, seq.num_checkpointed_tokens - seq.num_cached_tokens),
         prefill_seconds=max(0.0, prefill_end - seq.prefill_started) if seq.prefill_started else 0.0,
         decode_seconds=max(0.0, seq.finished_at - prefill_end) if seq.prefill_done_at else 0.0,
     )

@@ -102,6 +102,8 @@ class FakeEngine:
                 yield ErrorEvent(request.request_id, reply.error)
                 return
             finish: FinishReason = reply.finish_reason
+            cached = min(reply.cached_tokens, prompt_tokens)
+            yield PrefillProgressEvent(request.request_id, cached, prompt_tokens, cached_tokens=cached)
             async for progress in _prefill(request.request_id, prompt_tokens, reply.prefill_s, aborted):
                 yield progress
             limit = request.sampling.max_tokens
@@ -128,7 +130,7 @@ class FakeEngine:
             usage = Usage(
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(emitted),
-                cached_tokens=min(reply.cached_tokens, prompt_tokens),
+                cached_tokens=cached,
                 decode_seconds=time.perf_counter() - started,
             )
             stop_hit = _stop_hit(reply.chunks, request.sampling.stop)

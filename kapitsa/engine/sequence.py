@@ -84,6 +84,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    num_checkpointed_tokens: int = 0  # the prompt's longest prefix this request checkpointed
     num_processed: int = 0  # tokens folded into the cache (prompt, then fed output)
     cache: Any = None  # batch-1 model cache while prefilling
     reserved_bytes: int = 0

@@ -90,6 +90,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not recomputed)
+    cache_write_tokens: int = 0  # prompt tokens past the cached ones that this request checkpointed
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_tokens_proposed: int = 0
@@ -113,11 +114,13 @@ class TokenEvent:
 
 @dataclass(slots=True, frozen=True)
 class PrefillProgressEvent:
-    """Prompt processing advanced (sent between prefill chunks); lets servers keep streams alive."""
+    """Prompt processing advanced: sent once when the prefill starts (after the prefix-cache lookup, so
+    servers can report the prompt's size and cached part before the answer), then between chunks."""
 
     request_id: str
     processed_tokens: int
     total_tokens: int
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, ModelInfo, Usage
+from kapitsa.engine.types import (
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    ModelInfo,
+    PrefillProgressEvent,
+    Usage,
+)
 from kapitsa.errors import KapitsaError
 from kapitsa.server.anthropic_input import (
     CountTokensRequest,
@@ -48,14 +55,25 @@ router = APIRouter(route_class=WellFormedJsonRoute)
 
 
 def anthropic_usage(usage: Usage) -> dict[str, Any]:
-    # Anthropic counts cache reads apart from `input_tokens` (total input = input + cache read + cache write).
+    # Anthropic counts cache reads and writes apart from `input_tokens` (total input = input + cache read
+    # + cache write); the engine's checkpoints during the prompt are its cache writes.
     cached = usage_cached(usage)
+    written = max(0, min(usage.cache_write_tokens, usage.prompt_tokens - cached))
     return {
-        "input_tokens": usage.prompt_tokens - cached,
+        "input_tokens": usage.prompt_tokens - cached - written,
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": cached,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": written,
     }
+
+
+def start_usage(report: PrefillProgressEvent | None) -> dict[str, Any]:
+    """`message_start`'s usage: the prompt's size and cached part, when the engine has reported them
+    (nothing is written to the cache yet; `message_delta` carries the final figures)."""
+    if report is None:
+        return anthropic_usage(Usage())
+    cached = min(report.cached_tokens, report.total_tokens)
+    return anthropic_usage(Usage(prompt_tokens=report.total_tokens, cached_tokens=cached))
 
 
 def stop_reason(finish: FinishEvent, has_tool_use: bool) -> str:
@@ -78,7 +96,7 @@ class MessageBuilder:
         self.blocks: list[dict[str, Any]] = []
         self.open_kind: str | None = None
 
-    def opening(self) -> list[bytes]:
+    def opening(self, report: PrefillProgressEvent | None = None) -> list[bytes]:
         message = {
             "id": self.message_id,
             "type": "message",
@@ -87,12 +105,7 @@ class MessageBuilder:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": 0,
-                "output_tokens": 0,
-                "cache_read_input_tokens": 0,
-                "cache_creation_input_tokens": 0,
-            },
+            "usage": start_usage(report),
         }
         return [sse({"type": "message_start", "message": message}, "message_start"), self.ping()]
 
@@ -256,7 +269,7 @@ async def _collect(run: GenerationRun, parser: OutputParser, builder: MessageBui
 
 async def _stream(run: GenerationRun, parser: OutputParser, builder: MessageBuilder) -> AsyncIterator[bytes]:
     try:
-        for frame in builder.opening():
+        for frame in builder.opening(await run.prompt_report(run.keepalive_s)):
             yield frame
         async for step in steps(run, parser):
             if step.keepalive:

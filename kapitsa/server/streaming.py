@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from kapitsa.engine.client import EngineClient
-from kapitsa.engine.types import ErrorEvent, Event, FinishEvent, GenerationRequest
+from kapitsa.engine.types import ErrorEvent, Event, FinishEvent, GenerationRequest, PrefillProgressEvent
 from kapitsa.errors import KapitsaError
 
 log = logging.getLogger("kapitsa.server")
@@ -60,6 +60,19 @@ class GenerationRun:
             await self.close()
             raise event.error
         self._peeked.append(event)
+
+    async def prompt_report(self, wait_s: float) -> PrefillProgressEvent | None:
+        """The engine's first event when it reports the prompt (its size and cached part), waiting up to
+        `wait_s` for it; the event stays queued for `events`. None when the engine is slower or says
+        nothing. Raises `ClientGone` when the client disconnected."""
+        if not self._peeked:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), wait_s)
+            except TimeoutError:
+                return None
+            self._peeked.append(self._check(item))
+        first = self._peeked[0]
+        return first if isinstance(first, PrefillProgressEvent) else None
 
     async def events(self) -> AsyncIterator[Event | None]:
         """Engine events in order, `KEEPALIVE` after each quiet `keepalive_s`; ends after the final event.

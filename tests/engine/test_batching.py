@@ -43,7 +43,8 @@ async def test_batched_equals_single_stream(family_model, make_client) -> None:
     assert [ids for ids, _ in together] == alone
     assert [len(ids) for ids in alone] == lengths
     long_events = together[3][1]
-    assert any(isinstance(e, PrefillProgressEvent) for e in long_events)  # prefilled in chunks
+    progress = [e.processed_tokens for e in long_events if isinstance(e, PrefillProgressEvent)]
+    assert progress[0] == 0 and len(progress) > 1  # the start report, then chunks
     assert all(isinstance(events[-1], FinishEvent) for _, events in together)
 
 
