@@ -1,7 +1,9 @@
-"""`POST /v1/responses` (what Codex speaks): events out in OpenAI's order, `response.completed` last.
+"""`POST /v1/responses` (what Codex speaks): events out in OpenAI's order.
 
-A successful stream always ends with `response.completed` (a max-tokens stop says `status: "incomplete"`
-inside it, because Codex treats `response.incomplete` as a failure); a failure ends with `response.failed`.
+A stream ends with `response.completed`, or `response.incomplete` after a length stop of a request that
+set `max_output_tokens` (without one, the stop stays `response.completed` with `status: "incomplete"`,
+because Codex sets none and treats `response.incomplete` as a failure); a failure ends with
+`response.failed`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     )
     parser = OutputParser(thinking=thinking_active(model, thinking), tools=tools or None)
     builder = ResponseBuilder(
-        response_id=gen.request_id, model=model.id, namespaces=namespaces, custom=custom
+        response_id=gen.request_id,
+        model=model.id,
+        namespaces=namespaces,
+        custom=custom,
+        client_limit=body.max_output_tokens is not None,
     )
     run = await start_run(request, gen)
     if body.stream:

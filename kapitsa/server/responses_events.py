@@ -34,7 +34,15 @@ def failure_code(error: Exception) -> str:
 class ResponseBuilder:
     """Builds the response object and its SSE events from parsed parts (pure; no I/O)."""
 
-    def __init__(self, *, response_id: str, model: str, namespaces: dict[str, str], custom: set[str]) -> None:
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        model: str,
+        namespaces: dict[str, str],
+        custom: set[str],
+        client_limit: bool = False,
+    ) -> None:
         self.response = {
             "id": response_id,
             "object": "response",
@@ -50,6 +58,7 @@ class ResponseBuilder:
             "tools": [],
         }
         self.namespaces, self.custom = namespaces, custom
+        self.client_limit = client_limit  # the request set `max_output_tokens`
         self.seq = 0
         self.open_item: dict[str, Any] | None = None
 
@@ -240,8 +249,14 @@ class ResponseBuilder:
         return self.response
 
     def closing(self, finish: FinishEvent, reasoning_tokens: int = 0) -> list[bytes]:
+        """The last events. A length stop of a request that set `max_output_tokens` ends with
+        `response.incomplete`, as OpenAI's does; without one (the server's own limits cut it: the window,
+        the model's longest answer) with `response.completed` + `status: "incomplete"`, since Codex, which
+        sets no limit, fails the turn on `response.incomplete`."""
         frames = self._close_open()
-        return frames + [self.event("response.completed", response=self._finished(finish, reasoning_tokens))]
+        response = self._finished(finish, reasoning_tokens)
+        last = "response.incomplete" if self.client_limit and response["status"] == "incomplete" else None
+        return frames + [self.event(last or "response.completed", response=response)]
 
     def failure(self, error: Exception) -> list[bytes]:
         message = str(error) if isinstance(error, KapitsaError) else f"Generation failed: {error}"

@@ -263,13 +263,18 @@ def test_mid_stream_failures_use_each_api_shape(error: Exception) -> None:
         assert failed[-1]["response"]["error"]["code"] == code and "response.completed" not in responses
 
 
-def test_responses_length_stop_still_ends_with_completed(live: LiveServer, http: httpx.Client) -> None:
-    live.engine.enqueue("a b c d e f g h")
-    raw = http.post("/v1/responses", json={"input": "go", "stream": True, "max_output_tokens": 3}).text
+@pytest.mark.parametrize(("limit", "last_event"), [(3, "response.incomplete"), (None, "response.completed")])
+def test_responses_length_stop_ends_with_incomplete_when_the_request_set_the_limit(
+    live: LiveServer, http: httpx.Client, limit: int | None, last_event: str
+) -> None:
+    """OpenAI's `response.incomplete` for the client's own `max_output_tokens`; without one (Codex sets
+    none and fails the turn on `response.incomplete`) the server's cut stays `response.completed`."""
+    live.engine.enqueue("a b c d e f g h", finish_reason="length")
+    raw = http.post("/v1/responses", json={"input": "go", "stream": True, "max_output_tokens": limit}).text
     events = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
-    assert events[-1] == "response.completed"
+    assert events[-1] == last_event and events.count(last_event) == 1
     final = json.loads([x for x in raw.splitlines() if x.startswith("data: ")][-1][6:])
-    assert final["response"]["status"] == "incomplete"
+    assert final["type"] == last_event and final["response"]["status"] == "incomplete"
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 

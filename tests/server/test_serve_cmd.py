@@ -122,7 +122,7 @@ def test_tiny_checkpoint_through_all_three_apis(tiny_server: tuple[subprocess.Po
     events = [
         e.type for e in oai.responses.create(model=model_id, input="hi", max_output_tokens=6, stream=True)
     ]
-    assert events[0] == "response.created" and events[-1] == "response.completed"
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
     claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
     with claude.messages.stream(
         model="claude-any", max_tokens=6, messages=[{"role": "user", "content": "hi"}]
