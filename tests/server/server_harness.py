@@ -47,15 +47,24 @@ def live_server(engine: FakeEngine | None = None, **settings: object) -> Iterato
         thread.join(timeout=10)
 
 
-def open_tiny_engine(folder: Path, kind: str = "qwen3_5", **checkpoint: Any) -> Any:
+def open_tiny_engine(
+    folder: Path, kind: str = "qwen3_5", *, max_output_tokens: int | None = None, **checkpoint: Any
+) -> Any:
     """A real `InProcessEngine` over a tiny random checkpoint written to `folder` and read back by the
-    real loading code (tokenizer.json, chat template, generation_config)."""
+    real loading code (tokenizer.json, chat template, generation_config); `max_output_tokens` caps
+    every answer (the engine clamps requests to it)."""
+    import dataclasses
+
     from kapitsa.engine.engine import EngineConfig
     from kapitsa.engine.inprocess import InProcessEngine
     from kapitsa.engine.loading import load_model
     from kapitsa.engine.tiny import write_tiny_checkpoint
 
     loaded = load_model(write_tiny_checkpoint(folder, kind, **checkpoint))  # type: ignore[arg-type]
+    if max_output_tokens is not None:
+        loaded = dataclasses.replace(
+            loaded, info=dataclasses.replace(loaded.info, max_output_tokens=max_output_tokens)
+        )
     return InProcessEngine.from_loaded(loaded, config=EngineConfig(prefill_chunk=64))
 
 
