@@ -275,7 +275,7 @@ class Engine:
 
     def _start_prefill(self, seq: Sequence) -> None:
         seq.prefill_started = time.perf_counter()
-        seq.sampler = SequenceSampler(seq.request.sampling, seq.prompt_ids)
+        seq.sampler = SequenceSampler(seq.request.sampling, seq.prompt_ids, eos_ids=seq.eos_ids)
         match = self.prefix.lookup(seq.prompt_ids) if self.prefix is not None else None
         if match is None:
             seq.cache = self.runner.new_cache()

@@ -168,6 +168,9 @@ class InProcessEngine:
         if not prepared.ids:
             raise InvalidRequest("the prompt is empty")
         check_request_token_ids(request, prepared.ids, self.info.vocab_size)
+        if request.sampling.eos_decay is None and self.info.eos_decay is not None:
+            sampling = dataclasses.replace(request.sampling, eos_decay=self.info.eos_decay)
+            request = dataclasses.replace(request, sampling=sampling)
         params = request.sampling
         check_context(len(prepared.ids), self.info.context_length)
         max_tokens, reserve = self._output_limit(len(prepared.ids), params.max_tokens)

@@ -211,7 +211,11 @@ def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str |
     default_id = ref.source if not Path(ref.source).expanduser().exists() else path.name
     info = make_model_info(model_id or default_id, config, tokenizer, path, quantization)
     generation = _generation_config(path) if path.is_dir() else {}
-    info = dataclasses.replace(info, max_output_tokens=_output_limit(info.context_length, generation))
+    info = dataclasses.replace(
+        info,
+        max_output_tokens=_output_limit(info.context_length, generation),
+        eos_decay=_eos_decay(generation),
+    )
     return LoadedModel(model, tokenizer, config, path, info, generation)
 
 
@@ -222,6 +226,17 @@ def _output_limit(context_length: int, generation: dict[str, Any]) -> int:
     if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < context_length:
         return limit
     return context_length
+
+
+def _eos_decay(generation: dict[str, Any]) -> tuple[int, float] | None:
+    """generation_config.json's `exponential_decay_length_penalty` ([start, factor]), if well formed."""
+    value = generation.get("exponential_decay_length_penalty")
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    start, factor = value
+    if isinstance(start, bool) or not isinstance(start, int) or not isinstance(factor, (int, float)):
+        return None
+    return (start, float(factor)) if start >= 0 and factor >= 1.0 else None
 
 
 def _generation_config(folder: Path) -> dict[str, Any]:

@@ -35,8 +35,14 @@ class SequenceSampler:
         prompt_ids: the prompt, which the repetition penalty also covers (as in Hugging Face).
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, params: SamplingParams, prompt_ids: Sequence[int] = (), eos_ids: Sequence[int] = ()
+    ) -> None:
+        """`eos_ids`: the tokens `params.eos_decay` favours."""
         self.params = params
+        decays = params.eos_decay is not None and bool(eos_ids) and not params.ignore_eos
+        self._eos_ids = mx.array(sorted(eos_ids), dtype=mx.int32) if decays else None
+        self._generated = 0
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed % _SEED_RANGE)  # OpenAI takes any integer; MLX a uint64
         self._prompt_ids = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
@@ -57,15 +63,17 @@ class SequenceSampler:
         so it can stay lazy on the device (pipelined decoding)."""
         p = self.params
         counts_output = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return not counts_output and p.logprobs is None
+        return not counts_output and p.logprobs is None and self._eos_ids is None
 
     def _changes_logits(self) -> bool:
         p = self.params
-        return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return bool(p.logit_bias or penalties or self._eos_ids is not None)
 
     def observe(self, token_id: int) -> None:
         """Record a generated token (penalties count output tokens)."""
         self._output_counts[token_id] += 1
+        self._generated += 1
 
     def process(self, logits: mx.array) -> mx.array:
         """Apply bias and penalties to a [V] float32 logits row."""
@@ -83,7 +91,16 @@ class SequenceSampler:
             ids = mx.array(list(self._output_counts), dtype=mx.int32)
             counts = mx.array(list(self._output_counts.values()), dtype=mx.float32)
             logits = logits.at[ids].subtract(p.presence_penalty + p.frequency_penalty * counts)
-        return logits
+        return self._decay_towards_eos(logits)
+
+    def _decay_towards_eos(self, logits: mx.array) -> mx.array:
+        if self._eos_ids is None or self.params.eos_decay is None:
+            return logits
+        start, factor = self.params.eos_decay
+        if self._generated <= start:
+            return logits
+        eos = logits[self._eos_ids]
+        return logits.at[self._eos_ids].add(mx.abs(eos) * (factor ** (self._generated - start) - 1.0))
 
     def _next_key(self) -> mx.array:
         self._key, key = mx.random.split(self._key)

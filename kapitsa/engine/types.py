@@ -30,6 +30,9 @@ class SamplingParams:
     max_tokens: int | None = None  # None = up to the context window
     logprobs: int | None = None  # number of top alternatives to report per token (0 = only the chosen)
     ignore_eos: bool = False
+    # Hugging Face's `exponential_decay_length_penalty` (start, factor): past `start` generated tokens
+    # the end-of-sequence logits grow by |logit| * (factor ** (n - start) - 1), so answers end
+    eos_decay: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -46,6 +49,8 @@ class SamplingParams:
             raise ValueError("max_tokens must be >= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.eos_decay is not None and (self.eos_decay[0] < 0 or self.eos_decay[1] < 1.0):
+            raise ValueError("eos_decay needs a start >= 0 and a factor >= 1")
 
 
 def new_request_id() -> str:
@@ -169,6 +174,7 @@ class ModelInfo:
     path: str | None = None
     quantization: str | None = None
     vocab_size: int | None = None  # rows of the model's embedding: token ids must lie in [0, vocab_size)
+    eos_decay: tuple[int, float] | None = None  # the checkpoint's default SamplingParams.eos_decay
 
 
 @dataclass(slots=True, frozen=True)

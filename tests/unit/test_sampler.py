@@ -85,3 +85,27 @@ def test_sampling_follows_the_distribution() -> None:
     sampler = SequenceSampler(SamplingParams(temperature=1.0, seed=0))
     picks = [sampler.sample(logits).token_id for _ in range(600)]
     assert abs(picks.count(0) / 600 - 0.7) < 0.07
+
+
+def test_eos_decay_ends_a_greedy_answer_past_its_start() -> None:
+    logits = mx.array([5.0, 1.0, -2.0])  # token 0 always wins; token 2 is the end of sequence
+    params = SamplingParams(eos_decay=(3, 2.0))
+    sampler = SequenceSampler(params, eos_ids=[2])
+    picks = [sampler.sample(logits).token_id for _ in range(8)]
+    # n generated <= 3: untouched; then -2 + 2 * (2**k - 1): k=1 -> 0, k=2 -> 4, k=3 -> 12 > 5
+    assert picks[:6] == [0, 0, 0, 0, 0, 0] and picks[6] == 2
+
+
+def test_eos_decay_needs_end_ids_and_respects_ignore_eos() -> None:
+    logits = mx.array([5.0, 1.0, -2.0])
+    for sampler in (
+        SequenceSampler(SamplingParams(eos_decay=(0, 10.0))),
+        SequenceSampler(SamplingParams(eos_decay=(0, 10.0), ignore_eos=True), eos_ids=[2]),
+    ):
+        assert [sampler.sample(logits).token_id for _ in range(6)] == [0] * 6
+        assert sampler.is_greedy_plain
+
+
+def test_eos_decay_is_validated() -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(eos_decay=(4, 0.5))

@@ -27,7 +27,9 @@ def generation_config(tokenizer: Tokenizer) -> dict:
         "temperature": 0.3,
         "top_k": 20,
         "top_p": 0.9,
-        # kapitsa takes this as the model's longest answer: a tiny model can loop, an agent's turn must end
+        # A tiny model can loop, and an agent's turn must end: past 128 tokens the end of the answer
+        # grows likelier (Hugging Face's length penalty), and 512 is its longest answer (kapitsa caps there).
+        "exponential_decay_length_penalty": [128, 1.05],
         "max_new_tokens": 512,
     }
 

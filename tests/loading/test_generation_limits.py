@@ -1,0 +1,45 @@
+"""generation_config.json's `max_new_tokens` (the model's longest answer) and
+`exponential_decay_length_penalty` (the default `eos_decay`) reach ModelInfo and the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from kapitsa.engine.engine import EngineConfig
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.loading import load_model
+from kapitsa.engine.tiny import write_tiny_checkpoint
+from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams
+
+
+def _checkpoint(tmp_path: Path, **generation: object) -> Path:
+    folder = tmp_path / "ckpt"
+    write_tiny_checkpoint(folder, "qwen3_5")
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **generation}))
+    return folder
+
+
+def test_the_checkpoint_sets_the_longest_answer_and_the_eos_decay(tmp_path: Path) -> None:
+    loaded = load_model(
+        str(_checkpoint(tmp_path, max_new_tokens=6, exponential_decay_length_penalty=[2, 1.5]))
+    )
+    assert loaded.info.max_output_tokens == 6 and loaded.info.eos_decay == (2, 1.5)
+    engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0))
+
+    async def finish() -> FinishEvent:
+        request = GenerationRequest(prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=100))
+        return [e async for e in engine.generate(request) if isinstance(e, FinishEvent)][0]
+
+    try:
+        assert asyncio.run(finish()).usage.completion_tokens <= 6
+    finally:
+        engine.close()
+
+
+def test_malformed_values_are_ignored(tmp_path: Path) -> None:
+    folder = _checkpoint(tmp_path, max_new_tokens="many", exponential_decay_length_penalty=[2, 0.5])
+    info = load_model(str(folder)).info
+    assert info.max_output_tokens == info.context_length and info.eos_decay is None
