@@ -29,7 +29,7 @@ _QUANT_FIELDS = ("group_size", "bits", "mode")
 def _signature(linear: nn.Module) -> tuple | None:
     if isinstance(linear, nn.QuantizedLinear):
         return ("q", *(getattr(linear, f, None) for f in _QUANT_FIELDS), "bias" in linear)
-    if type(linear) is nn.Linear:
+    if isinstance(linear, nn.Linear):
         return ("f", linear.weight.dtype, "bias" in linear)
     return None  # other layer types (LoRA wrappers, custom) keep their own forward
 

@@ -321,7 +321,8 @@ def act_linear_plus(
 
 
 class RoutedLinear(nn.Linear):
-    """`nn.Linear` whose many-row products take the CPU BLAS route (kernels/cpu_blas.py)."""
+    """`nn.Linear` whose many-row products take the CPU BLAS route (kernels/cpu_blas.py); dense
+    linears are re-classed on the CPU device only."""
 
     keeps_dense_copy = False
 
@@ -341,8 +342,9 @@ def route_quantized_linears(model: nn.Module, *, dense_copy_bytes: int = 0) -> i
     if routes_enabled():
         probe_kernels()
     count, kept = 0, 0
+    routes = ROUTED if cpu_blas.on_cpu() else {nn.QuantizedLinear: RoutedQuantizedLinear}
     for _, sub in model.named_modules():
-        routed = ROUTED.get(type(sub))
+        routed = routes.get(type(sub))
         if routed is None and not isinstance(sub, tuple(ROUTED.values())):
             continue
         if routed is not None:

@@ -180,7 +180,7 @@ def route(x: mx.array, weight: mx.array, **kw) -> tuple[mx.array, mx.array, mx.a
 
 def plain_weight(layer) -> mx.array | None:  # noqa: ANN001 - any module
     """The weight of an unquantized, bias-free `nn.Linear` (what the kernel reads), else None."""
-    return layer.weight if type(layer) is nn.Linear and "bias" not in layer else None
+    return layer.weight if isinstance(layer, nn.Linear) and "bias" not in layer else None
 
 
 def probe() -> bool:
