@@ -8,7 +8,6 @@ prints nothing, so the CLI, the TUI and the server can all use it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import tomllib
@@ -308,20 +307,9 @@ def arch_for_folder(folder: Path) -> Architecture:
     """Architecture of a local checkpoint folder (its config.json)."""
     try:
         config = json.loads((folder / "config.json").read_text("utf-8"))
-        arch = arch_from_config(config)
+        return arch_from_config(config)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelNotFound(f"cannot read the architecture of {folder}: {err}") from err
-    longest = _generation_max_new_tokens(folder)
-    return dataclasses.replace(arch, max_output=min(arch.max_output, longest)) if longest else arch
-
-
-def _generation_max_new_tokens(folder: Path) -> int | None:
-    """generation_config.json's `max_new_tokens`: the checkpoint's longest answer (the engine caps at it)."""
-    try:
-        value = json.loads((folder / "generation_config.json").read_text("utf-8")).get("max_new_tokens")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def weight_bytes_on_disk(folder: Path) -> int:

@@ -21,7 +21,7 @@ import mlx.core as mx
 from kapitsa.engine.batch import DecodeBatch, can_pipeline
 from kapitsa.engine.cache import HybridCache
 from kapitsa.engine.decode import DecodeStrategy, PlainDecode
-from kapitsa.engine.memory import MemoryBudget, device_memory_limit
+from kapitsa.engine.memory import MemoryBudget, device_memory_limit, periodic_checkpoint_interval
 from kapitsa.engine.output import emit_tokens
 from kapitsa.engine.prefix_cache import PrefixCache
 from kapitsa.engine.prefix_disk import DiskTier
@@ -96,7 +96,7 @@ class Engine:
             prefill_chunk=self.config.prefill_chunk,
         )
         self.prefix = self._make_prefix_cache()
-        self.checkpoint_interval = self.config.checkpoint_interval or _periodic_interval(
+        self.checkpoint_interval = self.config.checkpoint_interval or periodic_checkpoint_interval(
             sizes.recurrent_bytes, sizes.kv_bytes_per_token
         )
         self.scheduler = Scheduler(max_running=self.config.max_running)
@@ -119,7 +119,7 @@ class Engine:
         if self.config.disk_cache_dir is not None and self.config.disk_cache_bytes > 0:
             disk = DiskTier(
                 self.config.disk_cache_dir,
-                model_key=self.config.model_key,
+                model_key=f"{self.config.model_key}|{self.runner.dtype}",  # the CPU computes in float32
                 budget_bytes=self.config.disk_cache_bytes,
                 validate=self.runner.check_stored,
                 write_delay_s=self.config.disk_write_delay_s,
@@ -493,10 +493,3 @@ def _usage(seq: Sequence) -> Usage:
         prefill_seconds=max(0.0, prefill_end - seq.prefill_started) if seq.prefill_started else 0.0,
         decode_seconds=max(0.0, seq.finished_at - prefill_end) if seq.prefill_done_at else 0.0,
     )
-
-
-def _periodic_interval(checkpoint_bytes: int, kv_bytes_per_token: int) -> int:
-    """Tokens between periodic checkpoints: twice the checkpoint's size in KV tokens, clamped."""
-    if kv_bytes_per_token <= 0:
-        return 4096
-    return max(2048, min(16384, 2 * checkpoint_bytes // kv_bytes_per_token))

@@ -201,8 +201,7 @@ class InProcessEngine:
         room = context - prompt_tokens
         if wanted is None:
             return min(room, self.info.max_output_tokens), memory.reserve_tokens(prompt_tokens, None, context)
-        limit = min(wanted, room, self.info.max_output_tokens, memory.tokens_that_fit() - prompt_tokens)
-        max_tokens = max(1, limit)
+        max_tokens = max(1, min(wanted, room, memory.tokens_that_fit() - prompt_tokens))
         return max_tokens, prompt_tokens + max_tokens
 
     def _token_text(self, token_id: int) -> str:

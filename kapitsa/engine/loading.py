@@ -220,8 +220,8 @@ def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str |
 
 
 def _output_limit(context_length: int, generation: dict[str, Any]) -> int:
-    """The longest answer: the window, or less where the checkpoint's generation_config.json sets
-    `max_new_tokens` (the demo's: a tiny model can loop, and an agent's turn must still end)."""
+    """The answer length a request that sets none gets: the window, or the checkpoint's
+    generation_config.json `max_new_tokens` (Hugging Face's default for generate())."""
     limit = generation.get("max_new_tokens")
     if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < context_length:
         return limit

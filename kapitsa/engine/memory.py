@@ -128,3 +128,10 @@ class MemoryBudget:
             f"({self.limit_bytes / GIB:.2f} GiB limit, {self.weights_bytes / GIB:.2f} GiB of weights); "
             "use a shorter prompt, a lower max_tokens or a smaller quantization"
         )
+
+
+def periodic_checkpoint_interval(checkpoint_bytes: int, kv_bytes_per_token: int) -> int:
+    """Tokens between periodic checkpoints: twice the checkpoint's size in KV tokens, clamped."""
+    if kv_bytes_per_token <= 0:
+        return 4096
+    return max(2048, min(16384, 2 * checkpoint_bytes // kv_bytes_per_token))

@@ -7,6 +7,7 @@ argmax fast path (`sample_batch`).
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import Counter
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from kapitsa.engine.types import SamplingParams
 
 _NEG_INF = float("-inf")
 _SEED_RANGE = 2**64
+_MAX_LOG_GROWTH = 80.0  # exp(80) already dwarfs any logit; past it the float would overflow
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,8 +101,10 @@ class SequenceSampler:
         start, factor = self.params.eos_decay
         if self._generated <= start:
             return logits
+        growth = math.exp(min((self._generated - start) * math.log(factor), _MAX_LOG_GROWTH)) - 1.0
         eos = logits[self._eos_ids]
-        return logits.at[self._eos_ids].add(mx.abs(eos) * (factor ** (self._generated - start) - 1.0))
+        boost = mx.where(mx.isinf(eos), 0.0, mx.abs(eos) * growth)  # a banned EOS stays banned
+        return logits.at[self._eos_ids].add(boost)
 
     def _next_key(self) -> mx.array:
         self._key, key = mx.random.split(self._key)

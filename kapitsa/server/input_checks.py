@@ -4,6 +4,7 @@ the vocabulary, and prompts so long that they cannot fit, refused before they ar
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from kapitsa.engine.token_checks import check_token_ids
@@ -27,13 +28,20 @@ def check_prompt_ids(ids: Sequence[int], model: ModelInfo) -> None:
         raise param_error("prompt", str(err)) from None
 
 
+def _token_id_key(key: str) -> int | None:
+    """A `logit_bias` key as an integer token id: ASCII digits with an optional minus sign, short
+    enough to be an id (so `"²"`, `"--5"` or thousands of digits are refused, not a 500)."""
+    match = re.fullmatch(r"\s*(-?[0-9]{1,12})\s*", key)
+    return int(match.group(1)) if match else None
+
+
 def logit_bias_pairs(bias: dict[str, float] | None, model: ModelInfo) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias` ({"token id": bias}) as (id, bias) pairs; a bad id or bias is a 400."""
     if not bias:
         return ()
     pairs = []
     for key, value in bias.items():
-        token_id = int(key) if key.strip().lstrip("-").isdigit() else None
+        token_id = _token_id_key(key)
         if token_id is None:
             raise param_error("logit_bias", f"logit_bias keys are token ids; {key!r} is not an integer.")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:

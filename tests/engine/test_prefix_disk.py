@@ -48,6 +48,7 @@ async def test_corrupt_checkpoint_is_deleted_counted_and_recomputed(
     first.close()
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
     files = sorted(tmp_path.rglob("*.safetensors"))
+    assert files, "the first engine wrote no checkpoint to damage"
     for path in files:
         _scramble_kv(path)
     cold_ids = (await chat(make_client(family_model, prefix_cache_bytes=0), messages, 16))[1]

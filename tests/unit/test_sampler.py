@@ -109,3 +109,11 @@ def test_eos_decay_needs_end_ids_and_respects_ignore_eos() -> None:
 def test_eos_decay_is_validated() -> None:
     with pytest.raises(ValueError):
         SamplingParams(eos_decay=(4, 0.5))
+
+
+def test_eos_decay_never_overflows_and_keeps_a_banned_eos_banned() -> None:
+    params = SamplingParams(eos_decay=(0, 1.05), logit_bias=((2, -100.0),))
+    sampler = SequenceSampler(params, eos_ids=[2])
+    sampler._generated = 20_000  # far past where 1.05 ** n overflows a float
+    row = sampler.process(mx.array([5.0, 1.0, float("-inf")]))
+    assert mx.isfinite(row[:2]).all().item() and row[2].item() == float("-inf")

@@ -28,7 +28,7 @@ def generation_config(tokenizer: Tokenizer) -> dict:
         "top_k": 20,
         "top_p": 0.9,
         # A tiny model can loop, and an agent's turn must end: past 128 tokens the end of the answer
-        # grows likelier (Hugging Face's length penalty), and 512 is its longest answer (kapitsa caps there).
+        # grows likelier (Hugging Face's length penalty); 512 tokens when a request sets no limit.
         "exponential_decay_length_penalty": [128, 1.05],
         "max_new_tokens": 512,
     }

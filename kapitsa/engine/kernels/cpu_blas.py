@@ -6,7 +6,7 @@ cores a [2048, 256] x [256, 768] product runs at ~2 GFLOP/s in float32 and ~0.3 
 ~80 GFLOP/s. A prompt's prefill is almost only such products, so on the CPU device they go
 through NumPy on float32 copies; everything else (and every product inside an `mx.compile`
 trace, where nothing may be evaluated) stays on MLX's ops, which are the reference
-(tests/engine/test_cpu_blas.py compares them).
+(tests/kernels/test_cpu_blas.py compares them).
 
 NumPy reads evaluated buffers, so only eager paths can use it: prefill chunks and long forwards.
 Inside an `mx.compile` trace the read raises (`host_array` turns that into `Traced`) and the
@@ -23,7 +23,7 @@ import numpy as np
 
 MIN_ROWS = 17  # more tokens than any compiled step (models/base.py CHAIN_MAX_T) carries
 ATTENTION_MIN_SCORES = 1 << 16  # query rows x keys below which MLX's own attention is as fast
-QUERY_BLOCK = 256  # query rows per attention block: scores stay ~tens of MB at 100k keys
+SCORE_BYTES = 64 << 20  # float32 scores one attention block may hold (all heads)
 
 
 class Traced(Exception):
@@ -56,7 +56,7 @@ def takes_rows(x: mx.array) -> bool:
 class DenseCopy:
     """A linear's weight as float32 `[in, out]` (what `x @ W.T` reads), kept beside its source."""
 
-    source_id: int
+    source: mx.array  # the layer's weight array this copy was made from
     weight_t: np.ndarray
 
 
@@ -67,7 +67,7 @@ def dense_weight_t(layer: nn.Module, *, keep: bool) -> np.ndarray:
     """
     weight = layer["weight"]
     held: DenseCopy | None = getattr(layer, "_blas_copy", None)
-    if held is not None and held.source_id == id(weight):
+    if held is not None and held.source is weight:
         return held.weight_t
     if isinstance(layer, nn.QuantizedLinear):
         dense = mx.dequantize(
@@ -82,7 +82,7 @@ def dense_weight_t(layer: nn.Module, *, keep: bool) -> np.ndarray:
         dense = weight
     weight_t = np.ascontiguousarray(np.asarray(dense.astype(mx.float32)).T)
     if keep:
-        object.__setattr__(layer, "_blas_copy", DenseCopy(id(weight), weight_t))
+        object.__setattr__(layer, "_blas_copy", DenseCopy(weight, weight_t))
     return weight_t
 
 
@@ -131,9 +131,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bo
     qn = host_array(q).reshape(B, Hkv, group, T, D)
     kn, vn = host_array(k), host_array(v)
     out = np.empty((B, Hkv, group, T, D), dtype=np.float32)
+    block = max(1, SCORE_BYTES // (4 * H * L))
     for b in range(B):
-        for start in range(0, T, QUERY_BLOCK):
-            stop = min(start + QUERY_BLOCK, T)
+        for start in range(0, T, block):
+            stop = min(start + block, T)
             visible = L - T + stop if causal else L
             out[b, :, :, start:stop] = _block(
                 qn[b, :, :, start:stop], kn[b, :, :visible], vn[b, :, :visible], scale, L - T + start, causal
