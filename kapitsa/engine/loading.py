@@ -144,6 +144,7 @@ def make_model_info(
         tool_call_format=_tool_call_format(family, template),
         supports_thinking=bool(template) and ("<think>" in template or "enable_thinking" in template),
         thinking_prompt=probe_thinking(tokenizer),
+        max_token_bytes=tokenizer.max_token_bytes(),
         path=str(path),
         quantization=quantization,
     )

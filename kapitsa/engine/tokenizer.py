@@ -125,6 +125,16 @@ class Tokenizer:
         )
 
     # -- text <-> ids ------------------------------------------------------------------------
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes one token decodes to (a prompt of N bytes is at least N / this many
+        tokens), or None where the vocabulary cannot be decoded token by token."""
+        try:
+            ids = [[i] for i in range(self.backend.get_vocab_size())]
+            texts = self.backend.decode_batch(ids, skip_special_tokens=True)
+        except Exception:  # noqa: BLE001 - any backend failure only loses the cheap size bound
+            return None
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0) or None
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -175,6 +175,7 @@ class ModelInfo:
     quantization: str | None = None
     vocab_size: int | None = None  # rows of the model's embedding: token ids must lie in [0, vocab_size)
     eos_decay: tuple[int, float] | None = None  # the checkpoint's default SamplingParams.eos_decay
+    max_token_bytes: int | None = None  # the longest token's UTF-8 bytes (None: unknown)
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,9 +13,9 @@ from kapitsa.errors import ContextOverflow, InvalidRequest
 from kapitsa.server.errors import param_error
 
 MAX_CHARS_PER_TOKEN = 64
-"""Code and prose average 3-4 characters a token, and the demo vocabulary's longest token (a run of `#`)
-has 64: a prompt of more than `context_length * 64` characters cannot fit unless it were nearly all
-such runs, so it is refused without tokenizing it."""
+"""The longest token's size where the model does not report its own (`ModelInfo.max_token_bytes`). A
+token decodes to at most that many bytes, and a character is at least one byte, so a prompt of more
+than `context_length * longest` characters cannot fit: it is refused without tokenizing it."""
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
 
@@ -72,8 +72,9 @@ def check_prompt_size(request: GenerationRequest, model: ModelInfo) -> None:
             count, window, f"prompt is too long: {count} tokens, the model's context is {window}"
         )
     chars = prompt_chars(request)
-    if chars > window * MAX_CHARS_PER_TOKEN:
-        at_least = chars // MAX_CHARS_PER_TOKEN
+    longest = model.max_token_bytes or MAX_CHARS_PER_TOKEN
+    if chars > window * longest:
+        at_least = chars // longest
         raise ContextOverflow(
             at_least,
             window,
