@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from kapitsa.private_files import atomic_write
 
 SERVICE = "kapitsa"
 ACCOUNT = "api-token"
@@ -88,14 +89,7 @@ def clear_token(state_dir: Path) -> TokenState:
 
 
 def _write_private_file(path: Path, token: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, (token + "\n").encode())
 
 
 def _backend_name(backend: object) -> str:

@@ -23,3 +23,13 @@ def on_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(device)
+
+
+@pytest.fixture
+def open_umask():
+    """The common umask, under which plain writes would be readable by everyone."""
+    import os
+
+    old = os.umask(0o022)
+    yield
+    os.umask(old)

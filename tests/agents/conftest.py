@@ -116,3 +116,31 @@ def settings_for(tmp_path: Path):
         return load_settings(port=port, state_dir=tmp_path / "state", server_start_timeout_s=20)
 
     return make
+
+
+def _config_only_checkpoint(folder: Path, context: int) -> Path:
+    """A config-only checkpoint folder: enough for the launcher to read its window."""
+    folder.mkdir()
+    config = {
+        "model_type": "nemotron_h",
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "hybrid_override_pattern": "M*E",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 1,
+        "vocab_size": 512,
+        "max_position_embeddings": context,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def checkpoint_with_window():
+    """`make(folder, context)`: a config-only Nemotron-H checkpoint whose window is `context`."""
+    return _config_only_checkpoint

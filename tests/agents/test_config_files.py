@@ -5,7 +5,6 @@ symlinked config stays a link."""
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 
@@ -133,14 +132,6 @@ def test_a_file_that_never_settles_is_an_error(tmp_path: Path) -> None:
 
     with pytest.raises(KapitsaError, match="kept changing"):
         merge_json(managed, pi.upsert_provider(_ctx(tmp_path)), before_replace=always_write)
-
-
-@pytest.fixture
-def open_umask():
-    """The common umask, under which plain writes would be readable by everyone."""
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
 
 
 def _mode(path: Path) -> int:

@@ -142,29 +142,9 @@ def test_missing_agent_names_its_install_command(fake_server, settings_for, tmp_
 
 
 def test_cli_launch_execs_the_agent(
-    fake_server, agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint_with_window, fake_server, agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    checkpoint = tmp_path / "my-model"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "nemotron_h",
-                "hidden_size": 64,
-                "num_hidden_layers": 3,
-                "hybrid_override_pattern": "M*E",
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 16,
-                "mamba_num_heads": 4,
-                "mamba_head_dim": 16,
-                "ssm_state_size": 16,
-                "n_groups": 1,
-                "vocab_size": 512,
-                "max_position_embeddings": 16384,
-            }
-        )
-    )
+    checkpoint = checkpoint_with_window(tmp_path / "my-model", 16384)
     fake_server.model_ids = ["my-model"]
     for key, value in agent_env.items():
         monkeypatch.setenv(key, value)

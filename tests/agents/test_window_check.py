@@ -19,28 +19,6 @@ GIB = 2**30
 CAPTURES = Path(__file__).resolve().parents[3] / "shared" / "docs" / "agent-captures"
 
 
-def checkpoint_with_window(folder: Path, context: int) -> Path:
-    """A config-only checkpoint folder: enough for the launcher to read its window."""
-    folder.mkdir()
-    config = {
-        "model_type": "nemotron_h",
-        "hidden_size": 64,
-        "num_hidden_layers": 3,
-        "hybrid_override_pattern": "M*E",
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "mamba_num_heads": 4,
-        "mamba_head_dim": 16,
-        "ssm_state_size": 16,
-        "n_groups": 1,
-        "vocab_size": 512,
-        "max_position_embeddings": context,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 def test_shortfall_names_the_agent_and_both_sizes() -> None:
     message = window_shortfall("claude", "demo", 8192)
     assert (
@@ -73,7 +51,7 @@ def test_the_suggestion_fits_the_machine_and_the_agent() -> None:
 
 @pytest.mark.parametrize("agent", ["claude", "codex", "opencode"])
 def test_a_small_window_is_refused_before_any_server_starts(
-    agent: str, fake_server, agent_env, settings_for, tmp_path: Path
+    checkpoint_with_window, agent: str, fake_server, agent_env, settings_for, tmp_path: Path
 ) -> None:
     small = checkpoint_with_window(tmp_path / "small", 8192)
     with pytest.raises(WindowTooSmall) as err:
@@ -92,7 +70,9 @@ def test_a_small_window_is_refused_before_any_server_starts(
     assert fake_server.requests == []  # no server was probed, none started
 
 
-def test_pi_still_launches_on_a_small_window(fake_server, agent_env, settings_for, tmp_path: Path) -> None:
+def test_pi_still_launches_on_a_small_window(
+    checkpoint_with_window, fake_server, agent_env, settings_for, tmp_path: Path
+) -> None:
     small = checkpoint_with_window(tmp_path / "small", 8192)
     fake_server.model_ids = ["small"]
     plan = launch.prepare_launch(
@@ -102,7 +82,7 @@ def test_pi_still_launches_on_a_small_window(fake_server, agent_env, settings_fo
 
 
 def test_cli_says_it_in_one_line_and_does_not_exec(
-    fake_server, agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint_with_window, fake_server, agent_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     small = checkpoint_with_window(tmp_path / "small", 8192)
     for key, value in agent_env.items():

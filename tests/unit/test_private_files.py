@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import stat
 from pathlib import Path
 
@@ -10,12 +9,7 @@ import pytest
 
 from kapitsa.private_files import atomic_write, make_private_dir
 
-
-@pytest.fixture(autouse=True)
-def open_umask():
-    old = os.umask(0o022)
-    yield
-    os.umask(old)
+pytestmark = pytest.mark.usefixtures("open_umask")
 
 
 def _mode(path: Path) -> int:

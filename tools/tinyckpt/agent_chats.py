@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from .chats import TOOLS, task_turn
+from .chats import TOOLS, make_conversations, task_turn
 from .corpus import Function
 from .template import render_chat
 
@@ -83,10 +83,4 @@ def make_agent_conversation(pool: list[tuple[str, Function]], rng: random.Random
 
 
 def make_agent_conversations(pool: list[tuple[str, Function]], count: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    texts: list[str] = []
-    while len(texts) < count:
-        text = make_agent_conversation(pool, rng)
-        if text:
-            texts.append(text)
-    return texts
+    return make_conversations(pool, count, seed, make_agent_conversation)

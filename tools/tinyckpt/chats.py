@@ -160,11 +160,18 @@ def make_conversation(pool: list[tuple[str, Function]], rng: random.Random) -> s
     return render_chat(messages, tools=TOOLS if uses_tools else None)
 
 
-def make_conversations(pool: list[tuple[str, Function]], count: int, seed: int) -> list[str]:
+def make_conversations(
+    pool: list[tuple[str, Function]],
+    count: int,
+    seed: int,
+    make=None,  # noqa: ANN001 - a maker like make_conversation
+) -> list[str]:
+    """`count` rendered conversations from `make(pool, rng)` (default `make_conversation`); a None is skipped."""
+    make = make or make_conversation
     rng = random.Random(seed)
     texts: list[str] = []
     while len(texts) < count:
-        text = make_conversation(pool, rng)
+        text = make(pool, rng)
         if text:
             texts.append(text)
     return texts

@@ -45,11 +45,15 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def takes_rows(x: mx.array) -> bool:
-    """Whether a call on x `[..., tokens, features]` (or `[tokens, ...]`) goes through BLAS here:
-    more tokens than a compiled step carries, on the CPU device."""
-    tokens = x.shape[-2] if x.ndim >= 3 else x.shape[0]
+def takes_tokens(tokens: int) -> bool:
+    """Whether a call over `tokens` tokens goes through BLAS here: more tokens than a compiled step
+    carries, on the CPU device."""
     return tokens >= MIN_ROWS and on_cpu()
+
+
+def takes_rows(x: mx.array) -> bool:
+    """`takes_tokens` for a linear's input x `[..., tokens, features]` (or `[tokens, features]`)."""
+    return takes_tokens(x.shape[-2] if x.ndim >= 3 else x.shape[0])
 
 
 @dataclass(slots=True)
@@ -116,9 +120,9 @@ def linear(layer: nn.Module, x: mx.array, *, keep: bool) -> mx.array | None:
 
 def attention_takes(q: mx.array, k: mx.array, mask: object) -> bool:
     """Whether `attention` serves this call: CPU, no mask or a causal one, enough scores to pay."""
-    if not on_cpu() or not (mask is None or (isinstance(mask, str) and mask == "causal")):
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
         return False
-    return q.shape[2] >= MIN_ROWS and q.shape[2] * k.shape[2] >= ATTENTION_MIN_SCORES
+    return takes_tokens(q.shape[2]) and q.shape[2] * k.shape[2] >= ATTENTION_MIN_SCORES
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool) -> mx.array:

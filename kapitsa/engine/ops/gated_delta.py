@@ -88,7 +88,7 @@ def gated_delta(
         B, _, _, Dk = q.shape
         Hv, Dv = v.shape[-2:]
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    if cpu_blas.on_cpu() and q.shape[1] >= cpu_blas.MIN_ROWS:
+    if cpu_blas.takes_tokens(q.shape[1]):
         try:
             return gated_delta_chunked(q, k, v, g, beta, state, mask)
         except cpu_blas.Traced:
