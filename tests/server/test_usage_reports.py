@@ -55,10 +55,10 @@ def test_message_start_reports_the_prompt_and_the_cache(http: httpx.Client) -> N
     first = [{"role": "user", "content": "Name a prime number."}]
     counted = http.post("/v1/messages/count_tokens", json={"system": SYSTEM, "messages": first}).json()
     start, final = streamed_usage(http, first)
-    assert start["input_tokens"] == counted["input_tokens"] > 0  # it was always 0
+    assert start["input_tokens"] == counted["input_tokens"] > 0
     assert start["cache_read_input_tokens"] == start["cache_creation_input_tokens"] == 0
     assert prompt_total(final) == counted["input_tokens"]
-    assert final["cache_creation_input_tokens"] > 0  # the system and turn checkpoints (it was always 0)
+    assert final["cache_creation_input_tokens"] > 0  # the system and turn checkpoints
     assert final["input_tokens"] < counted["input_tokens"]
 
     later = [*first, {"role": "assistant", "content": "Seven."}, {"role": "user", "content": "Another?"}]
@@ -73,7 +73,7 @@ def test_message_start_reports_the_prompt_and_the_cache(http: httpx.Client) -> N
 def test_responses_cut_by_max_output_tokens_ends_with_response_incomplete(http: httpx.Client) -> None:
     events = sse_events(http, "/v1/responses", {"input": "Count to fifty.", "max_output_tokens": 3})
     kind, last = events[-1]
-    assert kind == last["type"] == "response.incomplete"  # it was response.completed
+    assert kind == last["type"] == "response.incomplete"  # OpenAI's event for a length stop
     assert last["response"]["status"] == "incomplete"
     assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [k for k, _ in events].count("response.completed") == 0
