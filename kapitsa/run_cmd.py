@@ -64,7 +64,7 @@ def read_prompt(options: RunOptions) -> str:
 def load_for_spec(spec: str):  # noqa: ANN201 - LoadedModel, imported lazily (MLX)
     """Load a catalog alias ("27b", "27b:6bit", "demo"), a folder, a .gguf file or a cached HF repo id."""
     from kapitsa.catalog import load_catalog, parse_model_ref, resolve_model
-    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.loading.loader import load_model
     from kapitsa.errors import NotDownloaded
     from kapitsa.settings import load_settings
 
@@ -90,8 +90,8 @@ def default_model() -> str:
 
 def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None) -> RunResult:
     """Run one generation; stream text through `write` (stdout) unless `--json`, then print JSON."""
-    from kapitsa.engine.engine import EngineConfig
     from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.engine.options import EngineConfig
     from kapitsa.engine.speculative.factory import strategy_for
 
     text = read_prompt(options)

@@ -15,15 +15,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from kapitsa.engine.decode import DecodeStrategy
-from kapitsa.engine.engine import Engine, EngineConfig
-from kapitsa.engine.loading import LoadedModel, load_model
-from kapitsa.engine.memory import check_context
-from kapitsa.engine.prepare import prepare_prompt
-from kapitsa.engine.prompt_encoder import PromptEncoder
-from kapitsa.engine.sequence import Sequence
-from kapitsa.engine.stop import StopMatcher
-from kapitsa.engine.token_checks import check_request_token_ids, model_vocab_size
+from kapitsa.engine.loading.loader import LoadedModel, load_model
+from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.runner.decode import DecodeStrategy
+from kapitsa.engine.runner.loop import Engine
+from kapitsa.engine.runner.memory import check_context
+from kapitsa.engine.runner.sequence import Sequence
+from kapitsa.engine.runner.stop import StopMatcher
+from kapitsa.engine.text.prepare import prepare_prompt
+from kapitsa.engine.text.prompt_encoder import PromptEncoder
+from kapitsa.engine.text.token_checks import check_request_token_ids, model_vocab_size
 from kapitsa.engine.types import (
     EngineStats,
     ErrorEvent,

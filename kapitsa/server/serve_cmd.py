@@ -37,8 +37,8 @@ def cmd_serve(
     check_bind(settings)
     _check_speculative(settings.speculative, draft)
     check_port_free(settings)
-    from kapitsa.engine.engine import EngineConfig
     from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.engine.options import EngineConfig
     from kapitsa.engine.speculative.factory import strategy_for
     from kapitsa.run_cmd import default_model, load_for_spec
     from kapitsa.settings import load_settings

@@ -108,10 +108,10 @@ def test_the_table_holds_every_captured_first_request() -> None:
 def _measured_first_requests() -> dict[str, int]:
     from fastapi.testclient import TestClient
 
-    from kapitsa.engine.fake import FakeEngine
-    from kapitsa.engine.tokenizer import Tokenizer
+    from kapitsa.engine.text.tokenizer import Tokenizer
     from kapitsa.server.app import create_app
     from kapitsa.server.settings import ServerSettings
+    from kapitsa.testing.fake_engine import FakeEngine
     from tests.checkpoints.conftest import DEMO
 
     tokenizer = Tokenizer.from_folder(DEMO)

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kapitsa.engine import tiny
+from kapitsa.testing import tiny
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_receiver import Receiver  # noqa: E402

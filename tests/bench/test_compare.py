@@ -14,8 +14,8 @@ from kapitsa.bench.submit import save_report
 from kapitsa.bench.targets import EngineTarget, HttpTarget, normalize_base_url
 from kapitsa.bench.workloads import BenchConfig
 from kapitsa.cli import app
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.errors import InvalidRequest
+from kapitsa.testing.fake_engine import FakeEngine
 
 TINY = BenchConfig(
     short_prompt_words=4,

@@ -9,7 +9,7 @@ import pytest
 from kapitsa.bench.command import BenchOptions, collect_report
 from kapitsa.bench.runner import WORKLOAD_NAMES
 from kapitsa.bench.workloads import BenchConfig
-from kapitsa.engine import tiny
+from kapitsa.testing import tiny
 
 TINY = BenchConfig(
     short_prompt_words=8,

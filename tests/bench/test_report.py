@@ -12,8 +12,8 @@ from kapitsa.bench.schema import SCHEMA_VERSION, WORKLOAD_METRICS, BenchReport, 
 from kapitsa.bench.submit import save_report, submit_report
 from kapitsa.bench.targets import EngineTarget
 from kapitsa.bench.workloads import BenchConfig
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.errors import InvalidRequest, KapitsaError
+from kapitsa.testing.fake_engine import FakeEngine
 
 SMALL = BenchConfig(
     short_prompt_words=8,

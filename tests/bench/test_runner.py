@@ -8,9 +8,9 @@ from kapitsa.bench.runner import WORKLOAD_NAMES, decode_rate, prefill_rate, run_
 from kapitsa.bench.schema import WORKLOAD_METRICS
 from kapitsa.bench.targets import EngineTarget, StreamResult
 from kapitsa.bench.workloads import BenchConfig, agent_replay_prefixes
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import EngineStats
 from kapitsa.errors import EngineBusy
+from kapitsa.testing.fake_engine import FakeEngine
 
 SMALL = BenchConfig(
     short_prompt_words=8,

@@ -45,6 +45,6 @@ def safetensors_header(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def demo_model():
-    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.loading.loader import load_model
 
     return load_model(DEMO)

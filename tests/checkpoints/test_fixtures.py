@@ -52,7 +52,7 @@ def _nll(model, ids: list[int]) -> float:
 
 @pytest.mark.parametrize(("name", "bound"), [("nemotron-h", 4.0), ("qwen35-draft", 3.5)])
 def test_fixture_loads_in_kapitsa_and_is_trained(name: str, bound: float) -> None:
-    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.loading.loader import load_model
 
     loaded = load_model(TRAINED / name)
     ids = loaded.tokenizer.encode(SNIPPET)
@@ -70,7 +70,7 @@ def test_transformers_reads_the_fixture_like_kapitsa(name: str) -> None:
     transformers = pytest.importorskip("transformers")
     import numpy as np
 
-    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.loading.loader import load_model
 
     loaded = load_model(TRAINED / name, quantize="fp32")
     ids = loaded.tokenizer.encode(SNIPPET)

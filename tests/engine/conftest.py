@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from engine_standins import EOS, OFFSET, ByteDetokenizer, ByteTokenizer, tiny_model  # noqa: F401 - re-exported
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import ModelInfo
 
 FAMILIES = ("qwen3_5", "nemotron_h")

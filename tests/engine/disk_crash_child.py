@@ -16,9 +16,9 @@ from pathlib import Path
 
 from engine_standins import EOS, ByteTokenizer, tiny_model
 
-from kapitsa.engine import prefix_file
-from kapitsa.engine.engine import EngineConfig
+from kapitsa.engine.cache import file as prefix_file
 from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import FinishEvent, GenerationRequest, ModelInfo, SamplingParams, TokenEvent
 
 PROBE = (

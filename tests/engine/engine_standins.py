@@ -63,7 +63,7 @@ class ByteTokenizer:
 def tiny_model(kind: str):
     """A tiny random model of `kind`, float32, deterministic."""
     from kapitsa.engine.models import get_model_module
-    from kapitsa.engine.tiny import tiny_config
+    from kapitsa.testing.tiny import tiny_config
 
     config = tiny_config(kind)
     module = get_model_module(config["model_type"])

@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 from engine_standins import EOS, ByteTokenizer
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import (
     ErrorEvent,
     FinishEvent,

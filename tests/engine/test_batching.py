@@ -74,7 +74,7 @@ async def test_pipelined_and_synchronous_sequences_mix(qwen_model, make_client) 
 
 
 async def test_custom_decode_strategy_is_used(qwen_model, make_client) -> None:
-    from kapitsa.engine.decode import PlainDecode
+    from kapitsa.engine.runner.decode import PlainDecode
 
     class Counting(PlainDecode):
         name = "counting"

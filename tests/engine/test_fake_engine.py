@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from kapitsa.engine import EngineClient, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from kapitsa.engine.fake import FakeEngine
+from kapitsa.testing.fake_engine import FakeEngine
 
 
 async def _collect(engine: FakeEngine, request: GenerationRequest) -> list:

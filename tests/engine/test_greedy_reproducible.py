@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.loading import load_model
-from kapitsa.engine.tiny import write_tiny_checkpoint
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import GenerationRequest, SamplingParams, TokenEvent
+from kapitsa.testing.tiny import write_tiny_checkpoint
 
 NUM_TOKENS = 96
 PROMPT = "def parse(lines):\n    out = []\n    for line in lines:\n"

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from test_prefix_reuse import SYSTEM, chat
 
-from kapitsa.engine.engine import EngineConfig
+from kapitsa.engine.cache.file import read_prefix_file
 from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.loading import load_model
-from kapitsa.engine.prefix_file import read_prefix_file
-from kapitsa.engine.tiny import write_tiny_checkpoint
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
+from kapitsa.testing.tiny import write_tiny_checkpoint
 
 CHILD = Path(__file__).with_name("disk_crash_child.py")
 KILLS = 20

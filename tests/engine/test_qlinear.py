@@ -8,9 +8,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kapitsa.engine import qlinear
 from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_direct import qmv_direct_reference
+from kapitsa.engine.ops import linear as qlinear
 
 
 def _model(bits: int = 4, bias: bool = False) -> nn.Module:
@@ -225,7 +225,7 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(
     """Decode with every fusable input norm and residual add inside the one-row mat-vecs (the
     kernel's reference standing in for it) gives the op-by-op logits; Qwen's SwiGLU made by the
     gate/up projection's epilogue ("glu") or, without that part, by the down projection ("act")."""
-    from kapitsa.engine.fuse import fuse_model
+    from kapitsa.engine.loading.fuse import fuse_model
     from kapitsa.engine.models import base
     from tests.models.builders import build_ours, greedy_logits
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.loading import load_model
-from kapitsa.engine.tiny import write_tiny_checkpoint
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from kapitsa.testing.tiny import write_tiny_checkpoint
 
 SYSTEM = "You are a coding agent. " + " ".join(f"Rule {i}: be brief and precise." for i in range(60))
 

@@ -8,9 +8,9 @@ import random
 import pytest
 from engine_standins import EOS, ByteTokenizer, tiny_model  # noqa: I001
 
-from kapitsa.engine.cache import HybridCache
-from kapitsa.engine.engine import EngineConfig
+from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.speculative.decoder import GPU_VERIFY_WIDTHS, SpeculativeDecode
 from kapitsa.engine.speculative.drafter import Draft
 from kapitsa.engine.speculative.factory import make_decode_strategy
@@ -195,8 +195,8 @@ def test_unknown_and_unavailable_modes_are_clear_errors() -> None:
 
 @PADDING
 async def test_mtp_drafter_equals_plain(tmp_path, widths) -> None:
-    from kapitsa.engine.loading import load_model
-    from kapitsa.engine.tiny import write_tiny_checkpoint
+    from kapitsa.engine.loading.loader import load_model
+    from kapitsa.testing.tiny import write_tiny_checkpoint
 
     loaded = load_model(write_tiny_checkpoint(tmp_path / "q", "qwen3_5", mtp=True))
     model = loaded.model
@@ -320,7 +320,7 @@ async def test_tree_sampling_is_seeded() -> None:
 
 def test_strategy_for_loads_drafters_by_kind(tmp_path) -> None:
     from kapitsa.engine.speculative.factory import strategy_for
-    from kapitsa.engine.tiny import write_tiny_checkpoint
+    from kapitsa.testing.tiny import write_tiny_checkpoint
 
     target = tiny_model("qwen3_5")
     _write_dflash(tmp_path / "dflash", hidden=64, target_layers=[1, 2], mask_token_id=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kapitsa.engine.sequence import TokenIds
+from kapitsa.engine.runner.sequence import TokenIds
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter
 from kapitsa.engine.speculative.drafter import new_tokens
 from kapitsa.engine.speculative.ngram import NGramDrafter

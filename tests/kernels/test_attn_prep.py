@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from nvcc_check import assert_compiles, nvcc
 
-from kapitsa.engine.cache import KVCache
+from kapitsa.engine.cache.layers import KVCache
 from kapitsa.engine.kernels import attn_prep, backend
 from kapitsa.engine.kernels.attn_prep import PrepSpec
 from kapitsa.engine.models.base import Attention
@@ -126,7 +126,7 @@ def test_models_prepare_attention_through_the_kernel_when_on(monkeypatch, arch) 
     """With the "attn" family on (the reference standing in for the kernel), every attention
     layer of a fused model's compiled steps (the 4-token prompt as a short chain, then decode
     steps) takes the prep, and the logits are those of the default path."""
-    from kapitsa.engine.fuse import fuse_model
+    from kapitsa.engine.loading.fuse import fuse_model
     from tests.models.builders import build_ours, logits_under_families
 
     calls = []
@@ -165,7 +165,7 @@ def test_unprobed_kernel_is_never_used(monkeypatch) -> None:
 def test_layers_probe_their_own_layout(monkeypatch) -> None:
     """A fused Qwen model's attention layers probe the prep for their layout and dtype before
     tracing (with the family on)."""
-    from kapitsa.engine.fuse import fuse_model
+    from kapitsa.engine.loading.fuse import fuse_model
     from tests.models.builders import build_ours, greedy_logits
 
     probed = []

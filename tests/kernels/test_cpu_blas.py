@@ -7,8 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kapitsa.engine import qlinear
 from kapitsa.engine.kernels import cpu_blas
+from kapitsa.engine.ops import linear as qlinear
 
 
 def _rel_err(got: mx.array, ref: mx.array) -> float:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from nvcc_check import STUB, assert_compiles, compile_source, nvcc
 
-from kapitsa.engine.cache import RecurrentCache, StepInfo
+from kapitsa.engine.cache.layers import RecurrentCache, StepInfo
 from kapitsa.engine.kernels import backend, gdn
 from kapitsa.engine.kernels.cuda import cuda_type
 from kapitsa.engine.kernels.metal import read_source

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kapitsa.engine.cache import RecurrentCache, StepInfo
+from kapitsa.engine.cache.layers import RecurrentCache, StepInfo
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels import mamba as mk
 from kapitsa.engine.models.nemotron_h import Mamba2Mixer, ModelArgs

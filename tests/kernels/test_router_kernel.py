@@ -40,7 +40,7 @@ def _same(got, ref, *, rtol=2e-3) -> None:
 
 def test_reference_is_nemotrons_router() -> None:
     from kapitsa.engine.models import nemotron_h
-    from kapitsa.engine.tiny import tiny_config
+    from kapitsa.testing.tiny import tiny_config
 
     args = nemotron_h.ModelArgs.from_dict(tiny_config("nemotron_h"))
     gate = nemotron_h.Router(args)
@@ -57,7 +57,7 @@ def test_reference_is_nemotrons_router() -> None:
 def test_reference_is_qwens_routing() -> None:
     """SparseMoe's own path (the op path it takes off CUDA) against the reference's pieces."""
     from kapitsa.engine.models import qwen3_5
-    from kapitsa.engine.tiny import tiny_config
+    from kapitsa.testing.tiny import tiny_config
 
     args = qwen3_5.ModelArgs.from_dict(tiny_config("qwen3_5_moe"))
     moe = qwen3_5.SparseMoe(args)
@@ -166,7 +166,7 @@ def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
     """With the "route" family on and the kernel probed good (its reference standing in for it),
     a fused model's compiled decode takes the router kernel in every MoE layer and gives the same
     logits as with the family off."""
-    from kapitsa.engine.fuse import fuse_model
+    from kapitsa.engine.loading.fuse import fuse_model
     from tests.models.builders import build_ours, logits_under_families
 
     calls = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.tiny import write_tiny_checkpoint
+from kapitsa.testing.tiny import write_tiny_checkpoint
 
 PROMPT = "Hello world! def f(x): return x + 1 日本"
 

@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from safetensors.numpy import load_file
 
-from kapitsa.engine.safetensors_io import bfloat16_bits_to_float32
+from kapitsa.engine.loading.safetensors_io import bfloat16_bits_to_float32
 
 _ARCHS = {
     "qwen3_5": gguf.MODEL_ARCH.QWEN35,

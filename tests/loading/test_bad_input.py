@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kapitsa.engine.loading import load_model
+from kapitsa.engine.loading.loader import load_model
 from kapitsa.errors import CheckpointError, InvalidRequest, ModelNotFound, UnsupportedModel
 
 
@@ -86,7 +86,7 @@ def test_shapes_not_matching_the_config(tiny):
 def test_a_missing_tensor(tiny, tmp_path):
     from safetensors.numpy import load_file
 
-    from kapitsa.engine.safetensors_io import write_safetensors
+    from kapitsa.engine.loading.safetensors_io import write_safetensors
 
     folder = tiny("nemotron_h_dense")
     weights = load_file(str(folder / "model.safetensors"))
@@ -121,7 +121,7 @@ def test_requantizing_an_mlx_quantized_checkpoint_is_refused(tiny):
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from kapitsa.engine.safetensors_io import write_safetensors
+    from kapitsa.engine.loading.safetensors_io import write_safetensors
 
     weights = {k: np.array(v) for k, v in tree_flatten(first.model.parameters())}
     for name in list(folder.glob("*.safetensors")):

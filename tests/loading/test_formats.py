@@ -9,8 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kapitsa.engine.loading import load_model
-from kapitsa.engine.quantize import QUANT_SPECS
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.loading.quantize import QUANT_SPECS
 from tests.loading.conftest import logits_of
 
 
@@ -175,7 +175,7 @@ def test_tied_embeddings(tiny):
 
 
 def test_quantizing_on_load_never_holds_the_whole_float_model(tmp_path):
-    from kapitsa.engine.tiny import write_tiny_checkpoint
+    from kapitsa.testing.tiny import write_tiny_checkpoint
 
     sizes = {"hidden_size": 512, "intermediate_size": 2048, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
              "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_hidden_layers": 8}  # fmt: skip

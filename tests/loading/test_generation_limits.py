@@ -7,11 +7,11 @@ import asyncio
 import json
 from pathlib import Path
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.loading import load_model
-from kapitsa.engine.tiny import write_tiny_checkpoint
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams
+from kapitsa.testing.tiny import write_tiny_checkpoint
 
 
 def _checkpoint(tmp_path: Path, **generation: object) -> Path:

@@ -13,8 +13,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
-from kapitsa.engine.gguf_quants import dequantize, dequantize_mx
-from kapitsa.engine.loading import load_model
+from kapitsa.engine.gguf.quants import dequantize, dequantize_mx
+from kapitsa.engine.loading.loader import load_model
 from kapitsa.errors import CheckpointError, ModelNotFound, UnsupportedModel
 from tests.loading.conftest import PROMPT, logits_of
 from tests.loading.gguf_export import export_gguf

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kapitsa.engine.loading import load_model
-from kapitsa.engine.thinking_probe import probe_thinking
-from kapitsa.engine.tokenizer import Tokenizer
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.text.thinking_probe import probe_thinking
+from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.engine.types import ThinkingPrompt
 
 DEMO = Path(str(resources.files("kapitsa").joinpath("demo")))

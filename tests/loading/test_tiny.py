@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kapitsa.engine.tiny import KINDS, tiny_weights, write_tiny_checkpoint
+from kapitsa.testing.tiny import KINDS, tiny_weights, write_tiny_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from kapitsa.engine.tiny import KINDS, TINY_VOCAB_SIZE, write_tiny_checkpoint
+from kapitsa.testing.tiny import KINDS, TINY_VOCAB_SIZE, write_tiny_checkpoint
 
 
 def _read_all(folder):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.cache import HybridCache
+from kapitsa.engine.cache.hybrid import HybridCache
 from tests.models.builders import ARCHS, build_ours
 
 PROMPTS = [[5, 9, 14, 3, 77, 120, 8], [200, 4, 4, 31], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.fuse import fuse_model
+from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.models import base
 from tests.models.builders import ARCHS, build_ours
 

@@ -1,4 +1,4 @@
-"""Projection fusion (kapitsa.engine.fuse): the fused model computes what the unfused one does."""
+"""Projection fusion (kapitsa.engine.loading.fuse): the fused model computes what the unfused one does."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kapitsa.engine.fuse import fuse_linears, fuse_model
+from kapitsa.engine.loading.fuse import fuse_linears, fuse_model
 from tests.models.builders import ARCHS, build_ours
 
 

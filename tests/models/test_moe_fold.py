@@ -1,4 +1,4 @@
-"""Shared experts folded into the routed stacks (kapitsa.engine.moe_fold): exact, and only where
+"""Shared experts folded into the routed stacks (kapitsa.engine.loading.moe_fold): exact, and only where
 the formats allow."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kapitsa.engine import moe_fold
-from kapitsa.engine.fuse import fuse_model
+from kapitsa.engine.loading import moe_fold
+from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.ops.moe import QuantizedSwitchLinear
 from tests.models.builders import build_ours
 from tests.models.test_fuse import _decode_logits, _quantize

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.cache import RecurrentCache
+from kapitsa.engine.cache.layers import RecurrentCache
 from tests.models.builders import ARCHS, build_ours
 
 PROMPT = [11, 23, 5, 99, 140, 7, 64, 3]
@@ -143,8 +143,8 @@ def test_rollback_after_a_padded_verify_batch():
 
 def test_conv_rows_at_matches_conv_state_after() -> None:
     """The compiled rollback's conv rows (start as an array) equal `conv_state_after`'s."""
+    from kapitsa.engine.cache.replay import conv_rows_at
     from kapitsa.engine.ops.conv import conv_state_after
-    from kapitsa.engine.replay import conv_rows_at
 
     conv_in = mx.random.normal((3, 3 + 6, 5))  # kernel 4: 3 rows before + 6 new
     for kept in ([6, 6, 6], [0, 3, 6], [1, 5, 2]):

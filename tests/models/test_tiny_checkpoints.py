@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine import tiny
 from kapitsa.engine.models import get_model_module
+from kapitsa.testing import tiny
 
 VARIANTS = [
     ("qwen3_5", {"mtp": True, "vision": True}),

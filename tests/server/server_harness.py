@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.server.runner import make_server
 from kapitsa.server.settings import ServerSettings
+from kapitsa.testing.fake_engine import FakeEngine
 
 
 @dataclass
@@ -55,10 +55,10 @@ def open_tiny_engine(
     every answer (the engine clamps requests to it)."""
     import dataclasses
 
-    from kapitsa.engine.engine import EngineConfig
     from kapitsa.engine.inprocess import InProcessEngine
-    from kapitsa.engine.loading import load_model
-    from kapitsa.engine.tiny import write_tiny_checkpoint
+    from kapitsa.engine.loading.loader import load_model
+    from kapitsa.engine.options import EngineConfig
+    from kapitsa.testing.tiny import write_tiny_checkpoint
 
     loaded = load_model(write_tiny_checkpoint(folder, kind, **checkpoint))  # type: ignore[arg-type]
     if max_output_tokens is not None:

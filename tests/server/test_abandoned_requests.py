@@ -12,8 +12,8 @@ import httpx
 import pytest
 from server_harness import LiveServer, live_server
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import ModelInfo
 from kapitsa.server.openai_chat import ChatChunker
 from tests.engine.engine_standins import ByteTokenizer, tiny_model

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from server_harness import LiveServer, live_server
 
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import Event, GenerationRequest
 from kapitsa.errors import ContextOverflow, EngineBusy
+from kapitsa.testing.fake_engine import FakeEngine
 
 CHAT = "/v1/chat/completions"
 MSGS = "/v1/messages"

@@ -13,9 +13,9 @@ import openai
 import pytest
 from server_harness import LiveServer, live_server
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.loading import load_model
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
 
 DEMO = Path(str(resources.files("kapitsa").joinpath("demo")))
 ASK = [{"role": "user", "content": "Write a Python function that adds two numbers."}]

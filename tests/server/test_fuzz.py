@@ -18,9 +18,9 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from server_harness import open_tiny_engine  # noqa: E402
 
-from kapitsa.engine.fake import FakeEngine  # noqa: E402
 from kapitsa.server.app import create_app  # noqa: E402
 from kapitsa.server.settings import ServerSettings  # noqa: E402
+from kapitsa.testing.fake_engine import FakeEngine  # noqa: E402
 
 EXAMPLES = int(os.environ.get("KAPITSA_FUZZ_EXAMPLES", "25"))
 REAL_EXAMPLES = int(os.environ.get("KAPITSA_FUZZ_REAL_EXAMPLES", "200"))

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from server_harness import LiveServer, live_server
 
-from kapitsa.engine.engine import EngineConfig
 from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.loading import load_model
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
 
 DEMO = Path(str(resources.files("kapitsa").joinpath("demo")))
 WINDOW = 64  # small, so a clamped answer stays a few tokens long on a CPU

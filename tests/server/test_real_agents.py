@@ -15,7 +15,7 @@ import pytest
 from agent_harness import FINAL_TEXT, ScriptedAgentModel, agent_command, agent_version, ensure_agents
 from server_harness import live_server
 
-from kapitsa.engine.fake import FakeEngine
+from kapitsa.testing.fake_engine import FakeEngine
 
 FORMATS = {
     "claude": "qwen3_coder",

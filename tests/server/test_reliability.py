@@ -15,10 +15,10 @@ import httpx
 import pytest
 from server_harness import LiveServer, live_server
 
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import ErrorEvent, Event, GenerationRequest, TokenEvent
 from kapitsa.errors import ContextOverflow
 from kapitsa.server.streaming import GenerationRun
+from kapitsa.testing.fake_engine import FakeEngine
 
 
 def echo_reply(request: GenerationRequest) -> list[str]:

@@ -9,8 +9,8 @@ import openai
 import pytest
 from server_harness import LiveServer, live_server
 
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import ModelInfo, ThinkingPrompt
+from kapitsa.testing.fake_engine import FakeEngine
 
 BASH = {
     "type": "object",

@@ -10,12 +10,12 @@ import httpx
 import pytest
 from server_harness import LiveServer, live_server
 
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.errors import InvalidRequest
 from kapitsa.server import security
 from kapitsa.server.app import create_app
 from kapitsa.server.runner import check_bind
 from kapitsa.server.settings import ServerSettings
+from kapitsa.testing.fake_engine import FakeEngine
 
 TOKEN = "s3cret-token-value"
 

@@ -75,7 +75,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
-    tiny = pytest.importorskip("kapitsa.engine.tiny")
+    tiny = pytest.importorskip("kapitsa.testing.tiny")
     folder = tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "qwen3_5")
     port = _free_port()
     env = {**os.environ, "KAPITSA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}

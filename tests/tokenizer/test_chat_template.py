@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kapitsa.engine.chat_template import ChatTemplate
-from kapitsa.engine.tiny_tokenizer import NEMOTRON_TEMPLATE, QWEN_HERMES_TEMPLATE, QWEN_TEMPLATE
+from kapitsa.engine.text.chat_template import ChatTemplate
 from kapitsa.errors import CheckpointError, InvalidRequest
+from kapitsa.testing.tiny_tokenizer import NEMOTRON_TEMPLATE, QWEN_HERMES_TEMPLATE, QWEN_TEMPLATE
 
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 

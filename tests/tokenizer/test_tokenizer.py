@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kapitsa.engine.tiny import write_tiny_checkpoint
-from kapitsa.engine.tokenizer import Tokenizer
+from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.errors import CheckpointError, InvalidRequest
+from kapitsa.testing.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -112,8 +112,8 @@ async def test_unexpected_worker_errors_become_modals(make_app) -> None:
 async def test_an_agent_the_window_cannot_hold_is_refused_in_one_line(
     tmp_path, messages, monkeypatch
 ) -> None:
-    from kapitsa.engine.fake import FakeEngine
     from kapitsa.engine.types import ModelInfo
+    from kapitsa.testing.fake_engine import FakeEngine
     from kapitsa.tui.app import KapitsaApp
 
     small = ModelInfo("4b", "fake", context_length=8192, max_output_tokens=4096)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from tui_support import FakeServices
 
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import ModelInfo
+from kapitsa.testing.fake_engine import FakeEngine
 from kapitsa.tui.services import TuiServices, Unavailable, _require
 
 

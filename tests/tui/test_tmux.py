@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kapitsa.engine import tiny
+from kapitsa.testing import tiny
 
 pytestmark = pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)"

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 from textual.message import Message
 
 from kapitsa.doctor import RECORDED_PROFILES
-from kapitsa.engine.fake import FakeEngine
 from kapitsa.engine.types import EngineStats, ModelInfo
+from kapitsa.testing.fake_engine import FakeEngine
 from kapitsa.tui.services import DownloadCancelledError, TuiServices
 
 BUSY_STATS = EngineStats(

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kapitsa.engine.memory import MemoryBudget, StateSizes, check_context
-from kapitsa.engine.prepare import prepare_prompt
-from kapitsa.engine.tokenizer import Tokenizer
+from kapitsa.engine.runner.memory import MemoryBudget, StateSizes, check_context
+from kapitsa.engine.text.prepare import prepare_prompt
+from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.engine.types import GenerationRequest
 from kapitsa.errors import ContextOverflow
 
@@ -52,7 +52,7 @@ def test_budget_accounting() -> None:
 
 @pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
 def tokenizer(request, tmp_path_factory):
-    from kapitsa.engine.tiny import write_tiny_checkpoint
+    from kapitsa.testing.tiny import write_tiny_checkpoint
 
     return Tokenizer.from_folder(write_tiny_checkpoint(tmp_path_factory.mktemp("t") / "c", request.param))
 

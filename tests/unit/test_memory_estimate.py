@@ -17,7 +17,7 @@ def _measured_decode_peak(kind: str, context: int, dtype) -> tuple[int, int, obj
 
     from kapitsa.catalog import arch_from_config
     from kapitsa.engine.models import get_model_module
-    from kapitsa.engine.tiny import tiny_config
+    from kapitsa.testing.tiny import tiny_config
 
     gc.collect()
     mx.clear_cache()

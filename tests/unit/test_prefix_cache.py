@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.prefix_cache import PrefixCache
-from kapitsa.engine.prefix_disk import DiskTier
+from kapitsa.engine.cache.disk import DiskTier
+from kapitsa.engine.cache.prefix import PrefixCache
 
 
 def _kv(tokens):

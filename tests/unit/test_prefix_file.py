@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.prefix_disk import DiskTier, StoredPrefix
-from kapitsa.engine.prefix_file import CorruptPrefixFile, prepare_arrays, read_prefix_file, write_prefix_file
+from kapitsa.engine.cache.disk import DiskTier, StoredPrefix
+from kapitsa.engine.cache.file import CorruptPrefixFile, prepare_arrays, read_prefix_file, write_prefix_file
 
 
 def _stored(tokens: list[int], kind: str = "turn", tag: float = 1.0) -> StoredPrefix:

@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from kapitsa.engine.prompt_encoder import PromptEncoder
-from kapitsa.engine.tokenizer import Tokenizer
+from kapitsa.engine.text.prompt_encoder import PromptEncoder
+from kapitsa.engine.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
 def tokenizer(request, tmp_path_factory):
-    from kapitsa.engine.tiny import write_tiny_checkpoint
+    from kapitsa.testing.tiny import write_tiny_checkpoint
 
     return Tokenizer.from_folder(write_tiny_checkpoint(tmp_path_factory.mktemp("t") / "c", request.param))
 

@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.sampler import SequenceSampler, filter_logits, sample_batch
+from kapitsa.engine.runner.sampler import SequenceSampler, filter_logits, sample_batch
 from kapitsa.engine.types import SamplingParams
 
 

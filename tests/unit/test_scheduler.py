@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kapitsa.engine.scheduler import Scheduler
-from kapitsa.engine.sequence import Boundary, Sequence, SequenceStatus
-from kapitsa.engine.stop import StopMatcher
+from kapitsa.engine.runner.scheduler import Scheduler
+from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus
+from kapitsa.engine.runner.stop import StopMatcher
 from kapitsa.engine.types import GenerationRequest
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kapitsa.engine.stop import StopMatcher
+from kapitsa.engine.runner.stop import StopMatcher
 
 
 def _run(stops, deltas):

@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kapitsa.engine.engine import EngineConfig  # noqa: E402
 from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
-from kapitsa.engine.loading import load_model  # noqa: E402
+from kapitsa.engine.loading.loader import load_model  # noqa: E402
+from kapitsa.engine.options import EngineConfig  # noqa: E402
 from kapitsa.engine.speculative.decoder import SpeculativeDecode  # noqa: E402
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter  # noqa: E402
 from kapitsa.engine.speculative.mtp import MTPDrafter  # noqa: E402

@@ -4,7 +4,7 @@ Run with kapitsa's own environment (it uses kapitsa's loader and MLX):
 
     .venv/bin/python tools/tinyckpt/package_demo.py build/checkpoints/qwen35-demo kapitsa/demo --bits 4
 
-The weights are loaded and quantized by `kapitsa.engine.loading.load_model` (so the MTP head, which
+The weights are loaded and quantized by `kapitsa.engine.loading.loader.load_model` (so the MTP head, which
 kapitsa keeps, is quantized with the rest) and written as mlx-lm writes MLX checkpoints: the
 sanitized parameter names, and the `quantization` block in config.json.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from kapitsa.engine.loading import load_model
-from kapitsa.engine.quantize import parse_quant_spec, quantize_model
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.loading.quantize import parse_quant_spec, quantize_model
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 

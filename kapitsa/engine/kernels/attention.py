@@ -4,7 +4,7 @@ MLX 0.32's CUDA `scaled_dot_product_attention` has fast paths for head dims 64, 
 (mlx/backend/cuda/scaled_dot_product_attention.cu, `supports_sdpa_vector`; cuDNN up to 128), so a
 Qwen3.5 decode step's attention falls back to matmul + softmax + matmul with the GQA reshapes:
 about ten primitives per attention layer, each ~3-5 us of host time on that backend
-(bench/host_costs.py). Here it is two kernels, flash-decoding style, for one query token per row:
+(lab/host_costs.py). Here it is two kernels, flash-decoding style, for one query token per row:
 1. cuda_src/attn_partial.cu: block (row, kv head, split of the keys) runs an online softmax for
    the query heads sharing that kv head; each warp leaves one partial (max, sum, weighted values).
 2. cuda_src/attn_combine.cu: block (row, query head) merges the partials and writes the output as

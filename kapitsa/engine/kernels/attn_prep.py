@@ -3,7 +3,7 @@
 Between the fused q/k/v projection and the KV cache, a Qwen3.5 attention layer's decode step is
 a split, reshapes and transposes, the per-head q and k RMSNorms and the two rotations: on MLX's
 CUDA backend about 30 primitives per attention layer, each ~3-8 us of host time
-(bench/host_costs.py), where the linear-attention layers take 7 in all (bench/graph_census.py).
+(lab/host_costs.py), where the linear-attention layers take 7 in all (lab/graph_census.py).
 Here it is one kernel (cuda_src/attn_prep.cu) reading the projection's output as it is, for up
 to PREP_MAX_TOKENS tokens per row (decode steps and short verification chains).
 `prep_reference` is the same computation in MLX ops, written from the definitions

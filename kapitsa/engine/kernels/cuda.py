@@ -13,7 +13,7 @@ e.g. moe.py's WEIGHT_POINTERS), and `render` shows exactly that.
 Why compact: MLX hashes a custom kernel's whole source string at every launch to find its
 compiled module (mlx/backend/cuda/custom_kernel.cpp, `CustomKernel::eval_gpu`). On the H200 a
 launch cost the host ~3.4 us with a short source and ~7.5 us with 16 KB more (4 KB more was
-within noise; bench/host_costs.py), and a decode step launches 150+ of these kernels.
+within noise; lab/host_costs.py), and a decode step launches 150+ of these kernels.
 """
 
 from __future__ import annotations

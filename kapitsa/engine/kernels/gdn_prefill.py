@@ -2,8 +2,8 @@
 speculative verification, not only decode.
 
 Why: on MLX's CUDA backend the op path's recurrence (`mx.fast.gated_delta_update`) took 63.7 ms
-for one Qwen3.5-27B layer at 512 tokens on the H200, the fused kernel 0.97 ms (bench/diag_h200.py,
-docs/bench/decode-h200.md); with 48 such layers that was nearly all of a 27B prefill.
+for one Qwen3.5-27B layer at 512 tokens on the H200, the fused kernel 0.97 ms (lab/diag_h200.py,
+lab/runs/decode-h200.md); with 48 such layers that was nearly all of a 27B prefill.
 
 The kernel's token count is a compile-time constant (its loops unroll around it), so a prompt's
 arbitrary chunk lengths would each cost a JIT compile. Calls past `gdn.MAX_T` tokens are padded to

@@ -94,9 +94,9 @@ def supports(x: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
 
 # Which implementation serves (mode, bits) -> {rows: "v2mma" | "v2" | "v1"} on CUDA (v2mma: the
 # tensor-core variant, bf16/fp16 activations, else v2); anything not listed keeps MLX's stock
-# quantized_matmul. Measured on the H200 with bench/kernels_qmv.py (27B chain, which prints the
+# quantized_matmul. Measured on the H200 with lab/kernels_qmv.py (27B chain, which prints the
 # table its numbers support); edit it so that a row names a kernel only where it beat stock.
-# History (docs/bench/qmv-h200.md): v1 beat stock only for affine 4-bit at 2-8 rows (44 vs 54 ms
+# History (lab/runs/qmv-h200.md): v1 beat stock only for affine 4-bit at 2-8 rows (44 vs 54 ms
 # at 4 rows); v2 is the default for affine 4/8-bit at 1-8 rows until its H200 run says otherwise.
 CUDA_ROUTES: dict[tuple[str, int], dict[int, str]] = {
     ("affine", 4): {rows: "v2" for rows in range(1, 9)},

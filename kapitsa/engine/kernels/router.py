@@ -2,9 +2,9 @@
 scores, the top-k experts and their weights in two CUDA kernels.
 
 Why: at batch 1 on MLX's CUDA backend a decode step costs the host ~3-5 us per primitive
-(bench/host_costs.py), and an MoE layer's routing is ~10 of them (a transposed weight, the
+(lab/host_costs.py), and an MoE layer's routing is ~10 of them (a transposed weight, the
 matmul's reshapes, casts, softmax or sigmoid, argpartition, take_along_axis, the sum and the
-division); bench/graph_census.py counts 10-12 fewer primitives per MoE layer with these two.
+division); lab/graph_census.py counts 10-12 fewer primitives per MoE layer with these two.
 1. cuda_src/router_logits.cu: float32 logits, one warp per (token, weight row), so the router
    weight (1 MiB for Qwen3.5-35B-A3B, 0.7 MiB for Nemotron-3-Nano) streams over many SMs.
 2. cuda_src/router_select.cu: one warp per token scores the logits, picks the top k (k rounds of

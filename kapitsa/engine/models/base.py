@@ -34,14 +34,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine import kernels
-from kapitsa.engine.cache import HybridCache, KVCache, LayerCache, RecurrentCache, StepInfo, full_step
-from kapitsa.engine.fuse import fuse_into, normed_projections, projections
+from kapitsa.engine.cache.hybrid import HybridCache
+from kapitsa.engine.cache.layers import KVCache, LayerCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.kernels import attn_prep, cpu_blas
 from kapitsa.engine.kernels.attention import decode_attention
 from kapitsa.engine.kernels.attention import probe as attention_probe
 from kapitsa.engine.kernels.attention import usable as attention_usable
+from kapitsa.engine.loading.fuse import fuse_into, normed_projections, projections
+from kapitsa.engine.ops.linear import linear_plus, normed_linear
 from kapitsa.engine.ops.rope import Rope
-from kapitsa.engine.qlinear import linear_plus, normed_linear
 from kapitsa.engine.traces import compiled
 from kapitsa.errors import CheckpointError
 
@@ -97,7 +98,7 @@ class Attention(nn.Module):
     PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
     def fuse(self) -> bool:
-        """One q/k/v projection (see kapitsa.engine.fuse)."""
+        """One q/k/v projection (see kapitsa.engine.loading.fuse)."""
         return fuse_into(self, self.PROJECTIONS, "qkv_proj")
 
     def project(
@@ -226,7 +227,7 @@ def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: ob
 # -- compiled decode steps ------------------------------------------------------------------
 # On MLX's GPU backends a decode step costs host time per op (graph building in Python, then the
 # backend encoding each kernel); measured on the H200 that is most of a 27B token
-# (docs/bench/decode-h200.md). So plain decode steps (one token per row, no padding, no draft tree,
+# (lab/runs/decode-h200.md). So plain decode steps (one token per row, no padding, no draft tree,
 # no replay record) run each layer as `mx.compile`d functions of (hidden, state) -> (hidden,
 # state): traced once per batch size, elementwise chains fused, no Python per op afterwards.
 # KAPITSA_COMPILE_DECODE=0 turns it off (the uncompiled path is the same math, op for op).
@@ -246,7 +247,7 @@ def fast_decode(info: StepInfo, cache: LayerCache) -> bool:
 
 # Short chains (speculative verification: T <= CHAIN_MAX_T tokens per row, none padded, no tree)
 # take compiled functions too, one trace per T; a verify forward op by op cost ~2.8 compiled decode
-# steps of host time on the H200 (docs/bench/decode-h200.md). Replay records are built outside
+# steps of host time on the H200 (lab/runs/decode-h200.md). Replay records are built outside
 # the traced functions from arrays they return.
 CHAIN_MAX_T = 16
 

@@ -19,11 +19,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine import kernels
-from kapitsa.engine.cache import KVCache, RecurrentCache, ReplayRecord, StepInfo
+from kapitsa.engine.cache.layers import KVCache, RecurrentCache, ReplayRecord, StepInfo
 from kapitsa.engine.kernels.mamba import mamba_step, mamba_step_reference
 from kapitsa.engine.kernels.mamba import probe as probe_mamba_kernels
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.kernels.router import route
+from kapitsa.engine.loading.moe_fold import fold_shared_mlp, shared_slots
 from kapitsa.engine.models.base import (
     Attention,
     HybridLM,
@@ -35,13 +36,12 @@ from kapitsa.engine.models.base import (
     require,
 )
 from kapitsa.engine.models.nemotron_weights import sanitize_nemotron
-from kapitsa.engine.moe_fold import fold_shared_mlp, shared_slots
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
+from kapitsa.engine.ops.linear import act_linear_plus, linear_plus, normed_linear
 from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm, relu_squared
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
-from kapitsa.engine.qlinear import act_linear_plus, linear_plus, normed_linear
 
 _BLOCK_CHARS = {
     "linear_attention": "M",
@@ -339,7 +339,7 @@ class MoE(nn.Module):
 
     def fuse(self) -> bool:
         """For inference (fuse_model): the shared experts appended to the routed experts' stacks
-        at score 1 (kapitsa.engine.moe_fold); not with a latent MoE, whose experts work in
+        at score 1 (kapitsa.engine.loading.moe_fold); not with a latent MoE, whose experts work in
         another width than the shared ones."""
         if "shared_experts" not in self or "fc1_latent_proj" in self or "shared_fold" in self.__dict__:
             return False

@@ -18,13 +18,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine import kernels
-from kapitsa.engine.cache import HybridCache, KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
-from kapitsa.engine.fuse import fuse_into, normed_projections, projections
+from kapitsa.engine.cache.hybrid import HybridCache
+from kapitsa.engine.cache.layers import KVCache, RecurrentCache, ReplayRecord, StepInfo, full_step
 from kapitsa.engine.kernels.gdn import gdn_decode, gdn_step, gdn_step_reference, projection_views
 from kapitsa.engine.kernels.gdn import probe as probe_gdn_kernels
 from kapitsa.engine.kernels.gdn_prefill import gdn_chain
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.kernels.router import plain_weight, route
+from kapitsa.engine.loading.fuse import fuse_into, normed_projections, projections
+from kapitsa.engine.loading.moe_fold import fold_shared_mlp, shared_slots, split_rows
 from kapitsa.engine.models.base import (
     Attention,
     HybridLM,
@@ -36,14 +38,13 @@ from kapitsa.engine.models.base import (
     require,
 )
 from kapitsa.engine.models.qwen_weights import sanitize_qwen
-from kapitsa.engine.moe_fold import fold_shared_mlp, shared_slots, split_rows
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.gated_delta import fast_kernel_works, gated_delta, gdn_decay, l2norm_qk
+from kapitsa.engine.ops.linear import act_linear_plus, glu_linear, linear_plus, normed_linear
 from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
 from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
-from kapitsa.engine.qlinear import act_linear_plus, glu_linear, linear_plus, normed_linear
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
 
@@ -158,7 +159,7 @@ class GatedDeltaNet(nn.Module):
         return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def fuse(self) -> bool:
-        """One in-projection for the layer (see kapitsa.engine.fuse)."""
+        """One in-projection for the layer (see kapitsa.engine.loading.fuse)."""
         return fuse_into(self, self._in_projections, "in_proj")
 
     def _project(self, x: mx.array):
@@ -362,7 +363,7 @@ class SparseMoe(nn.Module):
 
     def fuse(self) -> bool:
         """For inference (fuse_model): the router and the shared expert's gate as one mat-vec,
-        and the shared expert appended to the routed experts' stacks (kapitsa.engine.moe_fold)."""
+        and the shared expert appended to the routed experts' stacks (kapitsa.engine.loading.moe_fold)."""
         fused = fuse_into(self, self.ROUTER, "router_proj")
         return self._fold_shared_expert() or fused
 

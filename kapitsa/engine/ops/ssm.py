@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 # Tokens per chunk of the chunked scan (prefill); KAPITSA_SSD_CHUNK overrides. 256: on the H200 a
 # Mamba-2 layer of the Nemotron-30B-A3B shape prefilled 8k tokens in 17 ms at 256, 35 at 128, 63 at 64, against
-# 28.5 ms for mlx-lm's (bench/prefill_parts.py, session 7).
+# 28.5 ms for mlx-lm's (lab/prefill_parts.py, session 7).
 SSD = {"chunk": int(os.environ.get("KAPITSA_SSD_CHUNK", "") or 256)}
 
 

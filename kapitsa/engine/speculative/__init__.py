@@ -3,7 +3,7 @@
 The pieces here are model-independent: drafters (`ngram`), lossless acceptance rules
 (`acceptance`), draft trees and their attention masks (`tree`) and the adaptive draft-length
 controller (`controller`). The verify step itself runs the target model over the draft and rolls
-its caches back by replay (kapitsa.engine.cache).
+its caches back by replay (kapitsa.engine.cache.hybrid).
 """
 
 from kapitsa.engine.speculative.acceptance import AcceptResult, accept_greedy, accept_sampled

@@ -24,7 +24,7 @@ def gpu_cost_curve(max_tokens: int, *, verify: float = 1.8, per_token: float = 0
     """c(T) on a GPU, relative to a pipelined decode step (the next step queued on the device
     before the previous token is read). A verify step can't be pipelined: its draft depends on
     what the previous one accepted, so it pays a host round trip and the rollback as well. Measured
-    on the H200 (docs/bench/decode-h200.md, session 4): a Qwen3.5-27B verify of 2-8 tokens plus its
+    on the H200 (lab/runs/decode-h200.md, session 4): a Qwen3.5-27B verify of 2-8 tokens plus its
     rollback cost 2.1 decode steps, a whole speculative step of the 4B 1.5; hence 1.8, nearly flat
     in T. Metal is assumed alike (not measured)."""
     return [1.0] + [verify + per_token * (t - 1) for t in range(2, max_tokens + 2)]

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from kapitsa.engine.cache import HybridCache
-from kapitsa.engine.decode import PlainDecode
+from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.runner import ModelRunner
-from kapitsa.engine.sampler import SampledToken, SequenceSampler, filter_logits
-from kapitsa.engine.sequence import Sequence
+from kapitsa.engine.runner.decode import PlainDecode
+from kapitsa.engine.runner.model_runner import ModelRunner
+from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler, filter_logits
+from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.speculative.controller import (
     DEFAULT_MAX_DRAFT,
     DraftLengthController,
@@ -34,7 +34,7 @@ from kapitsa.engine.speculative.tree import DraftTree
 
 # On a GPU every new verify width compiles kernels (templated on their row count) and a trace per
 # layer, which cost seconds on a large model's first requests. A verify of 2-8 tokens costs about
-# the same as one of 2 there (docs/bench/decode-h200.md), so drafts are padded up to one of these
+# the same as one of 2 there (lab/runs/decode-h200.md), so drafts are padded up to one of these
 # widths (capped at max_draft + 1): three shapes to compile instead of seven.
 GPU_VERIFY_WIDTHS = (2, 4, 8, 16)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kapitsa.engine.decode import DecodeStrategy, PlainDecode
+from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
 from kapitsa.engine.speculative.dflash import DFlashDrafter
@@ -65,7 +65,7 @@ def load_drafter(path: str):  # noqa: ANN201 - a kapitsa model or a DFlashModel
     import json
     from pathlib import Path
 
-    from kapitsa.engine.loading import load_model
+    from kapitsa.engine.loading.loader import load_model
     from kapitsa.engine.speculative.dflash import load_dflash
 
     config = Path(path) / "config.json"

@@ -1,0 +1,391 @@
+"""Disk tier of the prefix cache: one checksummed safetensors file per checkpointed prefix.
+
+A file holds the prefix's token ids, the KV of the whole prefix (one array per tree edge it spans),
+the recurrent state at its end and optionally the next-token logits; its metadata names the format,
+the prefix length and a checksum per array (prefix_file.py). Files live in a 0700 folder per model
+key, so a restart with the same model finds them again. A file that fails its checksum, does not
+match its name or does not fit the model is deleted, counted in `num_corrupt` and missed. The folder
+is kept under a byte budget by deleting the least recently used files.
+
+`save` writes at once (eviction, shutdown); `save_later` hands a checkpoint to a background writer
+that writes it `write_delay_s` later unless a newer turn of the same conversation supersedes it, so a
+crash loses at most the last seconds of checkpoints.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kapitsa.engine.cache.file import (
+    SUFFIX,
+    TMP_PREFIX,
+    CorruptPrefixFile,
+    PreparedArray,
+    prepare_arrays,
+    read_metadata,
+    read_prefix_file,
+    write_prefix_file,
+)
+from kapitsa.private_files import make_private_dir
+
+log = logging.getLogger(__name__)
+
+FORMAT = "kapitsa-prefix-v2"
+WRITE_DELAY_S = 1.0  # a burst of agent requests writes only its last turn
+MAX_PENDING = 16  # checkpoints waiting for the writer; more are left to eviction and shutdown
+_WRITER_IDLE_S = 30.0  # the writer thread ends after this long without work
+
+
+@dataclass(slots=True, frozen=True)
+class StoredPrefix:
+    tokens: tuple[int, ...]
+    kv_parts: tuple[tuple[mx.array, ...], ...]  # consecutive token spans, each one array per KV slot
+    recurrent: tuple[mx.array, ...]
+    next_logits: mx.array | None
+    kind: str
+
+
+Validate = Callable[[StoredPrefix], None]  # raises ValueError when a checkpoint does not fit the model
+
+
+@dataclass(slots=True)
+class _Entry:
+    path: Path
+    pos: int
+    has_logits: bool
+    nbytes: int
+    last_used: float
+
+
+@dataclass(slots=True)
+class _Pending:
+    stored: StoredPrefix
+    arrays: list[PreparedArray]
+    metadata: dict[str, str]
+    due: float
+
+
+def prefix_digest(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+def _prefix_digests(tokens: Sequence[int], positions: Sequence[int]) -> dict[int, str]:
+    """sha256 of tokens[:p] for each p, hashing the prompt once (incrementally)."""
+    data = np.asarray(tokens, dtype=np.int64)
+    hasher = hashlib.sha256()
+    done, out = 0, {}
+    for pos in sorted(set(positions)):
+        hasher.update(data[done:pos].tobytes())
+        done = pos
+        out[pos] = hasher.copy().hexdigest()[:32]
+    return out
+
+
+def _file_arrays(stored: StoredPrefix) -> dict[str, mx.array]:
+    arrays = {"tokens": mx.array(np.asarray(stored.tokens, dtype=np.int32))}
+    for part, span in enumerate(stored.kv_parts):
+        arrays.update({f"kv.{slot}.{part}": a for slot, a in enumerate(span)})
+    arrays.update({f"rec.{i}": a for i, a in enumerate(stored.recurrent)})
+    if stored.next_logits is not None:
+        arrays["next_logits"] = stored.next_logits
+    return arrays
+
+
+def _file_metadata(stored: StoredPrefix, digest: str) -> dict[str, str]:
+    return {
+        "format": FORMAT,
+        "digest": digest,
+        "pos": str(len(stored.tokens)),
+        "kind": stored.kind,
+        "has_logits": "1" if stored.next_logits is not None else "0",
+        "kv_parts": str(len(stored.kv_parts)),
+    }
+
+
+def _stored_from_file(
+    arrays: dict[str, mx.array], meta: dict[str, str], expected: Sequence[int]
+) -> StoredPrefix:
+    tokens = tuple(np.asarray(arrays["tokens"]).tolist())
+    if meta.get("format") != FORMAT or tokens != tuple(expected):
+        raise CorruptPrefixFile("contents do not match the file name")
+    num_parts = int(meta.get("kv_parts", "0"))
+    num_slots = sum(1 for name in arrays if name.startswith("kv.") and name.endswith(".0"))
+    kv_parts = tuple(tuple(arrays[f"kv.{s}.{p}"] for s in range(num_slots)) for p in range(num_parts))
+    recurrent = tuple(arrays[f"rec.{i}"] for i in range(sum(1 for n in arrays if n.startswith("rec."))))
+    return StoredPrefix(tokens, kv_parts, recurrent, arrays.get("next_logits"), meta.get("kind", "turn"))
+
+
+class DiskTier:
+    """Saves and finds prefix checkpoints in `root / model_key-digest`.
+
+    Args:
+        root: the cache folder (created 0700 if missing).
+        model_key: identifies model weights, dtype and template; entries of other models are ignored.
+        budget_bytes: the most the folder may hold.
+        validate: raises ValueError for a loaded checkpoint whose arrays do not fit the model.
+        write_delay_s: how long `save_later` waits before writing (a newer turn may supersede it).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        model_key: str,
+        budget_bytes: int,
+        validate: Validate | None = None,
+        write_delay_s: float = WRITE_DELAY_S,
+    ) -> None:
+        make_private_dir(Path(root))
+        self.folder = make_private_dir(Path(root) / hashlib.sha256(model_key.encode()).hexdigest()[:16])
+        self.budget_bytes = budget_bytes
+        self.validate = validate
+        self.write_delay_s = write_delay_s
+        self.num_corrupt = 0  # files deleted because their bytes or shapes were wrong
+        self._entries: dict[str, _Entry] = {}
+        self._nbytes = 0
+        self._cond = threading.Condition()  # guards everything below and the entries
+        self._pending: dict[str, _Pending] = {}
+        self._queue: collections.deque[str] = collections.deque()
+        self._writing: set[str] = set()
+        self._writer: threading.Thread | None = None
+        self._flushing = False
+        self._scan()
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes  # a running total: other threads read it while the engine writes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _scan(self) -> None:
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            if path.name.startswith(TMP_PREFIX):
+                path.unlink(missing_ok=True)  # a write that a crash interrupted
+                continue
+            try:
+                meta = read_metadata(path)
+                digest = path.name.removesuffix(SUFFIX)
+                if meta.get("format") != FORMAT or meta.get("digest") != digest:
+                    raise ValueError("not a current kapitsa prefix file, or not the one its name says")
+                stat = path.stat()
+                has_logits = meta.get("has_logits") == "1"
+                self._add(digest, _Entry(path, int(meta["pos"]), has_logits, stat.st_size, stat.st_mtime))
+            except CorruptPrefixFile as err:
+                self._drop_corrupt(path, err)
+            except (OSError, ValueError, KeyError) as err:
+                log.info("deleting prefix-cache file %s: %s", path.name, err)
+                path.unlink(missing_ok=True)
+
+    # writing
+
+    def save(self, stored: StoredPrefix) -> None:
+        """Write a checkpoint now (a pending write of it is taken over)."""
+        digest = prefix_digest(stored.tokens)
+        with self._cond:
+            while digest in self._writing:
+                self._cond.wait()
+            if digest in self._entries:
+                self._touch(self._entries[digest])
+                return
+            item = self._pending.pop(digest, None)
+            self._writing.add(digest)
+        try:
+            item = item or self._prepare(stored, digest, due=0.0)
+        except BaseException:
+            self._finish_writing(digest)
+            raise
+        self._write(digest, item)
+
+    def save_later(self, stored: StoredPrefix) -> None:
+        """Queue a checkpoint for the background writer; dropped when MAX_PENDING are waiting."""
+        digest = prefix_digest(stored.tokens)
+        with self._cond:
+            known = digest in self._entries or digest in self._pending or digest in self._writing
+            if known or len(self._pending) >= MAX_PENDING:
+                return
+        item = self._prepare(stored, digest, due=time.monotonic() + self.write_delay_s)
+        with self._cond:
+            self._pending[digest] = item
+            self._queue.append(digest)
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="kapitsa-disk-writer", daemon=True
+                )
+                self._writer.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Write every queued checkpoint now and wait for the writer to finish them."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._flushing = True
+            self._cond.notify_all()
+            while (self._pending or self._writing) and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            self._flushing = False
+
+    def _prepare(self, stored: StoredPrefix, digest: str, *, due: float) -> _Pending:
+        return _Pending(stored, prepare_arrays(_file_arrays(stored)), _file_metadata(stored, digest), due)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                digest = self._next_due()
+                if digest is None:
+                    self._writer = None
+                    return
+                item = self._pending.pop(digest)
+                if self._superseded(item):
+                    self._cond.notify_all()
+                    continue
+                self._writing.add(digest)
+            self._write(digest, item)
+
+    def _next_due(self) -> str | None:
+        """The next queued digest once its delay is over (None: idle long enough to stop)."""
+        idle_since = time.monotonic()
+        while True:
+            if not self._queue:
+                if time.monotonic() - idle_since >= _WRITER_IDLE_S:
+                    return None
+                self._cond.wait(_WRITER_IDLE_S)
+                continue
+            digest = self._queue[0]
+            item = self._pending.get(digest)
+            if item is None:  # `save` took it over
+                self._queue.popleft()
+                continue
+            wait = item.due - time.monotonic()
+            if wait <= 0 or self._flushing:
+                self._queue.popleft()
+                return digest
+            self._cond.wait(wait)
+
+    def _superseded(self, item: _Pending) -> bool:
+        """A turn whose conversation has a newer pending turn: the newer one serves its next request."""
+        tokens = item.stored.tokens
+        return item.stored.kind == "turn" and any(
+            other.stored.kind == "turn" and len(other.stored.tokens) > len(tokens)
+            and other.stored.tokens[: len(tokens)] == tokens
+            for other in self._pending.values()
+        )  # fmt: skip
+
+    def _write(self, digest: str, item: _Pending) -> None:
+        try:
+            size = sum(a.nbytes for a in item.arrays)
+            if size > self.budget_bytes:
+                return
+            with self._cond:
+                self._make_room(size)
+            path = write_prefix_file(self.folder, digest, item.arrays, item.metadata)
+            entry = _Entry(path, len(item.stored.tokens), item.stored.next_logits is not None, 0, 0.0)
+            entry.nbytes = path.stat().st_size
+            with self._cond:
+                self._touch(entry)
+                self._add(digest, entry)
+                self._make_room(0)  # the header makes the file a little larger than its arrays
+        except Exception as err:  # noqa: BLE001 - a failed write only loses a cache entry
+            log.warning("could not write prefix-cache file: %s", err)
+        finally:
+            self._finish_writing(digest)
+
+    def _finish_writing(self, digest: str) -> None:
+        with self._cond:
+            self._writing.discard(digest)
+            self._cond.notify_all()
+
+    # reading
+
+    def lookup(self, tokens: Sequence[int], *, min_pos: int = 1) -> StoredPrefix | None:
+        """The longest stored prefix of `tokens` (at least `min_pos` long) that loads cleanly."""
+        n = len(tokens)
+        with self._cond:
+            known = [(e.pos, e.has_logits) for e in self._entries.values()]
+            known += [
+                (len(p.stored.tokens), p.stored.next_logits is not None) for p in self._pending.values()
+            ]
+        positions = {pos for pos, has_logits in known if min_pos <= pos <= n and (pos < n or has_logits)}
+        if not positions:
+            return None
+        digests = _prefix_digests(tokens, positions)
+        for pos in sorted(positions, reverse=True):
+            stored = self._find(digests[pos], tokens[:pos])
+            if stored is not None:
+                return stored
+        return None
+
+    def _find(self, digest: str, expected: Sequence[int]) -> StoredPrefix | None:
+        with self._cond:
+            pending = self._pending.get(digest)
+            entry = self._entries.get(digest)
+        if pending is not None:
+            return pending.stored
+        if entry is None or entry.pos != len(expected):
+            return None
+        return self._load(digest, entry, expected)
+
+    def _load(self, digest: str, entry: _Entry, expected: Sequence[int]) -> StoredPrefix | None:
+        try:
+            arrays, meta = read_prefix_file(entry.path)
+            stored = _stored_from_file(arrays, meta, expected)
+            if self.validate is not None:
+                self.validate(stored)
+        except Exception as err:  # noqa: BLE001 - any failure to read means: delete and miss
+            with self._cond:
+                self._forget(digest, entry)
+            if entry.path.exists():  # (a file the writer evicted meanwhile is a plain miss)
+                self._drop_corrupt(entry.path, err)
+            return None
+        with self._cond:
+            self._touch(entry)
+        return stored
+
+    def _drop_corrupt(self, path: Path, err: BaseException) -> None:
+        log.warning("deleting corrupt prefix-cache file %s: %s", path.name, err)
+        path.unlink(missing_ok=True)
+        with self._cond:
+            self.num_corrupt += 1
+
+    # index (callers hold the lock, except during the scan)
+
+    def _touch(self, entry: _Entry) -> None:
+        newest = max((e.last_used for e in self._entries.values()), default=0.0)
+        entry.last_used = max(time.time(), newest + 0.001)  # strictly newest, even within one clock tick
+        with contextlib.suppress(OSError):
+            os.utime(entry.path, (entry.last_used, entry.last_used))
+
+    def _make_room(self, incoming: int) -> None:
+        while self._entries and self.nbytes + incoming > self.budget_bytes:
+            oldest = min(self._entries, key=lambda d: self._entries[d].last_used)
+            self._delete(oldest)
+
+    def _add(self, digest: str, entry: _Entry) -> None:
+        old = self._entries.pop(digest, None)
+        if old is not None:
+            self._nbytes -= old.nbytes
+        self._entries[digest] = entry
+        self._nbytes += entry.nbytes
+
+    def _forget(self, digest: str, entry: _Entry) -> None:
+        if self._entries.get(digest) is entry:
+            del self._entries[digest]
+            self._nbytes -= entry.nbytes
+
+    def _delete(self, digest: str) -> None:
+        entry = self._entries.pop(digest, None)
+        if entry is not None:
+            self._nbytes -= entry.nbytes
+            entry.path.unlink(missing_ok=True)

@@ -1,0 +1,176 @@
+"""The per-layer caches of one forward: what a step is (`StepInfo`), attention's `KVCache`, a recurrent
+layer's `RecurrentCache` and the `ReplayRecord` a recorded forward keeps for rollback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import mlx.core as mx
+
+from kapitsa.engine.ops import tree
+
+KV_STEP = 256  # KV buffers grow in multiples of this many positions
+
+
+@dataclass
+class StepInfo:
+    """What the layers of one forward need to know about the batch (built by `HybridCache.begin`)."""
+
+    T: int
+    lengths: list[int]  # tokens consumed per row (<= T)
+    offsets: list[int]  # tokens already held per row before this forward
+    record: bool = False  # keep replay records for `rollback`
+    parents: list[list[int]] | None = None  # draft tree per row (see ops/tree.py); None = chains
+    _windows: dict[int, mx.array] = field(default_factory=dict, repr=False)
+
+    @property
+    def ragged(self) -> bool:
+        return any(n != self.T for n in self.lengths)
+
+    @cached_property  # asked by every layer of a forward
+    def plain_decode(self) -> bool:
+        """One token per row, no padding, no tree, no replay record: the steady decode step."""
+        return self.T == 1 and not self.record and self.parents is None and not self.ragged
+
+    @cached_property
+    def offsets_array(self) -> mx.array:
+        """`[B]` int32 offsets (rope positions), one array per forward for every layer."""
+        return mx.array(self.offsets, dtype=mx.int32)
+
+    @property
+    def uniform_offsets(self) -> bool:
+        return len(set(self.offsets)) <= 1
+
+    @cached_property
+    def recurrent_mask(self) -> mx.array | None:
+        """`[B, T]` bool, True on real tokens; None when no row is padded."""
+        if not self.ragged:
+            return None
+        return mx.arange(self.T)[None, :] < mx.array(self.lengths)[:, None]
+
+    @property
+    def kept(self) -> list[int] | None:
+        """Per-row token counts for conv-state gathering; None when every row used all T."""
+        return list(self.lengths) if self.ragged else None
+
+    @property
+    def rope_offsets(self) -> int | mx.array:
+        return self.offsets[0] if self.uniform_offsets else mx.array(self.offsets, dtype=mx.int32)
+
+    def conv_windows(self, kernel: int) -> mx.array:
+        """`[B, T, K]` conv rows of each tree node (computed once per kernel size)."""
+        if kernel not in self._windows:
+            self._windows[kernel] = tree.conv_windows(self.parents, kernel)
+        return self._windows[kernel]
+
+    @cached_property
+    def tree_positions(self) -> mx.array:
+        """`[B, T]` per-node positions of a tree forward (offset + depth)."""
+        return tree.tree_positions(self.parents, self.offsets)
+
+    @property
+    def kv_len(self) -> int:
+        return max(self.offsets) + self.T
+
+    @cached_property
+    def attention_mask(self) -> mx.array | str | None:
+        """Key position p is visible to query t of row b iff p <= offsets[b] + t (chains), or
+        p < offsets[b] or node p - offsets[b] is an ancestor-or-self of t (trees)."""
+        if self.parents is not None:
+            return tree.tree_attention_mask(self.parents, self.offsets, self.kv_len)
+        if self.uniform_offsets:
+            return "causal" if self.T > 1 else None
+        limit = mx.array(self.offsets)[:, None] + mx.arange(self.T)[None, :]  # [B, T]
+        return (mx.arange(self.kv_len)[None, None, :] <= limit[..., None])[:, None]  # [B,1,T,L]
+
+
+def full_step(batch: int, T: int, lengths: Sequence[int] | None = None) -> StepInfo:
+    """StepInfo of a cache-less forward (all sequences start at position 0)."""
+    return StepInfo(T, list(lengths) if lengths is not None else [T] * batch, [0] * batch)
+
+
+class KVCache:
+    """K/V of one attention layer: `[B, Hkv, capacity, D]`, positions >= offsets[b] are scratch."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int):
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    def update(self, k: mx.array, v: mx.array, info: StepInfo) -> tuple[mx.array, mx.array]:
+        """Write `k, v [B, Hkv, T, D]` at each row's offset; return the keys/values to attend."""
+        B, _, T, _ = k.shape
+        self._reserve(B, info.kv_len, k.dtype)
+        if info.uniform_offsets:
+            start = info.offsets[0]
+            self.keys = mx.slice_update(self.keys, k, mx.array([start]), (2,))
+            self.values = mx.slice_update(self.values, v, mx.array([start]), (2,))
+        else:
+            pos = (mx.array(info.offsets)[:, None] + mx.arange(T))[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, pos, k, axis=2)
+            self.values = mx.put_along_axis(self.values, pos, v, axis=2)
+        return self.keys[:, :, : info.kv_len], self.values[:, :, : info.kv_len]
+
+    def _reserve(self, batch: int, needed: int, dtype: mx.Dtype) -> None:
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if needed <= have:
+            return
+        grow = -(-(needed - have) // KV_STEP) * KV_STEP
+        shape = (batch, self.n_kv_heads, grow, self.head_dim)
+        pad_k, pad_v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+        if self.keys is None:
+            self.keys, self.values = pad_k, pad_v
+        else:
+            self.keys = mx.concatenate([self.keys, pad_k], axis=2)
+            self.values = mx.concatenate([self.values, pad_v], axis=2)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+@dataclass
+class ReplayRecord:
+    """Kept by a recurrent layer during a recorded forward (see module docstring)."""
+
+    conv_in: mx.array  # [B, K-1+T, C]: conv rows before the pass + the new pre-conv rows
+    kernel: int  # conv kernel size K
+    # (mask [B, P], order [B, P] | None) -> state after the masked steps, taking the forward's
+    # per-token inputs in `order` (node indices of a tree path; None: as they were, a chain)
+    replay: Callable[..., mx.array]
+    # The same replay of a chain as a pure function, `fn(mask, *args)`, args[0] being conv_in:
+    # a rollback whose layers all have one runs as one compiled call (replay.py). `fn` is a
+    # bound method of the layer's mixer (stable: the compiled trace is kept on that module).
+    fn: Callable[..., mx.array] | None = None
+    args: tuple[mx.array, ...] = ()
+
+
+@dataclass
+class RecurrentCache:
+    """Conv rows `[B, K-1, C]` (activation dtype) and recurrent state (float32) of one layer.
+
+    `state_shape` is the per-sequence state shape ([Hv, Dv, Dk] for GDN, [H, P, N] for Mamba-2);
+    None arrays mean "zeros" (a sequence that has seen no tokens).
+    """
+
+    conv_shape: tuple[int, int]
+    state_shape: tuple[int, ...]
+    conv: mx.array | None = None
+    state: mx.array | None = None
+    record: ReplayRecord | None = field(default=None, repr=False)
+
+    def zeros(self, batch: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        return (mx.zeros((batch, *self.conv_shape), dtype), mx.zeros((batch, *self.state_shape), mx.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.conv, self.state) if a is not None)
+
+
+LayerCache = KVCache | RecurrentCache | None
+
+
+def _round_up(n: int) -> int:
+    return max(-(-n // KV_STEP) * KV_STEP, 0)

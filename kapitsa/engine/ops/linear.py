@@ -1,0 +1,356 @@
+"""Quantized linears that pick their mat-mul by the number of input rows, on MLX's CUDA backend.
+
+Measured on the H200 (lab/diag_h200.py, lab/runs/decode-h200.md), MLX 0.32.4:
+- Decode (1-8 rows): the stock affine 4-bit mat-vec streamed a Qwen3.5-27B layer chain at
+  0.92 TB/s, kapitsa's v2 kernel (kernels/qmv_fast.py) at 1.41 TB/s; at 4 rows (speculative
+  verification) 0.25 against 0.94 TB/s.
+  Then (same chain, one run): at 1 row v3 "direct" (kernels/qmv_direct.py) 1.57 TB/s, v2 1.38,
+  the tensor-core kernel (kernels/qmv_tc.py) 1.33; at 4 rows tensor-core 1.37, v2 0.98, direct
+  0.73. So one row goes to direct, 2-8 rows to tensor-core (bf16, 4-bit, group 64/128), anything
+  else affine 4/8-bit to v2.
+- 9-16 rows (drafts longer than 7 tokens): the tensor-core kernel's two-block variant where it
+  works, else stock (a 9-token 27B verify took 42.6 ms on stock against 20 ms at 2-8 rows; the
+  two-block variant is verified under emulation and not yet timed on the GPU).
+- Prefill (512 rows): stock `quantized_matmul` ran at 138 TFLOP/s, dequantizing to the activation
+  dtype and running a dense mat-mul at 275 TFLOP/s (the dequantized copy is transient).
+
+`route_quantized_linears(model)` re-classes every `nn.QuantizedLinear` as `RoutedQuantizedLinear`
+(same parameters, same state dict; only `__call__` differs), after projection fusion. Off CUDA,
+and for calls neither route takes (other formats or bit widths, mid-size batches), it is the stock
+layer. The routes are exact rewrites of the same product; float32 accumulation throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine import kernels
+from kapitsa.engine.kernels import backend, cpu_blas
+from kapitsa.engine.kernels.qmv import qmv_reference
+from kapitsa.engine.kernels.qmv_direct import (
+    qmv_direct,
+    qmv_direct_reference,
+    supports_direct,
+    supports_fused,
+)
+from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
+from kapitsa.engine.kernels.qmv_stream import MAX_ROWS as STREAM_MAX_ROWS
+from kapitsa.engine.kernels.qmv_stream import qmv_stream, supports_stream
+from kapitsa.engine.kernels.qmv_tc import MAX_ROWS as TC_MAX_ROWS
+from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
+
+DEQUANT_MIN_ROWS = 384  # below, the dense copy costs more than stock's slower mat-mul saves
+DEQUANT_MAX_BYTES = 1 << 30  # the transient dense weight; the vocabulary head at prefill stays stock
+_log = logging.getLogger(__name__)
+
+# Kernels that compiled, ran and agreed with the reference in this process (`probe_kernels`).
+# A kernel's failure surfaces only when a graph is evaluated, in the middle of a forward (and the
+# first call may sit inside a compiled decode step, where nothing may be evaluated), so every
+# kernel is tried once on a small case before any route may use it; unprobed means unused.
+WORKING: dict[str, bool] = {}
+# kernel (tc16: the tensor-core kernel's two-block variant, 9-16 rows) -> rows it is probed at
+# (fused: the direct kernel with the RMSNorm prologue and residual epilogue; stream, streamfused:
+# the streaming kernel plain and fused, probed only where MATVEC selects it)
+PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1, "stream": 3, "streamfused": 1}
+FUSED_PROBES = ("fused", "streamfused")
+STREAM_PROBES = ("stream", "streamfused")
+
+# The mat-vec kernel for 1-8 input rows, where it takes the call: "direct" (one row; 2-8 rows
+# the tensor-core kernel) or "stream" (kernels/qmv_stream.py: cp.async-pipelined tensor-core
+# math, bf16 4-bit). KAPITSA_QMV_KERNEL overrides; the bench A/Bs it (`--qmv-ab`).
+MATVEC_KERNELS = ("direct", "stream")
+DEFAULT_MATVEC = "direct"
+
+
+def _matvec_setting(value: str) -> str:
+    value = value.strip().lower() or DEFAULT_MATVEC
+    if value not in MATVEC_KERNELS:
+        _log.warning(
+            "KAPITSA_QMV_KERNEL=%r unknown (one of %s); using %s", value, MATVEC_KERNELS, DEFAULT_MATVEC
+        )
+        return DEFAULT_MATVEC
+    return value
+
+
+MATVEC = {"kernel": _matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))}
+
+
+# Norms, MLP activations and residual adds can run inside the one-row mat-vecs (FUSED_PARTS).
+# KAPITSA_FUSED_NORMS unset: DEFAULT_FUSED ("norm,residual"); "1"/"all": every part; "0": none; or
+# a comma list. Timed on the H200 (lab/runs/decode-h200.md, session 5), every part together made
+# the MoE shapes 4-10% faster and the dense ones 18-30% slower: the dense shapes' extra part is the
+# SwiGLU made per x element by every warp of the down projection ("act"), which stays opt-in. The
+# norm prologue and residual epilogue save two primitives each per layer, at ~3-5 us of host time
+# apiece on that backend (lab/host_costs.py); against nothing fused (session 6, same processes)
+# they made the host-bound 4B 28% and 35B-A3B 17% faster, the mat-vec-bound 27B 7% and Nemotron
+# 6% slower (the prologue's x-side work is per warp; one-row calls now use 4 rows per warp).
+# "glu" (opt-in): a [gate | up] projection's silu(gate) * up in its own epilogue, so a SwiGLU MLP
+# at decode is two kernels with no split and no activation between them (two primitives fewer per
+# dense MLP layer, and per shared expert); it takes precedence over "act". Session 9 on the H200,
+# beside the default: 27B +2.7%, 4B +6%, 35B-A3B +9% then -20% in a noisy round; session 10, three
+# rounds on the 35B-A3B: -21%, slower in each. So it stays opt-in.
+FUSED_PARTS = ("norm", "residual", "act", "glu")
+DEFAULT_FUSED = "norm,residual"
+
+
+def _fused_setting(value: str) -> dict:
+    value = value.strip().lower() or DEFAULT_FUSED
+    if value in ("0", "off", "none"):
+        return {"on": False, "parts": frozenset(FUSED_PARTS)}
+    if value in ("1", "all", "on"):
+        return {"on": True, "parts": frozenset(FUSED_PARTS)}
+    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
+    unknown = parts - set(FUSED_PARTS)
+    if unknown:
+        _log.warning(
+            "KAPITSA_FUSED_NORMS: unknown parts %s ignored (known: %s)", sorted(unknown), FUSED_PARTS
+        )
+    return {"on": bool(parts - unknown), "parts": parts - unknown}
+
+
+FUSED_NORMS = _fused_setting(os.environ.get("KAPITSA_FUSED_NORMS", ""))
+
+
+def routes_enabled() -> bool:
+    """CUDA only (Metal's stock kernels are tuned; CPU has no kernel); KAPITSA_QLINEAR=stock turns
+    every route off for A/B runs, a KAPITSA_KERNELS list without "qmv" the kernel routes only."""
+    return backend() == "cuda" and os.environ.get("KAPITSA_QLINEAR", "").strip().lower() != "stock"
+
+
+def _kernel_call(name: str, x: mx.array, w, scales, biases, group_size: int, bits: int, **fused) -> mx.array:
+    """`fused`: `norm=(weight, eps)` and/or `residual=` (the direct and stream kernels; `act=`
+    the direct kernel only)."""
+    if name in ("direct", "fused"):
+        return qmv_direct(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
+    if name in ("stream", "streamfused"):
+        return qmv_stream(x, w, scales, biases, group_size=group_size, **fused)
+    if name == "tc":
+        return qmv_tc(x, w, scales, biases, group_size=group_size)
+    return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
+def probe_kernels() -> dict[str, bool]:
+    """Try each mat-vec kernel once (bf16, 4-bit, group 64, at the rows of `PROBES`) against the
+    reference; record which work. Idempotent; call it outside any `mx.compile` trace."""
+    for name, rows in PROBES.items():
+        if name in WORKING or (name in FUSED_PROBES and not FUSED_NORMS["on"]):
+            continue  # (the fused forms are opt-in: no compile for them otherwise)
+        if name in STREAM_PROBES and MATVEC["kernel"] != "stream":
+            continue
+        keys = mx.random.split(mx.random.key(7), 3)  # own keys: the global seed stays untouched
+        w = (0.05 * mx.random.normal((64, 256), key=keys[0])).astype(mx.bfloat16)
+        q, scales, biases = mx.quantize(w, group_size=64, bits=4)
+        x = mx.random.normal((rows, 256), key=keys[1]).astype(mx.bfloat16)
+        fused = {}
+        if name in FUSED_PROBES:
+            norm_weight = (1 + 0.2 * mx.random.normal((256,), key=keys[2])).astype(mx.bfloat16)
+            fused = dict(norm=(norm_weight, 1e-6), residual=x[:, :64])
+            ref = qmv_direct_reference(x, q, scales, biases, group_size=64, bits=4, **fused)
+        else:
+            ref = qmv_reference(x.astype(mx.float32), q, scales, biases, group_size=64, bits=4)
+        ref = ref.astype(mx.float32)
+        try:
+            got = _kernel_call(name.removesuffix("16"), x, q, scales, biases, 64, 4, **fused).astype(
+                mx.float32
+            )
+            err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
+        except (RuntimeError, ValueError) as exc:
+            _log.warning("quantized mat-vec kernel %s unavailable, using the stock one: %s", name, exc)
+            WORKING[name] = False
+            continue
+        WORKING[name] = err < 1e-2
+        if not WORKING[name]:
+            _log.warning(
+                "quantized mat-vec kernel %s disagrees with the reference (%.3g); not using it", name, err
+            )
+    return dict(WORKING)
+
+
+def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
+    """'direct', 'stream', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
+    if rows <= MAX_ROWS:
+        if layer.mode != "affine" or not kernels.enabled("qmv"):
+            return "stock"
+        args = (x, layer["weight"], layer["scales"], layer.get("biases"))
+        quant = dict(group_size=layer.group_size, bits=layer.bits)
+        if (
+            MATVEC["kernel"] == "stream"
+            and rows <= STREAM_MAX_ROWS
+            and WORKING.get("stream")
+            and supports_stream(*args, **quant)
+        ):
+            return "stream"
+        if rows == 1 and WORKING.get("direct") and supports_direct(*args, **quant):
+            return "direct"
+        if WORKING.get("tc") and supports_tc(*args, **quant):
+            return "tc"
+        if WORKING.get("v2") and supports_fast(*args, **quant):
+            return "v2"
+        return "stock"
+    if rows <= TC_MAX_ROWS and layer.mode == "affine" and kernels.enabled("qmv") and WORKING.get("tc16"):
+        args = (x, layer["weight"], layer["scales"], layer.get("biases"))
+        if supports_tc(*args, group_size=layer.group_size, bits=layer.bits):
+            return "tc"  # long drafts' verification (9-16 rows)
+    dense_bytes = layer["weight"].shape[0] * x.shape[-1] * x.dtype.size
+    if rows >= DEQUANT_MIN_ROWS and dense_bytes <= DEQUANT_MAX_BYTES:
+        return "dequant"
+    return "stock"
+
+
+class RoutedQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose product goes through the route measured fastest for its rows."""
+
+    keeps_dense_copy = False  # set per layer by route_quantized_linears (CPU BLAS route)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
+            return y
+        rows = math.prod(x.shape[:-1])
+        if not routes_enabled():
+            return super().__call__(x)
+        route = route_for(rows, self, x)
+        if route == "stock":
+            return super().__call__(x)
+        w, scales, biases = self["weight"], self["scales"], self.get("biases")
+        if route == "dequant":
+            dense = mx.dequantize(
+                w, scales, biases, group_size=self.group_size, bits=self.bits, mode=self.mode
+            )
+            y = x @ dense.astype(x.dtype).T
+        else:  # the kernels take x [..., K] and return [..., N]: no reshapes to encode
+            y = _kernel_call(route, x, w, scales, biases, self.group_size, self.bits)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+# one-row route -> the fused kernel that stands in for it
+FUSED_KERNEL = {"direct": "fused", "stream": "streamfused"}
+
+
+def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
+    """The fused kernel ("fused", "streamfused") that may take the one-row call `linear(x)` with
+    `part` (one of FUSED_PARTS) switched on, or None. The activation prologue is the direct
+    kernel's only."""
+    if not (
+        FUSED_NORMS["on"]
+        and part in FUSED_NORMS["parts"]
+        and isinstance(linear, RoutedQuantizedLinear)
+        and "bias" not in linear
+        and routes_enabled()
+        and math.prod(x.shape[:-1]) == 1
+    ):
+        return None
+    name = FUSED_KERNEL.get(route_for(1, linear, x))
+    if name is None or not WORKING.get(name, False) or (part in ("act", "glu") and name != "fused"):
+        return None
+    return name
+
+
+def _fused_call(name: str, linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array:
+    return _kernel_call(
+        name,
+        x,
+        linear["weight"],
+        linear["scales"],
+        linear["biases"],
+        linear.group_size,
+        linear.bits,
+        **fused,
+    )
+
+
+def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
+    """`linear(norm(x))`: one kernel at decode (the RMSNorm inside the one-row mat-vec) where the
+    fused route takes it (CUDA, a plain `nn.RMSNorm`, a routed 1-row direct call), else as written."""
+    name = _fused_kernel(linear, x, "norm") if type(norm) is nn.RMSNorm else None
+    if name is not None and supports_fused(x, linear["weight"].shape[0], norm.weight, None):
+        return _fused_call(name, linear, x, norm=(norm.weight, norm.eps))
+    return linear(norm(x))
+
+
+def linear_plus(linear: nn.Module, h: mx.array, residual: mx.array) -> mx.array:
+    """`residual + linear(h)`: the add in the one-row mat-vec's epilogue where the fused route
+    takes it, else as written."""
+    name = _fused_kernel(linear, h, "residual")
+    if (
+        name is not None
+        and residual.shape[:-1] == h.shape[:-1]
+        and supports_fused(h, linear["weight"].shape[0], None, residual)
+    ):
+        return _fused_call(name, linear, h, residual=residual)
+    return residual + linear(h)
+
+
+def glu_linear(linear: nn.Module, x: mx.array, norm: nn.Module | None = None) -> mx.array | None:
+    """silu(gate) * up of `linear([norm](x))`, a [gate | up] projection, made in the one-row
+    mat-vec's epilogue (part "glu", with the norm in its prologue when part "norm" is on too), or
+    None where the fused route does not take this call (the caller then runs the ops)."""
+    name = _fused_kernel(linear, x, "glu")
+    in_prologue = type(norm) is nn.RMSNorm and "norm" in FUSED_NORMS["parts"]
+    n = linear["weight"].shape[0]
+    if name is None or n % 2 or not supports_fused(x, n, norm.weight if in_prologue else None, None):
+        return None
+    if in_prologue:
+        return _fused_call(name, linear, x, norm=(norm.weight, norm.eps), glu=True)
+    return _fused_call(name, linear, x if norm is None else norm(x), glu=True)
+
+
+def act_linear_plus(
+    linear: nn.Module, x: mx.array, residual: mx.array, act: str, fallback: Callable[[mx.array], mx.array]
+) -> mx.array:
+    """`residual + linear(fallback(x))`, where `fallback` computes the activation `act`
+    (qmv_direct.ACTS: "silu_glu" on x = [gate | up], "relu2"); at decode, the activation is made
+    as the one-row mat-vec loads x and the add is in its epilogue."""
+    k = x.shape[-1] // 2 if act == "silu_glu" else x.shape[-1]
+    product_input = x[..., :k]  # the shape the product sees, for the route checks
+    name = _fused_kernel(linear, product_input, "act")
+    if (
+        name is not None
+        and residual.shape[:-1] == x.shape[:-1]
+        and supports_fused(product_input, linear["weight"].shape[0], None, residual)
+    ):
+        return _fused_call(name, linear, x, residual=residual, act=act)
+    return linear_plus(linear, fallback(x), residual)
+
+
+class RoutedLinear(nn.Linear):
+    """`nn.Linear` whose many-row products take the CPU BLAS route (kernels/cpu_blas.py); dense
+    linears are re-classed on the CPU device only."""
+
+    keeps_dense_copy = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
+            return y
+        return super().__call__(x)
+
+
+ROUTED = {nn.QuantizedLinear: RoutedQuantizedLinear, nn.Linear: RoutedLinear}
+
+
+def route_quantized_linears(model: nn.Module, *, dense_copy_bytes: int = 0) -> int:
+    """Re-class the model's linears in place (probing the kernels first where the routes apply);
+    returns how many. `dense_copy_bytes`: how much float32 copy of their weights the CPU BLAS route
+    may keep between calls (layers past the budget dequantize per call). Idempotent."""
+    if routes_enabled():
+        probe_kernels()
+    count, kept = 0, 0
+    routes = ROUTED if cpu_blas.on_cpu() else {nn.QuantizedLinear: RoutedQuantizedLinear}
+    for _, sub in model.named_modules():
+        routed = routes.get(type(sub))
+        if routed is None and not isinstance(sub, tuple(ROUTED.values())):
+            continue
+        if routed is not None:
+            sub.__class__ = routed
+            count += 1
+        copy_bytes = cpu_blas.dense_bytes(sub)
+        sub.keeps_dense_copy = kept + copy_bytes <= dense_copy_bytes
+        kept += copy_bytes if sub.keeps_dense_copy else 0
+    return count

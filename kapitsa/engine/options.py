@@ -1,0 +1,116 @@
+"""The engine's one options surface: frozen values made once by whoever opens an engine, passed down.
+
+`EngineConfig` holds the engine thread's knobs (batching, caches, memory), `KernelOptions` which
+backend kernels and graph rewrites a model uses. Nothing in the engine reads the environment: the
+opener may build `KernelOptions.from_environ(os.environ)` so lab runs can A/B a kernel against its
+reference without code edits, and every default is the path measured fastest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 1024**3
+
+# Kernel families a model can route through (kernels/): the Gated DeltaNet step, the MoE expert
+# kernels, the quantized mat-vecs, the Mamba-2 step, the fused MoE router, attention's decode kernels.
+KERNEL_FAMILIES = ("gdn", "moe", "qmv", "mamba", "route", "attn")
+# What the one-row mat-vec may fuse: the RMSNorm before it, the residual add after it, the input
+# activation of a down projection, the SwiGLU of a [gate | up] projection.
+FUSED_PARTS = ("norm", "residual", "act", "glu")
+DEFAULT_FUSED_PARTS = frozenset({"norm", "residual"})
+
+
+@dataclass(slots=True, frozen=True)
+class KernelOptions:
+    """Which kernels and rewrites a model uses. Each alternative computes the same product or step."""
+
+    families: frozenset[str] | None = None  # None: the backend's default families (kernels.DEFAULT_FAMILIES)
+    fused_parts: frozenset[str] = DEFAULT_FUSED_PARTS  # parts fused into one-row mat-vecs (FUSED_PARTS)
+    routed_linears: bool = True  # quantized linears pick their mat-mul by rows (CUDA); False: MLX's stock op
+    moe_dequant: bool = True  # long MoE prefill: dequantized experts + one grouped GEMM (CUDA)
+    ssd_chunk: int = 256  # tokens per chunk of the Mamba-2 chunked scan at prefill
+    fold_shared_experts: bool = False  # shared experts folded into the routed stack as extra experts
+    compile_decode: bool = True  # plain decode steps run as mx.compile'd layer functions
+
+    def __post_init__(self) -> None:
+        if self.families is not None and not self.families <= set(KERNEL_FAMILIES):
+            raise ValueError(f"unknown kernel families {sorted(self.families - set(KERNEL_FAMILIES))}")
+        if not self.fused_parts <= set(FUSED_PARTS):
+            raise ValueError(f"unknown fused parts {sorted(self.fused_parts - set(FUSED_PARTS))}")
+        if self.ssd_chunk < 1:
+            raise ValueError("ssd_chunk must be >= 1")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> KernelOptions:
+        """The options the `KAPITSA_*` lab variables name; unset ones keep their defaults.
+
+        KAPITSA_KERNELS: "all", "none" or a comma list of KERNEL_FAMILIES; KAPITSA_FUSED_NORMS: "0",
+        "all" or a comma list of FUSED_PARTS; KAPITSA_QLINEAR=stock; KAPITSA_MOE_DEQUANT=0;
+        KAPITSA_SSD_CHUNK=N; KAPITSA_FOLD_SHARED_EXPERTS=1; KAPITSA_COMPILE_DECODE=0."""
+        values: dict = {}
+        if kernels := environ.get("KAPITSA_KERNELS", "").strip().lower():
+            values["families"] = _names(kernels, KERNEL_FAMILIES, "KAPITSA_KERNELS")
+        if fused := environ.get("KAPITSA_FUSED_NORMS", "").strip().lower():
+            values["fused_parts"] = _names(fused, FUSED_PARTS, "KAPITSA_FUSED_NORMS")
+        if environ.get("KAPITSA_QLINEAR", "").strip().lower() == "stock":
+            values["routed_linears"] = False
+        if _switch(environ, "KAPITSA_MOE_DEQUANT") is False:
+            values["moe_dequant"] = False
+        if chunk := environ.get("KAPITSA_SSD_CHUNK", "").strip():
+            if not chunk.isdigit():
+                raise ValueError(f"KAPITSA_SSD_CHUNK={chunk!r} is not a positive integer")
+            values["ssd_chunk"] = int(chunk)
+        if _switch(environ, "KAPITSA_FOLD_SHARED_EXPERTS"):
+            values["fold_shared_experts"] = True
+        if _switch(environ, "KAPITSA_COMPILE_DECODE") is False:
+            values["compile_decode"] = False
+        return cls(**values)
+
+
+def _names(value: str, known: tuple[str, ...], variable: str) -> frozenset[str]:
+    """ "all", "1", "on" -> every name; "none", "0", "off" -> none; else a comma list of known names."""
+    if value in ("all", "1", "on"):
+        return frozenset(known)
+    if value in ("none", "0", "off"):
+        return frozenset()
+    names = frozenset(v.strip() for v in value.split(",") if v.strip())
+    if unknown := names - set(known):
+        raise ValueError(f"{variable}: unknown {sorted(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def _switch(environ: Mapping[str, str], variable: str) -> bool | None:
+    value = environ.get(variable, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{variable}={value!r}: use 1 or 0")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    """Engine knobs. `None` means "derive from the model and device"."""
+
+    max_running: int = 8  # sequences in prefill + decode at once
+    prefill_chunk: int = 512
+    prefix_cache_bytes: int | None = None  # None: a quarter of the memory left next to the weights
+    checkpoint_interval: int | None = None  # None: from the checkpoint / KV-per-token size ratio
+    disk_cache_dir: Path | None = None  # None: no disk tier
+    disk_cache_bytes: int = 8 * GIB
+    disk_write_delay_s: float = 1.0  # a new system/turn checkpoint is on disk this long after it is made
+    memory_limit_bytes: int | None = None  # None: the device's limit
+    queue_timeout_s: float = 120.0  # a request waiting longer for memory gets EngineBusy
+    max_queued: int = 256
+    model_key: str = "model"  # names the disk-tier folder: weights + dtype + template identity
+    cpu_float32_bytes: int = 2 * GIB  # CPU device only: float32 weights and BLAS copies (model_runner.py)
+    kernels: KernelOptions = field(default_factory=KernelOptions)
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 1 or self.max_running < 1:
+            raise ValueError("prefill_chunk and max_running must be >= 1")

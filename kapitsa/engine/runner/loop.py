@@ -1,0 +1,472 @@
+"""The engine thread: the one thread that touches MLX.
+
+Requests arrive on an inbox queue (`submit`, `abort`); each step the engine admits waiting requests
+(memory permitting), runs one decode step for the whole decode batch, then one prefill chunk for one
+prefilling sequence, so long prompts never stall running streams for more than a chunk. Every event
+goes out through the sequence's own `emit` callback; errors travel as `ErrorEvent` values.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from kapitsa.engine.cache.disk import DiskTier
+from kapitsa.engine.cache.hybrid import HybridCache
+from kapitsa.engine.cache.prefix import PrefixCache
+from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.runner.batch import DecodeBatch, can_pipeline
+from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
+from kapitsa.engine.runner.memory import MemoryBudget, device_memory_limit, periodic_checkpoint_interval
+from kapitsa.engine.runner.model_runner import ModelRunner
+from kapitsa.engine.runner.output import emit_tokens
+from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
+from kapitsa.engine.runner.scheduler import Scheduler
+from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus
+from kapitsa.engine.stats import StatsCounter
+from kapitsa.engine.types import ErrorEvent, FinishEvent, FinishReason, PrefillProgressEvent, Usage
+from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Abort:
+    request_id: str
+
+
+@dataclass(eq=False)
+class _Stop:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Engine:
+    """Owns the model, caches and the engine thread. Use `EngineClient` (inprocess.py) from async code.
+
+    Args:
+        model: a kapitsa model (see models/base.py).
+        config: engine settings.
+        decode: how a decode step is made (plain, or a speculative decoder).
+    """
+
+    def __init__(
+        self, model, config: EngineConfig | None = None, *, decode: DecodeStrategy | None = None
+    ) -> None:  # noqa: ANN001
+        self.config = config or EngineConfig()
+        # MLX streams are per thread: anything still lazy in the model (a dtype cast, a fresh init)
+        # must be computed here, on the building thread, before the engine thread touches it.
+        mx.eval(model.parameters())
+        self.runner = ModelRunner(model, cpu_float32_bytes=self.config.cpu_float32_bytes)
+        self.decode_strategy = decode or PlainDecode()
+        sizes = self.runner.state_sizes()
+        limit = self.config.memory_limit_bytes or device_memory_limit()
+        self.memory = MemoryBudget(
+            sizes,
+            limit_bytes=limit,
+            weights_bytes=mx.get_active_memory(),
+            prefill_chunk=self.config.prefill_chunk,
+        )
+        self.prefix = self._make_prefix_cache()
+        self.checkpoint_interval = self.config.checkpoint_interval or periodic_checkpoint_interval(
+            sizes.recurrent_bytes, sizes.kv_bytes_per_token
+        )
+        self.scheduler = Scheduler(max_running=self.config.max_running)
+        self.stats = StatsCounter()
+        self.batch = DecodeBatch()  # rows in scheduler.decoding order
+        self._inbox: queue.SimpleQueue[Sequence | _Abort | _Stop] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=_thread_main, args=(weakref.ref(self),), name="kapitsa-engine", daemon=True
+        )
+        self.alive = True
+        self._thread.start()
+
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        budget = self.config.prefix_cache_bytes
+        if budget is None:
+            budget = self.memory.available_bytes // 4
+        if budget <= 0:
+            return None
+        disk = None
+        if self.config.disk_cache_dir is not None and self.config.disk_cache_bytes > 0:
+            disk = DiskTier(
+                self.config.disk_cache_dir,
+                model_key=f"{self.config.model_key}|{self.runner.dtype}",  # the CPU computes in float32
+                budget_bytes=self.config.disk_cache_bytes,
+                validate=self.runner.check_stored,
+                write_delay_s=self.config.disk_write_delay_s,
+            )
+        return PrefixCache(budget_bytes=budget, disk=disk)
+
+    # --- API used from other threads ---------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        if not self.alive:
+            raise EngineDead("the engine has stopped")
+        self._inbox.put(seq)
+        if not self.alive:  # it died between the check and the put: nobody will answer
+            self._fail_all(EngineDead("the engine has stopped"))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Finish nothing further; abort what runs, flush the prefix cache to disk, stop the thread."""
+        if not self.alive:
+            return
+        stop = _Stop()
+        self._inbox.put(stop)
+        stop.done.wait(timeout)
+
+    # --- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._drain_inbox(block=not self.scheduler.has_running and not self.scheduler.waiting):
+                self._admit()
+                if self.scheduler.has_running:
+                    self._step()
+                elif self.scheduler.waiting:
+                    time.sleep(0.005)  # waiting on memory that a background release may free
+        except Exception as err:  # noqa: BLE001 - the engine must report, not vanish
+            log.exception("engine thread failed")
+            self.alive = False
+            self._fail_all(EngineDead(f"the engine stopped after an internal error: {err}"))
+        finally:
+            self.alive = False
+
+    def _drain_inbox(self, *, block: bool) -> bool:
+        """Apply queued submissions and aborts; False once asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(item, _Stop):
+                self._stop(item)
+                return False
+            if isinstance(item, _Abort):
+                self._abort(item.request_id)
+            elif len(self.scheduler.waiting) >= self.config.max_queued:
+                item.emit(
+                    ErrorEvent(item.request_id, EngineBusy("too many requests are queued; retry later"))
+                )
+            else:
+                self.scheduler.add(item)
+
+    def _stop(self, stop: _Stop) -> None:
+        for seq in self.scheduler.all():
+            self._finish(seq, "abort")
+        self.batch = DecodeBatch()
+        mx.synchronize()  # no queued device work may outlive the engine
+        self.alive = False
+        if self.prefix is not None:
+            try:
+                self.prefix.flush_to_disk()
+            except Exception:  # noqa: BLE001 - a failed flush only loses cache entries
+                log.exception("could not flush the prefix cache to disk")
+        stop.done.set()
+
+    # --- admission -------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        for seq in list(self.scheduler.waiting):
+            if not self.scheduler.has_free_slot:
+                return
+            nbytes = self.memory.sequence_bytes(seq.reserved_tokens)
+            if not self._make_room(nbytes):
+                if time.perf_counter() - seq.arrival > self.config.queue_timeout_s:
+                    self.scheduler.remove(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.emit(
+                        ErrorEvent(
+                            seq.request_id, EngineBusy("not enough memory for this request now; retry later")
+                        )
+                    )
+                    self.stats.failed += 1
+                return  # keep arrival order: later requests wait behind this one
+            self.memory.reserve(nbytes)
+            seq.reserved_bytes = nbytes
+            self.scheduler.admit(seq)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` fit now, shrinking the prefix cache if that is what it takes."""
+        cache_bytes = self.prefix.nbytes if self.prefix is not None else 0
+        if self.memory.fits_now(nbytes, other_bytes=cache_bytes):
+            return True
+        if self.prefix is None:
+            return False
+        self.prefix.enforce_budget(max(0, self.memory.free_bytes - nbytes))
+        return self.memory.fits_now(nbytes, other_bytes=self.prefix.nbytes)
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        if self.scheduler.decoding:
+            try:
+                self._decode_step()
+            except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("decode step failed")
+                for seq in list(self.scheduler.decoding):
+                    self._fail(seq, err)
+                self.batch = DecodeBatch()
+        seq = self.scheduler.next_prefill()
+        if seq is not None:
+            try:
+                self._prefill_chunk(seq)
+            except Exception as err:  # noqa: BLE001
+                log.exception("prefill failed")
+                self._fail(seq, err)
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        if seq.cache is None:
+            self._start_prefill(seq)
+        start = seq.num_processed
+        end = seq.next_chunk_end(self.config.prefill_chunk)
+        t0 = time.perf_counter()
+        if end > start:
+            logits = self.runner.prefill(seq.cache, seq.prompt_ids[start:end])
+        else:  # an exact prefix-cache hit that kept the next-token logits
+            logits = seq.pending_logits
+        seq.pending_logits = None
+        self.stats.add_prefill(end - start, time.perf_counter() - t0)
+        seq.num_processed = end
+        self._maybe_checkpoint(seq, end, logits)
+        if end < seq.num_prompt_tokens:
+            seq.emit(PrefillProgressEvent(seq.request_id, end, seq.num_prompt_tokens))
+            return
+        seq.prefill_done_at = time.perf_counter()
+        seq.last_checkpoint_pos = end
+        self._accept(seq, [seq.sampler.sample(logits)])
+        if seq.is_finished:
+            self._checkpoint_final(seq, seq.cache)
+            seq.cache = None
+        else:
+            self._join_batch(seq)
+
+    def _start_prefill(self, seq: Sequence) -> None:
+        seq.prefill_started = time.perf_counter()
+        seq.sampler = SequenceSampler(seq.request.sampling, seq.prompt_ids, eos_ids=seq.eos_ids)
+        match = self.prefix.lookup(seq.prompt_ids) if self.prefix is not None else None
+        if match is None:
+            seq.cache = self.runner.new_cache()
+        else:
+            seq.cache = self.runner.restore(match)
+            seq.num_processed = seq.num_cached_tokens = match.pos
+            seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
+        self.stats.prompt_cached += seq.num_cached_tokens
+        self._plan_checkpoints(seq)
+        seq.emit(
+            PrefillProgressEvent(
+                seq.request_id, seq.num_processed, seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens
+            )
+        )
+
+    def _plan_checkpoints(self, seq: Sequence) -> None:
+        """Add a branch boundary where the tree's KV runs past its checkpoints, and periodic ones."""
+        extra: list[Boundary] = []
+        if self.prefix is not None:
+            shared = self.prefix.match_length(seq.prompt_ids)
+            if seq.num_processed < shared < seq.num_prompt_tokens:
+                extra.append(Boundary(shared, "branch"))
+        step = self.checkpoint_interval
+        for pos in range((seq.num_processed // step + 1) * step, seq.num_prompt_tokens, step):
+            extra.append(Boundary(pos, "periodic"))
+        known = {b.pos for b in seq.boundaries}
+        seq.boundaries = sorted(
+            [*seq.boundaries, *(b for b in extra if b.pos not in known)], key=lambda b: b.pos
+        )
+
+    def _maybe_checkpoint(self, seq: Sequence, pos: int, logits: mx.array | None) -> None:
+        boundary = seq.boundary_at(pos)
+        if boundary is None or self.prefix is None or pos <= seq.num_cached_tokens:
+            return
+        cache = seq.cache
+        self.prefix.insert(
+            seq.prompt_ids[:pos],
+            recurrent=self.runner.recurrent_state(cache),
+            kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
+            kind=boundary.kind,
+            next_logits=logits,
+        )
+        seq.num_checkpointed_tokens = max(seq.num_checkpointed_tokens, pos)
+
+    def _checkpoint_final(self, seq: Sequence, cache: HybridCache | None) -> None:
+        """Keep the state at the end of a response hot: the agent's next request extends it."""
+        if self.prefix is None or cache is None or seq.finish_reason == "abort":
+            return
+        pos = cache.offsets[0]
+        tokens = seq.all_ids
+        if pos <= seq.num_cached_tokens or pos > len(tokens):
+            return
+        self.prefix.insert(
+            tokens[:pos],
+            recurrent=self.runner.recurrent_state(cache),
+            kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
+            kind="final",
+        )
+
+    def _join_batch(self, seq: Sequence) -> None:
+        self.scheduler.start_decoding(seq)
+        self.batch.join(seq.cache, seq.output_ids[-1])
+        seq.cache = None
+
+    def _decode_step(self) -> None:
+        seqs = list(self.scheduler.decoding)
+        assert self.batch.size == len(seqs)
+        for seq in seqs:
+            self._grow_reservation(seq)
+        samplers = [seq.sampler for seq in seqs]
+        t0 = time.perf_counter()
+        if self._pipeline_now(seqs) and can_pipeline(samplers):
+            last = [seq.output_ids[-1] for seq in seqs]
+            picks = [[] if t is None else [t] for t in self.batch.pipelined_step(self.runner, samplers, last)]
+        elif self.batch.in_flight:  # a sequence that needs synchronous sampling joined: drain first
+            picks = [[] if t is None else [t] for t in self.batch.flush(samplers)]
+        else:
+            assert self.batch.cache is not None
+            picks = self.decode_strategy.step(self.runner, self.batch.cache, seqs)
+        self.stats.add_decode(sum(len(p) for p in picks), time.perf_counter() - t0, len(seqs))
+        for row, (seq, tokens) in enumerate(zip(seqs, picks, strict=True)):
+            if tokens and not seq.is_finished:
+                self._accept(seq, tokens)
+                self._maybe_checkpoint_output(seq, row)
+        self._leave_batch([i for i, s in enumerate(seqs) if s.is_finished], checkpoint=True)
+
+    def _pipeline_now(self, seqs: list[Sequence]) -> bool:
+        """Plain decoding pipelines always; a speculative strategy while its drafts are resting."""
+        wants = getattr(self.decode_strategy, "wants_pipeline", None)
+        if wants is not None:
+            return wants(seqs)
+        return getattr(self.decode_strategy, "pipelined", False)
+
+    def _maybe_checkpoint_output(self, seq: Sequence, row: int) -> None:
+        """A periodic checkpoint inside a long generation (a later request may resume mid-way)."""
+        if self.prefix is None or seq.is_finished or self.batch.cache is None:
+            return
+        pos = self.batch.cache.offsets[row]
+        step = self.checkpoint_interval
+        if pos // step <= seq.last_checkpoint_pos // step or pos > seq.num_tokens:
+            return
+        seq.last_checkpoint_pos = pos
+        cache = self.batch.extract(row)
+        self.prefix.insert(
+            seq.all_ids[:pos],
+            recurrent=self.runner.recurrent_state(cache),
+            kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
+            kind="periodic",
+        )
+
+    def _grow_reservation(self, seq: Sequence) -> None:
+        """A request without max_tokens may outgrow its reservation while memory lasts."""
+        if seq.num_tokens + 1 <= seq.reserved_tokens:
+            return
+        more = self.memory.sequence_bytes(seq.reserved_tokens + 1024) - seq.reserved_bytes
+        if self._make_room(more):
+            self.memory.reserve(more)
+            seq.reserved_bytes += more
+            seq.reserved_tokens += 1024
+        else:
+            seq.max_tokens = len(seq.output_ids)  # ends with finish_reason "length" on this step
+
+    def _leave_batch(self, rows: list[int], *, checkpoint: bool) -> None:
+        if not rows:
+            return
+        seqs = list(self.scheduler.decoding)
+        for row in rows:
+            if checkpoint:
+                self._checkpoint_final(seqs[row], self.batch.extract(row))
+        for row in rows:
+            self.scheduler.remove(seqs[row])
+        self.batch.leave(rows)
+
+    # --- output ----------------------------------------------------------------------------
+
+    def _accept(self, seq: Sequence, tokens: list[SampledToken]) -> None:
+        reason = emit_tokens(seq, tokens)
+        self.stats.generated += len(tokens)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.scheduler.remove(seq)
+        elif seq.status is SequenceStatus.PREFILLING and reason == "abort":
+            self.scheduler.remove(seq)
+            seq.cache = None
+        elif seq.status is SequenceStatus.PREFILLING:
+            self.scheduler.prefilling.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_at = time.perf_counter()
+        self.memory.release(seq.reserved_bytes)
+        seq.reserved_bytes = 0
+        self.stats.finished += 1
+        seq.emit(FinishEvent(seq.request_id, reason, _usage(seq), stop_sequence=seq.stop_sequence))
+
+    def _abort(self, request_id: str) -> None:
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return
+        if seq.status is SequenceStatus.DECODING:
+            row = self.scheduler.decoding.index(seq)
+            self._finish(seq, "abort")
+            self._leave_batch([row], checkpoint=False)
+        else:
+            self._finish(seq, "abort")
+
+    def _fail(self, seq: Sequence, err: Exception) -> None:
+        if seq.is_finished:
+            return
+        self.scheduler.remove(seq)
+        seq.cache = None
+        seq.status = SequenceStatus.FINISHED
+        self.memory.release(seq.reserved_bytes)
+        seq.reserved_bytes = 0
+        self.stats.failed += 1
+        error = err if isinstance(err, KapitsaError) else KapitsaError(f"generation failed: {err}")
+        seq.emit(ErrorEvent(seq.request_id, error))
+
+    def _fail_all(self, err: Exception) -> None:
+        for seq in self.scheduler.all():
+            self._fail(seq, err)
+        self.batch = DecodeBatch()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Sequence):
+                item.emit(ErrorEvent(item.request_id, err))
+            elif isinstance(item, _Stop):
+                item.done.set()
+
+
+def _thread_main(engine_ref: weakref.ref[Engine]) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        engine._run()
+    del engine  # only the weak reference stays: a stopped engine can be freed
+    # Park rather than return: a finishing thread runs MLX's thread-local destructors (its compile
+    # cache), which take the GIL; if the interpreter is exiting at that moment, the process aborts.
+    threading.Event().wait()
+
+
+def _usage(seq: Sequence) -> Usage:
+    prefill_end = seq.prefill_done_at or seq.finished_at
+    return Usage(
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=len(seq.output_ids),
+        cached_tokens=seq.num_cached_tokens,
+        cache_write_tokens=max(0, seq.num_checkpointed_tokens - seq.num_cached_tokens),
+        prefill_seconds=max(0.0, prefill_end - seq.prefill_started) if seq.prefill_started else 0.0,
+        decode_seconds=max(0.0, seq.finished_at - prefill_end) if seq.prefill_done_at else 0.0,
+    )

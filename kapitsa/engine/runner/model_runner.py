@@ -1,0 +1,190 @@
+"""The model seen by the engine: prefill chunks, batched decode steps, and the cache surgery the
+prefix cache needs (KV spans out, recurrent state out, a batch-1 cache rebuilt from both).
+
+Works on any model that follows `kapitsa.engine.models.base` (`forward`, `logits`, `make_cache`)
+with a `HybridCache` (ragged, right-padded rows; `[B, Hkv, capacity, D]` KV buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from kapitsa.engine import kernels
+from kapitsa.engine.cache.disk import StoredPrefix
+from kapitsa.engine.cache.hybrid import HybridCache
+from kapitsa.engine.cache.layers import KVCache, RecurrentCache
+from kapitsa.engine.cache.prefix import PrefixMatch
+from kapitsa.engine.kernels import cpu_blas
+from kapitsa.engine.loading.fuse import fuse_model
+from kapitsa.engine.ops.linear import route_quantized_linears
+from kapitsa.engine.runner.memory import StateSizes
+
+KV_AXIS = 2  # token axis of KV buffers
+_Layout = tuple[
+    list[tuple[tuple[int, ...], mx.Dtype]], list[tuple[tuple[int, ...], mx.Dtype]]
+]  # (KV, recurrent)
+
+
+class ModelRunner:
+    """Runs one model. Owned by the engine thread (MLX is not shared across threads)."""
+
+    def __init__(self, model, *, dtype: mx.Dtype | None = None, cpu_float32_bytes: int = 0) -> None:  # noqa: ANN001 - any HybridLM
+        """`cpu_float32_bytes`: on the CPU device, how much float32 the model may take beyond its
+        stored weights: floating weights cast to float32 (the CPU has no bf16 arithmetic) and
+        dense copies of quantized weights for BLAS prefill (kernels/cpu_blas.py)."""
+        self.model = model
+        fuse_model(model)  # same-input projections as one mat-vec each (kapitsa.engine.loading.fuse)
+        spare = _compute_in_float32(model, cpu_float32_bytes) if cpu_blas.on_cpu() else 0
+        # per-row-count mat-muls on CUDA, BLAS prefill on the CPU (kapitsa.engine.ops.linear)
+        route_quantized_linears(model, dense_copy_bytes=spare)
+        kernels.probe_enabled()  # the opt-in kernels' one-time checks evaluate: before any trace
+        probe = model.make_cache(1)
+        self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
+        self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]
+        self.dtype = dtype or _param_dtype(model)
+        self._layout: _Layout | None = None  # state shapes and dtypes, measured by `state_sizes`
+
+    # forward
+
+    def prefill(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
+        """Feed `tokens` to a batch-1 cache; return the logits after the last one ([V])."""
+        inputs = mx.array([list(tokens)], dtype=mx.int32)
+        hidden = self.model.forward(inputs, cache).hidden
+        logits = self.model.logits(hidden[:, -1:, :])[0, -1]
+        mx.eval(logits, *cache.state_arrays())
+        return logits
+
+    def decode(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
+        """One token per row of the batch cache; returns logits [B, V]."""
+        logits = self.decode_lazy(cache, mx.array(list(tokens), dtype=mx.int32))
+        mx.eval(logits)
+        return logits
+
+    def decode_lazy(self, cache: HybridCache, tokens: mx.array) -> mx.array:
+        """Like `decode` with the tokens as a (possibly still lazy) [B] array; nothing is evaluated."""
+        return self.model(tokens[:, None], cache)[:, -1, :]
+
+    # cache surgery
+
+    def new_cache(self) -> HybridCache:
+        return self.model.make_cache(1)
+
+    def kv_span(self, cache: HybridCache, start: int, end: int) -> tuple[mx.array, ...]:
+        """K and V of every attention layer for positions [start, end) of a batch-1 cache."""
+        out: list[mx.array] = []
+        for i in self.kv_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, KVCache) and layer.keys is not None and layer.values is not None
+            out += [layer.keys[:, :, start:end], layer.values[:, :, start:end]]
+        return tuple(out)
+
+    def recurrent_state(self, cache: HybridCache) -> tuple[mx.array, ...]:
+        """(conv, state) of every recurrent layer of a batch-1 cache, by reference."""
+        out: list[mx.array] = []
+        for i in self.recurrent_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, RecurrentCache) and layer.conv is not None and layer.state is not None
+            out += [layer.conv, layer.state]
+        return tuple(out)
+
+    def restore(self, match: PrefixMatch) -> HybridCache:
+        """A batch-1 cache holding `match.pos` tokens: KV copied in, recurrent state shared."""
+        cache = self.model.make_cache(1)
+        kv = iter(match.kv)
+        for i in self.kv_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, KVCache)
+            layer.keys, layer.values = next(kv), next(kv)
+        rec = iter(match.recurrent)
+        for i in self.recurrent_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, RecurrentCache)
+            layer.conv, layer.state = next(rec), next(rec)
+        cache.offsets = [match.pos]
+        mx.eval(*cache.state_arrays())
+        return cache
+
+    def check_stored(self, stored: StoredPrefix) -> None:
+        """Raises ValueError when a disk checkpoint's arrays do not fit this model's batch-1 cache."""
+        kv_ref, rec_ref = self._layout if self._layout is not None else self._measure_layout()
+        if len(stored.recurrent) != len(rec_ref) or any(len(span) != len(kv_ref) for span in stored.kv_parts):
+            raise ValueError("a checkpoint with the wrong number of state arrays")
+        for array, (shape, dtype) in zip(stored.recurrent, rec_ref, strict=True):
+            if tuple(array.shape) != shape or array.dtype != dtype:
+                raise ValueError(f"recurrent state {array.shape} {array.dtype}, expected {shape} {dtype}")
+        for span in stored.kv_parts:
+            for array, (shape, dtype) in zip(span, kv_ref, strict=True):
+                if array.ndim != len(shape) or _without_tokens(array.shape) != _without_tokens(shape):
+                    raise ValueError(f"KV of shape {array.shape}, expected {shape} with any token count")
+                if array.dtype != dtype:
+                    raise ValueError(f"KV of dtype {array.dtype}, expected {dtype}")
+        if self.kv_layers and sum(span[0].shape[KV_AXIS] for span in stored.kv_parts) != len(stored.tokens):
+            raise ValueError("the KV does not cover the checkpoint's tokens")
+
+    def _measure_layout(self) -> _Layout:
+        self.state_sizes()
+        assert self._layout is not None
+        return self._layout
+
+    # sizes
+
+    def state_sizes(self) -> StateSizes:
+        """Bytes per token of KV and bytes of one recurrent state, measured on a 1-token forward."""
+        cache = self.model.make_cache(1)
+        self.model(mx.array([[0]], dtype=mx.int32), cache)
+        mx.eval(*cache.state_arrays())
+        kv_per_token = 0
+        for i in self.kv_layers:
+            layer = cache.layers[i]
+            assert isinstance(layer, KVCache) and layer.keys is not None
+            kv_per_token += 2 * layer.keys[:, :, :1].nbytes
+        self._layout = _state_layout(cache, self.kv_layers, self.recurrent_layers)
+        hidden = int(getattr(getattr(self.model, "args", None), "hidden_size", 0) or 0)
+        # prefill scratch per chunk token: a few float32 rows of hidden size (residual, MLP widening)
+        activation = 16 * hidden * 4
+        return StateSizes(kv_per_token, cache.recurrent_nbytes, activation)
+
+
+def _compute_in_float32(model, budget: int) -> int:  # noqa: ANN001
+    """Cast the model's floating weights to float32 when the extra bytes fit `budget`; the bytes
+    of budget left."""
+    from mlx.utils import tree_flatten
+
+    floats = [v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    extra = sum(v.size * (4 - v.dtype.size) for v in floats)
+    if extra > budget:
+        return budget
+    if extra:
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+    return budget - extra
+
+
+def _param_dtype(model) -> mx.Dtype:  # noqa: ANN001
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32
+
+
+def _without_tokens(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(d for axis, d in enumerate(shape) if axis != KV_AXIS)
+
+
+def _state_layout(cache: HybridCache, kv_layers: list[int], recurrent_layers: list[int]) -> _Layout:
+    """(shape, dtype) of each array `kv_span` and `recurrent_state` return, from a 1-token cache."""
+    kv: list[tuple[tuple[int, ...], mx.Dtype]] = []
+    for i in kv_layers:
+        layer = cache.layers[i]
+        assert isinstance(layer, KVCache) and layer.keys is not None and layer.values is not None
+        kv += [(tuple(a[:, :, :1].shape), a.dtype) for a in (layer.keys, layer.values)]
+    recurrent: list[tuple[tuple[int, ...], mx.Dtype]] = []
+    for i in recurrent_layers:
+        layer = cache.layers[i]
+        assert isinstance(layer, RecurrentCache) and layer.conv is not None and layer.state is not None
+        recurrent += [(tuple(a.shape), a.dtype) for a in (layer.conv, layer.state)]
+    return kv, recurrent

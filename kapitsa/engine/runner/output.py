@@ -1,0 +1,55 @@
+"""Turning sampled tokens into a sequence's stream: detokenize, hold back possible stop strings,
+end at EOS / stop ids / stop strings / max_tokens, attach logprobs."""
+
+from __future__ import annotations
+
+import time
+
+from kapitsa.engine.runner.sampler import SampledToken
+from kapitsa.engine.runner.sequence import Sequence
+from kapitsa.engine.types import FinishReason, TokenEvent, TokenLogprob
+
+
+def emit_tokens(seq: Sequence, tokens: list[SampledToken]) -> FinishReason | None:
+    """Append `tokens` to `seq` (stopping at the first that ends it) and emit one `TokenEvent`.
+
+    Returns the finish reason, or None while the sequence goes on.
+    """
+    ids: list[int] = []
+    text: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    reason: FinishReason | None = None
+    for token in tokens:
+        if not seq.first_token_at:
+            seq.first_token_at = time.perf_counter()
+        seq.output_ids.append(token.token_id)
+        ids.append(token.token_id)
+        if seq.request.sampling.logprobs is not None:
+            logprobs.append(_logprob(seq, token))
+        reason = _consume(seq, token.token_id, text)
+        if reason is None and len(seq.output_ids) >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if seq.stop_sequence is None:
+                text.append(seq.stop.feed(seq.detokenizer.flush()).text + seq.stop.flush())
+            break
+    event_logprobs = tuple(logprobs) if seq.request.sampling.logprobs is not None else None
+    seq.emit(TokenEvent(seq.request_id, tuple(ids), "".join(text), event_logprobs))
+    return reason
+
+
+def _consume(seq: Sequence, token_id: int, text: list[str]) -> FinishReason | None:
+    params = seq.request.sampling
+    if token_id in params.stop_token_ids or (token_id in seq.eos_ids and not params.ignore_eos):
+        return "stop"
+    check = seq.stop.feed(seq.detokenizer.add(token_id))
+    text.append(check.text)
+    if check.stop is not None:
+        seq.stop_sequence = check.stop
+        return "stop"
+    return None
+
+
+def _logprob(seq: Sequence, token: SampledToken) -> TokenLogprob:
+    top = tuple((tid, seq.token_text(tid), lp) for tid, lp in token.top)
+    return TokenLogprob(token.token_id, seq.token_text(token.token_id), token.logprob, top)

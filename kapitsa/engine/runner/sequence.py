@@ -1,0 +1,140 @@
+"""One request inside the engine: its tokens, where it stands, and how its output is shaped."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kapitsa.engine.runner.sampler import SequenceSampler
+from kapitsa.engine.runner.stop import StopMatcher
+from kapitsa.engine.types import Event, FinishReason, GenerationRequest
+
+
+class Detokenizer(Protocol):
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character."""
+
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, not admitted (memory)
+    PREFILLING = "prefilling"  # prompt chunks being processed, own batch-1 cache
+    DECODING = "decoding"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, frozen=True)
+class Boundary:
+    """A prompt position where the prefix cache should take a recurrent checkpoint."""
+
+    pos: int
+    kind: str  # "system" | "turn" | "periodic" | "branch"
+
+
+class TokenIds(SequenceABC):
+    """A sequence's prompt and output ids as one read-only sequence, without copying either list:
+    a decode step reads only its end, and copying a 30k-token agent context costs ~0.1 ms of
+    Python per step (a slice that crosses the prompt/output boundary still copies)."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self._prompt, self._output)
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - int or slice, like a list
+        n = len(self._prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1 and start >= n:
+                return self._output[start - n : stop - n]
+            if step == 1 and stop <= n:
+                return self._prompt[start:stop]
+            return list(self)[index]
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError("token index out of range")
+        return self._prompt[position] if position < n else self._output[position - n]
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    prompt_ids: list[int]
+    emit: Callable[[Event], None]
+    sampler: SequenceSampler | None  # made on the engine thread (it holds MLX arrays)
+    detokenizer: Detokenizer
+    stop: StopMatcher
+    max_tokens: int  # generation limit (request's, or what the context leaves)
+    boundaries: list[Boundary] = field(default_factory=list)
+    eos_ids: frozenset[int] = frozenset()
+    token_text: Callable[[int], str] = str  # one token's text, for logprobs
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    num_checkpointed_tokens: int = 0  # the prompt's longest prefix this request checkpointed
+    num_processed: int = 0  # tokens folded into the cache (prompt, then fed output)
+    cache: Any = None  # batch-1 model cache while prefilling
+    reserved_bytes: int = 0
+    last_checkpoint_pos: int = 0  # position of the latest periodic checkpoint taken during output
+    reserved_tokens: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    prefill_started: float = 0.0
+    prefill_done_at: float = 0.0
+    pending_logits: Any = None  # next-token logits of an exact prefix-cache hit
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    finish_reason: FinishReason | None = None
+    stop_sequence: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_remaining(self) -> int:
+        return len(self.prompt_ids) - self.num_processed
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def token_ids(self) -> TokenIds:
+        """`all_ids` as a view (no copy): what per-step readers such as drafters take."""
+        return TokenIds(self.prompt_ids, self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def next_chunk_end(self, chunk: int) -> int:
+        """Where the next prefill chunk ends: `chunk` tokens on, or the next checkpoint boundary."""
+        end = min(self.num_processed + chunk, len(self.prompt_ids))
+        for boundary in self.boundaries:
+            if self.num_processed < boundary.pos < end:
+                return boundary.pos
+        return end
+
+    def boundary_at(self, pos: int) -> Boundary | None:
+        return next((b for b in self.boundaries if b.pos == pos), None)

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, detokenizing, chat templates, prompt preparation and token-id checks."""

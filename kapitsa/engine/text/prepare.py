@@ -1,0 +1,123 @@
+"""From a `GenerationRequest` to prompt token ids plus the positions worth checkpointing.
+
+Message boundaries come from rendering the chat template on prefixes of the conversation: the
+system part (shared by every conversation with the same system prompt and tools) and the end of the
+last message before the generation prompt (where the next turn diverges when the template re-renders
+the assistant's reply differently, e.g. dropping its reasoning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kapitsa.engine.runner.sequence import Boundary
+from kapitsa.engine.types import GenerationRequest
+from kapitsa.errors import InvalidRequest, KapitsaError
+
+Encode = Callable[[str], list[int]]
+
+
+class PromptTokenizer(Protocol):
+    """What the engine needs from a tokenizer (kapitsa.engine.text.tokenizer provides it)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str: ...
+
+
+@dataclass(slots=True, frozen=True)
+class PreparedPrompt:
+    ids: list[int]
+    boundaries: list[Boundary]
+
+
+def prepare_prompt(
+    tokenizer: PromptTokenizer, request: GenerationRequest, *, encode: Encode | None = None
+) -> PreparedPrompt:
+    """Render and tokenize a request. Raises `InvalidRequest` for prompts that cannot be rendered.
+
+    `encode` replaces `tokenizer.encode` (e.g. a caching `PromptEncoder`); it must give the same ids.
+    """
+    encode = encode or tokenizer.encode
+    if request.prompt_token_ids is not None:
+        return PreparedPrompt(list(request.prompt_token_ids), [])
+    if request.prompt is not None:
+        return PreparedPrompt(encode(request.prompt), [])
+    messages = [dict(m) for m in request.messages or ()]
+    ids = encode(_render(tokenizer, request, messages, request.add_generation_prompt))
+    return PreparedPrompt(ids, message_boundaries(tokenizer, request, messages, ids, encode=encode))
+
+
+def _render(
+    tokenizer: PromptTokenizer,
+    request: GenerationRequest,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=[dict(t) for t in request.tools] if request.tools else None,
+            add_generation_prompt=add_generation_prompt,
+            **dict(request.chat_template_kwargs),
+        )
+    except KapitsaError:
+        raise
+    except Exception as err:  # noqa: BLE001 - jinja raises all sorts; the template's message is the useful part
+        raise InvalidRequest(f"the chat template could not render these messages: {err}") from err
+
+
+def message_boundaries(
+    tokenizer: PromptTokenizer,
+    request: GenerationRequest,
+    messages: list[dict[str, Any]],
+    ids: list[int],
+    *,
+    encode: Encode | None = None,
+) -> list[Boundary]:
+    """Checkpoint positions: the end of the system part and the end of the last message."""
+    encode = encode or tokenizer.encode
+    out: list[Boundary] = []
+    if messages and messages[0].get("role") in ("system", "developer"):
+        # Templates may refuse a conversation without a user turn: render an empty one and keep the
+        # common prefix, which ends just inside the first user turn (still shared by every chat).
+        probe = _try_ids(tokenizer, request, [messages[0], {"role": "user", "content": ""}], encode)
+        if probe is not None:
+            out.append(Boundary(_common_prefix(ids, probe), "system"))
+    if request.add_generation_prompt:
+        probe = _try_ids(tokenizer, request, messages, encode, add_generation_prompt=False)
+        if probe is not None and ids[: len(probe)] == probe:
+            out.append(Boundary(len(probe), "turn"))
+    valid = {b.pos: b for b in out if 0 < b.pos < len(ids)}
+    return sorted(valid.values(), key=lambda b: b.pos)
+
+
+def _try_ids(
+    tokenizer: PromptTokenizer,
+    request: GenerationRequest,
+    messages: list[dict[str, Any]],
+    encode: Encode,
+    *,
+    add_generation_prompt: bool = False,
+) -> list[int] | None:
+    try:
+        return encode(_render(tokenizer, request, messages, add_generation_prompt))
+    except KapitsaError:
+        return None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,500 @@
+"""kapitsa vs mlx-lm, side by side in one process: random-weight 4-bit models of real shapes.
+
+For each shape: build kapitsa's model and mlx-lm's model from the same published-style config,
+quantize both to MLX affine 4-bit (group 64), then time a 512-token (and optionally 8k-token)
+prefill and greedy decode at batch 1. kapitsa runs through its engine (`InProcessEngine`, the
+path `kapitsa run` and `kapitsa serve` use); mlx-lm through `generate_step`.
+
+    python lab/decode_vs_mlxlm.py [--shapes 4b 27b 35b-a3b nemotron-30b-a3b] [--tokens 128]
+    python lab/decode_vs_mlxlm.py --tiny       # a seconds-long smoke run on any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.models import get_model_module
+from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
+from kapitsa.engine.types import (
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenEvent,
+)
+from kapitsa.testing.tiny import tiny_config
+
+QWEN_VOCAB = 248320
+MEASURED_LIMIT_GB_S = 3770.0  # H200 grid-stride read through mx.fast.cuda_kernel (shared/gpu/README.md)
+SHAPES = {
+    "4b": (
+        "qwen3_5",
+        dict(
+            hidden_size=2560,
+            num_hidden_layers=32,
+            intermediate_size=9216,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=True,
+            vocab_size=QWEN_VOCAB,
+        ),
+    ),
+    "27b": (
+        "qwen3_5",
+        dict(
+            hidden_size=5120,
+            num_hidden_layers=64,
+            intermediate_size=17408,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            vocab_size=QWEN_VOCAB,
+        ),
+    ),
+    "35b-a3b": (
+        "qwen3_5_moe",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            vocab_size=QWEN_VOCAB,
+        ),
+    ),
+    "nemotron-30b-a3b": (
+        "nemotron_h",
+        dict(
+            hidden_size=2688,
+            num_hidden_layers=52,
+            hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+            mamba_num_heads=64,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            num_attention_heads=32,
+            num_key_value_heads=2,
+            head_dim=128,
+            n_routed_experts=128,
+            num_experts_per_tok=6,
+            moe_intermediate_size=1856,
+            moe_shared_expert_intermediate_size=3712,
+            intermediate_size=1856,
+            vocab_size=131072,
+        ),
+    ),
+}
+TINY = {k: (kind, {"vocab_size": 8192}) for k, (kind, _) in SHAPES.items()}  # the demo tokenizer's ids fit
+FULL_PRECISION_SUFFIXES = ("mlp.gate", "shared_expert_gate", "mixer.gate")
+STARTED = time.perf_counter()
+
+
+def emit(row: dict) -> None:
+    """Print a result row as a JSON line with `t_s`, the seconds since this process started (where
+    a device call's time went, when a part is cut by its limit)."""
+    print(json.dumps({**row, "t_s": round(time.perf_counter() - STARTED, 1)}), flush=True)
+
+
+def _quantizable(path: str, module: nn.Module) -> bool:
+    if path.endswith(FULL_PRECISION_SUFFIXES) or not hasattr(module, "to_quantized"):
+        return False
+    return getattr(module, "weight", None) is not None and module.weight.shape[-1] % 64 == 0
+
+
+DTYPE = {"value": mx.bfloat16}  # float32 for --tiny: MLX's CPU gather_mm (MoE) is float32-only
+
+
+def _materialize(model: nn.Module) -> nn.Module:
+    """bf16 + 4-bit, one layer at a time so random fp32 init never holds the whole model."""
+    model.set_dtype(DTYPE["value"])
+    for layer in model.layers:
+        nn.quantize(layer, group_size=64, bits=4, class_predicate=_quantizable)
+        mx.eval(layer.parameters())
+    nn.quantize(model, group_size=64, bits=4, class_predicate=_quantizable)
+    mx.eval(model.parameters())
+    return model
+
+
+def _kapitsa_model(config: dict) -> nn.Module:
+    module = get_model_module(config["model_type"])
+    return _materialize(module.Model(module.ModelArgs.from_dict(config)))
+
+
+def _mlxlm_model(config: dict) -> nn.Module:
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return _materialize(module.Model(module.ModelArgs.from_dict(config)))
+
+
+class _Detok:
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class _Tokenizer:
+    """Enough tokenizer for prompt_token_ids requests (no text is decoded in this benchmark)."""
+
+    eos_token_ids = frozenset()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids) -> str:
+        return ""
+
+    def detokenizer(self) -> _Detok:
+        return _Detok()
+
+    def apply_chat_template(self, messages, **kwargs) -> str:
+        return ""
+
+
+def kapitsa_engine(model, prompt_len: int, tokens: int, decode=None) -> InProcessEngine:
+    """kapitsa's engine (the path of `kapitsa run` / `serve`) over a bench model, no prefix cache."""
+    info = ModelInfo(
+        id="bench", family="bench", context_length=prompt_len + tokens + 16, max_output_tokens=tokens
+    )
+    return InProcessEngine(
+        model,
+        _Tokenizer(),
+        info,
+        eos_token_ids=set(),
+        config=EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048),
+        decode=decode,
+    )
+
+
+def generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
+    """One greedy request of `tokens` tokens: its ids, time to first token, decode and prefill tok/s."""
+
+    async def run() -> dict:
+        start = time.perf_counter()
+        ids: list[int] = []
+        first = end = None
+        request = GenerationRequest(
+            prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
+        )
+        async for event in client.generate(request):
+            if isinstance(event, TokenEvent):
+                ids += event.token_ids
+                first = first or time.perf_counter()
+            elif isinstance(event, FinishEvent):
+                end = time.perf_counter()
+            elif isinstance(event, ErrorEvent):
+                raise event.error
+        return dict(
+            ids=ids,
+            ttft_s=first - start,
+            decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9),
+            prefill_tok_s=len(prompt) / (first - start),
+        )
+
+    return asyncio.run(run())
+
+
+def _time_kapitsa(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
+    """`warmup`: the prompt of the warm-up request (default: `prompt`)."""
+    client = kapitsa_engine(model, len(prompt), tokens)
+    try:
+        generate(client, warmup or prompt, 8)  # warm-up: kernels compile, buffers allocate
+        result = generate(client, prompt, tokens)
+    finally:
+        client.close()
+    result.pop("ids")
+    return result
+
+
+def _time_mlxlm(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
+    from mlx_lm.generate import generate_step
+
+    def run(tokens: int = tokens, prompt: list[int] = prompt) -> dict:
+        start = time.perf_counter()
+        first = None
+        n = 0
+        for (_token, _), _ in zip(
+            generate_step(mx.array(prompt), model, max_tokens=tokens), range(tokens), strict=False
+        ):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return dict(
+            ttft_s=first - start,
+            decode_tok_s=(n - 1) / (end - first),
+            prefill_tok_s=len(prompt) / (first - start),
+        )
+
+    run(8, warmup or prompt)
+    return run()
+
+
+def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -> dict:
+    """Milliseconds of one speculative verify of T tokens after the prompt, per T: the forward
+    (record=True, logits for all T, evaluated) and the rollback of a rejected draft, which keeps
+    the first token (evaluated), each timed alone; what a draft of T-1 tokens costs on this shape. Run on the
+    engine's model (fused and routed by its ModelRunner)."""
+    cache = model.make_cache(1)
+    mx.eval(model.logits(model.forward(mx.array([prompt]), cache).hidden[:, -1:]), *cache.state_arrays())
+    out = {}
+    for T in sizes:
+        tokens = mx.array([[(7 * i + 11) % 200 + 5 for i in range(T)]])
+        forward, rollback = [], []
+        for i in range(iters + 2):
+            start = time.perf_counter()
+            logits = model.logits(model.forward(tokens, cache, record=True).hidden)
+            mx.eval(logits, *cache.state_arrays())
+            middle = time.perf_counter()
+            cache.rollback(T - 1)  # a rejected draft: the target's own token stays
+            mx.eval(*cache.state_arrays())
+            if i >= 2:  # the first two compile the T-token kernels
+                forward.append(middle - start)
+                rollback.append(time.perf_counter() - middle)
+        out[f"verify_ms_T{T}"] = round(sorted(forward)[len(forward) // 2] * 1e3, 2)
+        out[f"rollback_ms_T{T}"] = round(sorted(rollback)[len(rollback) // 2] * 1e3, 2)
+    return out
+
+
+def _prompt(length: int, vocab: int, stride: int = 7919) -> list[int]:
+    """Deterministic token ids spread over the vocabulary (ids 0-4 left out)."""
+    return [(i * stride) % (vocab - 10) + 5 for i in range(length)]
+
+
+def _prefill_rows(name: str, models: dict, timers: dict, plen: int, vocab: int, sizes: dict) -> list[dict]:
+    """One prefill of `plen` tokens per engine (2 tokens decoded: the decode figure is not kept),
+    after a warm-up prefill of the same length with other tokens: every chunk offset's kernels
+    are compiled before the timed run (session 5 warmed up on one chunk only, and kapitsa's 8k
+    figures came out 3-5x below its 512-token ones per token)."""
+    prompt, warmup = _prompt(plen, vocab), _prompt(plen, vocab, stride=104729)
+    rows = []
+    for engine in ("mlx-lm", "kapitsa"):
+        result = timers[engine](models[engine], prompt, 2, warmup)
+        row = dict(
+            shape=name,
+            engine=engine,
+            prompt=plen,
+            round=0,
+            weights_gb=round(sizes[engine], 2),
+            prefill_only=True,
+            ttft_s=result["ttft_s"],
+            prefill_tok_s=result["prefill_tok_s"],
+        )
+        rows.append(row)
+        emit(row)
+    return rows
+
+
+def _median(rows: list[dict], key: str, **match) -> float | None:
+    mine = [r[key] for r in rows if all(r.get(k) == v for k, v in match.items())]
+    return statistics.median(mine) if mine else None
+
+
+def _decode_summary(rows: list[dict], shape: str, plen: int) -> dict:
+    """Medians of one (shape, prompt) decode comparison, the ratio and the weight bandwidth."""
+    kapitsa = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="kapitsa")
+    mlxlm = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine="mlx-lm")
+    # what one token reads: every weight but the embedding table's other rows and, in MoE layers,
+    # the routed experts not chosen (lab/weight_reads.py)
+    read_gb = next(r["read_gb"] for r in rows if r["shape"] == shape and r["engine"] == "kapitsa")
+    stream = read_gb * kapitsa
+    out = dict(
+        summary=shape,
+        prompt=plen,
+        kapitsa_decode=round(kapitsa, 1),
+        mlxlm_decode=round(mlxlm, 1),
+        decode_ratio=round(kapitsa / mlxlm, 2),
+        read_gb_per_token=round(read_gb, 3),
+        kapitsa_weight_gb_s=round(stream, 1),
+        share_of_measured_limit=round(stream / MEASURED_LIMIT_GB_S, 3),
+        kapitsa_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="kapitsa"), 1),
+        mlxlm_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="mlx-lm"), 1),
+    )
+    variants = sorted(
+        {r["engine"] for r in rows if r["shape"] == shape and r["engine"].startswith("kapitsa-")}
+    )
+    for engine in variants:  # kapitsa-fused -> kapitsa_fused_decode, fused_ratio
+        tok_s = _median(rows, "decode_tok_s", shape=shape, prompt=plen, engine=engine)
+        name = engine.removeprefix("kapitsa-")
+        out.update({f"kapitsa_{name}_decode": round(tok_s, 1), f"{name}_ratio": round(tok_s / mlxlm, 2)})
+    return out
+
+
+def _summary(rows: list[dict]) -> None:
+    """Median decode/prefill tok/s per (shape, prompt, engine) and the kapitsa / mlx-lm ratio;
+    prefill-only rows (`--prefill-prompts`) get their own lines."""
+    decode = [r for r in rows if "decode_tok_s" in r]
+    for shape, plen in sorted({(r["shape"], r["prompt"]) for r in decode}, key=str):
+        emit(_decode_summary(decode, shape, plen))
+    prefill = [r for r in rows if r.get("prefill_only")]
+    for shape, plen in sorted({(r["shape"], r["prompt"]) for r in prefill}, key=str):
+        match = dict(shape=shape, prompt=plen, prefill_only=True)
+        kapitsa = _median(prefill, "prefill_tok_s", engine="kapitsa", **match)
+        mlxlm = _median(prefill, "prefill_tok_s", engine="mlx-lm", **match)
+        line = dict(
+            summary=f"{shape} prefill",
+            prompt=plen,
+            kapitsa_prefill=round(kapitsa, 1),
+            mlxlm_prefill=round(mlxlm, 1),
+            prefill_ratio=round(kapitsa / mlxlm, 2),
+        )
+        emit(line)
+
+
+def main() -> None:
+    # beside this script (decode_profile imports this module as bench.*)
+    from variants import add_variants, fused_parts
+    from weight_reads import read_bytes_per_token, routing, total_bytes
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[512])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timings per engine")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--verify-shapes", nargs="*", default=[], help="also time T-token verify forwards")
+    ap.add_argument("--verify-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument(
+        "--spec-shapes", nargs="*", default=[], help="also time n-gram speculation on the edit workload"
+    )
+    ap.add_argument("--spec-tokens", type=int, default=256)
+    ap.add_argument("--spec-rounds", type=int, default=None, help="default: --rounds")
+    ap.add_argument("--spec-draft", type=int, default=DEFAULT_MAX_DRAFT, help="longest n-gram draft")
+    ap.add_argument(
+        "--fused-ab",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="PARTS",
+        help="also time kapitsa with KAPITSA_FUSED_NORMS=PARTS (default all), interleaved",
+    )
+    ap.add_argument(
+        "--kernels-ab",
+        default=None,
+        metavar="FAMILIES",
+        help="also time kapitsa with KAPITSA_KERNELS=FAMILIES",
+    )
+    ap.add_argument(
+        "--qmv-ab",
+        default=None,
+        metavar="KERNEL",
+        help="also time kapitsa with KAPITSA_QMV_KERNEL=KERNEL (the 1-8 row mat-vec kernel); KERNEL:PARTS also sets KAPITSA_FUSED_NORMS; direct@BLOCKS a persistent grid for the one-row kernel",
+    )
+    ap.add_argument(
+        "--fold-ab",
+        action="store_true",
+        help="MoE shapes: also time a copy with shared experts folded",
+    )
+    ap.add_argument(
+        "--prefill-prompts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time prefill alone at these prompt lengths (one round per engine, 2 tokens)",
+    )
+    args = ap.parse_args()
+    table = TINY if args.tiny else SHAPES
+    if args.tiny:
+        DTYPE["value"] = mx.float32
+    print(f"mlx {mx.__version__} on {mx.default_device()}")
+    rows, extra, spec = [], [], []
+    for name in args.shapes:
+        kind, dims = table[name]
+        config = tiny_config(kind, **dims)
+        vocab = dims.get("vocab_size", 512)
+        # Both models stay loaded and are timed in alternation, `--rounds` times each: the host's
+        # speed drifts within a run on a shared machine, so compare medians of interleaved runs.
+        built_from = time.perf_counter()
+        models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
+        timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
+        route = routing(config)
+        add_variants(
+            args, models, timers, lambda config=config: _kapitsa_model(config), moe=route is not None
+        )
+        sizes = {e: total_bytes(m) / 1e9 for e, m in models.items()}
+        read_gb = read_bytes_per_token(models["kapitsa"], route) / 1e9
+        emit(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1)))
+        for plen in args.prompts:
+            prompt = _prompt(plen, vocab)
+            for rnd in range(args.rounds):
+                for engine, model in models.items():
+                    result = dict(
+                        shape=name,
+                        engine=engine,
+                        prompt=plen,
+                        round=rnd,
+                        weights_gb=round(sizes[engine], 2),
+                        read_gb=round(read_gb, 3),
+                        **timers[engine](model, prompt, args.tokens),
+                    )
+                    if "error" not in result:  # a variant that failed (variants.timed_with) is reported only
+                        rows.append(result)
+                    emit(result)
+        for plen in args.prefill_prompts:
+            rows += _prefill_rows(name, models, timers, plen, vocab, sizes)
+        if name in args.verify_shapes:
+            verify = dict(
+                shape=name, engine="kapitsa", **_verify_cost(models["kapitsa"], prompt, args.verify_sizes)
+            )
+            emit(verify)
+            extra.append(verify)
+        if name in args.spec_shapes:  # last: it scripts the kapitsa model (spec_shapes.py)
+            from spec_shapes import spec_rounds
+
+            spec += spec_rounds(
+                name,
+                models["kapitsa"],
+                models["mlx-lm"],
+                vocab,
+                args.spec_rounds or args.rounds,
+                args.spec_tokens,
+                args.spec_draft,
+                # --fused-ab's parts time speculation too (a mat-vec part's default decides on both)
+                {"fused": lambda: fused_parts(args.fused_ab)} if args.fused_ab else None,
+            )
+        del models
+        gc.collect()
+        mx.clear_cache()
+    _summary(rows)
+    if spec:
+        from spec_shapes import summary
+
+        summary(spec)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows + extra + spec, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Every H200 measurement issue 10 asks for, in parts that each fit one 10-minute device call:
+#   bash lab/h200_all.sh knobs        4B decode (kapitsa default and with fused norms, mlx-lm) under
+#                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
+#                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
+#   bash lab/h200_all.sh prefill      Nemotron's 8k prefill per layer kind ($PREFILL_KINDS, default moe
+#                                       attention), kapitsa beside mlx-lm; kapitsa's MoE layers without
+#                                       the dequantized grouped GEMM, its Mamba layers at SSD chunk
+#                                       lengths $SSD_CHUNKS
+#   bash lab/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
+#                                       default 27b) under Nsight Systems (lab/decode_kernels.py)
+#   bash lab/h200_all.sh tests        every gpu-marked test, sharded over parallel processes
+#                                       (lab/gpu_tests.py; 340 s on a fresh machine, session 10)
+#   bash lab/h200_all.sh compiled     the compiled decode/verify paths against op by op, sharded
+#                                       the same way (223 s fresh, session 10; its own call:
+#                                       with the GPU set it passes a call's 10 minutes)
+#   bash lab/h200_all.sh ptx-save     MLX's JIT cache (/tmp/mlx) as $OUT/ptx.tgz, for $PTX_TGZ next time
+#   bash lab/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
+#                                       kernel, persistent grids included, and the streaming kernel);
+#                                       with STREAM_TESTS=1 their GPU tests first
+#   bash lab/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
+#                                       of $TOKENS tokens, default 64;
+#                                       kapitsa at its defaults and with the fused parts $FUSED_AB
+#                                       (default residual: the norm prologue off; its edit speculation
+#                                       too), mlx-lm, interleaved),
+#                                       prefill at 8192 tokens, verify cost per T (27b, nemotron;
+#                                       $VERIFY_SIZES, none to skip), edit
+#                                       speculation (1 round); also with the 1-8 row mat-vec kernel
+#                                       $QMV_AB (default stream; KERNEL:PARTS sets the fused parts too),
+#                                       with other kernel families (without the attention kernels
+#                                       "attn"; on Nemotron without the fused MoE router "route"), on the MoE
+#                                       shapes folded shared experts when FOLD_AB=1
+# Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
+# 64 MiB transfer limit; move the trained checkpoints' *.safetensors (kapitsa/demo, tests/checkpoints/
+# trained) out of the tree for the device calls and back after. mlx-lm travels in .gpu/b:
+# `python3 -m pip download --no-deps -d .gpu/b mlx-lm==0.32.2`, then on the machine, after
+# `source .gpu/b/activate.sh`: `python3 -m pip install -q --no-index --no-deps --target /tmp/mlx-site
+# .gpu/b/mlx_lm-*.whl`. The machine stays warm 30 s between calls: have the next command ready.
+# Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
+# the "summary" lines last. Run after .gpu/ is staged (docs in ../shared/gpu/README.md): source
+# .gpu/b/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
+# same machine compile less. KNOB_SETTINGS overrides the settings the knobs part tries; the
+# *_TIMEOUT variables the limits (seconds).
+set -u
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root" && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
+out=${OUT:-.}
+py=${PY:-python3}
+part=${1:?which part: knobs, tests, compiled, or shapes (27b 35b-a3b 4b nemotron-30b-a3b)}
+knobs_file=/tmp/kapitsa-knobs.env
+# MLX keeps its NVRTC output in /tmp/mlx/<version>/ptx; a fresh machine compiles every kernel again
+# (kapitsa's ~300 launches a step are a few dozen kernels, each template a compile). The ptx-save
+# part returns that cache as $OUT/ptx.tgz; kept at $PTX_TGZ (default .gpu-ptx/ptx.tgz, an ignored
+# path the device call carries) it is unpacked here before any part runs on a fresh machine.
+ptx_tgz=${PTX_TGZ:-$root/.gpu-ptx/ptx.tgz}
+if [ -f "$ptx_tgz" ] && [ ! -d /tmp/mlx ]; then
+  tar xzf "$ptx_tgz" -C /tmp && echo "ptx cache: $(du -sh /tmp/mlx | cut -f1) from $ptx_tgz"
+fi
+# shellcheck disable=SC1090
+[ -f "$knobs_file" ] && [ "$part" != knobs ] && . "$knobs_file" && echo "settings: $(cat "$knobs_file")"
+
+case "$part" in
+  knobs)
+    : > "$out/knobs.log"
+    # default last: the first process on a cold machine pays MLX's JIT compiles (session 5's first
+    # run passed 150 s), and a setting whose run is cut only drops out of the comparison
+    for setting in ${KNOB_SETTINGS:-MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=1000 default}; do
+      env_args=()
+      [ "$setting" != default ] && env_args=("$setting")
+      env "${env_args[@]}" timeout "${KNOB_TIMEOUT:-240}" $py lab/decode_vs_mlxlm.py --shapes 4b --tokens 64 --prompts 512 \
+        --rounds 2 --fused-ab 2>&1 | sed "s/^{/{\"knob\": \"$setting\", /" >> "$out/knobs.log"
+      grep '"summary"' "$out/knobs.log" | tail -1
+    done
+    $py lab/pick_knobs.py "$out/knobs.log" > "$knobs_file"
+    echo "kept: $(cat "$knobs_file")"
+    ;;
+  ptx-save)
+    tar czf "$out/ptx.tgz" -C /tmp mlx && ls -l "$out/ptx.tgz"
+    ;;
+  qmv)
+    : > "$out/qmv.log"
+    if [ "${STREAM_TESTS:-0}" = 1 ]; then
+      timeout "${TESTS_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
+        tests/kernels/test_qmv_stream.py "tests/kernels/test_qmv_direct.py::test_gpu_persistent_matches_reference" \
+        "tests/kernels/test_qmv_direct.py::test_gpu_glu_matches_reference" \
+        >> "$out/qmv.log" 2>&1
+      tail -3 "$out/qmv.log"
+    fi
+    # one-row mat-vec launch shapes over the 27B's chain (lab/host_costs.py qmv; ~2 minutes)
+    timeout "${QMV_TIMEOUT:-240}" $py lab/host_costs.py --shapes --skip micro >> "$out/qmv.log" 2>&1
+    grep '"kind": "qmv"' "$out/qmv.log"
+    ;;
+  timeline)
+    nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    [ -n "$nsys" ] || { echo "no nsys on this machine"; exit 1; }
+    : > "$out/timeline.log"
+    for shape in ${TIMELINE_SHAPES:-27b}; do
+      timeout "${TIMELINE_TIMEOUT:-240}" "$nsys" profile -t cuda --cuda-graph-trace=node --capture-range=cudaProfilerApi -f true \
+        -o "/tmp/steps-$shape" $py lab/decode_kernels.py --shape "$shape" --steps 16 >> "$out/timeline.log" 2>&1
+      "$nsys" export --type sqlite -f true -o "/tmp/steps-$shape.sqlite" "/tmp/steps-$shape.nsys-rep" >> "$out/timeline.log" 2>&1
+      $py lab/decode_kernels.py --summarize "/tmp/steps-$shape.sqlite" --steps 16 | sed "s/^{/{\"shape\": \"$shape\", /" \
+        >> "$out/timeline.log"
+    done
+    grep -E '^\{"shape"' "$out/timeline.log"
+    ;;
+  prefill)
+    # the MoE prefill route against gather_qmm on the GPU first (a minute), then the timings
+    # (and the GDN decode variant, also new in session 7, against the concatenating path)
+    timeout 150 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu tests/ops/test_ops.py \
+      tests/kernels/test_gdn_kernel.py -k "moe_prefill or decode_variant" > "$out/prefill.log" 2>&1
+    tail -1 "$out/prefill.log"
+    # and the fused MoE router's (a default since session 7, its GPU tests not run before)
+    timeout 120 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
+      tests/kernels/test_router_kernel.py >> "$out/prefill.log" 2>&1
+    tail -1 "$out/prefill.log"
+    # shellcheck disable=SC2086
+    timeout "${PREFILL_TIMEOUT:-300}" $py lab/prefill_parts.py --prompt 8192 --kinds ${PREFILL_KINDS:-moe attention} \
+      --moe-dequant-ab --ssd-chunks ${SSD_CHUNKS:-} >> "$out/prefill.log" 2>&1
+    grep -E 'prefill_part|Error' "$out/prefill.log"
+    ;;
+  tests)
+    # Every gpu-marked test (~540 cases; in one process ~18 minutes on a fresh machine, nearly all
+    # NVRTC compiles on one core), sharded over $TEST_SHARDS parallel pytest processes on the one
+    # GPU by lab/gpu_tests.py: one JSON line per failure, then the summary (cases not reached by
+    # the deadline are counted and named).
+    timeout "$(( ${TESTS_TIMEOUT:-360} + 60 ))" $py lab/gpu_tests.py --shards "${TEST_SHARDS:-12}" \
+      --budget "${TESTS_TIMEOUT:-360}" --out /tmp/gpu-tests tests > "$out/tests.log" 2>&1
+    tail -2 "$out/tests.log"
+    cat /tmp/gpu-tests/shard*.log > "$out/tests-shards.log" 2>/dev/null
+    ;;
+  compiled)
+    # the compiled decode/verify paths against the op-by-op ones (tests/models/test_compiled_decode.py)
+    # on the GPU: 25 cases, 223 s on a fresh machine (session 10; a 120 s limit reached 16)
+    timeout "$(( ${COMPILED_TIMEOUT:-300} + 60 ))" $py lab/gpu_tests.py --shards "${TEST_SHARDS:-12}" \
+      --budget "${COMPILED_TIMEOUT:-300}" --marker "not metal and not slow" --out /tmp/gpu-tests-compiled \
+      tests/models/test_compiled_decode.py > "$out/compiled.log" 2>&1
+    tail -2 "$out/compiled.log"
+    cat /tmp/gpu-tests-compiled/shard*.log > "$out/compiled-shards.log" 2>/dev/null
+    ;;
+  *)
+    for shape in "$@"; do
+      # the verify cost per T compiles every T's kernels afresh (NVRTC, ~1 s each): on a cold machine
+      # it cut session 8's 27B part before its edit speculation. VERIFY_SIZES=none leaves it out.
+      verify=() sizes=${VERIFY_SIZES:-}
+      [ -z "$sizes" ] && [ "$shape" = 27b ] && sizes="1 4 8 16"
+      [ -z "$sizes" ] && [ "$shape" = nemotron-30b-a3b ] && sizes="1 4 8"
+      # shellcheck disable=SC2206
+      [ -n "$sizes" ] && [ "$sizes" != none ] && verify=(--verify-shapes "$shape" --verify-sizes $sizes)
+      # beside the defaults: on the Qwen shapes the defaults without the attention layer's decode
+      # kernels (attn, default since session 8); on Nemotron without the fused MoE router (route).
+      # FUSED_AB=none, QMV_AB=none, KERNELS_AB=none leave that variant out (a shorter part).
+      if [ "${KERNELS_AB:-}" != none ]; then
+        case "$shape" in
+          27b | 4b | 35b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba,route) ;;
+          nemotron-30b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba) ;;
+        esac
+      fi
+      case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
+      [ "${FUSED_AB:-residual}" != none ] && verify+=(--fused-ab "${FUSED_AB:-residual}")
+      [ "${QMV_AB:-stream}" != none ] && verify+=(--qmv-ab "${QMV_AB:-stream}")
+      # the 27B's part is the longest (mlx-lm prefills its 8k prompt twice at ~175 tok/s)
+      limit=${SHAPE_TIMEOUT:-$([ "$shape" = 27b ] && echo 360 || echo 290)}
+      timeout "$limit" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens "${TOKENS:-64}" --prompts 512 \
+        --rounds "${ROUNDS:-2}" --prefill-prompts 8192 "${verify[@]}" \
+        --spec-shapes "$shape" --spec-rounds 1 \
+        --spec-tokens 256 > "$out/$shape.log" 2>&1
+      grep -E 'summary|verify_ms|Error' "$out/$shape.log"
+    done
+    ;;
+esac

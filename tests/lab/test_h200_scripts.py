@@ -1,0 +1,254 @@
+"""The H200 benchmark scripts run end to end on CPU with tiny widths (`--tiny`), so a broken
+script is found here rather than after spending device time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], tmp_path: Path) -> list[dict]:
+    out = tmp_path / "out.json"
+    subprocess.run(
+        [sys.executable, *args, "--tiny", "--json", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return json.loads(out.read_text())
+
+
+def test_decode_vs_mlxlm_times_both_engines_interleaved(tmp_path: Path) -> None:
+    rows = _run(
+        ["lab/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "2"],
+        tmp_path,
+    )
+    assert [(r["engine"], r["round"]) for r in rows] == [
+        ("mlx-lm", 0),
+        ("kapitsa", 0),
+        ("mlx-lm", 1),
+        ("kapitsa", 1),
+    ]
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+
+
+def test_decode_vs_mlxlm_fused_ab_and_prefill_only(tmp_path: Path) -> None:
+    """--fused-ab adds a kapitsa-fused run per round (the flag is back off afterwards);
+    --prefill-prompts adds one prefill-only row per engine."""
+    rows = _run(
+        [
+            "lab/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+            "--fused-ab", "norm,residual", "--prefill-prompts", "16",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert [r["engine"] for r in rows if not r.get("prefill_only")] == ["mlx-lm", "kapitsa", "kapitsa-fused"]
+    assert rows[2]["fused_parts"] == "norm,residual"
+    prefill = [r for r in rows if r.get("prefill_only")]
+    assert [(r["engine"], r["prompt"]) for r in prefill] == [("mlx-lm", 16), ("kapitsa", 16)]
+    assert all(r["prefill_tok_s"] > 0 for r in prefill)
+
+
+def test_decode_vs_mlxlm_kernel_and_fold_variants(tmp_path: Path) -> None:
+    """--kernels-ab times the same model under other kernel families; --fold-ab a copy (MoE
+    shapes) prepared with shared-expert folding on."""
+    rows = _run(
+        [
+            "lab/decode_vs_mlxlm.py", "--shapes", "35b-a3b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+            "--kernels-ab", "gdn,qmv", "--fold-ab",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    engines = [r["engine"] for r in rows]
+    assert engines == ["mlx-lm", "kapitsa", "kapitsa-kernels", "kapitsa-folded"]
+    assert rows[2]["kernels"] == "gdn,qmv" and rows[3]["folded"] is True
+    assert all(r["decode_tok_s"] > 0 for r in rows)
+
+
+def test_decode_profile_splits_a_step(tmp_path: Path) -> None:
+    rows = _run(
+        ["-m", "bench.decode_profile", "--shapes", "nemotron-30b-a3b", "--steps", "2", "--prompt", "4"],
+        tmp_path,
+    )
+    variants = [r["variant"] for r in rows]
+    assert variants[0] == "mlx-lm" and "kapitsa fused+compiled" in variants
+    assert "kapitsa fused+compiled+routed" in variants
+    for r in rows:
+        assert r["sync_step_ms"] >= r["build_ms"] > 0
+
+
+def test_edit_speculation_writes_the_true_answer_with_long_accepted_drafts(tmp_path: Path) -> None:
+    """spec_shapes.py: the scripted target writes the edit's true answer under plain decoding and
+    under n-gram speculation alike; the answer copies the prompt, so drafts are mostly accepted."""
+    rows = _run(
+        [
+            "lab/decode_vs_mlxlm.py", "--shapes", "nemotron-30b-a3b", "--tokens", "4", "--prompts", "8",
+            "--rounds", "1", "--verify-shapes", "nemotron-30b-a3b", "--verify-sizes", "1", "3",
+            "--spec-shapes", "nemotron-30b-a3b", "--spec-tokens", "64",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    spec = {r["engine"]: r for r in rows if r.get("tokens") == 64}
+    assert set(spec) == {"kapitsa-plain", "kapitsa-spec", "mlx-lm"}
+    assert spec["kapitsa-plain"]["same_as_plain"] and spec["kapitsa-spec"]["same_as_plain"]
+    assert spec["kapitsa-spec"]["tokens_per_step"] > 2.0 and spec["kapitsa-spec"]["acceptance"] > 0.5
+    verify = next(r for r in rows if "verify_ms_T3" in r)
+    assert verify["verify_ms_T3"] > 0 and verify["rollback_ms_T3"] > 0
+
+
+def test_edit_speculation_under_the_fused_ab_parts(tmp_path: Path) -> None:
+    """--fused-ab adds speculation under those parts to each spec round (kapitsa-spec-fused); it
+    writes the same answer, and the summary reports it beside the default."""
+    args = [
+        "lab/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+        "--fused-ab", "norm,residual,glu", "--spec-shapes", "4b", "--spec-tokens", "32",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *args, "--tiny", "--json", str(tmp_path / "out.json")],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    spec = {r["engine"]: r for r in json.loads((tmp_path / "out.json").read_text()) if r.get("tokens") == 32}
+    assert set(spec) == {"kapitsa-plain", "kapitsa-spec", "kapitsa-spec-fused", "mlx-lm"}
+    assert spec["kapitsa-spec-fused"]["fused_parts"] == "norm,residual,glu"
+    assert spec["kapitsa-spec-fused"]["same_as_plain"]
+    summary = next(json.loads(line) for line in done.stdout.splitlines() if '"4b edit speculation"' in line)
+    assert summary["kapitsa_spec_fused"] > 0 and summary["spec_fused_vs_mlxlm"] > 0
+
+
+def test_pick_knobs_keeps_a_setting_only_when_it_beats_the_default() -> None:
+    sys.path.insert(0, str(ROOT / "lab"))
+    from pick_knobs import pick
+
+    def line(knob: str, plain: float, fused: float | None = None) -> str:
+        return json.dumps(dict(knob=knob, summary="4b", kapitsa_decode=plain, kapitsa_fused_decode=fused))
+
+    noise = ["mlx 0.32.4 on gpu", json.dumps(dict(knob="default", shape="4b", decode_tok_s=1.0))]
+    assert pick([*noise, line("default", 200.0), line("MLX_USE_CUDA_GRAPHS=0", 260.0, 250.0)]) == (
+        "MLX_USE_CUDA_GRAPHS=0"
+    )
+    assert pick([line("default", 200.0, 240.0), line("MLX_USE_CUDA_GRAPHS=0", 230.0)]) is None
+    assert pick([line("default", 200.0), line("MLX_MAX_OPS_PER_BUFFER=1000", 202.0)]) is None
+    assert pick(noise) is None
+    kernels = json.dumps(
+        dict(knob="default", summary="4b", kapitsa_decode=100.0, kapitsa_kernels_decode=300.0)
+    )
+    assert pick([kernels, line("MLX_USE_CUDA_GRAPHS=0", 200.0)]) is None  # the default's variant was best
+    assert pick([line("MLX_USE_CUDA_GRAPHS=0", 150.0)]) is None  # the default's run timed out
+
+
+def _json_lines(args: list[str]) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, check=True, capture_output=True, text=True, timeout=600
+    )
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_host_costs_counts_both_engines_primitives() -> None:
+    rows = _json_lines(["lab/host_costs.py", "--tiny", "--shapes", "4b", "--skip", "micro", "--steps", "4"])
+    steps = {r["engine"]: r for r in rows if r["kind"] == "step"}
+    assert set(steps) == {"kapitsa", "mlx-lm"}
+    assert all(r["primitives"] > 0 and r["pipelined_step_ms"] > 0 for r in steps.values())
+    assert steps["kapitsa"]["primitives"] < steps["mlx-lm"]["primitives"]
+
+
+def test_graph_census_sees_the_opt_in_kernels_remove_primitives() -> None:
+    """The census builds the CUDA code paths on the CPU: the fused router and the decode
+    attention, switched on, each take primitives out of a tiny Qwen MoE step."""
+
+    def count(families: str) -> int:
+        rows = _json_lines(
+            ["lab/graph_census.py", "--tiny", "--shapes", "35b-a3b", "--env", f"KAPITSA_KERNELS={families}"]
+        )
+        return rows[0]["primitives"]
+
+    base = count("gdn,moe,qmv,mamba")
+    assert count("gdn,moe,qmv,mamba,route") < base
+    assert count("gdn,moe,qmv,mamba,attn") < base
+
+
+def test_decode_vs_mlxlm_qmv_variant_with_fused_parts(tmp_path: Path) -> None:
+    """--qmv-ab KERNEL:PARTS times the model with another 1-8 row mat-vec kernel and fused parts
+    (on CPU the kernel's probe fails, so the run says so and falls back)."""
+    rows = _run(
+        [
+            "lab/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
+            "--qmv-ab", "stream:residual",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert [r["engine"] for r in rows] == ["mlx-lm", "kapitsa", "kapitsa-qmv"]
+    assert rows[2]["qmv_kernel"] == "stream" and rows[2]["fused_parts"] == "residual"
+    assert rows[2]["qmv_working"] is False  # no CUDA here: probed, found unusable, not routed
+
+
+def test_prefill_parts_times_each_layer_kind_and_its_variants() -> None:
+    rows = _json_lines(
+        ["lab/prefill_parts.py", "--tiny", "--prompt", "16", "--ssd-chunks", "8", "--moe-dequant-ab"]
+    )
+    base = {r["layer"]: r for r in rows if "mlx-lm_ms_per_layer" in r}
+    assert set(base) == {"mamba", "moe", "attention"}
+    assert all(r["kapitsa_total_s"] > 0 and r["mlx-lm_total_s"] > 0 for r in base.values())
+    variants = [r for r in rows if "mlx-lm_ms_per_layer" not in r]
+    assert [(r["layer"], r.get("ssd_chunk"), r.get("moe_dequant")) for r in variants] == [
+        ("mamba", 8, None),
+        ("moe", None, False),
+    ]
+
+
+def test_decode_kernels_runs_steps_and_summarizes_a_report(tmp_path: Path) -> None:
+    import sqlite3
+
+    rows = _json_lines(["lab/decode_kernels.py", "--tiny", "--shape", "4b", "--steps", "2", "--prompt", "4"])
+    assert rows == [dict(shape="4b", steps=2, profiler_range=False)]
+    report = tmp_path / "steps.sqlite"  # the two tables of nsys's SQLite export the summary reads
+    con = sqlite3.connect(report)
+    con.execute("CREATE TABLE StringIds(id INTEGER, value TEXT)")
+    con.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER, end INTEGER, demangledName INTEGER)")
+    con.executemany(
+        "INSERT INTO StringIds VALUES (?, ?)",
+        [
+            (1, "custom_kernel_kapitsa_qmv_direct_bfloat16_t_1_5120_6144_64_4_4_4_2_f_f_0_0_f"),
+            (2, "void qmv_kernel<8>(int)"),
+        ],
+    )
+    con.executemany(
+        "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, ?)", [(0, 3000, 1), (5, 1005, 1), (0, 1000, 2)]
+    )
+    con.commit()
+    table = _json_lines(["lab/decode_kernels.py", "--summarize", str(report), "--steps", "2"])
+    assert table[0] == dict(
+        kernel="custom_kernel_kapitsa_qmv_direct", ms_per_step=0.002, share=0.8, launches_per_step=1.0
+    )
+    assert table[-1] == dict(kind="step_total", gpu_ms_per_step=0.003, launches_per_step=1.5)
+
+
+def test_a_failing_variant_is_reported_not_fatal() -> None:
+    """A variant whose kernel fails (or whose setting does) gives an error row; the defaults'
+    rounds and the other variants of the same process go on."""
+    import contextlib
+
+    import mlx.nn as nn
+
+    from lab.variants import timed_with
+
+    @contextlib.contextmanager
+    def setting():
+        yield {"variant": "x"}
+
+    def failing_timer(model, prompt, tokens, warmup=None):
+        raise RuntimeError("kernel compile failed")
+
+    model = nn.Linear(4, 4)
+    row = timed_with(setting, failing_timer)(model, [1, 2], 4)
+    assert row == {"error": "RuntimeError: kernel compile failed"}
+    ok = timed_with(setting, lambda model, prompt, tokens, warmup=None: {"decode_tok_s": 1.0})(model, [1], 4)
+    assert ok == {"decode_tok_s": 1.0, "variant": "x"}
