@@ -21,6 +21,7 @@ KERNEL_FAMILIES = ("gdn", "moe", "qmv", "mamba", "route", "attn")
 # activation of a down projection, the SwiGLU of a [gate | up] projection.
 FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED_PARTS = frozenset({"norm", "residual"})
+DEFAULT_SSD_CHUNK = 256  # Mamba-2 prefill chunk: the fastest of 64/128/256 for the Nemotron shapes
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,7 +32,7 @@ class KernelOptions:
     fused_parts: frozenset[str] = DEFAULT_FUSED_PARTS  # parts fused into one-row mat-vecs (FUSED_PARTS)
     routed_linears: bool = True  # quantized linears pick their mat-mul by rows (CUDA); False: MLX's stock op
     moe_dequant: bool = True  # long MoE prefill: dequantized experts + one grouped GEMM (CUDA)
-    ssd_chunk: int = 256  # tokens per chunk of the Mamba-2 chunked scan at prefill
+    ssd_chunk: int = DEFAULT_SSD_CHUNK  # tokens per chunk of the Mamba-2 chunked scan at prefill
     fold_shared_experts: bool = False  # shared experts folded into the routed stack as extra experts
     compile_decode: bool = True  # plain decode steps run as mx.compile'd layer functions
 

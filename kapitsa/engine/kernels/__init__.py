@@ -7,10 +7,11 @@ public op falls back to its reference when there is no kernel for the backend, n
 from __future__ import annotations
 
 import functools
-import os
 import struct
 
 import mlx.core as mx
+
+from kapitsa.engine.options import KernelOptions
 
 
 @functools.cache
@@ -52,25 +53,19 @@ DEFAULT_FAMILIES = {
 }
 
 
-def probe_enabled() -> None:
+def probe_enabled(options: KernelOptions) -> None:
     """Run the one-time probe of each enabled family that has one ("route", "attn"); each
     kernel is used only after its probe passed. They evaluate: call this outside any trace."""
     from kapitsa.engine.kernels import attention, router  # they import this module
 
-    if enabled("route"):
+    if enabled("route", options):
         router.probe()
-    if enabled("attn"):
+    if enabled("attn", options):
         attention.probe()  # (the attention prep is probed per layout by the layers themselves)
 
 
-def enabled(name: str) -> bool:
-    """Whether the model may use kernel family `name` ("gdn", "mamba", "moe", "qmv", "route", "attn").
-
-    `KAPITSA_KERNELS` unset: DEFAULT_FAMILIES of this backend; "all": every family; "none": none;
-    else a comma list of the families to use (how the bench A/Bs a kernel against its reference)."""
-    value = os.environ.get("KAPITSA_KERNELS", "").strip().lower()
-    if not value:
-        return name in DEFAULT_FAMILIES[backend()]
-    if value == "all":
-        return True
-    return name in {v.strip() for v in value.split(",")}
+def enabled(name: str, options: KernelOptions) -> bool:
+    """Whether the model may use kernel family `name` (options.KERNEL_FAMILIES): the families
+    `options` names, or this backend's DEFAULT_FAMILIES when it names none."""
+    families = DEFAULT_FAMILIES[backend()] if options.families is None else options.families
+    return name in families

@@ -14,7 +14,6 @@ independent. Like projection fusion (fuse.py) only the engine folds: parameter n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -22,14 +21,6 @@ import mlx.nn as nn
 
 from kapitsa.engine.ops.moe import QuantizedSwitchLinear
 
-
-# KAPITSA_FOLD_SHARED_EXPERTS=1 folds. Opt-in until timed in the models on the H200 (the policy of
-# kernel families and fused mat-vecs: fewer kernels is not always faster there).
-def _fold_setting(value: str) -> bool:
-    return value.strip() == "1"
-
-
-FOLD = {"on": _fold_setting(os.environ.get("KAPITSA_FOLD_SHARED_EXPERTS", ""))}
 _PARTS = ("weight", "scales", "biases")
 
 
@@ -133,7 +124,7 @@ def fold_shared_mlp(
     the MLP's intermediate (gate/up, fc1) to its linears, `columns` the stack names whose input it
     is (down, fc2). An intermediate of m times the experts' becomes m experts. Returns (first
     index, count), or None when it can't fold (nothing changed)."""
-    if not FOLD["on"] or not rows or not columns:
+    if not rows or not columns:
         return None
     if not all(n in switch_mlp for n in [*rows, *columns]):
         return None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +42,7 @@ from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.loading.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.ops.linear import linear_plus, normed_linear
 from kapitsa.engine.ops.rope import Rope
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.traces import compiled
 from kapitsa.errors import CheckpointError
 
@@ -70,6 +70,8 @@ class Attention(nn.Module):
     `gated`: q_proj also emits a per-head output gate (Qwen3.5: out * sigmoid(gate)).
     `qk_norm_eps`: RMS-normalise q and k per head (Qwen). `rope`: None means no positions (Nemotron-H).
     """
+
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
 
     def __init__(
         self,
@@ -132,7 +134,7 @@ class Attention(nn.Module):
         if (
             spec is not None
             and "qkv_proj" in self
-            and kernels.enabled("attn")
+            and kernels.enabled("attn", self.kernel_options)
             and attn_prep.usable(x.shape[1], x.dtype, spec)
         ):
             qkv = self.qkv_proj(x) if norm is None else normed_linear(norm, self.qkv_proj, x)
@@ -183,7 +185,7 @@ class Attention(nn.Module):
         applies the output gate."""
         keys, values = cache.update(k, v, info)
         if (
-            kernels.enabled("attn")
+            kernels.enabled("attn", self.kernel_options)
             and info.T == 1
             and info.parents is None
             and info.uniform_offsets
@@ -230,15 +232,21 @@ def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: ob
 # (lab/runs/decode-h200.md). So plain decode steps (one token per row, no padding, no draft tree,
 # no replay record) run each layer as `mx.compile`d functions of (hidden, state) -> (hidden,
 # state): traced once per batch size, elementwise chains fused, no Python per op afterwards.
-# KAPITSA_COMPILE_DECODE=0 turns it off (the uncompiled path is the same math, op for op).
+# KernelOptions.compile_decode False turns it off (the uncompiled path is the same math, op for op).
 # A trace captures the layer's weight arrays as they are when it is made: code that replaces
 # weights afterwards must drop the layer's `_compiled_steps` (fuse_model does).
-COMPILE_DECODE = {"on": os.environ.get("KAPITSA_COMPILE_DECODE", "1") != "0"}
 
 
-def fast_decode(info: StepInfo, cache: LayerCache) -> bool:
+def use_kernel_options(model: nn.Module, options: KernelOptions) -> None:
+    """Give every layer that picks kernels (a `kernel_options` class attribute) the engine's options."""
+    for _, module in model.named_modules():
+        if hasattr(type(module), "kernel_options"):
+            module.kernel_options = options
+
+
+def fast_decode(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bool:
     """Whether this layer call may take the compiled decode path."""
-    if not COMPILE_DECODE["on"] or not info.plain_decode:
+    if not options.compile_decode or not info.plain_decode:
         return False
     if isinstance(cache, RecurrentCache):
         return cache.conv is not None and cache.state is not None
@@ -252,9 +260,9 @@ def fast_decode(info: StepInfo, cache: LayerCache) -> bool:
 CHAIN_MAX_T = 16
 
 
-def fast_chain(info: StepInfo, cache: LayerCache) -> bool:
+def fast_chain(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bool:
     """Whether this layer call may take the compiled short-chain path (T > 1)."""
-    if not COMPILE_DECODE["on"] or info.parents is not None or info.ragged or not 1 < info.T <= CHAIN_MAX_T:
+    if not options.compile_decode or info.parents is not None or info.ragged or not 1 < info.T <= CHAIN_MAX_T:
         return False
     if isinstance(cache, RecurrentCache):
         return cache.conv is not None and cache.state is not None
@@ -266,7 +274,9 @@ def compiled_attention(
 ):  # noqa: ANN001
     """Attention layer decode: compiled `pre(x, offsets) -> (q, k, v[, gate])`, the cache write
     and attention (shapes grow every step, so not compiled), compiled `post(x, out[, gate])`."""
-    if kernels.enabled("attn"):  # the kernels' one-time probes (they evaluate: before tracing)
+    if kernels.enabled(
+        "attn", attn.kernel_options
+    ):  # the kernels' one-time probes (they evaluate: before tracing)
         spec = attn.prep_spec
         if spec is not None:
             attn_prep.probe(spec, x.dtype)

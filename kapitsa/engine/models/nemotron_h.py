@@ -42,6 +42,7 @@ from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm, relu_squared
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
+from kapitsa.engine.options import KernelOptions
 
 _BLOCK_CHARS = {
     "linear_attention": "M",
@@ -139,6 +140,8 @@ def _pattern(config: dict[str, Any]) -> str:
 
 
 class Mamba2Mixer(nn.Module):
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.heads, self.head_dim, self.state_size = a.mamba_num_heads, a.mamba_head_dim, a.ssm_state_size
@@ -177,7 +180,7 @@ class Mamba2Mixer(nn.Module):
         if s0 is None:
             s0 = mx.zeros((B, self.heads, self.head_dim, self.state_size), mx.float32)
         if info.parents is None:
-            y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0)
+            y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0, chunk=self.kernel_options.ssd_chunk)
         else:  # each node steps from its parent's state; the cache keeps s0 until commit_path
 
             def node(t: int, st: mx.array):
@@ -196,7 +199,16 @@ class Mamba2Mixer(nn.Module):
                         if order is None
                         else (gather_time(a, order) for a in (xs, step, Bm, Cm))
                     )
-                    return ssm_scan(x_, dt_ * mask[..., None], self.A_log, b_, c_, self.D, s0)[1]
+                    return ssm_scan(
+                        x_,
+                        dt_ * mask[..., None],
+                        self.A_log,
+                        b_,
+                        c_,
+                        self.D,
+                        s0,
+                        chunk=self.kernel_options.ssd_chunk,
+                    )[1]
 
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate))
@@ -226,7 +238,7 @@ class Mamba2Mixer(nn.Module):
         proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
         gate, xbc, dt = mx.split(proj, [self.inner, self.inner + self.conv_dim], axis=-1)
         conv_in = mx.concatenate([conv_state, xbc], axis=1)
-        step = mamba_step if kernels.enabled("mamba") else mamba_step_reference
+        step = mamba_step if kernels.enabled("mamba", self.kernel_options) else mamba_step_reference
         out, state = step(
             conv_in,
             self.conv1d.weight,
@@ -269,7 +281,9 @@ class Mamba2Mixer(nn.Module):
         Bm = Bm.reshape(B, T, self.groups, self.state_size)
         Cm = Cm.reshape(B, T, self.groups, self.state_size)
         step = ssm_dt(dt, self.dt_bias, self.limit, None)
-        return ssm_scan(xs, step * mask[..., None], self.A_log, Bm, Cm, self.D, s0)[1]
+        return ssm_scan(
+            xs, step * mask[..., None], self.A_log, Bm, Cm, self.D, s0, chunk=self.kernel_options.ssd_chunk
+        )[1]
 
 
 class ReluSquaredMLP(nn.Module):
@@ -291,6 +305,8 @@ class Router(nn.Module):
     """Sigmoid scores; experts chosen on score + e_score_correction_bias within the best
     `topk_group` of `n_group` groups; weights are the plain scores (normalised, scaled)."""
 
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.a = a
@@ -299,7 +315,7 @@ class Router(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         a = self.a
-        if (a.n_group <= 1 or a.topk_group >= a.n_group) and kernels.enabled("route"):
+        if (a.n_group <= 1 or a.topk_group >= a.n_group) and kernels.enabled("route", self.kernel_options):
             inds, weights, _ = route(
                 x, self.weight, experts=a.n_routed_experts, top_k=a.num_experts_per_tok, mode="sigmoid",
                 bias=self.e_score_correction_bias, normalize=a.norm_topk_prob, scale=a.routed_scaling_factor,
@@ -322,6 +338,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         expert_dims = a.moe_latent_size or a.hidden_size
@@ -341,6 +359,8 @@ class MoE(nn.Module):
         """For inference (fuse_model): the shared experts appended to the routed experts' stacks
         at score 1 (kapitsa.engine.loading.moe_fold); not with a latent MoE, whose experts work in
         another width than the shared ones."""
+        if not self.kernel_options.fold_shared_experts:
+            return False
         if "shared_experts" not in self or "fc1_latent_proj" in self or "shared_fold" in self.__dict__:
             return False
         mlp = self.shared_experts
@@ -357,7 +377,9 @@ class MoE(nn.Module):
         if folded is not None:  # the shared experts ride along as experts at score 1
             inds, weights = shared_slots(inds, weights, *folded, 1.0)
         routed_in = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
-        if kernels.enabled("moe"):  # routed experts' weights read once per step (kernels/moe.py)
+        if kernels.enabled(
+            "moe", self.kernel_options
+        ):  # routed experts' weights read once per step (kernels/moe.py)
             y = routed_experts(self.switch_mlp, routed_in, inds, weights)
         else:
             y = self.switch_mlp(routed_in, inds)
@@ -370,6 +392,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
+
     def __init__(self, a: ModelArgs, block_type: str):
         super().__init__()
         self.block_type = block_type
@@ -386,9 +410,9 @@ class Block(nn.Module):
             self.mixer = MoE(a)
 
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
-        if fast_decode(info, cache) and (cache is not None or self.block_type in "-E"):
+        if fast_decode(info, cache, self.kernel_options) and (cache is not None or self.block_type in "-E"):
             return self._decode(x, info, cache)
-        if fast_chain(info, cache) and (cache is not None or self.block_type in "-E"):
+        if fast_chain(info, cache, self.kernel_options) and (cache is not None or self.block_type in "-E"):
             return self._chain(x, info, cache)
         h = self.norm(x)
         if self.block_type in "M*":
@@ -398,7 +422,7 @@ class Block(nn.Module):
     # compiled decode step (see models/base.py)
     def _decode(self, x: mx.array, info: StepInfo, cache) -> mx.array:
         if self.block_type == "M":
-            if kernels.enabled("mamba"):
+            if kernels.enabled("mamba", self.kernel_options):
                 probe_mamba_kernels()  # before tracing: it evaluates (once per process)
             out, cache.conv, cache.state = compiled(self, "mamba", self._mamba_step)(
                 x, cache.conv, cache.state
@@ -413,7 +437,7 @@ class Block(nn.Module):
         FFN blocks reuse their decode functions, which take any T."""
         if self.block_type != "M":
             return self._decode(x, info, cache)
-        if kernels.enabled("mamba"):
+        if kernels.enabled("mamba", self.kernel_options):
             probe_mamba_kernels()
         s0 = cache.state
         out, conv_in, state, dt = compiled(self, "mamba_chain", self._mamba_chain)(x, cache.conv, s0)

@@ -45,6 +45,7 @@ from kapitsa.engine.ops.moe import SwitchGLU, topk_indices
 from kapitsa.engine.ops.norm import GatedRMSNorm, silu_mul
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
+from kapitsa.engine.options import KernelOptions
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
 
@@ -130,6 +131,8 @@ class GatedDeltaNet(nn.Module):
     """Linear attention layer. Qwen3-Next packs the projections per key head (`in_proj_qkvz`,
     `in_proj_ba`); Qwen3.5 keeps them apart (`in_proj_qkv`, `_z`, `_b`, `_a`)."""
 
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.nk, self.nv = a.linear_num_key_heads, a.linear_num_value_heads
@@ -184,7 +187,7 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             conv_state, s0 = mx.zeros((B, self.kernel - 1, self.conv_dim), qkv.dtype), None
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        if info.parents is None and kernels.enabled("gdn"):
+        if info.parents is None and kernels.enabled("gdn", self.kernel_options):
             return self._chain_fused(conv_in, z, b, a, s0, info, cache)
         if info.parents is None:
             conv_out = causal_conv(conv_in, self.conv1d.weight)
@@ -261,16 +264,15 @@ class GatedDeltaNet(nn.Module):
             rows, z, b, a = self._project(x if norm is None else norm(x))
         out, conv_state, state = gdn_decode(
             conv_state, rows, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
-            **self._heads, norm_eps=self.norm.eps, fused=kernels.enabled("gdn"),
+            **self._heads, norm_eps=self.norm.eps, fused=kernels.enabled("gdn", self.kernel_options),
         )  # fmt: skip
         y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
         return y, conv_state, state
 
-    @staticmethod
-    def _step():
+    def _step(self):
         """The fused kernel where the `gdn` family is on (it falls back itself off-GPU), else the
         model's op-by-op math: one choice for decode, chains and their replays."""
-        return gdn_step if kernels.enabled("gdn") else gdn_step_reference
+        return gdn_step if kernels.enabled("gdn", self.kernel_options) else gdn_step_reference
 
     def chain(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, ...]:
         """T tokens of a chain (no padding) through the fused kernel, as a pure function:
@@ -350,6 +352,8 @@ def _swiglu(gate_up: mx.array) -> mx.array:
 class SparseMoe(nn.Module):
     """Softmax top-k routed SwiGLU experts plus a shared expert scaled by sigmoid(shared_expert_gate)."""
 
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.top_k, self.norm_topk_prob = a.num_experts_per_tok, a.norm_topk_prob
@@ -368,6 +372,8 @@ class SparseMoe(nn.Module):
         return self._fold_shared_expert() or fused
 
     def _fold_shared_expert(self) -> bool:
+        if not self.kernel_options.fold_shared_experts:
+            return False
         if "shared_expert" not in self or "shared_fold" in self.__dict__:
             return False
         mlp = self.shared_expert
@@ -385,7 +391,7 @@ class SparseMoe(nn.Module):
         """(expert indices, their weights in x's dtype, the shared expert's gate logit): through
         the fused router kernel (kernels/router.py, family "route") where it applies."""
         weight = plain_weight(self.router_proj) if "router_proj" in self else None
-        if weight is not None and kernels.enabled("route"):
+        if weight is not None and kernels.enabled("route", self.kernel_options):
             kw = dict(
                 experts=self.num_experts, top_k=self.top_k, mode="softmax", normalize=self.norm_topk_prob
             )
@@ -404,7 +410,9 @@ class SparseMoe(nn.Module):
         folded = self.__dict__.get("shared_fold")
         if folded is not None:  # the shared expert rides along as expert(s) at its gate's score
             inds, scores = shared_slots(inds, scores, *folded, mx.sigmoid(shared_logit))
-        if kernels.enabled("moe"):  # routed experts' weights read once per step (kernels/moe.py)
+        if kernels.enabled(
+            "moe", self.kernel_options
+        ):  # routed experts' weights read once per step (kernels/moe.py)
             routed = routed_experts(self.switch_mlp, x, inds, scores)
         else:
             routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
@@ -422,6 +430,8 @@ def _gate_and_up(mlp: MLP) -> tuple[nn.Module, nn.Module] | None:
 
 
 class DecoderLayer(nn.Module):
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options
+
     def __init__(self, a: ModelArgs, kind: str, moe: bool):
         super().__init__()
         self.kind = kind
@@ -448,9 +458,9 @@ class DecoderLayer(nn.Module):
         return self.kind == "linear_attention"
 
     def __call__(self, x: mx.array, info: StepInfo, cache) -> mx.array:
-        if cache is not None and fast_decode(info, cache):
+        if cache is not None and fast_decode(info, cache, self.kernel_options):
             return self._decode(x, info, cache)
-        if cache is not None and fast_chain(info, cache):
+        if cache is not None and fast_chain(info, cache, self.kernel_options):
             return self._chain(x, info, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), info, cache)

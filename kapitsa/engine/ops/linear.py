@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -40,10 +39,9 @@ from kapitsa.engine.kernels.qmv_direct import (
     supports_fused,
 )
 from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
-from kapitsa.engine.kernels.qmv_stream import MAX_ROWS as STREAM_MAX_ROWS
-from kapitsa.engine.kernels.qmv_stream import qmv_stream, supports_stream
 from kapitsa.engine.kernels.qmv_tc import MAX_ROWS as TC_MAX_ROWS
 from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
+from kapitsa.engine.options import KernelOptions
 
 DEQUANT_MIN_ROWS = 384  # below, the dense copy costs more than stock's slower mat-mul saves
 DEQUANT_MAX_BYTES = 1 << 30  # the transient dense weight; the vocabulary head at prefill stays stock
@@ -55,100 +53,37 @@ _log = logging.getLogger(__name__)
 # kernel is tried once on a small case before any route may use it; unprobed means unused.
 WORKING: dict[str, bool] = {}
 # kernel (tc16: the tensor-core kernel's two-block variant, 9-16 rows) -> rows it is probed at
-# (fused: the direct kernel with the RMSNorm prologue and residual epilogue; stream, streamfused:
-# the streaming kernel plain and fused, probed only where MATVEC selects it)
-PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1, "stream": 3, "streamfused": 1}
-FUSED_PROBES = ("fused", "streamfused")
-STREAM_PROBES = ("stream", "streamfused")
-
-# The mat-vec kernel for 1-8 input rows, where it takes the call: "direct" (one row; 2-8 rows
-# the tensor-core kernel) or "stream" (kernels/qmv_stream.py: cp.async-pipelined tensor-core
-# math, bf16 4-bit). KAPITSA_QMV_KERNEL overrides; the bench A/Bs it (`--qmv-ab`).
-MATVEC_KERNELS = ("direct", "stream")
-DEFAULT_MATVEC = "direct"
+# (fused: the direct kernel with the RMSNorm prologue and residual epilogue)
+PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1}
 
 
-def _matvec_setting(value: str) -> str:
-    value = value.strip().lower() or DEFAULT_MATVEC
-    if value not in MATVEC_KERNELS:
-        _log.warning(
-            "KAPITSA_QMV_KERNEL=%r unknown (one of %s); using %s", value, MATVEC_KERNELS, DEFAULT_MATVEC
-        )
-        return DEFAULT_MATVEC
-    return value
-
-
-MATVEC = {"kernel": _matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))}
-
-
-# Norms, MLP activations and residual adds can run inside the one-row mat-vecs (FUSED_PARTS).
-# KAPITSA_FUSED_NORMS unset: DEFAULT_FUSED ("norm,residual"); "1"/"all": every part; "0": none; or
-# a comma list. Timed on the H200 (lab/runs/decode-h200.md, session 5), every part together made
-# the MoE shapes 4-10% faster and the dense ones 18-30% slower: the dense shapes' extra part is the
-# SwiGLU made per x element by every warp of the down projection ("act"), which stays opt-in. The
-# norm prologue and residual epilogue save two primitives each per layer, at ~3-5 us of host time
-# apiece on that backend (lab/host_costs.py); against nothing fused (session 6, same processes)
-# they made the host-bound 4B 28% and 35B-A3B 17% faster, the mat-vec-bound 27B 7% and Nemotron
-# 6% slower (the prologue's x-side work is per warp; one-row calls now use 4 rows per warp).
-# "glu" (opt-in): a [gate | up] projection's silu(gate) * up in its own epilogue, so a SwiGLU MLP
-# at decode is two kernels with no split and no activation between them (two primitives fewer per
-# dense MLP layer, and per shared expert); it takes precedence over "act". Session 9 on the H200,
-# beside the default: 27B +2.7%, 4B +6%, 35B-A3B +9% then -20% in a noisy round; session 10, three
-# rounds on the 35B-A3B: -21%, slower in each. So it stays opt-in.
-FUSED_PARTS = ("norm", "residual", "act", "glu")
-DEFAULT_FUSED = "norm,residual"
-
-
-def _fused_setting(value: str) -> dict:
-    value = value.strip().lower() or DEFAULT_FUSED
-    if value in ("0", "off", "none"):
-        return {"on": False, "parts": frozenset(FUSED_PARTS)}
-    if value in ("1", "all", "on"):
-        return {"on": True, "parts": frozenset(FUSED_PARTS)}
-    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
-    unknown = parts - set(FUSED_PARTS)
-    if unknown:
-        _log.warning(
-            "KAPITSA_FUSED_NORMS: unknown parts %s ignored (known: %s)", sorted(unknown), FUSED_PARTS
-        )
-    return {"on": bool(parts - unknown), "parts": parts - unknown}
-
-
-FUSED_NORMS = _fused_setting(os.environ.get("KAPITSA_FUSED_NORMS", ""))
-
-
-def routes_enabled() -> bool:
-    """CUDA only (Metal's stock kernels are tuned; CPU has no kernel); KAPITSA_QLINEAR=stock turns
-    every route off for A/B runs, a KAPITSA_KERNELS list without "qmv" the kernel routes only."""
-    return backend() == "cuda" and os.environ.get("KAPITSA_QLINEAR", "").strip().lower() != "stock"
+def routes_enabled(options: KernelOptions) -> bool:
+    """CUDA only (Metal's stock kernels are tuned; CPU has no kernel); `options.routed_linears`
+    False turns every route off, a family list without "qmv" the kernel routes only."""
+    return backend() == "cuda" and options.routed_linears
 
 
 def _kernel_call(name: str, x: mx.array, w, scales, biases, group_size: int, bits: int, **fused) -> mx.array:
-    """`fused`: `norm=(weight, eps)` and/or `residual=` (the direct and stream kernels; `act=`
-    the direct kernel only)."""
+    """`fused`: `norm=(weight, eps)`, `residual=`, `act=`, `glu=` (the direct kernel)."""
     if name in ("direct", "fused"):
         return qmv_direct(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
-    if name in ("stream", "streamfused"):
-        return qmv_stream(x, w, scales, biases, group_size=group_size, **fused)
     if name == "tc":
         return qmv_tc(x, w, scales, biases, group_size=group_size)
     return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
 
 
-def probe_kernels() -> dict[str, bool]:
+def probe_kernels(options: KernelOptions) -> dict[str, bool]:
     """Try each mat-vec kernel once (bf16, 4-bit, group 64, at the rows of `PROBES`) against the
     reference; record which work. Idempotent; call it outside any `mx.compile` trace."""
     for name, rows in PROBES.items():
-        if name in WORKING or (name in FUSED_PROBES and not FUSED_NORMS["on"]):
-            continue  # (the fused forms are opt-in: no compile for them otherwise)
-        if name in STREAM_PROBES and MATVEC["kernel"] != "stream":
-            continue
+        if name in WORKING or (name == "fused" and not options.fused_parts):
+            continue  # (no compile of the fused form where nothing is fused)
         keys = mx.random.split(mx.random.key(7), 3)  # own keys: the global seed stays untouched
         w = (0.05 * mx.random.normal((64, 256), key=keys[0])).astype(mx.bfloat16)
         q, scales, biases = mx.quantize(w, group_size=64, bits=4)
         x = mx.random.normal((rows, 256), key=keys[1]).astype(mx.bfloat16)
         fused = {}
-        if name in FUSED_PROBES:
+        if name == "fused":
             norm_weight = (1 + 0.2 * mx.random.normal((256,), key=keys[2])).astype(mx.bfloat16)
             fused = dict(norm=(norm_weight, 1e-6), residual=x[:, :64])
             ref = qmv_direct_reference(x, q, scales, biases, group_size=64, bits=4, **fused)
@@ -172,20 +107,14 @@ def probe_kernels() -> dict[str, bool]:
     return dict(WORKING)
 
 
-def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
-    """'direct', 'stream', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
+def route_for(rows: int, layer: RoutedQuantizedLinear, x: mx.array) -> str:
+    """'direct', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
+    kernel_routes = layer.mode == "affine" and kernels.enabled("qmv", layer.kernel_options)
     if rows <= MAX_ROWS:
-        if layer.mode != "affine" or not kernels.enabled("qmv"):
+        if not kernel_routes:
             return "stock"
         args = (x, layer["weight"], layer["scales"], layer.get("biases"))
         quant = dict(group_size=layer.group_size, bits=layer.bits)
-        if (
-            MATVEC["kernel"] == "stream"
-            and rows <= STREAM_MAX_ROWS
-            and WORKING.get("stream")
-            and supports_stream(*args, **quant)
-        ):
-            return "stream"
         if rows == 1 and WORKING.get("direct") and supports_direct(*args, **quant):
             return "direct"
         if WORKING.get("tc") and supports_tc(*args, **quant):
@@ -193,7 +122,7 @@ def route_for(rows: int, layer: nn.QuantizedLinear, x: mx.array) -> str:
         if WORKING.get("v2") and supports_fast(*args, **quant):
             return "v2"
         return "stock"
-    if rows <= TC_MAX_ROWS and layer.mode == "affine" and kernels.enabled("qmv") and WORKING.get("tc16"):
+    if rows <= TC_MAX_ROWS and kernel_routes and WORKING.get("tc16"):
         args = (x, layer["weight"], layer["scales"], layer.get("biases"))
         if supports_tc(*args, group_size=layer.group_size, bits=layer.bits):
             return "tc"  # long drafts' verification (9-16 rows)
@@ -207,12 +136,13 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose product goes through the route measured fastest for its rows."""
 
     keeps_dense_copy = False  # set per layer by route_quantized_linears (CPU BLAS route)
+    kernel_options = KernelOptions()  # set per layer by route_quantized_linears
 
     def __call__(self, x: mx.array) -> mx.array:
         if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
             return y
         rows = math.prod(x.shape[:-1])
-        if not routes_enabled():
+        if not routes_enabled(self.kernel_options):
             return super().__call__(x)
         route = route_for(rows, self, x)
         if route == "stock":
@@ -231,19 +161,18 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
 
 
 # one-row route -> the fused kernel that stands in for it
-FUSED_KERNEL = {"direct": "fused", "stream": "streamfused"}
+FUSED_KERNEL = {"direct": "fused"}
 
 
 def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
-    """The fused kernel ("fused", "streamfused") that may take the one-row call `linear(x)` with
+    """The fused kernel ("fused") that may take the one-row call `linear(x)` with
     `part` (one of FUSED_PARTS) switched on, or None. The activation prologue is the direct
     kernel's only."""
     if not (
-        FUSED_NORMS["on"]
-        and part in FUSED_NORMS["parts"]
-        and isinstance(linear, RoutedQuantizedLinear)
+        isinstance(linear, RoutedQuantizedLinear)
+        and part in linear.kernel_options.fused_parts
         and "bias" not in linear
-        and routes_enabled()
+        and routes_enabled(linear.kernel_options)
         and math.prod(x.shape[:-1]) == 1
     ):
         return None
@@ -293,9 +222,11 @@ def glu_linear(linear: nn.Module, x: mx.array, norm: nn.Module | None = None) ->
     mat-vec's epilogue (part "glu", with the norm in its prologue when part "norm" is on too), or
     None where the fused route does not take this call (the caller then runs the ops)."""
     name = _fused_kernel(linear, x, "glu")
-    in_prologue = type(norm) is nn.RMSNorm and "norm" in FUSED_NORMS["parts"]
+    if name is None:
+        return None
+    in_prologue = type(norm) is nn.RMSNorm and "norm" in linear.kernel_options.fused_parts
     n = linear["weight"].shape[0]
-    if name is None or n % 2 or not supports_fused(x, n, norm.weight if in_prologue else None, None):
+    if n % 2 or not supports_fused(x, n, norm.weight if in_prologue else None, None):
         return None
     if in_prologue:
         return _fused_call(name, linear, x, norm=(norm.weight, norm.eps), glu=True)
@@ -335,12 +266,13 @@ class RoutedLinear(nn.Linear):
 ROUTED = {nn.QuantizedLinear: RoutedQuantizedLinear, nn.Linear: RoutedLinear}
 
 
-def route_quantized_linears(model: nn.Module, *, dense_copy_bytes: int = 0) -> int:
+def route_quantized_linears(model: nn.Module, options: KernelOptions, *, dense_copy_bytes: int = 0) -> int:
     """Re-class the model's linears in place (probing the kernels first where the routes apply);
-    returns how many. `dense_copy_bytes`: how much float32 copy of their weights the CPU BLAS route
-    may keep between calls (layers past the budget dequantize per call). Idempotent."""
-    if routes_enabled():
-        probe_kernels()
+    returns how many. `options`: the kernels and fused parts the routes may use.
+    `dense_copy_bytes`: how much float32 copy of their weights the CPU BLAS route may keep between
+    calls (layers past the budget dequantize per call). Idempotent."""
+    if routes_enabled(options):
+        probe_kernels(options)
     count, kept = 0, 0
     routes = ROUTED if cpu_blas.on_cpu() else {nn.QuantizedLinear: RoutedQuantizedLinear}
     for _, sub in model.named_modules():
@@ -350,6 +282,8 @@ def route_quantized_linears(model: nn.Module, *, dense_copy_bytes: int = 0) -> i
         if routed is not None:
             sub.__class__ = routed
             count += 1
+        if isinstance(sub, RoutedQuantizedLinear):
+            sub.kernel_options = options
         copy_bytes = cpu_blas.dense_bytes(sub)
         sub.keeps_dense_copy = kept + copy_bytes <= dense_copy_bytes
         kept += copy_bytes if sub.keeps_dense_copy else 0

@@ -7,12 +7,12 @@ mlx-lm's, so MLX checkpoints published by mlx-community load unchanged.
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.ops.norm import relu_squared, silu_mul
+from kapitsa.engine.options import KernelOptions
 
 _SORT_THRESHOLD = 64  # token-expert pairs above which grouping rows by expert pays off
 
@@ -20,12 +20,9 @@ _SORT_THRESHOLD = 64  # token-expert pairs above which grouping rows by expert p
 # (qmm_sm80 over lhs/rhs indices; `sorted_indices` is not used), while gather_mm on rows sorted by
 # expert is one CUTLASS grouped GEMM. So a call with at least `min_rows` sorted rows dequantizes
 # the expert stack to the activation dtype (a transient copy of at most `max_bytes`) and takes the
-# grouped GEMM. KAPITSA_MOE_DEQUANT=0 turns it off (the bench A/Bs it).
-MOE_DEQUANT = {
-    "on": os.environ.get("KAPITSA_MOE_DEQUANT", "").strip().lower() not in ("0", "off", "false"),
-    "min_rows": 512,
-    "max_bytes": 3 << 30,
-}
+# grouped GEMM (KernelOptions.moe_dequant).
+MOE_DEQUANT_MIN_ROWS = 512
+MOE_DEQUANT_MAX_BYTES = 3 << 30
 
 
 def _cpu_only() -> bool:
@@ -70,6 +67,8 @@ class SwitchLinear(nn.Module):
 
 class QuantizedSwitchLinear(nn.Module):
     """`SwitchLinear` with quantized expert weights (affine, mxfp4, nvfp4, ... as `mx.quantize`)."""
+
+    kernel_options = KernelOptions()  # set by models.base.use_kernel_options
 
     def __init__(self, in_dims, out_dims, num_experts, bias=False, group_size=64, bits=4, mode="affine"):
         super().__init__()
@@ -120,18 +119,16 @@ class QuantizedSwitchLinear(nn.Module):
 def _dequant_route(
     layer: QuantizedSwitchLinear, x: mx.array, indices: mx.array, sorted_indices: bool
 ) -> bool:
-    """Whether this call takes the dequantize + grouped GEMM route (MOE_DEQUANT): CUDA, rows sorted
+    """Whether this call takes the dequantize + grouped GEMM route (KernelOptions.moe_dequant): CUDA, rows sorted
     by expert, enough of them, a float activation and a stack whose dense copy fits the budget."""
     from kapitsa.engine.kernels import backend  # (kernels imports the ops)
 
-    if not (MOE_DEQUANT["on"] and sorted_indices and indices.size >= MOE_DEQUANT["min_rows"]):
+    if not (layer.kernel_options.moe_dequant and sorted_indices and indices.size >= MOE_DEQUANT_MIN_ROWS):
         return False
     experts, out_dims = layer["weight"].shape[:2]
     dense_bytes = experts * out_dims * x.shape[-1] * x.dtype.size
     return (
-        backend() == "cuda"
-        and x.dtype in (mx.bfloat16, mx.float16)
-        and dense_bytes <= MOE_DEQUANT["max_bytes"]
+        backend() == "cuda" and x.dtype in (mx.bfloat16, mx.float16) and dense_bytes <= MOE_DEQUANT_MAX_BYTES
     )
 
 

@@ -11,15 +11,11 @@ the identity on S; that is how ragged right-padded batches keep every sequence's
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
-# Tokens per chunk of the chunked scan (prefill); KAPITSA_SSD_CHUNK overrides. 256: on the H200 a
-# Mamba-2 layer of the Nemotron-30B-A3B shape prefilled 8k tokens in 17 ms at 256, 35 at 128, 63 at 64, against
-# 28.5 ms for mlx-lm's (lab/prefill_parts.py, session 7).
-SSD = {"chunk": int(os.environ.get("KAPITSA_SSD_CHUNK", "") or 256)}
+from kapitsa.engine.options import DEFAULT_SSD_CHUNK
 
 
 def ssm_dt(
@@ -77,18 +73,17 @@ def ssm_scan(
     C: mx.array,
     D: mx.array,
     state: mx.array | None = None,
-    chunk: int | None = None,
+    chunk: int = DEFAULT_SSD_CHUNK,
 ) -> tuple[mx.array, mx.array]:
     """Same contract as `ssm_scan_reference`: one step for T == 1, else the chunked SSD form
     (quadratic within a chunk, recurrent across chunks), all in float32. `chunk`: tokens per
-    chunk (default SSD["chunk"])."""
+    chunk (KernelOptions.ssd_chunk)."""
     if x.shape[1] == 1:
         if state is None:
             state = mx.zeros((x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), dtype=mx.float32)
         return _decode_step(x, dt, A_log, B, C, D, state)
     b, T, H, P = x.shape
     N = B.shape[-1]
-    chunk = chunk or SSD["chunk"]
     if state is None:
         state = mx.zeros((b, H, P, N), dtype=mx.float32)
     A = -mx.exp(A_log.astype(mx.float32))

@@ -62,7 +62,9 @@ class Engine:
         # MLX streams are per thread: anything still lazy in the model (a dtype cast, a fresh init)
         # must be computed here, on the building thread, before the engine thread touches it.
         mx.eval(model.parameters())
-        self.runner = ModelRunner(model, cpu_float32_bytes=self.config.cpu_float32_bytes)
+        self.runner = ModelRunner(
+            model, kernels=self.config.kernels, cpu_float32_bytes=self.config.cpu_float32_bytes
+        )
         self.decode_strategy = decode or PlainDecode()
         sizes = self.runner.state_sizes()
         limit = self.config.memory_limit_bytes or device_memory_limit()

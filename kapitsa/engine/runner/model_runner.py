@@ -11,14 +11,15 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kapitsa.engine import kernels
 from kapitsa.engine.cache.disk import StoredPrefix
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.layers import KVCache, RecurrentCache
 from kapitsa.engine.cache.prefix import PrefixMatch
-from kapitsa.engine.kernels import cpu_blas
+from kapitsa.engine.kernels import cpu_blas, probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
+from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.memory import StateSizes
 
 KV_AXIS = 2  # token axis of KV buffers
@@ -30,16 +31,25 @@ _Layout = tuple[
 class ModelRunner:
     """Runs one model. Owned by the engine thread (MLX is not shared across threads)."""
 
-    def __init__(self, model, *, dtype: mx.Dtype | None = None, cpu_float32_bytes: int = 0) -> None:  # noqa: ANN001 - any HybridLM
-        """`cpu_float32_bytes`: on the CPU device, how much float32 the model may take beyond its
-        stored weights: floating weights cast to float32 (the CPU has no bf16 arithmetic) and
-        dense copies of quantized weights for BLAS prefill (kernels/cpu_blas.py)."""
+    def __init__(
+        self,
+        model,  # noqa: ANN001 - any HybridLM
+        *,
+        kernels: KernelOptions = KernelOptions(),  # noqa: B008 - frozen
+        dtype: mx.Dtype | None = None,
+        cpu_float32_bytes: int = 0,
+    ) -> None:
+        """`kernels`: which kernels and rewrites the model's layers use. `cpu_float32_bytes`: on the
+        CPU device, how much float32 the model may take beyond its stored weights: floating weights
+        cast to float32 (the CPU has no bf16 arithmetic) and dense copies of quantized weights for
+        BLAS prefill (kernels/cpu_blas.py)."""
         self.model = model
+        use_kernel_options(model, kernels)
         fuse_model(model)  # same-input projections as one mat-vec each (kapitsa.engine.loading.fuse)
         spare = _compute_in_float32(model, cpu_float32_bytes) if cpu_blas.on_cpu() else 0
         # per-row-count mat-muls on CUDA, BLAS prefill on the CPU (kapitsa.engine.ops.linear)
-        route_quantized_linears(model, dense_copy_bytes=spare)
-        kernels.probe_enabled()  # the opt-in kernels' one-time checks evaluate: before any trace
+        route_quantized_linears(model, kernels, dense_copy_bytes=spare)
+        probe_enabled(kernels)  # the opt-in kernels' one-time checks evaluate: before any trace
         probe = model.make_cache(1)
         self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
         self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]
