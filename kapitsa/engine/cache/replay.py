@@ -2,8 +2,8 @@
 
 A rollback replays each recurrent layer's recurrence over the kept tokens from the state saved
 before the verify, and takes the conv rows at the new end. Op by op that is several graph
-operations per layer, built in Python after every verify: 3.2-3.5 ms of a Qwen3.5-27B speculative
-step on the H200 (lab/runs/decode-h200.md, session 4), next to a 20 ms verify forward. When every
+operations per layer, built in Python after every verify, which on a host-bound GPU backend is a
+real share of a speculative step (docs/results.md has the verify and rollback costs). When every
 layer's record has a pure form (`ReplayRecord.fn`, made by the compiled chain paths), the whole
 rollback is one `mx.compile`d function of (mask, conv start per row, every layer's inputs), traced
 once per verify length and batch size.

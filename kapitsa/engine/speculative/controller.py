@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# The longest draft by default: a verify forward of 1 + 7 tokens is the widest that the measured
-# quantized mat-vec kernels take on CUDA (kernels/qmv_fast.py MAX_ROWS = 8); a 9-row forward fell
-# back to the stock mat-mul, which on the H200 doubled a Qwen3.5-27B verify (42.6 ms at 9 tokens,
-# 20 ms at 2-8). The tensor-core kernel's 9-16-row variant (qlinear.py) is not timed yet; until
-# it is, longer drafts are opt-in (`--draft-tokens 15`).
+# The longest draft by default: a verify forward of 1 + 7 tokens is the widest that CUDA's few-row
+# quantized mat-vec kernels always take (8 rows). Wider verifies reach the 9-16-row kernel only once
+# its probe passes, else the stock mat-mul at about twice the cost, so longer drafts are opt-in
+# (`--draft-tokens 15`).
 DEFAULT_MAX_DRAFT = 7
 
 
@@ -23,10 +22,9 @@ def default_cost_curve(max_tokens: int, *, per_token: float = 0.08) -> list[floa
 def gpu_cost_curve(max_tokens: int, *, verify: float = 1.8, per_token: float = 0.02) -> list[float]:
     """c(T) on a GPU, relative to a pipelined decode step (the next step queued on the device
     before the previous token is read). A verify step can't be pipelined: its draft depends on
-    what the previous one accepted, so it pays a host round trip and the rollback as well. Measured
-    on the H200 (lab/runs/decode-h200.md, session 4): a Qwen3.5-27B verify of 2-8 tokens plus its
-    rollback cost 2.1 decode steps, a whole speculative step of the 4B 1.5; hence 1.8, nearly flat
-    in T. Metal is assumed alike (not measured)."""
+    what the previous one accepted, so it pays a host round trip and the rollback as well: about
+    two decode steps, nearly flat in T, since the rows share one read of the weights (docs/results.md
+    has the verify costs). Metal is assumed to behave alike."""
     return [1.0] + [verify + per_token * (t - 1) for t in range(2, max_tokens + 2)]
 
 

@@ -34,8 +34,8 @@ from kapitsa.engine.speculative.tree import DraftTree
 
 # On a GPU every new verify width compiles kernels (templated on their row count) and a trace per
 # layer, which cost seconds on a large model's first requests. A verify of 2-8 tokens costs about
-# the same as one of 2 there (lab/runs/decode-h200.md), so drafts are padded up to one of these
-# widths (capped at max_draft + 1): three shapes to compile instead of seven.
+# the same as one of 2 there (docs/results.md), so drafts are padded up to one of these widths
+# (capped at max_draft + 1): three shapes to compile instead of seven.
 GPU_VERIFY_WIDTHS = (2, 4, 8, 16)
 
 
