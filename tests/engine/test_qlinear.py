@@ -11,6 +11,10 @@ import pytest
 from kapitsa.engine.kernels.qmv import qmv_reference
 from kapitsa.engine.kernels.qmv_direct import qmv_direct_reference
 from kapitsa.engine.ops import linear as qlinear
+from kapitsa.engine.options import FUSED_PARTS, KernelOptions
+
+DEFAULTS = KernelOptions()
+EVERY_PART = KernelOptions(fused_parts=frozenset(FUSED_PARTS))
 
 
 def _model(bits: int = 4, bias: bool = False) -> nn.Module:
@@ -23,8 +27,8 @@ def _model(bits: int = 4, bias: bool = False) -> nn.Module:
 def test_reclassing_keeps_parameters_and_is_idempotent() -> None:
     model = _model()
     before = dict(nn.utils.tree_flatten(model.parameters()))
-    assert qlinear.route_quantized_linears(model) == 2
-    assert qlinear.route_quantized_linears(model) == 0
+    assert qlinear.route_quantized_linears(model, DEFAULTS) == 2
+    assert qlinear.route_quantized_linears(model, DEFAULTS) == 0
     assert all(type(m) is qlinear.RoutedQuantizedLinear for m in model.layers)
     after = dict(nn.utils.tree_flatten(model.parameters()))
     assert before.keys() == after.keys() and all(mx.array_equal(before[k], after[k]).item() for k in before)
@@ -34,8 +38,8 @@ def test_off_cuda_it_is_the_stock_layer(on_cpu) -> None:
     model = _model()
     x = mx.random.normal((3, 128))
     ref = model(x)
-    qlinear.route_quantized_linears(model)
-    assert not qlinear.routes_enabled()
+    qlinear.route_quantized_linears(model, DEFAULTS)
+    assert not qlinear.routes_enabled(DEFAULTS)
     assert mx.array_equal(model(x), ref).item()
 
 
@@ -49,7 +53,7 @@ def forced(monkeypatch, on_cpu) -> list:
         calls.append((name, x.shape))
         return qmv_reference(x, w, scales, biases, group_size=group_size, bits=bits)
 
-    monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
+    monkeypatch.setattr(qlinear, "routes_enabled", lambda options: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(
         qlinear, "WORKING", {"direct": False, "tc": False, "v2": True, "tc16": False, "fused": False}
@@ -68,7 +72,7 @@ def test_each_route_computes_the_same_product(forced, shape, route, bias) -> Non
     layer = model.layers[0]
     x = mx.random.normal(shape)
     ref = layer(x)
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, DEFAULTS)
     assert qlinear.route_for(shape[0] * shape[1], layer, x) == route
     got = layer(x)
     assert got.shape == ref.shape == (*shape[:-1], 64)
@@ -81,7 +85,7 @@ def test_a_kernel_not_probed_good_is_never_routed(forced, monkeypatch) -> None:
         qlinear, "WORKING", {"direct": False, "tc": False, "v2": False, "tc16": False, "fused": False}
     )
     model = _model()
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, DEFAULTS)
     x = mx.random.normal((1, 128))
     assert qlinear.route_for(1, model.layers[0], x) == "stock"
     monkeypatch.setattr(qlinear, "WORKING", {})  # unprobed: unused too
@@ -98,9 +102,10 @@ def test_probe_records_which_kernels_work(monkeypatch, failure) -> None:
 
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(qlinear, "WORKING", {})
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", True)  # the fused forms are probed when opted in
-    state = mx.random.state[0]
-    assert qlinear.probe_kernels() == dict.fromkeys(("direct", "tc", "v2", "tc16", "fused"), failure is None)
+    state = mx.random.state[0]  # (the default fused parts: the fused form is probed too)
+    assert qlinear.probe_kernels(DEFAULTS) == dict.fromkeys(
+        ("direct", "tc", "v2", "tc16", "fused"), failure is None
+    )
     assert mx.array_equal(mx.random.state[0], state).item()  # the global seed is untouched
 
 
@@ -110,7 +115,7 @@ def test_nine_to_sixteen_rows_take_the_two_block_tensor_core_kernel(forced, monk
     layer = model.layers[0]
     x = mx.random.normal((1, 12, 128))
     ref = layer(x)
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, DEFAULTS)
     assert qlinear.route_for(12, layer, x) == "stock"  # tc16 not probed good
     monkeypatch.setitem(qlinear.WORKING, "tc16", True)
     assert qlinear.route_for(12, layer, x) == "tc"
@@ -123,7 +128,7 @@ def test_nine_to_sixteen_rows_take_the_two_block_tensor_core_kernel(forced, monk
 
 def test_unsupported_bits_take_the_stock_kernel(forced) -> None:
     model = _model(bits=6)
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, DEFAULTS)
     x = mx.random.normal((1, 128))
     assert qlinear.route_for(1, model.layers[0], x) == "stock"
     model(x)
@@ -133,15 +138,14 @@ def test_unsupported_bits_take_the_stock_kernel(forced) -> None:
 def test_huge_dense_copy_stays_stock(forced, monkeypatch) -> None:
     monkeypatch.setattr(qlinear, "DEQUANT_MAX_BYTES", 64 * 128 * 4 - 1)
     model = _model()
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, DEFAULTS)
     assert qlinear.route_for(500, model.layers[0], mx.zeros((500, 128))) == "stock"
 
 
-def test_env_switch_turns_routes_off(monkeypatch) -> None:
+def test_routed_linears_off_turns_routes_off(monkeypatch) -> None:
     monkeypatch.setattr(qlinear, "backend", lambda: "cuda")
-    assert qlinear.routes_enabled()
-    monkeypatch.setenv("KAPITSA_QLINEAR", "stock")
-    assert not qlinear.routes_enabled()
+    assert qlinear.routes_enabled(DEFAULTS)
+    assert not qlinear.routes_enabled(KernelOptions(routed_linears=False))
 
 
 @pytest.mark.gpu
@@ -158,7 +162,7 @@ def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> N
     layer.set_dtype(mx.bfloat16)  # bf16 scales and biases, as the models' layers have
     x = mx.random.normal((1, rows, 1024)).astype(mx.bfloat16)
     ref = layer(x).astype(mx.float32)
-    qlinear.route_quantized_linears(nn.Sequential(layer))
+    qlinear.route_quantized_linears(nn.Sequential(layer), DEFAULTS)
     assert qlinear.route_for(rows, layer, x) == (
         route if bits == 4 or route in ("direct", "dequant") else "v2" if rows <= 8 else "stock"
     )
@@ -167,12 +171,12 @@ def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> N
     assert err < 1e-2, err
 
 
-def test_kernels_env_without_qmv_keeps_the_stock_mat_vec(forced, monkeypatch) -> None:
+def test_families_without_qmv_keep_the_stock_mat_vec(forced) -> None:
     model = _model()
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, DEFAULTS)
     x = mx.random.normal((1, 128))
     assert qlinear.route_for(1, model.layers[0], x) == "v2"
-    monkeypatch.setenv("KAPITSA_KERNELS", "gdn,moe")
+    qlinear.route_quantized_linears(model, KernelOptions(families=frozenset({"gdn", "moe"})))
     assert qlinear.route_for(1, model.layers[0], x) == "stock"
     assert qlinear.route_for(400, model.layers[0], mx.zeros((400, 128))) == "dequant"  # not a kernel
 
@@ -180,7 +184,8 @@ def test_kernels_env_without_qmv_keeps_the_stock_mat_vec(forced, monkeypatch) ->
 @pytest.fixture
 def fused_route(monkeypatch, on_cpu) -> list:
     """Routes on with the direct and fused kernels probed good, run by their reference; records
-    each kernel call's name, rows and which parts were fused."""
+    each kernel call's name, rows and which parts were fused (the parts: the options given to
+    route_quantized_linears)."""
     calls = []
 
     def kernel(name, x, w, scales, biases, group_size, bits, **fused):
@@ -188,10 +193,8 @@ def fused_route(monkeypatch, on_cpu) -> list:
         calls.append((name, rows, tuple(sorted(k for k, v in fused.items() if v is not None))))
         return qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
 
-    monkeypatch.setattr(qlinear, "routes_enabled", lambda: True)
+    monkeypatch.setattr(qlinear, "routes_enabled", lambda options: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", True)
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(qlinear.FUSED_PARTS))  # the act part too
     monkeypatch.setattr(
         qlinear, "WORKING", {"direct": True, "tc": False, "v2": False, "tc16": False, "fused": True}
     )
@@ -201,7 +204,7 @@ def fused_route(monkeypatch, on_cpu) -> list:
 
 def test_norm_and_residual_fuse_into_one_row_calls_only(fused_route) -> None:
     model = _model()
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, EVERY_PART)
     linear = model.layers[0]
     norm = nn.RMSNorm(128, eps=1e-5)
     norm.weight = 1 + 0.3 * mx.random.normal((128,))
@@ -229,21 +232,16 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(
     from kapitsa.engine.models import base
     from tests.models.builders import build_ours, greedy_logits
 
-    if not glu:
-        monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(qlinear.FUSED_PARTS) - {"glu"})
-
+    parts = frozenset(FUSED_PARTS) if glu else frozenset(FUSED_PARTS) - {"glu"}
     model = build_ours(arch)
     fuse_model(model)
     for layer in model.layers:
         nn.quantize(layer, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, KernelOptions(fused_parts=parts))
 
     def steps(compile_on: bool) -> list[mx.array]:
-        base.COMPILE_DECODE["on"] = compile_on
-        try:
-            return greedy_logits(model)
-        finally:
-            base.COMPILE_DECODE["on"] = True
+        base.use_kernel_options(model, KernelOptions(fused_parts=parts, compile_decode=compile_on))
+        return greedy_logits(model)
 
     plain = steps(False)
     fused_route.clear()
@@ -260,23 +258,11 @@ def test_a_decode_step_with_fused_norms_and_adds_matches_op_by_op(
         assert mx.allclose(a, b, atol=2e-4, rtol=2e-4).item(), float(mx.abs(a - b).max())
 
 
-def test_fused_norms_default_to_norm_and_residual_and_take_a_list_of_parts(caplog) -> None:
-    everything = frozenset(qlinear.FUSED_PARTS)
-    # unset: the norm prologue and residual epilogue; the activation (slower on dense shapes) opt-in
-    assert qlinear._fused_setting("") == {"on": True, "parts": {"norm", "residual"}}
-    assert qlinear._fused_setting("0")["on"] is False
-    assert qlinear._fused_setting("1") == {"on": True, "parts": everything}
-    assert qlinear._fused_setting(" norm, residual ") == {"on": True, "parts": {"norm", "residual"}}
-    assert qlinear._fused_setting("norms") == {"on": False, "parts": frozenset()}
-    assert "unknown parts ['norms']" in caplog.text
-
-
 @pytest.mark.parametrize("parts", [("norm",), ("residual",), ("norm", "residual"), ("act",)])
 def test_each_fused_part_switches_alone(fused_route, monkeypatch, parts) -> None:
     """With only some parts on, only those fuse; the rest run as written, with the same result."""
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(parts))
     model = _model()
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, KernelOptions(fused_parts=frozenset(parts)))
     linear, down = model.layers
     norm = nn.RMSNorm(128)
     x, res = mx.random.normal((1, 1, 128)), mx.random.normal((1, 1, 64))
@@ -298,90 +284,25 @@ def test_the_opt_in_fused_kernel_is_not_probed_when_off(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(qlinear, "_kernel_call", lambda name, *a, **k: calls.append(name) or a[0][:, :64])
     monkeypatch.setattr(qlinear, "WORKING", {})
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", False)
-    assert "fused" not in qlinear.probe_kernels() and "fused" not in calls
+    assert (
+        "fused" not in qlinear.probe_kernels(KernelOptions(fused_parts=frozenset())) and "fused" not in calls
+    )
 
 
-def test_fused_norms_switch_off(fused_route, monkeypatch) -> None:
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", False)
+def test_fused_norms_switch_off(fused_route) -> None:
     model = _model()
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, KernelOptions(fused_parts=frozenset()))
     norm = nn.RMSNorm(128)
     qlinear.normed_linear(norm, model.layers[0], mx.random.normal((1, 128)))
     assert fused_route == [("direct", 1, ())]
-
-
-@pytest.fixture
-def stream_route(fused_route, monkeypatch) -> list:
-    """fused_route with KAPITSA_QMV_KERNEL=stream and the streaming kernels probed good."""
-    monkeypatch.setitem(qlinear.MATVEC, "kernel", "stream")
-    monkeypatch.setitem(qlinear.WORKING, "stream", True)
-    monkeypatch.setitem(qlinear.WORKING, "streamfused", True)
-    monkeypatch.setattr(qlinear, "supports_stream", lambda x, w, s, b, group_size, bits: bits == 4)
-    return fused_route
-
-
-def test_the_stream_kernel_takes_one_to_eight_rows_and_fuses_norms_and_adds(stream_route) -> None:
-    model = _model()
-    qlinear.route_quantized_linears(model)
-    linear, down = model.layers
-    for rows in (1, 3, 8):
-        assert qlinear.route_for(rows, linear, mx.zeros((rows, 128))) == "stream"
-    assert qlinear.route_for(9, linear, mx.zeros((9, 128))) == "stock"  # past 8 rows: tc16 unprobed
-    norm = nn.RMSNorm(128)
-    norm.weight = 1 + 0.3 * mx.random.normal((128,))
-    x, res = mx.random.normal((1, 1, 128)), mx.random.normal((1, 1, 64))
-    assert mx.allclose(qlinear.normed_linear(norm, linear, x), linear(norm(x)), atol=1e-4).item()
-    assert mx.allclose(qlinear.linear_plus(linear, x, res), res + linear(x), atol=1e-4).item()
-    assert [c for c in stream_route if c[0] == "streamfused"] == [
-        ("streamfused", 1, ("norm",)),
-        ("streamfused", 1, ("residual",)),
-    ]
-    stream_route.clear()
-    up, h = mx.random.normal((1, 1, 64)), mx.random.normal((1, 1, 32))
-    relu2 = lambda v: mx.square(mx.maximum(v, 0))  # noqa: E731
-    assert mx.allclose(
-        qlinear.act_linear_plus(down, up, h, "relu2", relu2), h + down(relu2(up)), atol=1e-4
-    ).item()
-    fused = [c for c in stream_route if c[0] == "streamfused"]
-    assert fused == [("streamfused", 1, ("residual",))]  # the activation prologue is direct's only
-
-
-def test_the_stream_kernel_falls_back_where_it_does_not_apply(stream_route, monkeypatch) -> None:
-    model = _model(bits=8)
-    qlinear.route_quantized_linears(model)
-    assert qlinear.route_for(1, model.layers[0], mx.zeros((1, 128))) == "direct"  # 8-bit
-    monkeypatch.setitem(qlinear.WORKING, "stream", False)  # probed bad: the earlier routes
-    model4 = _model()
-    qlinear.route_quantized_linears(model4)
-    assert qlinear.route_for(1, model4.layers[0], mx.zeros((1, 128))) == "direct"
-
-
-def test_the_stream_kernel_is_probed_only_when_selected(monkeypatch, caplog) -> None:
-    calls = []
-
-    def kernel(name, x, w, scales, biases, group_size, bits, **fused):
-        calls.append(name)
-        return qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
-
-    monkeypatch.setattr(qlinear, "_kernel_call", kernel)
-    monkeypatch.setattr(qlinear, "WORKING", {})
-    assert "stream" not in qlinear.probe_kernels() and "stream" not in calls
-    monkeypatch.setitem(qlinear.MATVEC, "kernel", "stream")
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "on", True)
-    working = qlinear.probe_kernels()
-    assert working["stream"] and working["streamfused"]
-    assert qlinear._matvec_setting(" Stream ") == "stream" and qlinear._matvec_setting("") == "direct"
-    assert qlinear._matvec_setting("fast") == "direct" and "KAPITSA_QMV_KERNEL='fast' unknown" in caplog.text
 
 
 @pytest.mark.parametrize("parts", [("glu",), ("glu", "norm"), ("norm", "residual")])
 def test_glu_linear_fuses_only_with_its_part(fused_route, monkeypatch, parts) -> None:
     """silu(gate) * up of a [gate | up] projection: in the one-row kernel's epilogue with part
     "glu" (the norm in its prologue with part "norm" too), else None for the caller's ops."""
-    monkeypatch.setitem(qlinear.FUSED_NORMS, "parts", frozenset(parts))
     model = _model()
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, KernelOptions(fused_parts=frozenset(parts)))
     linear = model.layers[0]  # 128 -> 64: gate and up of 32 columns each
     norm = nn.RMSNorm(128)
     norm.weight = 1 + 0.3 * mx.random.normal((128,))

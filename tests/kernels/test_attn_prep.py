@@ -13,8 +13,9 @@ from nvcc_check import assert_compiles, nvcc
 from kapitsa.engine.cache.layers import KVCache
 from kapitsa.engine.kernels import attn_prep, backend
 from kapitsa.engine.kernels.attn_prep import PrepSpec
-from kapitsa.engine.models.base import Attention
+from kapitsa.engine.models.base import Attention, use_kernel_options
 from kapitsa.engine.ops.rope import Rope
+from kapitsa.engine.options import KernelOptions
 from tests.kernels.test_gdn_kernel import Emulated
 from tests.kernels.test_qmv_direct import _translate
 
@@ -170,9 +171,9 @@ def test_layers_probe_their_own_layout(monkeypatch) -> None:
 
     probed = []
     monkeypatch.setattr(attn_prep, "probe", lambda spec, dtype: probed.append((spec, dtype)) or False)
-    monkeypatch.setenv("KAPITSA_KERNELS", "gdn,moe,qmv,mamba,attn")
     model = build_ours("qwen3_5_dense")
     fuse_model(model)
+    use_kernel_options(model, KernelOptions(families=frozenset({"gdn", "moe", "qmv", "mamba", "attn"})))
     greedy_logits(model, steps=1)
     layer = next(layer for layer in model.layers if not layer.is_linear)
     assert probed and set(probed) == {(layer.self_attn.prep_spec, mx.float32)}

@@ -9,6 +9,7 @@ import pytest
 
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.ops import linear as qlinear
+from kapitsa.engine.options import KernelOptions
 
 
 def _rel_err(got: mx.array, ref: mx.array) -> float:
@@ -61,7 +62,7 @@ def test_attention_declines_what_it_does_not_serve(on_cpu) -> None:
 
 def test_routed_layers_take_it_only_past_compiled_sizes(on_cpu) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.QuantizedLinear(64, 64, group_size=64, bits=4))
-    qlinear.route_quantized_linears(model, dense_copy_bytes=4 * 64 * 64)
+    qlinear.route_quantized_linears(model, KernelOptions(), dense_copy_bytes=4 * 64 * 64)
     dense, quant = model.layers
     assert type(dense) is qlinear.RoutedLinear and type(quant) is qlinear.RoutedQuantizedLinear
     assert dense.keeps_dense_copy != quant.keeps_dense_copy  # the budget holds one copy
@@ -74,7 +75,7 @@ def test_routed_layers_take_it_only_past_compiled_sizes(on_cpu) -> None:
 
 def test_inside_a_compiled_function_the_ops_run(on_cpu) -> None:
     model = nn.Sequential(nn.QuantizedLinear(64, 32, group_size=64, bits=4))
-    qlinear.route_quantized_linears(model)
+    qlinear.route_quantized_linears(model, KernelOptions())
     x = mx.random.normal((1, 2 * cpu_blas.MIN_ROWS, 64))
     compiled = mx.compile(lambda h: model(h))
     assert _rel_err(compiled(x), model.layers[0](x)) < 1e-5
