@@ -7,6 +7,8 @@ import importlib
 import mlx.core as mx
 
 from kapitsa.engine.models import get_model_module
+from kapitsa.engine.models.base import use_kernel_options
+from kapitsa.engine.options import KernelOptions
 from tests.models.hf_weights import nemotron_config, nemotron_weights, qwen_config, qwen_weights
 
 ARCHS = ("qwen3_5_dense", "qwen3_5_moe", "qwen3_next", "nemotron_moe", "nemotron_latent", "nemotron_dense")
@@ -22,12 +24,15 @@ def config_and_weights(arch: str, seed: int = 0, mtp: bool = False) -> tuple[dic
     return cfg, nemotron_weights(cfg, seed, mtp=mtp)
 
 
-def build_ours(arch: str, seed: int = 0, mtp: bool = False):
+def build_ours(arch: str, seed: int = 0, mtp: bool = False, *, kernels: KernelOptions | None = None):
+    """The tiny `arch` as kapitsa builds it; `kernels`, when given, goes to its layers."""
     cfg, w = config_and_weights(arch, seed, mtp)
     module = get_model_module(cfg["model_type"])
     model = module.Model(module.ModelArgs.from_dict(cfg))
     model.load_weights(list(model.sanitize(dict(w)).items()), strict=True)
     mx.eval(model.parameters())
+    if kernels is not None:
+        use_kernel_options(model, kernels)
     return model
 
 
@@ -44,11 +49,12 @@ def greedy_logits(model, steps: int = 3, prompt=(3, 17, 5, 9)) -> list[mx.array]
 
 
 def logits_under_families(model, monkeypatch, families: str) -> list[mx.array]:  # noqa: ANN001
-    """`greedy_logits` with KAPITSA_KERNELS=families, the model's compiled traces dropped first
-    (traces are made under the families in force): how a kernel test compares a family on/off."""
+    """`greedy_logits` with the kernel families `families` names (KAPITSA_KERNELS syntax) given to
+    the layers, the model's compiled traces dropped first (traces are made under the families in
+    force): how a kernel test compares a family on/off. `monkeypatch` is unused: nothing global changes."""
     from kapitsa.engine.traces import drop_traces
 
-    monkeypatch.setenv("KAPITSA_KERNELS", families)
+    use_kernel_options(model, KernelOptions.from_environ({"KAPITSA_KERNELS": families}))
     drop_traces(model)
     return greedy_logits(model)
 

@@ -6,7 +6,8 @@ import mlx.core as mx
 import pytest
 
 from kapitsa.engine.loading.fuse import fuse_model
-from kapitsa.engine.models import base
+from kapitsa.engine.models.base import use_kernel_options
+from kapitsa.engine.options import KernelOptions
 from tests.models.builders import ARCHS, build_ours
 
 
@@ -20,23 +21,20 @@ def _assert_close(a: mx.array, b: mx.array) -> None:
 
 
 def _steps(model, prompts: list[list[int]], steps: int, compile_on: bool) -> list[mx.array]:
-    base.COMPILE_DECODE["on"] = compile_on
-    try:
-        cache = model.make_cache(len(prompts))
-        width = max(len(p) for p in prompts)
-        padded = mx.array([p + [0] * (width - len(p)) for p in prompts])
-        lengths = [len(p) for p in prompts]
-        hidden = model.forward(padded, cache, lengths=lengths).hidden
-        logits = model.logits(model.last_hidden(hidden, lengths))[:, -1]
-        out = [logits]
-        for _ in range(steps):
-            tok = mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
-            logits = model(tok, cache)[:, -1]
-            out.append(logits)
-        mx.eval(out)
-        return out
-    finally:
-        base.COMPILE_DECODE["on"] = True
+    use_kernel_options(model, KernelOptions(compile_decode=compile_on))
+    cache = model.make_cache(len(prompts))
+    width = max(len(p) for p in prompts)
+    padded = mx.array([p + [0] * (width - len(p)) for p in prompts])
+    lengths = [len(p) for p in prompts]
+    hidden = model.forward(padded, cache, lengths=lengths).hidden
+    logits = model.logits(model.last_hidden(hidden, lengths))[:, -1]
+    out = [logits]
+    for _ in range(steps):
+        tok = mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
+        logits = model(tok, cache)[:, -1]
+        out.append(logits)
+    mx.eval(out)
+    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -67,22 +65,19 @@ def test_fusing_after_a_compiled_step_drops_the_stale_traces() -> None:
 def _verify_then_rollback(model, compile_on: bool, T: int) -> list[mx.array]:
     """Prefill two rows at different offsets, verify T tokens per row with a replay record, roll
     back a different number per row, then decode one step: every logit along the way."""
-    base.COMPILE_DECODE["on"] = compile_on
-    try:
-        prompts = [[3, 17, 5, 9, 41, 2], [7, 8, 9]]
-        cache = model.make_cache(2)
-        padded = mx.array([p + [0] * (6 - len(p)) for p in prompts])
-        hidden = model.forward(padded, cache, lengths=[6, 3]).hidden
-        out = [model.logits(model.last_hidden(hidden, [6, 3]))[:, -1]]
-        drafts = mx.array([[11 + i for i in range(T)], [23 + 2 * i for i in range(T)]], dtype=mx.int32)
-        out.append(model.logits(model.forward(drafts, cache, record=True).hidden))
-        cache.rollback([T - 1, 1])
-        out.append(model(mx.array([[4], [6]], dtype=mx.int32), cache)[:, -1])
-        out.append(model(mx.array([[5], [1]], dtype=mx.int32), cache)[:, -1])
-        mx.eval(out)
-        return out
-    finally:
-        base.COMPILE_DECODE["on"] = True
+    use_kernel_options(model, KernelOptions(compile_decode=compile_on))
+    prompts = [[3, 17, 5, 9, 41, 2], [7, 8, 9]]
+    cache = model.make_cache(2)
+    padded = mx.array([p + [0] * (6 - len(p)) for p in prompts])
+    hidden = model.forward(padded, cache, lengths=[6, 3]).hidden
+    out = [model.logits(model.last_hidden(hidden, [6, 3]))[:, -1]]
+    drafts = mx.array([[11 + i for i in range(T)], [23 + 2 * i for i in range(T)]], dtype=mx.int32)
+    out.append(model.logits(model.forward(drafts, cache, record=True).hidden))
+    cache.rollback([T - 1, 1])
+    out.append(model(mx.array([[4], [6]], dtype=mx.int32), cache)[:, -1])
+    out.append(model(mx.array([[5], [1]], dtype=mx.int32), cache)[:, -1])
+    mx.eval(out)
+    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)

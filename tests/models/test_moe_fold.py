@@ -10,18 +10,11 @@ import pytest
 from kapitsa.engine.loading import moe_fold
 from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.ops.moe import QuantizedSwitchLinear
+from kapitsa.engine.options import KernelOptions
 from tests.models.builders import build_ours
 from tests.models.test_fuse import _decode_logits, _quantize
 
-
-@pytest.fixture(autouse=True)
-def fold_on(monkeypatch):
-    monkeypatch.setitem(moe_fold.FOLD, "on", True)  # opt-in until timed on the H200
-
-
-def test_folding_is_opt_in() -> None:
-    assert moe_fold._fold_setting("") is False and moe_fold._fold_setting("0") is False
-    assert moe_fold._fold_setting(" 1 ") is True
+FOLDING = KernelOptions(fold_shared_experts=True)  # folding is opt-in (the default options keep it off)
 
 
 def _qlinear(out_dims: int, in_dims: int, bits: int = 4, group_size: int = 32) -> nn.QuantizedLinear:
@@ -50,7 +43,7 @@ def _moe_blocks(model) -> list[nn.Module]:
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "nemotron_moe"])
 def test_folded_shared_experts_are_extra_experts_of_the_stacks(arch: str) -> None:
-    plain, folded = build_ours(arch), build_ours(arch)
+    plain, folded = build_ours(arch), build_ours(arch, kernels=FOLDING)
     _quantize(plain)
     _quantize(folded)
     experts = [b.switch_mlp for b in _moe_blocks(folded)]
@@ -67,15 +60,14 @@ def test_folded_shared_experts_are_extra_experts_of_the_stacks(arch: str) -> Non
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), float(mx.abs(a - b).max())
 
 
-def test_no_fold_when_switched_off_unquantized_or_latent(monkeypatch) -> None:
+def test_no_fold_when_switched_off_unquantized_or_latent() -> None:
     for arch, quantized in (("nemotron_moe", False), ("nemotron_latent", True)):
-        model = build_ours(arch)
+        model = build_ours(arch, kernels=FOLDING)
         if quantized:
             _quantize(model)
         fuse_model(model)
         assert all("shared_fold" not in b.__dict__ for b in _moe_blocks(model)), arch
-    monkeypatch.setitem(moe_fold.FOLD, "on", False)
-    model = build_ours("qwen3_5_moe")
+    model = build_ours("qwen3_5_moe")  # the default options
     _quantize(model)
     fuse_model(model)
     assert all("shared_fold" not in b.__dict__ and "shared_expert" in b for b in _moe_blocks(model))
@@ -83,7 +75,7 @@ def test_no_fold_when_switched_off_unquantized_or_latent(monkeypatch) -> None:
 
 def test_a_shared_expert_in_another_format_stays_separate() -> None:
     """A shared expert kept at 8 bits next to 4-bit experts is left alone, and still right."""
-    plain, model = build_ours("qwen3_5_moe"), build_ours("qwen3_5_moe")
+    plain, model = build_ours("qwen3_5_moe"), build_ours("qwen3_5_moe", kernels=FOLDING)
     for m in (plain, model):
         _quantize(m)
         for block in _moe_blocks(m):

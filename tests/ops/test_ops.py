@@ -6,11 +6,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.conv import causal_conv, causal_conv_reference, conv_state_after
 from kapitsa.engine.ops.gated_delta import gated_delta, gated_delta_reference, gdn_decay, l2norm_qk
 from kapitsa.engine.ops.moe import SwitchGLU, SwitchReluSquared, experts_reference
 from kapitsa.engine.ops.rope import Rope, rope_reference
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan, ssm_scan_reference
+from kapitsa.engine.options import KernelOptions
 
 
 def _close(a, b, tol=1e-5):
@@ -208,13 +210,10 @@ def test_many_sorted_rows_take_the_dequantized_grouped_gemm_with_the_same_result
     indices = mx.random.randint(0, 8, (1, 160, 4))  # 640 token-expert rows
     routed = experts(x, indices)
     assert moe_dequant_on_cuda, "the dequantize + gather_mm route was not taken"
-    moe.MOE_DEQUANT["on"] = False
-    try:
-        plain = experts(x, indices)
-        experts.set_dtype(mx.float32)  # float32 scales: the same weights, a float32 reference
-        exact = experts(x.astype(mx.float32), indices)
-    finally:
-        moe.MOE_DEQUANT["on"] = True
+    use_kernel_options(experts, KernelOptions(moe_dequant=False))
+    plain = experts(x, indices)
+    experts.set_dtype(mx.float32)  # float32 scales: the same weights, a float32 reference
+    exact = experts(x.astype(mx.float32), indices)
 
     def err(y):
         return mx.abs(y.astype(mx.float32) - exact).max().item()
@@ -232,7 +231,7 @@ def test_few_rows_or_a_big_stack_keep_gather_qmm(moe_dequant_on_cuda, monkeypatc
     experts.set_dtype(mx.bfloat16)
     few = mx.random.normal((1, 20, 64)).astype(mx.bfloat16)
     experts(few, mx.random.randint(0, 8, (1, 20, 4)))  # 80 rows: sorted, but under min_rows
-    monkeypatch.setitem(moe.MOE_DEQUANT, "max_bytes", 8 * 32 * 64 * 2 - 1)  # fc1's dense copy is over
+    monkeypatch.setattr(moe, "MOE_DEQUANT_MAX_BYTES", 8 * 32 * 64 * 2 - 1)  # fc1's dense copy is over
     many = mx.random.normal((1, 160, 64)).astype(mx.bfloat16)
     experts(many, mx.random.randint(0, 8, (1, 160, 4)))
     assert moe_dequant_on_cuda == []
@@ -255,10 +254,7 @@ def test_gpu_moe_prefill_route_matches_gather_qmm(kind):
     x = mx.random.normal((1, 1024, 2688)).astype(mx.bfloat16)
     indices = mx.random.randint(0, 16, (1, 1024, 6))
     routed = experts(x, indices)
-    moe.MOE_DEQUANT["on"] = False
-    try:
-        plain = experts(x, indices)
-    finally:
-        moe.MOE_DEQUANT["on"] = True
+    use_kernel_options(experts, KernelOptions(moe_dequant=False))
+    plain = experts(x, indices)
     err = mx.abs(routed.astype(mx.float32) - plain.astype(mx.float32)).max().item()
     assert err <= 2e-2 * mx.abs(plain.astype(mx.float32)).max().item(), err
