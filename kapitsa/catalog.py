@@ -9,13 +9,13 @@ prints nothing, so the CLI, the TUI and the server can all use it.
 from __future__ import annotations
 
 import json
-import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from kapitsa.engine.loading.model_ref import is_repo_id, parse_model_ref
 from kapitsa.errors import ModelNotFound
 
 # MLX affine quantization stores a 16-bit scale and bias per group of 64 weights: +0.5 bit.
@@ -57,7 +57,6 @@ _ARCH_KEYS = (
     "context_length",
     "max_output",
 )
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(slots=True, frozen=True)
@@ -192,28 +191,25 @@ def _parse_quant(name: str, value: str | dict[str, Any]) -> Quant:
     )
 
 
-def parse_model_ref(ref: str) -> tuple[str, str | None]:
-    """`27b:6bit` → ("27b", "6bit"); `27b` → ("27b", None). Paths and repo ids keep their colons off."""
-    name, sep, quant = ref.strip().partition(":")
-    if not name:
-        raise ModelNotFound("empty model name")
-    return name, (quant or None) if sep else None
-
-
 def resolve_model(ref: str, catalog: Catalog) -> ResolvedModel:
     """Resolve a catalog alias (with optional `:quant`), an existing folder or file, or an HF repo id."""
-    name, quant_name = parse_model_ref(ref)
-    if name.lower() in catalog.entries:
-        return _resolve_entry(ref, catalog.get(name), quant_name)
+    parsed = parse_model_ref(ref)
+    if parsed.source.lower() in catalog.entries:
+        return _resolve_entry(ref, catalog.get(parsed.source), parsed.tag)
     path = Path(ref).expanduser()
     if path.exists():
         return ResolvedModel(ref=ref, kind="path", display_name=path.name, path=path.resolve())
-    if _REPO_ID.match(ref):
+    if is_repo_id(ref):
         return ResolvedModel(ref=ref, kind="hf", display_name=ref, repo_id=ref)
     known = ", ".join(sorted(catalog.entries))
     raise ModelNotFound(
         f"{ref!r} is not a catalog alias ({known}), an existing path, or a Hugging Face repo id"
     )
+
+
+def is_alias(ref: str, catalog: Catalog) -> bool:
+    """Whether `ref` names a catalog entry (`27b`, `27b:6bit`), not a path or a repo id."""
+    return parse_model_ref(ref).source.lower() in catalog.entries
 
 
 def _resolve_entry(ref: str, entry: CatalogEntry, quant_name: str | None) -> ResolvedModel:

@@ -1,4 +1,4 @@
-"""The `kapitsa` command line. Commands are thin: parse, call the owning package, render.
+"""The `kapitsa` command line: each command parses its flags and calls its body in `kapitsa.commands`.
 
 Heavy modules (mlx, textual, fastapi) are imported inside the command that needs them, so
 `kapitsa --help` and `kapitsa --version` stay fast.
@@ -101,7 +101,7 @@ def run(
     tree: TreeOpt = False,
 ) -> None:
     """Generate from a prompt and stream the answer."""
-    from kapitsa.run_cmd import RunOptions, cmd_run
+    from kapitsa.commands.run import RunOptions, cmd_run
 
     cmd_run(
         RunOptions(
@@ -136,7 +136,7 @@ def serve(
     tree: TreeOpt = False,
 ) -> None:
     """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
-    from kapitsa.server.serve_cmd import cmd_serve
+    from kapitsa.commands.serve import cmd_serve
 
     cmd_serve(
         model=model,
@@ -154,7 +154,7 @@ def doctor(
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
 ) -> None:
     """Check this machine: GPU, memory, which models fit and with how much context."""
-    from kapitsa.model_commands import cmd_doctor
+    from kapitsa.commands.doctor import cmd_doctor
 
     cmd_doctor(json_out)
 
@@ -162,7 +162,7 @@ def doctor(
 @app.command()
 def pull(model: Annotated[str, typer.Argument(help="Catalog alias or HF repo id.")]) -> None:
     """Download a model into the Hugging Face cache (resumable, verified)."""
-    from kapitsa.model_commands import cmd_pull
+    from kapitsa.commands.pull import cmd_pull
 
     cmd_pull(model)
 
@@ -170,7 +170,7 @@ def pull(model: Annotated[str, typer.Argument(help="Catalog alias or HF repo id.
 @app.command("ls")
 def list_models(json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List downloaded models."""
-    from kapitsa.model_commands import cmd_ls
+    from kapitsa.commands.ls import cmd_ls
 
     cmd_ls(json_out)
 
@@ -178,7 +178,7 @@ def list_models(json_out: Annotated[bool, typer.Option("--json")] = False) -> No
 @app.command("rm")
 def remove_model(model: Annotated[str, typer.Argument(help="Catalog alias or HF repo id.")]) -> None:
     """Delete a downloaded model from the Hugging Face cache."""
-    from kapitsa.model_commands import cmd_rm
+    from kapitsa.commands.rm import cmd_rm
 
     cmd_rm(model)
 
@@ -204,21 +204,21 @@ def bench(
     ] = None,
 ) -> None:
     """Measure decode/prefill speed, cache hits and concurrency on this machine."""
-    from kapitsa.bench.command import BenchOptions, bench_main
+    from kapitsa.commands.bench import cmd_bench
 
     if not local and not compare:
         raise typer.BadParameter("--no-local needs at least one --compare URL")
-    options = BenchOptions(
+    cmd_bench(
         model=model,
         json_out=json_out,
         submit=submit,
-        compare=tuple(compare or ()),
+        compare=compare,
         local=local,
         quick=quick,
         speculative=speculative,
         results_url=results_url,
+        confirm=lambda question: typer.confirm(question, default=False, err=True),
     )
-    bench_main(options, confirm=lambda question: typer.confirm(question, default=False, err=True))
 
 
 @app.command()
@@ -228,7 +228,7 @@ def env(
     ] = None,
 ) -> None:
     """Print export lines pointing IDEs and SDKs at the local server."""
-    from kapitsa.model_commands import cmd_env
+    from kapitsa.commands.env import cmd_env
 
     cmd_env(shell)
 
@@ -236,7 +236,7 @@ def env(
 @app.command()
 def token(action: Annotated[str, typer.Argument(help="show | rotate | clear")] = "show") -> None:
     """Manage the API token kept in the OS keyring."""
-    from kapitsa.model_commands import cmd_token
+    from kapitsa.commands.token import cmd_token
 
     cmd_token(action)
 
@@ -247,7 +247,7 @@ def _agent_command(name: str, summary: str) -> None:
         model: ModelOpt = None,
         speculative: SpecOpt = "none",
     ) -> None:
-        from kapitsa.model_commands import cmd_agent
+        from kapitsa.commands.agents import cmd_agent
 
         cmd_agent(name, model, list(args or []), speculative)
 
@@ -259,7 +259,7 @@ def _agent_command(name: str, summary: str) -> None:
             bool, typer.Option("--restore", help="Undo kapitsa's change to pi's models.json.")
         ] = False,
     ) -> None:
-        from kapitsa.model_commands import cmd_agent
+        from kapitsa.commands.agents import cmd_agent
 
         cmd_agent(name, model, list(args or []), speculative, restore=restore)
 

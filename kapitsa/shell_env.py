@@ -1,4 +1,4 @@
-"""`kapitsa env`: export lines that point SDKs and IDEs at the local server, in the user's shell's syntax."""
+"""Export lines that point SDKs and IDEs at the local server, in the user's shell's syntax (`kapitsa env`, the TUI)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""`kapitsa run`: load a model, generate from one prompt, stream the answer or print one JSON object."""
+"""`kapitsa run`: open an engine, generate from one prompt, stream the answer or print one JSON object."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -61,56 +62,21 @@ def read_prompt(options: RunOptions) -> str:
     return given[0]
 
 
-def load_for_spec(spec: str):  # noqa: ANN201 - LoadedModel, imported lazily (MLX)
-    """Load a catalog alias ("27b", "27b:6bit", "demo"), a folder, a .gguf file or a cached HF repo id."""
-    from kapitsa.catalog import load_catalog, parse_model_ref, resolve_model
-    from kapitsa.engine.loading.loader import load_model
-    from kapitsa.errors import NotDownloaded
-    from kapitsa.settings import load_settings
-
-    name, _quant = parse_model_ref(spec)
-    catalog = load_catalog(load_settings().catalog)
-    if name.lower() not in catalog.entries:
-        return load_model(spec)  # load_model handles paths, repo ids and ":4bit"-style suffixes
-    resolved = resolve_model(spec, catalog)
-    source = resolved.path if resolved.kind == "path" else resolved.repo_id
-    try:
-        return load_model(str(source), model_id=resolved.display_name)
-    except NotDownloaded:
-        raise NotDownloaded(
-            f"{spec} ({resolved.repo_id}) is not downloaded yet: run `kapitsa pull {spec}`", ref=spec
-        ) from None
-
-
-def default_model() -> str:
-    from kapitsa.settings import load_settings
-
-    return load_settings().default_model
-
-
 def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None) -> RunResult:
     """Run one generation; stream text through `write` (stdout) unless `--json`, then print JSON."""
-    from kapitsa.engine.inprocess import InProcessEngine
-    from kapitsa.engine.options import EngineConfig
-    from kapitsa.engine.speculative.factory import strategy_for
+    from kapitsa.opener import open_engine
 
-    text = read_prompt(options)
+    request = make_request(read_prompt(options), options)  # bad flags fail before the weights load
     out = write or _stdout_write
-    loaded = load_for_spec(options.model or default_model())
-    decode = strategy_for(
-        options.speculative,
-        target_model=loaded.model,
+    engine = open_engine(
+        options.model,
+        speculative=options.speculative,
         draft=options.draft,
         draft_tokens=options.draft_tokens,
         tree=options.tree,
     )
-    # One prompt, no follow-up: the prefix cache would only cost copies.
-    client = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=decode)
-    try:
-        request = make_request(text, options)
+    with contextlib.closing(engine) as client:
         result = asyncio.run(generate(client, request, None if options.json_out else out))
-    finally:
-        client.close()
     if options.json_out:
         out(json.dumps(asdict(result), ensure_ascii=False) + "\n")
     else:

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kapitsa.engine.loading.loader import LoadedModel, load_model
+from kapitsa.engine.loading.loader import LoadedModel
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.decode import DecodeStrategy
 from kapitsa.engine.runner.loop import Engine
@@ -207,22 +207,6 @@ class InProcessEngine:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
-
-
-def open_engine(
-    spec: str,
-    *,
-    quantize: str | None = None,
-    model_id: str | None = None,
-    config: EngineConfig | None = None,
-    decode: DecodeStrategy | None = None,
-) -> InProcessEngine:
-    """Load a model (folder, .gguf file or cached HF repo id; see `load_model`) and start its engine.
-
-    Catalog aliases ("27b", "demo") are resolved outside the engine (kapitsa.run_cmd.load_for_spec).
-    """
-    loaded = load_model(spec, quantize=quantize, model_id=model_id)
-    return InProcessEngine.from_loaded(loaded, config=config, decode=decode)
 
 
 def _drop(_event: Event) -> None:

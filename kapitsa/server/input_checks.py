@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from kapitsa.engine.text.token_checks import check_token_ids
+from kapitsa.engine import check_token_ids
 from kapitsa.engine.types import GenerationRequest, ModelInfo
 from kapitsa.errors import ContextOverflow, InvalidRequest
 from kapitsa.server.errors import param_error

@@ -6,17 +6,16 @@ which the screens show as text; nothing here invents data to fill the gap.
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import logging
 import os
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from kapitsa.engine.client import EngineClient
@@ -37,11 +36,13 @@ class DownloadCancelledError(Exception):
     """Raised from the progress callback to stop a download; the partial file stays for resuming."""
 
 
-def _require(module: str, what: str) -> ModuleType:
+@contextlib.contextmanager
+def needs(what: str) -> Iterator[None]:
+    """Around an import only: a piece missing from this build becomes `Unavailable`, naming `what`."""
     try:
-        return importlib.import_module(module)
+        yield
     except ImportError as err:
-        raise Unavailable(f"{what} is not available in this build ({module}: {err})") from err
+        raise Unavailable(f"{what} is not available in this build ({err})") from err
 
 
 @dataclass(slots=True)
@@ -83,20 +84,33 @@ class TuiServices:
     @property
     def settings(self) -> Any:
         if self._settings is None:
-            self._settings = _require("kapitsa.settings", "settings").load_settings()
+            with needs("settings"):
+                from kapitsa.settings import load_settings
+            self._settings = load_settings()
         return self._settings
 
     def catalog(self) -> Any:
-        return _require("kapitsa.catalog", "the model catalog").load_catalog(self.settings.catalog)
+        with needs("the model catalog"):
+            from kapitsa.catalog import load_catalog
+        return load_catalog(self.settings.catalog)
 
     def doctor_report(self) -> Any:
-        doctor = _require("kapitsa.doctor", "doctor")
-        hardware = self._hardware or doctor.probe_hardware()
-        return doctor.build_report(hardware, self.catalog(), num_checkpoints=self.settings.num_checkpoints)
+        with needs("doctor"):
+            from kapitsa.doctor import build_report
+        return build_report(self.hardware(), self.catalog(), num_checkpoints=self.settings.num_checkpoints)
+
+    def hardware(self) -> Any:
+        """The hardware profile given to the services, else this machine's, probed now."""
+        if self._hardware is not None:
+            return self._hardware
+        with needs("doctor"):
+            from kapitsa.doctor import probe_hardware
+        return probe_hardware()
 
     def downloaded_refs(self, report: Any) -> frozenset[str]:
         """Refs whose weights are on this machine: in the HF cache, or shipped inside kapitsa (the demo)."""
-        hub = _require("kapitsa.hub", "downloads")
+        with needs("downloads"):
+            from kapitsa import hub
         cached = {m.repo_id for m in hub.list_local(catalog=self.catalog())}
         return frozenset(
             f.ref
@@ -107,7 +121,8 @@ class TuiServices:
     def download(
         self, ref: str, *, on_progress: Callable[[int, int], None], cancelled: threading.Event
     ) -> Path:
-        hub = _require("kapitsa.hub", "downloads")
+        with needs("downloads"):
+            from kapitsa import hub
 
         def report(progress: Any) -> None:
             if cancelled.is_set():
@@ -118,16 +133,17 @@ class TuiServices:
 
     def start_engine(self, ref: str) -> EngineHandle:
         """Load `ref` in an engine thread and serve it on 127.0.0.1 (blocking: call from a worker)."""
-        runner = _require("kapitsa.server.runner", "the HTTP server")
-        server_settings = _require("kapitsa.server.settings", "the HTTP server").ServerSettings
+        with needs("the HTTP server"):
+            from kapitsa.server.runner import make_server
+            from kapitsa.server.settings import ServerSettings
         try:
             client = self._engine_factory(ref)
         except NotDownloaded as err:  # the CLI's `kapitsa pull` hint, in the TUI's own terms
             raise NotDownloaded(f"{ref} is not downloaded yet: press d to download it", ref=err.ref) from None
         try:
-            settings = server_settings(host="127.0.0.1", port=_free_port(self.settings.port), model=ref)
+            settings = ServerSettings(host="127.0.0.1", port=_free_port(self.settings.port), model=ref)
             server, thread = _serve_in_thread(
-                runner.make_server(client, settings),
+                make_server(client, settings),
                 settings.port,
                 log_dir=Path(self.settings.state_dir) / "logs",
             )
@@ -140,38 +156,41 @@ class TuiServices:
 
     def env_lines(self, handle: EngineHandle) -> list[str]:
         """Export lines (in the user's shell's syntax) pointing SDKs and IDEs at the running server."""
-        env_cmd = _require("kapitsa.env_cmd", "`kapitsa env`")
-        return list(env_cmd.env_lines(handle.url, handle.api_key).lines)
+        with needs("`kapitsa env`"):
+            from kapitsa.shell_env import env_lines
+        return list(env_lines(handle.url, handle.api_key).lines)
 
     def agent_invocation(self, agent: str, handle: EngineHandle) -> tuple[list[str], dict[str, str]]:
         """The argv and environment that start `agent` against the running server (which it reuses)."""
-        launch = _require("kapitsa.agents.launch", "the agent launchers")
-        plan = launch.prepare_launch(agent, handle.model, [], settings=self.settings, api_key=handle.api_key)
+        with needs("the agent launchers"):
+            from kapitsa.agents.launch import prepare_launch
+        plan = prepare_launch(agent, handle.model, [], settings=self.settings, api_key=handle.api_key)
         return list(plan.command), dict(plan.env)
 
     def agents_the_window_cannot_hold(self, handle: EngineHandle) -> frozenset[str]:
         """The agents whose first request the running model's window cannot hold."""
         try:
-            window = _require("kapitsa.agents.window", "the agent launchers")
+            with needs("the agent launchers"):
+                from kapitsa.agents.window import window_shortfall
         except Unavailable:
             return frozenset()
         served = handle.client.models()[0].context_length
-        return frozenset(a for a in AGENT_LABELS if window.window_shortfall(a, handle.model, served))
+        return frozenset(a for a in AGENT_LABELS if window_shortfall(a, handle.model, served))
 
     def window_shortfall(self, agent: str, handle: EngineHandle) -> str | None:
         """Why `agent` would only get 400s from the running model (its window cannot hold the agent's first
         request), naming a catalog model that can; None when the window holds it."""
-        window = _require("kapitsa.agents.window", "the agent launchers")
+        with needs("the agent launchers"):
+            from kapitsa.agents.window import suggest_model, window_shortfall
         served = handle.client.models()[0].context_length
-        shortfall = window.window_shortfall(agent, handle.model, served)
+        shortfall = window_shortfall(agent, handle.model, served)
         if shortfall is None:
             return None
-        hardware = self._hardware or _require("kapitsa.doctor", "doctor").probe_hardware()
-        alias = window.suggest_model(
+        alias = suggest_model(
             self.catalog(),
             agent,
             exclude=handle.model.split(":")[0],
-            usable_bytes=hardware.usable_memory_bytes,
+            usable_bytes=self.hardware().usable_memory_bytes,
             num_checkpoints=self.settings.num_checkpoints,
         )
         if alias is None:
@@ -187,10 +206,10 @@ class TuiServices:
 
 
 def _default_engine_factory(ref: str) -> EngineClient:
-    """The engine `kapitsa serve` runs: catalog alias, folder, .gguf or cached repo id → engine thread."""
-    inprocess = _require("kapitsa.engine.inprocess", "the in-process engine")
-    run_cmd = _require("kapitsa.run_cmd", "model loading")
-    return inprocess.InProcessEngine.from_loaded(run_cmd.load_for_spec(ref))
+    """The engine `kapitsa serve` runs (the same opener): alias, folder, .gguf or cached repo id."""
+    from kapitsa.opener import open_engine
+
+    return open_engine(ref)
 
 
 def _free_port(preferred: int, tries: int = 20) -> int:

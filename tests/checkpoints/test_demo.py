@@ -108,7 +108,7 @@ def test_demo_mtp_head_predicts_two_tokens_ahead(demo_model) -> None:
 
 @pytest.mark.slow
 def test_kapitsa_run_demo_prints_python(capsys) -> None:
-    from kapitsa.run_cmd import RunOptions, cmd_run
+    from kapitsa.commands.run import RunOptions, cmd_run
 
     result = cmd_run(RunOptions(model="demo", prompt_arg="def fibonacci(n):", max_tokens=48, json_out=True))
     assert result.text.startswith("```python\ndef ") and result.generation_tokens > 5

@@ -64,7 +64,7 @@ async def test_ten_turn_agent_conversation_reuses_its_prompt(client) -> None:
 
 
 def test_kapitsa_run_json(checkpoint, capsys) -> None:
-    from kapitsa.run_cmd import RunOptions, cmd_run
+    from kapitsa.commands.run import RunOptions, cmd_run
 
     result = cmd_run(RunOptions(model=str(checkpoint), prompt="Hello", max_tokens=5, json_out=True))
     printed = json.loads(capsys.readouterr().out)

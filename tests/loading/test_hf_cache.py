@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from kapitsa.engine.loading.loader import load_model
-from kapitsa.engine.loading.resolve import hf_hub_cache, parse_model_ref
+from kapitsa.engine.loading.model_ref import parse_model_ref
+from kapitsa.engine.loading.resolve import hf_hub_cache
 from kapitsa.errors import CheckpointError, ModelNotFound
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

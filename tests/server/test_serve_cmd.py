@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
+from kapitsa.commands.serve import cmd_serve, make_settings
 from kapitsa.errors import KapitsaError
-from kapitsa.server.serve_cmd import cmd_serve, make_settings
 from kapitsa.server.settings import DEFAULT_PORT
 
 

@@ -139,10 +139,11 @@ class TestEngine:
 
     async def test_the_real_services_say_what_is_missing(self, tmp_path) -> None:
         """Without an engine module, starting says so (no fake engine behind the user's back)."""
-        from kapitsa.tui.services import Unavailable, _require
+        from kapitsa.tui.services import Unavailable, needs
 
         try:
-            _require("kapitsa.engine.not_a_module", "the in-process engine")
+            with needs("the in-process engine"):
+                import kapitsa.engine.not_a_module  # noqa: F401
         except Unavailable as err:
             assert "the in-process engine is not available" in str(err)
         else:

@@ -12,7 +12,7 @@ from tui_support import FakeServices
 
 from kapitsa.engine.types import ModelInfo
 from kapitsa.testing.fake_engine import FakeEngine
-from kapitsa.tui.services import TuiServices, Unavailable, _require
+from kapitsa.tui.services import TuiServices, Unavailable, needs
 
 
 @pytest.fixture
@@ -57,5 +57,6 @@ def test_claude_is_launched_against_the_running_server(running, tmp_path: Path, 
 
 
 def test_missing_pieces_say_what_is_missing() -> None:
-    with pytest.raises(Unavailable, match="the in-process engine is not available in this build"):
-        _require("kapitsa.engine.not_a_module", "the in-process engine")
+    missing = pytest.raises(Unavailable, match="the in-process engine is not available in this build")
+    with missing, needs("the in-process engine"):
+        import kapitsa.engine.not_a_module  # noqa: F401

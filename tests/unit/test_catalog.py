@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kapitsa import memory_estimate as me
-from kapitsa.catalog import arch_from_config, load_catalog, parse_model_ref, resolve_model
+from kapitsa.catalog import arch_from_config, is_alias, load_catalog, resolve_model
 from kapitsa.errors import ModelNotFound
 
 ALIASES = {"4b", "27b", "35b", "flash-next", "lightning", "bolt", "super-vl", "dory", "demo"}
@@ -62,8 +62,8 @@ def test_every_alias_is_in_the_catalog_with_its_quants() -> None:
 
 def test_quant_syntax_and_display_names() -> None:
     catalog = load_catalog()
-    assert parse_model_ref("27b:6bit") == ("27b", "6bit")
-    assert parse_model_ref("27b") == ("27b", None)
+    assert is_alias("27b:6bit", catalog) and is_alias("27B", catalog)
+    assert not is_alias("Qwen/Qwen3.5-27B:4bit", catalog)
     six = resolve_model("27b:6bit", catalog)
     assert six.repo_id == "mlx-community/Qwen3.6-27B-6bit" and six.display_name == "27b:6bit"
     default = resolve_model("27b", catalog)

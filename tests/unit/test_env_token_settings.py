@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from kapitsa import token as tokens
 from kapitsa.cli import app
-from kapitsa.env_cmd import env_lines, normalize_shell
 from kapitsa.errors import InvalidRequest, KapitsaError
 from kapitsa.settings import load_settings
+from kapitsa.shell_env import env_lines, normalize_shell
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_cli_env_and_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rest
 def test_shell_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     import shellingham
 
-    from kapitsa.env_cmd import detect_shell
+    from kapitsa.shell_env import detect_shell
 
     monkeypatch.setattr(shellingham, "detect_shell", lambda: ("pwsh", "/usr/bin/pwsh"))
     assert detect_shell() == "powershell"

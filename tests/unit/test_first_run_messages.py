@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kapitsa.errors import NotDownloaded
-from kapitsa.run_cmd import load_for_spec
+from kapitsa.opener import load_for_ref
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kapitsa"
 OTHER_TOOLS = re.compile(r"hf download|huggingface-cli")
@@ -27,14 +27,14 @@ def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.mark.parametrize("spec", ["4b", "4b:8bit"])
 def test_a_catalog_model_not_downloaded_says_kapitsa_pull(empty_cache: Path, spec: str) -> None:
     with pytest.raises(NotDownloaded) as err:
-        load_for_spec(spec)
+        load_for_ref(spec)
     assert f"run `kapitsa pull {spec}`" in str(err.value) and err.value.ref == spec
     assert not OTHER_TOOLS.search(str(err.value))
 
 
 def test_a_repo_id_not_downloaded_says_kapitsa_pull(empty_cache: Path) -> None:
     with pytest.raises(NotDownloaded, match="`kapitsa pull org/missing`"):
-        load_for_spec("org/missing")
+        load_for_ref("org/missing")
 
 
 def test_kapitsa_run_prints_the_hint_and_fails(empty_cache: Path) -> None:

@@ -1,43 +1,19 @@
-"""From what the user typed (`~/models/x`, `Qwen/Qwen3.5-27B`, `org/repo:4bit`, `x.gguf`) to a
-path on disk. Repo ids are looked up in the standard Hugging Face cache; nothing is downloaded."""
+"""From a parsed model reference (`~/models/x`, `Qwen/Qwen3.5-27B`, `org/repo:4bit`, `x.gguf`; see
+model_ref.py) to a path on disk. Repo ids are looked up in the standard Hugging Face cache; nothing
+is downloaded."""
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from kapitsa.engine.loading.quantize import QUANT_SPECS
+from kapitsa.engine.loading.model_ref import ModelRef, is_repo_id, parse_model_ref
 from kapitsa.errors import ModelNotFound, NotDownloaded
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+__all__ = ["ModelRef", "hf_hub_cache", "parse_model_ref", "pick_gguf", "resolve_repo_id", "resolve_source"]
+
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRef:
-    source: str  # the path or repo id, without suffixes
-    quantization: str | None = None  # "4bit", "bf16", ... from a `:4bit` suffix
-    variant: str | None = None  # another suffix, e.g. a GGUF quant tag (`:Q4_K_M`)
-    revision: str = "main"  # from `org/repo@revision`
-
-
-def parse_model_ref(spec: str) -> ModelRef:
-    """Split `source[@revision][:suffix]`; a suffix naming a known quantization is the quantization."""
-    source, suffix = spec.strip(), None
-    if Path(source).expanduser().exists():  # an existing path wins, even with ':' or '@' in it
-        return ModelRef(source)
-    head, sep, tail = source.rpartition(":")
-    # "C:\\models" (a drive letter) and "a/b:c/d" are not suffixes
-    if sep and head and len(head) > 1 and tail and "/" not in tail and "\\" not in tail:
-        source, suffix = head, tail
-    revision = "main"
-    if "@" in source and not Path(source).expanduser().exists():
-        source, revision = source.rsplit("@", 1)
-    if suffix is not None and suffix.lower() in QUANT_SPECS:
-        return ModelRef(source, quantization=suffix.lower(), revision=revision)
-    return ModelRef(source, variant=suffix, revision=revision)
 
 
 def hf_hub_cache() -> Path:
@@ -90,7 +66,7 @@ def resolve_source(ref: ModelRef) -> Path:
     path = Path(ref.source).expanduser()
     if path.exists():
         return path.resolve()
-    if _REPO_ID.match(ref.source) and not ref.source.startswith((".", "~")):
+    if is_repo_id(ref.source):
         return resolve_repo_id(ref.source, ref.revision)
     raise ModelNotFound(f"no model at {ref.source!r}: not a file or folder, and not a Hugging Face repo id")
 
