@@ -26,6 +26,14 @@ def bench_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The local engine's prefix-cache disk tier goes to the test's temp folder, not the user's state."""
+    folder = tmp_path / "state"
+    monkeypatch.setenv("KAPITSA_STATE_DIR", str(folder))
+    return folder
+
+
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     r = Receiver()

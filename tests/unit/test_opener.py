@@ -1,0 +1,63 @@
+"""The one opener: every surface's engine gets the disk tier in the state folder, the kernel options
+the environment names and the speculation its flags ask for, and refuses bad flags before loading."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from kapitsa.commands.run import RunOptions, cmd_run
+from kapitsa.errors import InvalidRequest, KapitsaError
+from kapitsa.opener import check_speculation, open_engine
+from kapitsa.settings import load_settings
+from kapitsa.testing import tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-qwen3_5", "qwen3_5")
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "no-config.toml"))
+    monkeypatch.setenv("KAPITSA_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def test_the_engine_has_the_disk_tier_kernels_and_speculation(
+    tiny_qwen: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KAPITSA_SSD_CHUNK", "64")
+    with contextlib.closing(open_engine(str(tiny_qwen), speculative="ngram")) as engine:
+        config = engine.engine.config
+        assert config.disk_cache_dir == state_dir / "prefix-cache"
+        assert config.kernels.ssd_chunk == 64
+        assert engine.stats().speculative == "ngram"
+
+
+def test_a_second_run_reads_the_first_runs_prompt_from_disk(tiny_qwen: Path, state_dir: Path) -> None:
+    prompt = "the same long prompt, word after word, " * 12
+    options = RunOptions(model=str(tiny_qwen), prompt_arg=prompt, max_tokens=2, json_out=True)
+    first = cmd_run(options, write=lambda _text: None)
+    second = cmd_run(options, write=lambda _text: None)
+    assert first.cached_tokens == 0 and second.cached_tokens > first.prompt_tokens // 2
+    assert any((state_dir / "prefix-cache").rglob("*"))
+
+
+def test_bad_kernel_variables_are_refused_before_loading(
+    monkeypatch: pytest.MonkeyPatch, state_dir: Path
+) -> None:
+    monkeypatch.setenv("KAPITSA_SSD_CHUNK", "many")
+    with pytest.raises(InvalidRequest, match="KAPITSA_SSD_CHUNK"):
+        open_engine("/nonexistent")
+
+
+@pytest.mark.parametrize(("mode", "message"), [("block", "needs --draft"), ("warp", "unknown speculative")])
+def test_speculation_that_cannot_be_set_up_is_refused(mode: str, message: str) -> None:
+    with pytest.raises(KapitsaError, match=message):
+        check_speculation(mode, None)
+    with pytest.raises(KapitsaError, match=message):
+        open_engine("/nonexistent", speculative=mode, settings=load_settings())
