@@ -18,15 +18,17 @@ import argparse
 import collections
 import ctypes
 import json
+import os
 import re
 import sqlite3
 
 import mlx.core as mx
 
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.testing.tiny import tiny_config
 from lab.decode_profile import _kapitsa_step
-from lab.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model
+from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model
 
 
 def _cudart():
@@ -40,8 +42,10 @@ def _cudart():
 
 def decode(shape: str, steps: int, prompt_len: int, tiny: bool) -> None:
     kind, dims = (TINY if tiny else SHAPES)[shape]
-    model = _kapitsa_model(tiny_config(kind, **dims))
-    ModelRunner(model)  # fuses projections and routes quantized linears, as the engine does
+    model = kapitsa_model(tiny_config(kind, **dims))
+    # fuses projections and routes quantized linears, as the engine does, under the KAPITSA_*
+    # kernel options of this process's environment (as an opener reads them)
+    ModelRunner(model, kernels=KernelOptions.from_environ(os.environ))
     prefill, step = _kapitsa_step(model)
     vocab = dims.get("vocab_size", 512)
     tok = mx.argmax(prefill([(i * 7919) % (vocab - 10) + 5 for i in range(prompt_len)]), axis=-1)

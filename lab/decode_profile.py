@@ -20,10 +20,15 @@ import time
 import mlx.core as mx
 
 from kapitsa.engine.loading.fuse import fuse_model
-from kapitsa.engine.models import base
+from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears
+from kapitsa.engine.options import KernelOptions
 from kapitsa.testing.tiny import tiny_config
-from lab.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model, _time_kapitsa
+from lab.engine_timing import time_kapitsa
+from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model
+
+OP_BY_OP = KernelOptions(compile_decode=False)
+DEFAULTS = KernelOptions()
 
 
 def _kapitsa_step(model):
@@ -113,25 +118,25 @@ def main() -> None:
         config = tiny_config(kind, **dims)
         vocab = dims.get("vocab_size", 512)
         prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(args.prompt)]
-        model = _mlxlm_model(config)
+        model = mlxlm_model(config)
         for _ in range(2):  # the first pass includes kernel JIT
             record(name, "mlx-lm", _profile(*_mlxlm_step(model), prompt, args.steps))
         del model
         gc.collect()
         mx.clear_cache()
-        model = _kapitsa_model(config)
-        base.COMPILE_DECODE["on"] = False
+        model = kapitsa_model(config)
+        use_kernel_options(model, OP_BY_OP)
         record(name, "kapitsa op-by-op", _profile(*_kapitsa_step(model), prompt, args.steps))
         fuse_model(model)
         record(name, "kapitsa fused op-by-op", _profile(*_kapitsa_step(model), prompt, args.steps))
-        base.COMPILE_DECODE["on"] = True
+        use_kernel_options(model, DEFAULTS)
         for _ in range(2):
             record(name, "kapitsa fused+compiled", _profile(*_kapitsa_step(model), prompt, args.steps))
-        route_quantized_linears(model)  # what the engine runs (kapitsa/engine/ops/linear.py)
+        route_quantized_linears(model, DEFAULTS)  # what the engine runs (kapitsa/engine/ops/linear.py)
         for _ in range(2):
             record(name, "kapitsa fused+compiled+routed", _profile(*_kapitsa_step(model), prompt, args.steps))
         if args.engine:
-            out = _time_kapitsa(model, prompt, args.steps * 2)
+            out = time_kapitsa(model, prompt, args.steps * 2)
             record(name, "kapitsa engine", {k: round(v, 3) for k, v in out.items()})
         del model
         gc.collect()

@@ -12,252 +12,23 @@ path `kapitsa run` and `kapitsa serve` use); mlx-lm through `generate_step`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import statistics
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.models import get_model_module
-from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
-from kapitsa.engine.types import (
-    ErrorEvent,
-    FinishEvent,
-    GenerationRequest,
-    ModelInfo,
-    SamplingParams,
-    TokenEvent,
-)
 from kapitsa.testing.tiny import tiny_config
+from lab.engine_timing import emit, time_kapitsa, time_mlxlm
+from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model, prompt_ids
+from lab.spec_shapes import spec_rounds
+from lab.spec_shapes import summary as spec_summary
+from lab.variants import add_variants, fused_parts
+from lab.weight_reads import read_bytes_per_token, routing, total_bytes
 
-QWEN_VOCAB = 248320
 MEASURED_LIMIT_GB_S = 3770.0  # H200 grid-stride read through mx.fast.cuda_kernel (shared/gpu/README.md)
-SHAPES = {
-    "4b": (
-        "qwen3_5",
-        dict(
-            hidden_size=2560,
-            num_hidden_layers=32,
-            intermediate_size=9216,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            tie_word_embeddings=True,
-            vocab_size=QWEN_VOCAB,
-        ),
-    ),
-    "27b": (
-        "qwen3_5",
-        dict(
-            hidden_size=5120,
-            num_hidden_layers=64,
-            intermediate_size=17408,
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=48,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            vocab_size=QWEN_VOCAB,
-        ),
-    ),
-    "35b-a3b": (
-        "qwen3_5_moe",
-        dict(
-            hidden_size=2048,
-            num_hidden_layers=40,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            num_experts=256,
-            num_experts_per_tok=8,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            vocab_size=QWEN_VOCAB,
-        ),
-    ),
-    "nemotron-30b-a3b": (
-        "nemotron_h",
-        dict(
-            hidden_size=2688,
-            num_hidden_layers=52,
-            hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
-            mamba_num_heads=64,
-            mamba_head_dim=64,
-            ssm_state_size=128,
-            n_groups=8,
-            num_attention_heads=32,
-            num_key_value_heads=2,
-            head_dim=128,
-            n_routed_experts=128,
-            num_experts_per_tok=6,
-            moe_intermediate_size=1856,
-            moe_shared_expert_intermediate_size=3712,
-            intermediate_size=1856,
-            vocab_size=131072,
-        ),
-    ),
-}
-TINY = {k: (kind, {"vocab_size": 8192}) for k, (kind, _) in SHAPES.items()}  # the demo tokenizer's ids fit
-FULL_PRECISION_SUFFIXES = ("mlp.gate", "shared_expert_gate", "mixer.gate")
-STARTED = time.perf_counter()
-
-
-def emit(row: dict) -> None:
-    """Print a result row as a JSON line with `t_s`, the seconds since this process started (where
-    a device call's time went, when a part is cut by its limit)."""
-    print(json.dumps({**row, "t_s": round(time.perf_counter() - STARTED, 1)}), flush=True)
-
-
-def _quantizable(path: str, module: nn.Module) -> bool:
-    if path.endswith(FULL_PRECISION_SUFFIXES) or not hasattr(module, "to_quantized"):
-        return False
-    return getattr(module, "weight", None) is not None and module.weight.shape[-1] % 64 == 0
-
-
-DTYPE = {"value": mx.bfloat16}  # float32 for --tiny: MLX's CPU gather_mm (MoE) is float32-only
-
-
-def _materialize(model: nn.Module) -> nn.Module:
-    """bf16 + 4-bit, one layer at a time so random fp32 init never holds the whole model."""
-    model.set_dtype(DTYPE["value"])
-    for layer in model.layers:
-        nn.quantize(layer, group_size=64, bits=4, class_predicate=_quantizable)
-        mx.eval(layer.parameters())
-    nn.quantize(model, group_size=64, bits=4, class_predicate=_quantizable)
-    mx.eval(model.parameters())
-    return model
-
-
-def _kapitsa_model(config: dict) -> nn.Module:
-    module = get_model_module(config["model_type"])
-    return _materialize(module.Model(module.ModelArgs.from_dict(config)))
-
-
-def _mlxlm_model(config: dict) -> nn.Module:
-    import importlib
-
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    return _materialize(module.Model(module.ModelArgs.from_dict(config)))
-
-
-class _Detok:
-    def add(self, token_id: int) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
-class _Tokenizer:
-    """Enough tokenizer for prompt_token_ids requests (no text is decoded in this benchmark)."""
-
-    eos_token_ids = frozenset()
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids) -> str:
-        return ""
-
-    def detokenizer(self) -> _Detok:
-        return _Detok()
-
-    def apply_chat_template(self, messages, **kwargs) -> str:
-        return ""
-
-
-def kapitsa_engine(model, prompt_len: int, tokens: int, decode=None) -> InProcessEngine:
-    """kapitsa's engine (the path of `kapitsa run` / `serve`) over a bench model, no prefix cache."""
-    info = ModelInfo(
-        id="bench", family="bench", context_length=prompt_len + tokens + 16, max_output_tokens=tokens
-    )
-    return InProcessEngine(
-        model,
-        _Tokenizer(),
-        info,
-        eos_token_ids=set(),
-        config=EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048),
-        decode=decode,
-    )
-
-
-def generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
-    """One greedy request of `tokens` tokens: its ids, time to first token, decode and prefill tok/s."""
-
-    async def run() -> dict:
-        start = time.perf_counter()
-        ids: list[int] = []
-        first = end = None
-        request = GenerationRequest(
-            prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
-        )
-        async for event in client.generate(request):
-            if isinstance(event, TokenEvent):
-                ids += event.token_ids
-                first = first or time.perf_counter()
-            elif isinstance(event, FinishEvent):
-                end = time.perf_counter()
-            elif isinstance(event, ErrorEvent):
-                raise event.error
-        return dict(
-            ids=ids,
-            ttft_s=first - start,
-            decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9),
-            prefill_tok_s=len(prompt) / (first - start),
-        )
-
-    return asyncio.run(run())
-
-
-def _time_kapitsa(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
-    """`warmup`: the prompt of the warm-up request (default: `prompt`)."""
-    client = kapitsa_engine(model, len(prompt), tokens)
-    try:
-        generate(client, warmup or prompt, 8)  # warm-up: kernels compile, buffers allocate
-        result = generate(client, prompt, tokens)
-    finally:
-        client.close()
-    result.pop("ids")
-    return result
-
-
-def _time_mlxlm(model, prompt: list[int], tokens: int, warmup: list[int] | None = None) -> dict:
-    from mlx_lm.generate import generate_step
-
-    def run(tokens: int = tokens, prompt: list[int] = prompt) -> dict:
-        start = time.perf_counter()
-        first = None
-        n = 0
-        for (_token, _), _ in zip(
-            generate_step(mx.array(prompt), model, max_tokens=tokens), range(tokens), strict=False
-        ):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        return dict(
-            ttft_s=first - start,
-            decode_tok_s=(n - 1) / (end - first),
-            prefill_tok_s=len(prompt) / (first - start),
-        )
-
-    run(8, warmup or prompt)
-    return run()
 
 
 def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -> dict:
@@ -286,17 +57,11 @@ def _verify_cost(model, prompt: list[int], sizes=(1, 2, 4, 8), iters: int = 8) -
     return out
 
 
-def _prompt(length: int, vocab: int, stride: int = 7919) -> list[int]:
-    """Deterministic token ids spread over the vocabulary (ids 0-4 left out)."""
-    return [(i * stride) % (vocab - 10) + 5 for i in range(length)]
-
-
 def _prefill_rows(name: str, models: dict, timers: dict, plen: int, vocab: int, sizes: dict) -> list[dict]:
     """One prefill of `plen` tokens per engine (2 tokens decoded: the decode figure is not kept),
-    after a warm-up prefill of the same length with other tokens: every chunk offset's kernels
-    are compiled before the timed run (session 5 warmed up on one chunk only, and kapitsa's 8k
-    figures came out 3-5x below its 512-token ones per token)."""
-    prompt, warmup = _prompt(plen, vocab), _prompt(plen, vocab, stride=104729)
+    after a warm-up prefill of the same length with other tokens, so every chunk offset's kernels
+    are compiled before the timed run (a one-chunk warm-up leaves the later chunks' compiles in it)."""
+    prompt, warmup = prompt_ids(plen, vocab), prompt_ids(plen, vocab, stride=104729)
     rows = []
     for engine in ("mlx-lm", "kapitsa"):
         result = timers[engine](models[engine], prompt, 2, warmup)
@@ -372,10 +137,6 @@ def _summary(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    # beside this script (decode_profile imports this module as bench.*)
-    from variants import add_variants, fused_parts
-    from weight_reads import read_bytes_per_token, routing, total_bytes
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=128)
@@ -436,17 +197,15 @@ def main() -> None:
         # Both models stay loaded and are timed in alternation, `--rounds` times each: the host's
         # speed drifts within a run on a shared machine, so compare medians of interleaved runs.
         built_from = time.perf_counter()
-        models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
-        timers = {"mlx-lm": _time_mlxlm, "kapitsa": _time_kapitsa}
+        models = {"mlx-lm": mlxlm_model(config), "kapitsa": kapitsa_model(config)}
+        timers = {"mlx-lm": time_mlxlm, "kapitsa": time_kapitsa}
         route = routing(config)
-        add_variants(
-            args, models, timers, lambda config=config: _kapitsa_model(config), moe=route is not None
-        )
+        add_variants(args, models, timers, lambda config=config: kapitsa_model(config), moe=route is not None)
         sizes = {e: total_bytes(m) / 1e9 for e, m in models.items()}
         read_gb = read_bytes_per_token(models["kapitsa"], route) / 1e9
         emit(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1)))
         for plen in args.prompts:
-            prompt = _prompt(plen, vocab)
+            prompt = prompt_ids(plen, vocab)
             for rnd in range(args.rounds):
                 for engine, model in models.items():
                     result = dict(
@@ -470,8 +229,6 @@ def main() -> None:
             emit(verify)
             extra.append(verify)
         if name in args.spec_shapes:  # last: it scripts the kapitsa model (spec_shapes.py)
-            from spec_shapes import spec_rounds
-
             spec += spec_rounds(
                 name,
                 models["kapitsa"],
@@ -481,16 +238,14 @@ def main() -> None:
                 args.spec_tokens,
                 args.spec_draft,
                 # --fused-ab's parts time speculation too (a mat-vec part's default decides on both)
-                {"fused": lambda: fused_parts(args.fused_ab)} if args.fused_ab else None,
+                {"fused": fused_parts(args.fused_ab)} if args.fused_ab else None,
             )
         del models
         gc.collect()
         mx.clear_cache()
     _summary(rows)
     if spec:
-        from spec_shapes import summary
-
-        summary(spec)
+        spec_summary(spec)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows + extra + spec, f, indent=1)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 
 import mlx.core as mx
@@ -25,10 +24,11 @@ from kapitsa.engine.kernels import attention, attn_prep, gdn, mamba, router
 from kapitsa.engine.kernels import cuda as cuda_mod
 from kapitsa.engine.ops import gated_delta
 from kapitsa.engine.ops import linear as qlinear
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.testing.tiny import tiny_config
-from lab.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model
 from lab.host_costs import primitive_histogram
+from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model
 
 SMALLER = {"num_experts": 8, "n_routed_experts": 8, "vocab_size": 4096}
 
@@ -60,7 +60,7 @@ def pretend_cuda() -> None:
     gdn.kernel_works = lambda kind: True
     gdn.decode_kernel_works = lambda kind: True
     gated_delta.fast_kernel_works = lambda: True
-    qlinear.probe_kernels = lambda: {name: True for name in qlinear.PROBES}
+    qlinear.probe_kernels = lambda options: {name: True for name in qlinear.PROBES}
     qlinear.WORKING.update({name: True for name in qlinear.PROBES})
     router.WORKING["router"] = True
     attention.WORKING["attn"] = True
@@ -69,11 +69,11 @@ def pretend_cuda() -> None:
     mamba.WORKING["cuda"] = True
 
 
-def census(shape: str, tiny: bool = False) -> dict:
+def census(shape: str, tiny: bool = False, kernels: KernelOptions = KernelOptions()) -> dict:  # noqa: B008
     kind, dims = (TINY if tiny else SHAPES)[shape]
     config = tiny_config(kind, **{**dims, **{k: v for k, v in SMALLER.items() if k in dims}})
-    model = _kapitsa_model(config)
-    runner = ModelRunner(model)
+    model = kapitsa_model(config)
+    runner = ModelRunner(model, kernels=kernels)
     cache = model.make_cache(1)
     runner.prefill(cache, [5, 6, 7, 8])
     hist = primitive_histogram(mx.argmax(runner.decode_lazy(cache, mx.array([9], dtype=mx.int32)), axis=-1))
@@ -85,20 +85,15 @@ def census(shape: str, tiny: bool = False) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["4b"])
-    ap.add_argument("--env", nargs="*", default=[], help="NAME=VALUE settings applied first")
+    ap.add_argument("--env", nargs="*", default=[], help="KAPITSA_NAME=VALUE kernel options (KernelOptions)")
     ap.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run)")
     args = ap.parse_args()
-    for setting in args.env:
-        name, _, value = setting.partition("=")
-        os.environ[name] = value
-    # (settings read once at import: read them again)
-    qlinear.FUSED_NORMS.update(qlinear._fused_setting(os.environ.get("KAPITSA_FUSED_NORMS", "")))
-    qlinear.MATVEC["kernel"] = qlinear._matvec_setting(os.environ.get("KAPITSA_QMV_KERNEL", ""))
+    kernels = KernelOptions.from_environ(dict(setting.partition("=")[::2] for setting in args.env))
     pretend_cuda()
     if args.tiny:
         DTYPE["value"] = mx.float32
     for shape in args.shapes:
-        print(json.dumps(census(shape, args.tiny)), flush=True)
+        print(json.dumps(census(shape, args.tiny, kernels)), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ import time
 import mlx.core as mx
 
 from kapitsa.engine.kernels.cuda import CudaKernel
-from kapitsa.engine.ops import linear as qlinear
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.testing.tiny import tiny_config
 from lab.decode_profile import _kapitsa_step, _mlxlm_step, _profile
-from lab.decode_vs_mlxlm import DTYPE, SHAPES, TINY, _kapitsa_model, _mlxlm_model
+from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model
 
 CHAIN = 400  # primitives per timed chain
 
@@ -141,11 +141,13 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
     prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(prompt_len)]
     for engine in engines:
         if engine == "kapitsa":
-            model = _kapitsa_model(config)
-            ModelRunner(model)  # fuses projections and routes quantized linears, as the engine does
+            model = kapitsa_model(config)
+            # fuses projections and routes quantized linears, as the engine does, under the
+            # KAPITSA_* kernel options of this process's environment (as an opener reads them)
+            ModelRunner(model, kernels=KernelOptions.from_environ(os.environ))
             prefill, step = _kapitsa_step(model)
         else:
-            model = _mlxlm_model(config)
+            model = mlxlm_model(config)
             prefill, step = _mlxlm_step(model)
         for _ in range(2):  # the first pass compiles
             result = _profile(prefill, step, prompt, steps)
@@ -153,7 +155,9 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
         tok = mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
         mx.eval(tok)
         hist = primitive_histogram(mx.argmax(step(tok), axis=-1))
-        setting = {"qmv_kernel": qlinear.MATVEC["kernel"]} if engine == "kapitsa" else {}
+        setting = (
+            {k: v for k, v in os.environ.items() if k.startswith("KAPITSA_")} if engine == "kapitsa" else {}
+        )
         _emit(dict(kind="step", shape=name, engine=engine, **setting, **result, **_summarise(hist)))
         del model, prefill, step
         gc.collect()
@@ -162,8 +166,8 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
 
 # (rows per warp, warps per block, rounds unrolled) of the one-row direct kernel to time
 # (a fourth element True: the loop over round groups unrolled, so loads may overlap the math).
-# Sessions 6-7 timed nine shapes at 4 and 8 warps (lab/runs/qmv-h200-s7.log); fewer warps per
-# block make the blocks finer, so the last wave's tail is shorter.
+# Fewer warps per block make the blocks finer, so the last wave's tail is shorter (nine shapes at
+# 4 and 8 warps: lab/runs/qmv-h200-s7.log).
 # the last three: persistent grids of 528, 660 and 792 blocks (4-6 per SM of the H200's 132 at the
 # kernel's 80-90 registers), each warp looping over its share of the row groups
 DIRECT_SHAPES = [

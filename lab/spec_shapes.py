@@ -20,34 +20,26 @@ write exactly what plain decoding writes; each run is checked (`same_as_plain`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import inspect
 import json
 import re
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
-from decode_vs_mlxlm import (
-    DTYPE,
-    SHAPES,
-    TINY,
-    _kapitsa_model,
-    _mlxlm_model,
-    _time_mlxlm,
-    emit,
-    generate,
-    kapitsa_engine,
-)
-from variants import timed_with
 
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.speculative.decoder import SpeculativeDecode, SpeculativeStats
 from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
 from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.testing.tiny import tiny_config
+from lab import models_under_test
+from lab.engine_timing import DEFAULTS, emit, generate, kapitsa_engine, time_mlxlm
+from lab.models_under_test import DTYPE, SHAPES, TINY
+from lab.variants import Variant, timed_with
 
 DEMO = Path(__file__).resolve().parents[1] / "kapitsa" / "demo"
 
@@ -93,9 +85,9 @@ def script_model(model, prompt: Sequence[int], answer: Sequence[int]) -> None:
     model.forward, model.logits = scripted_forward, scripted_logits
 
 
-def _time_spec(model, prompt, tokens, max_draft) -> dict:
+def _time_spec(model, prompt, tokens, max_draft, kernels: KernelOptions = DEFAULTS) -> dict:
     strategy = SpeculativeDecode(NGramDrafter, name="ngram", max_draft=max_draft)
-    client = kapitsa_engine(model, len(prompt), tokens, strategy)
+    client = kapitsa_engine(model, len(prompt), tokens, strategy, kernels=kernels)
     try:
         generate(client, prompt, tokens)  # warm-up: compiles every verify length it meets
         strategy.stats = SpeculativeStats()  # count the timed run only
@@ -126,11 +118,11 @@ def spec_rounds(
     rounds: int,
     tokens: int,
     max_draft: int,
-    variants: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+    variants: dict[str, Variant] | None = None,
 ):
     """Interleaved rounds of kapitsa plain, kapitsa n-gram speculation (both on the scripted
     model) and mlx-lm plain decoding on the edit workload; rows as dicts. Each of `variants`
-    (name: a setting, as variants.py makes them) adds speculation under that setting,
+    (name: a variant, as variants.py makes them) adds speculation under that setting,
     "kapitsa-spec-<name>", to every round. Leaves the kapitsa model scripted (call last)."""
     prompt, answer = edit_workload()
     if max(prompt + answer) >= vocab:
@@ -140,13 +132,16 @@ def spec_rounds(
     runs = {
         "kapitsa-plain": lambda: _time_plain(kapitsa_model, prompt, tokens),
         "kapitsa-spec": lambda: _time_spec(kapitsa_model, prompt, tokens, max_draft),
-        "mlx-lm": lambda: _time_mlxlm(mlxlm_model, prompt, tokens),
+        "mlx-lm": lambda: time_mlxlm(mlxlm_model, prompt, tokens),
     }
-    for variant, setting in (variants or {}).items():
+    for label, variant in (variants or {}).items():
         timer = timed_with(
-            setting, lambda model, prompt, tokens, warmup=None: _time_spec(model, prompt, tokens, max_draft)
+            variant,
+            lambda model, prompt, tokens, warmup=None, kernels=DEFAULTS: _time_spec(
+                model, prompt, tokens, max_draft, kernels
+            ),
         )
-        runs[f"kapitsa-spec-{variant}"] = lambda timer=timer: timer(kapitsa_model, prompt, tokens)
+        runs[f"kapitsa-spec-{label}"] = lambda timer=timer: timer(kapitsa_model, prompt, tokens)
     rows = []
     for rnd in range(rounds):
         for engine, run in runs.items():
@@ -167,7 +162,10 @@ def bench_shape(name: str, table: dict, rounds: int, tokens: int, max_draft: int
     kind, dims = table[name]
     config = tiny_config(kind, **dims)
     vocab = config.get("text_config", config)["vocab_size"]
-    models = {"mlx-lm": _mlxlm_model(config), "kapitsa": _kapitsa_model(config)}
+    models = {
+        "mlx-lm": models_under_test.mlxlm_model(config),
+        "kapitsa": models_under_test.kapitsa_model(config),
+    }
     try:
         return spec_rounds(name, models["kapitsa"], models["mlx-lm"], vocab, rounds, tokens, max_draft)
     finally:

@@ -2,51 +2,55 @@
 --kernels-ab, --qmv-ab, --fold-ab`): each variant is one more engine in the interleaved rounds, so the host's
 drift within a run falls on all of them alike.
 
-A variant changes what the models trace (fused mat-vec parts, kernel families) or how the engine
-prepares the model (shared-expert folding), so its timer drops the model's compiled traces before
-and after its runs, and `--fold-ab` times a second copy of the model, whose shared experts are folded.
+A variant is other `KernelOptions` for the engine that times it: its model runner gives them to the
+layers and routed linears. They change what the model traces (fused mat-vec parts, kernel
+families), so its timer drops the model's compiled traces before and after its runs; an option that
+changes how the engine prepares the model (shared-expert folding) gets its own copy of the model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.traces import drop_traces
 
 Timer = Callable[..., dict]
 
 
-@contextlib.contextmanager
-def fused_parts(parts: str) -> Iterator[dict]:
-    """KAPITSA_FUSED_NORMS=parts for the block (the kernels' probe runs first)."""
-    from kapitsa.engine.ops import linear as qlinear
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """kapitsa under `kernels`; `described` joins each of its rows, and so does `after()`, read
+    once its engine has run (which kernels its probes found working)."""
 
-    before = dict(qlinear.FUSED_NORMS)
-    qlinear.FUSED_NORMS.update(qlinear._fused_setting(parts))
-    qlinear.probe_kernels()
-    try:
-        yield {"fused_parts": parts, "fused_working": qlinear.WORKING.get("fused")}
-    finally:
-        qlinear.FUSED_NORMS.update(before)
+    kernels: KernelOptions
+    described: dict = field(default_factory=dict)
+    after: Callable[[], dict] = dict
+    own_model: bool = False  # the options change how the engine prepares the model: time a copy
 
 
-@contextlib.contextmanager
-def kernel_families(families: str) -> Iterator[dict]:
-    """KAPITSA_KERNELS=families for the block (read when a model traces its steps)."""
-    from kapitsa.engine.kernels import probe_enabled
+def fused_parts(parts: str) -> Variant:
+    """The one-row mat-vecs fuse `parts` (KAPITSA_FUSED_NORMS syntax: "all", "0" or a comma list)."""
 
-    before = os.environ.get("KAPITSA_KERNELS")
-    os.environ["KAPITSA_KERNELS"] = families
-    probe_enabled()  # the ModelRunner probed under the defaults, where opt-in families are off
-    try:
-        yield {"kernels": families}
-    finally:
-        if before is None:
-            os.environ.pop("KAPITSA_KERNELS", None)
-        else:
-            os.environ["KAPITSA_KERNELS"] = before
+    def after() -> dict:
+        from kapitsa.engine.ops import linear as qlinear
+
+        return {"fused_working": qlinear.WORKING.get("fused")}
+
+    options = KernelOptions.from_environ({"KAPITSA_FUSED_NORMS": parts})
+    return Variant(options, {"fused_parts": parts}, after)
+
+
+def kernel_families(families: str) -> Variant:
+    """The model uses the kernel families `families` names (KAPITSA_KERNELS syntax)."""
+    return Variant(KernelOptions.from_environ({"KAPITSA_KERNELS": families}), {"kernels": families})
+
+
+def folded() -> Variant:
+    """Shared experts folded into the routed stacks when the engine prepares the model."""
+    return Variant(KernelOptions(fold_shared_experts=True), {"folded": True}, own_model=True)
 
 
 @contextlib.contextmanager
@@ -75,32 +79,19 @@ def matvec_kernel(spec: str) -> Iterator[dict]:
         qlinear.MATVEC["kernel"], qmv_direct.SHAPE_BY_ROWS[1] = before, shape_before
 
 
-@contextlib.contextmanager
-def folded() -> Iterator[dict]:
-    """Shared experts folded into the routed stacks when the engine prepares the model."""
-    from kapitsa.engine.loading import moe_fold
-
-    before = moe_fold.FOLD["on"]
-    moe_fold.FOLD["on"] = True
-    try:
-        yield {"folded": True}
-    finally:
-        moe_fold.FOLD["on"] = before
-
-
-def timed_with(setting: Callable[[], contextlib.AbstractContextManager], timer: Timer) -> Timer:
-    """`timer` run inside `setting()`, the model's traces dropped on both sides; the setting's
+def timed_with(variant: Variant, timer: Timer) -> Timer:
+    """`timer` run under `variant.kernels`, the model's traces dropped on both sides; the variant's
     description joins the result. A variant that fails (an untimed kernel that does not compile
     or run on this machine) returns {"error": ...} instead of ending the whole run."""
 
     def run(model, prompt, tokens, warmup=None) -> dict:
         try:
-            with setting() as described:
+            drop_traces(model)
+            try:
+                result = timer(model, prompt, tokens, warmup, kernels=variant.kernels)
+            finally:
                 drop_traces(model)
-                try:
-                    return dict(timer(model, prompt, tokens, warmup), **described)
-                finally:
-                    drop_traces(model)
+            return dict(result, **variant.described, **variant.after())
         except Exception as exc:  # noqa: BLE001 - reported in the row, the defaults' run goes on
             return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
@@ -110,15 +101,16 @@ def timed_with(setting: Callable[[], contextlib.AbstractContextManager], timer: 
 def add_variants(args, models: dict, timers: dict, build_kapitsa: Callable[[], object], *, moe: bool) -> None:
     """Register the variants `args` asks for next to models["kapitsa"] / timers["kapitsa"]."""
     base = timers["kapitsa"]
+    variants = {}
     if args.fused_ab:
-        models["kapitsa-fused"] = models["kapitsa"]
-        timers["kapitsa-fused"] = timed_with(lambda: fused_parts(args.fused_ab), base)
+        variants["kapitsa-fused"] = fused_parts(args.fused_ab)
     if args.kernels_ab:
-        models["kapitsa-kernels"] = models["kapitsa"]
-        timers["kapitsa-kernels"] = timed_with(lambda: kernel_families(args.kernels_ab), base)
+        variants["kapitsa-kernels"] = kernel_families(args.kernels_ab)
+    if args.fold_ab and moe:
+        variants["kapitsa-folded"] = folded()
+    for name, variant in variants.items():
+        models[name] = build_kapitsa() if variant.own_model else models["kapitsa"]
+        timers[name] = timed_with(variant, base)
     if args.qmv_ab:
         models["kapitsa-qmv"] = models["kapitsa"]
         timers["kapitsa-qmv"] = timed_with(lambda: matvec_kernel(args.qmv_ab), base)
-    if args.fold_ab and moe:
-        models["kapitsa-folded"] = build_kapitsa()  # a copy: folding changes the model in place
-        timers["kapitsa-folded"] = timed_with(folded, base)

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import mlx.nn as nn
+
+from kapitsa.engine.models import get_model_module
+from kapitsa.testing.tiny import tiny_config
+from lab.models_under_test import SHAPES, quantizable
 
 ROUTED_STACK = ".switch_mlp."  # both families' routed experts, stacked [E, out, in] (mlx-lm's names)
 
@@ -61,23 +66,15 @@ def total_bytes(model: nn.Module) -> int:
 
 def _lazy_model(kind: str, dims: dict) -> tuple[nn.Module, dict]:
     """The bench's 4-bit model of a shape, unevaluated (shapes and dtypes only), and its config."""
-    import mlx.core as mx
-    from decode_vs_mlxlm import _quantizable
-
-    from kapitsa.engine.models import get_model_module
-    from kapitsa.testing.tiny import tiny_config
-
     config = tiny_config(kind, **dims)
     module = get_model_module(config["model_type"])
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=4, class_predicate=_quantizable)
+    nn.quantize(model, group_size=64, bits=4, class_predicate=quantizable)
     return model, config
 
 
 def main() -> None:
-    from decode_vs_mlxlm import SHAPES
-
     for name, (kind, dims) in SHAPES.items():
         model, config = _lazy_model(kind, dims)
         print(

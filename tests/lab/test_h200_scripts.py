@@ -72,7 +72,7 @@ def test_decode_vs_mlxlm_kernel_and_fold_variants(tmp_path: Path) -> None:
 
 def test_decode_profile_splits_a_step(tmp_path: Path) -> None:
     rows = _run(
-        ["-m", "bench.decode_profile", "--shapes", "nemotron-30b-a3b", "--steps", "2", "--prompt", "4"],
+        ["lab/decode_profile.py", "--shapes", "nemotron-30b-a3b", "--steps", "2", "--prompt", "4"],
         tmp_path,
     )
     variants = [r["variant"] for r in rows]
@@ -232,23 +232,23 @@ def test_decode_kernels_runs_steps_and_summarizes_a_report(tmp_path: Path) -> No
 
 
 def test_a_failing_variant_is_reported_not_fatal() -> None:
-    """A variant whose kernel fails (or whose setting does) gives an error row; the defaults'
-    rounds and the other variants of the same process go on."""
-    import contextlib
-
+    """A variant whose kernel fails gives an error row; the defaults' rounds and the other
+    variants of the same process go on. The timer gets the variant's kernel options."""
     import mlx.nn as nn
 
-    from lab.variants import timed_with
+    from kapitsa.engine.options import KernelOptions
+    from lab.variants import Variant, timed_with
 
-    @contextlib.contextmanager
-    def setting():
-        yield {"variant": "x"}
+    variant = Variant(KernelOptions(moe_dequant=False), {"variant": "x"})
 
-    def failing_timer(model, prompt, tokens, warmup=None):
+    def failing_timer(model, prompt, tokens, warmup=None, *, kernels):
         raise RuntimeError("kernel compile failed")
 
+    def timer(model, prompt, tokens, warmup=None, *, kernels):
+        return {"decode_tok_s": 1.0, "moe_dequant": kernels.moe_dequant}
+
     model = nn.Linear(4, 4)
-    row = timed_with(setting, failing_timer)(model, [1, 2], 4)
+    row = timed_with(variant, failing_timer)(model, [1, 2], 4)
     assert row == {"error": "RuntimeError: kernel compile failed"}
-    ok = timed_with(setting, lambda model, prompt, tokens, warmup=None: {"decode_tok_s": 1.0})(model, [1], 4)
-    assert ok == {"decode_tok_s": 1.0, "variant": "x"}
+    ok = timed_with(variant, timer)(model, [1], 4)
+    assert ok == {"decode_tok_s": 1.0, "moe_dequant": False, "variant": "x"}

@@ -4,17 +4,12 @@ embedding table or the unchosen experts."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 
 from kapitsa.engine.models import get_model_module
 from kapitsa.testing.tiny import tiny_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab"))
-from weight_reads import _lazy_model, read_bytes_per_token, routing, total_bytes  # noqa: E402
+from lab.weight_reads import _lazy_model, read_bytes_per_token, routing, total_bytes
 
 F32 = 4
 
