@@ -26,6 +26,7 @@ import mlx.core as mx
 from kapitsa.engine.inprocess import InProcessEngine, open_engine
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from lab.engine_timing import DEFAULTS  # the KAPITSA_* kernel options of this process
 
 DEMO = Path(__file__).resolve().parents[1] / "kapitsa" / "demo"
 
@@ -117,7 +118,7 @@ def main() -> None:
     prompt, warmup = _prompt(args.prompt, vocab, 7919), _prompt(args.prompt, vocab, 104729)
     with tempfile.TemporaryDirectory() as scratch:
         mlxlm_model, _ = mlx_lm.load(str(_mlxlm_folder(args.model, Path(scratch))))
-    engine = open_engine(str(args.model), config=EngineConfig(prefix_cache_bytes=0))
+    engine = open_engine(str(args.model), config=EngineConfig(prefix_cache_bytes=0, kernels=DEFAULTS))
     timers = {
         "kapitsa": lambda p, n: time_kapitsa(engine, p, n),
         "mlx-lm": lambda p, n: time_mlxlm(mlxlm_model, p, n),

@@ -18,16 +18,15 @@ import argparse
 import collections
 import ctypes
 import json
-import os
 import re
 import sqlite3
 
 import mlx.core as mx
 
-from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.testing.tiny import tiny_config
 from lab.decode_profile import _kapitsa_step
+from lab.engine_timing import DEFAULTS
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model
 
 
@@ -44,8 +43,8 @@ def decode(shape: str, steps: int, prompt_len: int, tiny: bool) -> None:
     kind, dims = (TINY if tiny else SHAPES)[shape]
     model = kapitsa_model(tiny_config(kind, **dims))
     # fuses projections and routes quantized linears, as the engine does, under the KAPITSA_*
-    # kernel options of this process's environment (as an opener reads them)
-    ModelRunner(model, kernels=KernelOptions.from_environ(os.environ))
+    # kernel options of this process's environment (engine_timing.DEFAULTS)
+    ModelRunner(model, kernels=DEFAULTS)
     prefill, step = _kapitsa_step(model)
     vocab = dims.get("vocab_size", 512)
     tok = mx.argmax(prefill([(i * 7919) % (vocab - 10) + 5 for i in range(prompt_len)]), axis=-1)

@@ -12,6 +12,7 @@ before reading the previous token, as both engines decode) and kapitsa's engine 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -22,13 +23,11 @@ import mlx.core as mx
 from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears
-from kapitsa.engine.options import KernelOptions
 from kapitsa.testing.tiny import tiny_config
-from lab.engine_timing import time_kapitsa
+from lab.engine_timing import DEFAULTS, time_kapitsa
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model
 
-OP_BY_OP = KernelOptions(compile_decode=False)
-DEFAULTS = KernelOptions()
+OP_BY_OP = dataclasses.replace(DEFAULTS, compile_decode=False)
 
 
 def _kapitsa_step(model):

@@ -23,6 +23,7 @@ from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from lab.engine_timing import DEFAULTS  # the KAPITSA_* kernel options of this process
 
 FILLER = "Rule {i}: read the file before editing it, keep changes minimal, and run the tests afterwards."
 
@@ -74,7 +75,9 @@ async def bench_ttft(loaded, args) -> dict:  # noqa: ANN001
     """Turn N+1's TTFT after turn N ran on the same engine, vs on a fresh engine with no prefix cache."""
     history = conversation(loaded.tokenizer, args.context, turns=4)
     turn_n = [*history, {"role": "user", "content": "Step 4: now fix the failing test."}]
-    warm_engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk))
+    warm_engine = InProcessEngine.from_loaded(
+        loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, kernels=DEFAULTS)
+    )
     try:
         reply = await timed(warm_engine, request(turn_n, 16))
         next_turn = [
@@ -86,7 +89,7 @@ async def bench_ttft(loaded, args) -> dict:  # noqa: ANN001
     finally:
         warm_engine.close()
     cold_engine = InProcessEngine.from_loaded(
-        loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0)
+        loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0, kernels=DEFAULTS)
     )
     try:
         cold = await timed(cold_engine, request(next_turn, 1))
@@ -108,7 +111,7 @@ async def bench_concurrency(loaded, args) -> dict:  # noqa: ANN001
         for i in range(args.streams)
     ]
     engine = InProcessEngine.from_loaded(
-        loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0)
+        loaded, config=EngineConfig(prefill_chunk=args.prefill_chunk, prefix_cache_bytes=0, kernels=DEFAULTS)
     )
     try:
         await timed(

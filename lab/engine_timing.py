@@ -2,13 +2,15 @@
 and `kapitsa serve` use), mlx-lm through `generate_step`; and the JSON lines the lab scripts print.
 
 A kapitsa engine takes the `KernelOptions` it is timed under, so a variant is an engine made with
-other options over the same (or a copied) model.
+other options over the same (or a copied) model. The default is what this process's `KAPITSA_*`
+variables name, read as the opener reads them, so `KAPITSA_KERNELS=... python lab/...` still picks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import mlx.core as mx
@@ -25,7 +27,7 @@ from kapitsa.engine.types import (
 )
 
 STARTED = time.perf_counter()
-DEFAULTS = KernelOptions()
+DEFAULTS = KernelOptions.from_environ(os.environ)
 
 
 def emit(row: dict) -> None:

@@ -29,10 +29,10 @@ import time
 import mlx.core as mx
 
 from kapitsa.engine.kernels.cuda import CudaKernel
-from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.testing.tiny import tiny_config
 from lab.decode_profile import _kapitsa_step, _mlxlm_step, _profile
+from lab.engine_timing import DEFAULTS
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model
 
 CHAIN = 400  # primitives per timed chain
@@ -143,8 +143,8 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
         if engine == "kapitsa":
             model = kapitsa_model(config)
             # fuses projections and routes quantized linears, as the engine does, under the
-            # KAPITSA_* kernel options of this process's environment (as an opener reads them)
-            ModelRunner(model, kernels=KernelOptions.from_environ(os.environ))
+            # KAPITSA_* kernel options of this process's environment (engine_timing.DEFAULTS)
+            ModelRunner(model, kernels=DEFAULTS)
             prefill, step = _kapitsa_step(model)
         else:
             model = mlxlm_model(config)

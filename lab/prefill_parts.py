@@ -21,22 +21,21 @@ CPU smoke run: python lab/prefill_parts.py --tiny --prompt 64
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
 
 import mlx.core as mx
 
-from kapitsa.engine.options import KernelOptions
 from kapitsa.testing.tiny import tiny_config
-from lab.engine_timing import time_kapitsa, time_mlxlm
+from lab.engine_timing import DEFAULTS, time_kapitsa, time_mlxlm
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model, prompt_ids
 
 KINDS = {"nemotron_h": {"mamba": "M", "moe": "E", "attention": "*"}}
 BASE = {"nemotron_h": "M*"}  # mlx-lm's Nemotron-H needs a Mamba and an attention layer to build its masks
 LAYERS = 8
 VOCAB = 8192
-DEFAULTS = KernelOptions()
 
 
 def _prefill_s(
@@ -99,7 +98,7 @@ def main() -> None:
         row.update(ssd_chunk=DEFAULTS.ssd_chunk, moe_dequant=DEFAULTS.moe_dequant)
         print(json.dumps(row), flush=True)
         for label, value in _variants(name, args):
-            kernels = KernelOptions(**{label: value})
+            kernels = dataclasses.replace(DEFAULTS, **{label: value})
             pair = [
                 _prefill_s(kind, dims, letter * n + BASE[kind], args.prompt, ("kapitsa",), kernels)
                 for n in (1, LAYERS)

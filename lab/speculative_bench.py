@@ -24,6 +24,7 @@ from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.speculative.factory import make_decode_strategy
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from lab.engine_timing import DEFAULTS
 
 
 def _edit_prompt() -> list[dict]:
@@ -62,8 +63,9 @@ async def _generate(client: InProcessEngine, messages: list[dict], tokens: int) 
 
 
 def _run_mode(loaded, mode: str, draft, messages: list[dict], tokens: int) -> dict:
-    strategy = make_decode_strategy(mode, target_model=loaded.model, draft_model=draft)
-    client = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=strategy)
+    strategy = make_decode_strategy(mode, target_model=loaded.model, draft_model=draft, kernels=DEFAULTS)
+    config = EngineConfig(prefix_cache_bytes=0, kernels=DEFAULTS)
+    client = InProcessEngine.from_loaded(loaded, config=config, decode=strategy)
     try:
         asyncio.run(_generate(client, messages, tokens))  # warm-up
         result = asyncio.run(_generate(client, messages, tokens))

@@ -2,7 +2,8 @@
 --kernels-ab, --qmv-ab, --fold-ab`): each variant is one more engine in the interleaved rounds, so the host's
 drift within a run falls on all of them alike.
 
-A variant is other `KernelOptions` for the engine that times it: its model runner gives them to the
+A variant is other `KernelOptions` (the defaults, engine_timing.DEFAULTS, with one field changed)
+for the engine that times it: its model runner gives them to the
 layers and routed linears. They change what the model traces (fused mat-vec parts, kernel
 families), so its timer drops the model's compiled traces before and after its runs; an option that
 changes how the engine prepares the model (shared-expert folding) gets its own copy of the model.
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.traces import drop_traces
+from lab.engine_timing import DEFAULTS
 
 Timer = Callable[..., dict]
 
@@ -39,18 +41,19 @@ def fused_parts(parts: str) -> Variant:
 
         return {"fused_working": qlinear.WORKING.get("fused")}
 
-    options = KernelOptions.from_environ({"KAPITSA_FUSED_NORMS": parts})
-    return Variant(options, {"fused_parts": parts}, after)
+    parsed = KernelOptions.from_environ({"KAPITSA_FUSED_NORMS": parts})
+    return Variant(replace(DEFAULTS, fused_parts=parsed.fused_parts), {"fused_parts": parts}, after)
 
 
 def kernel_families(families: str) -> Variant:
     """The model uses the kernel families `families` names (KAPITSA_KERNELS syntax)."""
-    return Variant(KernelOptions.from_environ({"KAPITSA_KERNELS": families}), {"kernels": families})
+    parsed = KernelOptions.from_environ({"KAPITSA_KERNELS": families})
+    return Variant(replace(DEFAULTS, families=parsed.families), {"kernels": families})
 
 
 def folded() -> Variant:
     """Shared experts folded into the routed stacks when the engine prepares the model."""
-    return Variant(KernelOptions(fold_shared_experts=True), {"folded": True}, own_model=True)
+    return Variant(replace(DEFAULTS, fold_shared_experts=True), {"folded": True}, own_model=True)
 
 
 @contextlib.contextmanager

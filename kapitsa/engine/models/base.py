@@ -254,7 +254,7 @@ def fast_decode(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bo
 
 
 # Short chains (speculative verification: T <= CHAIN_MAX_T tokens per row, none padded, no tree)
-# take compiled functions too, one trace per T; a verify forward op by op cost ~2.8 compiled decode
+# take compiled functions too, one trace per T; a verify forward op by op costs ~2.8 compiled decode
 # steps of host time on the H200 (lab/runs/decode-h200.md). Replay records are built outside
 # the traced functions from arrays they return.
 CHAIN_MAX_T = 16

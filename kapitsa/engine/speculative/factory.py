@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kapitsa.engine.models.base import use_kernel_options
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
@@ -22,18 +24,23 @@ def make_decode_strategy(
     block_drafter=None,  # noqa: ANN001 - a DFlashModel (speculative.dflash.load_dflash), for mode "block"
     draft_tokens: int | None = None,
     tree: bool = False,
+    kernels: KernelOptions | None = None,
 ) -> DecodeStrategy:
     """The decode strategy for `mode`.
 
     "auto" drafts with the draft model when one is given, else with the checkpoint's MTP head when
     it ships one, else with n-gram lookup (no model; the adaptive controller turns it off while
-    nothing matches).
+    nothing matches). `kernels`: the engine's kernel options, given to a draft model's layers (the
+    engine's model runner gives them to the target, its MTP head included).
     """
     if mode not in MODES:
         raise InvalidRequest(f"unknown speculative mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "none":
         return PlainDecode()
     max_draft = draft_tokens or DEFAULT_MAX_DRAFT
+    for drafter in (draft_model, block_drafter):
+        if kernels is not None and drafter is not None:
+            use_kernel_options(drafter, kernels)
     has_mtp = getattr(target_model, "mtp", None) is not None
     if mode == "auto":
         mode = "draft" if draft_model is not None else "mtp" if has_mtp else "ngram"
@@ -86,8 +93,10 @@ def strategy_for(
     draft: str | None = None,
     draft_tokens: int | None = None,
     tree: bool = False,  # noqa: ANN001
+    kernels: KernelOptions | None = None,
 ) -> DecodeStrategy:
-    """The decode strategy for CLI/server flags: `--speculative MODE [--draft PATH] [--draft-tokens N] [--tree]`."""
+    """The decode strategy for CLI/server flags: `--speculative MODE [--draft PATH] [--draft-tokens N] [--tree]`;
+    `kernels`: the engine's kernel options (EngineConfig.kernels), for the draft model's layers."""
     from kapitsa.engine.speculative.dflash import DFlashModel
 
     drafter = load_drafter(draft) if draft else None
@@ -108,4 +117,5 @@ def strategy_for(
         block_drafter=block,
         draft_tokens=draft_tokens,
         tree=tree,
+        kernels=kernels,
     )
