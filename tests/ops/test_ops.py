@@ -200,7 +200,6 @@ def moe_dequant_on_cuda(monkeypatch):
 def test_many_sorted_rows_take_the_dequantized_grouped_gemm_with_the_same_result(
     moe_dequant_on_cuda, kind, mode
 ):
-    from kapitsa.engine.ops import moe
 
     mx.random.seed(8)
     experts = SwitchGLU(64, 32, 8) if kind == "glu" else SwitchReluSquared(64, 32, 8)
@@ -243,7 +242,6 @@ def test_gpu_moe_prefill_route_matches_gather_qmm(kind):
     """On CUDA: a prefill-sized expert call through the dequantized grouped GEMM against MLX's
     gather_qmm, bf16, at Nemotron's hidden width."""
     from kapitsa.engine.kernels import backend
-    from kapitsa.engine.ops import moe
 
     if backend() != "cuda":
         pytest.skip("needs the CUDA backend")
