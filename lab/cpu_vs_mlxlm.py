@@ -1,7 +1,7 @@
 """kapitsa vs mlx-lm on MLX's CPU device, one checkpoint, side by side in one process.
 
 Both engines load the same MLX checkpoint folder (default: the embedded demo). kapitsa runs through
-its engine (`open_engine`, the path of `kapitsa run` and `serve`, prefix cache off); mlx-lm through
+its engine (`InProcessEngine.from_loaded`, the path of `kapitsa run` and `serve`, prefix cache off); mlx-lm through
 `mlx_lm.load` and `generate_step`. Rounds alternate the engines; each round times one prefill of
 `--prompt` tokens and `--tokens` greedy decode steps after it. Prints one JSON line per run and a
 summary of medians and ratios.
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kapitsa.engine.inprocess import InProcessEngine, open_engine
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from lab.engine_timing import DEFAULTS  # the KAPITSA_* kernel options of this process
@@ -118,7 +119,8 @@ def main() -> None:
     prompt, warmup = _prompt(args.prompt, vocab, 7919), _prompt(args.prompt, vocab, 104729)
     with tempfile.TemporaryDirectory() as scratch:
         mlxlm_model, _ = mlx_lm.load(str(_mlxlm_folder(args.model, Path(scratch))))
-    engine = open_engine(str(args.model), config=EngineConfig(prefix_cache_bytes=0, kernels=DEFAULTS))
+    config = EngineConfig(prefix_cache_bytes=0, kernels=DEFAULTS)
+    engine = InProcessEngine.from_loaded(load_model(str(args.model)), config=config)
     timers = {
         "kapitsa": lambda p, n: time_kapitsa(engine, p, n),
         "mlx-lm": lambda p, n: time_mlxlm(mlxlm_model, p, n),
