@@ -249,7 +249,7 @@ def _agent_command(name: str, summary: str) -> None:
     ) -> None:
         from kapitsa.commands.agents import cmd_agent
 
-        cmd_agent(name, model, list(args or []), speculative)
+        cmd_agent(name, model, list(args or []), speculative=speculative)
 
     def pi_command(
         args: AgentArgs = None,
@@ -261,7 +261,7 @@ def _agent_command(name: str, summary: str) -> None:
     ) -> None:
         from kapitsa.commands.agents import cmd_agent
 
-        cmd_agent(name, model, list(args or []), speculative, restore=restore)
+        cmd_agent(name, model, list(args or []), speculative=speculative, restore=restore)
 
     if name == "pi":
         command = pi_command  # type: ignore[assignment]

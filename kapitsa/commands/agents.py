@@ -12,7 +12,7 @@ from kapitsa.settings import KapitsaSettings, load_settings
 
 
 def cmd_agent(
-    agent: str, model: str | None, args: list[str], speculative: str, restore: bool = False
+    agent: str, model: str | None, args: list[str], *, speculative: str = "none", restore: bool = False
 ) -> None:
     from kapitsa.agents import launch
 
