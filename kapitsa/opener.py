@@ -51,7 +51,12 @@ def open_engine(
         from kapitsa.engine.speculative.factory import strategy_for
     loaded = load_for_ref(ref, settings=settings)
     decode = strategy_for(
-        speculative, target_model=loaded.model, draft=draft, draft_tokens=draft_tokens, tree=tree
+        speculative,
+        target_model=loaded.model,
+        draft=draft,
+        draft_tokens=draft_tokens,
+        tree=tree,
+        kernels=config.kernels,  # a draft model runs the kernels the target does
     )
     return InProcessEngine.from_loaded(loaded, config=config, decode=decode)
 
