@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from kapitsa.engine.models.qwen3_5 import MLP
+from kapitsa.engine.models.sparse_moe import MLP
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.speculative.drafter import Draft
 from kapitsa.errors import CheckpointError
