@@ -1,8 +1,8 @@
 """Where a 27B decode step's GPU time goes on the H200, in one short run (prints JSON lines):
 
 - qmv: a chain of the 27B's fused weight mat-vecs (4 per layer x 64 layers, 4 distinct layers
-  cycled so L2 can't hold them) for MLX's stock kernel, kapitsa v2 and v3 ("direct", several
-  launch shapes) and a read-only kernel that only streams the same bytes (the ceiling for one
+  cycled so L2 can't hold them) for MLX's stock kernel, kapitsa's general, one-row and
+  tensor-core kernels (kernels/matvec*.py, several launch variants) and a read-only kernel that only streams the same bytes (the ceiling for one
   launch per matrix). Host encode time (`mx.async_eval` returning) is reported beside the total.
 - gdn_prefill: one 27B Gated DeltaNet layer's recurrence at T tokens: the op path the model runs
   (mx.fast.gated_delta_update) against the fused gdn_step kernel run over all T tokens.
@@ -19,10 +19,7 @@ import time
 
 import mlx.core as mx
 
-from kapitsa.engine.kernels import gdn
-from kapitsa.engine.kernels import qmv_direct as direct
-from kapitsa.engine.kernels import qmv_fast as fast
-from kapitsa.engine.kernels import qmv_tc as tc
+from kapitsa.engine.kernels import gdn, matvec, matvec_one_row, matvec_tensor_core
 from kapitsa.engine.kernels.cuda import CudaKernel
 
 GS = 64
@@ -75,9 +72,8 @@ def timed(fn, iters: int = 5) -> tuple[float, float]:
     return total / iters * 1e3, encode / iters * 1e3
 
 
-def _tc(x, q, s, b, tiles: int, exact: bool) -> mx.array:
-    tc.OPTIONS.update(tiles=tiles, exact_q=exact)
-    return tc.qmv_tc(x, q, s, b, group_size=GS)
+def _tensor_core(x, q, s, b, tiles: int, exact: bool) -> mx.array:
+    return matvec_tensor_core.qmv_tensor_core(x, q, s, b, group_size=GS, tiles=tiles, exact_q=exact)
 
 
 def qmv_diag(rows_list, bits: int) -> None:
@@ -98,15 +94,16 @@ def qmv_diag(rows_list, bits: int) -> None:
             "stock": lambda x, q, s, b: mx.quantized_matmul(
                 x, q, s, b, transpose=True, group_size=GS, bits=bits
             ),
-            "v2": lambda x, q, s, b: fast.qmv_fast(x, q, s, b, group_size=GS, bits=bits),
+            "general": lambda x, q, s, b: matvec.qmv_general(x, q, s, b, group_size=GS, bits=bits),
             "read_only": lambda x, q, s, b: read_only(q),
         }
-        impls["direct(2, 4, 8)"] = lambda x, q, s, b: direct.qmv_direct(
+        impls["one_row"] = lambda x, q, s, b: matvec_one_row.qmv_one_row(x, q, s, b, group_size=GS, bits=bits)
+        impls["one_row(2, 4, 8)"] = lambda x, q, s, b: matvec_one_row.qmv_one_row(
             x, q, s, b, group_size=GS, bits=bits, shape=(2, 4, 8)
         )
         for tiles, exact in [(2, True), (2, False), (1, True)]:
-            impls[f"tc(tiles={tiles}, exact={exact})"] = lambda x, q, s, b, o=(tiles, exact): _tc(
-                x, q, s, b, *o
+            impls[f"tensor_core(tiles={tiles}, exact={exact})"] = lambda x, q, s, b, o=(tiles, exact): (
+                _tensor_core(x, q, s, b, *o)
             )
         ref = [impls["stock"](xs[k], q, s, b) for q, s, b, k in layers[0]]
         for name, impl in impls.items():

@@ -9,8 +9,8 @@
   (from `mx.export_to_dot` of the unevaluated step), so the launch count per token is known.
 
 Run on the H200: python lab/host_costs.py [--shapes 4b nemotron-30b-a3b] [--skip micro qmv]
-- `qmv`: the 27B's one-row mat-vec chain through the direct kernel at several launch shapes and
-  through the streaming kernel (kernels/qmv_stream.py) at several of its options.
+- `qmv`: the 27B's one-row mat-vec chain through the one-row kernel (kernels/matvec_one_row.py)
+  at several launch shapes.
 
 CPU smoke run: python lab/host_costs.py --tiny --shapes 4b --skip micro
 """
@@ -164,7 +164,7 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
         mx.clear_cache()
 
 
-# (rows per warp, warps per block, rounds unrolled) of the one-row direct kernel to time
+# (rows per warp, warps per block, rounds unrolled) of the one-row kernel to time
 # (a fourth element True: the loop over round groups unrolled, so loads may overlap the math).
 # Fewer warps per block make the blocks finer, so the last wave's tail is shorter (nine shapes at
 # 4 and 8 warps: lab/runs/qmv-h200-s7.log).
@@ -180,16 +180,6 @@ DIRECT_SHAPES = [
     (4, 4, 2, False, 792),
 ]
 
-# qmv_stream.OPTIONS to time: (rows per warp / 16, exact_q, ring stages or None for the default)
-STREAM_OPTIONS = [
-    (1, False, None),
-    (1, False, 4),
-    (1, False, 3),
-    (2, False, None),
-    (2, False, 4),
-    (1, True, None),
-]
-
 
 def _fused_extras(x: mx.array, q: mx.array) -> dict:
     """A norm prologue and, where the output is no wider than x, a residual epilogue (x's own
@@ -198,27 +188,10 @@ def _fused_extras(x: mx.array, q: mx.array) -> dict:
     return dict(norm=(x[0], 1e-6), residual=x[..., :n] if x.shape[-1] >= n else None)
 
 
-def _stream_impl(
-    group_size: int, tiles: int, exact: bool, stages: int | None, ks=None, warps: int = 4, fused: bool = False
-):
-    from kapitsa.engine.kernels import qmv_stream as stream
-
-    def impl(x, q, s, b):
-        before = dict(stream.OPTIONS)
-        stream.OPTIONS.update(tiles=tiles, exact_q=exact, stages=stages, stage_values=ks, warps=warps)
-        try:
-            extra = _fused_extras(x, q) if fused else {}
-            return stream.qmv_stream(x, q, s, b, group_size=group_size, **extra)
-        finally:
-            stream.OPTIONS.update(before)
-
-    return impl
-
-
 def qmv_sweep() -> None:
     """The 27B's fused one-row mat-vec chain (lab/diag_h200.py) through stock, a read-only
-    kernel and the direct kernel at each of DIRECT_SHAPES: ms, GB/s, error against stock."""
-    from kapitsa.engine.kernels import qmv_direct as direct
+    kernel and the one-row kernel at each of DIRECT_SHAPES: ms, GB/s, error against stock."""
+    from kapitsa.engine.kernels import matvec_one_row as one_row
     from lab.diag_h200 import FUSED_27B, GS, read_only, timed
 
     layers = []
@@ -237,14 +210,10 @@ def qmv_sweep() -> None:
         "read_only": lambda x, q, s, b: read_only(q),
     }
     for shape in DIRECT_SHAPES:
-        impls[f"direct{shape}"] = lambda x, q, s, b, shape=shape: direct.qmv_direct(
+        impls[f"direct{shape}"] = lambda x, q, s, b, shape=shape: one_row.qmv_one_row(
             x, q, s, b, group_size=GS, bits=4, shape=shape
         )
-    for tiles, exact, stages, ks, warps in STREAM_OPTIONS:
-        name = f"stream(tiles={tiles},exact={exact},stages={stages},ks={ks},warps={warps})"
-        impls[name] = _stream_impl(GS, tiles, exact, stages, ks, warps)
-    impls["stream_fused_norm_res"] = _stream_impl(GS, 1, False, None, fused=True)
-    impls["direct_fused_norm_res"] = lambda x, q, s, b: direct.qmv_direct(
+    impls["direct_fused_norm_res"] = lambda x, q, s, b: one_row.qmv_one_row(
         x, q, s, b, group_size=GS, bits=4, **_fused_extras(x, q)
     )
     ref = [impls["stock"](xs[k], q, s, b) for q, s, b, k in layers[0]]

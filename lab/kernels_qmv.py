@@ -1,11 +1,13 @@
-"""Time kapitsa's quantized mat-vec kernels (v1 `qmv_v1`, v2 `qmv_fast`, its tensor-core variant
-v2mma `qmv_mma`) against MLX's stock `quantized_matmul` on a Qwen3.5-27B-shaped chain of mat-vecs.
+"""Time kapitsa's quantized mat-vec kernels (the general one, kernels/matvec.py; the one-row one,
+kernels/matvec_one_row.py; the tensor-core one, kernels/matvec_tensor_core.py) against MLX's stock
+`quantized_matmul` on a Qwen3.5-27B-shaped chain of mat-vecs.
 
 Run on the H200 (about a minute): python lab/kernels_qmv.py [--rows 1 2 4 8] [--bits 4 8]
 Prints one JSON line per (bits, rows): milliseconds and weight GB/s of the whole chain for each
-implementation, its largest error against exact float32 math, and at the end the CUDA_ROUTES table (in
-kapitsa/engine/kernels/qmv.py) that these numbers support. --per-shape adds one line per matrix;
---sweep times other launch shapes of v2 and v2mma (many more JIT compiles: restrict --rows/--bits).
+kernel that takes the call, its largest error against exact float32 math, and at the end the
+fastest kernel per (bits, rows), to hold against `route_for` in kapitsa/engine/ops/linear.py.
+--per-shape adds one line per matrix; --sweep times other launch shapes of the one-row and
+tensor-core kernels (many more JIT compiles: restrict --rows/--bits).
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from functools import partial
 
 import mlx.core as mx
 
-from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels import qmv_fast as fast
-from kapitsa.engine.kernels import qmv_mma as tc
-from kapitsa.engine.kernels.qmv import qmv_reference, qmv_v1
+from kapitsa.engine.kernels import backend, matvec, matvec_one_row, matvec_tensor_core
+from kapitsa.engine.kernels.matvec import qmv_reference
 
 # (name, out_features, in_features) of one Qwen3.5-27B layer's weight mat-vecs (hidden 5120,
 # intermediate 17408; Gated DeltaNet: 16 key heads x 128 for q and k, 48 value heads x 128).
@@ -47,23 +47,28 @@ def _stock(x, q, s, b, bits: int) -> mx.array:
     return mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GROUP_SIZE, bits=bits)
 
 
-def _v1(x, q, s, b, bits: int) -> mx.array:
-    return qmv_v1(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+def _general(x, q, s, b, bits: int) -> mx.array:
+    return matvec.qmv_general(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
 
 
-def _v2(x, q, s, b, bits: int) -> mx.array:
-    return fast.qmv_fast(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
+def _one_row(x, q, s, b, bits: int, shape=None) -> mx.array:
+    return matvec_one_row.qmv_one_row(x, q, s, b, group_size=GROUP_SIZE, bits=bits, shape=shape)
 
 
-def _reference(x, q, s, b, bits: int) -> mx.array:
+def _tensor_core(x, q, s, b, bits: int, tiles: int = matvec_tensor_core.TILES) -> mx.array:
+    return matvec_tensor_core.qmv_tensor_core(x, q, s, b, group_size=GROUP_SIZE, tiles=tiles)
+
+
+def _reference(x, q, s, b, bits: int, **_) -> mx.array:
     return qmv_reference(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
 
 
-def _v2mma(x, q, s, b, bits: int) -> mx.array:
-    return tc.qmv_mma(x, q, s, b, group_size=GROUP_SIZE, bits=bits)
-
-
-IMPLS = {"stock": _stock, "v1": _v1, "v2": _v2, "v2mma": _v2mma}
+IMPLS = {"stock": _stock, "general": _general, "one_row": _one_row, "tensor_core": _tensor_core}
+SUPPORTS = {
+    "general": matvec.supports_general,
+    "one_row": matvec_one_row.supports_one_row,
+    "tensor_core": matvec_tensor_core.supports_tensor_core,
+}
 
 
 def _time(fn, *, warmup: int, iters: int) -> float:
@@ -103,42 +108,45 @@ def _max_rel_err(impl, layer, xs, bits: int) -> float:
     return worst
 
 
-def _per_shape(layer, xs, bits: int, rows: int) -> None:
+def _per_shape(impls, layer, xs, bits: int, rows: int) -> None:
     for name, q, s, b, n, k in layer:
         nbytes = q.nbytes + s.nbytes + b.nbytes
         row = dict(bits=bits, rows=rows, shape=name, n=n, k=k)
-        for label, impl in IMPLS.items():
+        for label, impl in impls.items():
             t = _time(partial(impl, xs[k], q, s, b, bits), warmup=3, iters=50)
             row[f"{label}_us"] = round(t * 1e6, 1)
             row[f"{label}_gbs"] = round(nbytes / t / 1e9, 1)
         print(json.dumps(row), flush=True)
 
 
-# Launch shapes tried by --sweep: v2 (rows per warp, warps per block), v2mma (16-row tiles per
-# block, warps splitting K). Defaults: qmv_fast._SHAPE_BY_ROWS, qmv_mma.MMA_TILES and MMA_WARPS.
-SWEEP_V2 = [(2, 4), (4, 4), (4, 8), (8, 4)]
-SWEEP_MMA = [(1, 4), (1, 8), (2, 4), (2, 8), (2, 16)]
+# Launch variants tried by --sweep: the one-row kernel's (rows per warp, warps per block, rounds
+# unrolled), the tensor-core kernel's 16-row tiles per warp. Defaults: matvec_one_row.SHAPE_BY_ROWS,
+# matvec_tensor_core.TILES.
+SWEEP_ONE_ROW = [(2, 4, 4), (4, 4, 2), (4, 2, 2), (2, 4, 2, True)]
+SWEEP_TILES = [1, 2, 4]
 
 
-def _sweep(chain, xs, bits: int, rows: int, total: int, iters: int) -> None:
-    """Chain time of each launch shape (each one compiles its own kernels: slow, opt-in)."""
-    default_v2 = fast._SHAPE_BY_ROWS[rows]
-    default_mma = (tc.MMA_TILES, tc.MMA_WARPS)
-    try:
-        for shape in SWEEP_V2:
-            fast._SHAPE_BY_ROWS[rows] = shape
-            t = _time(partial(_chain, IMPLS["v2"], chain, xs, bits), warmup=2, iters=iters)
-            row = dict(bits=bits, rows=rows, kernel="v2", r_warps=shape, ms=round(t * 1e3, 2))
-            print(json.dumps({**row, "gbs": round(total / t / 1e9, 1)}), flush=True)
-        fast._SHAPE_BY_ROWS[rows] = default_v2
-        for tiles, warps in SWEEP_MMA:
-            tc.MMA_TILES, tc.MMA_WARPS = tiles, warps
-            t = _time(partial(_chain, IMPLS["v2mma"], chain, xs, bits), warmup=2, iters=iters)
-            row = dict(bits=bits, rows=rows, kernel="v2mma", tiles_warps=(tiles, warps), ms=round(t * 1e3, 2))
-            print(json.dumps({**row, "gbs": round(total / t / 1e9, 1)}), flush=True)
-    finally:
-        fast._SHAPE_BY_ROWS[rows] = default_v2
-        tc.MMA_TILES, tc.MMA_WARPS = default_mma
+def _sweep(impls, chain, xs, bits: int, rows: int, total: int, iters: int) -> None:
+    """Chain time of each launch variant (each one compiles its own kernels: slow, opt-in)."""
+    variants = []
+    if "one_row" in impls:
+        variants += [("one_row", dict(shape=shape)) for shape in SWEEP_ONE_ROW]
+    if "tensor_core" in impls:
+        variants += [("tensor_core", dict(tiles=tiles)) for tiles in SWEEP_TILES]
+    for kernel, extra in variants:
+        impl = partial(impls[kernel], **extra)
+        t = _time(partial(_chain, impl, chain, xs, bits), warmup=2, iters=iters)
+        row = dict(bits=bits, rows=rows, kernel=kernel, **extra, ms=round(t * 1e3, 2))
+        print(json.dumps({**row, "gbs": round(total / t / 1e9, 1)}), flush=True)
+
+
+def _usable(xs, layer, bits: int) -> dict:
+    """The kernels that take every matrix of the layer at these rows (stock always)."""
+    usable = {"stock": IMPLS["stock"]}
+    for label, supports in SUPPORTS.items():
+        if all(supports(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits) for _, q, s, b, _, k in layer):
+            usable[label] = IMPLS[label]
+    return usable
 
 
 def main() -> None:
@@ -160,9 +168,10 @@ def main() -> None:
     if backend() != "cuda":
         if not args.smoke:
             raise SystemExit("needs the CUDA backend (or --smoke to check the script on CPU)")
-        IMPLS.update(v1=_reference, v2=_reference, v2mma=_reference)
+        SUPPORTS.update(dict.fromkeys(SUPPORTS, lambda *a, **kw: True))
+        IMPLS.update(general=_reference, one_row=_reference, tensor_core=_reference)
     print(json.dumps(dict(mlx=mx.__version__, device=str(mx.default_device()), backend=backend())))
-    results, routes = [], {}
+    results, fastest = [], {}
     for bits in args.bits:
         shapes = SHAPES_27B_FUSED if args.fused else SHAPES_27B
         layers = [_layer(shapes, bits, shrink) for _ in range(args.distinct)]
@@ -170,17 +179,14 @@ def main() -> None:
         total = sum(q.nbytes + s.nbytes + b.nbytes for _, q, s, b, _, _ in chain)
         for rows in args.rows:
             xs = {k: mx.random.normal((rows, k)).astype(mx.bfloat16) for k in {c[5] for c in chain}}
-            if backend() == "cuda":
-                for _, q, s, b, _, k in layers[0]:
-                    assert fast.supports_fast(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
-                    assert tc.supports_mma(xs[k], q, s, b, group_size=GROUP_SIZE, bits=bits)
+            impls = _usable(xs, layers[0], bits)
             if args.per_shape:
-                _per_shape(layers[0], xs, bits, rows)
+                _per_shape(impls, layers[0], xs, bits, rows)
             if args.sweep:
-                _sweep(chain, xs, bits, rows, total, args.iters)
+                _sweep(impls, chain, xs, bits, rows, total, args.iters)
             name = f"{'fused ' if args.fused else ''}chain x{args.layers}"
             row = dict(bits=bits, rows=rows, shape=name, weight_gb=round(total / 1e9, 2))
-            for label, impl in IMPLS.items():
+            for label, impl in impls.items():
                 started = time.perf_counter()
                 mx.eval(_chain(impl, layers[0], xs, bits))  # JIT compiles happen here
                 row[f"{label}_first_s"] = round(time.perf_counter() - started, 2)
@@ -188,13 +194,12 @@ def main() -> None:
                 row[f"{label}_ms"] = round(t * 1e3, 2)
                 row[f"{label}_gbs"] = round(total / t / 1e9, 1)
                 row[f"{label}_max_rel_err"] = round(_max_rel_err(impl, layers[0], xs, bits), 5)
-            best = min(IMPLS, key=lambda label, r=row: r[f"{label}_ms"])
+            best = min(impls, key=lambda label, r=row: r[f"{label}_ms"])
             row["fastest"] = best
-            if best != "stock":
-                routes.setdefault(f"('affine', {bits})", {})[rows] = best
+            fastest.setdefault(f"{bits}-bit", {})[rows] = best
             results.append(row)
             print(json.dumps(row), flush=True)
-    print(json.dumps({"suggested_CUDA_ROUTES": routes}))
+    print(json.dumps({"fastest": fastest}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

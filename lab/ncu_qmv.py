@@ -12,31 +12,20 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kapitsa.engine.kernels import qmv_direct as direct
+from kapitsa.engine.kernels import matvec_one_row as one_row
 from lab.diag_h200 import FUSED_27B, GS, read_only
-from lab.host_costs import _stream_impl
-
-
-def _stream(tiles: int, stages: int | None, ks: int | None = None, warps: int = 4):
-    return _stream_impl(GS, tiles, False, stages, ks, warps)
-
 
 IMPLS = {  # read_only: a grid-stride read of the packed weights alone, the bandwidth a launch of this size can reach
     "read_only": lambda x, q, s, b: read_only(q),
     "stock": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=4),
-    "direct": lambda x, q, s, b: direct.qmv_direct(x, q, s, b, group_size=GS, bits=4),
+    "one_row": lambda x, q, s, b: one_row.qmv_one_row(x, q, s, b, group_size=GS, bits=4),
     # persistent grids (5-6 resident blocks per SM at 80-90 registers, 132 SMs): warps loop over tasks
-    "direct_p660": lambda x, q, s, b: direct.qmv_direct(
+    "one_row_p660": lambda x, q, s, b: one_row.qmv_one_row(
         x, q, s, b, group_size=GS, bits=4, shape=(4, 4, 2, False, 660)
     ),
-    "direct_p792": lambda x, q, s, b: direct.qmv_direct(
+    "one_row_p792": lambda x, q, s, b: one_row.qmv_one_row(
         x, q, s, b, group_size=GS, bits=4, shape=(4, 4, 2, False, 792)
     ),
-    "stream_t1": _stream(1, None),
-    "stream_t2s4": _stream(2, 4),
-    "stream_ks1024_w2": _stream(1, 3, 1024, 2),  # rows read in 512-byte runs per stage
-    "stream_ks512": _stream(1, 4, 512),
-    "stream_w1": _stream(1, None, None, 1),  # one warp per block: the finest blocks
 }
 
 for n, k in FUSED_27B:

@@ -60,16 +60,16 @@ def folded() -> Variant:
 def matvec_kernel(spec: str) -> Iterator[dict]:
     """KAPITSA_QMV_KERNEL=kernel for the block (its kernels' probe runs first); spec
     "kernel:parts" also sets KAPITSA_FUSED_NORMS=parts; "direct@BLOCKS" runs the one-row direct
-    kernel on a persistent grid of BLOCKS blocks (qmv_direct.launch_config)."""
-    from kapitsa.engine.kernels import qmv_direct
+    kernel on a persistent grid of BLOCKS blocks (matvec_one_row.launch_config)."""
+    from kapitsa.engine.kernels import matvec_one_row
     from kapitsa.engine.ops import linear as qlinear
 
     kernel, _, parts = spec.partition(":")
     kernel, _, persist = kernel.partition("@")
-    before, shape_before = qlinear.MATVEC["kernel"], qmv_direct.SHAPE_BY_ROWS[1]
+    before, shape_before = qlinear.MATVEC["kernel"], matvec_one_row.SHAPE_BY_ROWS[1]
     qlinear.MATVEC["kernel"] = qlinear._matvec_setting(kernel)
     if persist:
-        qmv_direct.SHAPE_BY_ROWS[1] = (*shape_before[:3], False, int(persist))
+        matvec_one_row.SHAPE_BY_ROWS[1] = (*shape_before[:3], False, int(persist))
     try:
         with fused_parts(parts) if parts else contextlib.nullcontext({}) as described:
             qlinear.probe_kernels()
@@ -79,7 +79,7 @@ def matvec_kernel(spec: str) -> Iterator[dict]:
                 **described,
             }
     finally:
-        qlinear.MATVEC["kernel"], qmv_direct.SHAPE_BY_ROWS[1] = before, shape_before
+        qlinear.MATVEC["kernel"], matvec_one_row.SHAPE_BY_ROWS[1] = before, shape_before
 
 
 def timed_with(variant: Variant, timer: Timer) -> Timer:

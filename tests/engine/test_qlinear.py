@@ -8,8 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kapitsa.engine.kernels.qmv import qmv_reference
-from kapitsa.engine.kernels.qmv_direct import qmv_direct_reference
+from kapitsa.engine.kernels.matvec import qmv_reference
+from kapitsa.engine.kernels.matvec_one_row import qmv_one_row_reference
 from kapitsa.engine.ops import linear as qlinear
 from kapitsa.engine.options import FUSED_PARTS, KernelOptions
 
@@ -45,7 +45,7 @@ def test_off_cuda_it_is_the_stock_layer(on_cpu) -> None:
 
 @pytest.fixture
 def forced(monkeypatch, on_cpu) -> list:
-    """Routes on (as on CUDA) with the v2 kernel probed good and replaced by its reference;
+    """Routes on (as on CUDA) with the general kernel probed good and replaced by its reference;
     records the kernel calls."""
     calls = []
 
@@ -56,15 +56,17 @@ def forced(monkeypatch, on_cpu) -> list:
     monkeypatch.setattr(qlinear, "routes_enabled", lambda options: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(
-        qlinear, "WORKING", {"direct": False, "tc": False, "v2": True, "tc16": False, "fused": False}
+        qlinear,
+        "WORKING",
+        {"one_row": False, "tensor_core": False, "general": True, "tensor_core_16": False, "fused": False},
     )
-    monkeypatch.setattr(qlinear, "supports_fast", lambda x, w, s, b, group_size, bits: bits in (4, 8))
+    monkeypatch.setattr(qlinear, "supports_general", lambda x, w, s, b, group_size, bits: bits in (4, 8))
     return calls
 
 
 @pytest.mark.parametrize(
     "shape,route",
-    [((1, 1, 128), "v2"), ((2, 4, 128), "v2"), ((3, 5, 128), "stock"), ((1, 400, 128), "dequant")],
+    [((1, 1, 128), "general"), ((2, 4, 128), "general"), ((3, 5, 128), "stock"), ((1, 400, 128), "dequant")],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_route_computes_the_same_product(forced, shape, route, bias) -> None:
@@ -77,12 +79,14 @@ def test_each_route_computes_the_same_product(forced, shape, route, bias) -> Non
     got = layer(x)
     assert got.shape == ref.shape == (*shape[:-1], 64)
     assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item(), float(mx.abs(got - ref).max())
-    assert forced == ([("v2", shape)] if route == "v2" else [])  # x as it is: no reshape to encode
+    assert forced == ([("general", shape)] if route == "general" else [])  # x as it is: no reshape to encode
 
 
 def test_a_kernel_not_probed_good_is_never_routed(forced, monkeypatch) -> None:
     monkeypatch.setattr(
-        qlinear, "WORKING", {"direct": False, "tc": False, "v2": False, "tc16": False, "fused": False}
+        qlinear,
+        "WORKING",
+        {"one_row": False, "tensor_core": False, "general": False, "tensor_core_16": False, "fused": False},
     )
     model = _model()
     qlinear.route_quantized_linears(model, DEFAULTS)
@@ -97,33 +101,33 @@ def test_probe_records_which_kernels_work(monkeypatch, failure) -> None:
     def kernel(name, x, w, scales, biases, group_size, bits, **fused):
         if failure == "raises":
             raise RuntimeError("nvrtc: no kernel image for this device")
-        ref = qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
+        ref = qmv_one_row_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
         return ref * 2 if failure == "wrong" else ref
 
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(qlinear, "WORKING", {})
     state = mx.random.state[0]  # (the default fused parts: the fused form is probed too)
     assert qlinear.probe_kernels(DEFAULTS) == dict.fromkeys(
-        ("direct", "tc", "v2", "tc16", "fused"), failure is None
+        ("one_row", "tensor_core", "general", "tensor_core_16", "fused"), failure is None
     )
     assert mx.array_equal(mx.random.state[0], state).item()  # the global seed is untouched
 
 
 def test_nine_to_sixteen_rows_take_the_two_block_tensor_core_kernel(forced, monkeypatch) -> None:
-    monkeypatch.setattr(qlinear, "supports_tc", lambda x, w, s, b, group_size, bits: bits == 4)
+    monkeypatch.setattr(qlinear, "supports_tensor_core", lambda x, w, s, b, group_size, bits: bits == 4)
     model = _model()
     layer = model.layers[0]
     x = mx.random.normal((1, 12, 128))
     ref = layer(x)
     qlinear.route_quantized_linears(model, DEFAULTS)
-    assert qlinear.route_for(12, layer, x) == "stock"  # tc16 not probed good
-    monkeypatch.setitem(qlinear.WORKING, "tc16", True)
-    assert qlinear.route_for(12, layer, x) == "tc"
-    assert qlinear.route_for(16, layer, mx.zeros((16, 128))) == "tc"
+    assert qlinear.route_for(12, layer, x) == "stock"  # the two-block variant not probed good
+    monkeypatch.setitem(qlinear.WORKING, "tensor_core_16", True)
+    assert qlinear.route_for(12, layer, x) == "tensor_core"
+    assert qlinear.route_for(16, layer, mx.zeros((16, 128))) == "tensor_core"
     assert qlinear.route_for(17, layer, mx.zeros((17, 128))) == "stock"
     got = layer(x)
     assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4).item()
-    assert forced == [("tc", (1, 12, 128))]  # x as it is: no reshape to encode
+    assert forced == [("tensor_core", (1, 12, 128))]  # x as it is: no reshape to encode
 
 
 def test_unsupported_bits_take_the_stock_kernel(forced) -> None:
@@ -151,11 +155,19 @@ def test_routed_linears_off_turns_routes_off(monkeypatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(qlinear.backend() != "cuda", reason="needs the CUDA backend")
 @pytest.mark.parametrize(
-    "rows,route", [(1, "direct"), (4, "tc"), (8, "tc"), (12, "tc"), (16, "tc"), (400, "dequant")]
+    "rows,route",
+    [
+        (1, "one_row"),
+        (4, "tensor_core"),
+        (8, "tensor_core"),
+        (12, "tensor_core"),
+        (16, "tensor_core"),
+        (400, "dequant"),
+    ],
 )
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> None:
-    """On CUDA, every route (direct / tensor-core / v2 kernels, dequantize + mat-mul) against
+    """On CUDA, every route (one-row / tensor-core / general kernels, dequantize + mat-mul) against
     MLX's stock quantized mat-mul, in bf16 as the models run."""
     mx.random.seed(1)
     layer = nn.QuantizedLinear(1024, 768, bias=True, group_size=64, bits=bits)
@@ -164,7 +176,7 @@ def test_gpu_routes_match_the_stock_layer(rows: int, route: str, bits: int) -> N
     ref = layer(x).astype(mx.float32)
     qlinear.route_quantized_linears(nn.Sequential(layer), DEFAULTS)
     assert qlinear.route_for(rows, layer, x) == (
-        route if bits == 4 or route in ("direct", "dequant") else "v2" if rows <= 8 else "stock"
+        route if bits == 4 or route in ("one_row", "dequant") else "general" if rows <= 8 else "stock"
     )
     got = layer(x).astype(mx.float32)
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
@@ -175,7 +187,7 @@ def test_families_without_qmv_keep_the_stock_mat_vec(forced) -> None:
     model = _model()
     qlinear.route_quantized_linears(model, DEFAULTS)
     x = mx.random.normal((1, 128))
-    assert qlinear.route_for(1, model.layers[0], x) == "v2"
+    assert qlinear.route_for(1, model.layers[0], x) == "general"
     qlinear.route_quantized_linears(model, KernelOptions(families=frozenset({"gdn", "moe"})))
     assert qlinear.route_for(1, model.layers[0], x) == "stock"
     assert qlinear.route_for(400, model.layers[0], mx.zeros((400, 128))) == "dequant"  # not a kernel
@@ -183,7 +195,7 @@ def test_families_without_qmv_keep_the_stock_mat_vec(forced) -> None:
 
 @pytest.fixture
 def fused_route(monkeypatch, on_cpu) -> list:
-    """Routes on with the direct and fused kernels probed good, run by their reference; records
+    """Routes on with the one-row and fused kernels probed good, run by their reference; records
     each kernel call's name, rows and which parts were fused (the parts: the options given to
     route_quantized_linears)."""
     calls = []
@@ -191,14 +203,16 @@ def fused_route(monkeypatch, on_cpu) -> list:
     def kernel(name, x, w, scales, biases, group_size, bits, **fused):
         rows = math.prod(x.shape[:-1])
         calls.append((name, rows, tuple(sorted(k for k, v in fused.items() if v is not None))))
-        return qmv_direct_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
+        return qmv_one_row_reference(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
 
     monkeypatch.setattr(qlinear, "routes_enabled", lambda options: True)
     monkeypatch.setattr(qlinear, "_kernel_call", kernel)
     monkeypatch.setattr(
-        qlinear, "WORKING", {"direct": True, "tc": False, "v2": False, "tc16": False, "fused": True}
+        qlinear,
+        "WORKING",
+        {"one_row": True, "tensor_core": False, "general": False, "tensor_core_16": False, "fused": True},
     )
-    monkeypatch.setattr(qlinear, "supports_direct", lambda *a, **k: True)
+    monkeypatch.setattr(qlinear, "supports_one_row", lambda *a, **k: True)
     return calls
 
 
@@ -294,7 +308,7 @@ def test_fused_norms_switch_off(fused_route) -> None:
     qlinear.route_quantized_linears(model, KernelOptions(fused_parts=frozenset()))
     norm = nn.RMSNorm(128)
     qlinear.normed_linear(norm, model.layers[0], mx.random.normal((1, 128)))
-    assert fused_route == [("direct", 1, ())]
+    assert fused_route == [("one_row", 1, ())]
 
 
 @pytest.mark.parametrize("parts", [("glu",), ("glu", "norm"), ("norm", "residual")])

@@ -12,7 +12,7 @@ from nvcc_check import assert_compiles, nvcc
 
 from kapitsa.engine.kernels import attention, backend
 from tests.kernels.test_gdn_kernel import Emulated
-from tests.kernels.test_qmv_direct import _translate
+from tests.kernels.test_matvec_one_row import _translate
 
 
 def _case(B, hq, hkv, D, cap, dtype, seed=0, gated=False):

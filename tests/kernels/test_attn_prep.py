@@ -17,7 +17,7 @@ from kapitsa.engine.models.base import Attention, use_kernel_options
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.options import KernelOptions
 from tests.kernels.test_gdn_kernel import Emulated
-from tests.kernels.test_qmv_direct import _translate
+from tests.kernels.test_matvec_one_row import _translate
 
 QWEN_27B = PrepSpec(heads=24, kv_heads=4, head_dim=256, gated=True, eps=1e-6, rotary_dims=64)
 

@@ -13,7 +13,7 @@ from nvcc_check import assert_compiles, nvcc
 
 from kapitsa.engine.kernels import backend, router
 from tests.kernels.test_gdn_kernel import Emulated
-from tests.kernels.test_qmv_direct import _translate
+from tests.kernels.test_matvec_one_row import _translate
 
 
 def _case(tokens, k, experts, extra, dtype, seed=0):

@@ -50,7 +50,7 @@ _LOGITS = CudaKernel(
     input_names=("x", "weight"),
     output_names=("logits",),
     source=read_cuda_source("router_logits.cu"),
-    header=read_cuda_source("qmv_fast.cuh"),  # kq2_load8
+    header=read_cuda_source("matvec.cuh"),  # kq2_load8
 )
 _SELECT = CudaKernel(
     name="kapitsa_router_select",

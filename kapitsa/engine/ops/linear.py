@@ -1,23 +1,22 @@
 """Quantized linears that pick their mat-mul by the number of input rows, on MLX's CUDA backend.
 
-Measured on the H200 (lab/diag_h200.py, lab/runs/decode-h200.md), MLX 0.32.4:
-- Decode (1-8 rows): the stock affine 4-bit mat-vec streamed a Qwen3.5-27B layer chain at
-  0.92 TB/s, kapitsa's v2 kernel (kernels/qmv_fast.py) at 1.41 TB/s; at 4 rows (speculative
-  verification) 0.25 against 0.94 TB/s.
-  Then (same chain, one run): at 1 row v3 "direct" (kernels/qmv_direct.py) 1.57 TB/s, v2 1.38,
-  the tensor-core kernel (kernels/qmv_tc.py) 1.33; at 4 rows tensor-core 1.37, v2 0.98, direct
-  0.73. So one row goes to direct, 2-8 rows to tensor-core (bf16, 4-bit, group 64/128), anything
-  else affine 4/8-bit to v2.
-- 9-16 rows (drafts longer than 7 tokens): the tensor-core kernel's two-block variant where it
-  works, else stock (a 9-token 27B verify took 42.6 ms on stock against 20 ms at 2-8 rows; the
-  two-block variant is verified under emulation and not yet timed on the GPU).
-- Prefill (512 rows): stock `quantized_matmul` ran at 138 TFLOP/s, dequantizing to the activation
-  dtype and running a dense mat-mul at 275 TFLOP/s (the dequantized copy is transient).
+`route_for` is the one routing table (lab/diag_h200.py times each route; figures in
+docs/results.md):
+- one row (decode): the one-row kernel (kernels/matvec_one_row.py; 1569 GB/s over a 27B chain
+  against stock's 935), which also takes the RMSNorm before a projection and the residual add
+  after it (`normed_linear`, `linear_plus`, ...);
+- 2-16 rows (speculative verification): the tensor-core kernel (kernels/matvec_tensor_core.py;
+  bf16, 4-bit, group 64/128; 10.1 ms against stock's 53.9 at 4 rows), its two-block variant past
+  8 rows;
+- other 1-8 row calls (8-bit, fp16/fp32 activations): the general kernel (kernels/matvec.py);
+- prefill (from DEQUANT_MIN_ROWS rows): the weights dequantized to the activation dtype and a
+  dense mat-mul, which outruns stock `quantized_matmul` there (the dense copy is transient);
+- anything else: MLX's stock layer.
 
-`route_quantized_linears(model)` re-classes every `nn.QuantizedLinear` as `RoutedQuantizedLinear`
-(same parameters, same state dict; only `__call__` differs), after projection fusion. Off CUDA,
-and for calls neither route takes (other formats or bit widths, mid-size batches), it is the stock
-layer. The routes are exact rewrites of the same product; float32 accumulation throughout.
+`route_quantized_linears(model, options)` re-classes every `nn.QuantizedLinear` as
+`RoutedQuantizedLinear` (same parameters, same state dict; only `__call__` differs), after
+projection fusion. Off CUDA it is the stock layer. The routes are exact rewrites of the same
+product; float32 accumulation throughout.
 """
 
 from __future__ import annotations
@@ -31,16 +30,15 @@ import mlx.nn as nn
 
 from kapitsa.engine import kernels
 from kapitsa.engine.kernels import backend, cpu_blas
-from kapitsa.engine.kernels.qmv import qmv_reference
-from kapitsa.engine.kernels.qmv_direct import (
-    qmv_direct,
-    qmv_direct_reference,
-    supports_direct,
+from kapitsa.engine.kernels.matvec import MAX_ROWS, qmv_general, qmv_reference, supports_general
+from kapitsa.engine.kernels.matvec_one_row import (
+    qmv_one_row,
+    qmv_one_row_reference,
     supports_fused,
+    supports_one_row,
 )
-from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, qmv_fast, supports_fast
-from kapitsa.engine.kernels.qmv_tc import MAX_ROWS as TC_MAX_ROWS
-from kapitsa.engine.kernels.qmv_tc import qmv_tc, supports_tc
+from kapitsa.engine.kernels.matvec_tensor_core import MAX_ROWS as TENSOR_CORE_MAX_ROWS
+from kapitsa.engine.kernels.matvec_tensor_core import qmv_tensor_core, supports_tensor_core
 from kapitsa.engine.options import KernelOptions
 
 DEQUANT_MIN_ROWS = 384  # below, the dense copy costs more than stock's slower mat-mul saves
@@ -52,9 +50,9 @@ _log = logging.getLogger(__name__)
 # first call may sit inside a compiled decode step, where nothing may be evaluated), so every
 # kernel is tried once on a small case before any route may use it; unprobed means unused.
 WORKING: dict[str, bool] = {}
-# kernel (tc16: the tensor-core kernel's two-block variant, 9-16 rows) -> rows it is probed at
-# (fused: the direct kernel with the RMSNorm prologue and residual epilogue)
-PROBES = {"direct": 1, "tc": 2, "v2": 2, "tc16": 12, "fused": 1}
+# kernel (tensor_core_16: the tensor-core kernel's two-block variant, 9-16 rows) -> rows it is
+# probed at (fused: the one-row kernel with the RMSNorm prologue and residual epilogue)
+PROBES = {"one_row": 1, "tensor_core": 2, "general": 2, "tensor_core_16": 12, "fused": 1}
 
 
 def routes_enabled(options: KernelOptions) -> bool:
@@ -64,12 +62,12 @@ def routes_enabled(options: KernelOptions) -> bool:
 
 
 def _kernel_call(name: str, x: mx.array, w, scales, biases, group_size: int, bits: int, **fused) -> mx.array:
-    """`fused`: `norm=(weight, eps)`, `residual=`, `act=`, `glu=` (the direct kernel)."""
-    if name in ("direct", "fused"):
-        return qmv_direct(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
-    if name == "tc":
-        return qmv_tc(x, w, scales, biases, group_size=group_size)
-    return qmv_fast(x, w, scales, biases, group_size=group_size, bits=bits)
+    """`fused`: `norm=(weight, eps)`, `residual=`, `act=`, `glu=` (the one-row kernel)."""
+    if name in ("one_row", "fused"):
+        return qmv_one_row(x, w, scales, biases, group_size=group_size, bits=bits, **fused)
+    if name == "tensor_core":
+        return qmv_tensor_core(x, w, scales, biases, group_size=group_size)
+    return qmv_general(x, w, scales, biases, group_size=group_size, bits=bits)
 
 
 def probe_kernels(options: KernelOptions) -> dict[str, bool]:
@@ -86,12 +84,12 @@ def probe_kernels(options: KernelOptions) -> dict[str, bool]:
         if name == "fused":
             norm_weight = (1 + 0.2 * mx.random.normal((256,), key=keys[2])).astype(mx.bfloat16)
             fused = dict(norm=(norm_weight, 1e-6), residual=x[:, :64])
-            ref = qmv_direct_reference(x, q, scales, biases, group_size=64, bits=4, **fused)
+            ref = qmv_one_row_reference(x, q, scales, biases, group_size=64, bits=4, **fused)
         else:
             ref = qmv_reference(x.astype(mx.float32), q, scales, biases, group_size=64, bits=4)
         ref = ref.astype(mx.float32)
         try:
-            got = _kernel_call(name.removesuffix("16"), x, q, scales, biases, 64, 4, **fused).astype(
+            got = _kernel_call(name.removesuffix("_16"), x, q, scales, biases, 64, 4, **fused).astype(
                 mx.float32
             )
             err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
@@ -108,24 +106,25 @@ def probe_kernels(options: KernelOptions) -> dict[str, bool]:
 
 
 def route_for(rows: int, layer: RoutedQuantizedLinear, x: mx.array) -> str:
-    """'direct', 'tc', 'v2' (kernels), 'dequant' or 'stock' for a call with `rows` input rows."""
+    """'one_row', 'tensor_core', 'general' (kernels), 'dequant' or 'stock' for a call with `rows`
+    input rows: the routing table of the module docstring."""
     kernel_routes = layer.mode == "affine" and kernels.enabled("qmv", layer.kernel_options)
     if rows <= MAX_ROWS:
         if not kernel_routes:
             return "stock"
         args = (x, layer["weight"], layer["scales"], layer.get("biases"))
         quant = dict(group_size=layer.group_size, bits=layer.bits)
-        if rows == 1 and WORKING.get("direct") and supports_direct(*args, **quant):
-            return "direct"
-        if WORKING.get("tc") and supports_tc(*args, **quant):
-            return "tc"
-        if WORKING.get("v2") and supports_fast(*args, **quant):
-            return "v2"
+        if rows == 1 and WORKING.get("one_row") and supports_one_row(*args, **quant):
+            return "one_row"
+        if WORKING.get("tensor_core") and supports_tensor_core(*args, **quant):
+            return "tensor_core"
+        if WORKING.get("general") and supports_general(*args, **quant):
+            return "general"
         return "stock"
-    if rows <= TC_MAX_ROWS and kernel_routes and WORKING.get("tc16"):
+    if rows <= TENSOR_CORE_MAX_ROWS and kernel_routes and WORKING.get("tensor_core_16"):
         args = (x, layer["weight"], layer["scales"], layer.get("biases"))
-        if supports_tc(*args, group_size=layer.group_size, bits=layer.bits):
-            return "tc"  # long drafts' verification (9-16 rows)
+        if supports_tensor_core(*args, group_size=layer.group_size, bits=layer.bits):
+            return "tensor_core"  # long drafts' verification (9-16 rows)
     dense_bytes = layer["weight"].shape[0] * x.shape[-1] * x.dtype.size
     if rows >= DEQUANT_MIN_ROWS and dense_bytes <= DEQUANT_MAX_BYTES:
         return "dequant"
@@ -160,14 +159,9 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
-# one-row route -> the fused kernel that stands in for it
-FUSED_KERNEL = {"direct": "fused"}
-
-
 def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
-    """The fused kernel ("fused") that may take the one-row call `linear(x)` with
-    `part` (one of FUSED_PARTS) switched on, or None. The activation prologue is the direct
-    kernel's only."""
+    """The fused kernel ("fused": the one-row kernel with prologue / epilogue) that may take the
+    one-row call `linear(x)` with `part` (one of FUSED_PARTS) switched on, or None."""
     if not (
         isinstance(linear, RoutedQuantizedLinear)
         and part in linear.kernel_options.fused_parts
@@ -176,10 +170,9 @@ def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
         and math.prod(x.shape[:-1]) == 1
     ):
         return None
-    name = FUSED_KERNEL.get(route_for(1, linear, x))
-    if name is None or not WORKING.get(name, False) or (part in ("act", "glu") and name != "fused"):
+    if route_for(1, linear, x) != "one_row" or not WORKING.get("fused", False):
         return None
-    return name
+    return "fused"
 
 
 def _fused_call(name: str, linear: RoutedQuantizedLinear, x: mx.array, **fused) -> mx.array:
@@ -197,7 +190,7 @@ def _fused_call(name: str, linear: RoutedQuantizedLinear, x: mx.array, **fused) 
 
 def normed_linear(norm: nn.Module, linear: nn.Module, x: mx.array) -> mx.array:
     """`linear(norm(x))`: one kernel at decode (the RMSNorm inside the one-row mat-vec) where the
-    fused route takes it (CUDA, a plain `nn.RMSNorm`, a routed 1-row direct call), else as written."""
+    fused route takes it (CUDA, a plain `nn.RMSNorm`, a routed one-row call), else as written."""
     name = _fused_kernel(linear, x, "norm") if type(norm) is nn.RMSNorm else None
     if name is not None and supports_fused(x, linear["weight"].shape[0], norm.weight, None):
         return _fused_call(name, linear, x, norm=(norm.weight, norm.eps))
@@ -237,7 +230,7 @@ def act_linear_plus(
     linear: nn.Module, x: mx.array, residual: mx.array, act: str, fallback: Callable[[mx.array], mx.array]
 ) -> mx.array:
     """`residual + linear(fallback(x))`, where `fallback` computes the activation `act`
-    (qmv_direct.ACTS: "silu_glu" on x = [gate | up], "relu2"); at decode, the activation is made
+    (matvec_one_row.ACTS: "silu_glu" on x = [gate | up], "relu2"); at decode, the activation is made
     as the one-row mat-vec loads x and the add is in its epilogue."""
     k = x.shape[-1] // 2 if act == "silu_glu" else x.shape[-1]
     product_input = x[..., :k]  # the shape the product sees, for the route checks

@@ -1,17 +1,19 @@
-"""Quantized mat-vec on tensor cores ("tc"): y[M, N] = x[M, K] @ dequantize(W)[N, K]^T for
-M <= 16 rows of bf16 x and MLX affine 4-bit weights (group size 64 or 128), CUDA only.
+"""Quantized mat-vec on tensor cores: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T for M <= 16 rows
+of bf16 x and MLX affine 4-bit weights (group size 64 or 128), CUDA only.
 
-Why: Nsight Compute on the H200 showed the v2 and v3 mat-vecs (qmv_fast.py, qmv_direct.py) at a
-27B gate/up shape issue-bound, not memory-bound (SM throughput 72%, DRAM 36%): about 3.6
-instructions per weight (mask, FMA to the integer, FMA with x, x conversion). Here a weight
-costs about one: two nibbles become a bf16 pair with one shift and one LOP3, and `mma.m16n8k16`
-does the multiply-adds, 16 rows by up to 8 x rows at a time (speculative verification's rows
-share one read of the weights for free); 9-16 x rows take a second block of 8 columns, which
-reuses each weight fragment. Large-K, small-N matrices (the down projection) also
-split K over S warps of a block, so they have enough warps in flight to reach the bandwidth.
+The routes (kapitsa/engine/ops/linear.py) give it the 2-16 row calls: speculative verification,
+where the rows share one read of the weights. Why: Nsight Compute on the H200 shows the SIMT
+mat-vecs (matvec.py, matvec_one_row.py) at a 27B gate/up shape issue-bound, not memory-bound (SM
+throughput 72%, DRAM 36%): about 3.6 instructions per weight (mask, FMA to the integer, FMA with
+x, x conversion). Here a weight costs about one: two nibbles become a bf16 pair with one shift and
+one LOP3, and `mma.m16n8k16` does the multiply-adds, 16 rows by up to 8 x rows at a time; 9-16 x
+rows take a second block of 8 columns, which reuses each weight fragment. Large-K, small-N
+matrices (the down projection) also split K over S warps of a block, so they have enough warps in
+flight to reach the bandwidth.
 
-The CUDA source is cuda_src/qmv_tc.cu (+ .cuh); its layout notes are there. No Metal port: Apple
-GPUs have no `mma.sync` (simdgroup matrices are a different design), so Macs keep the stock path.
+The CUDA source is cuda_src/matvec_tensor_core.cu (+ .cuh); its layout notes are there. No Metal
+port: Apple GPUs have no `mma.sync` (simdgroup matrices are a different design), so Macs keep the
+stock path.
 """
 
 from __future__ import annotations
@@ -23,21 +25,26 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
-from kapitsa.engine.kernels.qmv_fast import rows_and_k, supported_affine
+from kapitsa.engine.kernels.matvec import rows_and_k, supported_affine
 
 GROUP_SIZES = (64, 128)
 MAX_ROWS = 16  # two 8-column blocks of B
 WARPS = 8
 TARGET_WARPS = 132 * 12  # about 12 warps per SM of the H200 keep its memory busy
 
+TILES = 2  # 16-row tiles of W per warp (they share each x fragment)
+# A holds q itself (128 subtracted from each bf16 pair 128 + q) rather than 128 + q, so the MMA
+# sums never carry the 128 * x offset that the group term would then cancel
+# (cuda_src/matvec_tensor_core.cu).
+EXACT_Q = True
+
 _KERNEL = CudaKernel(
-    name="kapitsa_qmv_tc",
+    name="kapitsa_matvec_tensor_core",
     input_names=("x", "w", "scales", "biases"),
     output_names=("y",),
-    source=read_cuda_source("qmv_tc.cu"),
-    header=read_cuda_source("qmv_tc.cuh"),
+    source=read_cuda_source("matvec_tensor_core.cu"),
+    header=read_cuda_source("matvec_tensor_core.cuh"),
 )
-OPTIONS = {"exact_q": True, "tiles": 2}  # the bench flips these to A/B them
 
 
 def splits_for(n: int, k: int, group_size: int, tiles: int) -> int:
@@ -74,7 +81,7 @@ def launch_config(
     return template, blocks * WARPS * 32, WARPS * 32
 
 
-def supports_tc(
+def supports_tensor_core(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
     """Whether this kernel can run the call here (CUDA, 1-16 rows of bf16 x, bf16 scales, affine
@@ -88,11 +95,21 @@ def supports_tc(
     )
 
 
-def qmv_tc(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int) -> mx.array:
-    """x [..., K] bf16 (M rows) @ dequantize(w)[N, K]^T -> [..., N] bf16. Callers check `supports_tc`."""
+def qmv_tensor_core(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    *,
+    group_size: int,
+    tiles: int = TILES,
+    exact_q: bool = EXACT_Q,
+) -> mx.array:
+    """x [..., K] bf16 (M rows) @ dequantize(w)[N, K]^T -> [..., N] bf16. Callers check
+    `supports_tensor_core`. `tiles` and `exact_q`: other launch variants, for the lab scripts."""
     rows, k = rows_and_k(x)
     n = w.shape[0]
-    template, grid, block = launch_config(rows, n, k, group_size, OPTIONS["tiles"], OPTIONS["exact_q"])
+    template, grid, block = launch_config(rows, n, k, group_size, tiles, exact_q)
     return _KERNEL(
         [x, w, scales, biases],
         template=template,

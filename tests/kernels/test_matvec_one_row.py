@@ -1,4 +1,4 @@
-"""The v3 "direct" mat-vec (kernels/qmv_direct.py): compiled for sm_90 for every launched variant,
+"""The one-row mat-vec (kernels/matvec_one_row.py): compiled for sm_90 for every launched variant,
 executed on the CPU from its own CUDA source by the threads emulator of test_gdn_kernel.py, and on
 the H200 against the float32 reference (gpu tests)."""
 
@@ -11,10 +11,10 @@ import pytest
 from nvcc_check import assert_compiles, nvcc
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels import qmv_direct as direct
-from kapitsa.engine.kernels.qmv import qmv_reference
+from kapitsa.engine.kernels import matvec_one_row as one_row
+from kapitsa.engine.kernels.matvec import qmv_reference
 from tests.kernels.test_gdn_kernel import Emulated, cuda_translation
-from tests.kernels.test_qmv_tc import MMA_EMULATION  # __byte_perm / __ldcs on the host
+from tests.kernels.test_matvec_tensor_core import MMA_EMULATION  # __byte_perm / __ldcs on the host
 
 HOST_INTRINSICS = (
     MMA_EMULATION
@@ -36,8 +36,8 @@ def _weights(n: int, k: int, gs: int, bits: int, seed: int = 0):
 
 
 def _assert_compiles(template, dtype) -> None:
-    """The direct kernel rendered at `template` compiles for sm_90 with no warning."""
-    assert_compiles(direct._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template))
+    """The one-row kernel rendered at `template` compiles for sm_90 with no warning."""
+    assert_compiles(one_row._KERNEL.render([dtype, mx.uint32, dtype, dtype, dtype, dtype], [dtype], template))
 
 
 def _rel_err(got: mx.array, ref: mx.array) -> float:
@@ -55,7 +55,7 @@ def _rel_err(got: mx.array, ref: mx.array) -> float:
     ],
 )
 def test_cuda_source_compiles(dtype, rows, n, k, gs, bits) -> None:
-    template, _, _ = direct.launch_config(dtype, rows, n, k, gs, bits, direct.SHAPE_BY_ROWS[rows])
+    template, _, _ = one_row.launch_config(dtype, rows, n, k, gs, bits, one_row.SHAPE_BY_ROWS[rows])
     _assert_compiles(template, dtype)
 
 
@@ -72,8 +72,8 @@ def test_cuda_source_compiles(dtype, rows, n, k, gs, bits) -> None:
 )
 def test_fused_variants_compile(eps, resid, act) -> None:
     dtype = mx.bfloat16
-    template, _, _ = direct.launch_config(
-        dtype, 1, 17408 * 2, 5120, 64, 4, direct.SHAPE_BY_ROWS[1], eps, resid, act
+    template, _, _ = one_row.launch_config(
+        dtype, 1, 17408 * 2, 5120, 64, 4, one_row.SHAPE_BY_ROWS[1], eps, resid, act
     )
     _assert_compiles(template, dtype)
 
@@ -103,8 +103,8 @@ def test_emulated_kernel_matches_reference(
     ref = qmv_reference(
         x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits
     )
-    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
-    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits, shape=shape)
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    got = one_row.qmv_one_row(x, q, s, b, group_size=gs, bits=bits, shape=shape)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 8e-3)
 
@@ -122,12 +122,12 @@ def test_emulated_fused_norm_and_residual(on_cpu, monkeypatch, tmp_path, dtype, 
     nw = (1 + 0.3 * mx.random.normal((k,))).astype(dtype)
     res = mx.random.normal((rows, n)).astype(dtype)
     kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None, residual=res if resid else None)
-    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
-    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
-    got = direct.qmv_direct(x, q, s, b, shape=(2, 2, 2), **kw)
+    ref = one_row.qmv_one_row_reference(x, q, s, b, **kw).astype(mx.float32)
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    got = one_row.qmv_one_row(x, q, s, b, shape=(2, 2, 2), **kw)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 1e-2)
-    plain = direct.qmv_reference(x.astype(mx.float32), q, s, b, group_size=gs, bits=bits)
+    plain = one_row.qmv_reference(x.astype(mx.float32), q, s, b, group_size=gs, bits=bits)
     assert _rel_err(plain, ref) > 0.05  # the fused parts change the result: the test can fail
 
 
@@ -141,9 +141,9 @@ def test_emulated_activation_prologue(on_cpu, monkeypatch, tmp_path, dtype, rows
     q, s, b = _weights(n, k, gs, bits)
     x = (mx.random.normal((rows, 2 * k if act == "silu_glu" else k)) * 2).astype(dtype)
     res = mx.random.normal((rows, n)).astype(dtype)
-    ref = direct.qmv_direct_reference(x, q, s, b, group_size=gs, bits=bits, residual=res, act=act)
-    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
-    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits, shape=(2, 2, 2), residual=res, act=act)
+    ref = one_row.qmv_one_row_reference(x, q, s, b, group_size=gs, bits=bits, residual=res, act=act)
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    got = one_row.qmv_one_row(x, q, s, b, group_size=gs, bits=bits, shape=(2, 2, 2), residual=res, act=act)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert _rel_err(got, ref.astype(mx.float32)) < (1e-5 if dtype == mx.float32 else 1e-2)
 
@@ -151,7 +151,7 @@ def test_emulated_activation_prologue(on_cpu, monkeypatch, tmp_path, dtype, rows
 def test_supports_only_on_cuda() -> None:
     q, s, b = _weights(32, 128, 64, 4)
     x = mx.zeros((1, 128), mx.bfloat16)
-    assert direct.supports_direct(x, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
+    assert one_row.supports_one_row(x, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
 
 
 @pytest.mark.gpu
@@ -164,7 +164,7 @@ def test_gpu_matches_reference(n, k, gs, bits, dtype) -> None:
     ref = qmv_reference(
         x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits
     )
-    got = direct.qmv_direct(x, q, s, b, group_size=gs, bits=bits)
+    got = one_row.qmv_one_row(x, q, s, b, group_size=gs, bits=bits)
     assert _rel_err(got, ref) < (1e-4 if dtype == mx.float32 else 8e-3)
 
 
@@ -178,17 +178,17 @@ def test_gpu_fused_norm_and_residual(n, k, norm, resid) -> None:
     nw = (1 + 0.3 * mx.random.normal((k,))).astype(mx.bfloat16)
     res = mx.random.normal((1, n)).astype(mx.bfloat16)
     kw = dict(group_size=64, bits=4, norm=(nw, 1e-6) if norm else None, residual=res if resid else None)
-    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
-    assert _rel_err(direct.qmv_direct(x, q, s, b, **kw), ref) < 1e-2
+    ref = one_row.qmv_one_row_reference(x, q, s, b, **kw).astype(mx.float32)
+    assert _rel_err(one_row.qmv_one_row(x, q, s, b, **kw), ref) < 1e-2
 
 
 def test_persistent_grid_is_capped_only_below_the_tasks() -> None:
     dtype = mx.bfloat16
-    template, grid, block = direct.launch_config(dtype, 1, 34816, 5120, 64, 4, (4, 4, 2, False, 528))
+    template, grid, block = one_row.launch_config(dtype, 1, 34816, 5120, 64, 4, (4, 4, 2, False, 528))
     assert ("PERSIST_BLOCKS", 528) in template and grid == 528 * block
-    template, grid, block = direct.launch_config(dtype, 1, 64, 5120, 64, 4, (4, 4, 2, False, 528))
+    template, grid, block = one_row.launch_config(dtype, 1, 64, 5120, 64, 4, (4, 4, 2, False, 528))
     assert ("PERSIST_BLOCKS", 0) in template and grid == 4 * block  # fewer tasks than the cap
-    assert ("PERSIST_BLOCKS", 0) in direct.launch_config(dtype, 1, 64, 5120, 64, 4, (4, 4, 2))[0]
+    assert ("PERSIST_BLOCKS", 0) in one_row.launch_config(dtype, 1, 64, 5120, 64, 4, (4, 4, 2))[0]
 
 
 @pytest.mark.gpu
@@ -200,7 +200,7 @@ def test_gpu_persistent_matches_reference(shape) -> None:
     ref = qmv_reference(
         x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=4
     )
-    got = direct.qmv_direct(x, q, s, b, group_size=64, bits=4, shape=shape)
+    got = one_row.qmv_one_row(x, q, s, b, group_size=64, bits=4, shape=shape)
     assert _rel_err(got, ref) < 8e-3
 
 
@@ -217,7 +217,7 @@ def test_gpu_persistent_matches_reference(shape) -> None:
 def test_pipelined_variants_compile(n, k, eps, resid, shape) -> None:
     """The bench's pipelined and persistent launch shapes at the 27B's widths."""
     dtype = mx.bfloat16
-    template, _, _ = direct.launch_config(dtype, 1, n, k, 64, 4, shape, eps, resid, None)
+    template, _, _ = one_row.launch_config(dtype, 1, n, k, 64, 4, shape, eps, resid, None)
     assert ("PIPELINE", shape[3]) in template
     _assert_compiles(template, dtype)
 
@@ -238,12 +238,12 @@ def test_emulated_glu_epilogue(on_cpu, monkeypatch, tmp_path, dtype, rows, n, no
     x = (mx.random.normal((rows, k)) * 3).astype(dtype)
     nw = (1 + 0.3 * mx.random.normal((k,))).astype(dtype)
     kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None, glu=True)
-    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
-    monkeypatch.setattr(direct, "_KERNEL", Emulated(direct._KERNEL, _translate, tmp_path))
-    got = direct.qmv_direct(x, q, s, b, shape=shape, **kw)
+    ref = one_row.qmv_one_row_reference(x, q, s, b, **kw).astype(mx.float32)
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    got = one_row.qmv_one_row(x, q, s, b, shape=shape, **kw)
     assert got.shape == (rows, n // 2) and got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 1e-2)
-    unfused = direct.qmv_direct_reference(x, q, s, b, **dict(kw, glu=False)).astype(mx.float32)
+    unfused = one_row.qmv_one_row_reference(x, q, s, b, **dict(kw, glu=False)).astype(mx.float32)
     assert _rel_err(unfused[:, : n // 2], ref) > 0.05  # the epilogue changes the result: the test can fail
 
 
@@ -251,9 +251,9 @@ def test_glu_refuses_what_it_cannot_make() -> None:
     q, s, b = _weights(20, 128, 64, 4)
     x = mx.zeros((1, 128), mx.bfloat16)
     with pytest.raises(ValueError, match="no residual"):
-        direct.qmv_direct(x, q, s, b, group_size=64, bits=4, glu=True, residual=mx.zeros((1, 20)))
+        one_row.qmv_one_row(x, q, s, b, group_size=64, bits=4, glu=True, residual=mx.zeros((1, 20)))
     with pytest.raises(ValueError, match="even number of rows per warp"):
-        direct.qmv_direct(x, q, s, b, group_size=64, bits=4, glu=True, shape=(1, 4, 2))
+        one_row.qmv_one_row(x, q, s, b, group_size=64, bits=4, glu=True, shape=(1, 4, 2))
 
 
 @pytest.mark.skipif(nvcc() is None, reason="needs nvcc")
@@ -261,8 +261,8 @@ def test_glu_refuses_what_it_cannot_make() -> None:
 def test_glu_variants_compile(n, k, eps) -> None:
     """The 27B's and 4B's gate/up projections with the SwiGLU epilogue (and the norm prologue)."""
     dtype = mx.bfloat16
-    template, _, _ = direct.launch_config(
-        dtype, 1, n, k, 64, 4, direct.SHAPE_BY_ROWS[1], eps, False, None, True
+    template, _, _ = one_row.launch_config(
+        dtype, 1, n, k, 64, 4, one_row.SHAPE_BY_ROWS[1], eps, False, None, True
     )
     assert ("GLU", True) in template
     _assert_compiles(template, dtype)
@@ -276,5 +276,5 @@ def test_gpu_glu_matches_reference(n, k) -> None:
     x = (mx.random.normal((1, k)) * 3).astype(mx.bfloat16)
     nw = (1 + 0.3 * mx.random.normal((k,))).astype(mx.bfloat16)
     kw = dict(group_size=64, bits=4, norm=(nw, 1e-6), glu=True)
-    ref = direct.qmv_direct_reference(x, q, s, b, **kw).astype(mx.float32)
-    assert _rel_err(direct.qmv_direct(x, q, s, b, **kw), ref) < 1e-2
+    ref = one_row.qmv_one_row_reference(x, q, s, b, **kw).astype(mx.float32)
+    assert _rel_err(one_row.qmv_one_row(x, q, s, b, **kw), ref) < 1e-2

@@ -1,8 +1,8 @@
-// Quantized mat-vec v2 (MLX affine 4/8-bit, M <= 8 rows): a line-by-line port of the CUDA kernel
-// in kapitsa/engine/kernels/cuda_src/qmv_fast.cu for mx.fast.metal_kernel. A simdgroup plays the CUDA warp
+// The general quantized mat-vec (MLX affine 4/8-bit, M <= 8 rows): a line-by-line port of the CUDA
+// kernel in kapitsa/engine/kernels/cuda_src/matvec_general.cu for mx.fast.metal_kernel. A simdgroup plays the CUDA warp
 // (32 lanes) and simd_sum its shuffle reduction; x is staged per threadgroup as float with chunk
 // sums (SMEM_FLOATS sized by the host to Apple's 32 KiB of threadgroup memory).
-// Not run on Apple hardware yet; see tests/kernels/test_qmv_fast.py (marker `metal`).
+// Not run on Apple hardware yet; see tests/kernels/test_matvec_metal.py (marker `metal`).
 
 // The field (w & mask) sits at bit p of the mantissa of 2^23: the float is 2^23 + q * 2^p, and
 // fma(f, 2^-p, -2^(23-p)) is q with no rounding (both steps are exact in float32).

@@ -1,20 +1,22 @@
-"""Quantized mat-vec v3 ("direct"): y[M, N] = x[M, K] @ dequantize(W)[N, K]^T for M <= 8, MLX
-affine 4/8-bit weights, group size 32/64/128, bf16/fp16/fp32 activations.
+"""Quantized mat-vec for one input row: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T (M <= 8 runs,
+the routes give it M = 1), MLX affine 4/8-bit weights, group size 32/64/128, bf16/fp16/fp32
+activations, CUDA only.
 
-v2 (qmv_fast.py) stages x in shared memory before a block streams any weight past its first
-chunk; at batch 1 a block of a 27B mat-vec lives only a few microseconds, so that staging is on
-the critical path of every block. This kernel has no shared memory: x (a few KiB, read by every
-warp on the SM) comes through L1, and each lane issues the weight loads of UNROLL rounds at once
-(R rows x UNROLL 16-byte loads in flight) before it computes any. Each warp owns R output rows and
-each lane the same chunks of K in all of them, so one x load serves R rows. Dequantisation is
-v2's (qmv_fast.cuh): a masked field OR'ed into the mantissa of 2^23 and one FMA give q exactly;
-the group bias enters as bias * sum(x) per chunk.
+At batch 1 a block of a 27B mat-vec lives only a few microseconds, so staging x in shared memory
+(the general kernel, matvec.py) sits on the critical path of every block. This kernel has no
+shared memory: x (a few KiB, read by every warp on the SM) comes through L1, and each lane issues
+the weight loads of UNROLL rounds at once (R rows x UNROLL 16-byte loads in flight) before it
+computes any. Each warp owns R output rows and each lane the same chunks of K in all of them, so
+one x load serves R rows. Dequantisation is the general kernel's (cuda_src/matvec.cuh): a masked
+field OR'ed into the mantissa of 2^23 and one FMA give q exactly; the group bias enters as
+bias * sum(x) per chunk.
 
 The same kernel can fuse the RMSNorm before a projection and the residual add after it
-(`norm=(weight, eps)`, `residual=`), so a decode layer's norms and adds cost no kernels of their
-own: the sum of squares comes from the x loads the product makes anyway, the 1/rms scalar is
-applied after the reduction, and the residual is added in the epilogue. `qmv_direct_reference`
-is the same computation in MLX ops.
+(`norm=(weight, eps)`, `residual=`), an input activation (`act=`) and a SwiGLU epilogue
+(`glu=`), so a decode layer's norms and adds cost no kernels of their own: the sum of squares
+comes from the x loads the product makes anyway, the 1/rms scalar is applied after the
+reduction, and the residual is added in the epilogue. `qmv_one_row_reference` is the same
+computation in MLX ops.
 """
 
 from __future__ import annotations
@@ -27,25 +29,23 @@ import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend, float_bits
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
-from kapitsa.engine.kernels.qmv import qmv_reference
-from kapitsa.engine.kernels.qmv_fast import MAX_ROWS, rows_and_k, supported_affine
+from kapitsa.engine.kernels.matvec import MAX_ROWS, qmv_reference, rows_and_k, supported_affine
 
 ACTS = (None, "silu_glu", "relu2")  # the kernel's ACT codes: input activations made on load
 
 _KERNEL = CudaKernel(
-    name="kapitsa_qmv_direct",
+    name="kapitsa_matvec_one_row",
     input_names=("x", "w", "scales", "biases", "nw", "res"),
     output_names=("y",),
-    source=read_cuda_source("qmv_direct.cu"),
-    header=read_cuda_source("qmv_fast.cuh"),
+    source=read_cuda_source("matvec_one_row.cu"),
+    header=read_cuda_source("matvec.cuh"),
 )
 
 # (rows per warp, warps per block, rounds unrolled) by number of input rows. Registers: about
 # R * UNROLL * 6 for the loads in flight plus R * M accumulators. One row: (4, 4, 2), the fastest
-# of nine shapes over the Qwen3.5-27B's fused mat-vec chain on the H200 (session 6, bench/
-# host_costs.py: 9.22 ms against 9.74 for (2, 4, 4); ptxas: 88-96 registers, no spills). Four rows
-# per warp also halve, per weight, the x-side work of the fused norm prologue, which each warp
-# does once for all its rows.
+# of the launch shapes lab/host_costs.py times over the Qwen3.5-27B's fused mat-vec chain on the
+# H200 (ptxas: 88-96 registers, no spills). Four rows per warp also halve, per weight, the x-side
+# work of the fused norm prologue, which each warp does once for all its rows.
 SHAPE_BY_ROWS = {m: (4, 4, 2) if m == 1 else (2, 4, 4) for m in range(1, MAX_ROWS + 1)}
 
 
@@ -94,10 +94,10 @@ def launch_config(
     return template, blocks * warps * 32, warps * 32
 
 
-def supports_direct(
+def supports_one_row(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
-    """Whether this kernel can run the call here: CUDA, and the calls v2 takes (`supported_affine`)."""
+    """Whether this kernel can run the call here: CUDA, and the calls `supported_affine` accepts."""
     return backend() == "cuda" and supported_affine(x, w, scales, biases, group_size, bits)
 
 
@@ -109,7 +109,7 @@ def supports_fused(x: mx.array, n: int, norm_weight: mx.array | None, residual: 
     )
 
 
-def qmv_direct(
+def qmv_one_row(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
@@ -124,20 +124,21 @@ def qmv_direct(
     glu: bool = False,
 ) -> mx.array:
     """[residual +] [RMSNorm(x; norm) | act(x)] @ dequantize(w)[N, K]^T -> [..., N] in x's dtype,
-    x [..., K] with M rows ([..., 2K] for act "silu_glu": gate then up; residual [..., N]). Callers check `supports_direct` (on the
-    product's input shape) and `supports_fused` for norm / residual; norm and act exclude each other.
+    x [..., K] with M rows ([..., 2K] for act "silu_glu": gate then up; residual [..., N]).
+    Callers check `supports_one_row` (on the product's input shape) and `supports_fused` for norm /
+    residual; norm and act exclude each other.
     `glu`: w's rows are [gate | up] and the result is silu(gate) * up, `[..., N / 2]` (made from
     the float32 products; an even row count per warp, no residual)."""
     if norm is not None and act is not None:
-        raise ValueError("qmv_direct fuses a norm or an activation before the product, not both")
+        raise ValueError("qmv_one_row fuses a norm or an activation before the product, not both")
     if glu and (residual is not None or w.shape[0] % 2):
-        raise ValueError("qmv_direct's glu epilogue takes an even number of weight rows and no residual")
+        raise ValueError("qmv_one_row's glu epilogue takes an even number of weight rows and no residual")
     rows, k = rows_and_k(x)
     k = k // 2 if act == "silu_glu" else k
     n = w.shape[0]
     shape = SHAPE_BY_ROWS[rows] if shape is None else shape
     if glu and shape[0] % 2:
-        raise ValueError(f"qmv_direct's glu epilogue needs an even number of rows per warp, not {shape[0]}")
+        raise ValueError(f"qmv_one_row's glu epilogue needs an even number of rows per warp, not {shape[0]}")
     eps = None if norm is None else float(norm[1])
     template, grid, block = launch_config(
         x.dtype, rows, n, k, group_size, bits, shape, eps, residual is not None, act, glu
@@ -152,7 +153,7 @@ def qmv_direct(
     )[0]
 
 
-def qmv_direct_reference(
+def qmv_one_row_reference(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
@@ -165,7 +166,7 @@ def qmv_direct_reference(
     act: str | None = None,
     glu: bool = False,
 ) -> mx.array:
-    """What `qmv_direct` computes, in MLX ops (the norm and activations in float32)."""
+    """What `qmv_one_row` computes, in MLX ops (the norm and activations in float32)."""
     dtype = x.dtype
     x = activation(act, x.astype(mx.float32)) if act is not None else x
     if norm is not None:

@@ -1,11 +1,12 @@
-"""Quantized mat-vec, second generation: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T for M <= 8,
-MLX affine 4-bit and 8-bit weights, group size 32/64/128, bf16/fp16/fp32 activations.
+"""Quantized mat-vec, the general kernel: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T for M <= 8,
+MLX affine 4-bit and 8-bit weights, group size 32/64/128, bf16/fp16/fp32 activations, on CUDA
+and Metal; plus what every mat-vec kernel shares: `qmv_reference` and the call checks.
 
-Why it is shaped this way (v1 in qmv.py streamed a 27B chain at 0.89 TB/s against 3.77 TB/s for
-a plain read on the H200):
+The routes (kapitsa/engine/ops/linear.py) give it the 1-8 row calls that the one-row and
+tensor-core kernels do not take (8-bit weights, fp32/fp16 activations). Why it is shaped so:
 - Each warp computes R output rows and each lane always owns the same 16-byte chunks of K
   (32 values at 4 bits, 16 at 8), so the x values a lane reads from shared memory serve all R
-  rows, and a block of WARPS x R rows stages x once (v1 staged it once per 8 rows).
+  rows, and a block of WARPS x R rows stages x once.
 - x is staged as float in shared memory, one chunk per thread with 16-byte loads; each chunk is
   padded to CH + 4 floats so a quarter-warp of float4 reads (lanes 144 or 80 bytes apart) hits
   distinct banks. The chunk's sum is staged beside it: the group bias enters as bias * sum(x),
@@ -37,20 +38,21 @@ SHARED_BUDGET = 44 * 1024  # under the 48 KiB a CUDA kernel gets without an opt-
 METAL_SHARED_BUDGET = 28 * 1024  # Apple GPUs have 32 KiB of threadgroup memory
 PAD = 4  # floats after each staged chunk (bank-conflict-free float4 reads)
 
-# cuda_src/qmv_fast.cu; qmv_fast.cuh holds its activation loads and weight decoders.
+# cuda_src/matvec_general.cu; matvec.cuh holds the activation loads and weight decoders that the
+# one-row kernel shares.
 _KERNEL = CudaKernel(
-    name="kapitsa_qmv_fast",
+    name="kapitsa_matvec_general",
     input_names=("x", "w", "scales", "biases"),
     output_names=("y",),
-    source=read_cuda_source("qmv_fast.cu"),
-    header=read_cuda_source("qmv_fast.cuh"),
+    source=read_cuda_source("matvec_general.cu"),
+    header=read_cuda_source("matvec.cuh"),
 )
 
-# The same algorithm for Apple GPUs (metal/qmv.metal, unverified on hardware): SMEM_FLOATS sizes
-# its threadgroup array, which Metal declares statically.
+# The same algorithm for Apple GPUs (metal/matvec_general.metal, unverified on hardware):
+# SMEM_FLOATS sizes its threadgroup array, which Metal declares statically.
 _METAL_KERNEL = MetalKernel(
-    name="kapitsa_qmv_fast",
-    filename="qmv.metal",
+    name="kapitsa_matvec_general",
+    filename="matvec_general.metal",
     input_names=("x", "w", "scales", "biases"),
     output_names=("y",),
 )
@@ -58,6 +60,22 @@ _METAL_KERNEL = MetalKernel(
 # (rows per warp, warps per block) by number of input rows: the register budget is about
 # R * (8 + 2M) floats, and a block keeps ~16 rows so staging x stays a few percent of the work.
 _SHAPE_BY_ROWS = {1: (4, 4), 2: (4, 4), 3: (4, 4), 4: (4, 4), 5: (2, 8), 6: (2, 8), 7: (2, 8), 8: (2, 8)}
+
+
+def qmv_reference(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """What every mat-vec kernel computes, in MLX ops: x [..., K] @ dequantize(w)[N, K]^T ->
+    [..., N] in x's dtype, float32 products."""
+    weights = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    return (x.astype(mx.float32) @ weights.astype(mx.float32).T).astype(x.dtype)
 
 
 def rows_and_k(x: mx.array) -> tuple[int, int]:
@@ -121,10 +139,10 @@ def metal_launch_config(x: mx.array, n: int, *, group_size: int, bits: int) -> t
     return (*template, ("SMEM_FLOATS", math.ceil(shared / 16) * 4)), grid, block
 
 
-def supports_fast(
+def supports_general(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, *, group_size: int, bits: int
 ) -> bool:
-    """Whether the v2 kernel can run this call (CUDA or Metal, affine 4/8-bit, shapes it handles)."""
+    """Whether the general kernel can run this call (CUDA or Metal, affine 4/8-bit, shapes it handles)."""
     if backend() not in ("cuda", "metal") or not supported_affine(x, w, scales, biases, group_size, bits):
         return False
     rows, k = rows_and_k(x)
@@ -159,11 +177,11 @@ def supported_affine(
     )
 
 
-def qmv_fast(
+def qmv_general(
     x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int
 ) -> mx.array:
-    """The v2 kernel: x [..., K] @ dequantize(w)[N, K]^T -> [..., N] in x's dtype. Callers check
-    `supports_fast` first (qmv.qmv does, and falls back otherwise)."""
+    """x [..., K] @ dequantize(w)[N, K]^T -> [..., N] in x's dtype. Callers check
+    `supports_general` first."""
     n = w.shape[0]
     out_shape = (*x.shape[:-1], n)
     if backend() == "metal":

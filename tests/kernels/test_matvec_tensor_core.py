@@ -1,4 +1,4 @@
-"""The tensor-core mat-vec (kernels/qmv_tc.py): its CUDA body compiled for sm_90 for every launched
+"""The tensor-core mat-vec (kernels/matvec_tensor_core.py): its CUDA body compiled for sm_90 for every launched
 variant, and executed on the CPU by the threads emulator of test_gdn_kernel.py, with `mma.sync`
 emulated from its PTX fragment layout. GPU tests compare it with MLX's own quantized mat-mul."""
 
@@ -12,8 +12,8 @@ import pytest
 from nvcc_check import assert_compiles, nvcc
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels import qmv_tc as tc
-from kapitsa.engine.kernels.qmv import qmv_reference
+from kapitsa.engine.kernels import matvec_tensor_core as tc
+from kapitsa.engine.kernels.matvec import qmv_reference
 from tests.kernels.test_gdn_kernel import Emulated, cuda_translation
 
 # mma.m16n8k16 (bf16 in, float32 out) on the host: each lane publishes its fragments, then reads
@@ -122,11 +122,7 @@ def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, rows, n, k, gs
         x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=4
     )
     monkeypatch.setattr(tc, "_KERNEL", Emulated(tc._KERNEL, _translate, tmp_path))
-    monkeypatch.setitem(tc.OPTIONS, "tiles", tiles)
-    monkeypatch.setitem(tc.OPTIONS, "exact_q", exact)
-    tc.launch_config.cache_clear()
-    got = tc.qmv_tc(x, q, s, b, group_size=gs).astype(mx.float32)
-    tc.launch_config.cache_clear()
+    got = tc.qmv_tensor_core(x, q, s, b, group_size=gs, tiles=tiles, exact_q=exact).astype(mx.float32)
     assert got.shape == (rows, n)
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
     assert err < 8e-3, err  # the output is bf16: one rounding of ~0.4% at most per value
@@ -135,10 +131,10 @@ def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, rows, n, k, gs
 def test_supports() -> None:
     q, s, b = _weights(32, 128, 64)
     x = mx.zeros((1, 128), mx.bfloat16)
-    assert tc.supports_tc(x, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
+    assert tc.supports_tensor_core(x, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
     x16, x17 = mx.zeros((16, 128), mx.bfloat16), mx.zeros((17, 128), mx.bfloat16)
-    assert tc.supports_tc(x16, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
-    assert not tc.supports_tc(x17, q, s, b, group_size=64, bits=4)
+    assert tc.supports_tensor_core(x16, q, s, b, group_size=64, bits=4) == (backend() == "cuda")
+    assert not tc.supports_tensor_core(x17, q, s, b, group_size=64, bits=4)
 
 
 @pytest.mark.gpu
@@ -148,14 +144,13 @@ def test_supports() -> None:
     "n,k,gs", [(34816, 5120, 64), (5120, 17408, 64), (16480, 5120, 128), (5120, 6144, 64)]
 )
 @pytest.mark.parametrize("exact", [True, False])
-def test_gpu_matches_stock(rows, n, k, gs, exact, monkeypatch) -> None:
+def test_gpu_matches_stock(rows, n, k, gs, exact) -> None:
     q, s, b = _weights(n, k, gs)
     x = mx.random.normal((rows, k)).astype(mx.bfloat16)
     ref = qmv_reference(
         x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=4
     )
-    monkeypatch.setitem(tc.OPTIONS, "exact_q", exact)
-    got = tc.qmv_tc(x, q, s, b, group_size=gs).astype(mx.float32)
+    got = tc.qmv_tensor_core(x, q, s, b, group_size=gs, exact_q=exact).astype(mx.float32)
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
     assert err < 8e-3, err
     assert np.isfinite(np.array(got)).all()
