@@ -19,7 +19,9 @@ from functools import partial
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
-from kapitsa.engine.kernels.gdn import gdn_step, gdn_step_reference, kernel_works, projection_views, supports
+from kapitsa.engine.kernels.gdn import gdn_step, kernel_works
+from kapitsa.engine.kernels.gdn_plan import supports
+from kapitsa.engine.kernels.gdn_reference import gdn_step_reference, projection_views
 
 SHAPES = {  # Hk, Hv, Dk, Dv of the GDN layers; layers = how many GDN layers the model has
     "qwen3.5-27b": dict(hk=16, hv=48, dk=128, dv=128, layers=48),

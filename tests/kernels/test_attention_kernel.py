@@ -11,8 +11,7 @@ import pytest
 from nvcc_check import assert_compiles, nvcc
 
 from kapitsa.engine.kernels import attention, backend
-from tests.kernels.test_gdn_kernel import Emulated
-from tests.kernels.test_matvec_one_row import _translate
+from tests.kernels.emulation import Emulated, cuda_host_translation
 
 
 def _case(B, hq, hkv, D, cap, dtype, seed=0, gated=False):
@@ -69,8 +68,8 @@ def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
 def test_emulated_kernels_match_reference(
     monkeypatch, tmp_path, dtype, B, hq, hkv, D, cap, length, gated
 ) -> None:
-    monkeypatch.setattr(attention, "_PARTIAL", Emulated(attention._PARTIAL, _translate, tmp_path))
-    monkeypatch.setattr(attention, "_COMBINE", Emulated(attention._COMBINE, _translate, tmp_path))
+    monkeypatch.setattr(attention, "_PARTIAL", Emulated(attention._PARTIAL, cuda_host_translation, tmp_path))
+    monkeypatch.setattr(attention, "_COMBINE", Emulated(attention._COMBINE, cuda_host_translation, tmp_path))
     q, k, v, gate = _case(B, hq, hkv, D, cap, dtype, seed=length, gated=gated)
     with mx.stream(mx.cpu):
         got = attention.decode_attention(q, k, v, length, scale=D**-0.5, gate=gate).astype(mx.float32)

@@ -16,8 +16,7 @@ from kapitsa.engine.kernels.attn_prep import PrepSpec
 from kapitsa.engine.models.base import Attention, use_kernel_options
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.options import KernelOptions
-from tests.kernels.test_gdn_kernel import Emulated
-from tests.kernels.test_matvec_one_row import _translate
+from tests.kernels.emulation import Emulated, cuda_host_translation
 
 QWEN_27B = PrepSpec(heads=24, kv_heads=4, head_dim=256, gated=True, eps=1e-6, rotary_dims=64)
 
@@ -103,7 +102,7 @@ EMULATION = [
 @pytest.mark.parametrize("B,T,spec,dtype", EMULATION)
 def test_emulated_kernel_matches_reference(monkeypatch, tmp_path, B, T, spec, dtype) -> None:
     """The real launch path with the real CUDA body, run by host threads."""
-    monkeypatch.setattr(attn_prep, "_KERNEL", Emulated(attn_prep._KERNEL, _translate, tmp_path))
+    monkeypatch.setattr(attn_prep, "_KERNEL", Emulated(attn_prep._KERNEL, cuda_host_translation, tmp_path))
     case = _case(spec, B, T, dtype, seed=B * 10 + T)
     with mx.stream(mx.cpu):
         got = attn_prep.prep(*case)

@@ -13,21 +13,7 @@ from nvcc_check import assert_compiles, nvcc
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels import matvec_one_row as one_row
 from kapitsa.engine.kernels.matvec import qmv_reference
-from tests.kernels.test_gdn_kernel import Emulated, cuda_translation
-from tests.kernels.test_matvec_tensor_core import MMA_EMULATION  # __byte_perm / __ldcs on the host
-
-HOST_INTRINSICS = (
-    MMA_EMULATION
-    + r"""
-inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float __expf(float x) { return std::exp(x); }
-"""
-)
-
-
-def _translate(kernel, dtypes, output_dtypes, template):
-    unit, function = cuda_translation(kernel, dtypes, output_dtypes, template)
-    return HOST_INTRINSICS + unit, function
+from tests.kernels.emulation import Emulated, cuda_host_translation
 
 
 def _weights(n: int, k: int, gs: int, bits: int, seed: int = 0):
@@ -103,7 +89,7 @@ def test_emulated_kernel_matches_reference(
     ref = qmv_reference(
         x.astype(mx.float32), q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits
     )
-    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, cuda_host_translation, tmp_path))
     got = one_row.qmv_one_row(x, q, s, b, group_size=gs, bits=bits, shape=shape)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 8e-3)
@@ -123,7 +109,7 @@ def test_emulated_fused_norm_and_residual(on_cpu, monkeypatch, tmp_path, dtype, 
     res = mx.random.normal((rows, n)).astype(dtype)
     kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None, residual=res if resid else None)
     ref = one_row.qmv_one_row_reference(x, q, s, b, **kw).astype(mx.float32)
-    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, cuda_host_translation, tmp_path))
     got = one_row.qmv_one_row(x, q, s, b, shape=(2, 2, 2), **kw)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 1e-2)
@@ -142,7 +128,7 @@ def test_emulated_activation_prologue(on_cpu, monkeypatch, tmp_path, dtype, rows
     x = (mx.random.normal((rows, 2 * k if act == "silu_glu" else k)) * 2).astype(dtype)
     res = mx.random.normal((rows, n)).astype(dtype)
     ref = one_row.qmv_one_row_reference(x, q, s, b, group_size=gs, bits=bits, residual=res, act=act)
-    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, cuda_host_translation, tmp_path))
     got = one_row.qmv_one_row(x, q, s, b, group_size=gs, bits=bits, shape=(2, 2, 2), residual=res, act=act)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert _rel_err(got, ref.astype(mx.float32)) < (1e-5 if dtype == mx.float32 else 1e-2)
@@ -239,7 +225,7 @@ def test_emulated_glu_epilogue(on_cpu, monkeypatch, tmp_path, dtype, rows, n, no
     nw = (1 + 0.3 * mx.random.normal((k,))).astype(dtype)
     kw = dict(group_size=gs, bits=bits, norm=(nw, 1e-6) if norm else None, glu=True)
     ref = one_row.qmv_one_row_reference(x, q, s, b, **kw).astype(mx.float32)
-    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, _translate, tmp_path))
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, cuda_host_translation, tmp_path))
     got = one_row.qmv_one_row(x, q, s, b, shape=shape, **kw)
     assert got.shape == (rows, n // 2) and got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == mx.float32 else 1e-2)

@@ -14,52 +14,7 @@ from nvcc_check import assert_compiles, nvcc
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.kernels import matvec_tensor_core as tc
 from kapitsa.engine.kernels.matvec import qmv_reference
-from tests.kernels.test_gdn_kernel import Emulated, cuda_translation
-
-# mma.m16n8k16 (bf16 in, float32 out) on the host: each lane publishes its fragments, then reads
-# everyone's to rebuild A (16x16) and B (16x8) and computes its own four outputs. The layout is the
-# PTX ISA's: lane (g = lane/4, t = lane%4) holds A[g][2t..2t+1], A[g+8][2t..], A[g][2t+8..],
-# A[g+8][2t+8..]; B[2t..2t+1][g], B[2t+8..2t+9][g]; D[g][2t..2t+1], D[g+8][2t..2t+1].
-MMA_EMULATION = r"""
-#define KAPITSA_EMULATE 1
-inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t s) {
-  const uint64_t v = ((uint64_t)b << 32) | a;
-  uint32_t r = 0;
-  for (int i = 0; i < 4; ++i) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-  return r;
-}
-template <typename P> inline P __ldcs(const P* p) { return *p; }
-static uint32_t emu_frag[32][32][6];
-inline float emu_bf(uint32_t reg, int half) { return __int_as_float((int)((half ? reg >> 16 : reg & 0xFFFF) << 16)); }
-void kapitsa_emu_mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
-  for (int i = 0; i < 4; ++i) emu_frag[w][l][i] = a[i];
-  emu_frag[w][l][4] = b0;
-  emu_frag[w][l][5] = b1;
-  __syncwarp();
-  float A[16][16], B[16][8];
-  for (int lane = 0; lane < 32; ++lane) {
-    const int g = lane / 4, t = lane % 4;
-    const uint32_t* f = emu_frag[w][lane];
-    for (int j = 0; j < 2; ++j) {
-      A[g][2 * t + j] = emu_bf(f[0], j);
-      A[g + 8][2 * t + j] = emu_bf(f[1], j);
-      A[g][2 * t + 8 + j] = emu_bf(f[2], j);
-      A[g + 8][2 * t + 8 + j] = emu_bf(f[3], j);
-      B[2 * t + j][g] = emu_bf(f[4], j);
-      B[2 * t + 8 + j][g] = emu_bf(f[5], j);
-    }
-  }
-  __syncwarp();
-  const int g = l / 4, t = l % 4;
-  for (int k = 0; k < 16; ++k) {
-    d[0] += A[g][k] * B[k][2 * t];
-    d[1] += A[g][k] * B[k][2 * t + 1];
-    d[2] += A[g + 8][k] * B[k][2 * t];
-    d[3] += A[g + 8][k] * B[k][2 * t + 1];
-  }
-}
-"""
+from tests.kernels.emulation import MMA_EMULATION, Emulated, cuda_translation
 
 
 def _translate(kernel, dtypes, output_dtypes, template):

@@ -12,8 +12,7 @@ import pytest
 from nvcc_check import assert_compiles, nvcc
 
 from kapitsa.engine.kernels import backend, router
-from tests.kernels.test_gdn_kernel import Emulated
-from tests.kernels.test_matvec_one_row import _translate
+from tests.kernels.emulation import Emulated, cuda_host_translation
 
 
 def _case(tokens, k, experts, extra, dtype, seed=0):
@@ -120,8 +119,8 @@ def test_cuda_source_compiles(dtype, k, experts, rows, top_k, mode) -> None:
 def test_emulated_kernel_matches_reference(
     monkeypatch, tmp_path, dtype, tokens, k, experts, extra, top_k, mode, normalize
 ) -> None:
-    monkeypatch.setattr(router, "_LOGITS", Emulated(router._LOGITS, _translate, tmp_path))
-    monkeypatch.setattr(router, "_SELECT", Emulated(router._SELECT, _translate, tmp_path))
+    monkeypatch.setattr(router, "_LOGITS", Emulated(router._LOGITS, cuda_host_translation, tmp_path))
+    monkeypatch.setattr(router, "_SELECT", Emulated(router._SELECT, cuda_host_translation, tmp_path))
     x, w, bias = _case(tokens, k, experts, extra, dtype, seed=tokens)
     kw = dict(
         experts=experts,

@@ -6,7 +6,7 @@ for one Qwen3.5-27B layer at 512 tokens on the H200, the fused kernel 0.97 ms (l
 lab/runs/decode-h200.md); with 48 such layers that was nearly all of a 27B prefill.
 
 The kernel's token count is a compile-time constant (its loops unroll around it), so a prompt's
-arbitrary chunk lengths would each cost a JIT compile. Calls past `gdn.MAX_T` tokens are padded to
+arbitrary chunk lengths would each cost a JIT compile. Calls past `gdn_plan.MAX_T` tokens are padded to
 the next power of two instead, with the padded tokens masked out (a masked token leaves the state
 untouched and yields zeros, the contract `gdn_step` shares with the reference), then sliced off:
 a handful of compiles serves every prompt. The conv input is padded at its end, so no real
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kapitsa.engine.kernels import gdn
+from kapitsa.engine.kernels import gdn, gdn_plan
 
 
 def padded_length(tokens: int) -> int:
-    """Tokens the kernel runs for a call of `tokens`: exact up to gdn.MAX_T (decode and
+    """Tokens the kernel runs for a call of `tokens`: exact up to gdn_plan.MAX_T (decode and
     verification sizes), else the next power of two."""
-    if tokens <= gdn.MAX_T:
+    if tokens <= gdn_plan.MAX_T:
         return tokens
     return 1 << (tokens - 1).bit_length()
 
@@ -81,6 +81,6 @@ def _kernel_here(conv_in, conv_weight, state, tokens: int, heads: dict) -> bool:
     kind = gdn.backend()
     state_dtype = None if state is None else state.dtype
     dims = (heads["num_k_heads"], heads["num_v_heads"], heads["head_k_dim"], heads["head_v_dim"])
-    return gdn.supported(
+    return gdn_plan.supported(
         kind, conv_in.dtype, conv_weight.dtype, state_dtype, tokens, conv_weight.shape[1], *dims
     ) and gdn.kernel_works(kind)

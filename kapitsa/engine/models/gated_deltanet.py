@@ -15,8 +15,9 @@ import mlx.nn as nn
 
 from kapitsa.engine import kernels
 from kapitsa.engine.cache.layers import RecurrentCache, ReplayRecord, StepInfo
-from kapitsa.engine.kernels.gdn import gdn_decode, gdn_step, gdn_step_reference, projection_views
+from kapitsa.engine.kernels.gdn import gdn_decode, gdn_step
 from kapitsa.engine.kernels.gdn_prefill import gdn_chain
+from kapitsa.engine.kernels.gdn_reference import gdn_step_reference, projection_views
 from kapitsa.engine.loading.fuse import fuse_into, projections
 from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk

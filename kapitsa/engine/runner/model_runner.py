@@ -15,7 +15,8 @@ from kapitsa.engine.cache.disk import StoredPrefix
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.layers import KVCache, RecurrentCache
 from kapitsa.engine.cache.prefix import PrefixMatch
-from kapitsa.engine.kernels import cpu_blas, probe_enabled
+from kapitsa.engine.kernels import cpu_blas
+from kapitsa.engine.kernels.probes import probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears

@@ -1,0 +1,279 @@
+"""The MoE decode kernels' own CUDA sources and Metal ports (kernels/moe.py) run on the CPU under a
+host emulation of the GPU, against the reference, and the launcher driving the emulated kernels."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kapitsa.engine.kernels import moe
+from kapitsa.engine.kernels.moe import experts_decode_reference
+from kapitsa.engine.ops.moe import SwitchGLU, SwitchReluSquared
+from kapitsa.errors import KapitsaError
+from tests.kernels.test_moe_kernel import _module_path, _quantize_module, _routing, _stacks
+
+# --- the CUDA sources themselves, run on CPU --------------------------------------------------
+# The kernel bodies are compiled as C++ (g++) with one std::thread per CUDA thread: __shared__
+# locals become function statics (one block runs at a time), __syncthreads a std::barrier, warp
+# shuffles an exchange through a per-warp buffer between two per-warp barriers. Float32 only.
+
+_EMULATION_PRELUDE = r"""
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::min;
+struct uint4 { uint32_t x, y, z, w; };
+struct Idx { int x, y, z; };
+static thread_local Idx threadIdx, blockIdx;
+static Idx blockDim;
+static std::barrier<>* g_block;
+static std::barrier<>* g_warp[32];
+static float g_lanes[32][32];
+static std::atomic<int> g_or{0};
+static float* g_dynamic;
+static void __syncthreads() { g_block->arrive_and_wait(); }
+static bool __syncthreads_or(bool v) {
+  __syncthreads();
+  if (v) g_or = 1;
+  __syncthreads();
+  const bool r = g_or.load();
+  __syncthreads();
+  if (threadIdx.x == 0) g_or = 0;
+  return r;
+}
+static float __shfl_xor_sync(unsigned, float v, int o) {
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_lanes[w][l] = v;
+  g_warp[w]->arrive_and_wait();
+  const float r = g_lanes[w][l ^ o];
+  g_warp[w]->arrive_and_wait();
+  return r;
+}
+"""
+
+_EMULATION_LAUNCH = r"""
+extern "C" void launch(int blocks_x, int blocks_y, int threads, long dynamic_floats, PARAMS) {
+  std::vector<float> dynamic(dynamic_floats);
+  g_dynamic = dynamic.data();
+  std::barrier<> block(threads);
+  g_block = &block;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  for (int w = 0; w < threads / 32; ++w) {
+    warps.emplace_back(new std::barrier<>(32));
+    g_warp[w] = warps.back().get();
+  }
+  blockDim = {threads, 1, 1};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      threadIdx = {t, 0, 0};
+      for (int by = 0; by < blocks_y; ++by)
+        for (int bx = 0; bx < blocks_x; ++bx) {
+          blockIdx = {bx, by, 0};
+          body(ARGS);
+          __syncthreads();  // the next block reuses the statics
+        }
+    });
+  for (auto& th : pool) th.join();
+}
+"""
+
+
+_METAL_AS_CPP = r"""
+namespace metal { using std::exp; using std::max; using std::min; }
+typedef unsigned uint;
+typedef unsigned long ulong;
+typedef unsigned short ushort;
+static float simd_shuffle_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+"""
+
+
+def _cuda_as_cpp(kernel) -> tuple[str, str]:
+    """(header, body) of a CUDA kernel, its shared memory mapped onto the emulation."""
+    body = kernel.source.replace("extern __shared__ float", "float* const").replace("__shared__", "static")
+    return "", body.replace("xs[];", "xs = g_dynamic;").replace("hs[];", "hs = g_dynamic;")
+
+
+def _metal_as_cpp(kind: str, which: str) -> tuple[str, str]:
+    """(header, body) of metal/moe.metal's kernel, Metal spellings mapped onto the emulation."""
+    import re
+
+    from kapitsa.engine.kernels.metal import read_source
+
+    header, bodies = read_source("moe.metal")
+    hidden, out = bodies.split(moe.OUT_BODY_MARKER, 1)
+    nw = 2 if kind == "swiglu" else 1
+    body = hidden.replace("WEIGHT_POINTERS", moe._METAL_POINTERS[nw]) if which == "hidden" else out
+    body = body.replace("threadgroup_barrier(mem_flags::mem_threadgroup)", "__syncthreads()")
+    body = re.sub(r"^(\s*)threadgroup (int|float) ", r"\1static \2 ", body, flags=re.M)
+    body = body.replace("threadgroup_position_in_grid", "blockIdx").replace(
+        "thread_index_in_threadgroup", "threadIdx.x"
+    )
+    body = re.sub(r"\b(threadgroup|device) ", "", body)
+    return _METAL_AS_CPP + header, body
+
+
+def _emulated(names: tuple[str, ...], source: tuple[str, str], template: list, tmp_path, tag: str):
+    """A ctypes function launch(blocks_x, blocks_y, threads, dynamic_floats, *pointers) running
+    `source` = (header, body) with the given input+output names and template values."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    ctype = {"indices": "const uint32_t*", "h": "float*", "y": "float*"}
+    params = [
+        ctype.get(n, "const uint32_t*" if n.startswith("w") else "const float*") + f" {n}" for n in names
+    ]
+    consts = [
+        f"using {n} = float;" if isinstance(v, mx.Dtype) else f"constexpr int {n} = {v};" for n, v in template
+    ]
+    header, body = source
+    src = (
+        _EMULATION_PRELUDE
+        + header
+        + "static void body("
+        + ", ".join(params)
+        + ") {\n"
+        + "\n".join(consts)
+        + body
+        + "}\n"
+        + _EMULATION_LAUNCH.replace("PARAMS", ", ".join(params)).replace("ARGS", ", ".join(names))
+    )
+    cpp, lib = tmp_path / f"{tag}.cpp", tmp_path / f"{tag}.so"
+    cpp.write_text(src)
+    proc = subprocess.run(
+        ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(lib), str(cpp)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return ctypes.CDLL(str(lib)).launch
+
+
+def _ptr(a: np.ndarray):
+    import ctypes
+
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _run_emulated(
+    plan, x, idx, scores, first, second, tmp_path, budget: int, dialect: str = "cuda"
+) -> np.ndarray:
+    import ctypes
+
+    t1 = plan.hidden_template(mx.float32, mx.float32, mx.uint32, budget=budget)
+    weights = [np.ascontiguousarray(np.array(a)) for st in first for a in st]
+    xn, idxn, scn = (np.ascontiguousarray(np.array(a)) for a in (x, idx, scores))
+    h = np.full((plan.pairs, plan.hidden), np.nan, np.float32)
+    kernel = moe.hidden_kernel(plan.kind)
+    source = _cuda_as_cpp(kernel) if dialect == "cuda" else _metal_as_cpp(plan.kind, "hidden")
+    launch = _emulated((*kernel.input_names, "h"), source, t1, tmp_path, "hidden")
+    launch(
+        plan.blocks(plan.hidden, t1), plan.pairs, dict(t1)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t1, plan.tokens) // 4),
+        *(_ptr(a) for a in (xn, idxn, *weights, h)),
+    )  # fmt: skip
+    t2 = plan.out_template(mx.float32, mx.float32, mx.uint32, mx.float32, budget=budget)
+    y = np.full((plan.tokens, plan.n_out), np.nan, np.float32)
+    source = _cuda_as_cpp(moe.OUT_KERNEL) if dialect == "cuda" else _metal_as_cpp(plan.kind, "out")
+    launch = _emulated((*moe.OUT_KERNEL.input_names, "y"), source, t2, tmp_path, "out")
+    second = [np.ascontiguousarray(np.array(a)) for a in second]
+    launch(
+        plan.blocks(plan.n_out, t2), 1, dict(t2)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t2, plan.pairs) // 4),
+        *(_ptr(a) for a in (h, idxn, scn, *second, y)),
+    )  # fmt: skip
+    return y
+
+
+_EMULATION_CASES = [  # (kind, bits, group, tokens, shared budget), slow?
+    (("swiglu", 4, 32, 1, moe.SHARED_BUDGET), True),
+    (("swiglu", 4, 64, 4, 3 * 1024), False),  # small budget: several tiles; short rows: lanes split rows
+    (("relu2", 8, 64, 3, moe.SHARED_BUDGET), False),
+    (("relu2", 4, 128, 5, 4 * 1024), True),
+]
+
+
+@pytest.mark.parametrize(
+    "dialect,kind,bits,gs,tokens,budget",
+    [
+        pytest.param(
+            dialect,
+            *case,
+            marks=[pytest.mark.slow] if slow or (dialect, case[0]) == ("metal", "relu2") else [],
+        )
+        for dialect in ("cuda", "metal")
+        for case, slow in _EMULATION_CASES
+    ],
+)
+def test_kernel_sources_run_on_cpu_emulation(dialect, kind, bits, gs, tokens, budget, tmp_path) -> None:
+    """The CUDA bodies, and metal/moe.metal's bodies with Metal spellings mapped to C++ (checks
+    the port's logic, not Metal's compiler)."""
+    mx.random.seed(6)
+    k, experts, d, hidden = 3, 6, 256, 128
+    module = SwitchGLU(d, hidden, experts) if kind == "swiglu" else SwitchReluSquared(d, hidden, experts)
+    _, first, second, _, _ = _stacks(_quantize_module(module, gs, bits))
+    x = mx.random.normal((tokens, d))
+    idx, scores = _routing(tokens, k, experts, seed=tokens, pool=4)
+    if tokens > 1:  # a repeated expert within a token, and one the model does not have
+        idx = mx.array(np.array(idx)[:, [0, 0, 2]] if tokens == 4 else np.array(idx))
+        idx[tokens - 1, 2] = experts + 1
+    plan = moe.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind)
+    got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget, dialect)
+    known = mx.array(np.where(np.array(idx) < experts, np.array(scores), 0.0))
+    safe_idx = mx.minimum(idx, experts - 1)  # the reference cannot take the unknown expert
+    want = experts_decode_reference(x, safe_idx, known, first, second, kind=kind, group_size=gs, bits=bits)
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+
+
+class _EmulatedKernel:
+    """Stands in for a CudaKernel: same call signature, runs the body through the emulation, so
+    the launcher's own input order, grid and shared memory size are what gets exercised."""
+
+    def __init__(self, kernel, tmp_path) -> None:
+        self.kernel, self.tmp_path, self.calls = kernel, tmp_path, []
+
+    def __call__(self, inputs, *, template, grid, threadgroup, output_shapes, output_dtypes, shared_memory):
+        import ctypes
+
+        names = (*self.kernel.input_names, *self.kernel.output_names)
+        tag = f"{self.kernel.name}_{len(self.calls)}"
+        launch = _emulated(names, _cuda_as_cpp(self.kernel), template, self.tmp_path, tag)
+        arrays = [np.ascontiguousarray(np.array(a)) for a in inputs]
+        assert all(a.dtype in (np.float32, np.uint32) for a in arrays), [a.dtype for a in arrays]
+        outs = [np.full(tuple(shape), np.nan, np.float32) for shape in output_shapes]
+        assert grid[0] % threadgroup[0] == 0
+        launch(grid[0] // threadgroup[0], grid[1], threadgroup[0], ctypes.c_long(shared_memory // 4),
+               *(_ptr(a) for a in (*arrays, *outs)))  # fmt: skip
+        self.calls.append(shared_memory)
+        return [mx.array(o) for o in outs]
+
+
+@pytest.mark.parametrize("kind", moe.KINDS)
+def test_launcher_runs_the_emulated_kernels(kind: str, monkeypatch, tmp_path) -> None:
+    """experts_decode / routed_experts with the CUDA backend, the kernels emulated on CPU."""
+    mx.random.seed(8)
+    d, hidden, experts, k, tokens = 128, 64, 6, 3, 2
+    module = SwitchGLU(d, hidden, experts) if kind == "swiglu" else SwitchReluSquared(d, hidden, experts)
+    module = _quantize_module(module, 64, 8 if kind == "swiglu" else 4)
+    x = mx.random.normal((1, tokens, d))
+    idx, scores = _routing(tokens, k, experts, seed=8, pool=4)
+    want = _module_path(module, x, idx[None], scores[None])
+    hidden_k = _EmulatedKernel(moe.hidden_kernel(kind), tmp_path)
+    out_k = _EmulatedKernel(moe.OUT_KERNEL, tmp_path)
+    monkeypatch.setattr(moe, "backend", lambda: "cuda")
+    monkeypatch.setattr(moe, "hidden_kernel", lambda _kind: hidden_k)
+    monkeypatch.setattr(moe, "OUT_KERNEL", out_k)
+    got = moe.routed_experts(module, x, idx[None], scores[None])
+    assert got.shape == (1, tokens, d) and got.dtype == mx.float32
+    assert hidden_k.calls and out_k.calls  # the kernels ran, not the fallback
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    with pytest.raises(KapitsaError, match="same leading shape"):
+        moe.routed_experts(module, x, idx[None], scores[None][..., :2])
