@@ -27,7 +27,7 @@ from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
 from kapitsa.engine.options import KernelOptions
 
 if TYPE_CHECKING:
-    from kapitsa.engine.models.qwen3_5 import ModelArgs
+    from kapitsa.engine.models.qwen3_5_args import ModelArgs
 
 
 class GatedDeltaNet(nn.Module):

@@ -23,7 +23,7 @@ from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
 from kapitsa.engine.options import KernelOptions
 
 if TYPE_CHECKING:
-    from kapitsa.engine.models.nemotron_h import ModelArgs
+    from kapitsa.engine.models.nemotron_h_args import ModelArgs
 
 
 class Mamba2Mixer(nn.Module):

@@ -11,8 +11,6 @@ MTP: `mtp.*` tensors are kept. When a checkpoint ships them, `sanitize` attaches
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,94 +25,14 @@ from kapitsa.engine.models.base import (
     compiled_attention,
     fast_chain,
     fast_decode,
-    known_fields,
-    require,
 )
 from kapitsa.engine.models.gated_deltanet import GatedDeltaNet
+from kapitsa.engine.models.qwen3_5_args import ModelArgs
 from kapitsa.engine.models.qwen_weights import sanitize_qwen
 from kapitsa.engine.models.sparse_moe import MLP, SparseMoe
 from kapitsa.engine.ops.gated_delta import fast_kernel_works
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.options import KernelOptions
-
-WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
-
-
-@dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    intermediate_size: int = 0
-    head_dim: int = 256
-    rms_norm_eps: float = 1e-6
-    linear_num_value_heads: int = 32
-    linear_num_key_heads: int = 16
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    full_attention_interval: int = 4
-    layer_types: list[str] | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    attn_output_gate: bool = True
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    rope_theta: float = 10000.0
-    partial_rotary_factor: float = 0.25
-    rope_scaling: dict[str, Any] | None = None
-    rope_parameters: dict[str, Any] | None = None
-    mtp_num_hidden_layers: int = 0
-    max_position_embeddings: int = 262144
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
-        text = dict(config.get("text_config") or config)
-        text["model_type"] = config.get("model_type", text.get("model_type", "qwen3_5"))
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
-            text["tie_word_embeddings"] = config["tie_word_embeddings"]
-        for key in ("mlp_only_layers",):
-            text[key] = text.get(key) or []
-        return cls(**known_fields(cls, text))
-
-    def __post_init__(self) -> None:
-        rope = self.rope_parameters or {}
-        self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
-        self.partial_rotary_factor = float(rope.get("partial_rotary_factor", self.partial_rotary_factor))
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            self.rope_scaling = rope
-        if self.layer_types is None:
-            every = self.full_attention_interval
-            self.layer_types = [
-                "full_attention" if (i + 1) % every == 0 else "linear_attention"
-                for i in range(self.num_hidden_layers)
-            ]
-        require(
-            len(self.layer_types) == self.num_hidden_layers, "layer_types does not match num_hidden_layers"
-        )
-        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
-        require(not unknown, f"unknown Qwen layer types {sorted(unknown)}")
-        require(
-            self.linear_num_value_heads % self.linear_num_key_heads == 0,
-            "linear_num_value_heads must be a multiple of linear_num_key_heads",
-        )
-
-    @property
-    def wrapped(self) -> bool:
-        return self.model_type in WRAPPED_TYPES
-
-    def is_moe_layer(self, i: int) -> bool:
-        return (
-            self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
-        )
 
 
 class DecoderLayer(nn.Module):

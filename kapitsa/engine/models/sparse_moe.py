@@ -20,7 +20,7 @@ from kapitsa.engine.ops.norm import silu_mul
 from kapitsa.engine.options import KernelOptions
 
 if TYPE_CHECKING:
-    from kapitsa.engine.models.qwen3_5 import ModelArgs
+    from kapitsa.engine.models.qwen3_5_args import ModelArgs
 
 
 class MLP(nn.Module):
