@@ -167,12 +167,6 @@ def main() -> None:
         help="also time kapitsa with KAPITSA_KERNELS=FAMILIES",
     )
     ap.add_argument(
-        "--qmv-ab",
-        default=None,
-        metavar="KERNEL",
-        help="also time kapitsa with KAPITSA_QMV_KERNEL=KERNEL (the 1-8 row mat-vec kernel); KERNEL:PARTS also sets KAPITSA_FUSED_NORMS; direct@BLOCKS a persistent grid for the one-row kernel",
-    )
-    ap.add_argument(
         "--fold-ab",
         action="store_true",
         help="MoE shapes: also time a copy with shared experts folded",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every H200 measurement issue 10 asks for, in parts that each fit one 10-minute device call:
+# The H200 measurements, in parts that each fit one 10-minute device call:
 #   bash lab/h200_all.sh knobs        4B decode (kapitsa default and with fused norms, mlx-lm) under
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
@@ -10,14 +10,14 @@
 #   bash lab/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
 #                                       default 27b) under Nsight Systems (lab/decode_kernels.py)
 #   bash lab/h200_all.sh tests        every gpu-marked test, sharded over parallel processes
-#                                       (lab/gpu_tests.py; 340 s on a fresh machine, session 10)
+#                                       (lab/gpu_tests.py; ~6 minutes on a fresh machine)
 #   bash lab/h200_all.sh compiled     the compiled decode/verify paths against op by op, sharded
-#                                       the same way (223 s fresh, session 10; its own call:
-#                                       with the GPU set it passes a call's 10 minutes)
+#                                       the same way (~4 minutes fresh; its own call: with
+#                                       the GPU set it passes a call's 10 minutes)
 #   bash lab/h200_all.sh ptx-save     MLX's JIT cache (/tmp/mlx) as $OUT/ptx.tgz, for $PTX_TGZ next time
-#   bash lab/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain (direct
-#                                       kernel, persistent grids included, and the streaming kernel);
-#                                       with STREAM_TESTS=1 their GPU tests first
+#   bash lab/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain
+#                                       (persistent grids included); with MATVEC_TESTS=1 their GPU
+#                                       tests first
 #   bash lab/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
 #                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
@@ -25,14 +25,11 @@
 #                                       too), mlx-lm, interleaved),
 #                                       prefill at 8192 tokens, verify cost per T (27b, nemotron;
 #                                       $VERIFY_SIZES, none to skip), edit
-#                                       speculation (1 round); also with the 1-8 row mat-vec kernel
-#                                       $QMV_AB (default stream; KERNEL:PARTS sets the fused parts too),
-#                                       with other kernel families (without the attention kernels
+#                                       speculation (1 round); also with other kernel families (without the attention kernels
 #                                       "attn"; on Nemotron without the fused MoE router "route"), on the MoE
 #                                       shapes folded shared experts when FOLD_AB=1
-# Getting there (session 5): the tracked tree is ~30 MB, so with .gpu/a (46 MB) a call passes the
-# 64 MiB transfer limit; move the trained checkpoints' *.safetensors (kapitsa/demo, tests/checkpoints/
-# trained) out of the tree for the device calls and back after. mlx-lm travels in .gpu/b:
+# Getting there: the tracked tree is ~30 MB, so with a 46 MB half of the MLX wheel a call passes the
+# 64 MiB transfer limit; split the wheel in three (~30 MB each) instead. mlx-lm travels in .gpu/b:
 # `python3 -m pip download --no-deps -d .gpu/b mlx-lm==0.32.2`, then on the machine, after
 # `source .gpu/b/activate.sh`: `python3 -m pip install -q --no-index --no-deps --target /tmp/mlx-site
 # .gpu/b/mlx_lm-*.whl`. The machine stays warm 30 s between calls: have the next command ready.
@@ -62,8 +59,8 @@ fi
 case "$part" in
   knobs)
     : > "$out/knobs.log"
-    # default last: the first process on a cold machine pays MLX's JIT compiles (session 5's first
-    # run passed 150 s), and a setting whose run is cut only drops out of the comparison
+    # default last: the first process on a cold machine pays MLX's JIT compiles (minutes), and a
+    # setting whose run is cut only drops out of the comparison
     for setting in ${KNOB_SETTINGS:-MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=1000 default}; do
       env_args=()
       [ "$setting" != default ] && env_args=("$setting")
@@ -79,10 +76,9 @@ case "$part" in
     ;;
   qmv)
     : > "$out/qmv.log"
-    if [ "${STREAM_TESTS:-0}" = 1 ]; then
+    if [ "${MATVEC_TESTS:-0}" = 1 ]; then
       timeout "${TESTS_TIMEOUT:-200}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
-        tests/kernels/test_qmv_stream.py "tests/kernels/test_qmv_direct.py::test_gpu_persistent_matches_reference" \
-        "tests/kernels/test_qmv_direct.py::test_gpu_glu_matches_reference" \
+        tests/kernels/test_matvec_one_row.py tests/kernels/test_matvec_tensor_core.py \
         >> "$out/qmv.log" 2>&1
       tail -3 "$out/qmv.log"
     fi
@@ -105,11 +101,11 @@ case "$part" in
     ;;
   prefill)
     # the MoE prefill route against gather_qmm on the GPU first (a minute), then the timings
-    # (and the GDN decode variant, also new in session 7, against the concatenating path)
+    # (and the GDN decode variant against the concatenating path)
     timeout 150 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu tests/ops/test_ops.py \
-      tests/kernels/test_gdn_kernel.py -k "moe_prefill or decode_variant" > "$out/prefill.log" 2>&1
+      tests/kernels/test_gdn_device.py -k "moe_prefill or decode_variant" > "$out/prefill.log" 2>&1
     tail -1 "$out/prefill.log"
-    # and the fused MoE router's (a default since session 7, its GPU tests not run before)
+    # and the fused MoE router's GPU tests
     timeout 120 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
       tests/kernels/test_router_kernel.py >> "$out/prefill.log" 2>&1
     tail -1 "$out/prefill.log"
@@ -130,7 +126,7 @@ case "$part" in
     ;;
   compiled)
     # the compiled decode/verify paths against the op-by-op ones (tests/models/test_compiled_decode.py)
-    # on the GPU: 25 cases, 223 s on a fresh machine (session 10; a 120 s limit reached 16)
+    # on the GPU: 25 cases, ~4 minutes on a fresh machine (a 120 s limit reaches 16 of them)
     timeout "$(( ${COMPILED_TIMEOUT:-300} + 60 ))" $py lab/gpu_tests.py --shards "${TEST_SHARDS:-12}" \
       --budget "${COMPILED_TIMEOUT:-300}" --marker "not metal and not slow" --out /tmp/gpu-tests-compiled \
       tests/models/test_compiled_decode.py > "$out/compiled.log" 2>&1
@@ -140,15 +136,15 @@ case "$part" in
   *)
     for shape in "$@"; do
       # the verify cost per T compiles every T's kernels afresh (NVRTC, ~1 s each): on a cold machine
-      # it cut session 8's 27B part before its edit speculation. VERIFY_SIZES=none leaves it out.
+      # it can cut the 27B part before its edit speculation. VERIFY_SIZES=none leaves it out.
       verify=() sizes=${VERIFY_SIZES:-}
       [ -z "$sizes" ] && [ "$shape" = 27b ] && sizes="1 4 8 16"
       [ -z "$sizes" ] && [ "$shape" = nemotron-30b-a3b ] && sizes="1 4 8"
       # shellcheck disable=SC2206
       [ -n "$sizes" ] && [ "$sizes" != none ] && verify=(--verify-shapes "$shape" --verify-sizes $sizes)
       # beside the defaults: on the Qwen shapes the defaults without the attention layer's decode
-      # kernels (attn, default since session 8); on Nemotron without the fused MoE router (route).
-      # FUSED_AB=none, QMV_AB=none, KERNELS_AB=none leave that variant out (a shorter part).
+      # kernels (attn); on Nemotron without the fused MoE router (route).
+      # FUSED_AB=none, KERNELS_AB=none leave that variant out (a shorter part).
       if [ "${KERNELS_AB:-}" != none ]; then
         case "$shape" in
           27b | 4b | 35b-a3b) verify+=(--kernels-ab gdn,moe,qmv,mamba,route) ;;
@@ -157,7 +153,6 @@ case "$part" in
       fi
       case "$shape" in 35b-a3b | nemotron-30b-a3b) [ "${FOLD_AB:-0}" = 1 ] && verify+=(--fold-ab) ;; esac
       [ "${FUSED_AB:-residual}" != none ] && verify+=(--fused-ab "${FUSED_AB:-residual}")
-      [ "${QMV_AB:-stream}" != none ] && verify+=(--qmv-ab "${QMV_AB:-stream}")
       # the 27B's part is the longest (mlx-lm prefills its 8k prompt twice at ~175 tok/s)
       limit=${SHAPE_TIMEOUT:-$([ "$shape" = 27b ] && echo 360 || echo 290)}
       timeout "$limit" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens "${TOKENS:-64}" --prompts 512 \

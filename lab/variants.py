@@ -1,5 +1,5 @@
 """kapitsa settings timed beside its defaults in one process (`decode_vs_mlxlm.py --fused-ab,
---kernels-ab, --qmv-ab, --fold-ab`): each variant is one more engine in the interleaved rounds, so the host's
+--kernels-ab, --fold-ab`): each variant is one more engine in the interleaved rounds, so the host's
 drift within a run falls on all of them alike.
 
 A variant is other `KernelOptions` (the defaults, engine_timing.DEFAULTS, with one field changed)
@@ -11,8 +11,7 @@ changes how the engine prepares the model (shared-expert folding) gets its own c
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kapitsa.engine.options import KernelOptions
@@ -56,32 +55,6 @@ def folded() -> Variant:
     return Variant(replace(DEFAULTS, fold_shared_experts=True), {"folded": True}, own_model=True)
 
 
-@contextlib.contextmanager
-def matvec_kernel(spec: str) -> Iterator[dict]:
-    """KAPITSA_QMV_KERNEL=kernel for the block (its kernels' probe runs first); spec
-    "kernel:parts" also sets KAPITSA_FUSED_NORMS=parts; "direct@BLOCKS" runs the one-row direct
-    kernel on a persistent grid of BLOCKS blocks (matvec_one_row.launch_config)."""
-    from kapitsa.engine.kernels import matvec_one_row
-    from kapitsa.engine.ops import linear as qlinear
-
-    kernel, _, parts = spec.partition(":")
-    kernel, _, persist = kernel.partition("@")
-    before, shape_before = qlinear.MATVEC["kernel"], matvec_one_row.SHAPE_BY_ROWS[1]
-    qlinear.MATVEC["kernel"] = qlinear._matvec_setting(kernel)
-    if persist:
-        matvec_one_row.SHAPE_BY_ROWS[1] = (*shape_before[:3], False, int(persist))
-    try:
-        with fused_parts(parts) if parts else contextlib.nullcontext({}) as described:
-            qlinear.probe_kernels()
-            yield {
-                "qmv_kernel": kernel + (f"@{persist}" if persist else ""),
-                "qmv_working": qlinear.WORKING.get(kernel),
-                **described,
-            }
-    finally:
-        qlinear.MATVEC["kernel"], matvec_one_row.SHAPE_BY_ROWS[1] = before, shape_before
-
-
 def timed_with(variant: Variant, timer: Timer) -> Timer:
     """`timer` run under `variant.kernels`, the model's traces dropped on both sides; the variant's
     description joins the result. A variant that fails (an untimed kernel that does not compile
@@ -114,6 +87,3 @@ def add_variants(args, models: dict, timers: dict, build_kapitsa: Callable[[], o
     for name, variant in variants.items():
         models[name] = build_kapitsa() if variant.own_model else models["kapitsa"]
         timers[name] = timed_with(variant, base)
-    if args.qmv_ab:
-        models["kapitsa-qmv"] = models["kapitsa"]
-        timers["kapitsa-qmv"] = timed_with(lambda: matvec_kernel(args.qmv_ab), base)

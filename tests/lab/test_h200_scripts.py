@@ -175,21 +175,6 @@ def test_graph_census_sees_the_opt_in_kernels_remove_primitives() -> None:
     assert count("gdn,moe,qmv,mamba,attn") < base
 
 
-def test_decode_vs_mlxlm_qmv_variant_with_fused_parts(tmp_path: Path) -> None:
-    """--qmv-ab KERNEL:PARTS times the model with another 1-8 row mat-vec kernel and fused parts
-    (on CPU the kernel's probe fails, so the run says so and falls back)."""
-    rows = _run(
-        [
-            "lab/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "4", "--prompts", "8", "--rounds", "1",
-            "--qmv-ab", "stream:residual",
-        ],
-        tmp_path,
-    )  # fmt: skip
-    assert [r["engine"] for r in rows] == ["mlx-lm", "kapitsa", "kapitsa-qmv"]
-    assert rows[2]["qmv_kernel"] == "stream" and rows[2]["fused_parts"] == "residual"
-    assert rows[2]["qmv_working"] is False  # no CUDA here: probed, found unusable, not routed
-
-
 def test_prefill_parts_times_each_layer_kind_and_its_variants() -> None:
     rows = _json_lines(
         ["lab/prefill_parts.py", "--tiny", "--prompt", "16", "--ssd-chunks", "8", "--moe-dequant-ab"]
