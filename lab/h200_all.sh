@@ -28,14 +28,10 @@
 #                                       speculation (1 round); also with other kernel families (without the attention kernels
 #                                       "attn"; on Nemotron without the fused MoE router "route"), on the MoE
 #                                       shapes folded shared experts when FOLD_AB=1
-# Getting there: the tracked tree is ~30 MB, so with a 46 MB half of the MLX wheel a call passes the
-# 64 MiB transfer limit; split the wheel in three (~30 MB each) instead. mlx-lm travels in .gpu/b:
-# `python3 -m pip download --no-deps -d .gpu/b mlx-lm==0.32.2`, then on the machine, after
-# `source .gpu/b/activate.sh`: `python3 -m pip install -q --no-index --no-deps --target /tmp/mlx-site
-# .gpu/b/mlx_lm-*.whl`. The machine stays warm 30 s between calls: have the next command ready.
+# Getting there: `bash lab/stage_mlx_cuda.sh` stages MLX's CUDA wheel and mlx-lm in three parts
+# (lab/README.md); the machine stays warm 30 s between calls: have the next command ready.
 # Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
-# the "summary" lines last. Run after .gpu/ is staged (docs in ../shared/gpu/README.md): source
-# .gpu/b/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
+# the "summary" lines last. Run after .gpu/ is staged: source .gpu/s3/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
 # same machine compile less. KNOB_SETTINGS overrides the settings the knobs part tries; the
 # *_TIMEOUT variables the limits (seconds).
 set -u
