@@ -14,6 +14,7 @@ from kapitsa.server import anthropic, openai_chat, openai_completions, openai_re
 from kapitsa.server.common import ServerState, now, state_of
 from kapitsa.server.errors import install_error_handlers
 from kapitsa.server.metrics import prometheus_text
+from kapitsa.server.response_store import ResponseStore
 from kapitsa.server.security import SecurityMiddleware
 from kapitsa.server.settings import ServerSettings
 
@@ -22,7 +23,10 @@ def create_app(client: EngineClient, settings: ServerSettings | None = None) -> 
     """The HTTP app over `client`. Security (Host, Origin, token, content type, body cap) wraps every route."""
     settings = settings or ServerSettings()
     app = FastAPI(title="kapitsa", version=__version__, docs_url=None, redoc_url=None)
-    app.state.kapitsa = ServerState(client=client, settings=settings)
+    responses = ResponseStore(
+        max_responses=settings.max_stored_responses, max_age_s=settings.stored_response_max_age_s
+    )
+    app.state.kapitsa = ServerState(client=client, settings=settings, responses=responses)
     install_error_handlers(app)
     for module in (openai_chat, openai_completions, openai_responses, anthropic):
         app.include_router(module.router)

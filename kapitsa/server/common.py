@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -14,6 +14,7 @@ from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams, U
 from kapitsa.errors import ContextOverflow, InvalidRequest, ModelNotFound
 from kapitsa.server.errors import param_error
 from kapitsa.server.input_checks import check_prompt_size, logit_bias_pairs
+from kapitsa.server.response_store import ResponseStore
 from kapitsa.server.settings import ServerSettings
 from kapitsa.server.streaming import ClientGone, GenerationRun
 
@@ -25,6 +26,7 @@ _ANTHROPIC_ALIASES = ("claude", "haiku", "sonnet", "opus")
 class ServerState:
     client: EngineClient
     settings: ServerSettings
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
 
 def state_of(request: Request) -> ServerState:

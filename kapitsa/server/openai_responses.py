@@ -4,12 +4,15 @@ A stream ends with `response.completed`, or `response.incomplete` after a length
 set `max_output_tokens` (without one, the stop stays `response.completed` with `status: "incomplete"`,
 because Codex sets none and treats `response.incomplete` as a failure); a failure ends with
 `response.failed`.
+
+A response that ends (completed or incomplete) is stored unless the request says `store: false`; `GET` and
+`DELETE /v1/responses/{id}` read and forget it, and `previous_response_id` continues it.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,8 +34,20 @@ from kapitsa.server.common import (
 )
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser
+from kapitsa.server.response_store import (
+    ResponseStore,
+    deletion_body,
+    previous_conversation,
+    stored_response,
+)
 from kapitsa.server.responses_events import ResponseBuilder
-from kapitsa.server.responses_input import ResponsesRequest, build_messages, function_tools, thinking_choice
+from kapitsa.server.responses_input import (
+    ResponsesRequest,
+    build_messages,
+    function_tools,
+    input_items,
+    thinking_choice,
+)
 from kapitsa.server.streaming import ClientGone, GenerationRun
 
 router = APIRouter(route_class=WellFormedJsonRoute)
@@ -40,11 +55,13 @@ router = APIRouter(route_class=WellFormedJsonRoute)
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Any:
-    model = resolve_model(state_of(request).client, body.model)
+    state = state_of(request)
+    model = resolve_model(state.client, body.model)
+    history = previous_conversation(state.responses, body.previous_response_id)
     tools, namespaces, custom = function_tools(body)
     thinking = thinking_choice(body)
     gen = GenerationRequest(
-        messages=tuple(build_messages(body)),
+        messages=tuple(build_messages(body, history)),
         tools=tuple(tools) or None,
         model=model.id,
         sampling=make_sampling(
@@ -61,24 +78,63 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         custom=custom,
         client_limit=body.max_output_tokens is not None,
     )
+    builder.response.update(
+        store=body.store, previous_response_id=body.previous_response_id, instructions=body.instructions
+    )
+    keep = _keeper(state.responses, [*history, *input_items(body)]) if body.store else _keep_nothing
     run = await start_run(request, gen)
     if body.stream:
         return StreamingResponse(
-            _stream(run, parser, builder), media_type="text/event-stream", headers=SSE_HEADERS
+            _stream(run, parser, builder, keep), media_type="text/event-stream", headers=SSE_HEADERS
         )
-    return await _collect(run, parser, builder)
+    return await _collect(run, parser, builder, keep)
 
 
-async def _collect(run: GenerationRun, parser: OutputParser, builder: ResponseBuilder) -> JSONResponse:
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    return stored_response(state_of(request).responses, response_id).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    store = state_of(request).responses
+    stored_response(store, response_id)  # 404 when unknown
+    store.delete(response_id)
+    return deletion_body(response_id)
+
+
+Keep = Callable[[dict[str, Any]], None]
+
+
+def _keeper(store: ResponseStore, conversation: list[dict[str, Any]]) -> Keep:
+    """Stores a finished response with the conversation that continues it (its input, then its output)."""
+
+    def keep(response: dict[str, Any]) -> None:
+        store.put(response, [*conversation, *response["output"]])
+
+    return keep
+
+
+def _keep_nothing(response: dict[str, Any]) -> None:
+    return None
+
+
+async def _collect(
+    run: GenerationRun, parser: OutputParser, builder: ResponseBuilder, keep: Keep
+) -> JSONResponse:
     done = await collect_steps(run, parser)
     if done is None:
         return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
     for step in done:
         builder.parts(step.parts)
-    return JSONResponse(builder.finish(done[-1].final, done[-1].reasoning_tokens))
+    response = builder.finish(done[-1].final, done[-1].reasoning_tokens)
+    keep(response)
+    return JSONResponse(response)
 
 
-async def _stream(run: GenerationRun, parser: OutputParser, builder: ResponseBuilder) -> AsyncIterator[bytes]:
+async def _stream(
+    run: GenerationRun, parser: OutputParser, builder: ResponseBuilder, keep: Keep
+) -> AsyncIterator[bytes]:
     try:
         for frame in builder.opening():
             yield frame
@@ -88,7 +144,9 @@ async def _stream(run: GenerationRun, parser: OutputParser, builder: ResponseBui
             for frame in builder.parts(step.parts):
                 yield frame
             if isinstance(step.final, FinishEvent):
-                for frame in builder.closing(step.final, step.reasoning_tokens):
+                closing = builder.closing(step.final, step.reasoning_tokens)
+                keep(builder.response)  # before the last event: a client may continue as soon as it reads it
+                for frame in closing:
                     yield frame
             elif isinstance(step.final, ErrorEvent):
                 for frame in builder.failure(step.final.error):

@@ -1,7 +1,9 @@
 """Responses API request → chat-template messages and tools (pure functions).
 
 Codex is stateless over HTTP: every turn re-sends the whole history as items (`message`, `function_call`,
-`function_call_output`, `reasoning`, …), with `store: false` and no `previous_response_id`.
+`function_call_output`, `reasoning`, …), with `store: false` and no `previous_response_id`. Other clients
+keep OpenAI's default `store: true` and continue a stored response with `previous_response_id`: its
+conversation (response_store.py) comes before the new input items, and only the new `instructions` apply.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    store: bool = True  # OpenAI's default
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
@@ -56,16 +59,24 @@ def _text(content: Any) -> str:
     return flatten_text(content)
 
 
-def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's own input as items (a string is one user message)."""
+    if isinstance(body.input, str):
+        return [{"type": "message", "role": "user", "content": body.input}]
+    return list(body.input)
+
+
+def input_messages(
+    body: ResponsesRequest, history: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Instructions, then the items of `history` (a stored conversation) and of the input, as messages."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return system + items_to_messages([*(history or []), *input_items(body)])
+
+
+def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Items → messages: consecutive calls join one assistant turn; reasoning rides on the next assistant turn."""
-    items = (
-        [{"type": "message", "role": "user", "content": body.input}]
-        if isinstance(body.input, str)
-        else body.input
-    )
-    messages: list[dict[str, Any]] = (
-        [{"role": "system", "content": body.instructions}] if body.instructions else []
-    )
+    messages: list[dict[str, Any]] = []
     pending_reasoning = ""
     for item in items:
         kind = item.get("type", "message" if "role" in item else None)
@@ -190,12 +201,11 @@ def thinking_choice(body: ResponsesRequest) -> bool | None:
     return None if effort is None else effort != "none"
 
 
-def build_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    if body.previous_response_id:
-        raise InvalidRequest(
-            "previous_response_id is not supported: this server stores no responses; send the full input."
-        )
-    messages = input_messages(body)
+def build_messages(
+    body: ResponsesRequest, history: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """The chat-template messages; `history` is the stored conversation `previous_response_id` names."""
+    messages = input_messages(body, history)
     fmt = (body.text or {}).get("format") or {}
     if fmt.get("type") in ("json_object", "json_schema"):
         schema = fmt.get("schema") if fmt.get("type") == "json_schema" else None

@@ -123,7 +123,7 @@ class SecurityMiddleware:
             b"",
             _cors_headers(origin)
             + [
-                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (
                     b"access-control-allow-headers",
                     b"authorization, x-api-key, content-type, anthropic-version, anthropic-beta",

@@ -14,6 +14,12 @@ MAX_MESSAGES = 10_000
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Anthropic's own request limit; larger bodies get 413."""
 
+MAX_STORED_RESPONSES = 1000
+"""Responses API responses kept at once by default; storing one more drops the oldest."""
+
+STORED_RESPONSE_MAX_AGE_S = 24 * 3600.0
+"""Seconds a stored response stays retrievable by default."""
+
 
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KAPITSA_", extra="ignore")
@@ -44,6 +50,12 @@ class ServerSettings(BaseSettings):
 
     drain_s: float = Field(30.0, ge=0)
     """On shutdown, how long in-flight streams may take to finish."""
+
+    max_stored_responses: int = Field(MAX_STORED_RESPONSES, ge=1)
+    """Responses API responses kept for `previous_response_id` and `GET /v1/responses/{id}` (in memory; the oldest goes first)."""
+
+    stored_response_max_age_s: float = Field(STORED_RESPONSE_MAX_AGE_S, gt=0)
+    """Seconds a stored response stays retrievable."""
 
     model: str | None = None
     """Model to serve (catalog alias, HF repo id, folder)."""

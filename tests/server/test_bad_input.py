@@ -121,7 +121,7 @@ JSON_CASES = [  # (path, body, status, param or None)
     (MSGS, msgs(tool_choice={"type": "tool", "name": "nope"}), 400, None),
     (MSGS, msgs(system=7), 400, "system"),
     (RESP, {"model": "fake", "input": [{"content": "neither type nor role"}]}, 400, None),
-    (RESP, {"model": "fake", "input": "hi", "previous_response_id": "resp_1"}, 400, None),
+    (RESP, {"model": "fake", "input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     (RESP, {"model": "fake", "input": [{"type": "message", "role": "wizard", "content": "x"}]}, 400, None),
     (RESP, {"model": "fake", "input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ("/v1/completions", {"model": "fake", "prompt": "x", "suffix": "y"}, 400, None),
