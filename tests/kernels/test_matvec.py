@@ -1,4 +1,4 @@
-"""The v2 quantized mat-vec kernel (kapitsa/engine/kernels/matvec.py) against its reference.
+"""The general quantized mat-vec kernel (kapitsa/engine/kernels/matvec.py) against its reference.
 
 No GPU here, so the CPU tests run a NumPy transcription of the kernel: its own index math (blocks,
 warps, R rows per warp, rounds of 32 chunks, x staged tile by tile in a buffer of exactly the

@@ -201,7 +201,7 @@ def test_decode_kernels_runs_steps_and_summarizes_a_report(tmp_path: Path) -> No
     con.executemany(
         "INSERT INTO StringIds VALUES (?, ?)",
         [
-            (1, "custom_kernel_kapitsa_qmv_direct_bfloat16_t_1_5120_6144_64_4_4_4_2_f_f_0_0_f"),
+            (1, "custom_kernel_kapitsa_matvec_one_row_bfloat16_t_1_5120_6144_64_4_4_4_2_f_f_0_0_f"),
             (2, "void qmv_kernel<8>(int)"),
         ],
     )
@@ -211,7 +211,7 @@ def test_decode_kernels_runs_steps_and_summarizes_a_report(tmp_path: Path) -> No
     con.commit()
     table = _json_lines(["lab/decode_kernels.py", "--summarize", str(report), "--steps", "2"])
     assert table[0] == dict(
-        kernel="custom_kernel_kapitsa_qmv_direct", ms_per_step=0.002, share=0.8, launches_per_step=1.0
+        kernel="custom_kernel_kapitsa_matvec_one_row", ms_per_step=0.002, share=0.8, launches_per_step=1.0
     )
     assert table[-1] == dict(kind="step_total", gpu_ms_per_step=0.003, launches_per_step=1.5)
 

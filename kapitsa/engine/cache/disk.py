@@ -2,7 +2,7 @@
 
 A file holds the prefix's token ids, the KV of the whole prefix (one array per tree edge it spans),
 the recurrent state at its end and optionally the next-token logits; its metadata names the format,
-the prefix length and a checksum per array (prefix_file.py). Files live in a 0700 folder per model
+the prefix length and a checksum per array (file.py). Files live in a 0700 folder per model
 key, so a restart with the same model finds them again. A file that fails its checksum, does not
 match its name or does not fit the model is deleted, counted in `num_corrupt` and missed. The folder
 is kept under a byte budget by deleting the least recently used files.

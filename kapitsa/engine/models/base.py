@@ -15,7 +15,7 @@ Model module contract (the loader relies on it):
   - `state_bytes(dtype) -> (recurrent bytes per sequence, KV bytes per token)`;
   - `quant_predicate(path, module) -> bool | dict` (False: keep unquantized; a dict overrides
     group size / bits) and `cast_predicate(path) -> bool` (False: keep the stored float32).
-- `lengths[b]` (host ints) is how many tokens of row b are real (right padding); see cache.py.
+- `lengths[b]` (host ints) is how many tokens of row b are real (right padding); see cache/layers.py.
 - `record=True` keeps what `cache.rollback(n)` needs to drop the last n[b] tokens by replay.
 - MTP: Qwen models get `model.mtp` (+ `mtp_forward`, `mtp_logits`, `make_mtp_cache`) when the
   checkpoint ships `mtp.*`; Nemotron keeps them in `model.mtp_weights`.

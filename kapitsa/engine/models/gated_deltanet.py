@@ -159,7 +159,7 @@ class GatedDeltaNet(nn.Module):
         One fused kernel (conv, q/k norms, gated delta rule, gated output norm; kernels/gdn.py)
         where the backend has it, the same math in MLX ops elsewhere. With the fused
         in-projection, z/b/a are read in place from its output, and the input norm and the
-        residual add can run inside the projections' one-row mat-vecs (qlinear.py)."""
+        residual add can run inside the projections' one-row mat-vecs (ops/linear.py)."""
         if "in_proj" in self and not self.packed:  # conv rows: the projection's first C columns
             rows = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
             z, b, a = projection_views(rows, packed=False, **self._heads)
