@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from kapitsa.engine.text.prepare import prepare_prompt
 from kapitsa.engine.text.prompt_encoder import PromptEncoder
 from kapitsa.engine.text.token_checks import check_request_token_ids, model_vocab_size
 from kapitsa.engine.types import (
+    Constraint,
     EngineStats,
     ErrorEvent,
     Event,
@@ -66,6 +68,8 @@ class InProcessEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.engine = Engine(model, config, decode=decode)
         self._preparing: dict[str, bool] = {}  # request id -> aborted while its prompt was being prepared
+        self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def from_loaded(
@@ -94,21 +98,25 @@ class InProcessEngine:
         finally:
             aborted_early = self._preparing.pop(request.request_id, False)
         if aborted_early:
-            yield FinishEvent(request.request_id, "abort", Usage(prompt_tokens=seq.num_prompt_tokens))
+            for index in range(request.n):
+                usage = Usage(prompt_tokens=seq.num_prompt_tokens)
+                yield FinishEvent(request.request_id, "abort", usage, index=index)
             return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        seq.emit = _threadsafe_put(loop, events)
+        for choice in (seq, *seq.forks):
+            choice.emit = _threadsafe_put(loop, events)
         try:
             self.engine.submit(seq)
         except EngineDead as err:
             yield ErrorEvent(request.request_id, err)
             return
-        done = False
+        done, unfinished = False, request.n
         try:
             while not done:
                 event = await events.get()
-                done = isinstance(event, FinishEvent | ErrorEvent)
+                unfinished -= isinstance(event, FinishEvent)
+                done = unfinished == 0 or isinstance(event, ErrorEvent)
                 yield event
         finally:
             if not done:
@@ -175,24 +183,46 @@ class InProcessEngine:
         params = request.sampling
         check_context(len(prepared.ids), self.info.context_length)
         max_tokens, reserve = self._output_limit(len(prepared.ids), params.max_tokens)
-        nbytes = self.engine.memory.sequence_bytes(reserve)
+        nbytes = self.engine.memory.sequence_bytes(reserve) * request.n
         if not self.engine.memory.fits_ever(nbytes):
             raise ContextOverflow(
                 len(prepared.ids), self.info.context_length, self.engine.memory.describe_shortfall(nbytes)
             )
+        seq = self._new_sequence(request, prepared.ids, max_tokens=max_tokens, reserve=reserve)
+        seq.boundaries = prepared.boundaries
+        seq.forks = [self._choice(seq, index) for index in range(1, request.n)]
+        return seq
+
+    def _new_sequence(
+        self, request: GenerationRequest, prompt_ids: list[int], *, max_tokens: int, reserve: int
+    ) -> Sequence:
+        params = request.sampling
+        constraint = self._make_constraint(params.constraint)
         return Sequence(
+            constraint=constraint,
             request=request,
-            prompt_ids=prepared.ids,
+            prompt_ids=prompt_ids,
             emit=_drop,
             sampler=None,
             detokenizer=self.tokenizer.detokenizer(),
             stop=StopMatcher(params.stop),
             max_tokens=max_tokens,
-            boundaries=prepared.boundaries,
             eos_ids=self.eos_token_ids,
             token_text=self._token_text,
             reserved_tokens=reserve,
         )
+
+    def _choice(self, first: Sequence, index: int) -> Sequence:
+        """Choice `index` of an n > 1 request: the first's prompt with its own seed (seed + index),
+        detokenizer, stop matcher and grammar state; the engine forks it when the prefill ends."""
+        params = first.request.sampling
+        seed = None if params.seed is None else params.seed + index
+        request = dataclasses.replace(first.request, sampling=dataclasses.replace(params, seed=seed))
+        seq = self._new_sequence(
+            request, first.prompt_ids, max_tokens=first.max_tokens, reserve=first.reserved_tokens
+        )
+        seq.choice_index = index
+        return seq
 
     def _output_limit(self, prompt_tokens: int, wanted: int | None) -> tuple[int, int]:
         """The output limit and the tokens to reserve. A `max_tokens` beyond the room the prompt leaves, in
@@ -204,6 +234,22 @@ class InProcessEngine:
             return min(room, self.info.max_output_tokens), memory.reserve_tokens(prompt_tokens, None, context)
         max_tokens = max(1, min(wanted, room, memory.tokens_that_fit() - prompt_tokens))
         return max_tokens, prompt_tokens + max_tokens
+
+    def _make_constraint(self, constraint: Constraint | None) -> Any:
+        """The per-sequence grammar state (compiled here, off the engine thread: a big schema takes ms)."""
+        if constraint is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                from kapitsa.engine.text.constraint import GrammarCompiler
+
+                backend = getattr(self.tokenizer, "backend", None)
+                if backend is None:
+                    raise InvalidRequest("this model's tokenizer cannot constrain its output")
+                self._grammars = GrammarCompiler(
+                    backend, vocab_size=self.info.vocab_size or 0, eos_ids=self.eos_token_ids
+                )
+        return self._grammars.make(constraint)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -10,6 +10,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
+ConstraintKind = Literal["json_schema", "lark", "regex"]
+
+
+@dataclass(slots=True, frozen=True)
+class Constraint:
+    """A grammar the output must follow, enforced on every token (kapitsa.engine.text.constraint).
+
+    `json_schema`: `value` is the schema as JSON text (`{"type": "object"}`: any JSON object);
+    `lark`: an llguidance Lark grammar, which may embed schemas as `%json {...}`; `regex`: a regex.
+    """
+
+    kind: ConstraintKind
+    value: str
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,6 +46,7 @@ class SamplingParams:
     # Hugging Face's `exponential_decay_length_penalty` (start, factor): past `start` generated tokens
     # the end-of-sequence logits grow by |logit| * (factor ** (n - start) - 1), so answers end
     eos_decay: tuple[int, float] | None = None
+    constraint: Constraint | None = None  # the grammar the output follows (None: free text)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -51,6 +65,9 @@ class SamplingParams:
             raise ValueError("logprobs must be between 0 and 20")
         if self.eos_decay is not None and (self.eos_decay[0] < 0 or self.eos_decay[1] < 1.0):
             raise ValueError("eos_decay needs a start >= 0 and a factor >= 1")
+
+
+MAX_CHOICES = 16  # most choices (`n`) one request may ask for
 
 
 def new_request_id() -> str:
@@ -75,11 +92,16 @@ class GenerationRequest:
     model: str | None = None  # None = the engine's default model
     request_id: str = field(default_factory=new_request_id)
     priority: int = 0
+    # Choices from one prompt: its prefill runs once, then each choice decodes on a fork of its state
+    # (seeded requests use seed + index); events carry the choice's `index`.
+    n: int = 1
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ValueError("exactly one of prompt, prompt_token_ids or messages must be given")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,6 +137,7 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] | None = None
+    index: int = 0  # the choice (0 <= index < request.n)
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,6 +157,7 @@ class FinishEvent:
     finish_reason: FinishReason
     usage: Usage
     stop_sequence: str | None = None  # the stop string that ended the output, if any
+    index: int = 0  # the choice; a request with n choices ends after n FinishEvents (or one ErrorEvent)
 
 
 @dataclass(slots=True, frozen=True)

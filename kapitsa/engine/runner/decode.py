@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
+import mlx.core as mx
+
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.sampler import SampledToken, sample_batch
@@ -44,5 +46,11 @@ class PlainDecode:
     def step(
         self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]
     ) -> list[list[SampledToken]]:
-        logits = runner.decode(cache, [seq.output_ids[-1] for seq in sequences])
-        return [[pick] for pick in sample_batch([seq.sampler for seq in sequences], logits)]
+        logits = runner.decode_lazy(
+            cache, mx.array([seq.output_ids[-1] for seq in sequences], dtype=mx.int32)
+        )
+        mx.async_eval(logits)
+        samplers = [seq.sampler for seq in sequences]
+        for sampler in samplers:
+            sampler.prepare()  # grammar masks on the host while the device runs the forward
+        return [[pick] for pick in sample_batch(samplers, logits)]

@@ -181,7 +181,7 @@ class Engine:
         for seq in list(self.scheduler.waiting):
             if not self.scheduler.has_free_slot:
                 return
-            nbytes = self.memory.sequence_bytes(seq.reserved_tokens)
+            nbytes = self.memory.sequence_bytes(seq.reserved_tokens) * (1 + len(seq.forks))
             if not self._make_room(nbytes):
                 if time.perf_counter() - seq.arrival > self.config.queue_timeout_s:
                     self.scheduler.remove(seq)
@@ -245,16 +245,37 @@ class Engine:
             return
         seq.prefill_done_at = time.perf_counter()
         seq.last_checkpoint_pos = end
-        self._accept(seq, [seq.sampler.sample(logits)])
-        if seq.is_finished:
-            self._checkpoint_final(seq, seq.cache)
-            seq.cache = None
-        else:
-            self._join_batch(seq)
+        for choice in [seq, *self._fork(seq)]:
+            self._accept(choice, [choice.sampler.sample(logits)])
+            if choice.is_finished:
+                self._checkpoint_final(choice, choice.cache)
+                choice.cache = None
+            else:
+                self._join_batch(choice)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The other choices of an n > 1 request start where its one prefill ended, each on its own copy of
+        the cache (arrays shared until written) and with its share of the memory reserved for all."""
+        forks, seq.forks = seq.forks, []
+        share = seq.reserved_bytes // (1 + len(forks))
+        for child in forks:
+            child.sampler = SequenceSampler(
+                child.request.sampling, child.prompt_ids, eos_ids=child.eos_ids, constraint=child.constraint
+            )
+            child.cache = seq.cache.select([0])
+            child.reserved_bytes, seq.reserved_bytes = share, seq.reserved_bytes - share
+            child.num_processed, child.num_cached_tokens = seq.num_processed, seq.num_cached_tokens
+            child.num_checkpointed_tokens = seq.num_checkpointed_tokens
+            child.prefill_started, child.prefill_done_at = seq.prefill_started, seq.prefill_done_at
+            child.last_checkpoint_pos = seq.last_checkpoint_pos
+            self.scheduler.add_fork(child)
+        return forks
 
     def _start_prefill(self, seq: Sequence) -> None:
         seq.prefill_started = time.perf_counter()
-        seq.sampler = SequenceSampler(seq.request.sampling, seq.prompt_ids, eos_ids=seq.eos_ids)
+        seq.sampler = SequenceSampler(
+            seq.request.sampling, seq.prompt_ids, eos_ids=seq.eos_ids, constraint=seq.constraint
+        )
         match = self.prefix.lookup(seq.prompt_ids) if self.prefix is not None else None
         if match is None:
             seq.cache = self.runner.new_cache()
@@ -412,18 +433,28 @@ class Engine:
         self.memory.release(seq.reserved_bytes)
         seq.reserved_bytes = 0
         self.stats.finished += 1
-        seq.emit(FinishEvent(seq.request_id, reason, _usage(seq), stop_sequence=seq.stop_sequence))
+        seq.emit(
+            FinishEvent(
+                seq.request_id, reason, _usage(seq), stop_sequence=seq.stop_sequence, index=seq.choice_index
+            )
+        )
+        for child in seq.forks:  # choices that never started end with the sequence they would fork from
+            child.status, child.finish_reason, child.finished_at = (
+                SequenceStatus.FINISHED,
+                reason,
+                seq.finished_at,
+            )
+            child.emit(FinishEvent(child.request_id, reason, _usage(child), index=child.choice_index))
+        seq.forks = []
 
     def _abort(self, request_id: str) -> None:
-        seq = self.scheduler.find(request_id)
-        if seq is None:
-            return
-        if seq.status is SequenceStatus.DECODING:
-            row = self.scheduler.decoding.index(seq)
-            self._finish(seq, "abort")
-            self._leave_batch([row], checkpoint=False)
-        else:
-            self._finish(seq, "abort")
+        for seq in self.scheduler.find_all(request_id):
+            if seq.status is SequenceStatus.DECODING:
+                row = self.scheduler.decoding.index(seq)
+                self._finish(seq, "abort")
+                self._leave_batch([row], checkpoint=False)
+            else:
+                self._finish(seq, "abort")
 
     def _fail(self, seq: Sequence, err: Exception) -> None:
         if seq.is_finished:

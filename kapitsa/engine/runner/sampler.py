@@ -12,10 +12,14 @@ import secrets
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from kapitsa.engine.types import SamplingParams
+
+if TYPE_CHECKING:
+    from kapitsa.engine.text.constraint import TokenConstraint
 
 _NEG_INF = float("-inf")
 _SEED_RANGE = 2**64
@@ -35,13 +39,20 @@ class SequenceSampler:
     Args:
         params: the request's sampling parameters.
         prompt_ids: the prompt, which the repetition penalty also covers (as in Hugging Face).
+        eos_ids: the tokens `params.eos_decay` favours.
+        constraint: the grammar state of a constrained sequence (its mask applies after penalties).
     """
 
     def __init__(
-        self, params: SamplingParams, prompt_ids: Sequence[int] = (), eos_ids: Sequence[int] = ()
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int] = (),
+        eos_ids: Sequence[int] = (),
+        *,
+        constraint: TokenConstraint | None = None,
     ) -> None:
-        """`eos_ids`: the tokens `params.eos_decay` favours."""
         self.params = params
+        self.constraint = constraint
         decays = params.eos_decay is not None and bool(eos_ids) and not params.ignore_eos
         self._eos_ids = mx.array(sorted(eos_ids), dtype=mx.int32) if decays else None
         self._generated = 0
@@ -65,17 +76,25 @@ class SequenceSampler:
         so it can stay lazy on the device (pipelined decoding)."""
         p = self.params
         counts_output = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return not counts_output and p.logprobs is None and self._eos_ids is None
+        return not counts_output and p.logprobs is None and self._eos_ids is None and self.constraint is None
 
     def _changes_logits(self) -> bool:
         p = self.params
         penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return bool(p.logit_bias or penalties or self._eos_ids is not None)
+        return bool(p.logit_bias or penalties or self._eos_ids is not None or self.constraint is not None)
 
     def observe(self, token_id: int) -> None:
         """Record a generated token (penalties count output tokens)."""
         self._output_counts[token_id] += 1
         self._generated += 1
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
+
+    def prepare(self) -> None:
+        """Host work for the next pick that needs no logits (a grammar's mask): call it while the
+        forward runs."""
+        if self.constraint is not None:
+            self.constraint.prepare()
 
     def process(self, logits: mx.array) -> mx.array:
         """Apply bias and penalties to a [V] float32 logits row."""
@@ -93,7 +112,8 @@ class SequenceSampler:
             ids = mx.array(list(self._output_counts), dtype=mx.int32)
             counts = mx.array(list(self._output_counts.values()), dtype=mx.float32)
             logits = logits.at[ids].subtract(p.presence_penalty + p.frequency_penalty * counts)
-        return self._decay_towards_eos(logits)
+        logits = self._decay_towards_eos(logits)
+        return logits if self.constraint is None else self.constraint.apply(logits)
 
     def _decay_towards_eos(self, logits: mx.array) -> mx.array:
         if self._eos_ids is None or self.params.eos_decay is None:

@@ -98,6 +98,9 @@ class Sequence:
     finished_at: float = 0.0
     finish_reason: FinishReason | None = None
     stop_sequence: str | None = None
+    choice_index: int = 0  # which of the request's n choices this is
+    forks: list[Sequence] = field(default_factory=list)  # the other choices, until the prefill ends
+    constraint: Any = None  # a TokenConstraint for a constrained request, built before it is queued
 
     @property
     def request_id(self) -> str:
