@@ -34,7 +34,7 @@ def emit_tokens(seq: Sequence, tokens: list[SampledToken]) -> FinishReason | Non
                 text.append(seq.stop.feed(seq.detokenizer.flush()).text + seq.stop.flush())
             break
     event_logprobs = tuple(logprobs) if seq.request.sampling.logprobs is not None else None
-    seq.emit(TokenEvent(seq.request_id, tuple(ids), "".join(text), event_logprobs))
+    seq.emit(TokenEvent(seq.request_id, tuple(ids), "".join(text), event_logprobs, index=seq.choice_index))
     return reason
 
 

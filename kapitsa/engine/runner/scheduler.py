@@ -42,6 +42,11 @@ class Scheduler:
         seq.status = SequenceStatus.PREFILLING
         self.prefilling.append(seq)
 
+    def add_fork(self, seq: Sequence) -> None:
+        """A choice forked from a sequence whose prefill just ended: it starts where that one stands."""
+        seq.status = SequenceStatus.PREFILLING
+        self.prefilling.append(seq)
+
     def next_prefill(self) -> Sequence | None:
         """The sequence whose prompt gets the next chunk (rotating, so short prompts are not stuck
         behind a long one)."""
@@ -71,11 +76,12 @@ class Scheduler:
         return None
 
     def find(self, request_id: str) -> Sequence | None:
-        for group in (self.waiting, self.prefilling, self.decoding):
-            for seq in group:
-                if seq.request_id == request_id:
-                    return seq
-        return None
+        found = self.find_all(request_id)
+        return found[0] if found else None
+
+    def find_all(self, request_id: str) -> list[Sequence]:
+        """Every sequence of a request (its n choices)."""
+        return [seq for seq in self.all() if seq.request_id == request_id]
 
     def all(self) -> list[Sequence]:
         return [*self.waiting, *self.prefilling, *self.decoding]
