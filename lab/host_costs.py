@@ -170,7 +170,7 @@ def shape_costs(name: str, table: dict, prompt_len: int, steps: int, engines=("k
 # 4 and 8 warps: lab/runs/qmv-h200-s7.log).
 # the last three: persistent grids of 528, 660 and 792 blocks (4-6 per SM of the H200's 132 at the
 # kernel's 80-90 registers), each warp looping over its share of the row groups
-DIRECT_SHAPES = [
+ONE_ROW_SHAPES = [
     (4, 4, 2),
     (4, 2, 2),
     (4, 1, 2),
@@ -190,7 +190,7 @@ def _fused_extras(x: mx.array, q: mx.array) -> dict:
 
 def qmv_sweep() -> None:
     """The 27B's fused one-row mat-vec chain (lab/diag_h200.py) through stock, a read-only
-    kernel and the one-row kernel at each of DIRECT_SHAPES: ms, GB/s, error against stock."""
+    kernel and the one-row kernel at each of ONE_ROW_SHAPES: ms, GB/s, error against stock."""
     from kapitsa.engine.kernels import matvec_one_row as one_row
     from lab.diag_h200 import FUSED_27B, GS, read_only, timed
 
@@ -209,11 +209,11 @@ def qmv_sweep() -> None:
         "stock": lambda x, q, s, b: mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=4),
         "read_only": lambda x, q, s, b: read_only(q),
     }
-    for shape in DIRECT_SHAPES:
-        impls[f"direct{shape}"] = lambda x, q, s, b, shape=shape: one_row.qmv_one_row(
+    for shape in ONE_ROW_SHAPES:
+        impls[f"one_row{shape}"] = lambda x, q, s, b, shape=shape: one_row.qmv_one_row(
             x, q, s, b, group_size=GS, bits=4, shape=shape
         )
-    impls["direct_fused_norm_res"] = lambda x, q, s, b: one_row.qmv_one_row(
+    impls["one_row_fused_norm_res"] = lambda x, q, s, b: one_row.qmv_one_row(
         x, q, s, b, group_size=GS, bits=4, **_fused_extras(x, q)
     )
     ref = [impls["stock"](xs[k], q, s, b) for q, s, b, k in layers[0]]
