@@ -195,6 +195,10 @@ def resolve_model(ref: str, catalog: Catalog) -> ResolvedModel:
     """Resolve a catalog alias (with optional `:quant`), an existing folder or file, or an HF repo id."""
     parsed = parse_model_ref(ref)
     if parsed.source.lower() in catalog.entries:
+        if parsed.revision != "main":
+            raise ModelNotFound(
+                f"{ref!r}: a catalog alias has no @revision; pin a revision on its repo id instead"
+            )
         return _resolve_entry(ref, catalog.get(parsed.source), parsed.tag)
     path = Path(ref).expanduser()
     if path.exists():

@@ -1,7 +1,7 @@
 """The engine's one options surface: frozen values made once by whoever opens an engine, passed down.
 
 `EngineConfig` holds the engine thread's knobs (batching, caches, memory), `KernelOptions` which
-backend kernels and graph rewrites a model uses. Nothing in the engine reads the environment: the
+backend kernels and graph rewrites a model uses. No engine knob comes from the environment: the
 opener may build `KernelOptions.from_environ(os.environ)` so lab runs can A/B a kernel against its
 reference without code edits, and every default is the path measured fastest.
 """

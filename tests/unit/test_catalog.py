@@ -77,6 +77,8 @@ def test_unknown_names_say_what_exists() -> None:
         resolve_model("27b:3bit", catalog)
     with pytest.raises(ModelNotFound, match="catalog alias"):
         resolve_model("no such model", catalog)
+    with pytest.raises(ModelNotFound, match="no @revision"):
+        resolve_model("27b@v2", catalog)
 
 
 def test_repo_ids_and_folders_resolve_without_the_catalog(tmp_path) -> None:

@@ -4,6 +4,7 @@ intact, files and folders are private, and the background writer puts new turns 
 from __future__ import annotations
 
 import json
+import os
 import stat
 import struct
 import time
@@ -12,8 +13,15 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.cache.disk import DiskTier, StoredPrefix
-from kapitsa.engine.cache.file import CorruptPrefixFile, prepare_arrays, read_prefix_file, write_prefix_file
+from kapitsa.engine.cache.disk import STALE_TMP_S, DiskTier, StoredPrefix
+from kapitsa.engine.cache.file import (
+    SUFFIX,
+    TMP_PREFIX,
+    CorruptPrefixFile,
+    prepare_arrays,
+    read_prefix_file,
+    write_prefix_file,
+)
 
 
 def _stored(tokens: list[int], kind: str = "turn", tag: float = 1.0) -> StoredPrefix:
@@ -133,3 +141,14 @@ def test_a_turn_superseded_by_a_newer_turn_is_not_written(tmp_path: Path) -> Non
 
 def _header(path: Path) -> bytes:
     return path.read_bytes()[8 : _data_start(path)]
+
+
+def test_a_new_tier_removes_stale_temporary_files_and_keeps_a_live_write(tmp_path: Path) -> None:
+    """Another process may be writing into the shared folder: only an old temporary file is debris."""
+    folder = DiskTier(tmp_path, model_key="m", budget_bytes=1 << 20).folder
+    stale, live = folder / f"{TMP_PREFIX}a{SUFFIX}", folder / f"{TMP_PREFIX}b{SUFFIX}"
+    stale.write_bytes(b"torn"), live.write_bytes(b"in flight")
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    DiskTier(tmp_path, model_key="m", budget_bytes=1 << 20)
+    assert not stale.exists() and live.exists()

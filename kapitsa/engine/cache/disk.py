@@ -127,6 +127,16 @@ def _stored_from_file(
     return StoredPrefix(tokens, kv_parts, recurrent, arrays.get("next_logits"), meta.get("kind", "turn"))
 
 
+STALE_TMP_S = 3600.0  # a temporary file this old belongs to no live write
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0  # its writer just renamed or removed it
+
+
 class DiskTier:
     """Saves and finds prefix checkpoints in `root / model_key-digest`.
 
@@ -173,7 +183,10 @@ class DiskTier:
     def _scan(self) -> None:
         for path in self.folder.glob(f"*{SUFFIX}"):
             if path.name.startswith(TMP_PREFIX):
-                path.unlink(missing_ok=True)  # a write that a crash interrupted
+                # a write that a crash interrupted; a recent one may be another process's live write
+                # (run, serve and the TUI share this folder), so only old ones go
+                if _age_s(path) > STALE_TMP_S:
+                    path.unlink(missing_ok=True)
                 continue
             try:
                 meta = read_metadata(path)
