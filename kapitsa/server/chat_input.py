@@ -101,4 +101,5 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         model=model.id,
         chat_template_kwargs=thinking_kwargs(chat_thinking(body)),
         request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        n=body.n,
     )

@@ -157,12 +157,24 @@ class Step:
     parts: list[Any]
     logprobs: tuple[Any, ...] | None = None
     keepalive: bool = False
-    final: Any = None  # FinishEvent | ErrorEvent on the last step
+    final: Any = None  # FinishEvent | ErrorEvent on the last step (of its choice)
     reasoning_tokens: int = 0  # generated tokens spent inside `<think>`, in total, on the last step
+    index: int = 0  # the choice the step belongs to
+
+
+def choice_usage(finishes: list[Any]) -> Usage:
+    """One usage for all choices of a request: the prompt (prefilled once) counted once, outputs summed."""
+    first = finishes[0].usage
+    return replace(
+        first,
+        completion_tokens=sum(f.usage.completion_tokens for f in finishes),
+        decode_seconds=max(f.usage.decode_seconds for f in finishes),
+    )
 
 
 async def steps(run: GenerationRun, parser: Any) -> Any:
-    """Engine events of `run` → `Step`s through `parser` (an `OutputParser`).
+    """Engine events of `run` → `Step`s through `parser` (an `OutputParser`, or a list of them, one per
+    choice of an n > 1 request).
 
     A step is marked `keepalive` whenever nothing has been written for `run.keepalive_s`: during a long
     prefill, and also while the model writes a long tool call, which is held back until its block closes.
@@ -171,22 +183,25 @@ async def steps(run: GenerationRun, parser: Any) -> Any:
 
     last_output = time.monotonic()
     async for event in run.events():
+        index = getattr(event, "index", 0)
+        choice = parser[index] if isinstance(parser, list) else parser
         if event is None or isinstance(event, (PrefillProgressEvent, TokenEvent)):
-            parts = parser.feed(event.text, len(event.token_ids)) if isinstance(event, TokenEvent) else []
+            parts = choice.feed(event.text, len(event.token_ids)) if isinstance(event, TokenEvent) else []
             now_s = time.monotonic()
             quiet = not parts and now_s - last_output >= run.keepalive_s
             if parts or quiet:
                 last_output = now_s
-            yield Step(parts, event.logprobs if isinstance(event, TokenEvent) else None, keepalive=quiet)
+            logprobs = event.logprobs if isinstance(event, TokenEvent) else None
+            yield Step(parts, logprobs, keepalive=quiet, index=index)
         else:
             truncated = getattr(event, "finish_reason", None) == "length"
-            parts = parser.finish(truncated=truncated)
-            yield Step(parts, final=event, reasoning_tokens=parser.reasoning_tokens)
+            parts = choice.finish(truncated=truncated)
+            yield Step(parts, final=event, reasoning_tokens=choice.reasoning_tokens, index=index)
 
 
 async def collect_steps(run: GenerationRun, parser: Any) -> list[Step] | None:
-    """Every step of a non-streamed generation, the last one holding its `FinishEvent`; None when the
-    client left. An `ErrorEvent` is raised as its error. The run is closed either way."""
+    """Every step of a non-streamed generation, the last one of each choice holding its `FinishEvent`;
+    None when the client left. An `ErrorEvent` is raised as its error. The run is closed either way."""
     from kapitsa.engine.types import ErrorEvent, FinishEvent
 
     collected: list[Step] = []
@@ -195,13 +210,13 @@ async def collect_steps(run: GenerationRun, parser: Any) -> list[Step] | None:
             if isinstance(step.final, ErrorEvent):
                 raise step.final.error
             collected.append(step)
-            if isinstance(step.final, FinishEvent):
-                return collected
     except ClientGone:
         return None
     finally:
         await run.close()
-    raise RuntimeError("generation ended without a final event")  # pragma: no cover
+    if not collected or not isinstance(collected[-1].final, FinishEvent):
+        raise RuntimeError("generation ended without a final event")  # pragma: no cover
+    return collected
 
 
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads the body

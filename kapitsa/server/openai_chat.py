@@ -16,6 +16,7 @@ from kapitsa.server.common import (
     SSE_COMMENT,
     SSE_HEADERS,
     Step,
+    choice_usage,
     collect_steps,
     now,
     resolve_model,
@@ -77,9 +78,15 @@ def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:
 
 
 class ChatChunker:
-    """Turns `Step`s into `chat.completion.chunk` SSE frames: role first, finish_reason last, then usage, [DONE]."""
+    """Turns `Step`s into `chat.completion.chunk` SSE frames: role first, finish_reason last, then usage, [DONE].
 
-    def __init__(self, *, completion_id: str, model: str, include_usage: bool, want_logprobs: bool) -> None:
+    With n choices every frame names its choice's `index`; each choice opens with its role and closes with
+    its finish_reason, and the usage (prompt once, completions summed) and [DONE] follow the last one.
+    """
+
+    def __init__(
+        self, *, completion_id: str, model: str, include_usage: bool, want_logprobs: bool, n: int = 1
+    ) -> None:
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -89,25 +96,36 @@ class ChatChunker:
         }
         self.include_usage = include_usage
         self.want_logprobs = want_logprobs
-        self.tool_calls = 0
+        self.n = n
+        self.tool_calls = [0] * n  # per choice
+        self.finishes: list[FinishEvent] = []
+        self.reasoning_tokens = 0
 
-    def chunk(self, delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(
+        self, delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None, index: int = 0
+    ) -> bytes:
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
         body = {**self.base, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
         return sse(body)
 
     def opening(self) -> bytes:
-        return self.chunk({"role": "assistant", "content": ""})
+        return b"".join(self.chunk({"role": "assistant", "content": ""}, index=i) for i in range(self.n))
 
     def step(self, step: Step) -> list[bytes]:
-        frames = [self.chunk(d) for d in self._deltas(step.parts)]
+        frames = [self.chunk(d, index=step.index) for d in self._deltas(step.parts, step.index)]
         if self.want_logprobs and step.logprobs:
-            frames.append(self.chunk({}, logprobs={"content": logprob_entries(step.logprobs)}))
+            logprobs = {"content": logprob_entries(step.logprobs)}
+            frames.append(self.chunk({}, logprobs=logprobs, index=step.index))
         return frames
 
-    def _deltas(self, parts: list[Any]) -> list[dict[str, Any]]:
+    def _deltas(self, parts: list[Any], index: int) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
         for part in parts:
             if isinstance(part, TextPart):
@@ -115,16 +133,20 @@ class ChatChunker:
             elif isinstance(part, ReasoningPart):
                 deltas.append({"reasoning_content": part.text})
             elif isinstance(part, ToolCall):
-                deltas.append({"tool_calls": [tool_call_dict(part, self.tool_calls)]})
-                self.tool_calls += 1
+                deltas.append({"tool_calls": [tool_call_dict(part, self.tool_calls[index])]})
+                self.tool_calls[index] += 1
         return deltas
 
-    def closing(self, finish: FinishEvent, reasoning_tokens: int = 0) -> list[bytes]:
-        frames = [self.chunk({}, finish=finish_reason(finish, self.tool_calls > 0))]
+    def closing(self, finish: FinishEvent, reasoning_tokens: int = 0, index: int = 0) -> list[bytes]:
+        """The finish chunk of choice `index`; after the last choice, the usage and [DONE]."""
+        frames = [self.chunk({}, finish=finish_reason(finish, self.tool_calls[index] > 0), index=index)]
+        self.finishes.append(finish)
+        self.reasoning_tokens += reasoning_tokens
+        if len(self.finishes) < self.n:
+            return frames
         if self.include_usage:
-            frames.append(
-                sse({**self.base, "choices": [], "usage": openai_usage(finish.usage, reasoning_tokens)})
-            )
+            usage = openai_usage(choice_usage(self.finishes), self.reasoning_tokens)
+            frames.append(sse({**self.base, "choices": [], "usage": usage}))
         return frames + [b"data: [DONE]\n\n"]
 
     def failure(self, error: Exception) -> list[bytes]:
@@ -149,14 +171,8 @@ def failure_frames(error: Exception) -> list[bytes]:
     return [sse(body), b"data: [DONE]\n\n"]
 
 
-def completion_body(
-    completion_id: str,
-    model: str,
-    parts: list[Any],
-    logprobs: list[Any],
-    finish: FinishEvent,
-    reasoning_tokens: int = 0,
-) -> dict[str, Any]:
+def chat_choice(index: int, parts: list[Any], logprobs: list[Any], finish: FinishEvent) -> dict[str, Any]:
+    """One `choices[]` entry of a chat.completion."""
     text = "".join(p.text for p in parts if isinstance(p, TextPart))
     reasoning = "".join(p.text for p in parts if isinstance(p, ReasoningPart))
     calls = [p for p in parts if isinstance(p, ToolCall)]
@@ -165,20 +181,25 @@ def completion_body(
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [tool_call_dict(c) for c in calls]
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": {"content": logprobs} if logprobs else None,
         "finish_reason": finish_reason(finish, bool(calls)),
     }
+
+
+def completion_body(
+    completion_id: str, model: str, choices: list[dict[str, Any]], usage: Usage, reasoning_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": now(),
         "model": model,
         "system_fingerprint": None,
-        "choices": [choice],
-        "usage": openai_usage(finish.usage, reasoning_tokens),
+        "choices": choices,
+        "usage": openai_usage(usage, reasoning_tokens),
     }
 
 
@@ -190,47 +211,57 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     client = state_of(request).client
     model = resolve_model(client, body.model)
     gen = to_generation_request(body, model)
-    parser = OutputParser(
-        thinking=thinking_active(model, chat_thinking(body)), tools=list(gen.tools or []) or None
-    )
+    parsers = [
+        OutputParser(
+            thinking=thinking_active(model, chat_thinking(body)), tools=list(gen.tools or []) or None
+        )
+        for _ in range(gen.n)
+    ]
     run = await start_run(request, gen)
     if not body.stream:
-        return await _collect(run, parser, model.id, want_logprobs=bool(body.logprobs))
+        return await _collect(run, parsers, model.id, want_logprobs=bool(body.logprobs))
     chunker = ChatChunker(
         completion_id=gen.request_id,
         model=model.id,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         want_logprobs=bool(body.logprobs),
+        n=gen.n,
     )
     return StreamingResponse(
-        _stream(run, parser, chunker), media_type="text/event-stream", headers=SSE_HEADERS
+        _stream(run, parsers, chunker), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
 async def _collect(
-    run: GenerationRun, parser: OutputParser, model: str, *, want_logprobs: bool
+    run: GenerationRun, parsers: list[OutputParser], model: str, *, want_logprobs: bool
 ) -> JSONResponse:
-    done = await collect_steps(run, parser)
+    done = await collect_steps(run, parsers)
     if done is None:
         return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
-    parts = [part for step in done for part in step.parts]
-    logprobs = [e for step in done for e in logprob_entries(step.logprobs)] if want_logprobs else []
-    final = done[-1]
-    return JSONResponse(
-        completion_body(run.request.request_id, model, parts, logprobs, final.final, final.reasoning_tokens)
-    )
+    finals = sorted((s for s in done if isinstance(s.final, FinishEvent)), key=lambda s: s.index)
+    choices = []
+    for final in finals:
+        mine = [step for step in done if step.index == final.index]
+        parts = [part for step in mine for part in step.parts]
+        logprobs = [e for step in mine for e in logprob_entries(step.logprobs)] if want_logprobs else []
+        choices.append(chat_choice(final.index, parts, logprobs, final.final))
+    usage = choice_usage([s.final for s in finals])
+    reasoning_tokens = sum(s.reasoning_tokens for s in finals)
+    return JSONResponse(completion_body(run.request.request_id, model, choices, usage, reasoning_tokens))
 
 
-async def _stream(run: GenerationRun, parser: OutputParser, chunker: ChatChunker) -> AsyncIterator[bytes]:
+async def _stream(
+    run: GenerationRun, parsers: list[OutputParser], chunker: ChatChunker
+) -> AsyncIterator[bytes]:
     try:
         yield chunker.opening()
-        async for step in steps(run, parser):
+        async for step in steps(run, parsers):
             if step.keepalive:
                 yield SSE_COMMENT
             for frame in chunker.step(step):
                 yield frame
             if isinstance(step.final, FinishEvent):
-                for frame in chunker.closing(step.final, step.reasoning_tokens):
+                for frame in chunker.closing(step.final, step.reasoning_tokens, step.index):
                     yield frame
             elif isinstance(step.final, ErrorEvent):
                 for frame in chunker.failure(step.final.error):

@@ -15,6 +15,7 @@ from kapitsa.server.common import (
     CLIENT_GONE_STATUS,
     SSE_COMMENT,
     SSE_HEADERS,
+    choice_usage,
     collect_steps,
     now,
     openai_sampling,
@@ -59,10 +60,12 @@ def to_generation_request(body: CompletionRequest, model: ModelInfo) -> Generati
     sampling = openai_sampling(model, body, max_tokens=body.max_tokens or 16, logprobs=body.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
     if isinstance(prompt, str):
-        return GenerationRequest(prompt=prompt, sampling=sampling, model=model.id, request_id=request_id)
+        return GenerationRequest(
+            prompt=prompt, sampling=sampling, model=model.id, request_id=request_id, n=body.n
+        )
     check_prompt_ids(prompt, model)
     return GenerationRequest(
-        prompt_token_ids=tuple(prompt), sampling=sampling, model=model.id, request_id=request_id
+        prompt_token_ids=tuple(prompt), sampling=sampling, model=model.id, request_id=request_id, n=body.n
     )  # type: ignore[arg-type]
 
 
@@ -104,38 +107,48 @@ async def _collect(run: GenerationRun, base: dict[str, Any], echo: str) -> JSONR
     done = await collect_steps(run, RawParser())
     if done is None:
         return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
-    final = done[-1].final
-    choice = {
-        "index": 0,
-        "text": echo + "".join(p.text for step in done for p in step.parts),
-        "logprobs": legacy_logprobs([e for step in done for e in step.logprobs or ()]),
-        "finish_reason": _finish(final),
-    }
-    return JSONResponse({**base, "choices": [choice], "usage": openai_usage(final.usage)})
+    finals = sorted((s for s in done if isinstance(s.final, FinishEvent)), key=lambda s: s.index)
+    choices = []
+    for final in finals:
+        mine = [step for step in done if step.index == final.index]
+        choices.append(
+            {
+                "index": final.index,
+                "text": echo + "".join(p.text for step in mine for p in step.parts),
+                "logprobs": legacy_logprobs([e for step in mine for e in step.logprobs or ()]),
+                "finish_reason": _finish(final.final),
+            }
+        )
+    usage = choice_usage([s.final for s in finals])
+    return JSONResponse({**base, "choices": choices, "usage": openai_usage(usage)})
 
 
 async def _stream(
     run: GenerationRun, base: dict[str, Any], echo: str, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    def frame(text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+    def frame(text: str, finish: str | None = None, logprobs: Any = None, index: int = 0) -> bytes:
         body = {
             **base,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         }
         return sse({**body, "usage": None} if include_usage else body)
 
+    finishes: list[FinishEvent] = []
     try:
-        if echo:
-            yield frame(echo)
+        for index in range(run.request.n if echo else 0):
+            yield frame(echo, index=index)
         async for step in steps(run, RawParser()):
             if step.keepalive:
                 yield SSE_COMMENT
             for part in step.parts:
-                yield frame(part.text, logprobs=legacy_logprobs(list(step.logprobs or ())))
+                yield frame(part.text, logprobs=legacy_logprobs(list(step.logprobs or ())), index=step.index)
             if isinstance(step.final, FinishEvent):
-                yield frame("", _finish(step.final))
+                yield frame("", _finish(step.final), index=step.index)
+                finishes.append(step.final)
+                if len(finishes) < run.request.n:
+                    continue
                 if include_usage:
-                    yield sse({**base, "choices": [], "usage": openai_usage(step.final.usage)})
+                    yield sse({**base, "choices": [], "usage": openai_usage(choice_usage(finishes))})
                 yield b"data: [DONE]\n\n"
             elif isinstance(step.final, ErrorEvent):
                 for chunk in failure_frames(step.final.error):

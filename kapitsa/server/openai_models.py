@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kapitsa.server.settings import MAX_MESSAGES
+from kapitsa.server.settings import MAX_CHOICES, MAX_MESSAGES
 
 
 class _Lenient(BaseModel):
@@ -76,7 +76,7 @@ class SamplingFields(_Lenient):
     seed: int | None = None  # any integer (the engine reduces it modulo 2**64)
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices from one prefill
 
 
 class ChatRequest(SamplingFields):

@@ -11,6 +11,9 @@ DEFAULT_PORT = 8484
 MAX_MESSAGES = 10_000
 """Most messages (or Responses input items) one request may carry."""
 
+MAX_CHOICES = 8
+"""Most choices (`n`) one chat or completions request may ask for; each decodes its own copy of the prompt's state."""
+
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Anthropic's own request limit; larger bodies get 413."""
 

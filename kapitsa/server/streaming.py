@@ -39,6 +39,7 @@ class GenerationRun:
         self._peeked: list[Event] = []
         self.finished = False
         self.disconnected = False
+        self._unfinished_choices = request.n  # the stream ends after n FinishEvents (or one ErrorEvent)
 
     async def start(self, *, first_event_wait_s: float) -> None:
         """Start generating; wait briefly for the first event so a request error can still become a 4xx.
@@ -128,7 +129,9 @@ class GenerationRun:
         return item
 
     def _is_final(self, event: Event) -> bool:
-        if isinstance(event, (FinishEvent, ErrorEvent)):
+        if isinstance(event, FinishEvent):
+            self._unfinished_choices -= 1
+        if isinstance(event, ErrorEvent) or self._unfinished_choices <= 0:
             self.finished = True
             return True
         return False

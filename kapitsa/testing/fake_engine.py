@@ -91,56 +91,71 @@ class FakeEngine:
         return ScriptedReply(_split_words(self.default_reply))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """The next scripted reply; with n > 1, one reply per choice, their events interleaved."""
         self.requests.append(request)
-        reply = self._next_reply(request)
-        prompt_tokens = await self.count_tokens(request)
         self._active[request.request_id] = aborted = asyncio.Event()
-        started = time.perf_counter()
-        emitted: list[int] = []
+        players = [self._play(request, aborted) for _ in range(request.n)]
         try:
-            if reply.error is not None:
-                yield ErrorEvent(request.request_id, reply.error)
-                return
-            finish: FinishReason = reply.finish_reason
-            cached = min(reply.cached_tokens, prompt_tokens)
-            yield PrefillProgressEvent(request.request_id, cached, prompt_tokens, cached_tokens=cached)
-            async for progress in _prefill(request.request_id, prompt_tokens, reply.prefill_s, aborted):
-                yield progress
-            limit = request.sampling.max_tokens
-            for chunk in _apply_stop(reply.chunks, request.sampling.stop):
-                if reply.delay_s:
-                    await asyncio.sleep(reply.delay_s)
-                else:
-                    await asyncio.sleep(0)
-                if aborted.is_set():
-                    finish = "abort"
-                    break
-                ids = tuple(chunk.encode())
-                if limit is not None and len(emitted) + len(ids) > limit:
-                    ids = ids[: limit - len(emitted)]
-                    chunk = bytes(ids).decode(errors="ignore")
-                    finish = "length"
-                emitted.extend(ids)
-                self._generated += len(ids)
-                yield TokenEvent(
-                    request.request_id, ids, chunk, _fake_logprobs(ids, request.sampling.logprobs)
-                )
-                if finish == "length":
-                    break
-            usage = Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=len(emitted),
-                cached_tokens=cached,
-                decode_seconds=time.perf_counter() - started,
-            )
-            stop_hit = _stop_hit(reply.chunks, request.sampling.stop)
-            if stop_hit and finish == "stop":
-                yield FinishEvent(request.request_id, "stop", usage, stop_sequence=stop_hit)
-            else:
-                yield FinishEvent(request.request_id, finish, usage)
+            live = list(enumerate(players))
+            while live:
+                for index, player in list(live):
+                    event = await anext(player, None)
+                    if event is None:
+                        live.remove((index, player))
+                    elif isinstance(event, ErrorEvent):
+                        yield event
+                        return
+                    elif index == 0 or not isinstance(event, PrefillProgressEvent):
+                        yield replace(event, index=index) if index else event
         finally:
+            for player in players:
+                await player.aclose()
             self._active.pop(request.request_id, None)
             self._finished += 1
+
+    async def _play(self, request: GenerationRequest, aborted: asyncio.Event) -> AsyncIterator[Event]:
+        reply = self._next_reply(request)
+        prompt_tokens = await self.count_tokens(request)
+        started = time.perf_counter()
+        emitted: list[int] = []
+        if reply.error is not None:
+            yield ErrorEvent(request.request_id, reply.error)
+            return
+        finish: FinishReason = reply.finish_reason
+        cached = min(reply.cached_tokens, prompt_tokens)
+        yield PrefillProgressEvent(request.request_id, cached, prompt_tokens, cached_tokens=cached)
+        async for progress in _prefill(request.request_id, prompt_tokens, reply.prefill_s, aborted):
+            yield progress
+        limit = request.sampling.max_tokens
+        for chunk in _apply_stop(reply.chunks, request.sampling.stop):
+            if reply.delay_s:
+                await asyncio.sleep(reply.delay_s)
+            else:
+                await asyncio.sleep(0)
+            if aborted.is_set():
+                finish = "abort"
+                break
+            ids = tuple(chunk.encode())
+            if limit is not None and len(emitted) + len(ids) > limit:
+                ids = ids[: limit - len(emitted)]
+                chunk = bytes(ids).decode(errors="ignore")
+                finish = "length"
+            emitted.extend(ids)
+            self._generated += len(ids)
+            yield TokenEvent(request.request_id, ids, chunk, _fake_logprobs(ids, request.sampling.logprobs))
+            if finish == "length":
+                break
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(emitted),
+            cached_tokens=cached,
+            decode_seconds=time.perf_counter() - started,
+        )
+        stop_hit = _stop_hit(reply.chunks, request.sampling.stop)
+        if stop_hit and finish == "stop":
+            yield FinishEvent(request.request_id, "stop", usage, stop_sequence=stop_hit)
+        else:
+            yield FinishEvent(request.request_id, finish, usage)
 
     async def abort(self, request_id: str) -> None:
         event = self._active.get(request_id)

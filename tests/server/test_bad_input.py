@@ -81,7 +81,7 @@ JSON_CASES = [  # (path, body, status, param or None)
     (CHAT, chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
     (CHAT, chat(temperature=-1), 400, "temperature"),
     (CHAT, chat(top_p=1.5), 400, "top_p"),
-    (CHAT, chat(n=2), 400, "n"),
+    (CHAT, chat(n=9), 400, "n"),
     (CHAT, chat(top_k=-1), 400, "top_k"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(seed="x"), 400, "seed"),
