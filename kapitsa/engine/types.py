@@ -117,7 +117,9 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not recomputed)
-    cache_write_tokens: int = 0  # prompt tokens past the cached ones that this request checkpointed
+    # Prompt tokens that are now cached and were not before this request: from `cached_tokens` to the
+    # deepest prompt checkpoint this request made (Anthropic's cache writes; the rest is uncached input)
+    cache_write_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_tokens_proposed: int = 0

@@ -190,3 +190,12 @@ def test_disk_budget_is_respected(tmp_path) -> None:
     assert len(small) == 2
     assert cache.lookup([4] + list(range(1, 30)) + [0]).pos == 30  # newest kept
     assert cache.lookup([0] + list(range(1, 30)) + [0]) is None
+
+
+def test_insert_says_whether_it_made_a_new_checkpoint() -> None:
+    cache = PrefixCache(budget_bytes=1 << 20)
+    conv = list(range(100, 130))
+    assert cache.insert(conv[:20], recurrent=_state(1.0), kv_source=_kv(conv)) is True
+    assert cache.insert(conv[:20], recurrent=_state(2.0), kv_source=_kv(conv)) is False  # already there
+    assert cache.insert(conv[:10], recurrent=_state(3.0), kv_source=_kv(conv)) is True  # splits the edge
+    assert cache.num_checkpoints == 2

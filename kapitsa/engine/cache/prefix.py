@@ -182,10 +182,14 @@ class PrefixCache:
         kv_source: KVSource,
         kind: str = "turn",
         next_logits: mx.array | None = None,
-    ) -> None:
-        """Checkpoint the state after `tokens`; KV not yet in the tree is copied from `kv_source`."""
+    ) -> bool:
+        """Checkpoint the state after `tokens`; KV not yet in the tree is copied from `kv_source`.
+
+        Returns:
+            True when this made a new checkpoint; False when `tokens` already had one (or were empty).
+        """
         if not tokens:
-            return
+            return False
         node, depth = self._walk_splitting(tokens)
         if depth < len(tokens):
             kv = tuple(_detach(a) for a in kv_source(depth, len(tokens)))
@@ -196,6 +200,7 @@ class PrefixCache:
         # evaluate now: a lazy copy would keep the whole source (a batch's KV buffer) alive
         mx.eval(*node.kv, *recurrent, *(() if next_logits is None else (next_logits,)))
         tick = next(self._clock)
+        is_new = node.checkpoint is None
         if node.checkpoint is None:
             node.checkpoint = Checkpoint(len(tokens), recurrent, next_logits, kind, tick)
             self.checkpoint_bytes += node.checkpoint.nbytes
@@ -207,6 +212,7 @@ class PrefixCache:
         for n in self._path_to(node):
             n.last_used = tick
         self.enforce_budget()
+        return is_new
 
     def _walk_splitting(self, tokens: Sequence[int]) -> tuple[_Node, int]:
         """Follow `tokens` down the tree, splitting an edge where they end or diverge inside it."""

@@ -311,14 +311,15 @@ class Engine:
         if boundary is None or self.prefix is None or pos <= seq.num_cached_tokens:
             return
         cache = seq.cache
-        self.prefix.insert(
+        is_new = self.prefix.insert(
             seq.prompt_ids[:pos],
             recurrent=self.runner.recurrent_state(cache),
             kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
             kind=boundary.kind,
             next_logits=logits,
         )
-        seq.num_checkpointed_tokens = max(seq.num_checkpointed_tokens, pos)
+        if is_new:  # a checkpoint another request made meanwhile is a cache hit, not this one's write
+            seq.num_checkpointed_tokens = max(seq.num_checkpointed_tokens, pos)
 
     def _checkpoint_final(self, seq: Sequence, cache: HybridCache | None) -> None:
         """Keep the state at the end of a response hot: the agent's next request extends it."""
