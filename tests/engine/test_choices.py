@@ -26,7 +26,9 @@ def sampled(seed: int | None, *, n: int = 1, max_tokens: int = 12) -> Generation
     return GenerationRequest(prompt=PROMPT, sampling=params, n=n)
 
 
-async def test_each_choice_equals_its_own_request_and_the_prefill_runs_once(family_model, make_client) -> None:
+async def test_each_choice_equals_its_own_request_and_the_prefill_runs_once(
+    family_model, make_client
+) -> None:
     client = make_client(family_model, prefix_cache_bytes=0)  # no cache: every prompt token is computed
     before = client.stats().prompt_tokens_computed
     ids, finishes = await choices(client, sampled(40, n=3))
