@@ -44,6 +44,7 @@ from kapitsa.server.common import (
     thinking_kwargs,
     usage_cached,
 )
+from kapitsa.server.constraints import anthropic_constraint
 from kapitsa.server.errors import ApiError, anthropic_error_body, api_error_from_kapitsa
 from kapitsa.server.input_checks import check_prompt_size
 from kapitsa.server.json_body import WellFormedJsonRoute
@@ -216,9 +217,10 @@ class MessageBuilder:
 
 def to_generation_request(body: MessagesRequest, model: ModelInfo) -> GenerationRequest:
     thinking = thinking_choice(body)
+    tools = chat_tools(body)
     return GenerationRequest(
         messages=tuple(chat_messages(body)),
-        tools=tuple(chat_tools(body) or ()) or None,
+        tools=tuple(tools or ()) or None,
         model=model.id,
         sampling=make_sampling(
             model,
@@ -227,6 +229,7 @@ def to_generation_request(body: MessagesRequest, model: ModelInfo) -> Generation
             top_k=body.top_k,
             stop=body.stop_sequences,
             max_tokens=body.max_tokens,
+            constraint=anthropic_constraint(body, model, tools, thinking),
         ),
         chat_template_kwargs=thinking_kwargs(thinking),
         request_id=f"msg_{uuid.uuid4().hex[:24]}",

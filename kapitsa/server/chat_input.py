@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
 from kapitsa.engine.types import GenerationRequest, ModelInfo
 from kapitsa.server.common import flatten_text, openai_sampling, param_error, thinking_kwargs
+from kapitsa.server.constraints import output_constraint
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 from kapitsa.server.tool_schema import check_tool_schema
@@ -80,10 +82,12 @@ def chat_thinking(body: ChatRequest) -> bool | None:
 def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequest:
     messages = chat_messages(body.messages)
     fmt = body.response_format
+    schema = None
     if fmt is not None and fmt.type != "text":
         schema = (fmt.json_schema or {}).get("schema") if fmt.type == "json_schema" else None
         if fmt.type == "json_schema" and not isinstance(schema, dict):
             raise param_error("response_format", "response_format json_schema needs `json_schema.schema`.")
+        # The hint stays beside the grammar: a real model writes better JSON when told to.
         messages.insert(0, {"role": "system", "content": json_mode_instruction(schema)})
     messages = fold_system_messages(messages)
     if not messages:
@@ -94,10 +98,21 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
+    tools = chat_tools(body)
+    constraint = output_constraint(
+        model,
+        thinking=chat_thinking(body),
+        json_schema=schema,
+        json_mode=fmt is not None and fmt.type == "json_object",
+        tools=tools,
+        tool_required=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
+        strict_tools=any(t.function and t.function.strict for t in body.tools or []),
+        parallel_calls=getattr(body, "parallel_tool_calls", None) is not False,
+    )
     return GenerationRequest(
         messages=tuple(messages),
-        tools=tuple(chat_tools(body) or ()) or None,
-        sampling=sampling,
+        tools=tuple(tools or ()) or None,
+        sampling=dataclasses.replace(sampling, constraint=constraint),
         model=model.id,
         chat_template_kwargs=thinking_kwargs(chat_thinking(body)),
         request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",

@@ -32,6 +32,7 @@ from kapitsa.server.common import (
     thinking_active,
     thinking_kwargs,
 )
+from kapitsa.server.constraints import responses_constraint
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser
 from kapitsa.server.response_store import (
@@ -65,7 +66,11 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         tools=tuple(tools) or None,
         model=model.id,
         sampling=make_sampling(
-            model, temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens
+            model,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            max_tokens=body.max_output_tokens,
+            constraint=responses_constraint(body, model, tools, thinking),
         ),
         chat_template_kwargs=thinking_kwargs(thinking),
         request_id=f"resp_{uuid.uuid4().hex[:24]}",

@@ -22,7 +22,7 @@ from kapitsa.errors import InvalidRequest, KapitsaError
 _NEG_INF = float("-inf")
 # Whitespace between JSON tokens is capped: a pretty-printed answer fits, an endless run of
 # blanks (which a weak model's free mask invites) does not. A schema's `x-guidance` overrides it.
-_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
+_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}"}
 
 
 class GrammarCompiler:

@@ -1,0 +1,218 @@
+"""Structured output through the real server over a tiny random checkpoint (its free output is
+never JSON): JSON Schema formats and required tool calls in all three APIs hold every time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_harness import assert_error_shape, live_server, open_tiny_engine
+
+from kapitsa.testing.schema_check import schema_errors
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 10},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+    },
+    "required": ["title", "score", "ok", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+OPENAI_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "ping", "parameters": {"type": "object", "additionalProperties": False}},
+    },
+]
+RUNS = 34  # per API: ~100 structured answers in all
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def http(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    engine = open_tiny_engine(tmp_path_factory.mktemp("tiny") / request.param, request.param)
+    try:
+        with live_server(engine) as live, httpx.Client(base_url=live.url, timeout=120) as client:
+            client.model_id = client.get("/v1/models").json()["data"][0]["id"]
+            yield client
+    finally:
+        engine.close()
+
+
+def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = http.post(path, json={**body, "model": http.model_id})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _chat(seed: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": f"question {seed}"}],
+        "temperature": 1.0,
+        "seed": seed,
+        "max_tokens": 200,
+        **NO_THINKING,
+        **extra,
+    }
+
+
+def _valid(text: str, schema: dict[str, Any]) -> None:
+    assert schema_errors(json.loads(text), schema) == [], text
+
+
+def test_json_schema_in_chat_completions(http) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    for seed in range(RUNS):
+        body = _post(http, "/v1/chat/completions", _chat(seed, response_format=fmt))
+        _valid(body["choices"][0]["message"]["content"], SCHEMA)
+
+
+def test_json_schema_in_responses(http) -> None:
+    fmt = {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}
+    for seed in range(RUNS):
+        body = _post(
+            http,
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": f"question {seed}",
+                "temperature": 1.0,
+                "max_output_tokens": 200,
+                "reasoning": {"effort": "none"},
+                "text": {"format": fmt},
+                "store": False,
+            },
+        )
+        texts = [c["text"] for item in body["output"] if item["type"] == "message" for c in item["content"]]
+        _valid("".join(texts), SCHEMA)
+
+
+def test_required_tool_call_in_anthropic_messages(http) -> None:
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in OPENAI_TOOLS
+    ]
+    for seed in range(RUNS):
+        choice = {"type": "any"} if seed % 2 else {"type": "tool", "name": "get_weather"}
+        choice["disable_parallel_tool_use"] = seed % 3 != 0
+        body = _post(
+            http,
+            "/v1/messages",
+            {
+                "model": "tiny",
+                "max_tokens": 800 if choice["disable_parallel_tool_use"] else 1000,
+                "temperature": 1.0,
+                "messages": [{"role": "user", "content": f"weather {seed}"}],
+                "thinking": {"type": "disabled"},
+                "tools": tools,
+                "tool_choice": choice,
+            },
+        )
+        uses = [b for b in body["content"] if b["type"] == "tool_use"]
+        assert uses and body["stop_reason"] == "tool_use", body
+        for use in uses:
+            assert use["name"] in ("get_weather", "ping")
+            if choice["type"] == "tool":
+                assert use["name"] == "get_weather"
+            if use["name"] == "get_weather":
+                assert schema_errors(use["input"], WEATHER) == [], use
+
+
+def test_required_tool_call_in_chat_completions(http) -> None:
+    for seed in range(RUNS):
+        choice = "required" if seed % 2 else {"type": "function", "function": {"name": "get_weather"}}
+        parallel = seed % 3 == 0  # up to MAX_PARALLEL_CALLS calls, else exactly one
+        body = _chat(seed, tools=OPENAI_TOOLS, tool_choice=choice, parallel_tool_calls=parallel)
+        body = _post(http, "/v1/chat/completions", {**body, "max_tokens": 1000 if parallel else 800})
+        calls = body["choices"][0]["message"].get("tool_calls")
+        assert calls and body["choices"][0]["finish_reason"] == "tool_calls", body
+        for call in calls:
+            if call["function"]["name"] == "get_weather":
+                assert schema_errors(json.loads(call["function"]["arguments"]), WEATHER) == [], call
+            else:
+                assert choice == "required" and call["function"]["name"] == "ping"
+
+
+def test_required_tool_call_in_responses(http) -> None:
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    for seed in range(8):
+        body = _post(
+            http,
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": f"weather {seed}",
+                "temperature": 1.0,
+                "max_output_tokens": 800,
+                "reasoning": {"effort": "none"},
+                "tools": tools,
+                "tool_choice": "required",
+                "parallel_tool_calls": False,
+                "store": False,
+            },
+        )
+        calls = [item for item in body["output"] if item["type"] == "function_call"]
+        assert calls, body
+        for call in calls:
+            assert schema_errors(json.loads(call["arguments"]), WEATHER) == [], call
+
+
+def test_json_object_with_reasoning_closes_the_thought_first(http) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 2]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    body = _chat(1, response_format=fmt, temperature=0.0, max_tokens=400)
+    body.pop("chat_template_kwargs")
+    message = _post(http, "/v1/chat/completions", body)["choices"][0]
+    if message["finish_reason"] == "stop":  # a random thought may outrun the budget
+        _valid(message["message"]["content"], schema)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            _chat(
+                0,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                },
+            ),
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}},
+            },
+        ),
+    ],
+)
+def test_invalid_schema_is_a_clear_400(http, path, body) -> None:
+    response = http.post(path, json={**body, "model": http.model_id})
+    error = assert_error_shape(path, response, 400)
+    assert "grammar is invalid" in json.dumps(error), error
