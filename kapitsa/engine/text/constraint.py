@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 import llguidance
 import mlx.core as mx
@@ -37,9 +38,7 @@ class GrammarCompiler:
     def __init__(self, backend: BackendTokenizer, *, vocab_size: int, eos_ids: Iterable[int]) -> None:
         self.eos_ids = tuple(sorted(set(eos_ids)))
         self.vocab_size = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
-        self.ll_tokenizer = llguidance.LLTokenizer(
-            _text_tags_as_text(backend.to_str()), n_vocab=self.vocab_size, eos_token=list(self.eos_ids)
-        )
+        self.ll_tokenizer = _make_ll_tokenizer(backend, self.vocab_size, self.eos_ids)
 
     def grammar(self, constraint: Constraint) -> str:
         """The llguidance grammar for `constraint`; raises `InvalidRequest` when it does not compile."""
@@ -116,27 +115,64 @@ class TokenConstraint:
             raise KapitsaError(f"the output left its grammar: {self._matcher.get_error()}")
 
 
+def _make_ll_tokenizer(backend: BackendTokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
+    if not _is_byte_level(backend):  # llguidance's own loader (its added tokens are all special)
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
+    vocabulary = _ByteLevelVocabulary(backend, vocab_size, eos_ids[0] if eos_ids else 0)
+    wrapper = llguidance.TokenizerWrapper(vocabulary)
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
+
+
 def _pad(mask: mx.array, width: int) -> mx.array:
     return mx.concatenate([mask, mx.zeros((width - mask.shape[0],), dtype=mx.bool_)])
 
 
-def _text_tags_as_text(tokenizer_json: str) -> str:
-    """The tokenizer with its non-special added tokens (`<tool_call>`, `<think>`) as plain vocabulary.
+class _ByteLevelVocabulary:
+    """The vocabulary as llguidance's `TokenizerWrapper` reads it: each id's bytes, with only the
+    special added tokens special. llguidance's own loader marks every added token special, which a
+    grammar's literal "<tool_call>" never matches; the model writes these tags as text, and the
+    server parses them as text."""
 
-    llguidance treats every added token as a special token, which a grammar's literal "<tool_call>"
-    never matches; the model writes these tags as text, and the server parses them as text.
-    """
-    spec = json.loads(tokenizer_json)
-    model = spec.get("model") or {}
-    vocab = model.get("vocab")
-    if model.get("type") != "BPE" or not isinstance(vocab, dict):
-        return tokenizer_json
-    kept = []
-    for token in spec.get("added_tokens") or []:
-        content = token.get("content", "")
-        if token.get("special") or not content.isascii() or not content.isprintable() or " " in content:
-            kept.append(token)
-        else:
-            vocab[content] = token["id"]
-    spec["added_tokens"] = kept
-    return json.dumps(spec)
+    def __init__(self, backend: BackendTokenizer, vocab_size: int, eos_id: int) -> None:
+        decode = _byte_decoder()
+        added = backend.get_added_tokens_decoder()
+        self.tokens: list[bytes] = []
+        for token_id in range(vocab_size):
+            piece = backend.id_to_token(token_id)
+            if piece is None:
+                self.tokens.append(b"")
+            elif token_id in added:
+                self.tokens.append(piece.encode("utf-8"))
+            else:
+                self.tokens.append(bytes(decode[c] for c in piece))
+        self.special_token_ids = sorted(i for i, t in added.items() if t.special and i < vocab_size)
+        self.eos_token_id = eos_id
+        self.bos_token_id = None
+        self._backend = backend
+
+    def __call__(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+
+def _is_byte_level(backend: BackendTokenizer) -> bool:
+    spec = json.loads(backend.to_str())
+    return (spec.get("model") or {}).get("type") == "BPE" and (spec.get("decoder") or {}).get(
+        "type"
+    ) == "ByteLevel"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
