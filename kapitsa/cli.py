@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -17,7 +17,10 @@ from kapitsa.errors import KapitsaError, NotBuilt
 
 app = typer.Typer(
     name="kapitsa",
-    help="Local inference for hybrid Qwen3.5 / Nemotron-H models on MLX, and a launcher for coding agents.",
+    help=(
+        "Local inference for hybrid Qwen3.5 / Nemotron-H models on MLX, and a launcher for coding agents."
+        "\n\nRun `kapitsa` with no command to open the TUI (models, chat, bench, agents)."
+    ),
     no_args_is_help=False,
     add_completion=False,
     rich_markup_mode=None,
@@ -277,10 +280,40 @@ _agent_command("pi", "Launch the pi coding agent on a local model.")
 
 
 def main() -> None:
+    """Run the CLI; every error, ours or a usage error from the flags, is one `error: ...` line on stderr."""
     try:
-        app()
+        exit_code = app(standalone_mode=False)
     except KapitsaError as err:
         if _state["debug"]:
             raise
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        _fail(str(err), 1)
+    except _click_errors().ClickException as err:
+        _fail(_usage_line(err), err.exit_code)  # type: ignore[attr-defined]
+    except _click_errors().Abort:
+        _fail("aborted", 1)
+    sys.exit(exit_code if isinstance(exit_code, int) else 0)
+
+
+def _click_errors() -> Any:
+    """Click's exception classes: Typer vendors its own copy of click (`typer._click`) since 0.20."""
+    try:
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def _usage_line(err: Exception) -> str:
+    message = err.format_message().strip().rstrip(".")  # type: ignore[attr-defined]
+    if "Input should be " in message:  # Typer coerces flags with pydantic: keep its verdict, not its prose
+        head, _, verdict = message.partition("Input should be ")
+        message = f"{head}must be {verdict.split(',')[0]}"
+    context = getattr(err, "ctx", None)
+    if context is None:
+        return message
+    return f"{message[:1].lower()}{message[1:]} (see `{context.command_path} --help`)"
+
+
+def _fail(message: str, exit_code: int) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(exit_code)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kapitsa.engine.options import EngineConfig, KernelOptions
-from kapitsa.errors import InvalidRequest, KapitsaError, NotBuilt, NotDownloaded
+from kapitsa.errors import InvalidRequest, KapitsaError, ModelNotFound, NotBuilt, NotDownloaded
 from kapitsa.settings import KapitsaSettings, load_settings
 
 if TYPE_CHECKING:
@@ -81,7 +81,15 @@ def load_for_ref(ref: str | None, *, settings: KapitsaSettings | None = None) ->
         from kapitsa.engine.loading.loader import load_model
     catalog = load_catalog(settings.catalog)
     if not is_alias(ref, catalog):
-        return load_model(ref)  # load_model handles paths, repo ids and ":4bit"-style tags
+        try:
+            return load_model(ref)  # load_model handles paths, repo ids and ":4bit"-style tags
+        except NotDownloaded:
+            raise
+        except ModelNotFound:
+            resolve_model(
+                ref, catalog
+            )  # neither a path nor a repo id: the catalog's message, naming its aliases
+            raise
     resolved = resolve_model(ref, catalog)
     source = resolved.path if resolved.kind == "path" else resolved.repo_id
     try:

@@ -94,12 +94,40 @@ class KapitsaSettings(BaseSettings):
 
 
 def load_settings(**overrides: Any) -> KapitsaSettings:
-    """Read settings; a malformed config file becomes a KapitsaError naming the file."""
+    """Read settings; a bad value or a malformed config file becomes a one-line KapitsaError."""
     try:
         return KapitsaSettings(**overrides)
     except ValidationError as err:
-        raise KapitsaError(
-            f"invalid settings (config file {config_file_path()} or KAPITSA_* variables): {err}"
-        ) from err
+        raise settings_error(err) from None
     except ValueError as err:  # TOML syntax errors
-        raise KapitsaError(f"cannot read the config file {config_file_path()}: {err}") from err
+        raise KapitsaError(f"cannot read the config file {config_file_path()}: {err}") from None
+
+
+_PROBLEMS = {
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be more than {gt}",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_parsing": "must be a number",
+    "bool_parsing": "must be true or false",
+}
+
+
+def settings_error(err: ValidationError, *, flag_names: dict[str, str] | None = None) -> KapitsaError:
+    """One line per bad setting, naming where it can be fixed; pydantic's own text never reaches the user."""
+    problems = [_describe_problem(problem, flag_names or {}) for problem in err.errors()]
+    return KapitsaError("; ".join(problems))
+
+
+def _describe_problem(problem: Any, flag_names: dict[str, str]) -> str:
+    field = ".".join(str(part) for part in problem["loc"]) or "settings"
+    template = _PROBLEMS.get(problem["type"])
+    context = problem.get("ctx") or {}
+    what = template.format(**context) if template else str(problem["msg"]).lower()
+    where = [f"--{flag_names[field]}"] if field in flag_names else []
+    where.append(f"KAPITSA_{field.upper()}")
+    if config_file_path().is_file():
+        where.append(f"{field} in {config_file_path()}")
+    return f"{field} {what} (got {problem['input']!r}): fix {' or '.join(where)}"

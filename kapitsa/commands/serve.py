@@ -12,16 +12,21 @@ def make_settings(
     *, model: str | None, host: str | None, port: int | None, speculative: str
 ) -> ServerSettings:
     """Flags override `KAPITSA_*` variables, which override the user's config file, then defaults."""
-    from kapitsa.settings import load_settings
+    from pydantic import ValidationError
+
+    from kapitsa.settings import load_settings, settings_error
 
     user = load_settings()  # host and port from config.toml (or KAPITSA_HOST / KAPITSA_PORT)
     flags = {
         "model": model,
         "host": host or user.host,
-        "port": port or user.port,
+        "port": user.port if port is None else port,
         "speculative": speculative if speculative != "none" else None,
     }
-    return ServerSettings(**{k: v for k, v in flags.items() if v is not None})
+    try:
+        return ServerSettings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as err:
+        raise settings_error(err, flag_names={"port": "port", "host": "host", "model": "model"}) from None
 
 
 def cmd_serve(

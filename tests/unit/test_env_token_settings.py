@@ -114,7 +114,10 @@ def test_settings_file_then_environment(tmp_path: Path, monkeypatch: pytest.Monk
         load_settings()
     monkeypatch.delenv("KAPITSA_PORT")
     config.write_text("port = 99999")
-    with pytest.raises(KapitsaError, match="invalid settings"):
+    with pytest.raises(
+        KapitsaError,
+        match=r"port must be at most 65535 \(got 99999\): fix KAPITSA_PORT or port in .*config.toml",
+    ):
         load_settings()
 
 
