@@ -10,8 +10,9 @@ from pathlib import Path
 
 from kapitsa.bench.local import open_local_engine
 from kapitsa.bench.machine import machine_info
-from kapitsa.bench.render import render_text
-from kapitsa.bench.runner import run_bench
+from kapitsa.bench.progress import BenchProgress
+from kapitsa.bench.render import notes, render_text, rich_table
+from kapitsa.bench.runner import WORKLOAD_NAMES, run_bench
 from kapitsa.bench.schema import BenchReport, EngineResult
 from kapitsa.bench.submit import report_json, resolve_results_url, save_report, submit_report
 from kapitsa.bench.targets import BenchTarget, EngineTarget, HttpTarget
@@ -45,30 +46,53 @@ def bench_main(options: BenchOptions, *, confirm: Callable[[str], bool]) -> Benc
     config = QUICK_CONFIG if options.quick else options.config
     report = asyncio.run(collect_report(options, config))
     path = save_report(report)
-    print(report_json(report) if options.json_out else render_text(report))
+    print_report(report, json_out=options.json_out)
     print(f"saved {path}", file=sys.stderr)
     if options.submit:
         confirm_and_submit(report, path, options, confirm)
     return report
 
 
+def print_report(report: BenchReport, *, json_out: bool) -> None:
+    """JSON for `--json`; a rich table in colour on a terminal; the plain table when piped."""
+    if json_out:
+        print(report_json(report))
+    elif sys.stdout.isatty():
+        from rich.console import Console
+
+        console = Console()
+        console.print(rich_table(report))
+        for note in notes(report):
+            console.print(note, style="yellow", markup=False, highlight=False)
+    else:
+        print(render_text(report))
+
+
 async def collect_report(options: BenchOptions, config: BenchConfig) -> BenchReport:
     report = BenchReport(machine=machine_info(), config=config.to_dict())
-    if options.local:
-        with open_local_engine(options.model, speculative=options.speculative) as client:
-            report.engines.append(await _run_one(EngineTarget(client, name="kapitsa"), config))
-    for url in options.compare:
-        report.engines.append(await _run_one(HttpTarget(url), config))
+    num_engines = int(options.local) + len(options.compare)
+    progress = BenchProgress(num_engines * len(WORKLOAD_NAMES))
+    try:
+        if options.local:
+            with open_local_engine(options.model, speculative=options.speculative) as client:
+                target = EngineTarget(client, name="kapitsa")
+                report.engines.append(await _run_one(target, config, progress))
+        for url in options.compare:
+            report.engines.append(await _run_one(HttpTarget(url), config, progress))
+    finally:
+        progress.close()
     return report
 
 
-async def _run_one(target: BenchTarget, config: BenchConfig) -> EngineResult:
-    def progress(name: str, index: int, total: int) -> None:
-        print(f"[{target.name}] {index + 1}/{total} {name}", file=sys.stderr, flush=True)
-
+async def _run_one(target: BenchTarget, config: BenchConfig, progress: BenchProgress) -> EngineResult:
     try:
         await target.prepare()
-        return await run_bench(target, config, on_progress=progress)
+        return await run_bench(
+            target,
+            config,
+            on_progress=lambda name, index, total: progress.started(target.name, name, index, total),
+            on_result=lambda result, _index, _total: progress.finished(target.name, result),
+        )
     finally:
         await target.aclose()
 

@@ -1,8 +1,18 @@
-"""Human-readable bench tables: one row per metric, one column per engine (side by side)."""
+"""Bench tables: one row per metric, one column per engine (side by side), plain or rich.
+
+Each metric has one precision wherever it is shown (CLI table, TUI table, partial-result lines):
+rates (tok/s) and percentages with 1 decimal, seconds and ratios with 2, counts as integers.
+"""
 
 from __future__ import annotations
 
-from kapitsa.bench.schema import BenchReport, EngineResult, Metric
+from typing import TYPE_CHECKING
+
+from kapitsa.bench.schema import WORKLOAD_METRICS, BenchReport, EngineResult, Metric, WorkloadResult
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.text import Text
 
 # The headline metrics shown in tables; `--json` has them all.
 HEADLINE: tuple[tuple[str, str, str], ...] = (
@@ -16,13 +26,26 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("speculative", "acceptance_pct", "speculative acceptance %"),
 )
 
+_RATIO_METRICS = frozenset({"warm_speedup"})
+_CELL_STYLES = {"error": "bold red", "skipped": "yellow", "n/a": "dim", "-": "dim"}
 
-def format_metric(value: Metric) -> str:
+
+def metric_decimals(metric: str) -> int:
+    """Decimals for one metric key: 1 for tok/s and %, 2 for seconds and ratios."""
+    if metric.endswith("_tok_s") or metric.endswith("_pct"):
+        return 1
+    if metric.endswith("_s") or metric in _RATIO_METRICS:
+        return 2
+    return 0
+
+
+def format_metric(metric: str, value: Metric) -> str:
     if value is None:
         return "n/a"
-    if isinstance(value, int):
+    decimals = metric_decimals(metric)
+    if isinstance(value, int) and decimals == 0:
         return str(value)
-    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return f"{value:.{decimals}f}"
 
 
 def cell(engine: EngineResult, workload: str, metric: str) -> str:
@@ -31,7 +54,7 @@ def cell(engine: EngineResult, workload: str, metric: str) -> str:
         return "-"
     if result.status != "ok":
         return result.status
-    return format_metric(result.metrics.get(metric))
+    return format_metric(metric, result.metrics.get(metric))
 
 
 def table_rows(report: BenchReport) -> list[list[str]]:
@@ -39,6 +62,20 @@ def table_rows(report: BenchReport) -> list[list[str]]:
     header = ["metric", *[_engine_label(e) for e in report.engines]]
     rows = [[label, *[cell(e, w, m) for e in report.engines]] for w, m, label in HEADLINE]
     return [header, *rows]
+
+
+def workload_line(engine_name: str, result: WorkloadResult) -> str:
+    """One finished workload's figures on one line (the partial results shown while a bench runs)."""
+    if result.status != "ok":
+        return f"[{engine_name}] {result.name}: {result.status}" + (
+            f" ({result.note})" if result.note else ""
+        )
+    figures = [
+        f"{key}={format_metric(key, result.metrics.get(key))}"
+        for key in WORKLOAD_METRICS.get(result.name, tuple(result.metrics))
+        if key in result.metrics
+    ]
+    return f"[{engine_name}] {result.name}: " + " ".join(figures)
 
 
 def render_text(report: BenchReport) -> str:
@@ -51,7 +88,32 @@ def render_text(report: BenchReport) -> str:
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join([_machine_line(report), "", *lines, *_notes(report)])
+    return "\n".join([machine_line(report), "", *lines, *_notes(report)])
+
+
+def rich_table(report: BenchReport) -> Table:
+    """The same rows as `render_text`, as a rich Table: figures right-aligned, failures in colour."""
+    from rich.table import Table
+    from rich.text import Text
+
+    header, *rows = table_rows(report)
+    table = Table(title=machine_line(report), title_justify="left", header_style="bold")
+    table.add_column(header[0], style="cyan")
+    for label in header[1:]:
+        table.add_column(Text(label), justify="right")
+    for label, *cells in rows:
+        table.add_row(Text(label), *[_styled(c) for c in cells])
+    return table
+
+
+def notes(report: BenchReport) -> list[str]:
+    return _notes(report)[1:]
+
+
+def _styled(text: str) -> Text:
+    from rich.text import Text
+
+    return Text(text, style=_CELL_STYLES.get(text, ""))
 
 
 def _engine_label(engine: EngineResult) -> str:
@@ -60,7 +122,7 @@ def _engine_label(engine: EngineResult) -> str:
     )
 
 
-def _machine_line(report: BenchReport) -> str:
+def machine_line(report: BenchReport) -> str:
     m = report.machine
     memory = f"{m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "? GiB"
     return f"{m.get('chip') or m.get('arch')} · {m.get('cpu_count')} cores · {memory} · {m.get('os')} · mlx {m.get('mlx')} ({m.get('mlx_backend')})"

@@ -14,6 +14,7 @@ from kapitsa.bench.targets import BenchTarget, StreamResult
 from kapitsa.bench.workloads import BenchConfig, agent_replay_prefixes, nonce, single_turn
 
 ProgressCallback = Callable[[str, int, int], None]  # (workload name, index, total)
+ResultCallback = Callable[[WorkloadResult, int, int], None]  # (finished workload, index, total)
 
 WORKLOAD_NAMES = (
     "decode_short",
@@ -27,9 +28,13 @@ WORKLOAD_NAMES = (
 
 
 async def run_bench(
-    target: BenchTarget, config: BenchConfig, *, on_progress: ProgressCallback | None = None
+    target: BenchTarget,
+    config: BenchConfig,
+    *,
+    on_progress: ProgressCallback | None = None,
+    on_result: ResultCallback | None = None,
 ) -> EngineResult:
-    """Run every workload in order against `target`."""
+    """Run every workload in order against `target`; `on_progress` before each, `on_result` after."""
     seen: list[StreamResult] = []  # every completion, for the speculative totals
     steps: dict[str, Callable[[], Awaitable[WorkloadResult]]] = {
         "decode_short": lambda: _decode(
@@ -49,6 +54,8 @@ async def run_bench(
         if on_progress:
             on_progress(name, index, len(steps))
         result.workloads.append(await _guarded(name, step))
+        if on_result:
+            on_result(result.workloads[-1], index, len(steps))
     result.speculative = target.speculative()
     return result
 
