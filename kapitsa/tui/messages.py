@@ -14,7 +14,7 @@ from textual.message import Message
 from kapitsa.engine.types import EngineStats
 
 if TYPE_CHECKING:
-    from kapitsa.bench.schema import BenchReport
+    from kapitsa.bench.schema import BenchReport, WorkloadResult
     from kapitsa.bench.submit import SubmitResult
     from kapitsa.doctor import DoctorReport
     from kapitsa.tui.services import EngineHandle
@@ -84,6 +84,13 @@ class AgentExited(Message, bubble=False):
 @dataclass
 class BenchProgressed(Message, bubble=False):
     workload: str
+    index: int
+    total: int
+
+
+@dataclass
+class BenchWorkloadDone(Message, bubble=False):
+    result: WorkloadResult
     index: int
     total: int
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -84,3 +85,38 @@ async def test_bench_without_engine_or_results_is_a_modal(make_app) -> None:
         assert isinstance(app.screen, ErrorModal) and "start it first" in app.screen.message
         await pilot.press("enter", "u")
         assert isinstance(app.screen, ErrorModal) and "run a bench first" in app.screen.message
+
+
+async def test_rows_fill_as_workloads_finish_with_an_eta(make_app, messages, monkeypatch) -> None:
+    """Partial results: after two workloads their rows show figures, the rest wait, the status has an ETA."""
+    import asyncio
+
+    from kapitsa.bench.schema import EngineResult, WorkloadResult
+    from kapitsa.tui.screens import bench as bench_screen
+
+    release = asyncio.Event()
+
+    async def two_then_wait(target, config, *, on_progress, on_result):
+        for index, (name, rate) in enumerate([("decode_short", 12.5), ("decode_long", 9.214)]):
+            on_progress(name, index, 7)
+            on_result(WorkloadResult(name, metrics={"decode_tok_s": rate}), index, 7)
+        on_progress("prefill", 2, 7)
+        await release.wait()
+        return EngineResult(name="kapitsa", kind="http", model="4b")
+
+    monkeypatch.setattr(bench_screen, "run_bench", two_then_wait)
+    app = make_app()
+    async with app.run_test(size=(80, 24), message_hook=messages.append) as pilot:
+        await settle(pilot)
+        await pilot.press("s")
+        await wait_until(pilot, lambda: pilot.app.engine_status == "running")
+        await pilot.press("3", "r")
+        status = app.screen.query_one("#bench-status")
+        await wait_until(pilot, lambda: "3/7: prefill" in str(status.render()))
+        table = app.screen.query_one(BenchTable)
+        assert [str(c) for c in table.get_row_at(0)][1:] == ["12.5"]
+        assert [str(c) for c in table.get_row_at(1)][1:] == ["9.2"]
+        assert [str(c) for c in table.get_row_at(2)][1:] == ["-"]
+        assert re.search(r"ETA \d+s", str(status.render()))
+        release.set()
+        await wait_until(pilot, lambda: bool(of_type(messages, BenchFinished)))

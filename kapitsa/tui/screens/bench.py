@@ -10,12 +10,20 @@ from textual.widgets import Footer, Header, Static
 
 from kapitsa.bench.command import QUICK_CONFIG
 from kapitsa.bench.machine import machine_info
-from kapitsa.bench.runner import run_bench
-from kapitsa.bench.schema import BenchReport
+from kapitsa.bench.progress import EtaClock, format_eta
+from kapitsa.bench.runner import WORKLOAD_NAMES, run_bench
+from kapitsa.bench.schema import BenchReport, EngineResult
 from kapitsa.bench.submit import report_json, resolve_results_url, save_report, submit_report
 from kapitsa.bench.targets import HttpTarget
 from kapitsa.bench.workloads import BenchConfig
-from kapitsa.tui.messages import BenchFailed, BenchFinished, BenchProgressed, SubmitFailed, SubmitFinished
+from kapitsa.tui.messages import (
+    BenchFailed,
+    BenchFinished,
+    BenchProgressed,
+    BenchWorkloadDone,
+    SubmitFailed,
+    SubmitFinished,
+)
 from kapitsa.tui.screens.confirm_submit import ConfirmSubmitModal
 from kapitsa.tui.widgets.bench_table import BenchTable
 
@@ -32,6 +40,8 @@ class BenchScreen(Screen):
         self.report: BenchReport | None = None
         self.report_path = None
         self.running = False
+        self.partial: BenchReport | None = None  # the rows so far, while a bench runs
+        self.clock = EtaClock(len(WORKLOAD_NAMES))
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -54,6 +64,10 @@ class BenchScreen(Screen):
             self.notify("a bench is already running")
             return
         self.running = True
+        self.clock = EtaClock(len(WORKLOAD_NAMES))
+        engine = EngineResult(name="kapitsa", kind="http", model=handle.model, url=f"{handle.url}/v1")
+        self.partial = BenchReport(machine={}, config={}, engines=[engine])  # rows only, not kept
+        self.query_one(BenchTable).show(self.partial)
         self.set_status(f"benching {handle.model} at {handle.url}/v1 …")
         self.run_bench_worker(handle.url, handle.client.stats, QUICK_CONFIG if quick else BenchConfig())
 
@@ -63,7 +77,10 @@ class BenchScreen(Screen):
         try:
             await target.prepare()
             result = await run_bench(
-                target, config, on_progress=lambda name, i, n: self.post_message(BenchProgressed(name, i, n))
+                target,
+                config,
+                on_progress=lambda name, i, n: self.post_message(BenchProgressed(name, i, n)),
+                on_result=lambda done, i, n: self.post_message(BenchWorkloadDone(done, i, n)),
             )
             report = BenchReport(machine=machine_info(), config=config.to_dict(), engines=[result])
             self.post_message(BenchFinished(report, save_report(report)))
@@ -73,10 +90,19 @@ class BenchScreen(Screen):
             await target.aclose()
 
     def on_bench_progressed(self, message: BenchProgressed) -> None:
-        self.set_status(f"running {message.index + 1}/{message.total}: {message.workload}")
+        self.clock.start()
+        eta = format_eta(self.clock.eta_s())
+        self.set_status(f"running {message.index + 1}/{message.total}: {message.workload}  ·  {eta}")
+
+    def on_bench_workload_done(self, message: BenchWorkloadDone) -> None:
+        """Fill the finished workload's rows now, not at the end."""
+        self.clock.step_done()
+        if self.partial is not None:
+            self.partial.engines[0].workloads.append(message.result)
+            self.query_one(BenchTable).show(self.partial)
 
     def on_bench_finished(self, message: BenchFinished) -> None:
-        self.running = False
+        self.running, self.partial = False, None
         self.report, self.report_path = message.report, message.path
         self.query_one(BenchTable).show(message.report)
         failed = [w for e in message.report.engines for w in e.workloads if w.status == "error"]
@@ -86,7 +112,7 @@ class BenchScreen(Screen):
             self.set_status(f"saved {message.path}  ·  u submits")
 
     def on_bench_failed(self, message: BenchFailed) -> None:
-        self.running = False
+        self.running, self.partial = False, None
         self.set_status("bench failed")
         self.app.show_error("Bench failed", message.error)
 
