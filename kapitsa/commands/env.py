@@ -7,6 +7,7 @@ from kapitsa.settings import load_settings
 
 
 def cmd_env(shell: str | None) -> None:
+    from kapitsa.server_state import running_server
     from kapitsa.shell_env import env_lines
     from kapitsa.token import get_token
 
@@ -14,4 +15,8 @@ def cmd_env(shell: str | None) -> None:
     token = get_token(settings.state_dir)
     if token.warning:
         note(f"warning: {token.warning}")
-    print(env_lines(f"http://{settings.host}:{settings.port}", token.token, shell).text)
+    server = running_server(
+        settings.state_dir
+    )  # the port a running server really got, else the configured one
+    url = server.url if server is not None else f"http://{settings.host}:{settings.port}"
+    print(env_lines(url, token.token, shell).text)

@@ -49,4 +49,17 @@ def cmd_serve(
         settings.model, speculative=settings.speculative, draft=draft, draft_tokens=draft_tokens, tree=tree
     )
     with contextlib.closing(engine) as client:
-        serve_forever(client, settings)
+        _serve_recorded(client, settings)
+
+
+def _serve_recorded(client: object, settings: ServerSettings) -> None:
+    """Serve, with `server.json` naming the port while it runs (what `kapitsa env` prints)."""
+    from kapitsa.server_state import forget_server, record_server
+    from kapitsa.settings import load_settings
+
+    state_dir = load_settings().state_dir
+    record_server(state_dir, host=settings.host, port=settings.port)
+    try:
+        serve_forever(client, settings)  # type: ignore[arg-type]
+    finally:
+        forget_server(state_dir)

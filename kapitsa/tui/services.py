@@ -55,6 +55,7 @@ class EngineHandle:
     api_key: str | None = None  # the server's token (KAPITSA_API_KEY), when one is set
     server: Any = None  # uvicorn.Server
     thread: threading.Thread | None = None
+    state_dir: Path | None = None  # where server.json records the port (`kapitsa env` reads it)
     _stopped: bool = field(default=False, repr=False)
 
     def stop(self) -> None:
@@ -66,6 +67,10 @@ class EngineHandle:
             self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout=30)
+        if self.state_dir is not None:
+            from kapitsa.server_state import forget_server
+
+            forget_server(self.state_dir)
         close = getattr(self.client, "close", None)
         if callable(close):
             close()
@@ -150,8 +155,12 @@ class TuiServices:
         except BaseException:
             EngineHandle(ref, client, "").stop()
             raise
+        from kapitsa.server_state import record_server
+
+        state_dir = Path(self.settings.state_dir)
+        record_server(state_dir, host=settings.host, port=settings.port)
         return EngineHandle(
-            ref, client, f"http://127.0.0.1:{settings.port}", settings.api_key, server, thread
+            ref, client, f"http://127.0.0.1:{settings.port}", settings.api_key, server, thread, state_dir
         )
 
     def env_lines(self, handle: EngineHandle) -> list[str]:

@@ -60,3 +60,13 @@ def test_missing_pieces_say_what_is_missing() -> None:
     missing = pytest.raises(Unavailable, match="the in-process engine is not available in this build")
     with missing, needs("the in-process engine"):
         import kapitsa.engine.not_a_module  # noqa: F401
+
+
+def test_the_started_server_is_recorded_for_kapitsa_env(running) -> None:
+    from kapitsa.server_state import running_server
+
+    services, handle = running
+    record = running_server(services.settings.state_dir)
+    assert record is not None and record.url == handle.url
+    handle.stop()
+    assert running_server(services.settings.state_dir) is None
