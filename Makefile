@@ -1,7 +1,7 @@
 # Developer shortcuts. The test command itself is `bash scripts/test.sh` (what CI runs).
 PY := .venv/bin/python
 
-.PHONY: test check lock
+.PHONY: test check lock formula dist
 
 test:
 	bash scripts/test.sh
@@ -16,3 +16,11 @@ check:
 lock:
 	.venv/bin/uv lock
 	$(PY) tools/gen_formula.py
+
+# After changing what the sdist holds (kapitsa/, metal/, README.md, pyproject.toml): re-pin the formula's sha256.
+formula:
+	$(PY) tools/gen_formula.py
+
+# The release artifacts, reproducibly: dist/kapitsa-X.Y.Z.tar.gz (uploaded to PyPI) and its wheel.
+dist:
+	$(PY) tools/build_dist.py dist
