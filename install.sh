@@ -5,7 +5,8 @@
 #   sh install.sh --from PATH      install the checkout at PATH
 #   sh install.sh --package SPEC   install the published package (SPEC: kapitsa, kapitsa==0.2.0, ...)
 #   sh install.sh --cuda           Linux only: add MLX's CUDA build (the `cuda` extra)
-#   sh install.sh --uninstall      remove the environment and the command link (settings and models stay)
+#   sh install.sh --uninstall      remove the environment and the command link (settings, state and models stay)
+#   sh install.sh --purge          --uninstall, and also remove kapitsa's state folder (logs, prefix cache)
 #
 # Where things go (override with environment variables):
 #   KAPITSA_HOME     ~/.kapitsa         the environment lives in $KAPITSA_HOME/venv
@@ -26,7 +27,7 @@ die() { printf '%s\n' "kapitsa-install: error: $*" >&2; exit 1; }
 usage() {
   cat <<'USAGE'
 usage: sh install.sh [--from PATH | --package SPEC] [--cuda]
-       sh install.sh --uninstall
+       sh install.sh --uninstall | --purge
 From a clone it installs that checkout; elsewhere the published package `kapitsa`.
 Environment: KAPITSA_HOME (~/.kapitsa), KAPITSA_BIN_DIR (~/.local/bin), KAPITSA_PYTHON (>= 3.11).
 USAGE
@@ -131,18 +132,40 @@ uninstall() {
   rmdir "$KAPITSA_HOME" 2>/dev/null || true
   [ "$removed" = yes ] || say "nothing to uninstall in $KAPITSA_HOME"
   [ -d "$KAPITSA_HOME" ] && say "kept $KAPITSA_HOME (your settings); downloaded models stay in the Hugging Face cache"
+  report_state
   return 0
+}
+
+# kapitsa's state folder (server logs, the prefix cache, the token fallback), as kapitsa/settings.py finds it.
+state_dir() {
+  if [ -n "${KAPITSA_STATE_DIR:-}" ]; then printf '%s\n' "$KAPITSA_STATE_DIR"
+  elif [ "$(uname -s)" = Darwin ]; then printf '%s\n' "$HOME/Library/Application Support/kapitsa"
+  else printf '%s\n' "${XDG_STATE_HOME:-$HOME/.local/state}/kapitsa"; fi
+}
+
+# Says what the state folder holds and whether it stays; --purge removes it.
+report_state() {
+  state=$(state_dir)
+  [ -d "$state" ] || return 0
+  size=$(du -sh "$state" 2>/dev/null | cut -f1)
+  if [ "$purge" = yes ]; then
+    rm -rf "$state"
+    say "removed $state ($size: logs, prefix cache, token fallback)"
+  else
+    say "kept $state ($size: logs, prefix cache, token fallback); remove it too with: sh install.sh --purge"
+  fi
 }
 
 # Sets action, source_dir, package and extra from the command line.
 parse_args() {
-  action=install source_dir="" package="" extra=""
+  action=install source_dir="" package="" extra="" purge=no
   while [ $# -gt 0 ]; do
     case "$1" in
       --from) [ $# -ge 2 ] || die "--from needs a path"; source_dir=$2; shift 2 ;;
       --package) [ $# -ge 2 ] || die "--package needs a requirement, e.g. kapitsa==0.1.0"; package=$2; shift 2 ;;
       --cuda) extra="[cuda]"; shift ;;
       --uninstall) action=uninstall; shift ;;
+      --purge) action=uninstall; purge=yes; shift ;;
       -h|--help) usage; exit 0 ;;
       *) die "unknown option: $1 (see --help)" ;;
     esac

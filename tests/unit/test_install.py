@@ -254,3 +254,21 @@ def test_what_gets_installed(tmp_path: Path, args: list[str], requirement: str) 
     assert result.returncode != 0
     install_call = (tools / "calls").read_text().splitlines()[-1]
     assert install_call.startswith("pip install ") and install_call.endswith(f" {requirement}")
+
+
+def test_uninstall_says_what_it_leaves_and_purge_removes_it(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    env = _env(home)
+    state = home / (
+        "Library/Application Support/kapitsa" if sys.platform == "darwin" else ".local/state/kapitsa"
+    )
+    (state / "prefix-cache").mkdir(parents=True)
+    (state / "prefix-cache/block").write_bytes(b"x" * 200_000)
+    kept = _install(env, "--uninstall")
+    assert kept.returncode == 0, kept.stderr
+    assert f"kept {state} (" in kept.stdout and "--purge" in kept.stdout
+    assert "K" in kept.stdout.split(f"kept {state} (")[1].split(":")[0]  # its size, as du -h gives it
+    assert state.exists()
+    purged = _install(env, "--purge")
+    assert purged.returncode == 0, purged.stderr
+    assert f"removed {state}" in purged.stdout and not state.exists()
