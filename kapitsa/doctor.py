@@ -221,7 +221,7 @@ def build_report(hardware: HardwareProfile, catalog: Catalog, *, num_checkpoints
     return DoctorReport(
         hardware=hardware,
         models=fits,
-        recommended=_recommend(catalog, fits),
+        recommended=_recommend(catalog, fits, backend=hardware.backend),
         warnings=tuple(_warnings(hardware, fits)),
     )
 
@@ -285,9 +285,19 @@ def _package_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int)
     )
 
 
-def _recommend(catalog: Catalog, fits: tuple[ModelFit, ...]) -> str | None:
-    """The most capable model whose default quant fits comfortably; else the most capable that fits at all."""
+CPU_MAX_WEIGHTS_BYTES = 5 * 10**9
+"""Largest weights recommended without a GPU: CPU decode reads every weight per token from RAM, so a 27B
+model (~15 GB at 4-bit) decodes at well under a token a second there; a 4B model stays usable."""
+
+
+def _recommend(catalog: Catalog, fits: tuple[ModelFit, ...], *, backend: str = "metal") -> str | None:
+    """The most capable model whose default quant fits comfortably; else the most capable that fits at all.
+
+    Without a GPU (MLX's CPU device) only models up to CPU_MAX_WEIGHTS_BYTES are recommended.
+    """
     ranks = {entry.alias: entry.rank for entry in catalog}
+    if backend in ("cpu", "none"):
+        fits = tuple(f for f in fits if (f.weights_bytes or 0) <= CPU_MAX_WEIGHTS_BYTES)
     for wanted in ("fits", "tight"):
         candidates = [f for f in fits if f.verdict == wanted and f.ref == f.alias]
         if candidates:
@@ -320,7 +330,11 @@ def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...]) -> list[str]:
 
 
 def _size(num_bytes: int | None) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / 1e9:.1f} GB"
+    if num_bytes is None:
+        return "-"
+    if num_bytes < 10**9:  # the packaged demo is a few MB: "0.0 GB" would say it is nothing
+        return f"{max(num_bytes / 1e6, 0.1):.1f} MB"
+    return f"{num_bytes / 1e9:.1f} GB"
 
 
 def _context(tokens: int | None) -> str:

@@ -90,3 +90,22 @@ def test_cli_doctor_json_and_text() -> None:
 def test_recorded_profiles_use_the_metal_working_set(name: str) -> None:
     hw = RECORDED_PROFILES[name]
     assert hw.backend == "metal" and hw.usable_memory_bytes < hw.total_memory_bytes
+
+
+def test_no_big_model_recommended_on_a_cpu_only_machine() -> None:
+    """A 128 GB Linux box with MLX on the CPU: 27B fits in RAM, but decodes far too slowly to recommend."""
+    big_cpu = replace(
+        RECORDED_PROFILES["m5-max-128gb"], backend="cpu", macos_version=None, os_name="Linux", gpu="cpu"
+    )
+    report = build_report(big_cpu, load_catalog())
+    verdicts = {f.ref: f.verdict for f in report.models}
+    assert verdicts["27b"] == "fits"  # the memory verdict itself is unchanged
+    recommended = next(f for f in report.models if f.ref == report.recommended)
+    assert recommended.weights_bytes is not None and recommended.weights_bytes <= 5 * 10**9
+    assert build_report(RECORDED_PROFILES["m5-max-128gb"], load_catalog()).recommended != report.recommended
+
+
+def test_the_demo_size_is_not_zero_gb() -> None:
+    text = render_report(build_report(RECORDED_PROFILES["m1-pro-16gb"], load_catalog()))
+    demo_line = next(line for line in text.splitlines() if line.lstrip().startswith("demo"))
+    assert "0.0 GB" not in demo_line and " MB" in demo_line
