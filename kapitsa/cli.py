@@ -188,6 +188,13 @@ def remove_model(model: Annotated[str, typer.Argument(help="Catalog alias or HF 
 
 @app.command()
 def bench(
+    words: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="compare URL",
+            help="`compare URL [URL...]`: bench the local engine (or --no-local) against each OpenAI-compatible URL.",
+        ),
+    ] = None,
     model: ModelOpt = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     submit: Annotated[
@@ -206,16 +213,19 @@ def bench(
         str | None, typer.Option("--results-url", help="Where --submit posts (or KAPITSA_BENCH_RESULTS_URL).")
     ] = None,
 ) -> None:
-    """Measure decode/prefill speed, cache hits and concurrency on this machine."""
+    """Measure decode/prefill speed, cache hits and concurrency; `bench compare URL...` sets it beside other servers."""
     from kapitsa.commands.bench import cmd_bench
 
-    if not local and not compare:
-        raise typer.BadParameter("--no-local needs at least one --compare URL")
+    if words and (words[0] != "compare" or len(words) < 2):
+        raise typer.BadParameter("expected `kapitsa bench compare URL [URL...]`", param_hint="compare")
+    urls = [*(compare or []), *(words or [])[1:]]
+    if not local and not urls:
+        raise typer.BadParameter("--no-local needs at least one URL: `bench compare URL` or --compare URL")
     cmd_bench(
         model=model,
         json_out=json_out,
         submit=submit,
-        compare=compare,
+        compare=urls,
         local=local,
         quick=quick,
         speculative=speculative,

@@ -64,7 +64,8 @@ class BenchProgress:
         if self._bar:
             self._bar.update(f"{engine_name}: {workload}", eta)
         else:
-            self._print(f"[{engine_name}] {index + 1}/{total} {workload} · overall {position} · {eta}")
+            overall = f" · overall {position}" if self.clock.total_steps != total else ""
+            self._print(f"[{engine_name}] {index + 1}/{total} {workload}{overall} · {eta}")
 
     def finished(self, engine_name: str, result: WorkloadResult) -> None:
         self.clock.step_done()

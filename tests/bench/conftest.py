@@ -88,15 +88,37 @@ def mlx_lm_server(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         log.close()
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 90.0, path: str = "/health") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"mlx_lm.server exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args[2:4]} exited with {proc.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=1.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError("mlx_lm.server did not become healthy")
+    raise RuntimeError(f"{proc.args[2:4]} did not become healthy")
+
+
+@pytest.fixture(scope="session")
+def kapitsa_server(tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second `kapitsa serve` on loopback serving the tiny checkpoint; yields its base URL."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "KAPITSA_CACHE_DIR": str(tmp_path_factory.mktemp("kapitsa-cache")),
+        "KAPITSA_STATE_DIR": str(tmp_path_factory.mktemp("kapitsa-state")),
+    }
+    log = (tmp_path_factory.mktemp("kapitsa-serve") / "server.log").open("w")
+    command = [sys.executable, "-m", "kapitsa", "serve", "--model", str(tiny_qwen_dir), "--port", str(port)]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, path="/v1/models")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()

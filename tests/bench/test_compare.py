@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -113,3 +114,23 @@ def test_cli_kapitsa_and_mlx_lm_side_by_side(mlx_lm_server: str, tiny_qwen_dir) 
     assert "kapitsa (tiny-qwen3_5)" in header and f"{mlx_lm_server}/v1" in header
     hit_row = next(line for line in result.stdout.splitlines() if line.startswith("agent replay cache hit %"))
     assert "n/a" not in hit_row and "error" not in hit_row
+
+
+def test_cli_bench_compare_a_second_kapitsa_serve_and_mlx_lm(kapitsa_server: str, mlx_lm_server: str) -> None:
+    """`kapitsa bench compare URL URL --no-local`: one column per server, each workload's figures as it lands."""
+    args = ["bench", "compare", kapitsa_server, mlx_lm_server, "--no-local", "--quick"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert f"{kapitsa_server}/v1" in lines[2] and f"{mlx_lm_server}/v1" in lines[2]
+    decode_row = next(line for line in lines if line.startswith("decode tok/s (short prompt)"))
+    assert len(re.findall(r"\b\d+\.\d\b", decode_row)) == 2, decode_row  # a figure per server, 1 decimal
+    assert "error" not in result.stdout
+    assert re.search(rf"\[{re.escape(kapitsa_server)}/v1\] decode_short: decode_tok_s=\d", result.stderr)
+    assert "overall 14/14" in result.stderr and re.search(r"ETA \d+s", result.stderr)
+
+
+def test_cli_bench_words_other_than_compare_are_refused() -> None:
+    for args in (["bench", "frobnicate"], ["bench", "compare"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "bench compare URL" in result.output, result.output
