@@ -6,7 +6,7 @@ class Kapitsa < Formula
   desc "Local LLM engine and coding-agent launcher for Apple silicon"
   homepage "https://pypi.org/project/kapitsa/"
   url "https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-0.1.0.tar.gz"
-  sha256 "9823b0905e4f483828c009072bceba930562ab71f478c7cfcac3af84182ed350"
+  sha256 "ffce849a7b2a8d128b5cd2d6e16b53e64d85f1c42a69c3c12da6c20fb3c3eb78"
   license "Apache-2.0"
 
   depends_on "rust" => :build

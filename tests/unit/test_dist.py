@@ -74,9 +74,12 @@ def test_sdist_holds_the_build_inputs_and_rebuilds_byte_for_byte(
     with tarfile.open(dist["sdist"]) as sdist:
         top = {Path(name).parts[1] for name in sdist.getnames() if len(Path(name).parts) > 1}
     assert top == {".gitignore", "PKG-INFO", "README.md", "pyproject.toml", "kapitsa", "metal"}
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")  # an inherited value must not change the bytes
-    again = build_dist.build(tmp_path, wheel=False)["sdist"]
-    assert again.read_bytes() == dist["sdist"].read_bytes()
+    # Two builds back to back (not against the session's, which a concurrent edit of the tree may predate);
+    # an inherited SOURCE_DATE_EPOCH must not change the bytes.
+    first = build_dist.build(tmp_path / "a", wheel=False)["sdist"]
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    second = build_dist.build(tmp_path / "b", wheel=False)["sdist"]
+    assert first.read_bytes() == second.read_bytes()
 
 
 def test_formula_pins_the_sdist_built_from_this_tree(dist: dict[str, Path]) -> None:
