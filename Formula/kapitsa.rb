@@ -6,7 +6,7 @@ class Kapitsa < Formula
   desc "Local LLM engine and coding-agent launcher for Apple silicon"
   homepage "https://pypi.org/project/kapitsa/"
   url "https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-0.1.0.tar.gz"
-  sha256 "ffce849a7b2a8d128b5cd2d6e16b53e64d85f1c42a69c3c12da6c20fb3c3eb78"
+  sha256 "e7ef470c08cb918969dc6b3967a1bdce981e11afa8e5166a85a9274a6523f9d8"
   license "Apache-2.0"
 
   depends_on "rust" => :build

@@ -33,6 +33,7 @@ def _load_tool(name: str):
 
 
 build_dist = _load_tool("build_dist")
+gen_formula = _load_tool("gen_formula")
 
 
 @pytest.fixture(scope="session")
@@ -82,16 +83,20 @@ def test_sdist_holds_the_build_inputs_and_rebuilds_byte_for_byte(
     assert first.read_bytes() == second.read_bytes()
 
 
-def test_formula_pins_the_sdist_built_from_this_tree(dist: dict[str, Path]) -> None:
-    text = (ROOT / "Formula" / "kapitsa.rb").read_text()
-    match = re.search(r'^  url "([^"]+)"\n  sha256 "([0-9a-f]{64})"$', text, re.M)
-    assert match, "Formula/kapitsa.rb has no top-level url and sha256"
+def test_formula_generated_from_the_built_sdist_pins_its_checksum(dist: dict[str, Path]) -> None:
+    """What `make formula` writes at release: this version's PyPI sdist URL and the built sdist's sha256;
+    the committed formula differs from it at most in that checksum (pinned at the last release)."""
     version = build_dist.version()
+    built = hashlib.sha256(dist["sdist"].read_bytes()).hexdigest()
+    generated = gen_formula.render(gen_formula.load_lock(), version=version, sha256=built)
+    match = re.search(r'^  url "([^"]+)"\n  sha256 "([0-9a-f]{64})"$', generated, re.M)
+    assert match and match.group(2) == built
     assert (
         match.group(1) == f"https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-{version}.tar.gz"
     )
-    built = hashlib.sha256(dist["sdist"].read_bytes()).hexdigest()
-    assert match.group(2) == built, "the sdist changed: run `make formula` and commit Formula/kapitsa.rb"
+    committed = (ROOT / "Formula" / "kapitsa.rb").read_text()
+    pinned = gen_formula._pinned_sha256(committed)
+    assert committed == generated.replace(built, pinned), "run `make formula` and commit Formula/kapitsa.rb"
 
 
 def _fresh_venv(where: Path) -> Path:
