@@ -22,6 +22,7 @@ from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.prefix import PrefixCache
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.batch import DecodeBatch, can_pipeline
+from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.runner.memory import MemoryBudget, device_memory_limit, periodic_checkpoint_interval
 from kapitsa.engine.runner.model_runner import ModelRunner
@@ -254,20 +255,8 @@ class Engine:
                 self._join_batch(choice)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
-        """The other choices of an n > 1 request start where its one prefill ended, each on its own copy of
-        the cache (arrays shared until written) and with its share of the memory reserved for all."""
-        forks, seq.forks = seq.forks, []
-        share = seq.reserved_bytes // (1 + len(forks))
+        forks = fork_choices(seq)
         for child in forks:
-            child.sampler = SequenceSampler(
-                child.request.sampling, child.prompt_ids, eos_ids=child.eos_ids, constraint=child.constraint
-            )
-            child.cache = seq.cache.select([0])
-            child.reserved_bytes, seq.reserved_bytes = share, seq.reserved_bytes - share
-            child.num_processed, child.num_cached_tokens = seq.num_processed, seq.num_cached_tokens
-            child.num_checkpointed_tokens = seq.num_checkpointed_tokens
-            child.prefill_started, child.prefill_done_at = seq.prefill_started, seq.prefill_done_at
-            child.last_checkpoint_pos = seq.last_checkpoint_pos
             self.scheduler.add_fork(child)
         return forks
 
