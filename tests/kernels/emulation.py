@@ -11,7 +11,7 @@ import subprocess
 import mlx.core as mx
 import numpy as np
 
-from kapitsa.engine.kernels.cuda import cuda_type
+from kapitsa.engine.kernels.cuda import cuda_type, template_constants
 from kapitsa.engine.kernels.metal import read_source
 
 # Host C++ around the kernel body: one std::thread per CUDA thread, blocks one after another,
@@ -105,14 +105,7 @@ def metal_translation(kernel, input_dtypes, output_dtypes, template) -> tuple[st
     header, body = re.sub(strip, "", header), re.sub(strip, "", body)
     params = [f"const {cuda_type(d)}* {n}" for n, d in zip(kernel.input_names, input_dtypes, strict=True)]
     params += [f"{cuda_type(d)}* {n}" for n, d in zip(kernel.output_names, output_dtypes, strict=True)]
-    consts = []
-    for name, value in template:
-        if isinstance(value, bool):
-            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            consts.append(f"  constexpr int {name} = {value};")
-        else:
-            consts.append(f"  using {name} = {cuda_type(value)};")
+    consts = [f"  {line}" for line in template_constants(template)]
     fn = "void emu_metal_kernel(" + ", ".join(params) + ") {\n" + "\n".join(consts) + body + "\n}\n"
     return header + fn, "emu_metal_kernel"
 

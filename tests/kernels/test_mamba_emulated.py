@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kapitsa.engine.kernels import mamba as mk
+from kapitsa.engine.kernels.cuda import template_constants
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from tests.kernels.test_mamba_kernel import INF, _ragged, assert_matches, make_inputs
@@ -178,14 +179,7 @@ def _emulated_function(name, source, names, dtypes, template, types) -> str:
     in_dtypes, out_dtypes = dtypes
     params = [f"const {types[d]}* {n}" for n, d in zip(inputs, in_dtypes, strict=True)]
     params += [f"{types[d]}* {n}" for n, d in zip(outputs, out_dtypes, strict=True)]
-    consts = []
-    for key, value in template:
-        if isinstance(value, bool):
-            consts.append(f"constexpr bool {key} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            consts.append(f"constexpr int {key} = {value};")
-        else:
-            consts.append(f"using {key} = {types[value]};")
+    consts = template_constants(template, types.__getitem__)
     return f"void {name}({', '.join(params)}) {{\n" + "\n".join(consts) + source + "}\n"
 
 

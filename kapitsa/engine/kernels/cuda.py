@@ -48,6 +48,20 @@ def cuda_type(dtype: mx.Dtype) -> str:
     return _CUDA_TYPES[dtype]
 
 
+def template_constants(template: Sequence[tuple[str, TemplateValue]], type_name=cuda_type) -> list[str]:
+    """A kernel's template arguments as the constants MLX's instantiation binds them to: bools and
+    ints as `constexpr`, dtypes as type aliases (`type_name` spells a dtype for the target)."""
+    lines = []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"constexpr int {name} = {value};")
+        else:
+            lines.append(f"using {name} = {type_name(value)};")
+    return lines
+
+
 def compact_source(text: str) -> str:
     """The same CUDA text without `//` comments, indentation and blank lines; line breaks stay
     (preprocessor lines end at them). A `//` inside a string literal (inline asm) is kept."""
@@ -129,14 +143,7 @@ class CudaKernel:
             f"    const {cuda_type(d)}* {n}" for n, d in zip(self.input_names, input_dtypes, strict=True)
         ]
         params += [f"    {cuda_type(d)}* {n}" for n, d in zip(self.output_names, output_dtypes, strict=True)]
-        consts = []
-        for name, value in template:
-            if isinstance(value, bool):
-                consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-            elif isinstance(value, int):
-                consts.append(f"  constexpr int {name} = {value};")
-            else:
-                consts.append(f"  using {name} = {cuda_type(value)};")
+        consts = [f"  {line}" for line in template_constants(template)]
         return (
             '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
             "#define inf cuda::std::numeric_limits<float>::infinity()\n"
