@@ -345,7 +345,7 @@ def render(lock: dict, *, version: str, sha256: str) -> str:
     )
 
 
-def _pinned_sha256(formula: str) -> str | None:
+def pinned_sha256(formula: str) -> str | None:
     """The top-level (the package's own) sha256 of a formula's text, or None."""
     match = re.search(r'^  sha256 "([0-9a-f]{64})"$', formula, re.M)
     return match.group(1) if match else None
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         current = FORMULA.read_text() if FORMULA.exists() else ""
         # --check holds everything but the sdist's checksum to the tree: that one is pinned at
         # release (`make formula`), so everyday commits need not re-pin it.
-        pinned = _pinned_sha256(current) if args.check and args.sdist is None else None
+        pinned = pinned_sha256(current) if args.check and args.sdist is None else None
         sha256 = pinned or sdist_sha256(version, args.sdist)
         text = render(load_lock(), version=version, sha256=sha256)
     except FormulaError as err:

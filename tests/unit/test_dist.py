@@ -95,7 +95,7 @@ def test_formula_generated_from_the_built_sdist_pins_its_checksum(dist: dict[str
         match.group(1) == f"https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-{version}.tar.gz"
     )
     committed = (ROOT / "Formula" / "kapitsa.rb").read_text()
-    pinned = gen_formula._pinned_sha256(committed)
+    pinned = gen_formula.pinned_sha256(committed)
     assert committed == generated.replace(built, pinned), "run `make formula` and commit Formula/kapitsa.rb"
 
 
