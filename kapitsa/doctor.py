@@ -1,7 +1,8 @@
 """`kapitsa doctor`: what this machine has, and which catalog models fit in it with how much context.
 
-`probe_hardware()` reads the machine; `build_report(hardware, catalog)` is pure, so the TUI and the
-tests can run it on recorded profiles (`RECORDED_PROFILES`).
+`probe_hardware()` reads the machine (its memory budget comes from `kapitsa.memory_probe`);
+`build_report(hardware, catalog)` is pure, so the TUI and the tests can run it on recorded profiles
+(`RECORDED_PROFILES`). `kapitsa.doctor_render` turns a report into text or rich tables.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kapitsa import memory_estimate
+from kapitsa import memory_estimate, memory_probe
 from kapitsa.catalog import (
     Catalog,
     CatalogEntry,
@@ -24,6 +25,7 @@ from kapitsa.catalog import (
     weight_bytes_on_disk,
 )
 from kapitsa.errors import KapitsaError
+from kapitsa.units import format_bytes
 
 GiB = 1 << 30
 MIN_MACOS = (14, 0)
@@ -37,7 +39,7 @@ class HardwareProfile:
     chip: str  # "Apple M4 Pro", "AMD EPYC"
     is_apple_silicon: bool
     total_memory_bytes: int
-    usable_memory_bytes: int  # what a model may use: Metal's recommended working set on a Mac
+    usable_memory_bytes: int  # the budget verdicts use: Metal's recommended working set on a Mac
     usable_memory_source: str
     backend: Backend
     gpu: str
@@ -45,6 +47,7 @@ class HardwareProfile:
     disk_free_bytes: int
     disk_path: str
     macos_version: tuple[int, ...] | None = None
+    available_now_bytes: int | None = None  # free this minute (reclaimable caches included): warnings only
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,7 +108,7 @@ def probe_hardware(disk_path: Path | None = None) -> HardwareProfile:
     macos = tuple(int(p) for p in platform.mac_ver()[0].split(".") if p) if system == "Darwin" else None
     total = _total_memory_bytes()
     mlx_version, backend, device = _mlx_info()
-    usable, source = _usable_memory(backend, device, total)
+    budget = memory_probe.probe_budget(backend, device, total, system=system)
     path = disk_path or _hf_cache_dir()
     return HardwareProfile(
         os_name=f"macOS {'.'.join(map(str, macos or ()))}"
@@ -115,14 +118,15 @@ def probe_hardware(disk_path: Path | None = None) -> HardwareProfile:
         chip=_chip_name(system, device),
         is_apple_silicon=system == "Darwin" and machine == "arm64",
         total_memory_bytes=total,
-        usable_memory_bytes=usable,
-        usable_memory_source=source,
+        usable_memory_bytes=budget.usable_bytes,
+        usable_memory_source=budget.source,
         backend=backend,
         gpu=_gpu_name(backend, device),
         mlx_version=mlx_version,
         disk_free_bytes=_disk_free(path),
         disk_path=str(path),
         macos_version=macos,
+        available_now_bytes=budget.available_now_bytes,
     )
 
 
@@ -144,27 +148,6 @@ def _mlx_info() -> tuple[str | None, Backend, dict[str, object]]:
         except (RuntimeError, AttributeError):
             continue
     return mx.__version__, backend, device
-
-
-def _usable_memory(backend: Backend, device: dict[str, object], total: int) -> tuple[int, str]:
-    if backend == "metal" and "max_recommended_working_set_size" in device:
-        return int(device["max_recommended_working_set_size"]), "Metal recommended working set"  # type: ignore[call-overload]
-    if backend == "cuda" and "memory_size" in device:
-        return int(device["memory_size"]), "CUDA device memory"  # type: ignore[call-overload]
-    available = _meminfo_bytes("MemAvailable")
-    if available:
-        return available, "system RAM available now (CPU backend)"
-    return total, "system RAM (CPU backend)"
-
-
-def _meminfo_bytes(key: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _total_memory_bytes() -> int:
@@ -218,11 +201,12 @@ def _disk_free(path: Path) -> int:
 def build_report(hardware: HardwareProfile, catalog: Catalog, *, num_checkpoints: int = 4) -> DoctorReport:
     """Per model and quant: fits or not, and the longest context that fits. Pure: no I/O but the demo's folder."""
     fits = tuple(fit for entry in catalog for fit in _entry_fits(entry, hardware, num_checkpoints))
+    recommended = _recommend(catalog, fits, backend=hardware.backend)
     return DoctorReport(
         hardware=hardware,
         models=fits,
-        recommended=_recommend(catalog, fits, backend=hardware.backend),
-        warnings=tuple(_warnings(hardware, fits)),
+        recommended=recommended,
+        warnings=tuple(_warnings(hardware, fits, recommended)),
     )
 
 
@@ -305,7 +289,21 @@ def _recommend(catalog: Catalog, fits: tuple[ModelFit, ...], *, backend: str = "
     return None
 
 
-def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...]) -> list[str]:
+def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...], recommended: str | None) -> list[str]:
+    warnings = _platform_warnings(hw)
+    if not any(f.verdict in ("fits", "tight") and f.alias != "demo" for f in fits):
+        warnings.append("no catalog model fits in this machine's usable memory; only the demo will run")
+    downloadable = [f.weights_bytes for f in fits if f.verdict == "fits" and f.weights_bytes and f.repo_id]
+    smallest_fitting = min(downloadable, default=None)  # the packaged demo needs no download
+    if smallest_fitting is not None and hw.disk_free_bytes < smallest_fitting:
+        warnings.append(
+            f"only {format_bytes(hw.disk_free_bytes)} free at {hw.disk_path}: not enough for any model that fits"
+        )
+    free_now = _free_now_warning(hw, next((f for f in fits if f.ref == recommended), None))
+    return [*warnings, free_now] if free_now else warnings
+
+
+def _platform_warnings(hw: HardwareProfile) -> list[str]:
     warnings: list[str] = []
     if hw.macos_version is None:
         warnings.append(
@@ -318,53 +316,17 @@ def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...]) -> list[str]:
         warnings.append(f"{hw.os_name} is older than macOS 14 (Sonoma), the oldest MLX supports")
     if hw.mlx_version is None:
         warnings.append("MLX is not installed: nothing can run")
-    if not any(f.verdict in ("fits", "tight") and f.alias != "demo" for f in fits):
-        warnings.append("no catalog model fits in this machine's usable memory; only the demo will run")
-    downloadable = [f.weights_bytes for f in fits if f.verdict == "fits" and f.weights_bytes and f.repo_id]
-    smallest_fitting = min(downloadable, default=None)  # the packaged demo needs no download
-    if smallest_fitting is not None and hw.disk_free_bytes < smallest_fitting:
-        warnings.append(
-            f"only {_size(hw.disk_free_bytes)} free at {hw.disk_path}: not enough for any model that fits"
-        )
     return warnings
 
 
-def _size(num_bytes: int | None) -> str:
-    if num_bytes is None:
-        return "-"
-    if num_bytes < 10**9:  # the packaged demo is a few MB: "0.0 GB" would say it is nothing
-        return f"{max(num_bytes / 1e6, 0.1):.1f} MB"
-    return f"{num_bytes / 1e9:.1f} GB"
-
-
-def _context(tokens: int | None) -> str:
-    if not tokens:
-        return "-"
-    return f"{tokens // 1024}K" if tokens >= 1024 else str(tokens)
-
-
-def render_report(report: DoctorReport) -> str:
-    """The human-readable doctor report (the CLI prints it; `--json` prints `to_json_dict()` instead)."""
-    hw = report.hardware
-    lines = [
-        f"Machine    {hw.chip} ({hw.machine}), {hw.os_name}",
-        f"Memory     {_size(hw.total_memory_bytes)} total, {_size(hw.usable_memory_bytes)} usable "
-        f"({hw.usable_memory_source})",
-        f"GPU        {hw.gpu}",
-        f"MLX        {hw.mlx_version or 'not installed'} (backend: {hw.backend})",
-        f"Disk       {_size(hw.disk_free_bytes)} free at {hw.disk_path}",
-        "",
-        f"{'MODEL':<20} {'WEIGHTS':>9} {'MAX CONTEXT':>12}  VERDICT",
-    ]
-    for fit in report.models:
-        approx = "~" if fit.estimated else " "
-        verdict = fit.verdict.replace("_", " ")
-        note = f"  {fit.note}" if fit.verdict == "unavailable" else ""
-        lines.append(
-            f"{fit.ref:<20} {approx}{_size(fit.weights_bytes):>8} {_context(fit.max_context):>12}  {verdict}{note}"
-        )
-    lines += ["", f"Recommended: {report.recommended or 'none fits'}"]
-    lines += [f"warning: {w}" for w in report.warnings]
-    if any(f.estimated for f in report.models):
-        lines.append("(~: layer shapes assumed, not read from the model's config.json)")
-    return "\n".join(lines)
+def _free_now_warning(hw: HardwareProfile, recommended: ModelFit | None) -> str | None:
+    """Memory taken this minute changes no verdict; it only warns when the recommended model cannot load now."""
+    if hw.available_now_bytes is None or recommended is None or not recommended.weights_bytes:
+        return None
+    needed = recommended.weights_bytes + memory_estimate.HEADROOM_BYTES
+    if hw.available_now_bytes >= needed:
+        return None
+    return (
+        f"only {format_bytes(hw.available_now_bytes)} free now; close apps before starting "
+        f"{recommended.ref} (it needs about {format_bytes(needed)}) or it will swap"
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kapitsa.bench.schema import WORKLOAD_METRICS, BenchReport, EngineResult, Metric, WorkloadResult
+from kapitsa.units import format_bytes
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -124,7 +125,7 @@ def _engine_label(engine: EngineResult) -> str:
 
 def machine_line(report: BenchReport) -> str:
     m = report.machine
-    memory = f"{m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "? GiB"
+    memory = format_bytes(m["memory_bytes"]) if m.get("memory_bytes") else "? GB"
     return f"{m.get('chip') or m.get('arch')} · {m.get('cpu_count')} cores · {memory} · {m.get('os')} · mlx {m.get('mlx')} ({m.get('mlx_backend')})"
 
 

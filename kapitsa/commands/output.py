@@ -1,11 +1,14 @@
-"""What the command bodies share for rendering: stderr notes, sizes, JSON on stdout."""
+"""What the command bodies share for rendering: stderr notes, the terminal-or-pipe choice, JSON on stdout."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def note(message: str) -> None:
@@ -13,8 +16,13 @@ def note(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def gigabytes(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:.2f} GB"
+def terminal_console() -> Console | None:
+    """A rich Console on stdout when it is a terminal; None when piped, so scripts get plain text."""
+    if not sys.stdout.isatty():
+        return None
+    from rich.console import Console
+
+    return Console()
 
 
 def print_json(data: Any) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kapitsa.catalog import load_catalog
-from kapitsa.commands.output import gigabytes
 from kapitsa.settings import KapitsaSettings, load_settings
+from kapitsa.units import format_bytes
 
 
 def cmd_pull(ref: str) -> None:
@@ -15,13 +15,13 @@ def cmd_pull(ref: str) -> None:
         print(f"{ref} is on disk already: {result.path}")
         return
     fetched = (
-        f"downloaded {gigabytes(result.downloaded_bytes)}"
+        f"downloaded {format_bytes(result.downloaded_bytes)}"
         if result.downloaded_bytes
         else "already downloaded"
     )
     print(
         f"{result.repo_id} @ {result.commit[:12]}: {result.num_files} files, "
-        f"{gigabytes(result.num_bytes)}, verified, {fetched}\n{result.path}"
+        f"{format_bytes(result.num_bytes)}, verified, {fetched}\n{result.path}"
     )
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kapitsa.catalog import load_catalog
-from kapitsa.commands.output import gigabytes
 from kapitsa.settings import load_settings
+from kapitsa.units import format_bytes
 
 
 def cmd_rm(ref: str) -> None:
@@ -12,4 +12,4 @@ def cmd_rm(ref: str) -> None:
 
     settings = load_settings()
     removed = hub.remove(ref, catalog=load_catalog(settings.catalog))
-    print(f"removed {removed.repo_id}, freed {gigabytes(removed.freed_bytes)}")
+    print(f"removed {removed.repo_id}, freed {format_bytes(removed.freed_bytes)}")

@@ -83,7 +83,7 @@ async def test_text_table_has_one_column_per_engine() -> None:
     header = text.splitlines()[2]
     assert "fake" in header and "other" in header
     assert "speculative decoding is off" in text  # skipped workloads explain themselves
-    assert "test · 2 cores · 16 GiB" in text
+    assert "test · 2 cores · 17.2 GB" in text  # 2**34 bytes, in the decimal GB used everywhere
 
 
 class TestSubmit:

@@ -20,8 +20,8 @@ from kapitsa.tui.services import TuiServices
 from kapitsa.tui.widgets.downloads_panel import DownloadsPanel
 from kapitsa.tui.widgets.engine_panel import EnginePanel
 from kapitsa.tui.widgets.env_panel import EnvPanel
-from kapitsa.tui.widgets.formatting import human_context
 from kapitsa.tui.widgets.model_table import ModelTable
+from kapitsa.units import format_context
 
 
 class TestDoctorAndModels:
@@ -38,7 +38,7 @@ class TestDoctorAndModels:
             assert {"fits", "too big"} <= badges
             assert str(table.get_row("35b:bf16")[1]) == "too big"
             for fit in loaded.report.models:  # max context from the memory estimate, in K tokens
-                assert table.get_row(fit.ref)[2] == human_context(fit.max_context)
+                assert table.get_row(fit.ref)[2] == format_context(fit.max_context)
             assert "Apple M4 Pro" in str(app.screen.query_one("#doctor").render())
 
     async def test_moving_the_cursor_changes_the_selected_model(self, make_app) -> None:

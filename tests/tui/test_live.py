@@ -39,8 +39,8 @@ async def test_polled_stats_fill_every_panel(make_app, messages) -> None:
         cache = _text(screen.query_one(CachePanel))
         assert "reused 7500 prompt tokens computed 2500" in cache
         assert "hit rate 75.0%" in cache
-        assert "3 in memory 48.0 MiB 5 on disk 80.0 MiB" in cache
-        assert "memory 3.0 GiB / 36.0 GiB peak 4.0 GiB" in cache
+        assert "3 in memory 50.3 MB 5 on disk 83.9 MB" in cache  # 48 and 80 MiB, in decimal units
+        assert "memory 3.2 GB / 38.7 GB peak 4.3 GB" in cache
         assert "engine running 4b at http://127.0.0.1:" in _text(screen.query_one("#live-status"))
 
 

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from kapitsa.catalog import load_catalog
 from kapitsa.cli import app
-from kapitsa.doctor import RECORDED_PROFILES, build_report, probe_hardware, render_report
+from kapitsa.doctor import RECORDED_PROFILES, build_report, probe_hardware
+from kapitsa.doctor_render import render_report
 
 
 def _verdicts(profile_name: str) -> dict[str, str]:

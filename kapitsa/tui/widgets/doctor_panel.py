@@ -7,7 +7,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
-from kapitsa.tui.widgets.formatting import human_bytes
+from kapitsa.units import format_bytes
 
 
 class DoctorPanel(Static):
@@ -21,7 +21,9 @@ class DoctorPanel(Static):
         hw = report.hardware
         text = Text()
         text.append(f"{hw.chip}\n", style="bold")
-        text.append(f"{human_bytes(hw.usable_memory_bytes)} usable of {human_bytes(hw.total_memory_bytes)}\n")
+        text.append(
+            f"{format_bytes(hw.usable_memory_bytes)} usable of {format_bytes(hw.total_memory_bytes)}\n"
+        )
         text.append(f"{hw.backend} · mlx {hw.mlx_version or 'not installed'}\n")
         text.append("recommended: ")
         text.append(

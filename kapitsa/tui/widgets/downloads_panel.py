@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ProgressBar
 
-from kapitsa.tui.widgets.formatting import human_bytes
+from kapitsa.units import format_bytes
 
 
 class DownloadsPanel(Vertical):
@@ -37,7 +37,7 @@ class DownloadsPanel(Vertical):
             return
         row = rows.first()
         row.query_one(ProgressBar).update(total=max(total, 1), progress=done)
-        row.query_one(".dl-status", Label).update(f"{human_bytes(done)} / {human_bytes(total)}")
+        row.query_one(".dl-status", Label).update(f"{format_bytes(done)} / {format_bytes(total)}")
 
     def finish(self, ref: str, status: str) -> None:
         rows = self.query(f"#{self._row_id(ref)}")

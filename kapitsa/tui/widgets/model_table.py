@@ -8,14 +8,9 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import DataTable
 
-from kapitsa.tui.widgets.formatting import human_bytes, human_context
+from kapitsa.doctor_render import VERDICTS, weights_label
+from kapitsa.units import format_context
 
-BADGES = {
-    "fits": ("fits", "bold green"),
-    "tight": ("tight", "bold yellow"),
-    "too_big": ("too big", "bold red"),
-    "unavailable": ("unavailable", "dim"),
-}
 COLUMNS = ("model", "fit", "max ctx", "weights", "on disk", "name")  # name last: it may be cut at 80 columns
 ON_DISK = COLUMNS.index("on disk")
 
@@ -54,13 +49,12 @@ class ModelTable(DataTable):
 
 
 def _cells(fit: Any, downloaded: bool) -> tuple[object, ...]:
-    label, style = BADGES.get(fit.verdict, (fit.verdict, ""))
-    weights = ("~" if fit.estimated else "") + human_bytes(fit.weights_bytes)
+    label, style = VERDICTS.get(fit.verdict, (fit.verdict, ""))
     return (
         fit.ref,
         Text(label, style=style),
-        human_context(fit.max_context),
-        weights,
+        format_context(fit.max_context),
+        weights_label(fit),
         "yes" if downloaded else "-",
         fit.name,
     )
