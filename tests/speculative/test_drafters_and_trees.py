@@ -1,15 +1,8 @@
 from __future__ import annotations
 
-import numpy as np
-
 from kapitsa.engine.speculative import NGramDrafter
 from kapitsa.engine.speculative.controller import DraftLengthController
-from kapitsa.engine.speculative.tree import (
-    DraftTree,
-    accept_tree_greedy,
-    accept_tree_sampled,
-    build_best_first,
-)
+from kapitsa.engine.speculative.tree import DraftTree, build_best_first
 
 
 def test_ngram_copies_what_followed_the_latest_earlier_match() -> None:
@@ -26,30 +19,14 @@ def test_ngram_copies_what_followed_the_latest_earlier_match() -> None:
     assert d2.propose([5, 6, 7, 1, 9, 5, 6, 7], 2).tokens == (1, 9)
 
 
-def test_tree_preorder_masks_and_greedy_walk() -> None:
+def test_tree_preorder_and_masks() -> None:
     # root(10) -> a(1) -> c(3); root -> b(2)
     tree = DraftTree((10, 1, 3, 2), (-1, 0, 1, 0))
     mask = tree.ancestor_mask()
     assert mask[2].tolist() == [True, True, True, False]
     assert mask[3].tolist() == [True, False, False, True]
     assert tree.depths() == [0, 1, 2, 1]
-    path, res = accept_tree_greedy(tree, [1, 3, 8, 0])
-    assert path == [0, 1, 2] and res.tokens == (1, 3, 8)
-    path, res = accept_tree_greedy(tree, [2, 0, 0, 5])
-    assert path == [0, 3] and res.tokens == (2, 5)
-    path, res = accept_tree_greedy(tree, [7, 0, 0, 0])
-    assert path == [0] and res.tokens == (7,)
-
-
-def test_tree_sampling_first_token_follows_p() -> None:
-    tree = DraftTree((0, 1, 2, 3), (-1, 0, 0, 0))
-    p = np.array([0.1, 0.4, 0.05, 0.25, 0.2])
-    rng = np.random.default_rng(0)
-    counts = np.zeros(5)
-    for _ in range(20000):
-        _, res = accept_tree_sampled(tree, np.tile(p, (4, 1)), rng)
-        counts[res.tokens[0]] += 1
-    assert 0.5 * np.abs(counts / counts.sum() - p).sum() < 0.02
+    assert tree.children(0) == [1, 3] and tree.path_to(2) == [0, 1, 2]
 
 
 def test_best_first_tree_respects_budget_and_order() -> None:

@@ -6,10 +6,9 @@ controller (`controller`). The verify step itself runs the target model over the
 its caches back by replay (kapitsa.engine.cache.hybrid).
 """
 
-from kapitsa.engine.speculative.acceptance import AcceptResult, accept_greedy, accept_sampled
 from kapitsa.engine.speculative.drafter import Draft, Drafter
 from kapitsa.engine.speculative.ngram import NGramDrafter
 
-__all__ = ["AcceptResult", "Draft", "Drafter", "NGramDrafter", "accept_greedy", "accept_sampled"]
+__all__ = ["Draft", "Drafter", "NGramDrafter"]
 
 SPECULATIVE_MODES = ("none", "ngram", "mtp", "draft", "block", "auto")

@@ -1,87 +1,115 @@
-"""Lossless acceptance rules (hybrid-engine.md §5.4).
+"""The engine's lossless acceptance rules (hybrid-engine.md §5.4), for chains and trees.
 
-Greedy keeps the longest draft prefix equal to the target's own argmax, plus the target's next
-token. Sampling is standard speculative sampling: accept draft token d with probability
-min(1, p(d)/q(d)), else sample from the residual norm(max(0, p - q)); a point-mass draft has
-q = one-hot(d), so the rule becomes "accept with probability p(d), else sample p with d removed".
-Either way the emitted tokens are distributed exactly as the target's own samples.
-Inputs are host arrays: the caller moves the k+1 target rows off the device once per step.
+Greedy keeps the longest draft prefix equal to the target's own picks, plus the target's next
+token. Sampling is speculative sampling for point-mass drafts (every drafter proposes its argmax
+or a copied token): accept draft token d with probability p(d), else sample p with d removed; over
+a tree's sibling candidates the same rule runs in turn on the renormalised residual. Either way
+the emitted tokens are distributed exactly as the target's own samples
+(tests/speculative/test_acceptance.py checks the distribution by chi-square).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
+import mlx.core as mx
 import numpy as np
 
-from kapitsa.engine.speculative.drafter import Draft
+from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler, filter_logits
+from kapitsa.engine.speculative.tree import DraftTree
 
 
-@dataclass(slots=True, frozen=True)
-class AcceptResult:
-    num_accepted: int  # draft tokens kept
-    tokens: tuple[int, ...]  # what to commit: the kept drafts, then one token from the target
+def is_plain_greedy(sampler: SequenceSampler) -> bool:
+    return sampler.is_greedy_plain and sampler.params.logprobs is None
 
 
-def accept_greedy(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> AcceptResult:
-    """`target_argmax[i]` is the target's choice after the committed prefix plus `draft_tokens[:i]`
-    (so it has len(draft_tokens) + 1 entries)."""
-    if len(target_argmax) != len(draft_tokens) + 1:
-        raise ValueError("target_argmax needs one entry per draft token plus one")
-    n = 0
-    while n < len(draft_tokens) and int(draft_tokens[n]) == int(target_argmax[n]):
-        n += 1
-    return AcceptResult(n, tuple(int(t) for t in draft_tokens[:n]) + (int(target_argmax[n]),))
+def accept_chain(
+    sampler: SequenceSampler, draft: list[int], rows: mx.array, argmax: list[int] | None = None
+) -> tuple[list[SampledToken], int]:
+    """The tokens to emit for one sequence and how many drafts they keep (`argmax`: the rows'
+    argmax ids, already read back, for bare greedy sampling).
 
-
-def _sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    cdf = np.cumsum(probs, dtype=np.float64)
-    u = rng.random() * cdf[-1]
-    return int(min(np.searchsorted(cdf, u, side="right"), len(probs) - 1))
-
-
-def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    res = np.maximum(p - q, 0.0)
-    total = res.sum()
-    # p == q exactly leaves nothing to correct; any sample from p is then right.
-    return res / total if total > 0 else p
-
-
-def accept_sampled(draft: Draft, target_probs: np.ndarray, rng: np.random.Generator) -> AcceptResult:
-    """`target_probs` is [len(draft)+1, V]: the target's (temperature/top-p shaped) distributions."""
-    k = len(draft)
-    if target_probs.shape[0] != k + 1:
-        raise ValueError("target_probs needs one row per draft token plus one")
-    p_all = np.asarray(target_probs, dtype=np.float64)
-    for i, token in enumerate(draft.tokens):
-        p = p_all[i]
-        if draft.probs is None:
-            q = np.zeros_like(p)
-            q[token] = 1.0
-        else:
-            q = np.asarray(draft.probs[i], dtype=np.float64)
-        if q[token] <= 0 or rng.random() * q[token] >= p[token]:
-            return AcceptResult(i, tuple(draft.tokens[:i]) + (_sample(_residual(p, q), rng),))
-    return AcceptResult(k, tuple(draft.tokens) + (_sample(p_all[k], rng),))
-
-
-def accept_siblings_sampled(
-    candidates: Sequence[int], p: np.ndarray, rng: np.random.Generator
-) -> tuple[int, bool]:
-    """Choose among deterministic sibling drafts at one tree node, exactly distributed as p.
-
-    Sequential decomposition: accept c_i with probability p_res(c_i), else zero it and renormalise;
-    if every candidate is rejected, sample the final residual. Returns (token, was_a_candidate).
+    Positions are taken in order so penalties and logit processors see each position's true
+    prefix (the sampler observes every emitted token before the next position is processed).
     """
-    res = np.asarray(p, dtype=np.float64).copy()
-    res /= res.sum()
-    for token in candidates:
-        if rng.random() < res[token]:
-            return int(token), True
-        res[token] = 0.0
-        total = res.sum()
-        if total <= 0:
-            break
-        res /= total
-    return _sample(res, rng), False
+    if is_plain_greedy(sampler):
+        return _accept_plain_greedy(sampler, draft, rows, argmax)
+    out: list[SampledToken] = []
+    greedy = sampler.params.temperature == 0
+    for i, token in enumerate(draft):
+        row = rows[i]
+        if greedy:
+            pick = sampler.sample(row)
+            out.append(pick)
+            if pick.token_id != token:
+                return out, i
+            continue
+        probs = _target_probs(sampler, row)
+        if _uniform(sampler) < probs[token]:
+            out.append(sampler._finish(row, mx.array(token)))
+            continue
+        residual = probs.copy()
+        residual[token] = 0.0  # a point-mass draft: the residual is p without d, renormalised
+        out.append(sampler._finish(row, mx.array(_draw(residual, _uniform(sampler)))))
+        return out, i
+    out.append(sampler.sample(rows[len(draft)]))
+    return out, len(draft)
+
+
+def _accept_plain_greedy(
+    sampler: SequenceSampler, draft: list[int], rows: mx.array, argmax: list[int] | None = None
+) -> tuple[list[SampledToken], int]:
+    """Bare argmax rows need no per-position processing: one read-back for the whole draft."""
+    if argmax is None:
+        argmax = mx.argmax(rows[: len(draft) + 1], axis=-1).tolist()
+    picks = argmax[: len(draft) + 1]
+    accepted = next((i for i, token in enumerate(draft) if picks[i] != token), len(draft))
+    emitted = picks[: accepted + 1]
+    for token in emitted:
+        sampler.observe(token)
+    return [SampledToken(token, 0.0) for token in emitted], accepted
+
+
+def accept_tree(
+    sampler: SequenceSampler, tree: DraftTree, rows: mx.array
+) -> tuple[list[SampledToken], list[int]]:
+    """Walk the verified tree from the root: greedy follows the child equal to the target's pick;
+    sampling accepts sibling candidates by the sequential residual rule, which samples exactly
+    from the target. Returns the emitted tokens and the kept root path (node indices)."""
+    node, path, out = 0, [0], []
+    greedy = sampler.params.temperature == 0
+    while True:
+        kids = tree.children(node)
+        row = rows[node]
+        if greedy:
+            pick = sampler.sample(row)
+            out.append(pick)
+            nxt = next((c for c in kids if tree.tokens[c] == pick.token_id), None)
+        else:
+            probs = _target_probs(sampler, row)
+            nxt = None
+            for c in kids:
+                token = tree.tokens[c]
+                if _uniform(sampler) * probs.sum() < probs[token]:
+                    nxt = c
+                    break
+                probs[token] = 0.0
+            token = tree.tokens[nxt] if nxt is not None else _draw(probs, _uniform(sampler))
+            out.append(sampler._finish(row, mx.array(token)))
+        if nxt is None:
+            return out, path
+        node = nxt
+        path.append(node)
+
+
+def _target_probs(sampler: SequenceSampler, row: mx.array) -> np.ndarray:
+    p = sampler.params
+    logits = filter_logits(sampler.process(row) / p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+    return np.array(mx.softmax(logits), dtype=np.float64)
+
+
+def _uniform(sampler: SequenceSampler) -> float:
+    return float(mx.random.uniform(key=sampler._next_key()).item())
+
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    cdf = np.cumsum(weights)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(weights) - 1))

@@ -34,8 +34,12 @@ class DraftLengthController:
     decay: float = 0.9  # EWMA weight of history
     margin: float = 0.05  # speculate only if it beats plain decode by this much
     cost: list[float] = field(default_factory=list)  # cost[T-1] = c(T)
-    alphas: list[float] = field(default_factory=list)  # P(accept depth i | accepted depth i-1)
+    # P(accept depth i | accepted depth i-1). Depth counts from where the drafter's current run
+    # of correct tokens began (`from_depth` below): a copy that has held for a few tokens tends to
+    # hold, and that is what deep entries learn; the last entry stands for every deeper one.
+    alphas: list[float] = field(default_factory=list)
     probe_every: int = 16  # when speculation is off, try one short draft every this many tokens
+    prior: float = 0.6  # the acceptance assumed at every depth before any draft was scored
     _off_since: int | None = None  # position (output tokens) where speculation last went off
     _calls: int = 0
 
@@ -45,28 +49,37 @@ class DraftLengthController:
         if len(self.cost) < self.max_draft + 1:
             raise ValueError("cost curve must cover T = 1..max_draft+1")
         if not self.alphas:
-            self.alphas = [0.6] * self.max_draft
+            self.alphas = [self.prior] * self.max_draft
 
-    def expected_tokens(self, k: int) -> float:
+    def _alpha_index(self, depth: int) -> int:
+        return min(depth, len(self.alphas) - 1)
+
+    def expected_tokens(self, k: int, from_depth: int = 0) -> float:
         total, reach = 1.0, 1.0
         for i in range(k):
-            reach *= self.alphas[i]
+            reach *= self.alphas[self._alpha_index(from_depth + i)]
             total += reach
         return total
 
-    def choose(self, position: int | None = None) -> int:
+    def best_length(self, from_depth: int = 0) -> int:
+        """The draft length with the best expected tokens per unit of cost, for a draft that
+        continues a run of `from_depth` correct tokens; 0 when none beats plain decoding by
+        `margin`. No side effects (`choose` also schedules probes)."""
+        best_k, best = 0, (1.0 / self.cost[0]) * (1 + self.margin)
+        for k in range(1, self.max_draft + 1):
+            rate = self.expected_tokens(k, from_depth) / self.cost[k]
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def choose(self, position: int | None = None, from_depth: int = 0) -> int:
         """The draft length to use next; 0 means plain decoding is better right now.
 
         `position` is the sequence's output length (None: count calls instead). While off, one
         1-token probe every `probe_every` positions keeps the acceptance estimate current."""
         self._calls += 1
         position = self._calls if position is None else position
-        base = 1.0 / self.cost[0]
-        best_k, best = 0, base * (1 + self.margin)
-        for k in range(1, self.max_draft + 1):
-            rate = self.expected_tokens(k) / self.cost[k]
-            if rate > best:
-                best_k, best = k, rate
+        best_k = self.best_length(from_depth)
         if best_k > 0:
             self._off_since = None
         elif self._off_since is None:
@@ -81,13 +94,15 @@ class DraftLengthController:
         (which the engine can pipeline)."""
         return self._off_since is not None and position - self._off_since < self.probe_every
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """Fold one verify step in: depths < accepted passed, depth `accepted` failed (if proposed)."""
+    def update(self, proposed: int, accepted: int, from_depth: int = 0) -> None:
+        """Fold one verify step in: depths < accepted passed, depth `accepted` failed (if proposed);
+        `from_depth`: the run of correct tokens the draft continued."""
         for i in range(min(proposed, self.max_draft)):
             if i > accepted:
                 break
             hit = 1.0 if i < accepted else 0.0
-            self.alphas[i] = self.decay * self.alphas[i] + (1 - self.decay) * hit
+            j = self._alpha_index(from_depth + i)
+            self.alphas[j] = self.decay * self.alphas[j] + (1 - self.decay) * hit
 
     def set_cost_curve(self, cost: Sequence[float]) -> None:
         base = cost[0]

@@ -15,14 +15,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.runner.decode import PlainDecode
 from kapitsa.engine.runner.model_runner import ModelRunner
-from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler, filter_logits
+from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.sequence import Sequence
+from kapitsa.engine.speculative.acceptance import accept_chain, accept_tree, is_plain_greedy
 from kapitsa.engine.speculative.controller import (
     DEFAULT_MAX_DRAFT,
     DraftLengthController,
@@ -30,6 +30,7 @@ from kapitsa.engine.speculative.controller import (
     gpu_cost_curve,
 )
 from kapitsa.engine.speculative.drafter import Drafter
+from kapitsa.engine.speculative.shadow import ShadowGuess
 from kapitsa.engine.speculative.tree import DraftTree
 
 # On a GPU every new verify width compiles kernels (templated on their row count) and a trace per
@@ -39,11 +40,21 @@ from kapitsa.engine.speculative.tree import DraftTree
 GPU_VERIFY_WIDTHS = (2, 4, 8, 16)
 
 
+# The acceptance a host drafter's controller assumes before its first guess is scored: on a GPU
+# that is below what pays for a verify (its sequences start with pipelined plain steps and turn
+# speculation on once guesses match), on the CPU's cheaper verifies it still pays. Its estimate
+# also forgets faster: scored guesses come every few tokens, and a copy run after free text (an
+# agent quoting code it read) should turn speculation on within a few guesses.
+HOST_DRAFTER_PRIOR = 0.5
+HOST_DRAFTER_DECAY = 0.8
+
+
 @dataclass
 class _SequenceState:
     seq: Sequence
     drafter: Drafter
     controller: DraftLengthController
+    shadow: ShadowGuess = field(default_factory=ShadowGuess)
 
 
 @dataclass
@@ -98,24 +109,43 @@ class SpeculativeDecode:
         return self.stats.tokens_per_step
 
     def wants_pipeline(self, sequences: Seq[Sequence]) -> bool:
-        """True while every sequence's controller has speculation off with no probe due, and no
-        drafter needs the target's hidden states each step: the engine then runs plain steps
-        pipelined (as without speculation) instead of calling `step`, until a probe is due."""
-        states = [self._states.get(id(seq)) for seq in sequences]
-        return bool(states) and all(
-            st is not None
-            and st.seq is seq
-            and not getattr(st.drafter, "needs_hidden", False)
-            and not getattr(st.drafter, "tap_layers", ())
-            and st.controller.resting(len(seq.output_ids))
-            for st, seq in zip(states, sequences, strict=True)
-        )
+        """True while no sequence would verify a draft now: the engine then runs plain steps
+        pipelined (as without speculation) instead of calling `step`.
+
+        A host drafter (n-gram) keeps guessing meanwhile, and its guesses are scored against the
+        tokens that arrive (shadow.py), so noticing that drafts fail costs no verify and no sync;
+        a sequence verifies once its scored acceptance pays and it has a draft. Other drafters
+        rest between probes; one that needs the target's hidden states never pipelines."""
+        if not sequences:
+            return False
+        self._forget_finished(sequences)
+        return not any(self._would_verify(self._state(seq)) for seq in sequences)
+
+    def _would_verify(self, state: _SequenceState) -> bool:
+        drafter, seq = state.drafter, state.seq
+        if getattr(drafter, "needs_hidden", False) or getattr(drafter, "tap_layers", ()):
+            return True
+        if not getattr(drafter, "drafts_on_host", False):
+            return not state.controller.resting(len(seq.output_ids))
+        context, shadow = seq.token_ids, state.shadow
+        shadow.score(context, state.controller)
+        if seq.max_tokens - len(seq.output_ids) - 1 <= 0:
+            return False
+        if state.controller.best_length(shadow.current_run) > 0:
+            return bool(drafter.propose(context, 1).tokens)
+        if not shadow.live:
+            shadow.start(drafter.propose(context, self.max_draft).tokens, len(context))
+            if not shadow.live:
+                shadow.run = 0  # nothing guessed: the next token breaks any run
+        return False
 
     def step(
         self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]
     ) -> list[list[SampledToken]]:
         self._forget_finished(sequences)
         states = [self._state(seq) for seq in sequences]
+        for state in states:
+            state.shadow.clear()  # this step's verify scores the drafts
         if self.tree and any(hasattr(st.drafter, "propose_tree") for st in states):
             return self._step_tree(runner, cache, states)
         drafts = [self._propose(state) for state in states]
@@ -141,13 +171,14 @@ class SpeculativeDecode:
         picks: list[list[SampledToken]] = []
         drops: list[int] = []
         for b, (state, draft) in enumerate(zip(states, drafts, strict=True)):
-            tokens, accepted = _accept(
+            tokens, accepted = accept_chain(
                 state.seq.sampler, draft, logits[b], None if argmax is None else argmax[b]
             )
             picks.append(tokens)
             drops.append(len(draft) - accepted)
             if proposed[b]:  # padding says nothing about the drafter: it is not counted
-                state.controller.update(proposed[b], min(accepted, proposed[b]))
+                state.controller.update(proposed[b], min(accepted, proposed[b]), _run(state))
+            state.shadow.verified(proposed[b], min(accepted, proposed[b]))
             if normed is not None or taps:
                 kept = accepted + 1
                 state.drafter.after_verify(
@@ -179,11 +210,12 @@ class SpeculativeDecode:
         mx.eval(logits)
         picks, paths = [], []
         for b, (state, tree) in enumerate(zip(states, trees, strict=True)):
-            tokens, path = _accept_tree(state.seq.sampler, tree, logits[b])
+            tokens, path = accept_tree(state.seq.sampler, tree, logits[b])
             picks.append(tokens)
             paths.append(path)
             if len(tree) > 1:
-                state.controller.update(max(tree.depths()), len(path) - 1)
+                state.controller.update(max(tree.depths()), len(path) - 1, _run(state))
+                state.shadow.verified(max(tree.depths()), len(path) - 1)
             if normed is not None or taps:
                 index = mx.array(path, dtype=mx.int32)
                 state.drafter.after_verify(
@@ -198,7 +230,10 @@ class SpeculativeDecode:
     def _propose_tree(self, state: _SequenceState) -> DraftTree:
         seq = state.seq
         room = seq.max_tokens - len(seq.output_ids) - 1
-        budget = min(state.controller.choose(len(seq.output_ids)) if self.adaptive else self.max_draft, room)
+        budget = min(
+            state.controller.choose(len(seq.output_ids), _run(state)) if self.adaptive else self.max_draft,
+            room,
+        )
         propose = getattr(state.drafter, "propose_tree", None)
         if propose is not None:
             return propose(seq.token_ids, max(budget, 0))
@@ -219,8 +254,16 @@ class SpeculativeDecode:
     def _state(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(id(seq))
         if state is None or state.seq is not seq:
+            drafter = self.make_drafter()
             controller = DraftLengthController(max_draft=self.max_draft, cost=self._cost_curve())
-            state = _SequenceState(seq, self.make_drafter(), controller)
+            if getattr(drafter, "drafts_on_host", False):
+                controller = DraftLengthController(
+                    max_draft=self.max_draft,
+                    cost=self._cost_curve(),
+                    prior=HOST_DRAFTER_PRIOR,
+                    decay=HOST_DRAFTER_DECAY,
+                )
+            state = _SequenceState(seq, drafter, controller)
             self._states[id(seq)] = state
         return state
 
@@ -239,7 +282,10 @@ class SpeculativeDecode:
         if not seq.output_ids:
             return []
         room = seq.max_tokens - len(seq.output_ids) - 1  # the target adds one token of its own
-        k = min(state.controller.choose(len(seq.output_ids)) if self.adaptive else self.max_draft, room)
+        depth = _run(state)
+        k = min(
+            state.controller.choose(len(seq.output_ids), depth) if self.adaptive else self.max_draft, room
+        )
         if k <= 0 and not getattr(state.drafter, "needs_hidden", False):
             return []
         if k > 0 and getattr(state.drafter, "extends_free", False):
@@ -274,108 +320,16 @@ class SpeculativeDecode:
         return padded
 
 
-def _plain_greedy(sampler: SequenceSampler) -> bool:
-    return sampler.is_greedy_plain and sampler.params.logprobs is None
+def _run(state: _SequenceState) -> int:
+    """The depth a host drafter's next draft continues from (its correct tokens in a row); other
+    drafters' depths count from each draft's start."""
+    return state.shadow.run if getattr(state.drafter, "drafts_on_host", False) else 0
 
 
 def _greedy_picks(states: list[_SequenceState], logits: mx.array) -> list[list[int]] | None:
     """Evaluate the verify forward. When every row is bare greedy, only its argmax ids come back
     (one device round trip for the step, and no [B, T, V] float32 logits kept); else the logits."""
-    if all(_plain_greedy(st.seq.sampler) for st in states):
+    if all(is_plain_greedy(st.seq.sampler) for st in states):
         return mx.argmax(logits, axis=-1).tolist()
     mx.eval(logits)
     return None
-
-
-def _accept(
-    sampler: SequenceSampler, draft: list[int], rows: mx.array, argmax: list[int] | None = None
-) -> tuple[list[SampledToken], int]:
-    """The tokens to emit for one sequence and how many drafts they keep (`argmax`: the rows'
-    argmax ids, already read back, for bare greedy sampling).
-
-    Positions are taken in order so penalties and logit processors see each position's true
-    prefix (the sampler observes every emitted token before the next position is processed).
-    """
-    if _plain_greedy(sampler):
-        return _accept_plain_greedy(sampler, draft, rows, argmax)
-    out: list[SampledToken] = []
-    greedy = sampler.params.temperature == 0
-    for i, token in enumerate(draft):
-        row = rows[i]
-        if greedy:
-            pick = sampler.sample(row)
-            out.append(pick)
-            if pick.token_id != token:
-                return out, i
-            continue
-        probs = _target_probs(sampler, row)
-        if _uniform(sampler) < probs[token]:
-            out.append(sampler._finish(row, mx.array(token)))
-            continue
-        residual = probs.copy()
-        residual[token] = 0.0  # a point-mass draft: the residual is p without d, renormalised
-        out.append(sampler._finish(row, mx.array(_draw(residual, _uniform(sampler)))))
-        return out, i
-    out.append(sampler.sample(rows[len(draft)]))
-    return out, len(draft)
-
-
-def _accept_plain_greedy(
-    sampler: SequenceSampler, draft: list[int], rows: mx.array, argmax: list[int] | None = None
-) -> tuple[list[SampledToken], int]:
-    """Bare argmax rows need no per-position processing: one read-back for the whole draft."""
-    if argmax is None:
-        argmax = mx.argmax(rows[: len(draft) + 1], axis=-1).tolist()
-    picks = argmax[: len(draft) + 1]
-    accepted = next((i for i, token in enumerate(draft) if picks[i] != token), len(draft))
-    emitted = picks[: accepted + 1]
-    for token in emitted:
-        sampler.observe(token)
-    return [SampledToken(token, 0.0) for token in emitted], accepted
-
-
-def _accept_tree(
-    sampler: SequenceSampler, tree: DraftTree, rows: mx.array
-) -> tuple[list[SampledToken], list[int]]:
-    """Walk the verified tree from the root: greedy follows the child equal to the target's pick;
-    sampling accepts sibling candidates by the sequential residual rule, which samples exactly
-    from the target. Returns the emitted tokens and the kept root path (node indices)."""
-    node, path, out = 0, [0], []
-    greedy = sampler.params.temperature == 0
-    while True:
-        kids = tree.children(node)
-        row = rows[node]
-        if greedy:
-            pick = sampler.sample(row)
-            out.append(pick)
-            nxt = next((c for c in kids if tree.tokens[c] == pick.token_id), None)
-        else:
-            probs = _target_probs(sampler, row)
-            nxt = None
-            for c in kids:
-                token = tree.tokens[c]
-                if _uniform(sampler) * probs.sum() < probs[token]:
-                    nxt = c
-                    break
-                probs[token] = 0.0
-            token = tree.tokens[nxt] if nxt is not None else _draw(probs, _uniform(sampler))
-            out.append(sampler._finish(row, mx.array(token)))
-        if nxt is None:
-            return out, path
-        node = nxt
-        path.append(node)
-
-
-def _target_probs(sampler: SequenceSampler, row: mx.array) -> np.ndarray:
-    p = sampler.params
-    logits = filter_logits(sampler.process(row) / p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
-    return np.array(mx.softmax(logits), dtype=np.float64)
-
-
-def _uniform(sampler: SequenceSampler) -> float:
-    return float(mx.random.uniform(key=sampler._next_key()).item())
-
-
-def _draw(weights: np.ndarray, u: float) -> int:
-    cdf = np.cumsum(weights)
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(weights) - 1))

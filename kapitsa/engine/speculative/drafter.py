@@ -6,20 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 
 @dataclass(slots=True, frozen=True)
 class Draft:
-    """A chain of proposed tokens.
-
-    `probs` is the drafter's distribution q at each position ([k, V], already shaped by the same
-    temperature/top-p as the target) when the drafter sampled its tokens; None means the tokens are
-    point masses (n-gram lookup, argmax drafts), which acceptance treats as q = one-hot.
-    """
+    """A chain of proposed tokens. They are point masses (n-gram copies, argmax drafts): the
+    engine's sampling acceptance (acceptance.py) is exact for those."""
 
     tokens: tuple[int, ...]
-    probs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -18,6 +18,7 @@ class NGramDrafter:
 
     name = "ngram"
     extends_free = True  # a longer proposal costs nothing: the decoder fills padding with it
+    drafts_on_host = True  # no device work: its guesses are scored while speculation rests (shadow.py)
 
     def __init__(self, *, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -47,19 +48,26 @@ class NGramDrafter:
         elif tail:
             self.observe(tail)
 
-    def _earlier_matches(self) -> list[int]:
-        """Start positions of what followed earlier occurrences of the longest matching suffix,
-        latest first (the suffix's own occurrence excluded)."""
+    def _earlier_matches(self, limit: int) -> list[int]:
+        """Start positions of what followed the latest `limit` earlier occurrences of the longest
+        matching suffix, latest first (the suffix's own occurrence excluded). Reads only the list's
+        tail: a common n-gram's list grows with the context, and this runs every decode step."""
         end = len(self._tokens)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            starts = [e for e in self._ends.get(tuple(self._tokens[end - n :]), ()) if e < end]
+            ends = self._ends.get(tuple(self._tokens[end - n :]), ())
+            starts: list[int] = []
+            for e in reversed(ends):
+                if e < end:
+                    starts.append(e)
+                    if len(starts) == limit:
+                        break
             if starts:
-                return starts[::-1]
+                return starts
         return []
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
         self._sync(context)
-        starts = self._earlier_matches()
+        starts = self._earlier_matches(1)
         if max_tokens <= 0 or not starts:
             return Draft(())
         return Draft(tuple(self._tokens[starts[0] : starts[0] + max_tokens]))
@@ -68,7 +76,7 @@ class NGramDrafter:
         """A trie of what followed the latest `branches` earlier matches, `budget` draft nodes at most."""
         self._sync(context)
         paths: list[tuple[int, ...]] = []
-        for start in self._earlier_matches():
+        for start in self._earlier_matches(4 * branches):
             path = tuple(self._tokens[start : start + budget])
             if path and all(p[: len(path)] != path for p in paths):
                 paths.append(path)

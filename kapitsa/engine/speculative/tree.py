@@ -1,5 +1,6 @@
 """Draft trees: nodes in DFS preorder (parent[t] < t, subtrees contiguous), the attention mask of
-ancestors, and walking a verified tree to the accepted path (hybrid-engine.md §5.5)."""
+ancestors, and building trees: best-first from a drafter's candidates, or the trie of paths
+(hybrid-engine.md §5.5). The engine's walk of a verified tree is acceptance.accept_tree."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from kapitsa.engine.speculative.acceptance import AcceptResult, accept_siblings_sampled
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,37 +53,6 @@ class DraftTree:
     @staticmethod
     def chain(root: int, tokens: Sequence[int]) -> DraftTree:
         return DraftTree((root, *map(int, tokens)), tuple(range(-1, len(tokens))))
-
-
-def accept_tree_greedy(tree: DraftTree, target_argmax: Sequence[int]) -> tuple[list[int], AcceptResult]:
-    """Follow the child whose token equals the target's argmax at each node.
-
-    Returns the accepted node path (root first) and the tokens to commit.
-    """
-    node, path = 0, [0]
-    while True:
-        want = int(target_argmax[node])
-        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
-        if nxt is None:
-            accepted = tuple(tree.tokens[i] for i in path[1:])
-            return path, AcceptResult(len(accepted), accepted + (want,))
-        node = nxt
-        path.append(node)
-
-
-def accept_tree_sampled(
-    tree: DraftTree, target_probs: np.ndarray, rng: np.random.Generator
-) -> tuple[list[int], AcceptResult]:
-    """Sampling over a tree of deterministic drafts; `target_probs[t]` is p after node t."""
-    node, path = 0, [0]
-    while True:
-        kids = tree.children(node)
-        token, hit = accept_siblings_sampled([tree.tokens[c] for c in kids], target_probs[node], rng)
-        if not hit:
-            accepted = tuple(tree.tokens[i] for i in path[1:])
-            return path, AcceptResult(len(accepted), accepted + (token,))
-        node = next(c for c in kids if tree.tokens[c] == token)
-        path.append(node)
 
 
 Expand = Callable[[tuple[int, ...]], Sequence[tuple[int, float]]]
