@@ -13,6 +13,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from kapitsa import __version__
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.errors import KapitsaError, NotBuilt
 
 app = typer.Typer(
@@ -33,7 +34,13 @@ ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="Catalog alias (27b, 27b:6bit), HF repo id, folder or .gguf file."),
 ]
-SpecOpt = Annotated[str, typer.Option("--speculative", help="none|ngram|mtp|draft|block|auto")]
+SpecOpt = Annotated[
+    str,
+    typer.Option(
+        "--speculative",
+        help="auto (default: drafts when they pay, free when they do not)|ngram|mtp|draft|block|none",
+    ),
+]
 DraftOpt = Annotated[
     str | None,
     typer.Option(
@@ -98,7 +105,7 @@ def run(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")
     ] = False,
-    speculative: SpecOpt = "none",
+    speculative: SpecOpt = DEFAULT_SPECULATIVE,
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = False,
@@ -133,7 +140,7 @@ def serve(
         typer.Option("--host", help="Bind address (default 127.0.0.1). Non-loopback needs KAPITSA_API_KEY."),
     ] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port (default 8484).")] = None,
-    speculative: SpecOpt = "none",
+    speculative: SpecOpt = DEFAULT_SPECULATIVE,
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = False,
@@ -208,7 +215,7 @@ def bench(
         bool, typer.Option("--local/--no-local", help="Bench the local in-process engine too.")
     ] = True,
     quick: Annotated[bool, typer.Option("--quick", help="Small workloads: a fast smoke run.")] = False,
-    speculative: SpecOpt = "none",
+    speculative: SpecOpt = DEFAULT_SPECULATIVE,
     results_url: Annotated[
         str | None, typer.Option("--results-url", help="Where --submit posts (or KAPITSA_BENCH_RESULTS_URL).")
     ] = None,
@@ -258,7 +265,7 @@ def _agent_command(name: str, summary: str) -> None:
     def command(
         args: AgentArgs = None,
         model: ModelOpt = None,
-        speculative: SpecOpt = "none",
+        speculative: SpecOpt = DEFAULT_SPECULATIVE,
     ) -> None:
         from kapitsa.commands.agents import cmd_agent
 
@@ -267,7 +274,7 @@ def _agent_command(name: str, summary: str) -> None:
     def pi_command(
         args: AgentArgs = None,
         model: ModelOpt = None,
-        speculative: SpecOpt = "none",
+        speculative: SpecOpt = DEFAULT_SPECULATIVE,
         restore: Annotated[
             bool, typer.Option("--restore", help="Undo kapitsa's change to pi's models.json.")
         ] = False,

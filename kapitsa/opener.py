@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kapitsa.engine.options import EngineConfig, KernelOptions
+from kapitsa.engine.options import DEFAULT_SPECULATIVE, EngineConfig, KernelOptions
 from kapitsa.errors import InvalidRequest, KapitsaError, ModelNotFound, NotBuilt, NotDownloaded
 from kapitsa.settings import KapitsaSettings, load_settings
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def open_engine(
     ref: str | None,
     *,
-    speculative: str = "none",
+    speculative: str = DEFAULT_SPECULATIVE,
     draft: str | None = None,
     draft_tokens: int | None = None,
     tree: bool = False,

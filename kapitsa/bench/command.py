@@ -17,6 +17,7 @@ from kapitsa.bench.schema import BenchReport, EngineResult
 from kapitsa.bench.submit import report_json, resolve_results_url, save_report, submit_report
 from kapitsa.bench.targets import BenchTarget, EngineTarget, HttpTarget
 from kapitsa.bench.workloads import BenchConfig
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
 
 QUICK_CONFIG = BenchConfig(
     short_prompt_words=16,
@@ -36,7 +37,7 @@ class BenchOptions:
     compare: tuple[str, ...] = ()
     local: bool = True
     quick: bool = False
-    speculative: str = "none"
+    speculative: str = DEFAULT_SPECULATIVE
     results_url: str | None = None
     config: BenchConfig = field(default_factory=BenchConfig)
 

@@ -6,11 +6,12 @@ import contextlib
 from collections.abc import Iterator
 
 from kapitsa.engine.client import EngineClient
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.errors import NotBuilt
 
 
 @contextlib.contextmanager
-def open_local_engine(model: str | None, *, speculative: str = "none") -> Iterator[EngineClient]:
+def open_local_engine(model: str | None, *, speculative: str = DEFAULT_SPECULATIVE) -> Iterator[EngineClient]:
     """Load `model` (default: the settings' default model) into an engine thread; stop it afterwards."""
     from kapitsa.opener import open_engine
 

@@ -8,11 +8,17 @@ from pathlib import Path
 
 from kapitsa.catalog import ResolvedModel
 from kapitsa.commands.output import note
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.settings import KapitsaSettings, load_settings
 
 
 def cmd_agent(
-    agent: str, model: str | None, args: list[str], *, speculative: str = "none", restore: bool = False
+    agent: str,
+    model: str | None,
+    args: list[str],
+    *,
+    speculative: str = DEFAULT_SPECULATIVE,
+    restore: bool = False,
 ) -> None:
     from kapitsa.agents import launch
 
@@ -36,7 +42,7 @@ def cmd_agent(
         api_key=token.token,
         ensure_weights=_ensure_weights(settings),
         usable_bytes=probe_hardware().usable_memory_bytes,
-        serve_args=("--speculative", speculative) if speculative != "none" else (),
+        serve_args=("--speculative", speculative) if speculative != DEFAULT_SPECULATIVE else (),
     )
     for line in plan.notes:
         note(line)

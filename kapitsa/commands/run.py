@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.errors import InvalidRequest, KapitsaError
 
 
@@ -24,7 +25,7 @@ class RunOptions:
     temperature: float = 0.0
     seed: int | None = None
     json_out: bool = False
-    speculative: str = "none"
+    speculative: str = DEFAULT_SPECULATIVE
     draft: str | None = None
     draft_tokens: int | None = None
     tree: bool = False

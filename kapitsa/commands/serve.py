@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.server.runner import check_bind, check_port_free, serve_forever
 from kapitsa.server.settings import ServerSettings
 
@@ -21,7 +22,7 @@ def make_settings(
         "model": model,
         "host": host or user.host,
         "port": user.port if port is None else port,
-        "speculative": speculative if speculative != "none" else None,
+        "speculative": speculative if speculative != DEFAULT_SPECULATIVE else None,
     }
     try:
         return ServerSettings(**{k: v for k, v in flags.items() if v is not None})

@@ -12,6 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# `--speculative` modes. "auto" is the default everywhere (serve, run, the launchers, the TUI,
+# bench): it drafts with what the checkpoint offers (a draft model, its MTP head, else n-gram
+# lookup) and costs nothing measurable while drafts do not pay (speculative/shadow.py).
+SPECULATIVE_MODES = ("none", "ngram", "mtp", "draft", "block", "auto")
+DEFAULT_SPECULATIVE = "auto"
+
 GIB = 1024**3
 
 # Kernel families a model can route through (kernels/): the Gated DeltaNet step, the MoE expert

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
+
 DEFAULT_PORT = 8484
 """The documented default port (8080 and 11434 are taken by llama.cpp and Ollama on many machines)."""
 
@@ -63,5 +65,5 @@ class ServerSettings(BaseSettings):
     model: str | None = None
     """Model to serve (catalog alias, HF repo id, folder)."""
 
-    speculative: str = "none"
+    speculative: str = DEFAULT_SPECULATIVE
     """Speculative decoding mode handed to the engine."""

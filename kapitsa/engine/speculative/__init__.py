@@ -11,4 +11,3 @@ from kapitsa.engine.speculative.ngram import NGramDrafter
 
 __all__ = ["Draft", "Drafter", "NGramDrafter"]
 
-SPECULATIVE_MODES = ("none", "ngram", "mtp", "draft", "block", "auto")

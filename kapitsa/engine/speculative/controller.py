@@ -64,10 +64,14 @@ class DraftLengthController:
     def best_length(self, from_depth: int = 0) -> int:
         """The draft length with the best expected tokens per unit of cost, for a draft that
         continues a run of `from_depth` correct tokens; 0 when none beats plain decoding by
-        `margin`. No side effects (`choose` also schedules probes)."""
+        `margin`. No side effects (`choose` also schedules probes); O(max_draft), as the engine
+        asks every decode step."""
         best_k, best = 0, (1.0 / self.cost[0]) * (1 + self.margin)
+        total, reach, last = 1.0, 1.0, len(self.alphas) - 1
         for k in range(1, self.max_draft + 1):
-            rate = self.expected_tokens(k, from_depth) / self.cost[k]
+            reach *= self.alphas[min(from_depth + k - 1, last)]
+            total += reach
+            rate = total / self.cost[k]
             if rate > best:
                 best_k, best = k, rate
         return best_k

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kapitsa.engine.models.base import use_kernel_options
-from kapitsa.engine.options import KernelOptions
+from kapitsa.engine.options import SPECULATIVE_MODES, KernelOptions
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
@@ -13,7 +13,7 @@ from kapitsa.engine.speculative.mtp import MTPDrafter
 from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.errors import InvalidRequest
 
-MODES = ("none", "ngram", "mtp", "draft", "block", "auto")
+MODES = SPECULATIVE_MODES
 
 
 def make_decode_strategy(
