@@ -364,10 +364,19 @@ class _translate_hub_errors:
             raise ModelNotFound(f"a file of {self.repo_id} was not found on {_endpoint()}") from err
         if isinstance(err, (HfHubHTTPError, OSError, LocalEntryNotFoundError, *_network_errors())):
             raise KapitsaError(
-                f"downloading {self.repo_id} from {_endpoint()} failed: {err}. "
+                f"{_one_line_reason(err)} while downloading {self.repo_id} from {_endpoint()}. "
                 "Run the pull again to resume; set HF_ENDPOINT for a mirror"
             ) from err
         return False
+
+
+def _one_line_reason(err: BaseException) -> str:
+    """The cause in a few words, first in the message so a one-line row still shows it (httpx's
+    status errors add the URL and a link on further lines)."""
+    if isinstance(err, httpx.HTTPStatusError):
+        return f"HTTP {err.response.status_code} {err.response.reason_phrase}".strip()
+    lines = str(err).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(err).__name__
 
 
 def _aliases_by_repo(catalog: Catalog) -> dict[str, list[str]]:

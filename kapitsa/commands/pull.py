@@ -33,13 +33,15 @@ def pull_with_progress(ref: str, settings: KapitsaSettings) -> Any:
     from kapitsa import hub
 
     catalog = load_catalog(settings.catalog)
+    console = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
-        console=Console(stderr=True),
-        transient=True,
+        console=console,
+        transient=True,  # on success the summary replaces it; on failure the one `error:` line does
+        disable=not console.is_terminal,  # a log or pipe gets the result lines only
     ) as bar:
         task = bar.add_task(f"pulling {ref}", total=None)
 

@@ -37,6 +37,7 @@ class KapitsaApp(App):
     ENABLE_COMMAND_PALETTE = False  # every action has a key; the footer needs the room at 80 columns
     MODES = {"home": HomeScreen, "live": LiveScreen, "bench": BenchScreen}
     DEFAULT_MODE = "home"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]  # app.tcss packs the footer when narrow
     BINDINGS = [
         Binding("1", "switch_mode('home')", "Home"),
         Binding("2", "switch_mode('live')", "Live"),

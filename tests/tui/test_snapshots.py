@@ -1,4 +1,6 @@
-"""Snapshots of every screen at 80x24. Review a changed SVG, then `pytest --snapshot-update`."""
+"""Snapshots of every screen at 80x24 (the smallest supported terminal) and 160x48 (a roomy one).
+
+Review a changed SVG, then `pytest --snapshot-update`."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from tui_support import BUSY_STATS, FakeServices, settle
 
 from kapitsa.bench.schema import BenchReport, EngineResult, WorkloadResult
 from kapitsa.doctor import RECORDED_PROFILES, DoctorReport, ModelFit
+from kapitsa.errors import KapitsaError
 from kapitsa.tui.app import KapitsaApp
 from kapitsa.tui.messages import BenchFinished
 
-SIZE = (80, 24)
+SIZES = {"80x24": (80, 24), "160x48": (160, 48)}
 FITS = (
     ModelFit("demo", "demo", "kapitsa demo", None, None, 12_000_000, 32768, "fits"),
     ModelFit(
@@ -53,6 +56,11 @@ def app(tmp_path: Path) -> KapitsaApp:
     return KapitsaApp(SnapshotServices(tmp_path))
 
 
+@pytest.fixture(params=list(SIZES.values()), ids=list(SIZES))
+def size(request: pytest.FixtureRequest) -> tuple[int, int]:
+    return request.param
+
+
 def _bench_report() -> BenchReport:
     metrics = {
         "decode_short": {"decode_tok_s": 41.8, "ttft_s": 0.21},
@@ -68,11 +76,11 @@ def _bench_report() -> BenchReport:
     return BenchReport(machine={}, config={}, engines=[engine])
 
 
-def test_home(snap_compare, app) -> None:
-    assert snap_compare(app, terminal_size=SIZE, run_before=settle)
+def test_home(snap_compare, app, size) -> None:
+    assert snap_compare(app, terminal_size=size, run_before=settle)
 
 
-def test_live_panels(snap_compare, app) -> None:
+def test_live_panels(snap_compare, app, size) -> None:
     async def feed_stats(pilot) -> None:
         await settle(pilot)
         await pilot.press("2")
@@ -86,24 +94,45 @@ def test_live_panels(snap_compare, app) -> None:
             )
             await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=feed_stats)
+    assert snap_compare(app, terminal_size=size, run_before=feed_stats)
 
 
-def test_bench_results(snap_compare, app) -> None:
+def test_bench_results(snap_compare, app, size) -> None:
     async def show_results(pilot) -> None:
         await settle(pilot)
         await pilot.press("3")
         pilot.app.screen.post_message(BenchFinished(_bench_report(), Path("/tmp/bench-example.json")))
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=show_results)
+    assert snap_compare(app, terminal_size=size, run_before=show_results)
 
 
 @pytest.mark.parametrize("keys", [["question_mark"], ["a"], ["3", "r"]], ids=["help", "launch", "error"])
-def test_modals(snap_compare, app, keys: list[str]) -> None:
+def test_modals(snap_compare, app, size, keys: list[str]) -> None:
     async def open_modal(pilot) -> None:
         await settle(pilot)
         await pilot.press(*keys)
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=open_modal)
+    assert snap_compare(app, terminal_size=size, run_before=open_modal)
+
+
+def test_failed_download(snap_compare, tmp_path: Path, size) -> None:
+    """The row of a failed download: its bar stopped, the error's first line beside it."""
+
+    class FailingDownload(SnapshotServices):
+        def download(self, ref, *, on_progress, cancelled):
+            on_progress(1_200_000_000, 2_800_000_000)
+            raise KapitsaError(
+                "HTTP 503 Service Unavailable while downloading mlx-community/Qwen3.6-27B-4bit from "
+                "https://huggingface.co. Run the pull again to resume; set HF_ENDPOINT for a mirror"
+            )
+
+    async def fail_a_download(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("down", "d")  # from 4b (the default) to 27b, not on disk
+        await settle(pilot)
+        await pilot.press("escape")  # the error modal; the row stays
+        await pilot.pause()
+
+    assert snap_compare(KapitsaApp(FailingDownload(tmp_path)), terminal_size=size, run_before=fail_a_download)

@@ -214,3 +214,24 @@ def test_cli_pull_ls_rm(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.M
     removed = runner.invoke(app, ["rm", REPO], catch_exceptions=False)
     assert removed.exit_code == 0 and "freed" in removed.stdout
     assert json.loads(runner.invoke(app, ["ls", "--json"], catch_exceptions=False).stdout) == []
+
+
+def test_cli_pull_failure_is_one_error_line_and_exits_non_zero(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from kapitsa import cli
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "none.toml"))
+    fake_hub.cut_after["model.safetensors"] = len(WEIGHTS) // 2  # some bytes arrive, then the hub fails
+    fake_hub.fail_gets["model.safetensors"] = 5
+    monkeypatch.setattr(sys, "argv", ["kapitsa", "pull", REPO])
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    captured = capsys.readouterr()
+    assert exited.value.code == 1 and captured.out == ""
+    (line,) = captured.err.strip().splitlines()  # no progress bar left behind, no traceback
+    assert line.startswith(f"error: HTTP 500 Internal Server Error while downloading {REPO}")
+    assert "Run the pull again to resume" in line

@@ -189,5 +189,5 @@ class HomeScreen(Screen):
 
     def on_download_failed(self, message: DownloadFailed) -> None:
         self.cancel_events.pop(message.ref, None)
-        self.query_one(DownloadsPanel).finish(message.ref, "failed")
+        self.query_one(DownloadsPanel).fail(message.ref, message.error)
         self.app.show_error(f"Download of {message.ref} failed", message.error)

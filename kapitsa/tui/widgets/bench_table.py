@@ -1,7 +1,8 @@
-"""Bench results: one row per headline metric, one column per engine."""
+"""Bench results: one row per headline metric, one column per engine, figures right-aligned as in the CLI."""
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.widgets import DataTable
 
 from kapitsa.bench.render import table_rows
@@ -15,7 +16,7 @@ class BenchTable(DataTable):
 
     def show(self, report: BenchReport) -> None:
         self.clear(columns=True)
-        header, *rows = table_rows(report)
-        self.add_columns(*header)
-        for row in rows:
-            self.add_row(*row)
+        (metric, *engines), *rows = table_rows(report)
+        self.add_columns(metric, *[Text(name, justify="right") for name in engines])
+        for label, *cells in rows:
+            self.add_row(label, *[Text(cell, justify="right") for cell in cells])

@@ -40,6 +40,25 @@ class DownloadsPanel(Vertical):
         row.query_one(".dl-status", Label).update(f"{format_bytes(done)} / {format_bytes(total)}")
 
     def finish(self, ref: str, status: str) -> None:
+        """Done or cancelled: the bar stops where it is and the status says why."""
+        self._stop(ref, status)
+
+    def fail(self, ref: str, error: BaseException) -> None:
+        """The bar stops (in the error colour) and the row shows the error's first line; the modal has it all."""
+        reason = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        status = self._stop(ref, f"failed: {reason}", failed=True)
+        if status is not None:
+            status.tooltip = str(error)  # the whole message on hover
+
+    def _stop(self, ref: str, status: str, *, failed: bool = False) -> Label | None:
         rows = self.query(f"#{self._row_id(ref)}")
-        if rows:
-            rows.first().query_one(".dl-status", Label).update(status)
+        if not rows:
+            return None
+        row = rows.first()
+        bar = row.query_one(ProgressBar)
+        if bar.total is None:  # no byte arrived yet: an indeterminate bar would keep animating
+            bar.update(total=1, progress=0)
+        row.set_class(failed, "dl-failed")
+        label = row.query_one(".dl-status", Label)
+        label.update(status)
+        return label
