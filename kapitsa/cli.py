@@ -13,7 +13,6 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from kapitsa import __version__
-from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.errors import KapitsaError, NotBuilt
 
 app = typer.Typer(
@@ -34,11 +33,13 @@ ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="Catalog alias (27b, 27b:6bit), HF repo id, folder or .gguf file."),
 ]
+# None: not given, so the settings' mode applies (auto unless KAPITSA_SPECULATIVE or the config
+# file says otherwise). The CLI keeps off kapitsa.engine, so `--help` starts fast.
 SpecOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--speculative",
-        help="auto (default: drafts when they pay, free when they do not)|ngram|mtp|draft|block|none",
+        help="auto (the default: drafts when they pay, free when they do not)|ngram|mtp|draft|block|none",
     ),
 ]
 DraftOpt = Annotated[
@@ -105,7 +106,7 @@ def run(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of streaming text.")
     ] = False,
-    speculative: SpecOpt = DEFAULT_SPECULATIVE,
+    speculative: SpecOpt = None,
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = False,
@@ -140,7 +141,7 @@ def serve(
         typer.Option("--host", help="Bind address (default 127.0.0.1). Non-loopback needs KAPITSA_API_KEY."),
     ] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port (default 8484).")] = None,
-    speculative: SpecOpt = DEFAULT_SPECULATIVE,
+    speculative: SpecOpt = None,
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = False,
@@ -215,7 +216,7 @@ def bench(
         bool, typer.Option("--local/--no-local", help="Bench the local in-process engine too.")
     ] = True,
     quick: Annotated[bool, typer.Option("--quick", help="Small workloads: a fast smoke run.")] = False,
-    speculative: SpecOpt = DEFAULT_SPECULATIVE,
+    speculative: SpecOpt = None,
     results_url: Annotated[
         str | None, typer.Option("--results-url", help="Where --submit posts (or KAPITSA_BENCH_RESULTS_URL).")
     ] = None,
@@ -265,7 +266,7 @@ def _agent_command(name: str, summary: str) -> None:
     def command(
         args: AgentArgs = None,
         model: ModelOpt = None,
-        speculative: SpecOpt = DEFAULT_SPECULATIVE,
+        speculative: SpecOpt = None,
     ) -> None:
         from kapitsa.commands.agents import cmd_agent
 
@@ -274,7 +275,7 @@ def _agent_command(name: str, summary: str) -> None:
     def pi_command(
         args: AgentArgs = None,
         model: ModelOpt = None,
-        speculative: SpecOpt = DEFAULT_SPECULATIVE,
+        speculative: SpecOpt = None,
         restore: Annotated[
             bool, typer.Option("--restore", help="Undo kapitsa's change to pi's models.json.")
         ] = False,

@@ -87,7 +87,9 @@ def _rounds(shape: str, workload: str, runs: dict, rounds: int, reference: list[
     return rows
 
 
-def bench_shape(name: str, table: dict, rounds: int, tokens: int) -> list[dict]:
+def bench_shape(
+    name: str, table: dict, rounds: int, tokens: int, workloads=("own", "essay", "edit"), tree: bool = True
+) -> list[dict]:
     kind, dims = table[name]
     config = tiny_config(kind, **dims)
     vocab = config.get("text_config", config)["vocab_size"]
@@ -96,21 +98,26 @@ def bench_shape(name: str, table: dict, rounds: int, tokens: int) -> list[dict]:
     try:
         essay_prompt, essay = essay_workload()
         own = lambda mode: _timed(model, essay_prompt, tokens, mode)  # noqa: E731
-        rows += _rounds(name, "own", {"plain": lambda: own("none"), "auto": lambda: own("auto")}, rounds, None)
+        if "own" in workloads:
+            runs = {"plain": lambda: own("none"), "auto": lambda: own("auto")}
+            rows += _rounds(name, "own", runs, rounds, None)
         edit_prompt, edit = edit_workload()
         if max(essay_prompt + essay + edit_prompt + edit) >= vocab:
             raise SystemExit(f"{name}: vocab {vocab} is smaller than the demo tokenizer's ids")
         n = min(tokens, len(essay), len(edit))
-        mlxlm = models_under_test.mlxlm_model(config)
+        mlxlm = models_under_test.mlxlm_model(config) if "edit" in workloads else None
         for workload, (prompt, answer) in (("essay", (essay_prompt, essay)), ("edit", (edit_prompt, edit))):
+            if workload not in workloads:
+                continue
             unscripted = model.forward, model.logits
             script_model(model, prompt, answer)
             runs = {
                 "plain": lambda p=prompt: _timed(model, p, n, "none"),
                 "auto": lambda p=prompt: _timed(model, p, n, "auto"),
             }
-            if workload == "edit":
+            if workload == "edit" and tree:
                 runs["auto-tree"] = lambda p=prompt: _timed(model, p, n, "auto", tree=True)
+            if workload == "edit":
                 runs["mlx-lm"] = lambda p=prompt: time_mlxlm(mlxlm, p, n)
             rows += _rounds(name, workload, runs, rounds, list(answer))
             model.forward, model.logits = unscripted
@@ -140,7 +147,8 @@ def summary(rows: list[dict]) -> None:
                 line[f"{e}_verifies"] = last[-1]["verifies"]
         if "mlx-lm" in med:
             line["auto_vs_mlxlm"] = round(med["auto"] / med["mlx-lm"], 2)
-            line["tree_vs_mlxlm"] = round(med["auto-tree"] / med["mlx-lm"], 2)
+            if "auto-tree" in med:
+                line["tree_vs_mlxlm"] = round(med["auto-tree"] / med["mlx-lm"], 2)
         print(json.dumps(line), flush=True)
 
 
@@ -149,6 +157,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workloads", nargs="+", default=["own", "essay", "edit"])
+    ap.add_argument("--no-tree", action="store_true", help="the edit workload without the n-gram tree")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -159,7 +169,7 @@ def main() -> None:
     print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
     rows = []
     for name in args.shapes:
-        rows += bench_shape(name, table, args.rounds, args.tokens)
+        rows += bench_shape(name, table, args.rounds, args.tokens, tuple(args.workloads), not args.no_tree)
     summary(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

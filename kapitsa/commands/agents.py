@@ -8,7 +8,6 @@ from pathlib import Path
 
 from kapitsa.catalog import ResolvedModel
 from kapitsa.commands.output import note
-from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.settings import KapitsaSettings, load_settings
 
 
@@ -17,7 +16,7 @@ def cmd_agent(
     model: str | None,
     args: list[str],
     *,
-    speculative: str = DEFAULT_SPECULATIVE,
+    speculative: str | None = None,
     restore: bool = False,
 ) -> None:
     from kapitsa.agents import launch
@@ -42,7 +41,7 @@ def cmd_agent(
         api_key=token.token,
         ensure_weights=_ensure_weights(settings),
         usable_bytes=probe_hardware().usable_memory_bytes,
-        serve_args=("--speculative", speculative) if speculative != DEFAULT_SPECULATIVE else (),
+        serve_args=("--speculative", speculative) if speculative else (),
     )
     for line in plan.notes:
         note(line)

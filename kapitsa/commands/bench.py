@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
+
 
 def cmd_bench(
     *,
@@ -13,7 +15,7 @@ def cmd_bench(
     compare: list[str] | None,
     local: bool,
     quick: bool,
-    speculative: str,
+    speculative: str | None,
     results_url: str | None,
     confirm: Callable[[str], bool],
 ) -> None:
@@ -26,7 +28,7 @@ def cmd_bench(
         compare=tuple(compare or ()),
         local=local,
         quick=quick,
-        speculative=speculative,
+        speculative=speculative or DEFAULT_SPECULATIVE,
         results_url=results_url,
     )
     bench_main(options, confirm=confirm)

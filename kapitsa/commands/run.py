@@ -25,7 +25,7 @@ class RunOptions:
     temperature: float = 0.0
     seed: int | None = None
     json_out: bool = False
-    speculative: str = DEFAULT_SPECULATIVE
+    speculative: str | None = None  # None: the default mode
     draft: str | None = None
     draft_tokens: int | None = None
     tree: bool = False
@@ -71,7 +71,7 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
     out = write or _stdout_write
     engine = open_engine(
         options.model,
-        speculative=options.speculative,
+        speculative=options.speculative or DEFAULT_SPECULATIVE,
         draft=options.draft,
         draft_tokens=options.draft_tokens,
         tree=options.tree,

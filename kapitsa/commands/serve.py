@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 
-from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.server.runner import check_bind, check_port_free, serve_forever
 from kapitsa.server.settings import ServerSettings
 
 
 def make_settings(
-    *, model: str | None, host: str | None, port: int | None, speculative: str
+    *, model: str | None, host: str | None, port: int | None, speculative: str | None
 ) -> ServerSettings:
     """Flags override `KAPITSA_*` variables, which override the user's config file, then defaults."""
     from pydantic import ValidationError
@@ -22,7 +21,7 @@ def make_settings(
         "model": model,
         "host": host or user.host,
         "port": user.port if port is None else port,
-        "speculative": speculative if speculative != DEFAULT_SPECULATIVE else None,
+        "speculative": speculative,
     }
     try:
         return ServerSettings(**{k: v for k, v in flags.items() if v is not None})
@@ -35,7 +34,7 @@ def cmd_serve(
     model: str | None,
     host: str | None,
     port: int | None,
-    speculative: str,
+    speculative: str | None,
     draft: str | None = None,
     draft_tokens: int | None = None,
     tree: bool = False,

@@ -38,6 +38,17 @@ def test_the_engine_has_the_disk_tier_kernels_and_speculation(
         assert engine.stats().speculative == "ngram"
 
 
+def test_every_surface_speculates_by_default(tiny_qwen: Path, state_dir: Path) -> None:
+    """No flag: `auto`, which drafts by n-gram lookup on a checkpoint without a drafter or MTP head
+    (serve's settings, run's options and the TUI's plain `open_engine(ref)` all land here)."""
+    from kapitsa.commands.serve import make_settings
+
+    assert make_settings(model=None, host=None, port=None, speculative=None).speculative == "auto"
+    assert RunOptions(model=None, prompt_arg="x").speculative is None  # cmd_run resolves it to auto
+    with contextlib.closing(open_engine(str(tiny_qwen))) as engine:
+        assert engine.stats().speculative == "ngram"
+
+
 def test_a_second_run_reads_the_first_runs_prompt_from_disk(tiny_qwen: Path, state_dir: Path) -> None:
     prompt = "the same long prompt, word after word, " * 12
     options = RunOptions(model=str(tiny_qwen), prompt_arg=prompt, max_tokens=2, json_out=True)

@@ -10,4 +10,3 @@ from kapitsa.engine.speculative.drafter import Draft, Drafter
 from kapitsa.engine.speculative.ngram import NGramDrafter
 
 __all__ = ["Draft", "Drafter", "NGramDrafter"]
-

@@ -61,17 +61,18 @@ class DraftLengthController:
             total += reach
         return total
 
-    def best_length(self, from_depth: int = 0) -> int:
+    def best_length(self, from_depth: int = 0, extra_cost: float = 0.0) -> int:
         """The draft length with the best expected tokens per unit of cost, for a draft that
-        continues a run of `from_depth` correct tokens; 0 when none beats plain decoding by
-        `margin`. No side effects (`choose` also schedules probes); O(max_draft), as the engine
-        asks every decode step."""
+        continues a run of `from_depth` correct tokens and costs `extra_cost` decode steps on top
+        of its verify (leaving pipelined decoding); 0 when none beats plain decoding by `margin`.
+        No side effects (`choose` also schedules probes); O(max_draft), as the engine asks every
+        decode step."""
         best_k, best = 0, (1.0 / self.cost[0]) * (1 + self.margin)
         total, reach, last = 1.0, 1.0, len(self.alphas) - 1
         for k in range(1, self.max_draft + 1):
             reach *= self.alphas[min(from_depth + k - 1, last)]
             total += reach
-            rate = total / self.cost[k]
+            rate = total / (self.cost[k] + extra_cost)
             if rate > best:
                 best_k, best = k, rate
         return best_k

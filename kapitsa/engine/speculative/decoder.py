@@ -47,6 +47,11 @@ GPU_VERIFY_WIDTHS = (2, 4, 8, 16)
 # agent quoting code it read) should turn speculation on within a few guesses.
 HOST_DRAFTER_PRIOR = 0.5
 HOST_DRAFTER_DECAY = 0.8
+# What leaving pipelined decoding for a verify costs on a GPU, in decode steps, beyond the verify:
+# the step in flight is waited for, and the plain step after a failed draft restarts the pipeline
+# unoverlapped. On the H200's 27B, isolated failing verifies on prose cost ~1.8 steps each beyond
+# the tokens they gave, against the 0.8 the verify's own price accounts for.
+PIPELINE_EXIT_COST_GPU = 1.0
 
 
 @dataclass
@@ -55,6 +60,7 @@ class _SequenceState:
     drafter: Drafter
     controller: DraftLengthController
     shadow: ShadowGuess = field(default_factory=ShadowGuess)
+    exit_cost: float = 0.0  # decode steps a verify costs beyond its price when it leaves the pipeline
 
 
 @dataclass
@@ -99,6 +105,7 @@ class SpeculativeDecode:
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     _states: dict[int, _SequenceState] = field(default_factory=dict)
     _plain: PlainDecode = field(default_factory=PlainDecode)
+    _pipelined: bool = False  # the engine's last step ran pipelined (a verify must leave it)
 
     @property
     def acceptance_rate(self) -> float:
@@ -119,7 +126,8 @@ class SpeculativeDecode:
         if not sequences:
             return False
         self._forget_finished(sequences)
-        return not any(self._would_verify(self._state(seq)) for seq in sequences)
+        self._pipelined = not any(self._would_verify(self._state(seq)) for seq in sequences)
+        return self._pipelined
 
     def _would_verify(self, state: _SequenceState) -> bool:
         drafter, seq = state.drafter, state.seq
@@ -131,7 +139,8 @@ class SpeculativeDecode:
         shadow.score(context, state.controller)
         if seq.max_tokens - len(seq.output_ids) - 1 <= 0:
             return False
-        if state.controller.best_length(shadow.current_run) > 0:
+        exit_cost = state.exit_cost if self._pipelined else 0.0
+        if state.controller.best_length(shadow.current_run, exit_cost) > 0:
             return bool(drafter.propose(context, 1).tokens)
         if not shadow.live:
             shadow.start(drafter.propose(context, self.max_draft).tokens, len(context))
@@ -263,7 +272,9 @@ class SpeculativeDecode:
                     prior=HOST_DRAFTER_PRIOR,
                     decay=HOST_DRAFTER_DECAY,
                 )
-            state = _SequenceState(seq, drafter, controller)
+            state = _SequenceState(
+                seq, drafter, controller, exit_cost=PIPELINE_EXIT_COST_GPU if backend() else 0.0
+            )
             self._states[id(seq)] = state
         return state
 
