@@ -22,7 +22,7 @@ import mlx.core as mx
 from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.options import EngineConfig
-from kapitsa.engine.speculative.factory import make_decode_strategy
+from kapitsa.engine.speculative.factory import make_decode_strategy, strategy_for
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from lab.engine_timing import DEFAULTS
 
@@ -62,8 +62,14 @@ async def _generate(client: InProcessEngine, messages: list[dict], tokens: int) 
     return dict(ids=ids, ttft_s=first - start, decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9))
 
 
+DRAFT: dict[str, str | None] = {"path": None}
+
+
 def _run_mode(loaded, mode: str, draft, messages: list[dict], tokens: int) -> dict:
-    strategy = make_decode_strategy(mode, target_model=loaded.model, draft_model=draft, kernels=DEFAULTS)
+    if mode == "auto":  # as the opener builds it: on the CPU with the cost curve timed on this model
+        strategy = strategy_for("auto", target_model=loaded.model, draft=DRAFT["path"], kernels=DEFAULTS)
+    else:
+        strategy = make_decode_strategy(mode, target_model=loaded.model, draft_model=draft, kernels=DEFAULTS)
     config = EngineConfig(prefix_cache_bytes=0, kernels=DEFAULTS)
     client = InProcessEngine.from_loaded(loaded, config=config, decode=strategy)
     try:
@@ -110,8 +116,9 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(args.model)
     draft = load_model(args.draft).model if args.draft else None
+    DRAFT["path"] = args.draft
     modes = (
-        ["none", "ngram"]
+        ["none", "auto", "ngram"]
         + (["mtp"] if getattr(loaded.model, "mtp", None) is not None else [])
         + (["draft"] if draft else [])
     )

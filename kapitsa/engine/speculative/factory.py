@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from kapitsa.engine.kernels import backend
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.options import SPECULATIVE_MODES, KernelOptions
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT
+from kapitsa.engine.speculative.cost import measured_cost_curve
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
 from kapitsa.engine.speculative.dflash import DFlashDrafter
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter
@@ -28,9 +30,10 @@ def make_decode_strategy(
 ) -> DecodeStrategy:
     """The decode strategy for `mode`.
 
-    "auto" drafts with the draft model when one is given, else with the checkpoint's MTP head when
-    it ships one, else with n-gram lookup (no model; the adaptive controller turns it off while
-    nothing matches). `kernels`: the engine's kernel options, given to a draft model's layers (the
+    "auto" drafts with the draft model when one is given, else with n-gram lookup, which costs
+    nothing while its guesses fail (shadow.py). A checkpoint's MTP head is opt-in (`mtp`): it
+    drafts from the target's hidden states every step, so it can't rest in pipelined decoding
+    when it does not pay (on the demo, on the CPU, it decodes at ~0.4x plain). `kernels`: the engine's kernel options, given to a draft model's layers (the
     engine's model runner gives them to the target, its MTP head included).
     """
     if mode not in MODES:
@@ -43,7 +46,7 @@ def make_decode_strategy(
             use_kernel_options(drafter, kernels)
     has_mtp = getattr(target_model, "mtp", None) is not None
     if mode == "auto":
-        mode = "draft" if draft_model is not None else "mtp" if has_mtp else "ngram"
+        mode = "draft" if draft_model is not None else "ngram"
     if mode == "mtp":
         if not has_mtp:
             raise InvalidRequest(
@@ -110,7 +113,7 @@ def strategy_for(
         )
     if mode == "draft" and block is not None:
         raise InvalidRequest(f"--draft {draft} is a DFlash block drafter; use --speculative block")
-    return make_decode_strategy(
+    strategy = make_decode_strategy(
         mode,
         target_model=target_model,
         draft_model=small,
@@ -119,3 +122,6 @@ def strategy_for(
         tree=tree,
         kernels=kernels,
     )
+    if isinstance(strategy, SpeculativeDecode) and strategy.adaptive and backend() is None:
+        strategy.cost_curve = measured_cost_curve(target_model, strategy.max_draft)
+    return strategy
