@@ -127,3 +127,12 @@ def test_a_guess_is_scored_when_it_misses_or_is_matched_in_full() -> None:
     shadow.score(context + [5, 6, 7, 1, 9], controller)
     assert not shadow.live and controller.alphas == [0.75, 0.75, 0.75, 0.375]
     assert shadow.current_run == 0
+
+
+async def test_a_fixed_length_host_drafter_verifies_whenever_it_drafts(model, plain) -> None:  # noqa: ANN001
+    """`adaptive=False` means every draft is verified, however badly it scores."""
+    strategy = SpeculativeDecode(
+        lambda: HostOracle(_references(plain), right_from=N + 1), name="host", max_draft=6, adaptive=False
+    )
+    assert await _outputs(model, strategy) == plain
+    assert strategy.stats.steps >= len(PROMPTS) * (N - 2) // 2 and strategy.stats.accepted == 0

@@ -140,7 +140,7 @@ class SpeculativeDecode:
         if seq.max_tokens - len(seq.output_ids) - 1 <= 0:
             return False
         exit_cost = state.exit_cost if self._pipelined else 0.0
-        if state.controller.best_length(shadow.current_run, exit_cost) > 0:
+        if not self.adaptive or state.controller.best_length(shadow.current_run, exit_cost) > 0:
             return bool(drafter.propose(context, 1).tokens)
         if not shadow.live:
             shadow.start(drafter.propose(context, self.max_draft).tokens, len(context))
