@@ -259,6 +259,21 @@ async def test_block_drafter_equals_plain(kind: str, tmp_path, widths) -> None:
     assert strategy.stats.proposed > 0
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h"])
+async def test_block_drafter_best_first_tree_equals_plain(kind: str, tmp_path) -> None:
+    from kapitsa.engine.speculative.dflash import load_dflash
+
+    model = tiny_model(kind)
+    plain = await _plain_outputs(model)
+    _write_dflash(tmp_path / "dflash", hidden=64, target_layers=[1, 2], mask_token_id=2)
+    drafter = load_dflash(tmp_path / "dflash")
+    strategy = make_decode_strategy("block", target_model=model, block_drafter=drafter, tree=True)
+    assert strategy.tree
+    alone, together = await _alone_and_batched(model, strategy)
+    assert alone == plain and together == plain
+    assert strategy.stats.proposed > 0
+
+
 def test_dflash_checkpoint_errors_are_clear(tmp_path) -> None:
     from kapitsa.engine.speculative.dflash import load_dflash
     from kapitsa.errors import CheckpointError
@@ -305,7 +320,8 @@ async def test_tree_verification_equals_plain(kind: str) -> None:
         assert alone == plain, strategy.name
         assert together == plain, strategy.name
     assert strategies[0].stats.accepted > 0
-    assert strategies[2].stats.acceptance_rate > 0.5
+    # the draft model is the target: its top candidate at the root is in every tree and always kept
+    assert strategies[2].stats.tokens_per_step > 2.0
 
 
 async def test_tree_sampling_is_seeded() -> None:

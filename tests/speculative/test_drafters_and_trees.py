@@ -61,3 +61,28 @@ def test_controller_rests_between_probes_by_position() -> None:
     for _ in range(40):
         c.update(4, 4)  # drafts pay again: speculation comes back on
     assert c.choose(140) > 0 and not c.resting(141)
+
+
+def test_a_draft_models_best_first_tree_holds_its_greedy_chain_and_leaves_the_cache_committed() -> None:
+    import mlx.core as mx
+
+    from kapitsa.engine.speculative.draft_model import DraftModelDrafter
+    from tests.models.builders import build_ours
+
+    model = build_ours("qwen3_5_dense")
+    context = [5, 9, 14, 3, 7, 7, 21]
+    drafter = DraftModelDrafter(model)
+    chain = drafter.propose(context, 3).tokens
+    tree = drafter.propose_tree(context, 6)
+    assert len(tree) == 7 and tree.tokens[0] == context[-1]
+    assert len(set(tree.children(0))) >= 1
+    # the best-first tree holds the draft model's greedy path as deep as the tree reaches there
+    node, greedy = 0, []
+    while (kids := tree.children(node)) and len(greedy) < len(chain):
+        node = next((k for k in kids if tree.tokens[k] == chain[len(greedy)]), -1)
+        if node < 0:
+            break
+        greedy.append(tree.tokens[node])
+    assert greedy and tuple(greedy) == chain[: len(greedy)]
+    assert drafter.propose(context, 3).tokens == chain  # the cache is back at the committed point
+    assert mx.array(tree.depths()).max().item() >= 1

@@ -27,6 +27,7 @@ import mlx.nn as nn
 from kapitsa.engine.models.sparse_moe import MLP
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.speculative.drafter import Draft
+from kapitsa.engine.speculative.tree import TREE_TOP_K, DraftTree, build_best_first, top_candidates
 from kapitsa.errors import CheckpointError
 
 
@@ -196,15 +197,32 @@ class DFlashDrafter:
         self._pending = None
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
-        self._fold_pending()
         if max_tokens <= 0 or not context:
+            self._fold_pending()
             return Draft(())
+        return Draft(tuple(mx.argmax(self._block_logits(context, max_tokens), axis=-1).tolist()))
+
+    def _block_logits(self, context: Sequence[int], depth: int) -> mx.array:
+        """[depth, V]: the target's LM head over the drafter's block after the last token."""
+        self._fold_pending()
         embed = self.target.backbone_parts()[0]
-        block = mx.array([[context[-1]] + [self.drafter.config.mask_token_id] * max_tokens], dtype=mx.int32)
+        block = mx.array([[context[-1]] + [self.drafter.config.mask_token_id] * depth], dtype=mx.int32)
         kv = self._kv or self._empty_kv(embed(block).dtype)
         hidden = self.drafter.block(embed(block), kv)
-        logits = self.target.head()(hidden[:, 1:])  # [1, k, V]: the target's own LM head
-        return Draft(tuple(mx.argmax(logits[0], axis=-1).tolist()))
+        return self.target.head()(hidden[:, 1:])[0]
+
+    def propose_tree(self, context: Sequence[int], budget: int, *, top_k: int = TREE_TOP_K) -> DraftTree:
+        """A best-first tree over one block forward: the block gives each depth's distribution
+        given the context alone, so a node's candidates are its depth's `top_k`, and nodes are
+        grown by summed log-probability until `budget` draft nodes (KFlash)."""
+        root = int(context[-1]) if context else 0
+        if budget <= 0 or not context:
+            return DraftTree.chain(root, ())
+        logits = self._block_logits(context, budget)  # [budget, V]
+        per_depth = [top_candidates(logits[d], top_k) for d in range(budget)]
+        return build_best_first(
+            root, lambda path: per_depth[len(path)] if len(path) < budget else [], budget=budget, top_k=top_k
+        )
 
     def _empty_kv(self, dtype: mx.Dtype) -> list[tuple[mx.array, mx.array]]:
         c = self.drafter.config

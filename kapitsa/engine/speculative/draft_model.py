@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from kapitsa.engine.speculative.drafter import Draft, new_tokens
-from kapitsa.engine.speculative.tree import DraftTree, tree_from_paths
+from kapitsa.engine.speculative.tree import TREE_TOP_K, DraftTree, build_best_first, top_candidates
 
 
 class DraftModelDrafter:
@@ -52,14 +52,25 @@ class DraftModelDrafter:
         logits = self._catch_up(context)
         return Draft(tuple(self._greedy_chain(int(mx.argmax(logits).item()), max_tokens)))
 
-    def propose_tree(self, context: Sequence[int], budget: int, *, branches: int = 2) -> DraftTree:
-        """The greedy chain plus shorter chains from the next-best first tokens."""
+    def propose_tree(self, context: Sequence[int], budget: int, *, top_k: int = TREE_TOP_K) -> DraftTree:
+        """A best-first tree (KFlash / EAGLE-2): the draft model's `top_k` candidates after each
+        node, grown from the node of highest summed log-probability until `budget` draft nodes.
+        Each expanded node costs one single-token draft forward from its parent's cache state
+        (checkpoints are references, so keeping one per node is free); the cache ends at the
+        committed point."""
         if budget <= 0 or not context:
             return DraftTree.chain(int(context[-1]) if context else 0, ())
-        logits = self._catch_up(context)
-        firsts = mx.argsort(-logits)[:branches].tolist()
-        depth = max(1, budget - (branches - 1) * max(1, budget // (2 * branches)))
-        paths = [self._greedy_chain(int(firsts[0]), depth)]
-        for first in firsts[1:]:
-            paths.append(self._greedy_chain(int(first), max(1, budget // (2 * branches))))
-        return tree_from_paths(int(context[-1]), paths, budget=budget)
+        root_logits = self._catch_up(context)
+        committed = self.cache.checkpoint()
+        states = {(): (committed, root_logits)}
+
+        def expand(path: tuple[int, ...]) -> list[tuple[int, float]]:
+            if path not in states:
+                self.cache.restore(states[path[:-1]][0])
+                logits = self.model(mx.array([[path[-1]]], dtype=mx.int32), self.cache)[0, -1]
+                states[path] = (self.cache.checkpoint(), logits)
+            return top_candidates(states[path][1], top_k)
+
+        tree = build_best_first(int(context[-1]), expand, budget=budget, top_k=top_k)
+        self.cache.restore(committed)
+        return tree

@@ -66,7 +66,9 @@ def make_decode_strategy(
     if block_drafter is None or target_model is None:
         raise InvalidRequest("--speculative block needs --draft PATH of a DFlash drafter checkpoint")
     size = min(max_draft, block_drafter.config.block_size - 1)
-    return SpeculativeDecode(lambda: DFlashDrafter(block_drafter, target_model), name="block", max_draft=size)
+    return SpeculativeDecode(
+        lambda: DFlashDrafter(block_drafter, target_model), name="block", max_draft=size, tree=tree
+    )
 
 
 def load_drafter(path: str):  # noqa: ANN201 - a kapitsa model or a DFlashModel

@@ -8,6 +8,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -56,6 +57,17 @@ class DraftTree:
 
 
 Expand = Callable[[tuple[int, ...]], Sequence[tuple[int, float]]]
+
+# Candidates per node of a best-first tree: past the third, a drafter's candidates rarely carry
+# enough probability to earn one of the budget's nodes.
+TREE_TOP_K = 3
+
+
+def top_candidates(logits: mx.array, top_k: int) -> list[tuple[int, float]]:
+    """(token, log-probability) of the `top_k` likeliest tokens of one logits row, best first."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+    top = mx.argsort(-logprobs)[:top_k]
+    return list(zip(top.tolist(), logprobs[top].tolist(), strict=True))
 
 
 def build_best_first(root: int, expand: Expand, *, budget: int, top_k: int = 4) -> DraftTree:
