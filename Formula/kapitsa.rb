@@ -6,7 +6,7 @@ class Kapitsa < Formula
   desc "Local LLM engine and coding-agent launcher for Apple silicon"
   homepage "https://pypi.org/project/kapitsa/"
   url "https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-0.1.0.tar.gz"
-  sha256 "e7ef470c08cb918969dc6b3967a1bdce981e11afa8e5166a85a9274a6523f9d8"
+  sha256 "4de269296caacff7a8cd7875054e010d852dcbb3bab2f09455d18202bc784429"
   license "Apache-2.0"
 
   depends_on "rust" => :build
@@ -174,6 +174,11 @@ class Kapitsa < Formula
   resource "packaging" do
     url "https://files.pythonhosted.org/packages/c3/75/ffb1dc0ed12352139fb4ca0e3fde4325a23e3d0f3f40efe89717bc4f557b/packaging-26.4.tar.gz"
     sha256 "c4b671c41ddb9bf26e543c37723610d28fb6bf7affc4da17cf048d419d2c062a"
+  end
+
+  resource "pillow" do
+    url "https://files.pythonhosted.org/packages/ce/a4/9cc30690a394a8305e8be4c9036aa16d0dfddadd09079860b582f562496d/pillow-13.0.0.tar.gz"
+    sha256 "cdcd1ba258178f7356d74170c9a81ba4eab6a5d55748bc402a5a2a6fe6be3510"
   end
 
   resource "platformdirs" do
