@@ -53,8 +53,11 @@ DraftTokensOpt = Annotated[
     typer.Option("--draft-tokens", help="Longest draft per step (default 7; adaptive below that)."),
 ]
 TreeOpt = Annotated[
-    bool,
-    typer.Option("--tree/--no-tree", help="Verify a draft tree (n-gram, draft model) instead of a chain."),
+    bool | None,
+    typer.Option(
+        "--tree/--no-tree",
+        help="Verify a draft tree instead of a chain (default: what `bench --tune-speculation` measured, else a chain).",
+    ),
 ]
 AgentArgs = Annotated[
     list[str] | None, typer.Argument(help="Arguments passed through to the agent (after --).")
@@ -109,7 +112,7 @@ def run(
     speculative: SpecOpt = None,
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
-    tree: TreeOpt = False,
+    tree: TreeOpt = None,
 ) -> None:
     """Generate from a prompt and stream the answer."""
     from kapitsa.commands.run import RunOptions, cmd_run
@@ -144,7 +147,7 @@ def serve(
     speculative: SpecOpt = None,
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
-    tree: TreeOpt = False,
+    tree: TreeOpt = None,
 ) -> None:
     """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
     from kapitsa.commands.serve import cmd_serve
@@ -220,9 +223,21 @@ def bench(
     results_url: Annotated[
         str | None, typer.Option("--results-url", help="Where --submit posts (or KAPITSA_BENCH_RESULTS_URL).")
     ] = None,
+    tune_speculation: Annotated[
+        bool,
+        typer.Option(
+            "--tune-speculation",
+            help="Time each draft shape (chains, trees) on --model and keep the fastest for run/serve.",
+        ),
+    ] = False,
+    draft: DraftOpt = None,
 ) -> None:
     """Measure decode/prefill speed, cache hits and concurrency; `bench compare URL...` sets it beside other servers."""
-    from kapitsa.commands.bench import cmd_bench
+    from kapitsa.commands.bench import cmd_bench, cmd_tune_speculation
+
+    if tune_speculation:
+        cmd_tune_speculation(model=model, draft=draft, json_out=json_out)
+        return
 
     if words and (words[0] != "compare" or len(words) < 2):
         raise typer.BadParameter("expected `kapitsa bench compare URL [URL...]`", param_hint="compare")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kapitsa.engine.options import DEFAULT_SPECULATIVE, EngineConfig, KernelOptions
@@ -27,7 +28,7 @@ def open_engine(
     speculative: str = DEFAULT_SPECULATIVE,
     draft: str | None = None,
     draft_tokens: int | None = None,
-    tree: bool = False,
+    tree: bool | None = None,
     settings: KapitsaSettings | None = None,
 ) -> InProcessEngine:
     """Load a model and start its engine thread; the caller closes it (`contextlib.closing`).
@@ -36,7 +37,9 @@ def open_engine(
         ref: a catalog alias (`27b`, `27b:6bit`, `demo`), folder, .gguf file or cached HF repo id;
             None: the settings' default model.
         speculative: the `--speculative` mode (factory.MODES); `draft`, `draft_tokens` and `tree`
-            are its `--draft`, `--draft-tokens` and `--tree` flags.
+            are its `--draft`, `--draft-tokens` and `--tree` flags. With neither `draft_tokens` nor
+            `tree` given, the draft shape `kapitsa bench --tune-speculation` measured fastest for
+            this model and backend applies (a chain of up to 7 tokens when none was measured).
         settings: the user settings (default: read them); the disk tier lives in their state folder.
     Returns:
         The running engine, an `EngineClient` with a `close()`.
@@ -46,10 +49,31 @@ def open_engine(
     settings = settings or load_settings()
     check_speculation(speculative, draft)
     config = engine_config(settings)
+    loaded = load_for_ref(ref, settings=settings)
+    if tree is None and draft_tokens is None and speculative != "none":
+        tuned = read_tuned(loaded, settings)
+        if tuned is not None:
+            tree, draft_tokens = tuned.shape.tree, tuned.shape.draft_tokens
+            if speculative == "auto" and not tuned.pays:
+                speculative = "none"  # the bench measured every draft shape slower than plain here
+    return start_engine(
+        loaded, config, speculative=speculative, draft=draft, draft_tokens=draft_tokens, tree=bool(tree)
+    )
+
+
+def start_engine(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    *,
+    speculative: str,
+    draft: str | None = None,
+    draft_tokens: int | None = None,
+    tree: bool = False,
+) -> InProcessEngine:
+    """The engine thread for an already loaded model (the bench starts several over one load)."""
     with _engine_required():
         from kapitsa.engine.inprocess import InProcessEngine
         from kapitsa.engine.speculative.factory import strategy_for
-    loaded = load_for_ref(ref, settings=settings)
     decode = strategy_for(
         speculative,
         target_model=loaded.model,
@@ -59,6 +83,26 @@ def open_engine(
         kernels=config.kernels,  # a draft model runs the kernels the target does
     )
     return InProcessEngine.from_loaded(loaded, config=config, decode=decode)
+
+
+def tuning_path(settings: KapitsaSettings) -> Path:
+    with _engine_required():
+        from kapitsa.engine.speculative.tuning import TUNING_FILE
+    return settings.state_dir / TUNING_FILE
+
+
+def tuning_key_for(loaded: LoadedModel) -> str:
+    """The tuning file's key: the model and the backend it runs on (the fastest shape differs)."""
+    with _engine_required():
+        from kapitsa.engine.kernels import backend
+        from kapitsa.engine.speculative.tuning import tuning_key
+    return tuning_key(loaded.info.id, backend())
+
+
+def read_tuned(loaded: LoadedModel, settings: KapitsaSettings):  # noqa: ANN201 - tuning.Tuning | None
+    with _engine_required():
+        from kapitsa.engine.speculative.tuning import read_tuning
+    return read_tuning(tuning_path(settings), tuning_key_for(loaded))
 
 
 def engine_config(settings: KapitsaSettings) -> EngineConfig:

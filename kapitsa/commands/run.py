@@ -28,7 +28,7 @@ class RunOptions:
     speculative: str | None = None  # None: the default mode
     draft: str | None = None
     draft_tokens: int | None = None
-    tree: bool = False
+    tree: bool | None = None  # None: the tuned draft shape, else a chain
 
 
 @dataclass(slots=True, frozen=True)

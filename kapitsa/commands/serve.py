@@ -37,7 +37,7 @@ def cmd_serve(
     speculative: str | None,
     draft: str | None = None,
     draft_tokens: int | None = None,
-    tree: bool = False,
+    tree: bool | None = None,
 ) -> None:
     from kapitsa.opener import check_speculation, open_engine
 
