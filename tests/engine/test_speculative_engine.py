@@ -213,6 +213,17 @@ async def test_mtp_drafter_equals_plain(tmp_path, widths) -> None:
     assert strategy.stats.proposed > 0
 
 
+async def test_nemotron_mtp_drafter_equals_plain() -> None:
+    from tests.models.builders import build_ours
+
+    model = build_ours("nemotron_moe", mtp=True)
+    plain = await _plain_outputs(model)
+    strategy = make_decode_strategy("mtp", target_model=model)
+    alone, together = await _alone_and_batched(model, strategy)
+    assert alone == plain and together == plain
+    assert strategy.stats.proposed > 0
+
+
 def _write_dflash(folder, hidden: int, target_layers: list[int], mask_token_id: int) -> None:
     import json
 

@@ -21,6 +21,9 @@ def config_and_weights(arch: str, seed: int = 0, mtp: bool = False) -> tuple[dic
         # mlx-lm reads fused experts for qwen3_5_moe and per-expert tensors for qwen3_next
         return cfg, qwen_weights(cfg, seed, mtp=mtp, fused_experts=kind != "next")
     cfg = nemotron_config(arch.split("_")[1])
+    if mtp:  # NVIDIA's MTP step: an attention block, then a MoE block (or an MLP on dense models)
+        cfg["mtp_hybrid_override_pattern"] = "*E" if cfg.get("n_routed_experts") else "*-"
+        cfg["num_nextn_predict_layers"] = 1
     return cfg, nemotron_weights(cfg, seed, mtp=mtp)
 
 

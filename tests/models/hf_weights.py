@@ -228,9 +228,14 @@ def nemotron_weights(config: dict, seed: int = 0, mtp: bool = False) -> dict:
     )
     for i, ch in enumerate(pattern):
         _nemotron_block(w, r, config, f"backbone.layers.{i}.", ch)
-    if mtp:
+    if mtp:  # vLLM's NemotronH-MTP names: blocks as in the backbone, the fusion on the first
+        steps = config.get("mtp_hybrid_override_pattern") or "*E"
+        for i, ch in enumerate(steps):
+            _nemotron_block(w, r, config, f"mtp.layers.{i}.", ch)
         w["mtp.layers.0.eh_proj.weight"] = r.linear(H, 2 * H)
         w["mtp.layers.0.enorm.weight"] = 1.0 + r.normal((H,), 0.1)
+        w["mtp.layers.0.hnorm.weight"] = 1.0 + r.normal((H,), 0.1)
+        w[f"mtp.layers.{len(steps) - 1}.final_layernorm.weight"] = 1.0 + r.normal((H,), 0.1)
     return w
 
 

@@ -129,9 +129,44 @@ def test_qwen_mtp_weights_are_kept_and_run():
     assert plain.mtp is None  # without mtp tensors nothing extra is built
 
 
-def test_nemotron_mtp_weights_kept_aside():
-    model = build_ours("nemotron_moe", mtp=True)
-    assert set(model.mtp_weights) == {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight"}
+def test_nemotron_mtp_head_loads_every_tensor_and_predicts_from_the_fused_state():
+    """The head's first step is eh_proj(concat(enorm(embed(t+1)), hnorm(hidden_t))), then the
+    step's blocks and its final_layernorm; the target's LM head reads it."""
+    from tests.models.builders import config_and_weights
+
+    model = build_ours("nemotron_moe", mtp=True)  # build_ours loads strictly: every mtp.* is used
+    assert model.mtp is not None and [layer.block.block_type for layer in model.mtp.layers] == ["*", "E"]
+    _, weights = config_and_weights("nemotron_moe", mtp=True)
+    ids, hidden = mx.array([[5, 7]]), mx.random.normal((1, 2, 64))
+    w = {k: v for k, v in weights.items() if k.startswith("mtp.layers.0.")}
+
+    def rms(x, weight):
+        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-5) * weight
+
+    embed = weights["backbone.embeddings.weight"][ids]
+    fused = mx.concatenate(
+        [rms(embed, w["mtp.layers.0.enorm.weight"]), rms(hidden, w["mtp.layers.0.hnorm.weight"])], -1
+    )
+    want = fused @ w["mtp.layers.0.eh_proj.weight"].T
+    assert mx.abs(model.mtp.combine(model.backbone.embeddings(ids), hidden) - want).max().item() < 1e-4
+    cache = model.make_mtp_cache(1)
+    full = model.mtp_logits(model.mtp_forward(ids, hidden, cache))
+    assert full.shape == (1, 2, weights["lm_head.weight"].shape[0])
+    cache.rollback(1)  # attention and MoE only: no record needed
+    again = model.mtp_logits(model.mtp_forward(ids[:, 1:], hidden[:, 1:], cache))
+    assert mx.abs(again[0, -1] - full[0, -1]).max().item() < 1e-4
+
+
+def test_nemotron_mtp_tensors_without_a_configured_step_are_kept_aside():
+    from kapitsa.engine.models import get_model_module
+    from tests.models.builders import config_and_weights
+
+    cfg, weights = config_and_weights("nemotron_moe", mtp=True)
+    del cfg["mtp_hybrid_override_pattern"]
+    module = get_model_module(cfg["model_type"])
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.load_weights(list(model.sanitize(dict(weights)).items()), strict=True)
+    assert model.mtp is None and "mtp.layers.0.eh_proj.weight" in model.mtp_weights
     assert not any(k.startswith("mtp") for k, _ in tree_flatten(model.parameters()))
 
 

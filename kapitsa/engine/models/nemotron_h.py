@@ -6,8 +6,9 @@ the router see the full hidden state). Dory-class dense models are patterns with
 The layer stack comes from `hybrid_override_pattern` (`M` Mamba-2, `*` attention, `-` MLP,
 `E` MoE) or `layers_block_type` / `layer_types`. Parameter paths match mlx-lm's.
 
-MTP: the checkpoint's `mtp.*` tensors are taken out of the load by `sanitize` and kept, converted
-the same way, in `model.mtp_weights` (a dict of arrays, not parameters of this module).
+MTP: when the config names the MTP step's blocks and the checkpoint ships their `mtp.*` tensors,
+`sanitize` attaches `self.mtp` (nemotron_mtp.py) and returns its weights; without a config for
+them, the tensors are kept aside in `model.mtp_weights` (a dict of arrays, not parameters).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine import kernels
-from kapitsa.engine.cache.layers import KVCache, RecurrentCache, StepInfo
+from kapitsa.engine.cache.hybrid import HybridCache
+from kapitsa.engine.cache.layers import KVCache, RecurrentCache, StepInfo, full_step
 from kapitsa.engine.kernels.mamba import probe as probe_mamba_kernels
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.kernels.router import route
@@ -31,6 +33,7 @@ from kapitsa.engine.models.base import (
 )
 from kapitsa.engine.models.mamba2 import Mamba2Mixer
 from kapitsa.engine.models.nemotron_h_args import ModelArgs
+from kapitsa.engine.models.nemotron_mtp import NemotronMTPHead, mtp_weight_names
 from kapitsa.engine.models.nemotron_weights import sanitize_nemotron
 from kapitsa.engine.ops.linear import act_linear_plus, normed_linear
 from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
@@ -235,6 +238,7 @@ class Model(HybridLM):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         object.__setattr__(self, "_mtp_weights", {})  # a plain attribute, not module parameters
+        self.mtp = None
 
     @property
     def mtp_weights(self) -> dict[str, mx.array]:
@@ -261,9 +265,37 @@ class Model(HybridLM):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         main, mtp = sanitize_nemotron(weights, self.args)
+        pattern = self.args.mtp_pattern
+        if mtp and pattern and "mtp.layers.0.eh_proj.weight" in mtp:
+            self.mtp = NemotronMTPHead(self.args, pattern, lambda ch: Block(self.args, ch))
+            return main | mtp_weight_names(mtp)
         if mtp:
             object.__setattr__(self, "_mtp_weights", mtp)  # not a parameter: kept beside the model
         return main
+
+    # -- MTP -------------------------------------------------------------------------------
+    def make_mtp_cache(self, batch_size: int = 1) -> HybridCache:
+        caches = [self.make_layer_cache(layer.block) for layer in self.mtp.layers]
+        return HybridCache(caches, batch_size)
+
+    def mtp_forward(
+        self, next_ids: mx.array, hidden: mx.array, cache: HybridCache | None = None, *, lengths=None
+    ) -> mx.array:
+        """Token t+2's hidden state from token t+1's ids and the target's final-normed hidden at t
+        (both [B, T]); already through the step's `final_layernorm`."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint ships no MTP weights")
+        h = self.mtp.combine(self.backbone.embeddings(next_ids), hidden)
+        B, T = next_ids.shape
+        info = cache.begin(T, lengths) if cache is not None else full_step(B, T, lengths)
+        for i, layer in enumerate(self.mtp.layers):
+            h = layer.block(h, info, None if cache is None else cache[i])
+        if cache is not None:
+            cache.end(info)
+        return self.mtp.layers[-1].final_layernorm(h)
+
+    def mtp_logits(self, hidden: mx.array) -> mx.array:
+        return self.head()(hidden)
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool | dict:
         """The router (`mixer.gate`) is not an nn.Linear and stays float; everything else may quantize."""

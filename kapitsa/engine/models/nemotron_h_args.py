@@ -9,6 +9,7 @@ from kapitsa.engine.models.base import (
     known_fields,
     require,
 )
+from kapitsa.engine.models.nemotron_mtp import mtp_pattern
 
 _BLOCK_CHARS = {
     "linear_attention": "M",
@@ -28,6 +29,7 @@ class ModelArgs:
     num_attention_heads: int
     num_key_value_heads: int
     pattern: str
+    mtp_pattern: str = ""  # the block kinds of one MTP step ("*E"); "" when the config names none
     head_dim: int | None = None
     attention_bias: bool = False
     intermediate_size: int = 0
@@ -58,6 +60,7 @@ class ModelArgs:
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
         params = dict(config)
         params["pattern"] = _pattern(config)
+        params["mtp_pattern"] = mtp_pattern(config)
         # Older configs spell some Mamba fields with a `mamba_` prefix.
         for old, new in (
             ("mamba_n_groups", "n_groups"),
