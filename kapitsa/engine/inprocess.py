@@ -49,6 +49,8 @@ class InProcessEngine:
         eos_token_ids: tokens that end a generation.
         config: engine settings.
         decode: the decode strategy (plain, or a speculative decoder).
+        images: expands image placeholders and preprocesses images (`LoadedModel.images`); None
+            for a text-only model, which then refuses requests with images.
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class InProcessEngine:
         eos_token_ids: frozenset[int] | set[int] | tuple[int, ...] = (),
         config: EngineConfig | None = None,
         decode: DecodeStrategy | None = None,
+        images: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images
         self.encoder = PromptEncoder(tokenizer)
         vocab_size = model_vocab_size(model) or info.vocab_size
         self.info = dataclasses.replace(info, vocab_size=vocab_size)
@@ -87,6 +91,7 @@ class InProcessEngine:
             eos_token_ids=loaded.tokenizer.eos_token_ids,
             config=config,
             decode=decode,
+            images=loaded.images,
         )
 
     # EngineClient
@@ -129,7 +134,7 @@ class InProcessEngine:
 
     async def count_tokens(self, request: GenerationRequest) -> int:
         prepared = await asyncio.to_thread(
-            prepare_prompt, self.tokenizer, request, encode=self.encoder.encode
+            prepare_prompt, self.tokenizer, request, encode=self.encoder.encode, images=self.images
         )
         return len(prepared.ids)
 
@@ -173,7 +178,7 @@ class InProcessEngine:
     # helpers
 
     def _make_sequence(self, request: GenerationRequest) -> Sequence:
-        prepared = prepare_prompt(self.tokenizer, request, encode=self.encoder.encode)
+        prepared = prepare_prompt(self.tokenizer, request, encode=self.encoder.encode, images=self.images)
         if not prepared.ids:
             raise InvalidRequest("the prompt is empty")
         check_request_token_ids(request, prepared.ids, self.info.vocab_size)
@@ -190,6 +195,8 @@ class InProcessEngine:
             )
         seq = self._new_sequence(request, prepared.ids, max_tokens=max_tokens, reserve=reserve)
         seq.boundaries = prepared.boundaries
+        if prepared.media is not None:
+            seq.media, seq.prompt_key_ids = prepared.media, prepared.media.key_ids(prepared.ids)
         seq.forks = [self._choice(seq, index) for index in range(1, request.n)]
         return seq
 
@@ -222,6 +229,7 @@ class InProcessEngine:
             request, first.prompt_ids, max_tokens=first.max_tokens, reserve=first.reserved_tokens
         )
         seq.choice_index = index
+        seq.media, seq.prompt_key_ids = first.media, first.prompt_key_ids
         return seq
 
     def _output_limit(self, prompt_tokens: int, wanted: int | None) -> tuple[int, int]:

@@ -79,7 +79,8 @@ class GenerationRequest:
     """One generation. Exactly one of `prompt`, `prompt_token_ids` or `messages` is set.
 
     `messages`/`tools` are rendered by the model's own chat template (Hugging Face semantics);
-    `chat_template_kwargs` carries extras such as `enable_thinking`.
+    `chat_template_kwargs` carries extras such as `enable_thinking`. `images` are encoded image
+    files (PNG, JPEG...), one per `{"type": "image"}` content part of `messages`, in order.
     """
 
     prompt: str | None = None
@@ -95,11 +96,14 @@ class GenerationRequest:
     # Choices from one prompt: its prefill runs once, then each choice decodes on a fork of its state
     # (seeded requests use seed + index); events carry the choice's `index`.
     n: int = 1
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ValueError("exactly one of prompt, prompt_token_ids or messages must be given")
+        if self.images and self.messages is None:
+            raise ValueError("images go with messages (their content parts place them)")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
 
@@ -202,6 +206,7 @@ class ModelInfo:
     vocab_size: int | None = None  # rows of the model's embedding: token ids must lie in [0, vocab_size)
     eos_decay: tuple[int, float] | None = None  # the checkpoint's default SamplingParams.eos_decay
     max_token_bytes: int | None = None  # the longest token's UTF-8 bytes (None: unknown)
+    vision: bool = False  # the model reads images in the prompt
 
 
 @dataclass(slots=True, frozen=True)

@@ -30,7 +30,14 @@ from kapitsa.testing.tiny_tokenizer import (
     tokenizer_json,
 )
 
-__all__ = ["KINDS", "TINY_VOCAB_SIZE", "tiny_config", "tiny_weights", "write_tiny_checkpoint"]
+__all__ = [
+    "KINDS",
+    "TINY_VOCAB_SIZE",
+    "tiny_config",
+    "tiny_preprocessor_config",
+    "tiny_weights",
+    "write_tiny_checkpoint",
+]
 
 Kind = Literal["qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "nemotron_h_dense"]
 TINY_VOCAB_SIZE = 512  # model rows; the tokenizer uses fewer (real checkpoints pad the same way)
@@ -164,4 +171,26 @@ def write_tiny_checkpoint(
     (folder / "tokenizer_config.json").write_text(dumps(tok_config))
     if chat_template_file:
         (folder / "chat_template.jinja").write_text(template)
+    if vision and "vision_config" in config:
+        (folder / "preprocessor_config.json").write_text(dumps(tiny_preprocessor_config(config)))
     return folder
+
+
+def tiny_preprocessor_config(config: dict[str, Any]) -> dict[str, Any]:
+    """preprocessor_config.json of a tiny Qwen3.5 vision checkpoint, in Qwen's published form, with a
+    pixel budget of 16x16 to 64x64 (4 to 64 image tokens) so image prompts stay short."""
+    v = config["vision_config"]
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": v["spatial_merge_size"],
+        "patch_size": v["patch_size"],
+        "processor_class": "Qwen3VLProcessor",
+        "rescale_factor": 1 / 255,
+        "size": {"longest_edge": 64 * 64, "shortest_edge": 16 * 16},
+        "temporal_patch_size": v["temporal_patch_size"],
+    }

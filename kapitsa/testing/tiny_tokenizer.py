@@ -84,7 +84,10 @@ QWEN_TEMPLATE = """\
 {%- macro text(content) %}
     {%- if content is string %}{{- content }}
     {%- elif content is iterable and content is not mapping %}
-        {%- for item in content %}{%- if 'text' in item %}{{- item.text }}{%- endif %}{%- endfor %}
+        {%- for item in content %}
+            {%- if item.type == 'image' or 'image' in item or 'image_url' in item %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif 'text' in item %}{{- item.text }}{%- endif %}
+        {%- endfor %}
     {%- endif %}
 {%- endmacro %}
 {%- if tools and tools is iterable and tools is not mapping %}

@@ -58,6 +58,8 @@ class HybridCache:
     def __init__(self, layers: Sequence[LayerCache], batch_size: int = 1):
         self.layers: list[LayerCache] = list(layers)
         self.offsets: list[int] = [0] * batch_size
+        # per row: rope position minus cache position after the prompt (vision prompts; see StepInfo)
+        self.rope_deltas: list[int] = [0] * batch_size
         self._last: StepInfo | None = None  # the latest forward, for rollback
 
     def __getitem__(self, i: int) -> LayerCache:
@@ -84,7 +86,8 @@ class HybridCache:
         rows = None if parents is None else tree.validate_parents(parents, self.batch_size, T)
         for layer in self._recurrent():
             layer.record = None  # a new forward invalidates the previous pass's replay records
-        return StepInfo(T, lengths, list(self.offsets), record or rows is not None, rows)
+        deltas = list(self.rope_deltas) if any(self.rope_deltas) else None
+        return StepInfo(T, lengths, list(self.offsets), record or rows is not None, rows, deltas)
 
     def end(self, info: StepInfo) -> None:
         if info.parents is None:  # a tree forward holds nothing until `commit_path`
@@ -192,6 +195,7 @@ class HybridCache:
         idx = mx.array(list(rows), dtype=mx.int32)
         out = HybridCache([_clone_empty(c) for c in self.layers], len(rows))
         out.offsets = [self.offsets[r] for r in rows]
+        out.rope_deltas = [self.rope_deltas[r] for r in rows]
         keep = _round_up(max(out.offsets, default=0))
         for src, dst in zip(self.layers, out.layers, strict=True):
             if isinstance(src, KVCache) and src.keys is not None:
@@ -205,11 +209,13 @@ class HybridCache:
         """Keep only the given rows (sequences leaving the batch), in place."""
         kept = self.select(rows)
         self.layers, self.offsets, self._last = kept.layers, kept.offsets, None
+        self.rope_deltas = kept.rope_deltas
 
     def extend(self, other: HybridCache) -> None:
         """Append other's sequences to this batch, in place."""
         merged = HybridCache.merge([self, other])
         self.layers, self.offsets, self._last = merged.layers, merged.offsets, None
+        self.rope_deltas = merged.rope_deltas
 
     @staticmethod
     def merge(caches: Sequence[HybridCache]) -> HybridCache:
@@ -218,6 +224,7 @@ class HybridCache:
             raise ValueError("merge needs caches of the same model")
         out = HybridCache([_clone_empty(c) for c in caches[0].layers], sum(c.batch_size for c in caches))
         out.offsets = [o for c in caches for o in c.offsets]
+        out.rope_deltas = [d for c in caches for d in c.rope_deltas]
         for i, dst in enumerate(out.layers):
             parts = [c.layers[i] for c in caches]
             if isinstance(dst, KVCache):

@@ -23,6 +23,12 @@ class StepInfo:
     offsets: list[int]  # tokens already held per row before this forward
     record: bool = False  # keep replay records for `rollback`
     parents: list[list[int]] | None = None  # draft tree per row (see ops/tree.py); None = chains
+    # Rope position minus cache position per row (a Qwen3.5-VL image takes fewer positions than
+    # tokens); None: every row's tokens sit at their cache positions.
+    rope_deltas: list[int] | None = None
+    # `[3, B, T]` multi-axis rope positions of a prefill chunk with image tokens; None: rope at
+    # `rope_base[b] + t` on every axis.
+    positions: mx.array | None = None
     _windows: dict[int, mx.array] = field(default_factory=dict, repr=False)
 
     @property
@@ -32,12 +38,20 @@ class StepInfo:
     @cached_property  # asked by every layer of a forward
     def plain_decode(self) -> bool:
         """One token per row, no padding, no tree, no replay record: the steady decode step."""
-        return self.T == 1 and not self.record and self.parents is None and not self.ragged
+        plain = self.T == 1 and not self.record and self.parents is None
+        return plain and not self.ragged and self.positions is None
+
+    @cached_property
+    def rope_base(self) -> list[int]:
+        """Each row's rope position of its first token in this forward."""
+        if not self.rope_deltas:
+            return self.offsets
+        return [o + d for o, d in zip(self.offsets, self.rope_deltas, strict=True)]
 
     @cached_property
     def offsets_array(self) -> mx.array:
-        """`[B]` int32 offsets (rope positions), one array per forward for every layer."""
-        return mx.array(self.offsets, dtype=mx.int32)
+        """`[B]` int32 rope positions of each row's first token, one array per forward for every layer."""
+        return mx.array(self.rope_base, dtype=mx.int32)
 
     @property
     def uniform_offsets(self) -> bool:
@@ -57,7 +71,8 @@ class StepInfo:
 
     @property
     def rope_offsets(self) -> int | mx.array:
-        return self.offsets[0] if self.uniform_offsets else mx.array(self.offsets, dtype=mx.int32)
+        base = self.rope_base
+        return base[0] if len(set(base)) <= 1 else self.offsets_array
 
     def conv_windows(self, kernel: int) -> mx.array:
         """`[B, T, K]` conv rows of each tree node (computed once per kernel size)."""
@@ -68,7 +83,7 @@ class StepInfo:
     @cached_property
     def tree_positions(self) -> mx.array:
         """`[B, T]` per-node positions of a tree forward (offset + depth)."""
-        return tree.tree_positions(self.parents, self.offsets)
+        return tree.tree_positions(self.parents, self.rope_base)
 
     @property
     def kv_len(self) -> int:

@@ -33,6 +33,7 @@ from kapitsa.engine.models import get_model_module
 from kapitsa.engine.text.thinking_probe import probe_thinking
 from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.engine.types import ModelInfo
+from kapitsa.engine.vision import image_prompter
 from kapitsa.errors import CheckpointError, InvalidRequest, UnsupportedModel
 
 _MAX_ERROR_CHARS = 600
@@ -47,6 +48,8 @@ class LoadedModel:
     info: ModelInfo
     # generation_config.json (the publisher's sampling defaults: temperature, top_p, top_k...); {} if none
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # turns image placeholders into image tokens (kapitsa.engine.vision); None for text-only models
+    images: Any = None
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -212,12 +215,15 @@ def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str |
     default_id = ref.source if not Path(ref.source).expanduser().exists() else path.name
     info = make_model_info(model_id or default_id, config, tokenizer, path, quantization)
     generation = _generation_config(path) if path.is_dir() else {}
+    takes_images = path.is_dir() and getattr(model, "takes_images", False)
+    images = image_prompter(config, path, tokenizer) if takes_images else None
     info = dataclasses.replace(
         info,
         max_output_tokens=_output_limit(info.context_length, generation),
         eos_decay=_eos_decay(generation),
+        vision=images is not None,
     )
-    return LoadedModel(model, tokenizer, config, path, info, generation)
+    return LoadedModel(model, tokenizer, config, path, info, generation, images)
 
 
 def _output_limit(context_length: int, generation: dict[str, Any]) -> int:

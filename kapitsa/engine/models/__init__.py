@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kapitsa.engine.models import nemotron_h, qwen3_5
+from kapitsa.engine.models import nemotron_h, qwen3_5, qwen3_5_vision
 from kapitsa.errors import UnsupportedModel
 
 # model_type (as in config.json) -> the module that builds it
 MODEL_TYPES: dict[str, ModuleType] = {
-    "qwen3_5": qwen3_5,
-    "qwen3_5_moe": qwen3_5,
+    "qwen3_5": qwen3_5_vision,  # published with a vision tower
+    "qwen3_5_moe": qwen3_5_vision,
     "qwen3_5_text": qwen3_5,
     "qwen3_5_moe_text": qwen3_5,
     "qwen3_next": qwen3_5,

@@ -40,6 +40,7 @@ from kapitsa.engine.kernels.attention import decode_attention
 from kapitsa.engine.kernels.attention import probe as attention_probe
 from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.loading.fuse import fuse_into, normed_projections, projections
+from kapitsa.engine.models.media import MediaChunk
 from kapitsa.engine.ops.linear import linear_plus, normed_linear
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.options import KernelOptions
@@ -209,7 +210,9 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, info: StepInfo, cache: KVCache | None) -> mx.array:
         q, k, v, gate = self.project(x)
-        if self.rope is not None and info.parents is not None:
+        if self.rope is not None and info.positions is not None:  # image tokens (an `MRope`)
+            q, k = self.rope.at_axes(q, info.positions), self.rope.at_axes(k, info.positions)
+        elif self.rope is not None and info.parents is not None:
             q, k = (
                 self.rope.at_positions(q, info.tree_positions),
                 self.rope.at_positions(k, info.tree_positions),
@@ -264,6 +267,8 @@ def fast_chain(info: StepInfo, cache: LayerCache, options: KernelOptions) -> boo
     """Whether this layer call may take the compiled short-chain path (T > 1)."""
     if not options.compile_decode or info.parents is not None or info.ragged or not 1 < info.T <= CHAIN_MAX_T:
         return False
+    if info.positions is not None:  # multi-axis rope positions: the layer's plain path rotates them
+        return False
     if isinstance(cache, RecurrentCache):
         return cache.conv is not None and cache.state is not None
     return True
@@ -315,9 +320,11 @@ class HybridLM(nn.Module):
         record: bool = False,
         taps: tuple[int, ...] = (),
         parents: list[list[int]] | None = None,
+        media: MediaChunk | None = None,
     ) -> ForwardOutput:
         """`parents` (per row, preorder; needs a cache) verifies a draft tree: every node sees its
-        ancestors only, nothing is held until `cache.commit_path(paths)`."""
+        ancestors only, nothing is held until `cache.commit_path(paths)`. `media` (batch 1) puts
+        image features in place of image tokens' embeddings and gives their rope positions."""
         embed, layers, _ = self.backbone_parts()
         if inputs.ndim != 2:
             raise ValueError(f"inputs must be [batch, tokens], got shape {inputs.shape}")
@@ -331,6 +338,8 @@ class HybridLM(nn.Module):
                 raise ValueError(f"cache holds {cache.batch_size} sequences, inputs has {B} rows")
             info = cache.begin(T, lengths, record, parents)
         h = embed(inputs)
+        if media is not None:
+            h, info.positions = media.splice(h), media.positions
         out = ForwardOutput(h)
         for i, layer in enumerate(layers):
             h = layer(h, info, None if cache is None else cache[i])

@@ -31,7 +31,7 @@ from kapitsa.engine.models.qwen3_5_args import ModelArgs
 from kapitsa.engine.models.qwen_weights import sanitize_qwen
 from kapitsa.engine.models.sparse_moe import MLP, SparseMoe
 from kapitsa.engine.ops.gated_delta import fast_kernel_works
-from kapitsa.engine.ops.rope import Rope
+from kapitsa.engine.ops.rope import MRope, Rope
 from kapitsa.engine.options import KernelOptions
 
 
@@ -44,7 +44,12 @@ class DecoderLayer(nn.Module):
         if kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(a)
         else:
-            rope = Rope(int(a.head_dim * a.partial_rotary_factor), a.rope_theta, a.rope_scaling)
+            dims = int(a.head_dim * a.partial_rotary_factor)
+            rope = (
+                Rope(dims, a.rope_theta, a.rope_scaling)
+                if a.mrope_section is None
+                else MRope(dims, a.rope_theta, a.rope_scaling, a.mrope_section)
+            )
             self.self_attn = Attention(
                 a.hidden_size,
                 a.num_attention_heads,

@@ -46,6 +46,7 @@ class ModelArgs:
     rope_scaling: dict[str, Any] | None = None
     rope_parameters: dict[str, Any] | None = None
     mtp_num_hidden_layers: int = 0
+    mrope_section: list[int] | None = None  # rope frequencies per (time, height, width) axis, images
     max_position_embeddings: int = 262144
 
     @classmethod
@@ -62,6 +63,8 @@ class ModelArgs:
         rope = self.rope_parameters or {}
         self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
         self.partial_rotary_factor = float(rope.get("partial_rotary_factor", self.partial_rotary_factor))
+        if self.mrope_section is None and isinstance(rope.get("mrope_section"), list):
+            self.mrope_section = [int(n) for n in rope["mrope_section"]]
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             self.rope_scaling = rope
         if self.layer_types is None:

@@ -59,7 +59,11 @@ def rope_reference(x: mx.array, dims: int, inv_freq: mx.array, offsets: mx.array
 
 def rope_at_positions(x: mx.array, dims: int, inv_freq: mx.array, positions: mx.array) -> mx.array:
     """x `[B, H, T, D]` rotated at arbitrary per-token positions `[B, T]` (draft trees)."""
-    angles = positions.astype(mx.float32)[..., None] * inv_freq  # [B, T, dims/2]
+    return rotate_at_angles(x, dims, positions.astype(mx.float32)[..., None] * inv_freq)
+
+
+def rotate_at_angles(x: mx.array, dims: int, angles: mx.array) -> mx.array:
+    """x `[B, H, T, D]` with its first `dims` features rotated by `angles [B, T, dims/2]` (NeoX layout)."""
     cos, sin = mx.cos(angles)[:, None], mx.sin(angles)[:, None]
     rot, rest = x[..., :dims].astype(mx.float32), x[..., dims:]
     x1, x2 = rot[..., : dims // 2], rot[..., dims // 2 :]
@@ -96,3 +100,29 @@ class Rope:
         return mx.fast.rope(
             x, self.dims, traditional=False, base=None, scale=1.0, offset=offsets, freqs=self._periods
         )
+
+
+def interleaved_axis_selector(section: list[int], freq_dim: int) -> list[int]:
+    """Qwen3.5-VL's interleaved multi-axis rope: which position axis (0 time, 1 height, 2 width)
+    each rotary frequency reads; height takes frequencies 1, 4, 7..., width 2, 5, 8... (mlx-vlm's
+    `_interleaved_position_selector`)."""
+    selector = [0] * freq_dim
+    for axis in (1, 2):
+        for i in range(axis, min(section[axis] * 3, freq_dim), 3):
+            selector[i] = axis
+    return selector
+
+
+class MRope(Rope):
+    """A `Rope` that also rotates at multi-axis positions `[3, B, T]` (image tokens of a vision
+    prompt). Text positions are equal on every axis, which is the plain rope of `Rope`."""
+
+    def __init__(self, dims: int, base: float, scaling: dict[str, Any] | None, section: list[int]):
+        super().__init__(dims, base, scaling)
+        self.selector = mx.array(interleaved_axis_selector(section, dims // 2), dtype=mx.int32)
+        mx.eval(self.selector)  # built on the loading thread, read on the engine thread (see Rope)
+
+    def at_axes(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x `[B, H, T, D]` rotated at per-token multi-axis positions `[3, B, T]`."""
+        per_freq = mx.take(positions, self.selector, axis=0).transpose(1, 2, 0)  # [B, T, dims/2]
+        return rotate_at_angles(x, self.dims, per_freq.astype(mx.float32) * self.inv_freq)

@@ -234,7 +234,7 @@ class Engine:
         end = seq.next_chunk_end(self.config.prefill_chunk)
         t0 = time.perf_counter()
         if end > start:
-            logits = self.runner.prefill(seq.cache, seq.prompt_ids[start:end])
+            logits = self.runner.prefill(seq.cache, seq.prompt_ids[start:end], media=seq.media, start=start)
         else:  # an exact prefix-cache hit that kept the next-token logits
             logits = seq.pending_logits
         seq.pending_logits = None
@@ -265,11 +265,11 @@ class Engine:
         seq.sampler = SequenceSampler(
             seq.request.sampling, seq.prompt_ids, eos_ids=seq.eos_ids, constraint=seq.constraint
         )
-        match = self.prefix.lookup(seq.prompt_ids) if self.prefix is not None else None
+        match = self.prefix.lookup(seq.key_ids) if self.prefix is not None else None
         if match is None:
             seq.cache = self.runner.new_cache()
         else:
-            seq.cache = self.runner.restore(match)
+            seq.cache = self.runner.restore(match, seq.media)
             seq.num_processed = seq.num_cached_tokens = match.pos
             seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
         self.stats.prompt_cached += seq.num_cached_tokens
@@ -284,7 +284,7 @@ class Engine:
         """Add a branch boundary where the tree's KV runs past its checkpoints, and periodic ones."""
         extra: list[Boundary] = []
         if self.prefix is not None:
-            shared = self.prefix.match_length(seq.prompt_ids)
+            shared = self.prefix.match_length(seq.key_ids)
             if seq.num_processed < shared < seq.num_prompt_tokens:
                 extra.append(Boundary(shared, "branch"))
         step = self.checkpoint_interval
@@ -301,7 +301,7 @@ class Engine:
             return
         cache = seq.cache
         is_new = self.prefix.insert(
-            seq.prompt_ids[:pos],
+            seq.key_ids[:pos],
             recurrent=self.runner.recurrent_state(cache),
             kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
             kind=boundary.kind,
@@ -315,7 +315,7 @@ class Engine:
         if self.prefix is None or cache is None or seq.finish_reason == "abort":
             return
         pos = cache.offsets[0]
-        tokens = seq.all_ids
+        tokens = seq.all_key_ids
         if pos <= seq.num_cached_tokens or pos > len(tokens):
             return
         self.prefix.insert(
@@ -370,7 +370,7 @@ class Engine:
         seq.last_checkpoint_pos = pos
         cache = self.batch.extract(row)
         self.prefix.insert(
-            seq.all_ids[:pos],
+            seq.all_key_ids[:pos],
             recurrent=self.runner.recurrent_state(cache),
             kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
             kind="periodic",

@@ -22,6 +22,8 @@ from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears
 from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.memory import StateSizes
+from kapitsa.engine.runner.vision import ImageFeatures
+from kapitsa.engine.vision.media import PromptMedia
 
 KV_AXIS = 2  # token axis of KV buffers
 _Layout = tuple[
@@ -56,13 +58,23 @@ class ModelRunner:
         self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]
         self.dtype = dtype or _param_dtype(model)
         self._layout: _Layout | None = None  # state shapes and dtypes, measured by `state_sizes`
+        self.images = ImageFeatures(model) if getattr(model, "takes_images", False) else None
 
     # forward
 
-    def prefill(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
-        """Feed `tokens` to a batch-1 cache; return the logits after the last one ([V])."""
+    def prefill(
+        self, cache: HybridCache, tokens: Sequence[int], *, media: PromptMedia | None = None, start: int = 0
+    ) -> mx.array:
+        """Feed `tokens` to a batch-1 cache; return the logits after the last one ([V]). With
+        `media` (the prompt's images), `tokens` are the prompt's tokens from `start` on."""
         inputs = mx.array([list(tokens)], dtype=mx.int32)
-        hidden = self.model.forward(inputs, cache).hidden
+        if media is None:
+            hidden = self.model.forward(inputs, cache).hidden
+        else:
+            cache.rope_deltas = [media.delta_after(start)]
+            chunk = self.images.chunk(media, start, start + len(tokens))
+            hidden = self.model.forward(inputs, cache, media=chunk).hidden
+            cache.rope_deltas = [media.delta_after(start + len(tokens))]
         logits = self.model.logits(hidden[:, -1:, :])[0, -1]
         mx.eval(logits, *cache.state_arrays())
         return logits
@@ -100,9 +112,12 @@ class ModelRunner:
             out += [layer.conv, layer.state]
         return tuple(out)
 
-    def restore(self, match: PrefixMatch) -> HybridCache:
-        """A batch-1 cache holding `match.pos` tokens: KV copied in, recurrent state shared."""
+    def restore(self, match: PrefixMatch, media: PromptMedia | None = None) -> HybridCache:
+        """A batch-1 cache holding `match.pos` tokens: KV copied in, recurrent state shared (and the
+        rope delta the prompt's images leave there)."""
         cache = self.model.make_cache(1)
+        if media is not None:
+            cache.rope_deltas = [media.delta_after(match.pos)]
         kv = iter(match.kv)
         for i in self.kv_layers:
             layer = cache.layers[i]

@@ -101,6 +101,8 @@ class Sequence:
     choice_index: int = 0  # which of the request's n choices this is
     forks: list[Sequence] = field(default_factory=list)  # the other choices, until the prefill ends
     constraint: Any = None  # a TokenConstraint for a constrained request, built before it is queued
+    media: Any = None  # the prompt's images (a vision.media.PromptMedia), None for text
+    prompt_key_ids: list[int] | None = None  # prefix-cache keys: images' tokens keyed by their pixels
 
     @property
     def request_id(self) -> str:
@@ -117,6 +119,15 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        """The prompt as the prefix cache keys it (`prompt_ids` unless it holds images)."""
+        return self.prompt_ids if self.prompt_key_ids is None else self.prompt_key_ids
+
+    @property
+    def all_key_ids(self) -> list[int]:
+        return self.key_ids + self.output_ids
 
     @property
     def token_ids(self) -> TokenIds:

@@ -8,12 +8,13 @@ the assistant's reply differently, e.g. dropping its reasoning).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kapitsa.engine.runner.sequence import Boundary
 from kapitsa.engine.types import GenerationRequest
+from kapitsa.engine.vision.media import PromptMedia
 from kapitsa.errors import InvalidRequest, KapitsaError
 
 Encode = Callable[[str], list[int]]
@@ -38,16 +39,32 @@ class PromptTokenizer(Protocol):
 class PreparedPrompt:
     ids: list[int]
     boundaries: list[Boundary]
+    media: PromptMedia | None = None  # the prompt's images, when it has any
+
+
+class ImagePrompter(Protocol):
+    """Expands image placeholders and preprocesses images (kapitsa.engine.vision provides it)."""
+
+    def expand(self, ids: list[int], images: Sequence[bytes]) -> tuple[list[int], PromptMedia]: ...
 
 
 def prepare_prompt(
-    tokenizer: PromptTokenizer, request: GenerationRequest, *, encode: Encode | None = None
+    tokenizer: PromptTokenizer,
+    request: GenerationRequest,
+    *,
+    encode: Encode | None = None,
+    images: ImagePrompter | None = None,
 ) -> PreparedPrompt:
-    """Render and tokenize a request. Raises `InvalidRequest` for prompts that cannot be rendered.
+    """Render and tokenize a request. Raises `InvalidRequest` for prompts that cannot be rendered,
+    and for images sent to a model without `images` (a text-only model).
 
     `encode` replaces `tokenizer.encode` (e.g. a caching `PromptEncoder`); it must give the same ids.
     """
     encode = encode or tokenizer.encode
+    if request.images:
+        if images is None:
+            raise InvalidRequest("the served model reads text only; it cannot take images")
+        return _prepare_with_images(tokenizer, request, encode, images)
     if request.prompt_token_ids is not None:
         return PreparedPrompt(list(request.prompt_token_ids), [])
     if request.prompt is not None:
@@ -55,6 +72,17 @@ def prepare_prompt(
     messages = [dict(m) for m in request.messages or ()]
     ids = encode(_render(tokenizer, request, messages, request.add_generation_prompt))
     return PreparedPrompt(ids, message_boundaries(tokenizer, request, messages, ids, encode=encode))
+
+
+def _prepare_with_images(
+    tokenizer: PromptTokenizer, request: GenerationRequest, encode: Encode, images: ImagePrompter
+) -> PreparedPrompt:
+    messages = [dict(m) for m in request.messages or ()]
+    rendered = encode(_render(tokenizer, request, messages, request.add_generation_prompt))
+    boundaries = message_boundaries(tokenizer, request, messages, rendered, encode=encode)
+    ids, media = images.expand(rendered, request.images)
+    moved = [Boundary(media.expanded(b.pos), b.kind) for b in boundaries]
+    return PreparedPrompt(ids, moved, media)
 
 
 def _render(
