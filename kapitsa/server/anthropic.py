@@ -46,6 +46,7 @@ from kapitsa.server.common import (
 )
 from kapitsa.server.constraints import anthropic_constraint
 from kapitsa.server.errors import ApiError, anthropic_error_body, api_error_from_kapitsa
+from kapitsa.server.images import take_images
 from kapitsa.server.input_checks import check_prompt_size
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
@@ -218,8 +219,10 @@ class MessageBuilder:
 def to_generation_request(body: MessagesRequest, model: ModelInfo) -> GenerationRequest:
     thinking = thinking_choice(body)
     tools = chat_tools(body)
+    messages, images = take_images(chat_messages(body), model)
     return GenerationRequest(
-        messages=tuple(chat_messages(body)),
+        messages=tuple(messages),
+        images=images,
         tools=tuple(tools or ()) or None,
         model=model.id,
         sampling=make_sampling(

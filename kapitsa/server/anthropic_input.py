@@ -8,11 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.errors import InvalidRequest
+from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, strip_attribution
 from kapitsa.server.settings import MAX_MESSAGES
 from kapitsa.server.tool_schema import check_tool_schema
 
-_UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+_UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload")
 log = logging.getLogger("kapitsa.server")
 _SKIPPED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result", "tool_reference")
 
@@ -62,22 +63,29 @@ def _block_text(block: dict[str, Any]) -> str:
     return text
 
 
-def _result_text(content: Any) -> str:
+def _texts(blocks: list[dict[str, Any]]) -> str:
+    return "\n".join(_block_text(b) for b in blocks)
+
+
+def _result_content(content: Any) -> str | list[dict[str, Any]]:
+    """A tool result's text, or its text and images (a screenshot tool's) as template parts."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise InvalidRequest("tool_result `content` must be a string or a list of blocks.")
-    texts = []
+    kept = []
     for block in content:
         if not isinstance(block, dict):
             raise InvalidRequest("tool_result content blocks must be objects.")
-        if block.get("type") == "text":
-            texts.append(_block_text(block))
+        if block.get("type") in ("text", "image"):
+            kept.append(block)
         elif block.get("type") in _UNSUPPORTED_BLOCKS:
             raise InvalidRequest(
-                f"`{block.get('type')}` blocks are not supported: the served model reads text only."
+                f"`{block.get('type')}` blocks are not supported: the served model reads text and images only."
             )
-    return "\n".join(texts)
+    if any(is_image_part(b) for b in kept):
+        return content_parts(kept, _texts)
+    return _texts(kept)
 
 
 def _skip(kind: Any, role: str) -> None:
@@ -91,29 +99,31 @@ def _skip(kind: Any, role: str) -> None:
 def _user_messages(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tool results become `tool` messages (in order); the remaining text one user message after them."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    kept: list[dict[str, Any]] = []  # the user's own text and image blocks, in order
     for block in blocks:
         kind = block.get("type")
         if kind == "tool_result":
-            text = _result_text(block.get("content"))
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": str(block.get("tool_use_id", "")),
-                    "content": f"Error: {text}"
-                    if block.get("is_error") and not text.startswith("Error")
-                    else text,
-                }
-            )
-        elif kind == "text":
-            texts.append(_block_text(block))
+            out.append(_tool_message(block))
+        elif kind in ("text", "image"):
+            kept.append(block)
         elif kind in _UNSUPPORTED_BLOCKS:
-            raise InvalidRequest(f"`{kind}` blocks are not supported: the served model reads text only.")
+            raise InvalidRequest(
+                f"`{kind}` blocks are not supported: the served model reads text and images only."
+            )
         else:
             _skip(kind, "user")
-    if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if any(is_image_part(b) for b in kept):
+        out.append({"role": "user", "content": content_parts(kept, _texts)})
+    elif kept:
+        out.append({"role": "user", "content": _texts(kept)})
     return out
+
+
+def _tool_message(block: dict[str, Any]) -> dict[str, Any]:
+    content = _result_content(block.get("content"))
+    if isinstance(content, str) and block.get("is_error") and not content.startswith("Error"):
+        content = f"Error: {content}"
+    return {"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": content}
 
 
 def _assistant_message(blocks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 from kapitsa.engine.types import GenerationRequest, ModelInfo
 from kapitsa.server.common import flatten_text, openai_sampling, param_error, thinking_kwargs
 from kapitsa.server.constraints import output_constraint
+from kapitsa.server.images import IMAGE_PART_TYPES, content_parts, take_images
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 from kapitsa.server.tool_schema import check_tool_schema
@@ -18,6 +19,14 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages → chat-template messages (HF semantics: tool-call arguments as dicts)."""
     out: list[dict[str, Any]] = []
     for m in messages:
+        if (
+            m.role == "user"
+            and isinstance(m.content, list)
+            and any(p.type in IMAGE_PART_TYPES for p in m.content)
+        ):
+            parts = [p.model_dump(exclude_none=True) for p in m.content]
+            out.append({"role": "user", "content": content_parts(parts, flatten_text)})
+            continue
         text = flatten_text(m.content)
         if m.role in ("tool", "function"):
             out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id or m.name or ""})
@@ -89,7 +98,7 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
             raise param_error("response_format", "response_format json_schema needs `json_schema.schema`.")
         # The hint stays beside the grammar: a real model writes better JSON when told to.
         messages.insert(0, {"role": "system", "content": json_mode_instruction(schema)})
-    messages = fold_system_messages(messages)
+    messages, images = take_images(fold_system_messages(messages), model)
     if not messages:
         raise param_error("messages", "messages holds no user or assistant message.")
     sampling = openai_sampling(
@@ -117,4 +126,5 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         chat_template_kwargs=thinking_kwargs(chat_thinking(body)),
         request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
         n=body.n,
+        images=images,
     )

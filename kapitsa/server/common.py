@@ -134,7 +134,8 @@ def usage_cached(usage: Usage) -> int:
 
 
 def flatten_text(content: Any, *, allowed: tuple[str, ...] = ("text", "input_text", "output_text")) -> str:
-    """Text of a string or a list of content parts; image parts are refused (text-only models)."""
+    """Text of a string or a list of content parts; image parts are refused (server.images reads them
+    in user messages and tool results)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -146,7 +147,9 @@ def flatten_text(content: Any, *, allowed: tuple[str, ...] = ("text", "input_tex
         if kind in allowed and isinstance(text, str):
             texts.append(text)
         elif kind in ("image", "image_url", "input_image", "input_audio", "file", "input_file", "document"):
-            raise InvalidRequest(f"`{kind}` content is not supported: the served model reads text only.")
+            raise InvalidRequest(
+                f"`{kind}` content is not supported here: images are read in user messages, by a model that reads images."
+            )
     return "\n".join(texts)
 
 

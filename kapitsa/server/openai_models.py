@@ -17,6 +17,7 @@ class _Lenient(BaseModel):
 class ContentPart(_Lenient):
     type: str
     text: str | None = None
+    image_url: str | dict[str, Any] | None = None  # `image_url` parts: {"url": "data:..." | "file://..."}
 
 
 class FunctionCallIn(_Lenient):

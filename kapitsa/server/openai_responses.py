@@ -33,6 +33,7 @@ from kapitsa.server.common import (
     thinking_kwargs,
 )
 from kapitsa.server.constraints import responses_constraint
+from kapitsa.server.images import take_images
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser
 from kapitsa.server.response_store import (
@@ -61,8 +62,10 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     history = previous_conversation(state.responses, body.previous_response_id)
     tools, namespaces, custom = function_tools(body)
     thinking = thinking_choice(body)
+    messages, images = take_images(build_messages(body, history), model)
     gen = GenerationRequest(
-        messages=tuple(build_messages(body, history)),
+        messages=tuple(messages),
+        images=images,
         tools=tuple(tools) or None,
         model=model.id,
         sampling=make_sampling(

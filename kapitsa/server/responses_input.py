@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import flatten_text
+from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 from kapitsa.server.settings import MAX_MESSAGES
 from kapitsa.server.tool_schema import check_tool_schema
@@ -59,6 +60,13 @@ def _text(content: Any) -> str:
     return flatten_text(content)
 
 
+def _user_content(content: Any) -> str | list[dict[str, Any]]:
+    """A user message's content: text, or text and `input_image` parts (resolved by server.images)."""
+    if isinstance(content, list) and any(is_image_part(p) for p in content):
+        return content_parts([p for p in content if isinstance(p, dict)], _text)
+    return _text(content)
+
+
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's own input as items (a string is one user message)."""
     if isinstance(body.input, str):
@@ -83,7 +91,9 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "reasoning":
             pending_reasoning += _reasoning_text(item)
         elif kind == "message":
-            messages.append({"role": _role(item.get("role")), "content": _text(item.get("content"))})
+            role = _role(item.get("role"))
+            content = _user_content(item.get("content")) if role == "user" else _text(item.get("content"))
+            messages.append({"role": role, "content": content})
         elif kind in ("function_call", "custom_tool_call"):
             _append_call(messages, item)
         elif kind in ("function_call_output", "custom_tool_call_output"):
