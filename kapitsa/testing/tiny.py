@@ -29,6 +29,12 @@ from kapitsa.testing.tiny_tokenizer import (
     tokenizer_config,
     tokenizer_json,
 )
+from kapitsa.testing.tiny_vision import (
+    NEMOTRON_VL_TYPE,
+    nemotron_preprocessor_config,
+    nemotron_vl_config,
+    radio_shapes,
+)
 
 __all__ = [
     "KINDS",
@@ -67,6 +73,9 @@ def tiny_shapes(
 ) -> Shapes:
     if config["model_type"] == "nemotron_h":
         return nemotron_shapes(config)
+    if config["model_type"] == NEMOTRON_VL_TYPE:
+        text = {f"language_model.{k}": v for k, v in nemotron_shapes(config["text_config"]).items()}
+        return text | radio_shapes(config)
     return qwen_shapes(config, mtp=mtp, vision=vision, fused_experts=fused_experts)
 
 
@@ -102,7 +111,7 @@ def tiny_weights(
     fused_experts: bool = True,
 ) -> dict[str, np.ndarray]:
     """float32 weights under their Hugging Face names; each tensor's values depend only on (seed, name)."""
-    qwen = config["model_type"] != "nemotron_h"
+    qwen = config["model_type"] not in ("nemotron_h", NEMOTRON_VL_TYPE)
     weights = {}
     for name, shape in tiny_shapes(config, mtp=mtp, vision=vision, fused_experts=fused_experts).items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
@@ -142,7 +151,8 @@ def write_tiny_checkpoint(
         dtype: storage dtype of the safetensors.
         shards: >1 writes `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`.
         mtp: add the `mtp.*` multi-token-prediction block (Qwen kinds).
-        vision: add the `model.visual.*` tower (Qwen3.5 kinds), as the published checkpoints have.
+        vision: add the `model.visual.*` tower (Qwen3.5 kinds), as the published checkpoints have;
+            for Nemotron-H kinds, write the vision-language omni layout (tiny_vision.py) instead.
         fused_experts: Qwen3.5 MoE experts as Qwen publishes them (`experts.gate_up_proj`), or
             per-expert tensors as re-saved copies have them.
         chat_template_file: put the template in `chat_template.jinja` instead of tokenizer_config.json.
@@ -156,6 +166,8 @@ def write_tiny_checkpoint(
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     config = tiny_config(kind, **config_overrides)
+    if vision and _family(kind) == "nemotron":
+        config = nemotron_vl_config(config, token_ids("nemotron"))
     if "text_config" in config:
         config["text_config"]["dtype"] = dtype
     else:
@@ -171,7 +183,9 @@ def write_tiny_checkpoint(
     (folder / "tokenizer_config.json").write_text(dumps(tok_config))
     if chat_template_file:
         (folder / "chat_template.jinja").write_text(template)
-    if vision and "vision_config" in config:
+    if vision and config["model_type"] == NEMOTRON_VL_TYPE:
+        (folder / "preprocessor_config.json").write_text(dumps(nemotron_preprocessor_config(config)))
+    elif vision and "vision_config" in config:
         (folder / "preprocessor_config.json").write_text(dumps(tiny_preprocessor_config(config)))
     return folder
 

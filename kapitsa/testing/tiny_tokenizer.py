@@ -36,6 +36,7 @@ QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response
 NEMOTRON_SPECIAL = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{i}>" for i in range(3, 10)]
 NEMOTRON_SPECIAL += ["<|im_start|>", "<|im_end|>"]
 NEMOTRON_ADDED = QWEN_ADDED[4:] + QWEN_ADDED[:4]
+NEMOTRON_IMAGE = ["<image>", "<img>", "</img>"]  # after everything else, so text ids stay put
 
 
 def _base_tokenizer() -> Tokenizer:
@@ -63,6 +64,7 @@ def tokenizer_json(family: str) -> str:
     tok.train_from_iterator(_CORPUS, trainer)
     if family == "nemotron":
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in NEMOTRON_ADDED])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in NEMOTRON_IMAGE])
     else:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL])
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_ADDED])
@@ -71,7 +73,11 @@ def tokenizer_json(family: str) -> str:
 
 def token_ids(family: str) -> dict[str, int]:
     tok = Tokenizer.from_str(tokenizer_json(family))
-    names = NEMOTRON_SPECIAL + NEMOTRON_ADDED if family == "nemotron" else QWEN_SPECIAL + QWEN_ADDED
+    names = (
+        NEMOTRON_SPECIAL + NEMOTRON_ADDED + NEMOTRON_IMAGE
+        if family == "nemotron"
+        else QWEN_SPECIAL + QWEN_ADDED
+    )
     return {name: tok.token_to_id(name) for name in names}
 
 
@@ -200,8 +206,14 @@ NEMOTRON_TEMPLATE = """\
 {%- endif %}
 {{- '<|im_end|>\\n' }}
 {%- for message in loop_messages %}
-    {%- if message.role == 'user' %}
+    {%- if message.role == 'user' and message.content is string %}
         {{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\\n' }}
+        {%- for item in message.content %}
+            {%- if item.type == 'image' %}{{- '<image>' }}{%- elif 'text' in item %}{{- item.text }}{%- endif %}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
     {%- elif message.role == 'assistant' %}
         {%- set content = message.content or '' %}
         {%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}

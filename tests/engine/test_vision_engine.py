@@ -1,4 +1,4 @@
-"""Image prompts inside the engine, on a tiny Qwen3.5 checkpoint with its vision tower: images change
+"""Image prompts inside the engine, on tiny Qwen3.5 and Nemotron-H vision-language checkpoints: images change
 the answer, chunking, batching and speculation leave it alone, and the prefix cache reuses an image
 a conversation re-sends (and never a different one)."""
 
@@ -37,12 +37,14 @@ def png(fill: int | None = None, *, width: int = 40, height: int = 24, seed: int
 
 
 BLACK, WHITE, NOISE = png(0), png(255), png(seed=3)
-IMAGE_TOKENS = (24 // 4) * (40 // 4) // 4  # a 40x24 image: 6x10 patches of 4 px, merged 2x2
+IMAGE_TOKENS = (24 // 4) * (40 // 4) // 4  # a 40x24 image: 6x10 patches of 4 px, merged 2x2 (both families)
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return load_model(write_tiny_checkpoint(tmp_path_factory.mktemp("vl") / "qwen", "qwen3_5", vision=True))
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def loaded(request, tmp_path_factory):
+    """Each family's tiny vision-language checkpoint (Nemotron-H: the omni layout, tiny_vision.py)."""
+    folder = tmp_path_factory.mktemp("vl") / request.param
+    return load_model(write_tiny_checkpoint(folder, request.param, vision=True))
 
 
 def _client(loaded, decode=None, **cfg) -> InProcessEngine:  # noqa: ANN001
@@ -102,7 +104,8 @@ async def test_the_image_decides_the_answer_and_its_tokens_are_counted(loaded) -
     finally:
         client.close()
     assert black != white
-    # the image part renders <|vision_start|><|image_pad|><|vision_end|>; the pad becomes 15 tokens
+    # the image part renders <|vision_start|><|image_pad|><|vision_end|> (Qwen) or <image> (Nemotron,
+    # which becomes <img>, the image's tokens, </img>)
     assert black_usage.prompt_tokens == counted == text_only + 2 + IMAGE_TOKENS
 
 

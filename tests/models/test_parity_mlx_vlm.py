@@ -142,3 +142,96 @@ def test_parity_detects_a_wrong_image_feature():
     _, got = ours_greedy(ours, ONE_IMAGE, IMAGES[:1], 1)
     _, want = mlx_vlm_greedy(ref, ONE_IMAGE, IMAGES[:1], 1)
     assert mx.abs(got[0] - want[0]).max().item() > 1e-3
+
+
+# -- Nemotron-H vision-language (mlx-vlm's nemotron_h_nano_omni) --------------------------------
+NEMO = token_ids("nemotron")
+NEMO_IMAGE = NEMO["<image>"]
+NEMO_ONE = [3, 17, NEMO_IMAGE, 42, 99, 7]
+NEMO_TWO = [3, 17, NEMO_IMAGE, 42, 99, NEMO_IMAGE, 7, 8, 9]
+NEMO_IMAGES = (png(50, 30, 1), png(24, 40, 2))  # downscaled to 40x24 (6x10 patches), kept as is
+
+
+def _nemotron_weights() -> tuple[dict, dict]:
+    from kapitsa.testing.tiny_vision import nemotron_vl_config
+
+    config = nemotron_vl_config(tiny.tiny_config("nemotron_h"), NEMO)
+    return config, tiny.tiny_weights(config)
+
+
+def _nemotron_prompter():
+    from kapitsa.engine.vision.nemotron import NemotronImages, NemotronImageSettings
+    from kapitsa.testing.tiny_vision import nemotron_preprocessor_config
+
+    settings = NemotronImageSettings.from_config(nemotron_preprocessor_config(_nemotron_weights()[0]))
+    return NemotronImages(settings, image_id=NEMO_IMAGE, start_id=NEMO["<img>"], end_id=NEMO["</img>"])
+
+
+def build_ours_nemotron():
+    config, hf = _nemotron_weights()
+    module = get_model_module(config["model_type"])
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.load_weights(list(model.sanitize({k: mx.array(v) for k, v in hf.items()}).items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def build_mlx_vlm_nemotron():
+    from mlx_vlm.models import nemotron_h_nano_omni
+
+    config, hf = _nemotron_weights()
+    model = nemotron_h_nano_omni.Model(nemotron_h_nano_omni.ModelConfig.from_dict(config))
+    # as mlx_vlm.utils.load does: the model's sanitize, then the language model's
+    weights = model.language_model.sanitize(model.sanitize({k: mx.array(v) for k, v in hf.items()}))
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def nemotron_greedy(model, ids: list[int], images: tuple[bytes, ...], n: int, *, ours: bool):  # noqa: ANN001
+    """Ours: prefill in CHUNK-token pieces through the engine's image path; mlx-vlm: one forward
+    with the same pixels (its processor's equality is tested below)."""
+    full, media = _nemotron_prompter().expand(ids, images)
+    if not ours:
+        cache = model.language_model.make_cache()
+        pixels = [mx.array(s.pixels) for s in media.images]
+        first = model(mx.array([full]), pixels, cache=cache).logits[:, -1]
+        return _decode(lambda t: model.language_model(mx.array([[t]]), cache=cache).logits[:, -1], first, n)
+    features, cache = ImageFeatures(model), model.make_cache(1)
+    for start in range(0, len(full), CHUNK):
+        end = min(start + CHUNK, len(full))
+        out = model.forward(mx.array([full[start:end]]), cache, media=features.chunk(media, start, end))
+    first = model.logits(out.hidden)[:, -1]
+    return _decode(lambda t: model(mx.array([[t]]), cache)[:, -1], first, n)
+
+
+@pytest.mark.parametrize(
+    ("ids", "images"), [(NEMO_ONE, NEMO_IMAGES[:1]), (NEMO_TWO, NEMO_IMAGES)], ids=["one", "two"]
+)
+def test_nemotron_image_prompt_matches_mlx_vlm(ids, images):
+    ours, ref = build_ours_nemotron(), build_mlx_vlm_nemotron()
+    got, got_rows = nemotron_greedy(ours, ids, images, 32, ours=True)
+    want, want_rows = nemotron_greedy(ref, ids, images, 32, ours=False)
+    assert got == want
+    assert len(set(got)) > 4
+    assert max(mx.abs(a - b).max().item() for a, b in zip(got_rows, want_rows, strict=True)) < 1e-4
+
+
+def test_nemotron_preprocessing_matches_mlx_vlm():
+    from mlx_vlm.models.nemotron_h_nano_omni import NemotronHNanoOmniImageProcessor
+
+    images = (*NEMO_IMAGES, png(200, 90, 3), png(9, 70, 4), png(8, 8, 5))  # down, up, elongated, tiny
+    prompter = _nemotron_prompter()
+    s = prompter.settings
+    reference = NemotronHNanoOmniImageProcessor(
+        norm_mean=list(s.norm_mean), norm_std=list(s.norm_std), patch_size=s.patch_size,
+        downsample_ratio=s.downsample_ratio, min_num_patches=s.min_num_patches,
+        max_num_patches=s.max_num_patches, max_model_len=s.max_model_len,
+    )  # fmt: skip
+    for data in images:
+        want = reference([Image.open(io.BytesIO(data)).convert("RGB")])
+        full, media = prompter.expand([NEMO_IMAGE], (data,))
+        span = media.images[0]
+        assert span.length == want["num_tokens"][0]
+        assert full == [NEMO["<img>"], *[NEMO_IMAGE] * span.length, NEMO["</img>"]]
+        assert np.abs(span.pixels - np.asarray(want["pixel_values"])[0]).max() < 1e-5

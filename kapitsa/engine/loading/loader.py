@@ -53,8 +53,9 @@ class LoadedModel:
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config (Qwen3.5 nests it under `text_config`)."""
-    nested = config.get("text_config")
+    """The language model's part of a config (vision-language checkpoints nest it under `text_config`
+    or `llm_config`)."""
+    nested = config.get("text_config", config.get("llm_config"))
     return nested if isinstance(nested, dict) else config
 
 
@@ -122,7 +123,7 @@ def _load_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
 
 
 def _family(config: dict[str, Any]) -> str:
-    return "nemotron_h" if config.get("model_type") == "nemotron_h" else "qwen3_5"
+    return "nemotron_h" if str(config.get("model_type", "")).startswith("nemotron") else "qwen3_5"
 
 
 def _tool_call_format(family: str, template: str | None) -> str:

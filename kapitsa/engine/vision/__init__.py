@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from kapitsa.errors import CheckpointError
 
+NEMOTRON_VL_TYPES = ("nemotron_h_nano_omni", "nemotron_h_omni", "nemotronh_nano_omni_reasoning_v3")
+
 if TYPE_CHECKING:
     from kapitsa.engine.text.prepare import ImagePrompter
 
@@ -37,7 +39,7 @@ def image_prompter(config: dict[str, Any], folder: Path, tokenizer: Any) -> Imag
             _json(folder, "preprocessor_config.json"), _json(folder, "processor_config.json")
         )
         return QwenImages(settings, image_token_id=int(config.get("image_token_id", 248056)))
-    if model_type in ("nemotron_h_vl", "NemotronH_Nano_VL_V2", "nemotron_h_nano_omni"):
+    if model_type in NEMOTRON_VL_TYPES:
         from kapitsa.engine.vision.nemotron import NemotronImages
 
         return NemotronImages.from_checkpoint(config, _json(folder, "preprocessor_config.json"), tokenizer)
