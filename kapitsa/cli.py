@@ -59,6 +59,14 @@ TreeOpt = Annotated[
         help="Verify a draft tree instead of a chain (default: what `bench --tune-speculation` measured, else a chain).",
     ),
 ]
+KvBitsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-bits",
+        help="Attention K/V at 8 or 4 bits (about 1/2 or 1/4 of bf16: longer contexts, more conversations "
+        "kept); auto: what doctor's fit needs on this machine; off (the default): bf16.",
+    ),
+]
 AgentArgs = Annotated[
     list[str] | None, typer.Argument(help="Arguments passed through to the agent (after --).")
 ]
@@ -113,6 +121,7 @@ def run(
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = None,
+    kv_bits: KvBitsOpt = None,
 ) -> None:
     """Generate from a prompt and stream the answer."""
     from kapitsa.commands.run import RunOptions, cmd_run
@@ -132,6 +141,7 @@ def run(
             draft=draft,
             draft_tokens=draft_tokens,
             tree=tree,
+            kv_bits=kv_bits,
         )
     )
 
@@ -148,6 +158,7 @@ def serve(
     draft: DraftOpt = None,
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = None,
+    kv_bits: KvBitsOpt = None,
 ) -> None:
     """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
     from kapitsa.commands.serve import cmd_serve
@@ -160,6 +171,7 @@ def serve(
         draft=draft,
         draft_tokens=draft_tokens,
         tree=tree,
+        kv_bits=kv_bits,
     )
 
 

@@ -39,6 +39,7 @@ class MemoryEstimate:
     headroom_bytes: int
     max_context: int  # tokens that fit, capped at the model's context window
     verdict: Verdict
+    kv_bits: int | None = None  # K/V quantized to 8 or 4 bits; None: bf16
 
     @property
     def fixed_bytes(self) -> int:
@@ -52,8 +53,18 @@ class MemoryEstimate:
         )
 
 
-def kv_bytes_per_token(arch: Architecture, dtype_bytes: int = KV_BYTES) -> int:
-    return arch.attention_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype_bytes
+def kv_bytes_per_token(arch: Architecture, dtype_bytes: int = KV_BYTES, *, kv_bits: int | None = None) -> int:
+    """K and V of every attention layer for one token; `kv_bits` 8 or 4: quantized as the engine
+    stores them (packed words plus a `dtype_bytes` scale and bias per group, cache/quantized_kv.py)."""
+    if kv_bits is None:
+        return arch.attention_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype_bytes
+    row = arch.head_dim * kv_bits // 8 + 2 * (arch.head_dim // kv_group_size(arch.head_dim)) * dtype_bytes
+    return arch.attention_layers * 2 * arch.num_kv_heads * row
+
+
+def kv_group_size(head_dim: int) -> int:
+    """The engine's quantization group for a head size: 64 where it divides it, else 32."""
+    return 64 if head_dim % 64 == 0 else 32
 
 
 def gdn_layer_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) -> int:
@@ -77,11 +88,13 @@ def recurrent_state_bytes(arch: Architecture, conv_bytes: int = CONV_BYTES) -> i
     ) + arch.mamba_layers * mamba_layer_state_bytes(arch, conv_bytes)
 
 
-def update_transient_bytes(arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
+def update_transient_bytes(
+    arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES, *, kv_bits: int | None = None
+) -> int:
     """A K/V update produces the layer's new buffer while the old one is still alive: one layer's K/V extra."""
     if arch.attention_layers == 0:
         return 0
-    return kv_bytes_per_token(arch, dtype_bytes) // arch.attention_layers * context_tokens
+    return kv_bytes_per_token(arch, dtype_bytes, kv_bits=kv_bits) // arch.attention_layers * context_tokens
 
 
 def weights_bytes(arch: Architecture, bits_per_weight: float) -> int:
@@ -122,26 +135,41 @@ def estimate(
     num_checkpoints: int = DEFAULT_CHECKPOINTS,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     headroom_bytes: int = HEADROOM_BYTES,
+    kv_bits: int | None = None,
 ) -> MemoryEstimate:
-    """How much context one sequence can hold in `usable_bytes`, and whether the model fits at all."""
+    """How much context one sequence can hold in `usable_bytes`, and whether the model fits at all
+    (`kv_bits`: with K/V quantized to 8 or 4 bits)."""
     state = recurrent_state_bytes(arch)
     partial = MemoryEstimate(
         usable_bytes=usable_bytes,
         weights_bytes=weight_bytes,
-        kv_bytes_per_token=kv_bytes_per_token(arch),
+        kv_bytes_per_token=kv_bytes_per_token(arch, kv_bits=kv_bits),
         state_bytes=state,
         checkpoint_bytes=num_checkpoints * state,
         workspace_bytes=workspace_bytes(arch, prefill_chunk),
         headroom_bytes=headroom_bytes,
         max_context=0,
         verdict="too_big",
+        kv_bits=kv_bits,
     )
     free = usable_bytes - partial.fixed_bytes
-    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1)
+    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits)
     max_context = _context_that_fits(arch, free, per_token)
     return MemoryEstimate(
         **{**_as_dict(partial), "max_context": max_context, "verdict": _verdict(arch, free, max_context)}
     )
+
+
+def choose_kv_bits(arch: Architecture, *, usable_bytes: int, weight_bytes: int, **options: int) -> int | None:
+    """The K/V precision doctor's fit picks: bf16 (None) when it holds a comfortable context, else
+    the fewest bits' reduction that does (8, then 4); 4 when nothing reaches it but 4 bits fit at all.
+    `options` go to `estimate` (num_checkpoints, prefill_chunk, headroom_bytes)."""
+    comfortable = min(COMFORTABLE_CONTEXT, arch.context_length)
+    for bits in (None, 8, 4):
+        est = estimate(arch, usable_bytes=usable_bytes, weight_bytes=weight_bytes, kv_bits=bits, **options)
+        if est.max_context >= comfortable:
+            return bits
+    return 4 if est.verdict != "too_big" else None
 
 
 def _context_that_fits(arch: Architecture, free: int, kv_per_token: int) -> int:

@@ -8,6 +8,7 @@ The engine is imported inside the functions (it loads MLX); an engine missing fr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kapitsa.engine.options import DEFAULT_SPECULATIVE, EngineConfig, KernelOptions
 from kapitsa.errors import InvalidRequest, KapitsaError, ModelNotFound, NotBuilt, NotDownloaded
+from kapitsa.kv_fit import parse_kv_bits, resolve_kv_bits
 from kapitsa.settings import KapitsaSettings, load_settings
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ def open_engine(
     draft_tokens: int | None = None,
     tree: bool | None = None,
     settings: KapitsaSettings | None = None,
+    kv_bits: str | int | None = None,
 ) -> InProcessEngine:
     """Load a model and start its engine thread; the caller closes it (`contextlib.closing`).
 
@@ -41,6 +44,8 @@ def open_engine(
             `tree` given, the draft shape `kapitsa bench --tune-speculation` measured fastest for
             this model and backend applies (a chain of up to 7 tokens when none was measured).
         settings: the user settings (default: read them); the disk tier lives in their state folder.
+        kv_bits: the `--kv-bits` flag: 8 or 4 (quantized attention K/V), "auto" (doctor's fit
+            picks for this machine) or None (the activation dtype).
     Returns:
         The running engine, an `EngineClient` with a `close()`.
     Raises:
@@ -48,8 +53,10 @@ def open_engine(
     """
     settings = settings or load_settings()
     check_speculation(speculative, draft)
+    kv_choice = parse_kv_bits(kv_bits)
     config = engine_config(settings)
     loaded = load_for_ref(ref, settings=settings)
+    config = dataclasses.replace(config, kv_bits=resolve_kv_bits(kv_choice, loaded.path))
     if tree is None and draft_tokens is None and speculative != "none":
         tuned = read_tuned(loaded, settings)
         if tuned is not None:

@@ -29,6 +29,7 @@ class RunOptions:
     draft: str | None = None
     draft_tokens: int | None = None
     tree: bool | None = None  # None: the tuned draft shape, else a chain
+    kv_bits: str | None = None  # --kv-bits: "8", "4", "auto"; None: off
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +76,7 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
         draft=options.draft,
         draft_tokens=options.draft_tokens,
         tree=options.tree,
+        kv_bits=options.kv_bits,
     )
     with contextlib.closing(engine) as client:
         result = asyncio.run(generate(client, request, None if options.json_out else out))

@@ -38,15 +38,23 @@ def cmd_serve(
     draft: str | None = None,
     draft_tokens: int | None = None,
     tree: bool | None = None,
+    kv_bits: str | None = None,
 ) -> None:
+    from kapitsa.kv_fit import parse_kv_bits
     from kapitsa.opener import check_speculation, open_engine
 
     settings = make_settings(model=model, host=host, port=port, speculative=speculative)
     check_bind(settings)
     check_speculation(settings.speculative, draft)
+    parse_kv_bits(kv_bits)  # a bad flag fails before the port check and the weights
     check_port_free(settings)
     engine = open_engine(
-        settings.model, speculative=settings.speculative, draft=draft, draft_tokens=draft_tokens, tree=tree
+        settings.model,
+        speculative=settings.speculative,
+        draft=draft,
+        draft_tokens=draft_tokens,
+        tree=tree,
+        kv_bits=kv_bits,
     )
     with contextlib.closing(engine) as client:
         _serve_recorded(client, settings)

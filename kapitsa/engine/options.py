@@ -19,6 +19,7 @@ SPECULATIVE_MODES = ("none", "ngram", "mtp", "draft", "block", "auto")
 DEFAULT_SPECULATIVE = "auto"
 
 GIB = 1024**3
+KV_BITS_CHOICES = (None, 8, 4)  # `--kv-bits`: None keeps K/V in the activation dtype
 
 # Kernel families a model can route through (kernels/): the Gated DeltaNet step, the MoE expert
 # kernels, the quantized mat-vecs, the Mamba-2 step, the fused MoE router, attention's decode kernels.
@@ -116,8 +117,11 @@ class EngineConfig:
     max_queued: int = 256
     model_key: str = "model"  # names the disk-tier folder: weights + dtype + template identity
     cpu_float32_bytes: int = 2 * GIB  # CPU device only: float32 weights and BLAS copies (model_runner.py)
+    kv_bits: int | None = None  # attention K/V at 8 or 4 bits (cache/quantized_kv.py); None: activation dtype
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1 or self.max_running < 1:
             raise ValueError("prefill_chunk and max_running must be >= 1")
+        if self.kv_bits not in KV_BITS_CHOICES:
+            raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES[1:]} or None, not {self.kv_bits}")

@@ -146,11 +146,11 @@ class HybridCache:
         src, dst = (offsets + order)[:, None, :, None], (offsets + mx.arange(P))[:, None, :, None]
         for layer in self.layers:
             if isinstance(layer, KVCache) and layer.keys is not None:
-                layer.keys = mx.put_along_axis(
-                    layer.keys, dst, mx.take_along_axis(layer.keys, src, axis=2), axis=2
-                )
-                layer.values = mx.put_along_axis(
-                    layer.values, dst, mx.take_along_axis(layer.values, src, axis=2), axis=2
+                layer.set_slots(
+                    [
+                        mx.put_along_axis(a, dst, mx.take_along_axis(a, src, axis=2), axis=2)
+                        for a in layer.slots()
+                    ]
                 )
         mask = mx.arange(P)[None, :] < mx.array(kept)[:, None]
         for layer in self._recurrent():
@@ -199,7 +199,7 @@ class HybridCache:
         keep = _round_up(max(out.offsets, default=0))
         for src, dst in zip(self.layers, out.layers, strict=True):
             if isinstance(src, KVCache) and src.keys is not None:
-                dst.keys, dst.values = src.keys[idx, :, :keep], src.values[idx, :, :keep]
+                dst.set_slots([a[idx, :, :keep] for a in src.slots()])
             elif isinstance(src, RecurrentCache):
                 dst.conv = None if src.conv is None else src.conv[idx]
                 dst.state = None if src.state is None else src.state[idx]
@@ -254,7 +254,7 @@ class HybridCache:
         out: list[mx.array] = []
         for c in self.layers:
             if isinstance(c, KVCache) and c.keys is not None:
-                out += [c.keys, c.values]
+                out += c.slots()
             elif isinstance(c, RecurrentCache):
                 out += [a for a in (c.conv, c.state) if a is not None]
         return out
@@ -262,28 +262,25 @@ class HybridCache:
 
 def _clone_empty(c: LayerCache) -> LayerCache:
     if isinstance(c, KVCache):
-        return KVCache(c.n_kv_heads, c.head_dim)
+        return c.empty_like()
     if isinstance(c, RecurrentCache):
         return RecurrentCache(c.conv_shape, c.state_shape)
     return None
 
 
 def _merge_kv(dst: KVCache, parts: list[KVCache], sizes: list[int], capacity: int) -> None:
-    dtype = next((p.keys.dtype for p in parts if p.keys is not None), None)
-    if dtype is None or capacity == 0:
+    like = next((p.slots() for p in parts if p.keys is not None), ())
+    if not like or capacity == 0:
         return
-    keys, values = [], []
+    merged: list[list[mx.array]] = [[] for _ in like]
     for p, b in zip(parts, sizes, strict=True):
-        shape = (b, dst.n_kv_heads, capacity, dst.head_dim)
-        if p.keys is None:
-            keys.append(mx.zeros(shape, dtype))
-            values.append(mx.zeros(shape, dtype))
-            continue
-        have = min(p.keys.shape[2], capacity)
-        pad = [(0, 0), (0, 0), (0, capacity - have), (0, 0)]
-        keys.append(mx.pad(p.keys[:, :, :have], pad))
-        values.append(mx.pad(p.values[:, :, :have], pad))
-    dst.keys, dst.values = mx.concatenate(keys), mx.concatenate(values)
+        for j, (ref, a) in enumerate(zip(like, p.slots() or [None] * len(like), strict=True)):
+            if a is None:  # a row that holds nothing yet: zeros of every slot's shape
+                merged[j].append(mx.zeros((b, ref.shape[1], capacity, *ref.shape[3:]), ref.dtype))
+                continue
+            have = min(a.shape[2], capacity)
+            merged[j].append(mx.pad(a[:, :, :have], [(0, 0), (0, 0), (0, capacity - have), (0, 0)]))
+    dst.set_slots([mx.concatenate(m) for m in merged])
 
 
 def _merge_recurrent(dst: RecurrentCache, parts: list[RecurrentCache], sizes: list[int]) -> None:

@@ -145,6 +145,21 @@ class KVCache:
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
+    # The layer's arrays with the token axis at 2, for code that moves rows or positions without
+    # knowing the storage (batching, tree commits, the prefix cache): (K, V) here; a quantized
+    # cache has six (cache/quantized_kv.py).
+    def slots(self) -> tuple[mx.array, ...]:
+        return () if self.keys is None or self.values is None else (self.keys, self.values)
+
+    def set_slots(self, arrays: Sequence[mx.array]) -> None:
+        self.keys, self.values = tuple(arrays) if arrays else (None, None)
+
+    def empty_like(self) -> KVCache:
+        return KVCache(self.n_kv_heads, self.head_dim)
+
+    def bytes_per_token(self, dtype: mx.Dtype) -> int:
+        return 2 * self.n_kv_heads * self.head_dim * dtype.size
+
 
 @dataclass
 class ReplayRecord:

@@ -35,6 +35,7 @@ import mlx.nn as nn
 from kapitsa.engine import kernels
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.layers import KVCache, LayerCache, RecurrentCache, StepInfo, full_step
+from kapitsa.engine.cache.quantized_kv import QuantizedKVCache, quantize_kv_layers
 from kapitsa.engine.kernels import attn_prep, cpu_blas
 from kapitsa.engine.kernels.attention import decode_attention
 from kapitsa.engine.kernels.attention import probe as attention_probe
@@ -167,6 +168,8 @@ class Attention(nn.Module):
         """Write k/v to the cache, attend; `[B, T, H*D]`."""
         if cache is not None:
             k, v = cache.update(k, v, info)
+            if isinstance(cache, QuantizedKVCache):
+                return cache.attention(q, k, v, info, scale=self.scale)
         return self._sdpa(q, k, v, info)
 
     def _sdpa(self, q: mx.array, k: mx.array, v: mx.array, info: StepInfo) -> mx.array:
@@ -185,6 +188,8 @@ class Attention(nn.Module):
         fast kernel for, attention is kapitsa's decode kernel (kernels/attention.py), which also
         applies the output gate."""
         keys, values = cache.update(k, v, info)
+        if isinstance(cache, QuantizedKVCache):
+            return cache.attention(q, keys, values, info, scale=self.scale), (() if gate is None else (gate,))
         if (
             kernels.enabled("attn", self.kernel_options)
             and info.T == 1
@@ -298,6 +303,8 @@ class HybridLM(nn.Module):
     (embedding, layers, final norm), `head()` -> (embedding-as-linear or lm_head), and
     `make_layer_cache(layer)`; each layer is called as `layer(h, info, layer_cache)`."""
 
+    kv_bits: int | None = None  # attention K/V stored at 8 or 4 bits (use_kv_bits); None: as computed
+
     def __call__(
         self,
         inputs: mx.array,
@@ -367,7 +374,8 @@ class HybridLM(nn.Module):
         return self.head()(self.final_norm(hidden))
 
     def make_cache(self, batch_size: int = 1) -> HybridCache:
-        return HybridCache([self.make_layer_cache(layer) for layer in self.layers], batch_size)
+        layers = [self.make_layer_cache(layer) for layer in self.layers]
+        return HybridCache(quantize_kv_layers(layers, self.kv_bits), batch_size)
 
     def state_bytes(self, dtype: mx.Dtype = mx.bfloat16) -> tuple[int, int]:
         """(recurrent bytes per sequence, KV bytes per token) for activations of `dtype`, from the
@@ -377,7 +385,7 @@ class HybridLM(nn.Module):
             if isinstance(c, RecurrentCache):
                 recurrent += math.prod(c.conv_shape) * dtype.size + math.prod(c.state_shape) * 4
             elif isinstance(c, KVCache):
-                kv += 2 * c.n_kv_heads * c.head_dim * dtype.size
+                kv += c.bytes_per_token(dtype)
         return recurrent, kv
 
     def cast_predicate(self, path: str) -> bool:

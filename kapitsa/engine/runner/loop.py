@@ -63,9 +63,7 @@ class Engine:
         # MLX streams are per thread: anything still lazy in the model (a dtype cast, a fresh init)
         # must be computed here, on the building thread, before the engine thread touches it.
         mx.eval(model.parameters())
-        self.runner = ModelRunner(
-            model, kernels=self.config.kernels, cpu_float32_bytes=self.config.cpu_float32_bytes
-        )
+        self.runner = ModelRunner.for_config(model, self.config)
         self.decode_strategy = decode or PlainDecode()
         sizes = self.runner.state_sizes()
         limit = self.config.memory_limit_bytes or device_memory_limit()
@@ -99,7 +97,7 @@ class Engine:
         if self.config.disk_cache_dir is not None and self.config.disk_cache_bytes > 0:
             disk = DiskTier(
                 self.config.disk_cache_dir,
-                model_key=f"{self.config.model_key}|{self.runner.dtype}",  # the CPU computes in float32
+                model_key=f"{self.config.model_key}|{self.runner.state_key}",  # the CPU computes in float32
                 budget_bytes=self.config.disk_cache_bytes,
                 validate=self.runner.check_stored,
                 write_delay_s=self.config.disk_write_delay_s,

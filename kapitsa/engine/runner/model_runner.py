@@ -15,12 +15,13 @@ from kapitsa.engine.cache.disk import StoredPrefix
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.layers import KVCache, RecurrentCache
 from kapitsa.engine.cache.prefix import PrefixMatch
+from kapitsa.engine.cache.quantized_kv import slot_count, use_kv_bits
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.kernels.probes import probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears
-from kapitsa.engine.options import KernelOptions
+from kapitsa.engine.options import EngineConfig, KernelOptions
 from kapitsa.engine.runner.memory import StateSizes
 from kapitsa.engine.runner.vision import ImageFeatures
 from kapitsa.engine.vision.media import PromptMedia
@@ -41,13 +42,16 @@ class ModelRunner:
         kernels: KernelOptions = KernelOptions(),  # noqa: B008 - frozen
         dtype: mx.Dtype | None = None,
         cpu_float32_bytes: int = 0,
+        kv_bits: int | None = None,
     ) -> None:
         """`kernels`: which kernels and rewrites the model's layers use. `cpu_float32_bytes`: on the
         CPU device, how much float32 the model may take beyond its stored weights: floating weights
         cast to float32 (the CPU has no bf16 arithmetic) and dense copies of quantized weights for
-        BLAS prefill (kernels/cpu_blas.py)."""
+        BLAS prefill (kernels/cpu_blas.py). `kv_bits`: attention K/V stored at 8 or 4 bits (None:
+        in the activation dtype)."""
         self.model = model
         use_kernel_options(model, kernels)
+        use_kv_bits(model, kv_bits)
         fuse_model(model)  # same-input projections as one mat-vec each (kapitsa.engine.loading.fuse)
         spare = _compute_in_float32(model, cpu_float32_bytes) if cpu_blas.on_cpu() else 0
         # per-row-count mat-muls on CUDA, BLAS prefill on the CPU (kapitsa.engine.ops.linear)
@@ -59,6 +63,19 @@ class ModelRunner:
         self.dtype = dtype or _param_dtype(model)
         self._layout: _Layout | None = None  # state shapes and dtypes, measured by `state_sizes`
         self.images = ImageFeatures(model) if getattr(model, "takes_images", False) else None
+
+    @classmethod
+    def for_config(cls, model, config: EngineConfig) -> ModelRunner:  # noqa: ANN001 - any HybridLM
+        """The runner an engine of `config` uses (its kernels, CPU float32 budget and KV bits)."""
+        return cls(
+            model, kernels=config.kernels, cpu_float32_bytes=config.cpu_float32_bytes, kv_bits=config.kv_bits
+        )
+
+    @property
+    def state_key(self) -> str:
+        """What a stored checkpoint's arrays depend on beyond the weights: dtype and K/V bits."""
+        bits = getattr(self.model, "kv_bits", None)
+        return str(self.dtype) if bits is None else f"{self.dtype}|kv{bits}"
 
     # forward
 
@@ -100,7 +117,7 @@ class ModelRunner:
         for i in self.kv_layers:
             layer = cache.layers[i]
             assert isinstance(layer, KVCache) and layer.keys is not None and layer.values is not None
-            out += [layer.keys[:, :, start:end], layer.values[:, :, start:end]]
+            out += [a[:, :, start:end] for a in layer.slots()]
         return tuple(out)
 
     def recurrent_state(self, cache: HybridCache) -> tuple[mx.array, ...]:
@@ -122,7 +139,7 @@ class ModelRunner:
         for i in self.kv_layers:
             layer = cache.layers[i]
             assert isinstance(layer, KVCache)
-            layer.keys, layer.values = next(kv), next(kv)
+            layer.set_slots([next(kv) for _ in range(slot_count(layer))])
         rec = iter(match.recurrent)
         for i in self.recurrent_layers:
             layer = cache.layers[i]
@@ -165,7 +182,7 @@ class ModelRunner:
         for i in self.kv_layers:
             layer = cache.layers[i]
             assert isinstance(layer, KVCache) and layer.keys is not None
-            kv_per_token += 2 * layer.keys[:, :, :1].nbytes
+            kv_per_token += sum(a[:, :, :1].nbytes for a in layer.slots())
         self._layout = _state_layout(cache, self.kv_layers, self.recurrent_layers)
         hidden = int(getattr(getattr(self.model, "args", None), "hidden_size", 0) or 0)
         # prefill scratch per chunk token: a few float32 rows of hidden size (residual, MLP widening)
@@ -207,7 +224,7 @@ def _state_layout(cache: HybridCache, kv_layers: list[int], recurrent_layers: li
     for i in kv_layers:
         layer = cache.layers[i]
         assert isinstance(layer, KVCache) and layer.keys is not None and layer.values is not None
-        kv += [(tuple(a[:, :, :1].shape), a.dtype) for a in (layer.keys, layer.values)]
+        kv += [(tuple(a[:, :, :1].shape), a.dtype) for a in layer.slots()]
     recurrent: list[tuple[tuple[int, ...], mx.Dtype]] = []
     for i in recurrent_layers:
         layer = cache.layers[i]
