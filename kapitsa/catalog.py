@@ -8,6 +8,7 @@ prints nothing, so the CLI, the TUI and the server can all use it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ _ARCH_KEYS = (
     "mamba_state_size",
     "mamba_groups",
     "conv_kernel",
+    "vision_hidden_size",
+    "vision_image_patches",
     "params_b",
     "active_params_b",
     "context_length",
@@ -86,6 +89,12 @@ class Architecture:
     mamba_state_size: int = 0
     mamba_groups: int = 0
     conv_kernel: int = 4
+    vision_hidden_size: int = 0  # the vision tower's width; 0: the model reads text only
+    vision_image_patches: int = 0  # patches of the image one encoding is budgeted for (SCREENSHOT)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision_hidden_size > 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -247,9 +256,30 @@ def package_model_path(entry: CatalogEntry) -> Path:
     return folder
 
 
+# The image the memory estimate budgets one vision encoding for: a full-HD screenshot, what coding
+# agents send (a checkpoint's processor may accept far larger images).
+SCREENSHOT = (1920, 1080)
+
+
+def screenshot_patches(patch_size: int) -> int:
+    return (SCREENSHOT[0] // patch_size) * (SCREENSHOT[1] // patch_size)
+
+
 def arch_from_config(config: dict[str, Any]) -> Architecture:
-    """Architecture numbers from a Hugging Face config.json (qwen3_5, qwen3_5_moe, qwen3_next, nemotron_h)."""
-    cfg = config.get("text_config") or config
+    """Architecture numbers from a Hugging Face config.json (qwen3_5, qwen3_5_moe, qwen3_next,
+    nemotron_h and their vision-language forms: the tower's width from `vision_config`)."""
+    arch = _text_arch(config)
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict) or not vision.get("hidden_size"):
+        return arch
+    patches = screenshot_patches(int(vision.get("patch_size") or 16))
+    return dataclasses.replace(
+        arch, vision_hidden_size=int(vision["hidden_size"]), vision_image_patches=patches
+    )
+
+
+def _text_arch(config: dict[str, Any]) -> Architecture:
+    cfg = config.get("text_config") or config.get("llm_config") or config
     layers = int(cfg["num_hidden_layers"])
     if "hybrid_override_pattern" in cfg or "layers_block_type" in cfg:
         kinds = _nemotron_layer_kinds(cfg)

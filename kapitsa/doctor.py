@@ -62,6 +62,7 @@ class ModelFit:
     verdict: Literal["fits", "tight", "too_big", "unavailable"]
     estimated: bool = False  # architecture numbers not from a primary config
     note: str = ""
+    takes_images: bool = False  # a vision-language model: prompts may hold images
 
 
 @dataclass(slots=True, frozen=True)
@@ -233,6 +234,7 @@ def _quant_fit(entry: CatalogEntry, quant: Quant, hw: HardwareProfile, num_check
         max_context=est.max_context,
         verdict=est.verdict,
         estimated=entry.estimated,
+        takes_images=entry.arch.takes_images,
     )
 
 
@@ -266,6 +268,7 @@ def _package_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int)
         max_context=est.max_context,
         verdict=est.verdict,
         note=f"in {folder}",
+        takes_images=arch.takes_images,
     )
 
 

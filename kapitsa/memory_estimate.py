@@ -2,6 +2,7 @@
 
 memory = weights + KV per token × context + recurrent state (fixed per sequence)
          + recurrent checkpoints kept by the prefix cache + activation workspace + headroom
+         (the larger of a prefill chunk's and, for vision models, one image encoding's)
          + one attention layer's K/V again (a cache update writes the new buffer before the old one goes)
 
 Only the attention layers grow with context. Gated DeltaNet and Mamba-2 layers hold a fixed state
@@ -110,6 +111,12 @@ def workspace_bytes(arch: Architecture, prefill_chunk: int = DEFAULT_PREFILL_CHU
     return prefill_chunk * arch.hidden_size * 4 * 16 + arch.vocab_size * 4 * 2
 
 
+def vision_workspace_bytes(arch: Architecture) -> int:
+    """Activations of encoding one image (`arch.vision_image_patches` patches), by the same rule of
+    thumb as a prefill chunk; it runs before the chunk that holds the image, so the larger counts."""
+    return arch.vision_image_patches * arch.vision_hidden_size * 4 * 16
+
+
 def sequence_bytes(arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
     """Cache memory of one sequence holding `context_tokens`: its KV plus its recurrent state."""
     return kv_bytes_per_token(arch, dtype_bytes) * context_tokens + recurrent_state_bytes(arch, dtype_bytes)
@@ -146,7 +153,7 @@ def estimate(
         kv_bytes_per_token=kv_bytes_per_token(arch, kv_bits=kv_bits),
         state_bytes=state,
         checkpoint_bytes=num_checkpoints * state,
-        workspace_bytes=workspace_bytes(arch, prefill_chunk),
+        workspace_bytes=max(workspace_bytes(arch, prefill_chunk), vision_workspace_bytes(arch)),
         headroom_bytes=headroom_bytes,
         max_context=0,
         verdict="too_big",

@@ -56,8 +56,15 @@ def _cells(fit: Any, downloaded: bool) -> tuple[object, ...]:
         format_context(fit.max_context),
         weights_label(fit),
         "yes" if downloaded else "-",
-        fit.name,
+        _name(fit),
     )
+
+
+def _name(fit: Any) -> Text:
+    """The model's name; vision-language models say they read images."""
+    if not getattr(fit, "takes_images", False):
+        return Text(fit.name)
+    return Text.assemble(fit.name, (" · images", "cyan"))
 
 
 def _short(ref: str, width: int = 24) -> str:
