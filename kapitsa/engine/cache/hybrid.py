@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from kapitsa.engine.cache.layers import KVCache, LayerCache, RecurrentCache, StepInfo, _round_up
 from kapitsa.engine.cache.replay import replay_compiled
+from kapitsa.engine.cache.window import RotatingKVCache
 from kapitsa.engine.ops import tree
 from kapitsa.engine.ops.conv import conv_state_after
 
@@ -84,7 +85,7 @@ class HybridCache:
         if len(lengths) != self.batch_size or any(not 0 <= n <= T for n in lengths):
             raise ValueError(f"lengths {lengths} do not fit a batch of {self.batch_size} rows of {T} tokens")
         rows = None if parents is None else tree.validate_parents(parents, self.batch_size, T)
-        for layer in self._recurrent():
+        for layer in [*self._recurrent(), *self._windowed()]:
             layer.record = None  # a new forward invalidates the previous pass's replay records
         deltas = list(self.rope_deltas) if any(self.rope_deltas) else None
         return StepInfo(T, lengths, list(self.offsets), record or rows is not None, rows, deltas)
@@ -104,7 +105,7 @@ class HybridCache:
             return self.commit()
         if info is None:
             raise ValueError("nothing to roll back: rollback undoes the latest forward only")
-        if not info.record and self._recurrent():  # attention-only caches (MTP) need no record
+        if not info.record and (self._recurrent() or self._windowed()):  # full attention (MTP) needs none
             raise ValueError("rollback needs the previous forward to run with record=True")
         if info.parents is not None:
             raise ValueError("a tree forward is resolved with commit_path, not rollback")
@@ -123,6 +124,8 @@ class HybridCache:
                 layer.conv = conv_state_after(rec.conv_in, kept, rec.kernel)
                 layer.state = rec.replay(mask)
                 layer.record = None
+        for layer in self._windowed():
+            layer.rollback(kept)
         self.offsets = [o - d for o, d in zip(self.offsets, drop, strict=True)]
         self._last = None
 
@@ -161,18 +164,20 @@ class HybridCache:
             layer.conv = conv_state_after(conv_in, kept, K)
             layer.state = rec.replay(mask, order)
             layer.record = None
+        for layer in self._windowed():
+            layer.commit_path(order, kept)
         self.offsets = [o + k for o, k in zip(info.offsets, kept, strict=True)]
         self._last = None
 
     def commit(self) -> None:
         """Keep everything the latest forward consumed and free its replay records."""
-        for layer in self._recurrent():
+        for layer in [*self._recurrent(), *self._windowed()]:
             layer.record = None
         self._last = None
 
     # -- checkpoints ------------------------------------------------------------------------
     def checkpoint(self) -> CacheCheckpoint:
-        rec = tuple((c.conv, c.state) if isinstance(c, RecurrentCache) else None for c in self.layers)
+        rec = tuple(_state_pair(c) for c in self.layers)
         return CacheCheckpoint(tuple(self.offsets), rec)
 
     def restore(self, ckpt: CacheCheckpoint) -> None:
@@ -181,6 +186,9 @@ class HybridCache:
         for layer, pair in zip(self.layers, ckpt.recurrent, strict=True):
             if isinstance(layer, RecurrentCache):
                 layer.conv, layer.state = pair
+                layer.record = None
+            elif isinstance(layer, RotatingKVCache):  # the window is state: restored by reference
+                layer.keys, layer.values = pair
                 layer.record = None
         self.offsets = list(ckpt.offsets)
         self._last = None
@@ -203,6 +211,8 @@ class HybridCache:
             elif isinstance(src, RecurrentCache):
                 dst.conv = None if src.conv is None else src.conv[idx]
                 dst.state = None if src.state is None else src.state[idx]
+            elif isinstance(src, RotatingKVCache) and src.keys is not None:
+                dst.keys, dst.values = src.keys[idx], src.values[idx]
         return out
 
     def filter(self, rows: Sequence[int]) -> None:
@@ -231,11 +241,16 @@ class HybridCache:
                 _merge_kv(dst, parts, [c.batch_size for c in caches], _round_up(max(out.offsets, default=0)))
             elif isinstance(dst, RecurrentCache):
                 _merge_recurrent(dst, parts, [c.batch_size for c in caches])
+            elif isinstance(dst, RotatingKVCache):
+                dst.merge_rows(parts, [c.batch_size for c in caches])
         return out
 
     # -- memory -----------------------------------------------------------------------------
     def _recurrent(self) -> list[RecurrentCache]:
         return [c for c in self.layers if isinstance(c, RecurrentCache)]
+
+    def _windowed(self) -> list[RotatingKVCache]:
+        return [c for c in self.layers if isinstance(c, RotatingKVCache)]
 
     @property
     def kv_nbytes(self) -> int:
@@ -243,7 +258,8 @@ class HybridCache:
 
     @property
     def recurrent_nbytes(self) -> int:
-        return sum(c.nbytes for c in self._recurrent())
+        """Fixed-size state per sequence: recurrent layers and sliding windows."""
+        return sum(c.nbytes for c in [*self._recurrent(), *self._windowed()])
 
     @property
     def nbytes(self) -> int:
@@ -257,10 +273,22 @@ class HybridCache:
                 out += c.slots()
             elif isinstance(c, RecurrentCache):
                 out += [a for a in (c.conv, c.state) if a is not None]
+            elif isinstance(c, RotatingKVCache) and c.keys is not None:
+                out += [c.keys, c.values]
         return out
 
 
+def _state_pair(c: LayerCache) -> tuple[mx.array | None, mx.array | None] | None:
+    if isinstance(c, RecurrentCache):
+        return c.conv, c.state
+    if isinstance(c, RotatingKVCache):
+        return c.keys, c.values
+    return None
+
+
 def _clone_empty(c: LayerCache) -> LayerCache:
+    if isinstance(c, RotatingKVCache):
+        return c.clone_empty()
     if isinstance(c, KVCache):
         return c.empty_like()
     if isinstance(c, RecurrentCache):

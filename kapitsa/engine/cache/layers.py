@@ -30,6 +30,7 @@ class StepInfo:
     # `rope_base[b] + t` on every axis.
     positions: mx.array | None = None
     _windows: dict[int, mx.array] = field(default_factory=dict, repr=False)
+    memo: dict[object, object] = field(default_factory=dict, repr=False)  # per-forward masks of cache types
 
     @property
     def ragged(self) -> bool:

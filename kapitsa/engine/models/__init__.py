@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from kapitsa.engine.models import nemotron_h, nemotron_h_vision, qwen3_5, qwen3_5_vision
+from kapitsa.engine.models import flint, nemotron_h, nemotron_h_vision, qwen3_5, qwen3_5_vision
 from kapitsa.errors import UnsupportedModel
 
 # model_type (as in config.json) -> the module that builds it
@@ -15,6 +15,7 @@ MODEL_TYPES: dict[str, ModuleType] = {
     "qwen3_5_moe_text": qwen3_5,
     "qwen3_next": qwen3_5,
     "nemotron_h": nemotron_h,
+    "flint": flint,
     # vision-language Nemotron-H (the Super-VL class), in mlx-vlm's omni layout
     "nemotron_h_nano_omni": nemotron_h_vision,
     "nemotron_h_omni": nemotron_h_vision,

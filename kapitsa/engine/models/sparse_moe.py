@@ -86,7 +86,7 @@ class SparseMoe(nn.Module):
         if "shared_expert" not in self or "shared_fold" in self.__dict__:
             return False
         mlp = self.shared_expert
-        gate_up = _gate_and_up(mlp)
+        gate_up = gate_and_up(mlp)
         folded = gate_up and fold_shared_mlp(
             self.switch_mlp, {"gate_proj": gate_up[0], "up_proj": gate_up[1]}, {"down_proj": mlp.down_proj}
         )
@@ -130,7 +130,7 @@ class SparseMoe(nn.Module):
         return routed + mx.sigmoid(shared_logit) * self.shared_expert(x)
 
 
-def _gate_and_up(mlp: MLP) -> tuple[nn.Module, nn.Module] | None:
+def gate_and_up(mlp: MLP) -> tuple[nn.Module, nn.Module] | None:
     """The MLP's gate and up projections (views of the fused one's row halves); None if fused unquantized."""
     if "gate_up_proj" not in mlp:
         return mlp.gate_proj, mlp.up_proj

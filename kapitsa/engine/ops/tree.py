@@ -32,7 +32,7 @@ def depths(parents: Sequence[int]) -> list[int]:
     return out
 
 
-def _ancestors_or_self(parents: Sequence[int]) -> np.ndarray:
+def ancestors_or_self(parents: Sequence[int]) -> np.ndarray:
     T = len(parents)
     anc = np.eye(T, dtype=bool)
     for t in range(1, T):
@@ -46,7 +46,7 @@ def tree_attention_mask(parents: list[list[int]], offsets: list[int], kv_len: in
     mask = np.zeros((len(parents), 1, T, kv_len), dtype=bool)
     for b, (p, off) in enumerate(zip(parents, offsets, strict=True)):
         mask[b, 0, :, :off] = True
-        mask[b, 0, :, off : off + T] = _ancestors_or_self(p)
+        mask[b, 0, :, off : off + T] = ancestors_or_self(p)
     return mx.array(mask)
 
 

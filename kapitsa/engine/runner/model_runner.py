@@ -16,6 +16,7 @@ from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.layers import KVCache, RecurrentCache
 from kapitsa.engine.cache.prefix import PrefixMatch
 from kapitsa.engine.cache.quantized_kv import slot_count, use_kv_bits
+from kapitsa.engine.cache.window import RotatingKVCache
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.kernels.probes import probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
@@ -59,7 +60,8 @@ class ModelRunner:
         probe_enabled(kernels)  # the opt-in kernels' one-time checks evaluate: before any trace
         probe = model.make_cache(1)
         self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
-        self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, RecurrentCache)]
+        # fixed-size state per sequence, checkpointed whole: recurrent layers and sliding windows
+        self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, _FIXED_STATE)]
         self.dtype = dtype or _param_dtype(model)
         self._layout: _Layout | None = None  # state shapes and dtypes, measured by `state_sizes`
         self.images = ImageFeatures(model) if getattr(model, "takes_images", False) else None
@@ -121,12 +123,11 @@ class ModelRunner:
         return tuple(out)
 
     def recurrent_state(self, cache: HybridCache) -> tuple[mx.array, ...]:
-        """(conv, state) of every recurrent layer of a batch-1 cache, by reference."""
+        """(conv, state) of every recurrent layer and (keys, values) of every sliding window of a
+        batch-1 cache, by reference."""
         out: list[mx.array] = []
         for i in self.recurrent_layers:
-            layer = cache.layers[i]
-            assert isinstance(layer, RecurrentCache) and layer.conv is not None and layer.state is not None
-            out += [layer.conv, layer.state]
+            out += _fixed_state(cache.layers[i])
         return tuple(out)
 
     def restore(self, match: PrefixMatch, media: PromptMedia | None = None) -> HybridCache:
@@ -143,8 +144,10 @@ class ModelRunner:
         rec = iter(match.recurrent)
         for i in self.recurrent_layers:
             layer = cache.layers[i]
-            assert isinstance(layer, RecurrentCache)
-            layer.conv, layer.state = next(rec), next(rec)
+            if isinstance(layer, RotatingKVCache):
+                layer.keys, layer.values = next(rec), next(rec)
+            else:
+                layer.conv, layer.state = next(rec), next(rec)
         cache.offsets = [match.pos]
         mx.eval(*cache.state_arrays())
         return cache
@@ -227,7 +230,14 @@ def _state_layout(cache: HybridCache, kv_layers: list[int], recurrent_layers: li
         kv += [(tuple(a[:, :, :1].shape), a.dtype) for a in layer.slots()]
     recurrent: list[tuple[tuple[int, ...], mx.Dtype]] = []
     for i in recurrent_layers:
-        layer = cache.layers[i]
-        assert isinstance(layer, RecurrentCache) and layer.conv is not None and layer.state is not None
-        recurrent += [(tuple(a.shape), a.dtype) for a in (layer.conv, layer.state)]
+        recurrent += [(tuple(a.shape), a.dtype) for a in _fixed_state(cache.layers[i])]
     return kv, recurrent
+
+
+_FIXED_STATE = (RecurrentCache, RotatingKVCache)
+
+
+def _fixed_state(layer: RecurrentCache | RotatingKVCache) -> tuple[mx.array, mx.array]:
+    pair = (layer.keys, layer.values) if isinstance(layer, RotatingKVCache) else (layer.conv, layer.state)
+    assert pair[0] is not None and pair[1] is not None
+    return pair
