@@ -252,3 +252,25 @@ def test_select_and_merge_keep_each_window():
         assert _diff(got[b], model(mx.array([[9]]), c)[0, -1]) < TOL
         if b == 2:
             assert _diff(later, model(mx.array([[4]]), c)[0, -1]) < TOL
+
+
+def test_8bit_kv_keeps_sinks_and_windows():
+    """--kv-bits 8 quantizes the full-attention K/V only (their sink term is applied over the
+    dequantized rows); the rings stay as computed. Greedy tokens equal float K/V's."""
+    from kapitsa.engine.cache.quantized_kv import QuantizedKVCache, use_kv_bits
+
+    model = build_flint(head_dim=32)  # MLX quantizes K/V rows in groups of 32 or 64
+
+    def run(bits):
+        use_kv_bits(model, bits)
+        return _alone(model, PROMPT, 20), model.make_cache()
+
+    (exact, _), (quantized, cache) = run(None), run(8)
+    assert [type(c) for c in cache.layers] == [
+        RotatingKVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+        RotatingKVCache,
+    ]
+    assert [int(mx.argmax(r).item()) for r in quantized] == [int(mx.argmax(r).item()) for r in exact]
+    assert 0 < _worst(quantized, exact) < 0.05

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from kapitsa.engine import kernels
 from kapitsa.engine.cache.layers import KVCache, StepInfo
+from kapitsa.engine.cache.quantized_kv import QuantizedKVCache
 from kapitsa.engine.cache.window import RotatingKVCache, cacheless_window_mask
 from kapitsa.engine.kernels.moe import routed_experts
 from kapitsa.engine.kernels.router import plain_weight, route
@@ -56,6 +57,11 @@ class SinkAttention(Attention):
         if self.window is None:
             if cache is not None:
                 k, v = cache.update(k, v, info)
+            if isinstance(cache, QuantizedKVCache):  # its attention has no sink term: dequantized rows
+                k, v = (
+                    mx.dequantize(*a, group_size=cache.group_size, bits=cache.bits).astype(q.dtype)
+                    for a in (k, v)
+                )
             return self._sink_sdpa(q, k, v, info.attention_mask)
         if cache is None:
             return self._sink_sdpa(q, k, v, cacheless_window_mask(info, self.window))
