@@ -2,8 +2,9 @@
 
 A model's total size overstates what a token reads in two places: the input embedding table
 (one row per token, unless the output projection is tied to it and reads it whole) and an MoE
-layer's routed-expert stacks (only the token's top k of E experts). Everything else (projections,
-norms, routers, shared experts, the output projection) is read once per token.
+layer's routed-expert stacks (only the token's top k of E experts). A vision tower is read only
+while an image is encoded, never by a decode step. Everything else (projections, norms, routers,
+shared experts, the output projection) is read once per token.
 
     python lab/weight_reads.py            # per shape: total and read-per-token GB, no weights made
 
@@ -23,6 +24,8 @@ from kapitsa.testing.tiny import tiny_config
 from lab.models_under_test import SHAPES, quantizable
 
 ROUTED_STACK = ".switch_mlp."  # both families' routed experts, stacked [E, out, in] (mlx-lm's names)
+# the image path of Qwen3.5's tower and of Nemotron-H VL's RADIO tower + projector
+IMAGE_PARTS = ("vision_tower.", "vision_model.", "mlp1.", "vision_final_layernorm")
 
 
 def routing(config: dict) -> tuple[int, int] | None:
@@ -52,6 +55,8 @@ def read_bytes_per_token(model: nn.Module, route: tuple[int, int] | None) -> int
     total = 0.0
     for path, value in nn.utils.tree_flatten(model.parameters()):
         nbytes = value.nbytes
+        if path.startswith(IMAGE_PARTS):
+            continue
         if untied and path.startswith(embeddings):
             nbytes /= value.shape[0]  # one row of the table (rows are the vocabulary)
         elif route and ROUTED_STACK in path and value.ndim == 3 and value.shape[0] == route[0]:
@@ -62,6 +67,11 @@ def read_bytes_per_token(model: nn.Module, route: tuple[int, int] | None) -> int
 
 def total_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()))
+
+
+def image_tower_bytes(model: nn.Module) -> int:
+    """Bytes of the weights that only encode images (0 for a text model)."""
+    return sum(v.nbytes for k, v in nn.utils.tree_flatten(model.parameters()) if k.startswith(IMAGE_PARTS))
 
 
 def _lazy_model(kind: str, dims: dict) -> tuple[nn.Module, dict]:

@@ -9,7 +9,7 @@ import pytest
 
 from kapitsa.engine.models import get_model_module
 from kapitsa.testing.tiny import tiny_config
-from lab.weight_reads import _lazy_model, read_bytes_per_token, routing, total_bytes
+from lab.weight_reads import _lazy_model, image_tower_bytes, read_bytes_per_token, routing, total_bytes
 
 F32 = 4
 
@@ -22,6 +22,10 @@ def _model(kind: str, **overrides):
     return model, config.get("text_config") or config
 
 
+def _text_bytes(model) -> int:
+    return total_bytes(model) - image_tower_bytes(model)
+
+
 def _unread_embedding_rows(text: dict) -> int:
     return (text["vocab_size"] - 1) * text["hidden_size"] * F32
 
@@ -29,12 +33,12 @@ def _unread_embedding_rows(text: dict) -> int:
 def test_tied_dense_model_reads_every_weight() -> None:
     model, text = _model("qwen3_5", tie_word_embeddings=True)
     assert routing(text) is None
-    assert read_bytes_per_token(model, None) == total_bytes(model)
+    assert read_bytes_per_token(model, None) == _text_bytes(model)
 
 
 def test_untied_model_reads_one_embedding_row() -> None:
     model, text = _model("qwen3_5", tie_word_embeddings=False)
-    assert read_bytes_per_token(model, None) == total_bytes(model) - _unread_embedding_rows(text)
+    assert read_bytes_per_token(model, None) == _text_bytes(model) - _unread_embedding_rows(text)
 
 
 def test_qwen_moe_reads_top_k_of_the_routed_experts() -> None:
@@ -44,7 +48,7 @@ def test_qwen_moe_reads_top_k_of_the_routed_experts() -> None:
     # per layer: gate, up [E, I, H] and down [E, H, I]; every Qwen3.5-MoE layer has them
     stacks = text["num_hidden_layers"] * 3 * experts * text["moe_intermediate_size"] * text["hidden_size"]
     unread = stacks * F32 * (experts - top_k) / experts
-    want = total_bytes(model) - _unread_embedding_rows(text) - unread
+    want = _text_bytes(model) - _unread_embedding_rows(text) - unread
     assert read_bytes_per_token(model, (experts, top_k)) == pytest.approx(want, abs=1)
 
 
@@ -56,7 +60,7 @@ def test_nemotron_reads_top_k_of_the_routed_experts() -> None:
     # fc1 [E, I, H] and fc2 [E, H, I] per E layer
     stacks = moe_layers * 2 * experts * config["moe_intermediate_size"] * config["hidden_size"]
     unread = stacks * F32 * (experts - top_k) / experts
-    want = total_bytes(model) - _unread_embedding_rows(config) - unread
+    want = _text_bytes(model) - _unread_embedding_rows(config) - unread
     assert read_bytes_per_token(model, (experts, top_k)) == pytest.approx(want, abs=1)
 
 
@@ -65,6 +69,14 @@ def test_full_shapes_are_sized_without_making_weights() -> None:
     (4-bit values, a bf16 scale and bias per 64), all but one row unread."""
     model, _ = _lazy_model("qwen3_5", dict(hidden_size=5120, vocab_size=248320, tie_word_embeddings=False))
     table = 248320 * 5120 * 4.5 / 8
-    assert total_bytes(model) - read_bytes_per_token(model, None) == pytest.approx(
+    assert _text_bytes(model) - read_bytes_per_token(model, None) == pytest.approx(
         table * (1 - 1 / 248320), rel=1e-9
     )
+
+
+def test_a_decode_step_reads_no_image_tower_weight() -> None:
+    """Qwen3.5's tiny checkpoints carry a vision tower; its bytes are in the total, not in a token's reads."""
+    model, _ = _model("qwen3_5", tie_word_embeddings=True)
+    tower = image_tower_bytes(model)
+    assert tower > 0
+    assert read_bytes_per_token(model, None) == total_bytes(model) - tower
