@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
+import stat
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -122,12 +124,18 @@ def _read_url(url: str, index: int) -> bytes:
 
 
 def _read_file(path: Path, index: int) -> bytes:
-    try:
-        if path.stat().st_size > MAX_IMAGE_BYTES:
-            raise InvalidRequest(f"Image {index + 1} ({path}) is larger than {MAX_IMAGE_BYTES} bytes.")
-        return path.read_bytes()
+    """A regular file's bytes, at most MAX_IMAGE_BYTES of them: a FIFO, a device (/dev/zero) or a
+    file that grows while it is read never holds the request."""
+    try:  # O_NONBLOCK: opening a FIFO without a writer returns at once instead of waiting for one
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise InvalidRequest(f"Image {index + 1}: {path} is not a regular file.")
+            data = f.read(MAX_IMAGE_BYTES + 1)
     except OSError as err:
         raise InvalidRequest(f"Image {index + 1}: cannot read {path}: {err.strerror or err}.") from err
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidRequest(f"Image {index + 1} ({path}) is larger than {MAX_IMAGE_BYTES} bytes.")
+    return data
 
 
 def _decode_base64(payload: str, index: int) -> bytes:
