@@ -122,6 +122,10 @@ def run(
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = None,
     kv_bits: KvBitsOpt = None,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option("--image", help="An image file to put before the prompt (repeatable; vision models)."),
+    ] = None,
 ) -> None:
     """Generate from a prompt and stream the answer."""
     from kapitsa.commands.run import RunOptions, cmd_run
@@ -142,6 +146,7 @@ def run(
             draft_tokens=draft_tokens,
             tree=tree,
             kv_bits=kv_bits,
+            images=tuple(image or ()),
         )
     )
 

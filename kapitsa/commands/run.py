@@ -30,6 +30,7 @@ class RunOptions:
     draft_tokens: int | None = None
     tree: bool | None = None  # None: the tuned draft shape, else a chain
     kv_bits: str | None = None  # --kv-bits: "8", "4", "auto"; None: off
+    images: tuple[Path, ...] = ()  # --image, in order, before the prompt's text
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +80,8 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
         kv_bits=options.kv_bits,
     )
     with contextlib.closing(engine) as client:
+        if request.images and not client.models()[0].vision:
+            raise InvalidRequest(f"--image: {client.models()[0].id} reads text only (it has no vision tower)")
         result = asyncio.run(generate(client, request, None if options.json_out else out))
     if options.json_out:
         out(json.dumps(asdict(result), ensure_ascii=False) + "\n")
@@ -97,8 +100,32 @@ def make_request(text: str, options: RunOptions):  # noqa: ANN201 - GenerationRe
     except ValueError as err:
         raise InvalidRequest(str(err)) from err
     if options.raw:
+        if options.images:
+            raise InvalidRequest("--image needs the chat template (it places the image tokens): drop --raw")
         return GenerationRequest(prompt=text, sampling=sampling)
-    return GenerationRequest(messages=({"role": "user", "content": text},), sampling=sampling)
+    if not options.images:
+        return GenerationRequest(messages=({"role": "user", "content": text},), sampling=sampling)
+    content = [{"type": "image"} for _ in options.images] + [{"type": "text", "text": text}]
+    return GenerationRequest(
+        messages=({"role": "user", "content": content},),
+        images=tuple(read_image(path) for path in options.images),
+        sampling=sampling,
+    )
+
+
+def read_image(path: Path) -> bytes:
+    """An image file's bytes, checked to decode (a bad file fails before the weights load)."""
+    from kapitsa.engine.vision.images import decode_image
+
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise InvalidRequest(f"cannot read the image {path}: {err.strerror or err}") from err
+    try:
+        decode_image(data)
+    except InvalidRequest as err:
+        raise InvalidRequest(f"{path}: {err}") from err
+    return data
 
 
 async def generate(client, request, on_text: Callable[[str], object] | None) -> RunResult:  # noqa: ANN001
