@@ -24,7 +24,12 @@ def _png(path: Path, fill: int) -> Path:
 
 def _run(model: Path, *images: Path):  # noqa: ANN202 - RunResult
     options = RunOptions(
-        model=str(model), prompt="Describe it.", max_tokens=8, json_out=True, speculative="none", images=images
+        model=str(model),
+        prompt="Describe it.",
+        max_tokens=8,
+        json_out=True,
+        speculative="none",
+        images=images,
     )
     return cmd_run(options, write=lambda _text: None)
 
