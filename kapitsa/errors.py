@@ -70,3 +70,7 @@ class AuthError(KapitsaError):
 
 class NotBuilt(KapitsaError):
     """A command whose implementation has not landed yet. It says so instead of pretending."""
+
+
+class NoRoutedExperts(InvalidRequest):
+    """A recipe for mixture-of-experts models (`:small`) asked of a model without routed experts."""

@@ -28,6 +28,7 @@ from kapitsa.engine.loading.quantize import (
     restore_checkpoint_quantization,
 )
 from kapitsa.engine.loading.resolve import ModelRef, parse_model_ref, pick_gguf, resolve_source
+from kapitsa.engine.loading.small import apply_small, device_budget, plan_small
 from kapitsa.engine.loading.weights import load_safetensors, read_config, weight_files
 from kapitsa.engine.models import get_model_module
 from kapitsa.engine.text.thinking_probe import probe_thinking
@@ -67,16 +68,20 @@ def _requested_quantization(ref: ModelRef, quantize: str | None) -> QuantSpec | 
 
 
 def build_model(
-    config: dict[str, Any], weights: dict[str, mx.array], quant: QuantSpec | None
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    quant: QuantSpec | None,
+    *,
+    memory_budget: int | None = None,
 ) -> tuple[nn.Module, str | None]:
     """Instantiate the model for `config`, load `weights` (Hugging Face or MLX names), quantize.
 
     `weights` is consumed (emptied): with no other reference to the lazy float tensors, MLX frees
     each one as soon as its quantized form is computed, so quantizing on load never holds the
-    whole float model in memory.
+    whole float model in memory. `memory_budget` (bytes) picks the `small` recipe's widths.
 
     Returns:
-        The evaluated model and a description of its quantization ("4bit", "bf16", None).
+        The evaluated model and a description of its quantization ("4bit", "bf16", "small-2/4", None).
     """
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
@@ -91,7 +96,11 @@ def build_model(
         ) from e
     stored = checkpoint_quantization(config)
     if stored is not None:
-        if quant is not None and (not quant.is_quantized or quant.name != describe_quantization(stored)):
+        if (
+            quant is not None
+            and not quant.is_recipe
+            and (not quant.is_quantized or quant.name != describe_quantization(stored))
+        ):
             raise InvalidRequest(
                 f"this checkpoint is already quantized ({describe_quantization(stored)}); "
                 f"it cannot be loaded as {quant.name}"
@@ -101,7 +110,11 @@ def build_model(
     _load_weights(model, sanitized)
     sanitized.clear()
     description = describe_quantization(stored) if stored else None
-    if quant is not None and stored is None:
+    if quant is not None and quant.is_recipe:
+        plan = plan_small(model, memory_budget if memory_budget is not None else device_budget())
+        apply_small(model, plan)
+        description = plan.description
+    elif quant is not None and stored is None:
         if quant.is_quantized:
             quantize_model(model, quant)
         else:
@@ -155,7 +168,7 @@ def make_model_info(
 
 
 def _load_folder(
-    folder: Path, quant: QuantSpec | None
+    folder: Path, quant: QuantSpec | None, budget: int | None
 ) -> tuple[nn.Module, Tokenizer, dict[str, Any], str | None]:
     config = read_config(folder)
     get_model_module(str(config.get("model_type")))  # an unknown architecture fails before reading weights
@@ -166,19 +179,21 @@ def _load_folder(
         )
     tokenizer = Tokenizer.from_folder(folder, config)
     weights = load_safetensors(weight_files(folder))
-    model, quantization = build_model(config, weights, quant)
+    model, quantization = build_model(config, weights, quant, memory_budget=budget)
     return model, tokenizer, config, quantization
 
 
 def _load_gguf_file(
-    path: Path, quant: QuantSpec | None
+    path: Path, quant: QuantSpec | None, budget: int | None
 ) -> tuple[nn.Module, Tokenizer, dict[str, Any], str | None]:
     from kapitsa.engine.gguf.reader import read_gguf
 
     checkpoint = read_gguf(path)
     suggested = checkpoint.suggested_quantization
     requested = quant or (parse_quant_spec(suggested) if suggested else None)
-    model, quantization = build_model(checkpoint.config, checkpoint.weights, requested)  # empties weights
+    model, quantization = build_model(  # empties weights
+        checkpoint.config, checkpoint.weights, requested, memory_budget=budget
+    )
     return model, checkpoint.tokenizer, checkpoint.config, quantization
 
 
@@ -186,19 +201,30 @@ def _has_safetensors(folder: Path) -> bool:
     return any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file()
 
 
-def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str | None = None) -> LoadedModel:
+def load_model(
+    spec: str | Path,
+    *,
+    quantize: str | None = None,
+    model_id: str | None = None,
+    memory_budget: int | None = None,
+) -> LoadedModel:
     """Load a model ready to run.
 
     Args:
         spec: a checkpoint folder, a .gguf file, or a Hugging Face repo id found in the local cache;
             an optional `:4bit` / `:6bit` / `:8bit` / `:bf16` / `:mxfp4` ... suffix quantizes on load,
-            and in a folder of .gguf files another suffix picks the file (`org/repo-GGUF:Q4_K_M`).
-        quantize: the same as the suffix ("4bit", "bf16", ...); both may be given only if they agree.
+            `:small` applies the small-Mac recipe to a MoE model (routed experts 2-bit, the rest 3-6
+            bit by `memory_budget`), and in a folder of .gguf files another suffix picks the file
+            (`org/repo-GGUF:Q4_K_M`).
+        quantize: the same as the suffix ("4bit", "bf16", "small", ...); both may be given only if
+            they agree.
         model_id: the id reported in `ModelInfo` (default: the repo id, or the folder/file name).
+        memory_budget: bytes the model may use, for `:small` (default: what the device reports).
     Returns:
         The model, its tokenizer, its config, the path it came from and its `ModelInfo`.
     Raises:
-        ModelNotFound, UnsupportedModel, CheckpointError, InvalidRequest.
+        ModelNotFound, UnsupportedModel, CheckpointError, InvalidRequest (NoRoutedExperts: `:small`
+        on a dense model).
     """
     ref = parse_model_ref(str(spec))
     quant = _requested_quantization(ref, quantize)
@@ -210,9 +236,9 @@ def load_model(spec: str | Path, *, quantize: str | None = None, model_id: str |
             raise UnsupportedModel(
                 f"{path} is a file but not a .gguf; pass a checkpoint folder or a .gguf file"
             )
-        model, tokenizer, config, quantization = _load_gguf_file(path, quant)
+        model, tokenizer, config, quantization = _load_gguf_file(path, quant, memory_budget)
     else:
-        model, tokenizer, config, quantization = _load_folder(path, quant)
+        model, tokenizer, config, quantization = _load_folder(path, quant, memory_budget)
     default_id = ref.source if not Path(ref.source).expanduser().exists() else path.name
     info = make_model_info(model_id or default_id, config, tokenizer, path, quantization)
     generation = _generation_config(path) if path.is_dir() else {}

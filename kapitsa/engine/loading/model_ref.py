@@ -14,9 +14,23 @@ from pathlib import Path
 from kapitsa.errors import ModelNotFound
 
 # The names loading.quantize.QUANT_SPECS can quantize to (a test keeps the two equal); kept here so
-# parsing a reference imports no MLX.
+# parsing a reference imports no MLX. "small" is the mixed recipe of loading/small_rule.py.
 QUANTIZATIONS = frozenset(
-    {"2bit", "3bit", "4bit", "5bit", "6bit", "8bit", "mxfp4", "nvfp4", "mxfp8", "bf16", "fp16", "fp32"}
+    {
+        "2bit",
+        "3bit",
+        "4bit",
+        "5bit",
+        "6bit",
+        "8bit",
+        "mxfp4",
+        "nvfp4",
+        "mxfp8",
+        "bf16",
+        "fp16",
+        "fp32",
+        "small",
+    }
 )
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

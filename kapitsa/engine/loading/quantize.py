@@ -27,6 +27,7 @@ class QuantSpec:
     bits: int = 0
     group_size: int = 0
     dtype: str | None = None  # set for float-only specs ("bfloat16", "float16", "float32")
+    is_recipe: bool = False  # widths chosen per module on load (`small`: loading/small.py)
 
     @property
     def is_quantized(self) -> bool:
@@ -38,6 +39,7 @@ QUANT_SPECS: dict[str, QuantSpec] = {
     "mxfp4": QuantSpec("mxfp4", "mxfp4", 4, 32),
     "nvfp4": QuantSpec("nvfp4", "nvfp4", 4, 16),
     "mxfp8": QuantSpec("mxfp8", "mxfp8", 8, 32),
+    "small": QuantSpec("small", "affine", 2, 64, is_recipe=True),
     "bf16": QuantSpec("bf16", dtype="bfloat16"),
     "fp16": QuantSpec("fp16", dtype="float16"),
     "fp32": QuantSpec("fp32", dtype="float32"),
