@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kapitsa.engine.loading.model_ref import is_repo_id, parse_model_ref
-from kapitsa.errors import ModelNotFound
+from kapitsa.engine.loading.small_rule import SMALL
+from kapitsa.errors import ModelNotFound, NoRoutedExperts
 
 # MLX affine quantization stores a 16-bit scale and bias per group of 64 weights: +0.5 bit.
 _BITS_BY_QUANT = {
@@ -55,6 +56,7 @@ _ARCH_KEYS = (
     "conv_kernel",
     "vision_hidden_size",
     "vision_image_patches",
+    "expert_params_b",
     "params_b",
     "active_params_b",
     "context_length",
@@ -91,10 +93,15 @@ class Architecture:
     conv_kernel: int = 4
     vision_hidden_size: int = 0  # the vision tower's width; 0: the model reads text only
     vision_image_patches: int = 0  # patches of the image one encoding is budgeted for (SCREENSHOT)
+    expert_params_b: float = 0.0  # parameters in routed experts (what `:small` keeps at 2 bits); 0: dense
 
     @property
     def takes_images(self) -> bool:
         return self.vision_hidden_size > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_params_b > 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,6 +123,7 @@ class CatalogEntry:
     default_quant: str | None = None
     package_path: str | None = None  # folder inside the kapitsa package (the demo)
     estimated: bool = False  # architecture numbers not read from a primary config
+    small_source: str = "bf16"  # the quant `:small` re-quantizes on load (kapitsa.engine.loading.small)
 
     def quant(self, name: str | None) -> Quant:
         wanted = name or self.default_quant
@@ -138,6 +146,7 @@ class ResolvedModel:
     repo_id: str | None = None
     path: Path | None = None
     allow_patterns: tuple[str, ...] | None = None
+    quantize: str | None = None  # a recipe the loader applies to these weights ("small")
 
 
 @dataclass(slots=True, frozen=True)
@@ -180,6 +189,7 @@ def _parse_entry(alias: str, fields: dict[str, Any]) -> CatalogEntry:
             default_quant=fields.get("default_quant") or (quants[0].name if quants else None),
             package_path=fields.get("package_path"),
             estimated=bool(fields.get("estimated")),
+            small_source=str(fields.get("small_source", "bf16")),
         )
     except (TypeError, ValueError, KeyError) as err:
         raise ModelNotFound(f"catalog entry {alias!r} is malformed: {err}") from err
@@ -232,6 +242,8 @@ def _resolve_entry(ref: str, entry: CatalogEntry, quant_name: str | None) -> Res
         return ResolvedModel(
             ref=ref, kind="path", display_name=entry.alias, entry=entry, path=package_model_path(entry)
         )
+    if quant_name and quant_name.lower() == SMALL:
+        return _resolve_small(ref, entry)
     quant = entry.quant(quant_name)
     display = entry.alias if quant.name == entry.default_quant else f"{entry.alias}:{quant.name}"
     return ResolvedModel(
@@ -242,6 +254,26 @@ def _resolve_entry(ref: str, entry: CatalogEntry, quant_name: str | None) -> Res
         quant=quant,
         repo_id=quant.repo_id,
         allow_patterns=quant.allow_patterns,
+    )
+
+
+def _resolve_small(ref: str, entry: CatalogEntry) -> ResolvedModel:
+    """`alias:small`: the entry's `small_source` weights with the recipe applied on load."""
+    if entry.arch is None or not entry.arch.is_moe:
+        raise NoRoutedExperts(
+            f"{entry.alias!r} ({entry.name}) is a dense model: ':small' keeps routed experts at 2 bits "
+            f"and it has none; pick a uniform quant ({', '.join(q.name for q in entry.quants)})"
+        )
+    source = entry.quant(entry.small_source)
+    return ResolvedModel(
+        ref=ref,
+        kind="hf",
+        display_name=f"{entry.alias}:{SMALL}",
+        entry=entry,
+        quant=source,
+        repo_id=source.repo_id,
+        allow_patterns=source.allow_patterns,
+        quantize=SMALL,
     )
 
 

@@ -24,6 +24,7 @@ from kapitsa.catalog import (
     package_model_path,
     weight_bytes_on_disk,
 )
+from kapitsa.engine.loading.small_rule import SMALL, choose_rest_bits, small_weights_bytes
 from kapitsa.errors import KapitsaError
 from kapitsa.units import format_bytes
 
@@ -71,6 +72,8 @@ class DoctorReport:
     models: tuple[ModelFit, ...]
     recommended: str | None
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    # `:small` refs of MoE models whose default quant does not fit here but the recipe does
+    also_small: tuple[str, ...] = field(default_factory=tuple)
 
     def to_json_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -208,13 +211,42 @@ def build_report(hardware: HardwareProfile, catalog: Catalog, *, num_checkpoints
         models=fits,
         recommended=recommended,
         warnings=tuple(_warnings(hardware, fits, recommended)),
+        also_small=_also_small(catalog, fits, backend=hardware.backend),
     )
 
 
 def _entry_fits(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) -> list[ModelFit]:
     if entry.package_path is not None:
         return [_package_fit(entry, hw, num_checkpoints)]
-    return [_quant_fit(entry, quant, hw, num_checkpoints) for quant in entry.quants]
+    fits = [_quant_fit(entry, quant, hw, num_checkpoints) for quant in entry.quants]
+    if entry.arch is not None and entry.arch.is_moe:
+        fits.append(_small_fit(entry, hw, num_checkpoints))
+    return fits
+
+
+def _small_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) -> ModelFit:
+    """`alias:small`: routed experts at 2 bits, the rest at the width this budget gets (small_rule)."""
+    assert entry.arch is not None
+    experts = entry.arch.expert_params_b * 1e9
+    rest = max(entry.arch.params_b * 1e9 - experts, 0.0)
+    bits = choose_rest_bits(hw.usable_memory_bytes, expert_params=experts, rest_params=rest)
+    weights = small_weights_bytes(expert_params=experts, rest_params=rest, rest_bits=bits)
+    est = memory_estimate.estimate(
+        entry.arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights, num_checkpoints=num_checkpoints
+    )
+    return ModelFit(
+        ref=f"{entry.alias}:{SMALL}",
+        alias=entry.alias,
+        name=entry.name,
+        quant=SMALL,
+        repo_id=entry.quant(entry.small_source).repo_id,
+        weights_bytes=weights,
+        max_context=est.max_context,
+        verdict=est.verdict,
+        estimated=entry.estimated,
+        note=f"routed experts 2-bit, the rest {bits}-bit",
+        takes_images=entry.arch.takes_images,
+    )
 
 
 def _quant_fit(entry: CatalogEntry, quant: Quant, hw: HardwareProfile, num_checkpoints: int) -> ModelFit:
@@ -290,6 +322,16 @@ def _recommend(catalog: Catalog, fits: tuple[ModelFit, ...], *, backend: str = "
         if candidates:
             return max(candidates, key=lambda f: (ranks[f.alias], f.max_context or 0)).ref
     return None
+
+
+def _also_small(catalog: Catalog, fits: tuple[ModelFit, ...], *, backend: str) -> tuple[str, ...]:
+    """MoE models that fit only with `:small` (their default quant does not), most capable first."""
+    if backend in ("cpu", "none"):
+        return ()
+    ranks = {entry.alias: entry.rank for entry in catalog}
+    too_big = {f.alias for f in fits if f.ref == f.alias and f.verdict == "too_big"}
+    small = [f for f in fits if f.quant == SMALL and f.alias in too_big and f.verdict in ("fits", "tight")]
+    return tuple(f.ref for f in sorted(small, key=lambda f: -ranks[f.alias]))
 
 
 def _warnings(hw: HardwareProfile, fits: tuple[ModelFit, ...], recommended: str | None) -> list[str]:

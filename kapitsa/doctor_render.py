@@ -19,6 +19,7 @@ VERDICTS: dict[str, tuple[str, str]] = {  # verdict -> (label, rich style)
     "unavailable": ("unavailable", "dim"),
 }
 ESTIMATED_NOTE = "(~: layer shapes assumed, not read from the model's config.json)"
+SMALL_LEAD = "Fits only with :small (routed experts at 2 bits): "
 
 
 def verdict_label(verdict: str) -> str:
@@ -53,12 +54,14 @@ def render_report(report: DoctorReport) -> str:
     lines = [f"{key:<10} {value}" for key, value in _machine_rows(report.hardware)]
     lines += ["", f"{'MODEL':<20} {'WEIGHTS':>9} {'MAX CONTEXT':>12}  VERDICT"]
     for fit in report.models:
-        note = f"  {fit.note}" if fit.verdict == "unavailable" else ""
+        note = f"  {fit.note}" if fit.verdict == "unavailable" or fit.quant == "small" else ""
         lines.append(
             f"{fit.ref:<20} {weights_label(fit):>9} {format_context(fit.max_context):>12}  "
             f"{verdict_label(fit.verdict)}{note}"
         )
     lines += ["", f"Recommended: {report.recommended or 'none fits'}"]
+    if report.also_small:
+        lines.append(f"{SMALL_LEAD}{', '.join(report.also_small)}")
     lines += [f"warning: {w}" for w in report.warnings]
     if any(f.estimated for f in report.models):
         lines.append(ESTIMATED_NOTE)
@@ -80,6 +83,8 @@ def rich_report(report: DoctorReport) -> list[RenderableType]:
         report.recommended or "none fits", style="bold green" if report.recommended else "bold red"
     )
     notes = [Text(f"warning: {w}", style="yellow") for w in report.warnings]
+    if report.also_small:
+        notes.insert(0, Text(f"{SMALL_LEAD}{', '.join(report.also_small)}", style="green"))
     if any(f.estimated for f in report.models):
         notes.append(Text(ESTIMATED_NOTE, style="dim"))
     return [machine, _models_table(report.models), recommended, *notes]
@@ -97,7 +102,7 @@ def _models_table(fits: tuple[ModelFit, ...]) -> RenderableType:
     for fit in fits:
         label, style = VERDICTS.get(fit.verdict, (fit.verdict, ""))
         verdict = Text(label, style=style)
-        if fit.verdict == "unavailable" and fit.note:
+        if (fit.verdict == "unavailable" or fit.quant == "small") and fit.note:
             verdict.append(f"  {fit.note}", style="dim")
         table.add_row(fit.ref, weights_label(fit), format_context(fit.max_context), verdict)
     return table

@@ -132,8 +132,8 @@ def load_for_ref(ref: str | None, *, settings: KapitsaSettings | None = None) ->
         from kapitsa.engine.loading.loader import load_model
     catalog = load_catalog(settings.catalog)
     if not is_alias(ref, catalog):
-        try:
-            return load_model(ref)  # load_model handles paths, repo ids and ":4bit"-style tags
+        try:  # load_model handles paths, repo ids and ":4bit"-style tags
+            return load_model(ref, memory_budget=small_budget(ref))
         except NotDownloaded:
             raise
         except ModelNotFound:
@@ -144,11 +144,27 @@ def load_for_ref(ref: str | None, *, settings: KapitsaSettings | None = None) ->
     resolved = resolve_model(ref, catalog)
     source = resolved.path if resolved.kind == "path" else resolved.repo_id
     try:
-        return load_model(str(source), model_id=resolved.display_name)
+        return load_model(
+            str(source),
+            model_id=resolved.display_name,
+            quantize=resolved.quantize,
+            memory_budget=small_budget(ref),
+        )
     except NotDownloaded:
         raise NotDownloaded(
             f"{ref} ({resolved.repo_id}) is not downloaded yet: run `kapitsa pull {ref}`", ref=ref
         ) from None
+
+
+def small_budget(ref: str) -> int | None:
+    """doctor's memory budget for a `:small` reference (it picks the recipe's widths); None otherwise."""
+    from kapitsa.engine.loading.model_ref import parse_model_ref
+
+    if parse_model_ref(ref).quantization != "small":
+        return None
+    from kapitsa.doctor import probe_hardware
+
+    return probe_hardware().usable_memory_bytes or None
 
 
 def check_speculation(mode: str, draft: str | None) -> None:

@@ -6,9 +6,9 @@ import pytest
 
 from kapitsa import memory_estimate as me
 from kapitsa.catalog import arch_from_config, is_alias, load_catalog, resolve_model
-from kapitsa.errors import ModelNotFound
+from kapitsa.errors import ModelNotFound, NoRoutedExperts
 
-ALIASES = {"4b", "27b", "35b", "flash-next", "lightning", "bolt", "super-vl", "dory", "demo"}
+ALIASES = {"4b", "9b", "27b", "35b", "flint", "flash-next", "lightning", "bolt", "super-vl", "dory", "demo"}
 MiB, KiB = 1 << 20, 1 << 10
 
 # Published config.json values (Qwen/Qwen3.5-4B text_config; nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16).
@@ -143,3 +143,29 @@ def test_catalog_numbers_agree_with_the_published_configs() -> None:
     lightning = catalog.get("lightning").arch
     assert me.kv_bytes_per_token(lightning) == me.kv_bytes_per_token(arch_from_config(NEMOTRON_NANO))  # type: ignore[arg-type]
     assert me.recurrent_state_bytes(catalog.get("27b").arch) == 48 * (3 * MiB + 60 * KiB)  # type: ignore[arg-type]
+
+
+def test_small_resolves_a_moe_alias_to_its_bf16_weights_with_the_recipe() -> None:
+    catalog = load_catalog()
+    flint = resolve_model("flint:small", catalog)
+    assert (flint.repo_id, flint.quantize, flint.display_name) == (
+        "RecursiveSI/flint",
+        "small",
+        "flint:small",
+    )
+    assert resolve_model("35b:small", catalog).repo_id == "Qwen/Qwen3.6-35B-A3B"
+    assert resolve_model("flint", catalog).quantize is None  # plain quants load as published
+
+
+@pytest.mark.parametrize("alias", ["4b", "9b", "27b", "dory"])
+def test_small_on_a_dense_alias_says_why(alias: str) -> None:
+    with pytest.raises(NoRoutedExperts, match="dense model.*routed experts"):
+        resolve_model(f"{alias}:small", load_catalog())
+
+
+def test_every_moe_entry_counts_its_routed_experts_below_its_total() -> None:
+    for entry in load_catalog():
+        if entry.model_type in ("qwen3_5_moe", "flint") or entry.alias == "lightning":
+            assert entry.arch is not None and 0 < entry.arch.expert_params_b < entry.arch.params_b, (
+                entry.alias
+            )

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kapitsa.catalog import load_catalog
 from kapitsa.cli import app
-from kapitsa.doctor import RECORDED_PROFILES, build_report, probe_hardware
+from kapitsa.doctor import RECORDED_PROFILES, GiB, HardwareProfile, build_report, probe_hardware
 from kapitsa.doctor_render import render_report
 
 
@@ -22,10 +22,48 @@ def _verdicts(profile_name: str) -> dict[str, str]:
 def test_16gb_m1_pro_runs_small_models_only() -> None:
     report = build_report(RECORDED_PROFILES["m1-pro-16gb"], load_catalog())
     verdicts = {f.ref: f.verdict for f in report.models}
-    assert verdicts["4b"] == "fits"
+    assert verdicts["4b"] == verdicts["9b"] == "fits"
     assert verdicts["27b"] == verdicts["35b"] == verdicts["flash-next"] == "too_big"
-    assert report.recommended == "4b"
+    assert report.recommended == "9b"
     assert report.warnings == ()
+
+
+def _mac(total_gib: int) -> HardwareProfile:
+    """A Mac whose Metal working set is 2/3 of its RAM, as recorded on 16 GB machines."""
+    return replace(
+        RECORDED_PROFILES["m1-pro-16gb"],
+        total_memory_bytes=total_gib * GiB,
+        usable_memory_bytes=total_gib * GiB * 2 // 3,
+    )
+
+
+def test_16gb_advice_is_a_9b_or_4b_qwen_and_no_moe_fits_even_with_small() -> None:
+    report = build_report(_mac(16), load_catalog())
+    fits = {f.ref: f for f in report.models}
+    assert report.recommended == "9b" and fits["4b"].verdict == "fits"
+    # Flint's routed experts alone are 11.8 GB at 2 bits: more than a 16 GB Mac's 10.7 GiB working set
+    assert fits["flint:small"].verdict == "too_big" and fits["flint:small"].note.endswith("the rest 3-bit")
+    assert report.also_small == ()
+
+
+def test_24gb_advice_adds_flint_and_the_moes_whose_4bit_does_not_fit_with_small() -> None:
+    report = build_report(_mac(24), load_catalog())
+    fits = {f.ref: f for f in report.models}
+    assert report.recommended == "9b"
+    assert fits["flint"].verdict == fits["35b"].verdict == fits["lightning"].verdict == "too_big"
+    assert fits["flint:small"].verdict == "fits" and fits["flint:small"].note.endswith("the rest 6-bit")
+    assert fits["flint:small"].repo_id == "RecursiveSI/flint"  # quantized on load from the bf16 weights
+    assert set(report.also_small) == {"flint:small", "35b:small", "lightning:small"}
+    assert report.also_small[0] == "lightning:small"  # most capable first (catalog rank)
+    assert "Fits only with :small (routed experts at 2 bits): lightning:small" in render_report(report)
+
+
+def test_dense_models_get_no_small_row_and_a_moe_that_fits_at_4bit_is_not_advised_small() -> None:
+    report = build_report(RECORDED_PROFILES["m4-pro-48gb"], load_catalog())
+    refs = {f.ref for f in report.models}
+    assert {"flint:small", "35b:small", "lightning:small"} <= refs
+    assert not {"4b:small", "9b:small", "27b:small"} & refs
+    assert "flint:small" not in report.also_small  # its 4-bit fits in 36 GiB
 
 
 def test_48gb_m4_pro_runs_27b_but_not_80b() -> None:

@@ -4,6 +4,7 @@ the environment names and the speculation its flags ask for, and refuses bad fla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,36 @@ def test_speculation_that_cannot_be_set_up_is_refused(mode: str, message: str) -
         check_speculation(mode, None)
     with pytest.raises(KapitsaError, match=message):
         open_engine("/nonexistent", speculative=mode, settings=load_settings())
+
+
+@pytest.mark.parametrize(("usable_gib", "quantization"), [(64, "small-2/6"), (1, "small-2/3")])
+def test_small_takes_its_widths_from_doctors_budget(
+    tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch, usable_gib: int, quantization: str
+) -> None:
+    from kapitsa import doctor
+    from kapitsa.opener import load_for_ref
+    from kapitsa.testing.tiny_flint import write_tiny_flint
+
+    machine = dataclasses.replace(
+        doctor.RECORDED_PROFILES["m1-pro-16gb"], usable_memory_bytes=usable_gib << 30
+    )
+    monkeypatch.setattr(doctor, "probe_hardware", lambda *a, **k: machine)
+    loaded = load_for_ref(f"{write_tiny_flint(tmp_path / 'flint')}:small")
+    assert loaded.info.quantization == quantization
+
+
+def test_a_catalog_alias_with_small_loads_its_bf16_repo_with_the_recipe(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kapitsa import doctor
+    from kapitsa.engine.loading import loader
+    from kapitsa.opener import load_for_ref
+
+    machine = dataclasses.replace(doctor.RECORDED_PROFILES["m1-pro-16gb"], usable_memory_bytes=24 << 30)
+    monkeypatch.setattr(doctor, "probe_hardware", lambda *a, **k: machine)
+    calls = []
+    monkeypatch.setattr(loader, "load_model", lambda spec, **kw: calls.append((spec, kw)) or "loaded")
+    assert load_for_ref("flint:small") == "loaded"
+    assert calls == [
+        ("RecursiveSI/flint", {"model_id": "flint:small", "quantize": "small", "memory_budget": 24 << 30})
+    ]
