@@ -67,6 +67,20 @@ KvBitsOpt = Annotated[
         "kept); auto: what doctor's fit needs on this machine; off (the default): bf16.",
     ),
 ]
+HostfileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--hostfile",
+        help="Run the model across the machines of an mlx.launch hostfile (ring or JACCL); see docs/distributed.md.",
+    ),
+]
+ParallelOpt = Annotated[
+    str,
+    typer.Option(
+        "--parallel",
+        help="How a --hostfile group splits the model: pipeline (layers) or tensor (heads, experts).",
+    ),
+]
 AgentArgs = Annotated[
     list[str] | None, typer.Argument(help="Arguments passed through to the agent (after --).")
 ]
@@ -126,6 +140,8 @@ def run(
         list[Path] | None,
         typer.Option("--image", help="An image file to put before the prompt (repeatable; vision models)."),
     ] = None,
+    hostfile: HostfileOpt = None,
+    parallel: ParallelOpt = "pipeline",
 ) -> None:
     """Generate from a prompt and stream the answer."""
     from kapitsa.commands.run import RunOptions, cmd_run
@@ -147,6 +163,8 @@ def run(
             tree=tree,
             kv_bits=kv_bits,
             images=tuple(image or ()),
+            hostfile=hostfile,
+            parallel=parallel,
         )
     )
 
@@ -164,6 +182,8 @@ def serve(
     draft_tokens: DraftTokensOpt = None,
     tree: TreeOpt = None,
     kv_bits: KvBitsOpt = None,
+    hostfile: HostfileOpt = None,
+    parallel: ParallelOpt = "pipeline",
 ) -> None:
     """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
     from kapitsa.commands.serve import cmd_serve
@@ -177,6 +197,8 @@ def serve(
         draft_tokens=draft_tokens,
         tree=tree,
         kv_bits=kv_bits,
+        hostfile=hostfile,
+        parallel=parallel,
     )
 
 

@@ -185,3 +185,42 @@ def _engine_required() -> Iterator[None]:
         yield
     except ImportError as err:
         raise NotBuilt(f"the in-process engine is not available in this build ({err})") from err
+
+
+def check_group_flags(
+    *, parallel: str, speculative: str | None, draft: str | None, kv_bits: str | None
+) -> None:
+    """Refuse what a distributed group does not run, before any process is launched."""
+    with _engine_required():
+        from kapitsa.engine.distributed.group import PARALLEL_MODES
+    if parallel not in PARALLEL_MODES:
+        raise InvalidRequest(f"unknown --parallel {parallel!r}; choose one of {', '.join(PARALLEL_MODES)}")
+    if speculative not in (None, "auto", "none") or draft is not None:
+        raise InvalidRequest("speculative decoding does not run across a group yet: leave --speculative out")
+    if kv_bits not in (None, "off"):
+        raise InvalidRequest("--kv-bits does not run across a group yet: leave it out")
+
+
+def open_group_engine(ref: str | None, *, parallel: str, settings: KapitsaSettings | None = None):  # noqa: ANN201 - GroupEngine | None
+    """This process's rank of a group that mlx.launch started: load its shard of the model.
+
+    Returns:
+        On rank 0 the group's engine, an `EngineClient` whose `close()` stops every rank; on the
+        other ranks None, after rank 0 has stopped the group (they run its steps until then).
+    Raises:
+        KapitsaError: the reference cannot be opened, the group cannot form, or the model cannot
+            be split this way.
+    """
+    from kapitsa.catalog import is_alias, load_catalog, resolve_model
+
+    settings = settings or load_settings()
+    ref = ref or settings.default_model
+    with _engine_required():
+        from kapitsa.engine.distributed.start import start_rank
+    catalog = load_catalog(settings.catalog)
+    source, model_id = ref, None
+    if is_alias(ref, catalog):
+        resolved = resolve_model(ref, catalog)
+        source = str(resolved.path if resolved.kind == "path" else resolved.repo_id)
+        model_id = resolved.display_name
+    return start_rank(source, parallel=parallel, model_id=model_id, kernels=engine_config(settings).kernels)

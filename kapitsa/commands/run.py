@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kapitsa.commands.group import launched_rank, leave, relaunch, wants_group
 from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.errors import InvalidRequest, KapitsaError
 
@@ -31,6 +32,8 @@ class RunOptions:
     tree: bool | None = None  # None: the tuned draft shape, else a chain
     kv_bits: str | None = None  # --kv-bits: "8", "4", "auto"; None: off
     images: tuple[Path, ...] = ()  # --image, in order, before the prompt's text
+    hostfile: Path | None = None  # --hostfile: the model across mlx.launch's hosts (commands/group.py)
+    parallel: str = "pipeline"  # --parallel: how the group splits the model
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +74,8 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
 
     request = make_request(read_prompt(options), options)  # bad flags fail before the weights load
     out = write or _stdout_write
+    if wants_group(options.hostfile):
+        return _run_in_group(options, request, out)
     engine = open_engine(
         options.model,
         speculative=options.speculative or DEFAULT_SPECULATIVE,
@@ -88,6 +93,29 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
     else:
         out("\n")
     return result
+
+
+def _run_in_group(options: RunOptions, request, out: Callable[[str], object]) -> RunResult | None:  # noqa: ANN001
+    """Rank 0 generates and prints; the other ranks run its steps and print nothing."""
+    from kapitsa.opener import check_group_flags, open_group_engine
+
+    check_group_flags(
+        parallel=options.parallel,
+        speculative=options.speculative,
+        draft=options.draft,
+        kv_bits=options.kv_bits,
+    )
+    if options.images:
+        raise InvalidRequest("a distributed model reads text only: leave --image out")
+    if launched_rank() is None:
+        relaunch(options.hostfile, sys.argv[1:])
+    engine = open_group_engine(options.model, parallel=options.parallel)
+    if engine is None:
+        leave(0)
+    with contextlib.closing(engine) as client:
+        result = asyncio.run(generate(client, request, None if options.json_out else out))
+    out(json.dumps(asdict(result), ensure_ascii=False) + "\n" if options.json_out else "\n")
+    leave(0)
 
 
 def make_request(text: str, options: RunOptions):  # noqa: ANN201 - GenerationRequest

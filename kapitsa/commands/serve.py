@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
 
+from kapitsa.commands.group import launched_rank, leave, relaunch, wants_group
 from kapitsa.server.runner import check_bind, check_port_free, serve_forever
 from kapitsa.server.settings import ServerSettings
 
@@ -39,11 +42,15 @@ def cmd_serve(
     draft_tokens: int | None = None,
     tree: bool | None = None,
     kv_bits: str | None = None,
+    hostfile: Path | None = None,
+    parallel: str = "pipeline",
 ) -> None:
     from kapitsa.kv_fit import parse_kv_bits
     from kapitsa.opener import check_speculation, open_engine
 
     settings = make_settings(model=model, host=host, port=port, speculative=speculative)
+    if wants_group(hostfile):
+        return _serve_group(settings, hostfile, parallel=parallel, flags=(speculative, draft, kv_bits))
     check_bind(settings)
     check_speculation(settings.speculative, draft)
     parse_kv_bits(kv_bits)  # a bad flag fails before the port check and the weights
@@ -58,6 +65,28 @@ def cmd_serve(
     )
     with contextlib.closing(engine) as client:
         _serve_recorded(client, settings)
+
+
+def _serve_group(
+    settings: ServerSettings, hostfile: Path | None, *, parallel: str, flags: tuple[str | None, ...]
+) -> None:
+    """Rank 0 serves the API over the group's engine; the other ranks run its steps."""
+    from kapitsa.opener import check_group_flags, open_group_engine
+
+    speculative, draft, kv_bits = flags
+    check_group_flags(parallel=parallel, speculative=speculative, draft=draft, kv_bits=kv_bits)
+    rank = launched_rank()
+    if rank in (None, 0):  # the port is rank 0's: check it before any rank loads
+        check_bind(settings)
+        check_port_free(settings)
+    if rank is None:
+        relaunch(hostfile, sys.argv[1:])
+    engine = open_group_engine(settings.model, parallel=parallel)
+    if engine is None:
+        leave(0)
+    with contextlib.closing(engine) as client:
+        _serve_recorded(client, settings)
+    leave(0)
 
 
 def _serve_recorded(client: object, settings: ServerSettings) -> None:

@@ -1,0 +1,116 @@
+"""The process group: MLX's distributed init, collectives that turn a lost peer into an error, and
+the watchdog that stops a process whose peers went silent.
+
+On one host a dead peer closes its sockets and the ring backend raises at once; across machines a
+peer that loses power may leave a collective blocked, so every blocking call runs under a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kapitsa.errors import KapitsaError
+
+log = logging.getLogger(__name__)
+
+PARALLEL_MODES = ("pipeline", "tensor")
+# How long one collective (a forward step included) may block before the group is declared dead.
+DEFAULT_STEP_TIMEOUT_S = 60.0
+# rank 0 sends an idle command this often, so followers tell a quiet server from a dead one
+HEARTBEAT_S = 1.0
+
+
+class PeerLost(KapitsaError):
+    """A rank of the group stopped answering; the group cannot serve any further request."""
+
+    http_status = 503
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """This process's place in the group: `rank` of `size`, and the MLX group object."""
+
+    rank: int
+    size: int
+    handle: object
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev_rank(self) -> int:
+        return (self.rank - 1) % self.size
+
+
+def init_group(backend: str = "any") -> Group:
+    """Join the group mlx.launch started this process in (MLX_RANK, MLX_HOSTFILE are its own)."""
+    try:
+        handle = mx.distributed.init(strict=True, backend=backend)
+    except (RuntimeError, ValueError) as err:
+        raise KapitsaError(f"cannot join the distributed group ({backend} backend): {err}") from err
+    return Group(handle.rank(), handle.size(), handle)
+
+
+def evaluate(*arrays: mx.array, what: str) -> None:
+    """`mx.eval` of a step that holds collectives; a lost connection becomes `PeerLost`."""
+    try:
+        mx.eval(*arrays)
+    except RuntimeError as err:
+        raise PeerLost(f"a rank of the group stopped during {what}: {err}") from err
+
+
+class Watchdog:
+    """Calls `on_timeout` when an armed section outlives its deadline (a peer silently gone).
+
+    `section(what)` is a context manager around each blocking step; the thread checks twice a second.
+    """
+
+    def __init__(self, timeout_s: float, on_timeout: Callable[[str], None]) -> None:
+        self.timeout_s = timeout_s
+        self._on_timeout = on_timeout
+        self._lock = threading.Lock()
+        self._armed: tuple[float, str] | None = None
+        self._thread = threading.Thread(target=self._watch, name="kapitsa-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, what: str) -> None:
+        with self._lock:
+            self._armed = (time.monotonic() + self.timeout_s, what)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self._lock:
+                armed = self._armed
+            if armed is not None and time.monotonic() > armed[0]:
+                self._on_timeout(armed[1])
+                return
+
+
+def hard_exit(message: str, code: int = 1) -> None:
+    """Leave now: a thread blocked in a collective never returns, so no orderly shutdown can run."""
+    log.error("%s", message)
+    os.write(2, f"kapitsa: {message}\n".encode())
+    os._exit(code)
+
+
+def barrier(group: Group, *, what: str) -> None:
+    """Wait until every rank reaches this point (after loading: ranks load at their own pace)."""
+    total = mx.distributed.all_sum(mx.array([1], dtype=mx.int32), group=group.handle)
+    evaluate(total, what=what)

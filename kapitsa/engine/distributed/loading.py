@@ -1,0 +1,149 @@
+"""Loading one rank's part of a checkpoint: only the tensors its shard keeps are ever read.
+
+The whole model is built and loaded lazily (MLX maps safetensors without reading them), then cut
+down to the rank's part: layers outside its range (pipeline) become empty modules, kept tensors
+are sliced (tensor parallel); evaluating what is left reads just those tensors from disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.nn as nn
+
+from kapitsa.engine.distributed.group import PARALLEL_MODES, Group
+from kapitsa.engine.distributed.shard import layer_range
+from kapitsa.engine.loading.loader import make_model_info
+from kapitsa.engine.loading.quantize import (
+    checkpoint_quantization,
+    describe_quantization,
+    foreign_quantization,
+    parse_quant_spec,
+    quantize_model,
+    restore_checkpoint_quantization,
+)
+from kapitsa.engine.loading.resolve import parse_model_ref, resolve_source
+from kapitsa.engine.loading.weights import load_safetensors, read_config, weight_files
+from kapitsa.engine.models import get_model_module
+from kapitsa.engine.text.tokenizer import Tokenizer
+from kapitsa.engine.types import ModelInfo
+from kapitsa.errors import CheckpointError, InvalidRequest, NotBuilt, UnsupportedModel
+
+
+@dataclass
+class LoadedShard:
+    model: nn.Module
+    config: dict[str, Any]
+    path: Path
+    layer_ids: list[int]  # the layers this rank runs
+    tokenizer: Tokenizer | None = None  # rank 0 only
+    info: ModelInfo | None = None  # rank 0 only
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def load_shard(spec: str, *, group: Group, parallel: str, model_id: str | None = None) -> LoadedShard:
+    """This rank's part of the checkpoint `spec` (a folder or cached repo id, optional `:4bit`).
+
+    Raises:
+        ModelNotFound, UnsupportedModel, CheckpointError, InvalidRequest.
+    """
+    if parallel not in PARALLEL_MODES:
+        raise InvalidRequest(f"unknown --parallel {parallel!r}; choose one of {', '.join(PARALLEL_MODES)}")
+    ref = parse_model_ref(spec)
+    path = resolve_source(ref)
+    if not path.is_dir():
+        raise UnsupportedModel(f"{path}: a distributed run reads a safetensors checkpoint folder, not a file")
+    config = read_config(path)
+    model, quantization = _build_lazily(config, path, ref.quantization)
+    layer_ids = _cut_to_shard(model, group, parallel)
+    shard = LoadedShard(model, config, path, layer_ids)
+    if group.is_driver:
+        shard.tokenizer = Tokenizer.from_folder(path, config)
+        default_id = ref.source if not Path(ref.source).expanduser().exists() else path.name
+        shard.info, shard.generation_config = _describe(
+            model_id or default_id, config, shard.tokenizer, path, quantization
+        )
+    return shard
+
+
+def _describe(
+    model_id: str, config: dict[str, Any], tokenizer: Tokenizer, path: Path, quantization: str | None
+) -> tuple[ModelInfo, dict[str, Any]]:
+    """`ModelInfo` as a single-process load reports it, and generation_config.json's sampling defaults."""
+    info = make_model_info(model_id, config, tokenizer, path, quantization)
+    generation_path = path / "generation_config.json"
+    generation = json.loads(generation_path.read_text("utf-8")) if generation_path.is_file() else {}
+    limit = generation.get("max_new_tokens") if isinstance(generation, dict) else None
+    if isinstance(limit, int) and 0 < limit < info.context_length:
+        info = dataclasses.replace(info, max_output_tokens=limit)
+    return info, generation if isinstance(generation, dict) else {}
+
+
+def _build_lazily(config: dict[str, Any], path: Path, quantize: str | None) -> tuple[nn.Module, str | None]:
+    """The whole model with every weight loaded lazily (nothing read yet), and its quantization."""
+    module = get_model_module(str(config.get("model_type")))
+    if (method := foreign_quantization(config)) is not None:
+        raise UnsupportedModel(f"{path.name} is quantized with {method!r}; kapitsa cannot load it")
+    try:
+        model = module.Model(module.ModelArgs.from_dict(config))
+        weights = model.sanitize(load_safetensors(weight_files(path)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json and the weights do not describe this model: {e!r}") from e
+    model.pop("vision_tower", None)  # distributed runs are text-only
+    weights = {k: v for k, v in weights.items() if not k.startswith("vision_tower.")}
+    stored = checkpoint_quantization(config)
+    if stored is not None:
+        restore_checkpoint_quantization(model, stored, weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"the weights do not match config.json: {str(e)[:600]}") from e
+    if quantize is None:
+        return model, describe_quantization(stored) if stored else None
+    if stored is not None:
+        raise InvalidRequest(f"this checkpoint is already quantized; it cannot be loaded as {quantize}")
+    spec = parse_quant_spec(quantize)
+    if spec.is_quantized:
+        quantize_model(model, spec)
+    return model, spec.name
+
+
+def _cut_to_shard(model: nn.Module, group: Group, parallel: str) -> list[int]:
+    num_layers = len(model.layers)
+    model.mtp = None  # drafting heads are not split: speculation is off in a group
+    if parallel == "tensor":
+        raise NotBuilt("--parallel tensor is not built yet; --parallel pipeline splits the model by layers")
+    if num_layers < group.size:
+        raise InvalidRequest(f"{num_layers} layers cannot be split across {group.size} ranks")
+    keep = layer_range(num_layers, group.rank, group.size)
+    _drop_layers(model, keep)
+    if not group.is_driver:  # rank 0 embeds and computes the logits
+        _drop_ends(model)
+    return list(keep)
+
+
+def _drop_layers(model: nn.Module, keep: range) -> None:
+    layers = model.layers
+    for i in range(len(layers)):
+        if i not in keep:
+            layers[i] = nn.Module()  # an empty module: its tensors are never read
+
+
+def _drop_ends(model: nn.Module) -> None:
+    embed, _, norm = model.backbone_parts()
+    ends = {id(embed), id(norm), id(model.head())}
+    for name, sub in list(model.named_modules()):
+        if id(sub) in ends and name:
+            _replace(model, name, nn.Module())
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module) -> None:
+    *parents, last = path.split(".")
+    node: Any = root
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    node[last] = new

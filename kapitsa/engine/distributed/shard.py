@@ -1,0 +1,97 @@
+"""What one rank holds of the model and how it runs one step of the group's forward.
+
+`PipelineShard`: a contiguous range of layers; hidden states go rank to rank (`send`/`recv`),
+the last rank sends its last position back to rank 0, which holds the embedding and the head.
+`TensorShard` (tensor.py): every layer, each with a slice of its heads and columns.
+Both give rank 0 the next-token logits `[V]`; the other ranks get None.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kapitsa.engine.cache.hybrid import HybridCache
+from kapitsa.engine.distributed.group import Group, evaluate
+from kapitsa.engine.kernels import cpu_blas
+from kapitsa.engine.loading.fuse import fuse_model
+from kapitsa.engine.models.base import use_kernel_options
+from kapitsa.engine.ops.linear import route_quantized_linears
+from kapitsa.engine.options import KernelOptions
+
+
+def layer_range(num_layers: int, rank: int, size: int) -> range:
+    """Rank `rank`'s layers: contiguous, the first `num_layers % size` ranks one layer more."""
+    base, extra = divmod(num_layers, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+class Shard:
+    """One rank's part of the model, made ready to run as the single-process engine runs it."""
+
+    def __init__(self, model: nn.Module, group: Group, layers: list[int], kernels: KernelOptions) -> None:
+        self.model, self.group, self.layer_ids = model, group, layers
+        use_kernel_options(model, kernels)
+        fuse_model(model)
+        if cpu_blas.on_cpu():  # the CPU has no bf16 arithmetic: compute in float32, as ModelRunner does
+            model.set_dtype(mx.float32)
+        route_quantized_linears(model, kernels)
+        mx.eval(model.parameters())
+        self.dtype = _activation_dtype(model)
+
+    @property
+    def local_layers(self) -> list[nn.Module]:
+        all_layers = self.model.layers
+        return [all_layers[i] for i in self.layer_ids]
+
+    def new_cache(self) -> HybridCache:
+        return HybridCache([self.model.make_layer_cache(layer) for layer in self.local_layers], 1)
+
+    def run_layers(self, h: mx.array, cache: HybridCache) -> mx.array:
+        info = cache.begin(h.shape[1])
+        for layer, layer_cache in zip(self.local_layers, cache.layers, strict=True):
+            h = layer(h, info, layer_cache)
+        cache.end(info)
+        return h
+
+    def head_logits(self, last: mx.array) -> mx.array:
+        return self.model.logits(last)[0, -1]
+
+
+class PipelineShard(Shard):
+    """Layers `layer_ids` (contiguous); rank 0 also embeds and computes the logits."""
+
+    def step(self, cache: HybridCache, tokens: list[int]) -> mx.array | None:
+        g, T = self.group, len(tokens)
+        hidden_size = self.model.args.hidden_size
+        if g.is_driver:
+            h = self.model.backbone_parts()[0](mx.array([tokens], dtype=mx.int32)).astype(self.dtype)
+        else:
+            h = mx.distributed.recv_like(
+                mx.zeros((1, T, hidden_size), self.dtype), g.prev_rank, group=g.handle
+            )
+        h = self.run_layers(h, cache)
+        last_rank = g.rank == g.size - 1
+        if g.size == 1:
+            logits = self.head_logits(h[:, -1:])
+            evaluate(logits, *cache.state_arrays(), what="a forward")
+            return logits
+        sent = mx.distributed.send(h[:, -1:] if last_rank else h, g.next_rank, group=g.handle)
+        evaluate(sent, *cache.state_arrays(), what="a forward")
+        if not g.is_driver:
+            return None
+        template = mx.zeros((1, 1, hidden_size), self.dtype)
+        last = mx.distributed.recv_like(template, g.size - 1, group=g.handle)
+        logits = self.head_logits(last)
+        evaluate(logits, what="a forward")
+        return logits
+
+
+def _activation_dtype(model: nn.Module) -> mx.Dtype:
+    from mlx.utils import tree_flatten
+
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.float32

@@ -1,0 +1,39 @@
+"""Starting this process's rank: join the group, load its shard, then serve (rank 0) or follow."""
+
+from __future__ import annotations
+
+from kapitsa.engine.distributed.engine import GroupEngine
+from kapitsa.engine.distributed.follower import follow
+from kapitsa.engine.distributed.group import DEFAULT_STEP_TIMEOUT_S, barrier, init_group
+from kapitsa.engine.distributed.loading import LoadedShard, load_shard
+from kapitsa.engine.distributed.shard import PipelineShard, Shard
+from kapitsa.engine.options import KernelOptions
+
+
+def make_shard(loaded: LoadedShard, group, parallel: str, kernels: KernelOptions) -> Shard:  # noqa: ANN001
+    """The runnable shard of a loaded part (tensor parallel runs its layers' plain paths)."""
+    return PipelineShard(loaded.model, group, loaded.layer_ids, kernels)
+
+
+def start_rank(
+    source: str,
+    *,
+    parallel: str,
+    model_id: str | None = None,
+    kernels: KernelOptions = KernelOptions(),  # noqa: B008 - frozen
+    timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+) -> GroupEngine | None:
+    """Join the group mlx.launch started, load this rank's shard of `source`.
+
+    Returns:
+        On rank 0 the running `GroupEngine` (its `close()` stops the group); on the other ranks
+        None, once rank 0 has stopped the group (they follow its steps until then).
+    """
+    group = init_group()
+    loaded = load_shard(source, group=group, parallel=parallel, model_id=model_id)
+    shard = make_shard(loaded, group, parallel, kernels)
+    barrier(group, what="startup")
+    if group.is_driver:
+        return GroupEngine(shard, loaded, timeout_s=timeout_s)
+    follow(shard, group, timeout_s=timeout_s)
+    return None
