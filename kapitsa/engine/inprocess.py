@@ -158,6 +158,7 @@ class InProcessEngine:
             checkpoints_on_disk=len(disk) if disk is not None else 0,
             checkpoint_bytes_on_disk=disk.nbytes if disk is not None else 0,
             corrupt_checkpoints_deleted=disk.num_corrupt if disk is not None else 0,
+            **_residency(prefix),
             memory_in_use_bytes=mx.get_active_memory(),
             memory_peak_bytes=mx.get_peak_memory(),
             memory_limit_bytes=e.memory.limit_bytes,
@@ -261,6 +262,17 @@ class InProcessEngine:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _residency(prefix: Any) -> dict[str, int]:
+    kept = prefix.residency if prefix is not None else None
+    if kept is None:
+        return {}
+    return {
+        "conversations_in_memory": kept.conversations,
+        "resident_conversations": kept.resident,
+        "resident_bytes": kept.resident_bytes,
+    }
 
 
 def _drop(_event: Event) -> None:

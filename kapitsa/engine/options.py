@@ -118,10 +118,13 @@ class EngineConfig:
     model_key: str = "model"  # names the disk-tier folder: weights + dtype + template identity
     cpu_float32_bytes: int = 2 * GIB  # CPU device only: float32 weights and BLAS copies (model_runner.py)
     kv_bits: int | None = None  # attention K/V at 8 or 4 bits (cache/quantized_kv.py); None: activation dtype
+    resident_conversations: int = 4  # conversations whose newest checkpoints eviction spares (0: plain LRU)
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1 or self.max_running < 1:
             raise ValueError("prefill_chunk and max_running must be >= 1")
+        if self.resident_conversations < 0:
+            raise ValueError("resident_conversations must be >= 0")
         if self.kv_bits not in KV_BITS_CHOICES:
             raise ValueError(f"kv_bits must be one of {KV_BITS_CHOICES[1:]} or None, not {self.kv_bits}")

@@ -226,6 +226,9 @@ class EngineStats:
     checkpoints_on_disk: int = 0
     checkpoint_bytes_on_disk: int = 0
     corrupt_checkpoints_deleted: int = 0  # disk files that failed their checksum or shape check
+    conversations_in_memory: int = 0  # prefix-cache conversations with state in memory
+    resident_conversations: int = 0  # of those, the ones whose newest checkpoints eviction spares
+    resident_bytes: int = 0  # their KV and newest checkpoints
     memory_in_use_bytes: int = 0
     memory_peak_bytes: int = 0
     memory_limit_bytes: int = 0

@@ -40,6 +40,7 @@ async def test_polled_stats_fill_every_panel(make_app, messages) -> None:
         assert "reused 7500 prompt tokens computed 2500" in cache
         assert "hit rate 75.0%" in cache
         assert "3 in memory 50.3 MB 5 on disk 83.9 MB" in cache  # 48 and 80 MiB, in decimal units
+        assert "conversations 3 kept of 5 41.9 MB" in cache
         assert "memory 3.2 GB / 38.7 GB peak 4.3 GB" in cache
         assert "engine running 4b at http://127.0.0.1:" in _text(screen.query_one("#live-status"))
 

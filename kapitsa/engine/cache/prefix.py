@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from kapitsa.engine.cache.disk import DiskTier, StoredPrefix
+from kapitsa.engine.cache.resident import (
+    RESUMED_KINDS,
+    Conversation,
+    Residency,
+    ResidentPolicy,
+    conversations,
+)
 
 KVSource = Callable[[int, int], tuple[mx.array, ...]]  # (start, end) -> KV arrays for that span
 CHECKPOINT_KINDS = ("system", "turn", "branch", "periodic", "final")
@@ -56,6 +63,9 @@ class _Node:
     children: dict[int, _Node] = field(default_factory=dict)
     checkpoint: Checkpoint | None = None
     last_used: int = 0
+    # a lookup resumed from its own turn, final or periodic checkpoint here, or a returning conversation
+    # checkpointed here; kept when the checkpoint goes, so the mark outlives older checkpoints (resident.py)
+    resumed: bool = False
 
     @property
     def end(self) -> int:
@@ -97,17 +107,27 @@ class PrefixCache:
         budget_bytes: edge KV plus checkpoint bytes kept in memory.
         kv_axis: the token axis of KV arrays ([B, H, T, D] -> 2).
         disk: where evicted leaf checkpoints go (and come back from); None = memory only.
+        resident: which checkpoints eviction spares longest (resident.py); None = least recently used.
     """
 
-    def __init__(self, *, budget_bytes: int, kv_axis: int = 2, disk: DiskTier | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        budget_bytes: int,
+        kv_axis: int = 2,
+        disk: DiskTier | None = None,
+        resident: ResidentPolicy | None = None,
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.kv_axis = kv_axis
         self.disk = disk
+        self.resident = resident
         self._root = _Node((), (), 0)
         self._clock = itertools.count(1)
         self.kv_bytes = 0
         self.checkpoint_bytes = 0
         self.num_checkpoints = 0
+        self.residency = Residency()  # refreshed by `enforce_budget`, read by other threads' stats
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +186,7 @@ class PrefixCache:
         ck = path[-1].checkpoint
         assert ck is not None
         ck.last_used = tick
+        path[-1].resumed = path[-1].resumed or ck.kind in RESUMED_KINDS
         kv = tuple(
             mx.concatenate(parts, axis=self.kv_axis) if len(parts) > 1 else parts[0]
             for parts in zip(*(node.kv for node in path), strict=True)
@@ -182,8 +203,11 @@ class PrefixCache:
         kv_source: KVSource,
         kind: str = "turn",
         next_logits: mx.array | None = None,
+        conversation: bool = False,
     ) -> bool:
         """Checkpoint the state after `tokens`; KV not yet in the tree is copied from `kv_source`.
+        `conversation`: the request continues a conversation (it carries an earlier reply), which
+        marks the node as resumed (resident.py) even when the lookup found none of its state.
 
         Returns:
             True when this made a new checkpoint; False when `tokens` already had one (or were empty).
@@ -209,6 +233,7 @@ class PrefixCache:
                 self.disk.save_later(self._stored(node, node.checkpoint))
         else:
             node.checkpoint.last_used = tick
+        node.resumed = node.resumed or conversation
         for n in self._path_to(node):
             n.last_used = tick
         self.enforce_budget()
@@ -271,11 +296,15 @@ class PrefixCache:
             if victim is None:
                 break
             self._evict(victim)
+        if self.resident is not None:
+            self.residency = self.resident.summary(self._iter_nodes())
 
     def _pick_victim(self) -> _Node | None:
         nodes = [n for n in self._iter_nodes() if n.checkpoint is not None]
         if not nodes:
             return None
+        if self.resident is not None:
+            return self.resident.pick_victim(nodes)
         return min(nodes, key=lambda n: (n.checkpoint.kind == "system", n.checkpoint.last_used, -n.end))  # type: ignore[union-attr]
 
     def _evict(self, node: _Node) -> None:
@@ -316,6 +345,10 @@ class PrefixCache:
             if ck is not None and (not node.children or ck.kind in WRITE_BEHIND_KINDS):
                 self._spill(node, ck)
         self.disk.flush()
+
+    def conversations(self) -> list[Conversation]:
+        """The tree's conversations, most important first (resident.py)."""
+        return conversations(self._iter_nodes())
 
     def clear(self) -> None:
         self._root = _Node((), (), 0)

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from kapitsa.engine.cache.disk import DiskTier
 from kapitsa.engine.cache.hybrid import HybridCache
-from kapitsa.engine.cache.prefix import PrefixCache
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.batch import DecodeBatch, can_pipeline
 from kapitsa.engine.runner.choices import fork_choices
@@ -27,6 +25,7 @@ from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.runner.memory import MemoryBudget, device_memory_limit, periodic_checkpoint_interval
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens
+from kapitsa.engine.runner.prefix_tier import make_prefix_cache
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
 from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus
@@ -73,7 +72,7 @@ class Engine:
             weights_bytes=mx.get_active_memory(),
             prefill_chunk=self.config.prefill_chunk,
         )
-        self.prefix = self._make_prefix_cache()
+        self.prefix = make_prefix_cache(self.config, self.memory, self.runner)
         self.checkpoint_interval = self.config.checkpoint_interval or periodic_checkpoint_interval(
             sizes.recurrent_bytes, sizes.kv_bytes_per_token
         )
@@ -86,23 +85,6 @@ class Engine:
         )
         self.alive = True
         self._thread.start()
-
-    def _make_prefix_cache(self) -> PrefixCache | None:
-        budget = self.config.prefix_cache_bytes
-        if budget is None:
-            budget = self.memory.available_bytes // 4
-        if budget <= 0:
-            return None
-        disk = None
-        if self.config.disk_cache_dir is not None and self.config.disk_cache_bytes > 0:
-            disk = DiskTier(
-                self.config.disk_cache_dir,
-                model_key=f"{self.config.model_key}|{self.runner.state_key}",  # the CPU computes in float32
-                budget_bytes=self.config.disk_cache_bytes,
-                validate=self.runner.check_stored,
-                write_delay_s=self.config.disk_write_delay_s,
-            )
-        return PrefixCache(budget_bytes=budget, disk=disk)
 
     # --- API used from other threads ---------------------------------------------------
 
@@ -302,6 +284,7 @@ class Engine:
             seq.key_ids[:pos],
             recurrent=self.runner.recurrent_state(cache),
             kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
+            conversation=seq.continues_conversation,
             kind=boundary.kind,
             next_logits=logits,
         )
@@ -320,6 +303,7 @@ class Engine:
             tokens[:pos],
             recurrent=self.runner.recurrent_state(cache),
             kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
+            conversation=seq.continues_conversation,
             kind="final",
         )
 
@@ -371,6 +355,7 @@ class Engine:
             seq.all_key_ids[:pos],
             recurrent=self.runner.recurrent_state(cache),
             kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
+            conversation=seq.continues_conversation,
             kind="periodic",
         )
 

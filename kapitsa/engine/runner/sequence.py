@@ -109,6 +109,11 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def continues_conversation(self) -> bool:
+        """The request carries an earlier reply: a conversation that came back (cache/resident.py)."""
+        return any(m.get("role") == "assistant" for m in self.request.messages or ())
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 

@@ -1,4 +1,5 @@
-"""The prefix cache: prompt tokens reused vs computed, hit rate, checkpoints, memory in use."""
+"""The prefix cache: prompt tokens reused vs computed, hit rate, checkpoints, resident conversations,
+memory in use."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class CachePanel(Static):
             f"hit rate               {stats.cache_hit_rate:>9.1%}\n"
             f"checkpoints  {stats.checkpoints_in_memory:>3} in memory {format_bytes(stats.checkpoint_bytes_in_memory):>9}\n"
             f"             {stats.checkpoints_on_disk:>3} on disk   {format_bytes(stats.checkpoint_bytes_on_disk):>9}\n"
+            f"conversations{stats.resident_conversations:>3} kept of{stats.conversations_in_memory:>3}"
+            f"{format_bytes(stats.resident_bytes):>9}\n"
             f"memory {format_bytes(stats.memory_in_use_bytes)}{limit}\n"
             f"peak   {format_bytes(stats.memory_peak_bytes)}"
         )

@@ -1,0 +1,31 @@
+"""The engine's prefix cache as its config asks for it: the memory budget, the disk tier, and the
+resident-conversation policy that decides what eviction spares (cache/resident.py)."""
+
+from __future__ import annotations
+
+from kapitsa.engine.cache.disk import DiskTier
+from kapitsa.engine.cache.prefix import PrefixCache
+from kapitsa.engine.cache.resident import ResidentPolicy
+from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.runner.memory import MemoryBudget
+from kapitsa.engine.runner.model_runner import ModelRunner
+
+
+def make_prefix_cache(config: EngineConfig, memory: MemoryBudget, runner: ModelRunner) -> PrefixCache | None:
+    """None when the budget is 0 (`prefix_cache_bytes=0`, or no memory left next to the weights)."""
+    budget = config.prefix_cache_bytes
+    if budget is None:
+        budget = memory.available_bytes // 4
+    if budget <= 0:
+        return None
+    disk = None
+    if config.disk_cache_dir is not None and config.disk_cache_bytes > 0:
+        disk = DiskTier(
+            config.disk_cache_dir,
+            model_key=f"{config.model_key}|{runner.state_key}",  # the CPU computes in float32
+            budget_bytes=config.disk_cache_bytes,
+            validate=runner.check_stored,
+            write_delay_s=config.disk_write_delay_s,
+        )
+    resident = ResidentPolicy(config.resident_conversations) if config.resident_conversations else None
+    return PrefixCache(budget_bytes=budget, disk=disk, resident=resident)
