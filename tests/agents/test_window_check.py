@@ -37,8 +37,8 @@ def test_every_agent_has_a_need_with_room_to_answer() -> None:
 
 def test_the_suggestion_fits_the_machine_and_the_agent() -> None:
     catalog = load_catalog({})
-    assert suggest_model(catalog, "claude", exclude="demo", usable_bytes=16 * GIB, num_checkpoints=4) == "4b"
-    assert suggest_model(catalog, "claude", exclude="4b", usable_bytes=16 * GIB, num_checkpoints=4) != "4b"
+    assert suggest_model(catalog, "claude", exclude="demo", usable_bytes=16 * GIB, num_checkpoints=4) == "9b"
+    assert suggest_model(catalog, "claude", exclude="9b", usable_bytes=16 * GIB, num_checkpoints=4) != "9b"
     assert suggest_model(catalog, "claude", exclude="demo", usable_bytes=2 * GIB, num_checkpoints=4) is None
     smallest = suggest_model(catalog, "claude", exclude="demo", usable_bytes=None, num_checkpoints=4)
     assert (
@@ -66,7 +66,7 @@ def test_a_small_window_is_refused_before_any_server_starts(
         )
     message = str(err.value)
     assert "\n" not in message and "context window is 8,192 tokens" in message
-    assert message.endswith(f"; try `kapitsa {agent} --model 4b`")
+    assert message.endswith(f"; try `kapitsa {agent} --model 9b`")
     assert fake_server.requests == []  # no server was probed, none started
 
 
