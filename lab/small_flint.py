@@ -1,0 +1,100 @@
+"""Flint at its published shape (random weights): the `:small` recipe against plain 4-bit, through
+kapitsa's engine (the path of `kapitsa run`), with each variant's weight bytes.
+
+`:small` is timed at two budgets: a 24 GB Mac's Metal working set (16 GiB: the rest at 6 bits) and a
+16 GB Mac's (10.67 GiB: the rest at 3 bits). Plain 4-bit is `models_under_test.materialize`.
+
+    python lab/small_flint.py [--tokens 128] [--prompt 512]
+    python lab/small_flint.py --tiny       # a seconds-long smoke run on any machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from kapitsa.engine.loading.small import apply_small, plan_small
+from kapitsa.engine.models import get_model_module
+from kapitsa.testing.tiny_flint import flint_config
+from lab.engine_timing import emit, time_kapitsa
+from lab.models_under_test import DTYPE, materialize, prompt_ids
+
+GiB = 1 << 30
+_FULL = [0, 1, *range(5, 46, 4), 48]  # full attention without RoPE (NeMo AutoModel's Flint page)
+FLINT = dict(
+    model_type="flint",
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=49,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=150144,
+    layer_types=["full_attention" if i in _FULL else "sliding_attention" for i in range(49)],
+    no_rope_layer_indices=_FULL,
+    sliding_window=513,
+    mlp_only_layers=[0, 1],
+    num_experts=256,
+    num_experts_per_tok=6,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=1024,
+)
+BUDGETS = {"24gb-mac": 16 * GiB, "16gb-mac": int(10922.67 * 2**20)}
+
+
+def _model(config: dict) -> nn.Module:
+    module = get_model_module("flint")
+    return module.Model(module.ModelArgs.from_dict(config))
+
+
+def small_model(config: dict, budget: int) -> tuple[nn.Module, str]:
+    """The recipe on a random model: bf16 one layer at a time, then `apply_small` as the loader runs it."""
+    model = _model(config)
+    model.set_dtype(DTYPE["value"])
+    for layer in model.layers:
+        mx.eval(layer.parameters())
+    plan = plan_small(model, budget)
+    apply_small(model, plan)
+    mx.eval(model.parameters())
+    return model, plan.description
+
+
+def weight_gb(model: nn.Module) -> float:
+    return round(sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    config = flint_config() if args.tiny else FLINT
+    if args.tiny:
+        DTYPE["value"] = mx.float32
+    prompt = prompt_ids(args.prompt, config["vocab_size"])
+    builds = [(name, lambda b=b: small_model(config, b)) for name, b in BUDGETS.items()]
+    builds.append(("4bit", lambda: (materialize(_model(config)), "4bit")))
+    for budget_name, build in builds:
+        model, quantization = build()
+        timing = time_kapitsa(model, prompt, args.tokens)
+        emit(
+            {
+                "shape": "flint-tiny" if args.tiny else "flint",
+                "quantization": quantization,
+                "budget": budget_name,
+                "weights_gb": weight_gb(model),
+                **{k: round(v, 2) for k, v in timing.items()},
+            }
+        )
+        del model
+        gc.collect()
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
