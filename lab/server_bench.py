@@ -1,0 +1,190 @@
+"""Speed as an HTTP client sees it: `kapitsa serve` against `mlx_lm.server` on the same checkpoint,
+beside kapitsa's engine in process (what the server adds), with `kapitsa bench`'s workloads.
+
+    python lab/server_bench.py --shape 27b              # a random-weight 4-bit real shape (H200)
+    python lab/server_bench.py --shape 4b --tiny        # the same at small widths (any machine)
+    python lab/server_bench.py --model demo             # a real checkpoint (here: the embedded demo)
+
+Each server runs as its own process, started as a user starts it (`python -m kapitsa serve`,
+`python -m mlx_lm.server`), on the same folder (lab/shape_checkpoint.py writes one both load).
+The engines are benched one after another, so they never share the machine while timed.
+Greedy decoding; `--speculative` (default none) is kapitsa's mode in process and in its server.
+Prints the bench report's JSON, then one `summary` line: decode tok/s and time to first token per
+engine, kapitsa server / mlx_lm.server, and the server's overhead against the in-process engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iterator[None]:
+    """A server process, up once `ready_url` answers 200; stopped (then killed) on exit."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
+    }
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        _wait_ready(proc, ready_url, log, timeout_s)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def bench_config(args: argparse.Namespace):  # noqa: ANN201 - BenchConfig
+    from kapitsa.bench.workloads import BenchConfig
+
+    return BenchConfig(
+        short_prompt_words=40,
+        long_prompt_words=args.long_words,
+        decode_tokens=args.tokens,
+        replay_turns=args.replay_turns,
+        replay_context_words=args.replay_words,
+        concurrent_streams=args.streams,
+        concurrent_tokens=args.tokens,
+    )
+
+
+def run_bench(model: str, urls: list[str], args: argparse.Namespace) -> dict:
+    from kapitsa.bench.command import BenchOptions, collect_report
+    from kapitsa.bench.submit import report_json
+
+    options = BenchOptions(model=model, compare=tuple(urls), speculative=args.speculative)
+    report = asyncio.run(collect_report(options, bench_config(args)))
+    return json.loads(report_json(report))
+
+
+def metric(report: dict, engine: str, workload: str, name: str) -> float | None:
+    for e in report["engines"]:
+        if e["name"] != engine:
+            continue
+        for w in e["workloads"]:
+            if w["name"] == workload and w["status"] == "ok" and name in w["metrics"]:
+                value = w["metrics"][name]
+                return value["value"] if isinstance(value, dict) else value
+    return None
+
+
+ENGINE_NAMES = ("kapitsa engine", "kapitsa serve", "mlx_lm.server")  # in process, then the two URLs
+
+
+def summary(report: dict) -> dict:
+    for engine, name in zip(report["engines"], ENGINE_NAMES, strict=False):
+        engine["name"] = name
+    names = [e["name"] for e in report["engines"]]
+    rows = {
+        n: {
+            "decode_tok_s": metric(report, n, "decode_short", "decode_tok_s"),
+            "ttft_s": metric(report, n, "decode_short", "ttft_s"),
+            "concurrent_tok_s": metric(report, n, "concurrent_4", "aggregate_tok_s"),
+            "replay_mean_ttft_s": metric(report, n, "agent_replay", "mean_ttft_s"),
+            "replay_cache_hit_pct": metric(report, n, "agent_replay", "cache_hit_pct"),
+            "prefill_tok_s": metric(report, n, "prefill", "prefill_tok_s"),
+        }
+        for n in names
+    }
+    local, ours, theirs = (rows.get(n, {}).get("decode_tok_s") for n in ENGINE_NAMES)
+    out = {"summary": rows}
+    if local and ours:
+        out["server_overhead"] = round(1 - ours / local, 4)
+    if ours and theirs:
+        out["kapitsa_serve_vs_mlx_lm_server"] = round(ours / theirs, 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--shape", help="a lab shape (lab/models_under_test.py), written as a checkpoint")
+    which.add_argument("--model", help="a checkpoint kapitsa and mlx-lm both load (folder, or `demo`)")
+    parser.add_argument("--tiny", action="store_true", help="with --shape: small widths")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--long-words", type=int, default=3000)
+    parser.add_argument("--replay-turns", type=int, default=6)
+    parser.add_argument("--replay-words", type=int, default=1500)
+    parser.add_argument("--speculative", default="none")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kapitsa-server-bench")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    folder = Path(args.model) if args.model and args.model != "demo" else None
+    if args.shape:
+        from lab.models_under_test import DTYPE
+        from lab.shape_checkpoint import write_shape_checkpoint
+
+        if args.tiny:
+            import mlx.core as mx
+
+            DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
+        folder = write_shape_checkpoint(args.shape, args.work / f"shape-{args.shape}", tiny=args.tiny)
+    if folder is None:  # the embedded demo checkpoint (the package's demo/ folder), which mlx-lm also loads
+        import kapitsa
+
+        folder = Path(kapitsa.__file__).parent / "demo"
+    ours, theirs = free_port(), free_port()
+    py = sys.executable
+    kapitsa_argv = [py, "-m", "kapitsa", "serve", "--model", str(folder), "--port", str(ours)]
+    kapitsa_argv += ["--speculative", args.speculative]
+    from lab.cpu_vs_mlxlm import _mlxlm_folder  # the demo's model_type as mlx-lm names it
+
+    mlx_folder = _mlxlm_folder(folder, Path(tempfile.mkdtemp(dir=args.work)))
+    mlx_argv = [py, "-m", "mlx_lm.server", "--model", str(mlx_folder), "--port", str(theirs)]
+    with (
+        server(
+            kapitsa_argv, f"http://127.0.0.1:{ours}/health", args.work / "kapitsa.log", args.ready_timeout
+        ),
+        server(
+            mlx_argv, f"http://127.0.0.1:{theirs}/v1/models", args.work / "mlx_lm.log", args.ready_timeout
+        ),
+    ):
+        report = run_bench(str(folder), [f"http://127.0.0.1:{ours}", f"http://127.0.0.1:{theirs}"], args)
+    totals = summary(report)
+    print(json.dumps(report))
+    print(json.dumps(totals))
+
+
+if __name__ == "__main__":
+    main()
