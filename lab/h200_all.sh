@@ -18,6 +18,14 @@
 #   bash lab/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain
 #                                       (persistent grids included); with MATVEC_TESTS=1 their GPU
 #                                       tests first
+#   bash lab/h200_all.sh batch        aggregate decode at $BATCH_STREAMS streams (default 1,4,8,16),
+#                                       kapitsa's engine against mlx-lm's batch_generate, with each
+#                                       batch size's first-burst compile cost ($BATCH_SHAPES, default
+#                                       all four; lab/batch_sweep.py)
+#   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPE (default
+#                                       4b) as a streaming client sees them, beside the in-process
+#                                       engine (lab/server_bench.py); needs .gpu/s4 carried
+#                                       (lab/stage_server_wheels.sh)
 #   bash lab/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
 #                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
@@ -109,6 +117,17 @@ case "$part" in
     timeout "${PREFILL_TIMEOUT:-300}" $py lab/prefill_parts.py --prompt 8192 --kinds ${PREFILL_KINDS:-moe attention} \
       --moe-dequant-ab --ssd-chunks ${SSD_CHUNKS:-} >> "$out/prefill.log" 2>&1
     grep -E 'prefill_part|Error' "$out/prefill.log"
+    ;;
+  batch)
+    timeout "${BATCH_TIMEOUT:-560}" $py lab/batch_sweep.py --shapes "${BATCH_SHAPES:-27b,35b-a3b,4b,nemotron-30b-a3b}" \
+      --streams "${BATCH_STREAMS:-1,4,8,16}" --tokens "${TOKENS:-64}" --prompt 512 > "$out/batch.log" 2>&1
+    grep -E 'aggregate|Error' "$out/batch.log"
+    ;;
+  server)
+    [ -f "$root/.gpu/s4/install.sh" ] && bash "$root/.gpu/s4/install.sh"
+    timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "${SERVER_SHAPE:-4b}" \
+      --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench > "$out/server.log" 2>&1
+    tail -1 "$out/server.log"
     ;;
   tests)
     # Every gpu-marked test (~540 cases; in one process ~18 minutes on a fresh machine, nearly all

@@ -237,3 +237,23 @@ def test_a_failing_variant_is_reported_not_fatal() -> None:
     assert row == {"error": "RuntimeError: kernel compile failed"}
     ok = timed_with(variant, timer)(model, [1], 4)
     assert ok == {"decode_tok_s": 1.0, "moe_dequant": False, "variant": "x"}
+
+
+def test_batch_sweep_times_both_engines_per_stream_count() -> None:
+    done = subprocess.run(
+        [sys.executable, "lab/batch_sweep.py", "--tiny", "--shapes", "4b", "--streams", "1,2"]
+        + ["--tokens", "4", "--prompt", "8"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(r["engine"], r["streams"]) for r in rows] == [
+        ("kapitsa", 1),
+        ("kapitsa", 2),
+        ("mlx-lm", 1),
+        ("mlx-lm", 2),
+    ]
+    assert all(r["aggregate_tok_s"] > 0 and r["wall_s"] > 0 and "first_burst_extra_s" in r for r in rows)

@@ -1,0 +1,142 @@
+"""Aggregate decode at 1, 4, 8 and 16 streams, kapitsa's engine against mlx-lm's batch_generate, on
+random-weight 4-bit models of the real shapes; and what a batch size costs the first time it runs.
+
+    python lab/batch_sweep.py --shapes 35b-a3b --streams 1,4,8,16 --tokens 64 --prompt 512
+    python lab/batch_sweep.py --tiny --streams 1,2,4 --tokens 8 --prompt 32      # any machine
+
+Each burst sends N distinct prompts at once and waits for all N answers (greedy, fixed length).
+Aggregate decode is the tokens after each stream's first, over the span from the last stream's
+first token to the last stream's end: the time when all N decode together. A batch size's first
+burst pays its compiles (MLX traces, CUDA kernels for new shapes); `first_burst_extra_s` is its
+wall time minus the next burst's. mlx-lm runs `batch_generate` on the same prompts, once cold and
+once warm, and reports its own generation tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import mlx.core as mx
+
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.types import (
+    ErrorEvent,
+    FinishEvent,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenEvent,
+)
+from lab.engine_timing import DEFAULTS, _Tokenizer, emit
+from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model, prompt_ids
+
+
+def engine(model, prompt_len: int, tokens: int, streams: int) -> InProcessEngine:
+    info = ModelInfo(
+        id="bench", family="bench", context_length=prompt_len + tokens + 16, max_output_tokens=tokens
+    )
+    config = EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048, max_running=streams, kernels=DEFAULTS)
+    return InProcessEngine(model, _Tokenizer(), info, eos_token_ids=set(), config=config)
+
+
+async def _one(client: InProcessEngine, prompt: list[int], tokens: int) -> tuple[float, float, int]:
+    request = GenerationRequest(
+        prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
+    )
+    first = end = None
+    count = 0
+    async for event in client.generate(request):
+        if isinstance(event, TokenEvent):
+            count += len(event.token_ids)
+            first = first or time.perf_counter()
+        elif isinstance(event, FinishEvent):
+            end = time.perf_counter()
+        elif isinstance(event, ErrorEvent):
+            raise event.error
+    return first, end, count
+
+
+def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dict:
+    async def run() -> list[tuple[float, float, int]]:
+        return await asyncio.gather(*(_one(client, p, tokens) for p in prompts))
+
+    start = time.perf_counter()
+    results = asyncio.run(run())
+    wall = time.perf_counter() - start
+    all_decoding = max(r[0] for r in results)
+    span = max(r[1] for r in results) - all_decoding
+    after_first = sum(r[2] - 1 for r in results)
+    return dict(wall_s=round(wall, 3), aggregate_tok_s=round(after_first / max(span, 1e-9), 2))
+
+
+def mlxlm_burst(model, prompts: list[list[int]], tokens: int) -> dict:
+    from mlx_lm.generate import batch_generate
+
+    start = time.perf_counter()
+    response = batch_generate(model, _Tokenizer(), prompts, max_tokens=tokens)
+    return dict(
+        wall_s=round(time.perf_counter() - start, 3), aggregate_tok_s=round(response.stats.generation_tps, 2)
+    )
+
+
+def sweep(
+    shape: str, dims_of: dict, streams: list[int], tokens: int, prompt_len: int, engines: set[str]
+) -> None:
+    kind, dims = dims_of[shape]
+    from kapitsa.testing.tiny import tiny_config
+
+    config = tiny_config(kind, **dims)
+    vocab = (config.get("text_config") or config)["vocab_size"]
+    prompts = [prompt_ids(prompt_len, vocab, stride=7919 + 2 * i) for i in range(max(streams))]
+    if "kapitsa" in engines:
+        client = engine(kapitsa_model(config), prompt_len, tokens, max(streams))
+        try:
+            burst(client, prompts[:1], 8)  # the one-stream path's compiles, before anything is timed
+            for n in streams:
+                cold, warm = burst(client, prompts[:n], tokens), burst(client, prompts[:n], tokens)
+                extra = round(cold["wall_s"] - warm["wall_s"], 3)
+                emit(dict(shape=shape, engine="kapitsa", streams=n, **warm, first_burst_extra_s=extra))
+        finally:
+            client.close()
+        mx.clear_cache()
+    if "mlx-lm" in engines:
+        model = mlxlm_model(config)
+        mlxlm_burst(model, prompts[:1], 8)
+        for n in streams:
+            cold, warm = mlxlm_burst(model, prompts[:n], tokens), mlxlm_burst(model, prompts[:n], tokens)
+            extra = round(cold["wall_s"] - warm["wall_s"], 3)
+            emit(dict(shape=shape, engine="mlx-lm", streams=n, **warm, first_burst_extra_s=extra))
+        del model
+        mx.clear_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="27b,35b-a3b,4b,nemotron-30b-a3b")
+    parser.add_argument("--streams", default="1,4,8,16")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--engines", default="kapitsa,mlx-lm")
+    parser.add_argument("--tiny", action="store_true", help="small widths, float32 (any machine)")
+    args = parser.parse_args()
+    if args.tiny:
+        DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
+    streams = [int(s) for s in args.streams.split(",")]
+    for shape in args.shapes.split(","):
+        sweep(
+            shape,
+            TINY if args.tiny else SHAPES,
+            streams,
+            args.tokens,
+            args.prompt,
+            set(args.engines.split(",")),
+        )
+
+
+if __name__ == "__main__":
+    main()
