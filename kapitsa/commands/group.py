@@ -7,10 +7,13 @@ as `mlx.launch --hostfile hosts.json -- kapitsa serve ...`, kapitsa is already a
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -20,6 +23,7 @@ _LAUNCH = (
     "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
 )
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_STATUS_VAR = "KAPITSA_GROUP_STATUS"
 
 
 def launched_rank() -> int | None:
@@ -47,21 +51,43 @@ def read_hosts(hostfile: Path) -> list[dict]:
 
 
 def relaunch(hostfile: Path, argv: list[str]) -> NoReturn:
-    """Replace this process with mlx.launch running `kapitsa <argv>` on every host of `hostfile`."""
+    """Run `kapitsa <argv>` under mlx.launch on every host of `hostfile`; exit with rank 0's code.
+
+    mlx.launch itself exits 0 whatever its ranks did, so rank 0 writes its exit code to the file
+    `KAPITSA_GROUP_STATUS` names (when rank 0 runs on another machine, the launcher's code stands).
+    """
     hosts = read_hosts(hostfile)
     command = [sys.executable, "-c", _LAUNCH, "--hostfile", str(hostfile)]
     if all(h["ssh"] in _LOCAL_HOSTS for h in hosts):  # ranks on this machine: ports nobody holds
         command += ["--starting-port", str(_free_port_run(len(hosts)))]
     command += ["--", sys.executable, "-m", "kapitsa", *argv]
     sys.stdout.flush()
-    os.execv(sys.executable, command)
+    with tempfile.TemporaryDirectory(prefix="kapitsa-group-") as folder:
+        status = Path(folder) / "rank0-exit"
+        launcher = subprocess.run(command, env={**os.environ, _STATUS_VAR: str(status)}, check=False)
+        code = int(status.read_text()) if status.is_file() else launcher.returncode
+    sys.stdout.flush()
+    os._exit(code)  # the ranks' answer is already out: nothing of this process is left to run
+
+
+def join_as_rank() -> None:
+    """On rank 0: report this process's exit code to the relaunching process, however it ends."""
+    if launched_rank() == 0 and os.environ.get(_STATUS_VAR):
+        atexit.register(_write_status, 1)  # sys.exit and errors; `leave` writes its own code first
 
 
 def leave(code: int = 0) -> NoReturn:
     """End a rank's process without MLX's distributed teardown, which can abort once peers are gone."""
     sys.stdout.flush()
     sys.stderr.flush()
+    _write_status(code)
     os._exit(code)
+
+
+def _write_status(code: int) -> None:
+    path = os.environ.get(_STATUS_VAR)
+    if launched_rank() == 0 and path and not Path(path).exists():
+        Path(path).write_text(str(code))
 
 
 def _free_port_run(count: int) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kapitsa.commands.group import launched_rank, leave, relaunch, wants_group
+from kapitsa.commands.group import join_as_rank, launched_rank, leave, relaunch, wants_group
 from kapitsa.engine.options import DEFAULT_SPECULATIVE
 from kapitsa.errors import InvalidRequest, KapitsaError
 
@@ -109,6 +109,7 @@ def _run_in_group(options: RunOptions, request, out: Callable[[str], object]) ->
         raise InvalidRequest("a distributed model reads text only: leave --image out")
     if launched_rank() is None:
         relaunch(options.hostfile, sys.argv[1:])
+    join_as_rank()
     engine = open_group_engine(options.model, parallel=options.parallel)
     if engine is None:
         leave(0)

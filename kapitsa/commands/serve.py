@@ -6,7 +6,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from kapitsa.commands.group import launched_rank, leave, relaunch, wants_group
+from kapitsa.commands.group import join_as_rank, launched_rank, leave, relaunch, wants_group
 from kapitsa.server.runner import check_bind, check_port_free, serve_forever
 from kapitsa.server.settings import ServerSettings
 
@@ -81,6 +81,7 @@ def _serve_group(
         check_port_free(settings)
     if rank is None:
         relaunch(hostfile, sys.argv[1:])
+    join_as_rank()
     engine = open_group_engine(settings.model, parallel=parallel)
     if engine is None:
         leave(0)

@@ -28,8 +28,14 @@ def write_checkpoint(folder: Path, kind: str) -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny float32 checkpoint per architecture, and "nemotron_h4": Nemotron-H with 4 Mamba-2
+    groups, which tensor parallel splits over 4 ranks (the default tiny one has 2)."""
+    from kapitsa.testing.tiny import write_tiny_checkpoint
+
     root = tmp_path_factory.mktemp("group-ckpt")
-    return {kind: write_checkpoint(root / kind, kind) for kind in ARCHITECTURES}
+    folders = {kind: write_checkpoint(root / kind, kind) for kind in ARCHITECTURES}
+    folders["nemotron_h4"] = write_tiny_checkpoint(root / "nemotron_h4", "nemotron_h", n_groups=4)
+    return folders
 
 
 @pytest.fixture(scope="session")

@@ -1,20 +1,33 @@
 """`kapitsa run --hostfile`: ranks on 127.0.0.1 (ring backend, CPU) give the greedy tokens of one
 process, for every architecture, split by layers (pipeline) or by heads and experts (tensor).
 
-The tiny checkpoints are float32, and the CPU computes in float32, so a split changes at most the
-order of a sum: the greedy tokens must be equal.
+The tiny checkpoints are float32 and the CPU computes in float32, so a split changes at most the
+order of a sum: the greedy tokens must be equal. Two ranks run every architecture in both modes;
+four ranks run one architecture per mode here and the rest under `-m slow` (each launch of four
+ranks costs ~10-15 s on a 2-core machine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import ARCHITECTURES, MAX_TOKENS, PROMPT, run_json
 
 pytest.importorskip("mlx.core")
+
+FOUR_RANKS = [("qwen3_5_moe", "pipeline"), ("flint", "tensor")]
+FOUR_RANKS_SLOW = [
+    (kind, parallel)
+    for parallel in ("pipeline", "tensor")
+    for kind in (*ARCHITECTURES, "nemotron_h4")
+    if (kind, parallel) not in FOUR_RANKS
+    and (kind, parallel) not in (("nemotron_h", "tensor"), ("nemotron_h4", "pipeline"))
+]
 
 
 def single_process_tokens(folder: Path) -> list[int]:
@@ -39,18 +52,45 @@ def group_args(hostfile: Path, parallel: str, folder: Path) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("parallel", ["pipeline"])
-@pytest.mark.parametrize("kind", ARCHITECTURES)
-def test_ranks_give_the_single_process_greedy_tokens(
-    kind: str, parallel: str, ranks: int, checkpoints, hostfiles, group_env, reference
-) -> None:
+def check_group(kind: str, parallel: str, ranks: int, checkpoints, hostfiles, group_env, reference) -> None:  # noqa: ANN001
     out = run_json(group_args(hostfiles[ranks], parallel, checkpoints[kind]), group_env)
     assert out["token_ids"] == reference[kind]
     assert out["generation_tokens"] == MAX_TOKENS
 
 
-def test_a_different_model_gives_different_tokens(checkpoints, hostfiles, group_env, reference) -> None:
-    """The comparison has teeth: the group's answer depends on the weights it loaded."""
-    out = run_json(group_args(hostfiles[2], "pipeline", checkpoints["qwen3_5_moe"]), group_env)
-    assert out["token_ids"] != reference["qwen3_5"]
+@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_two_ranks_give_the_single_process_greedy_tokens(
+    kind: str, parallel: str, checkpoints, hostfiles, group_env, reference
+) -> None:
+    check_group(kind, parallel, 2, checkpoints, hostfiles, group_env, reference)
+
+
+@pytest.mark.parametrize(("kind", "parallel"), FOUR_RANKS)
+def test_four_ranks_give_the_single_process_greedy_tokens(
+    kind: str, parallel: str, checkpoints, hostfiles, group_env, reference
+) -> None:
+    check_group(kind, parallel, 4, checkpoints, hostfiles, group_env, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "parallel"), FOUR_RANKS_SLOW)
+def test_four_ranks_every_architecture(
+    kind: str, parallel: str, checkpoints, hostfiles, group_env, reference
+) -> None:
+    check_group(kind, parallel, 4, checkpoints, hostfiles, group_env, reference)
+
+
+def test_a_different_model_gives_different_tokens(reference) -> None:
+    """The comparisons have teeth: the greedy tokens depend on the architecture and weights."""
+    assert len({tuple(tokens) for tokens in reference.values()}) == len(reference)
+
+
+def test_a_split_the_model_does_not_divide_into_fails_clearly(checkpoints, hostfiles, group_env) -> None:
+    """Two Mamba-2 groups (whose norm is per group) do not split over four ranks: exit 1, saying why."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kapitsa", "run", *group_args(hostfiles[4], "tensor", checkpoints["nemotron_h"])],
+        capture_output=True, text=True, env=group_env, timeout=120, start_new_session=True,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "2 Mamba-2 groups (its norm is per group) do not split over 4 ranks" in done.stderr

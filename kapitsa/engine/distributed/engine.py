@@ -165,13 +165,11 @@ class GroupEngine:
             self._lost(err)
 
     def _serve(self, seq: Sequence) -> None:
-        self._current = seq
+        self._current = seq  # kept on a PeerLost: `_lost` fails it
         seq.sampler = SequenceSampler(seq.request.sampling, seq.prompt_ids, tuple(self.eos_token_ids))
-        try:
-            self._generate(seq)
-            self._counts["finished"] += 1
-        finally:
-            self._current = None
+        self._generate(seq)
+        self._counts["finished"] += 1
+        self._current = None
 
     def _generate(self, seq: Sequence) -> None:
         started = time.perf_counter()

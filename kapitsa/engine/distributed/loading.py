@@ -31,7 +31,7 @@ from kapitsa.engine.loading.weights import load_safetensors, read_config, weight
 from kapitsa.engine.models import get_model_module
 from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.engine.types import ModelInfo
-from kapitsa.errors import CheckpointError, InvalidRequest, NotBuilt, UnsupportedModel
+from kapitsa.errors import CheckpointError, InvalidRequest, UnsupportedModel
 
 
 @dataclass
@@ -116,7 +116,10 @@ def _cut_to_shard(model: nn.Module, group: Group, parallel: str) -> list[int]:
     num_layers = len(model.layers)
     model.mtp = None  # drafting heads are not split: speculation is off in a group
     if parallel == "tensor":
-        raise NotBuilt("--parallel tensor is not built yet; --parallel pipeline splits the model by layers")
+        from kapitsa.engine.distributed.tensor import shard_tensor_parallel
+
+        shard_tensor_parallel(model, group)
+        return list(range(num_layers))
     if num_layers < group.size:
         raise InvalidRequest(f"{num_layers} layers cannot be split across {group.size} ranks")
     keep = layer_range(num_layers, group.rank, group.size)

@@ -12,6 +12,10 @@ from kapitsa.engine.options import KernelOptions
 
 def make_shard(loaded: LoadedShard, group, parallel: str, kernels: KernelOptions) -> Shard:  # noqa: ANN001
     """The runnable shard of a loaded part (tensor parallel runs its layers' plain paths)."""
+    if parallel == "tensor":
+        from kapitsa.engine.distributed.tensor import TensorShard, tensor_kernels
+
+        return TensorShard(loaded.model, group, loaded.layer_ids, tensor_kernels(kernels))
     return PipelineShard(loaded.model, group, loaded.layer_ids, kernels)
 
 
