@@ -162,3 +162,14 @@ def model_keeps(model, path, module):
 def test_a_dense_model_refuses_the_recipe_and_says_why(tiny, kind):
     with pytest.raises(NoRoutedExperts, match="dense model.*routed experts"):
         load_model(f"{tiny(kind)}:small", memory_budget=WIDE_BUDGET)
+
+
+def test_the_vision_tower_stays_float_and_counts_against_the_budget(tiny):
+    from kapitsa.engine.loading.small import plan_small
+
+    folder = tiny("qwen3_5_moe", vision=True, shared_expert_intermediate_size=64)
+    model = load_model(folder).model
+    tower = sum(v.nbytes for _, v in tree_flatten(model.vision_tower.parameters()))
+    assert plan_small(model, WIDE_BUDGET).fixed_bytes >= tower > 0
+    loaded = load_model(f"{folder}:small", memory_budget=WIDE_BUDGET)
+    assert not any(hasattr(m, "bits") for _, m in _leaves(loaded.model.vision_tower))

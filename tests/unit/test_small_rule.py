@@ -52,3 +52,9 @@ def test_bigger_budget_never_means_fewer_bits_and_every_width_is_reached():
 
 def test_unknown_budget_takes_the_default_width():
     assert choose_rest_bits(None, **FLINT) == DEFAULT_REST_BITS
+
+
+def test_weights_the_recipe_leaves_float_take_room_from_the_rest():
+    budget = 16 * GiB
+    assert choose_rest_bits(budget, **FLINT) == 6
+    assert choose_rest_bits(budget, **FLINT, fixed_bytes=GiB // 2) == 5  # e.g. a bf16 vision tower

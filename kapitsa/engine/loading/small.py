@@ -28,6 +28,7 @@ class SmallPlan:
     rest_bits: int
     expert_params: int
     rest_params: int
+    fixed_bytes: int = 0  # modules the model keeps as loaded (routers, vision towers)
 
     @property
     def description(self) -> str:
@@ -46,21 +47,23 @@ def plan_small(model: nn.Module, budget_bytes: int | None) -> SmallPlan:
     Raises:
         NoRoutedExperts: the model has no routed experts (a dense model).
     """
-    experts = rest = 0
-    for _, module in _weight_leaves(model):
-        count = _logical_params(module)
+    allowed = _model_predicate(model)
+    experts = rest = fixed = 0
+    for path, module in _weight_leaves(model):
         if is_routed(module):
-            experts += count
+            experts += _logical_params(module)
+        elif allowed(path, module) is False:  # stays as loaded: counts at its own size
+            fixed += sum(v.nbytes for _, v in tree_flatten(module.parameters()))
         else:
-            rest += count
+            rest += _logical_params(module)
     if experts == 0:
         name = getattr(model, "model_type", type(model).__name__)
         raise NoRoutedExperts(
             f"{name} is a dense model: ':small' keeps routed experts at 2 bits and has none to act on "
             "here; load it at a uniform width instead (':4bit', ':3bit')"
         )
-    bits = choose_rest_bits(budget_bytes, expert_params=experts, rest_params=rest)
-    return SmallPlan(rest_bits=bits, expert_params=experts, rest_params=rest)
+    bits = choose_rest_bits(budget_bytes, expert_params=experts, rest_params=rest, fixed_bytes=fixed)
+    return SmallPlan(rest_bits=bits, expert_params=experts, rest_params=rest, fixed_bytes=fixed)
 
 
 def apply_small(model: nn.Module, plan: SmallPlan) -> None:

@@ -6,7 +6,7 @@ them, so they go to 2 bits (or stay at the 2 bits a checkpoint stores them in). 
 gets the most bits the memory budget allows:
 
     rest bits = the largest of 6, 5, 4, 3 such that
-        experts at 2 bits + rest at those bits  <=  budget - reserve,
+        experts at 2 bits + rest at those bits + what stays float  <=  budget - reserve,
     reserve = max(RESERVE_MIN_BYTES, budget * RESERVE_SHARE)   (KV cache, activations, the process)
 
 and 3 bits when none fits (the model is then too big for the budget; doctor says so). Affine MLX
@@ -36,12 +36,15 @@ def small_weights_bytes(*, expert_params: float, rest_params: float, rest_bits: 
     return int(experts + rest)
 
 
-def choose_rest_bits(budget_bytes: int | None, *, expert_params: float, rest_params: float) -> int:
-    """The width of everything but the routed experts: the most bits (6..3) whose weights leave the
-    reserve free in `budget_bytes`; 3 when none does, DEFAULT_REST_BITS when the budget is unknown."""
+def choose_rest_bits(
+    budget_bytes: int | None, *, expert_params: float, rest_params: float, fixed_bytes: int = 0
+) -> int:
+    """The width of everything but the routed experts: the most bits (6..3) whose weights, beside
+    `fixed_bytes` the recipe leaves as they are (routers, vision towers), leave the reserve free in
+    `budget_bytes`; 3 when none does, DEFAULT_REST_BITS when the budget is unknown."""
     if budget_bytes is None or budget_bytes <= 0:
         return DEFAULT_REST_BITS
-    room = budget_bytes - reserve_bytes(budget_bytes)
+    room = budget_bytes - reserve_bytes(budget_bytes) - fixed_bytes
     for bits in REST_BITS:
         if small_weights_bytes(expert_params=expert_params, rest_params=rest_params, rest_bits=bits) <= room:
             return bits
