@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import sys
 from collections.abc import Callable
@@ -143,17 +144,19 @@ def make_request(text: str, options: RunOptions):  # noqa: ANN201 - GenerationRe
 
 
 def read_image(path: Path) -> bytes:
-    """An image file's bytes, checked to decode (a bad file fails before the weights load)."""
-    from kapitsa.engine.vision.images import decode_image
+    """An image file's bytes, checked to be an image Pillow reads (a bad file fails before the
+    weights load; the engine decodes it again for the model)."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         data = path.read_bytes()
     except OSError as err:
         raise InvalidRequest(f"cannot read the image {path}: {err.strerror or err}") from err
     try:
-        decode_image(data)
-    except InvalidRequest as err:
-        raise InvalidRequest(f"{path}: {err}") from err
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise InvalidRequest(f"{path}: the image could not be decoded: {err}") from err
     return data
 
 
