@@ -163,6 +163,8 @@ class GroupEngine:
                 self._serve(item)
         except PeerLost as err:
             self._lost(err)
+        except Exception as err:  # noqa: BLE001 - a step that failed half-way leaves the ranks out of step
+            self._lost(PeerLost(f"the group's engine failed: {err!r}"))
 
     def _serve(self, seq: Sequence) -> None:
         self._current = seq  # kept on a PeerLost: `_lost` fails it
