@@ -205,11 +205,13 @@ def serve(
 @app.command()
 def doctor(
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
+    hostfile: HostfileOpt = None,
+    parallel: ParallelOpt = "pipeline",
 ) -> None:
     """Check this machine: GPU, memory, which models fit and with how much context."""
     from kapitsa.commands.doctor import cmd_doctor
 
-    cmd_doctor(json_out)
+    cmd_doctor(json_out, hostfile=hostfile, parallel=parallel)
 
 
 @app.command()

@@ -224,3 +224,11 @@ def open_group_engine(ref: str | None, *, parallel: str, settings: KapitsaSettin
         source = str(resolved.path if resolved.kind == "path" else resolved.repo_id)
         model_id = resolved.display_name
     return start_rank(source, parallel=parallel, model_id=model_id, kernels=engine_config(settings).kernels)
+
+
+def gather_over_group(values: list[int]) -> tuple[int, list[list[int]]]:
+    """In a group mlx.launch started: (this rank, every rank's `values` in rank order)."""
+    with _engine_required():
+        from kapitsa.engine.distributed.group import gather_ints, init_group
+    group = init_group()
+    return group.rank, gather_ints(group, values)

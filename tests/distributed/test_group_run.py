@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,14 @@ def test_a_split_the_model_does_not_divide_into_fails_clearly(checkpoints, hostf
     )  # fmt: skip
     assert done.returncode == 1
     assert "2 Mamba-2 groups (its norm is per group) do not split over 4 ranks" in done.stderr
+
+
+def test_doctor_reports_what_fits_on_the_group(hostfiles, group_env) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kapitsa", "doctor", "--hostfile", str(hostfiles[2]), "--json"],
+        capture_output=True, text=True, env=group_env, timeout=120, start_new_session=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert len(report["usable_bytes"]) == 2 and all(b > 0 for b in report["usable_bytes"])
+    assert report["models"] and all(len(m["rank_weights_bytes"]) == 2 for m in report["models"])

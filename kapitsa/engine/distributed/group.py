@@ -59,8 +59,18 @@ def init_group(backend: str = "any") -> Group:
     try:
         handle = mx.distributed.init(strict=True, backend=backend)
     except (RuntimeError, ValueError) as err:
-        raise KapitsaError(f"cannot join the distributed group ({backend} backend): {err}") from err
+        if not _alone():
+            raise KapitsaError(f"cannot join the distributed group ({backend} backend): {err}") from err
+        # MLX parses the empty file at any init: without it, init gives the group of one
+        os.environ.pop("MLX_HOSTFILE")
+        handle = mx.distributed.init(strict=False)
     return Group(handle.rank(), handle.size(), handle)
+
+
+def _alone() -> bool:
+    """mlx.launch with a one-host hostfile gives its one rank an empty ring hostfile."""
+    path = os.environ.get("MLX_HOSTFILE")
+    return bool(path) and os.path.isfile(path) and not open(path).read().strip()
 
 
 def evaluate(*arrays: mx.array, what: str) -> None:
@@ -114,3 +124,10 @@ def barrier(group: Group, *, what: str) -> None:
     """Wait until every rank reaches this point (after loading: ranks load at their own pace)."""
     total = mx.distributed.all_sum(mx.array([1], dtype=mx.int32), group=group.handle)
     evaluate(total, what=what)
+
+
+def gather_ints(group: Group, values: list[int]) -> list[list[int]]:
+    """Every rank's `values` (the same length on each), in rank order."""
+    gathered = mx.distributed.all_gather(mx.array([values], dtype=mx.int64), group=group.handle)
+    evaluate(gathered, what="a gather")
+    return gathered.tolist()
