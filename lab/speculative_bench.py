@@ -1,7 +1,10 @@
 """Speculative decoding: tokens per verify step and decode tok/s, against plain decoding and
 against mlx-lm's plain decoding of the same checkpoint, in one run.
 
-    python lab/speculative_bench.py --model kapitsa/demo [--draft PATH] [--tokens 128]
+    python lab/speculative_bench.py --model kapitsa/demo [--draft PATH] [--block PATH] [--tokens 128]
+
+`--block` adds the DFlash block drafter at PATH (tools/train_block_drafter.py trains one for the
+demo), as a chain ("block") and as a best-first tree ("block-tree").
 
 Workloads: "edit" (the model is shown a Python file and asked to rewrite it, so much of the
 answer copies the prompt: the n-gram drafter's case) and "complete" (held-out function headers).
@@ -63,11 +66,20 @@ async def _generate(client: InProcessEngine, messages: list[dict], tokens: int) 
 
 
 DRAFT: dict[str, str | None] = {"path": None}
+BLOCK: dict[str, object] = {"drafter": None}
 
 
 def _run_mode(loaded, mode: str, draft, messages: list[dict], tokens: int) -> dict:
     if mode == "auto":  # as the opener builds it: on the CPU with the cost curve timed on this model
         strategy = strategy_for("auto", target_model=loaded.model, draft=DRAFT["path"], kernels=DEFAULTS)
+    elif mode.startswith("block"):
+        strategy = make_decode_strategy(
+            "block",
+            target_model=loaded.model,
+            block_drafter=BLOCK["drafter"],
+            tree=mode == "block-tree",
+            kernels=DEFAULTS,
+        )
     else:
         strategy = make_decode_strategy(mode, target_model=loaded.model, draft_model=draft, kernels=DEFAULTS)
     config = EngineConfig(prefix_cache_bytes=0, kernels=DEFAULTS)
@@ -111,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", default=None)
+    ap.add_argument("--block", default=None, help="a DFlash block drafter folder")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -121,7 +134,12 @@ def main() -> None:
         ["none", "auto", "ngram"]
         + (["mtp"] if getattr(loaded.model, "mtp", None) is not None else [])
         + (["draft"] if draft else [])
+        + (["block", "block-tree"] if args.block else [])
     )
+    if args.block:
+        from kapitsa.engine.speculative.dflash import load_dflash
+
+        BLOCK["drafter"] = load_dflash(args.block)
     print(f"mlx {mx.__version__} on {mx.default_device()}; model {args.model}")
     rows = []
     for workload, make in WORKLOADS.items():

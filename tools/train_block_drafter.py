@@ -1,0 +1,246 @@
+"""Train a DFlash-style block drafter (kapitsa/engine/speculative/dflash.py) for a trained checkpoint
+such as the demo, with MLX on any device (the demo's drafter trains in minutes on a CPU).
+
+    python tools/train_block_drafter.py --target kapitsa/demo --out build/demo-block --steps 1500
+
+The data is the target's own greedy answers to chat prompts made from the standard library's
+functions (complete a function from its header, explain or rewrite it; the held-out files are
+left out): drafts are accepted when they equal the target's greedy tokens, so those are the labels.
+Each example is one anchor in an answer: the context is the target's tapped layer outputs for the
+tokens before the anchor, the block is `[token at the anchor, MASK x k]`, and block position j
+learns the answer's token j places on. The drafter is trained through the same functions the
+engine drafts with (`DFlashModel.context`, `context_kv`, `block`; the target's embedding and
+head, frozen), and saved in the layout `load_dflash` reads. Writes `report.json` beside it: the
+held-out top-1 accuracy per block position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tinyckpt.corpus import functions_in, read_stdlib, split_files  # noqa: E402
+
+from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
+from kapitsa.engine.loading.loader import LoadedModel, load_model  # noqa: E402
+from kapitsa.engine.options import EngineConfig  # noqa: E402
+from kapitsa.engine.speculative.dflash import DFlashConfig, DFlashModel, load_dflash  # noqa: E402
+from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
+
+ASKS = ("Complete this function:\n\n{header}\n", "Explain what this function does:\n\n{source}")
+ASKS += ("Rewrite this function, keeping its behaviour:\n\n{source}",)
+
+
+def prompts(count: int, held_count: int, seed: int) -> tuple[list[list[dict]], list[list[dict]]]:
+    """(training chats, held-out chats): the held-out ones from the corpus's held-out files."""
+    rng = random.Random(seed)
+    out = []
+    for files, n in zip(split_files(read_stdlib()), (count, held_count), strict=True):
+        functions = [f for source in files for f in functions_in(source, max_lines=16)]
+        rng.shuffle(functions)
+        out.append(
+            [
+                [{"role": "user", "content": ASKS[i % len(ASKS)].format(header=f.header, source=f.source)}]
+                for i, f in enumerate(functions[:n])
+            ]
+        )
+    return out[0], out[1]
+
+
+async def _answer(engine: InProcessEngine, messages: list[dict], tokens: int) -> list[int]:
+    request = GenerationRequest(messages=tuple(messages), sampling=SamplingParams(max_tokens=tokens))
+    ids: list[int] = []
+    async for event in engine.generate(request):
+        if isinstance(event, TokenEvent):
+            ids += event.token_ids
+        elif isinstance(event, FinishEvent):
+            break
+    return ids
+
+
+def answers(loaded: LoadedModel, chats: list[list[dict]], tokens: int) -> list[tuple[list[int], int]]:
+    """(prompt + greedy answer ids, where the answer starts) per chat, through the engine's batching."""
+    engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0, max_running=16))
+
+    async def run() -> list[list[int]]:
+        out: list[list[int]] = []
+        for start in range(0, len(chats), 16):
+            out += await asyncio.gather(*(_answer(engine, c, tokens) for c in chats[start : start + 16]))
+        return out
+
+    try:
+        generated = asyncio.run(run())
+    finally:
+        engine.close()
+    tok = loaded.tokenizer
+    rows = []
+    for chat, ids in zip(chats, generated, strict=True):
+        prompt = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+        if len(ids) > 8:
+            rows.append((prompt + ids, len(prompt)))
+    return rows
+
+
+def tapped(loaded: LoadedModel, rows: list[tuple[list[int], int]], layers: tuple[int, ...]) -> list[dict]:
+    """Each row's ids and the target's tapped layer outputs `[L, n*H]` (float16, host memory)."""
+    examples = []
+    for ids, start in rows:
+        out = loaded.model.forward(mx.array([ids]), taps=layers)
+        taps = mx.concatenate([out.taps[i] for i in layers], axis=-1)[0].astype(mx.float16)
+        examples.append(dict(ids=ids, start=start, taps=np.array(taps)))
+    return examples
+
+
+def batch_at(examples: list[dict], offset: int, k: int) -> tuple[mx.array, mx.array, mx.array] | None:
+    """The blocks `offset` tokens into each answer long enough for one: (context taps [B, offset,
+    n*H], block ids [B, k+1], labels [B, k]). As in the engine, the context holds the answer's
+    tokens before the block's first (the drafter starts with the answer; the prompt is not in it)."""
+    rows = [ex for ex in examples if ex["start"] + offset + k < len(ex["ids"])]
+    if not rows:
+        return None
+    taps = mx.array(np.stack([ex["taps"][ex["start"] : ex["start"] + offset] for ex in rows]))
+    starts = [ex["start"] + offset for ex in rows]
+    ids = mx.array([ex["ids"][t : t + k + 1] for ex, t in zip(rows, starts, strict=True)], dtype=mx.int32)
+    return taps.astype(mx.float32), ids[:, :1], ids[:, 1:]
+
+
+def block_logits(drafter: DFlashModel, target, taps: mx.array, first: mx.array, k: int) -> mx.array:  # noqa: ANN001
+    """[B, k, V]: the engine's drafting path (DFlashDrafter._block_logits) for a batch of blocks."""
+    embed, head = target.backbone_parts()[0], target.head()
+    masks = mx.full((first.shape[0], k), drafter.config.mask_token_id, dtype=mx.int32)
+    if taps.shape[1]:
+        kv = drafter.context_kv(drafter.context(taps), 0)
+    else:  # the first block of an answer: no context yet, as the engine's empty K/V
+        c = drafter.config
+        empty = mx.zeros((first.shape[0], c.num_key_value_heads, 0, c.head_dim))
+        kv = [(empty, empty) for _ in drafter.layers]
+    return head(drafter.block(embed(mx.concatenate([first, masks], axis=1)), kv)[:, 1:])
+
+
+def block_loss(drafter: DFlashModel, target, batch, weights: mx.array) -> mx.array:  # noqa: ANN001
+    taps, first, labels = batch
+    logits = block_logits(drafter, target, taps, first, labels.shape[1]).astype(mx.float32)
+    losses = nn.losses.cross_entropy(logits, labels, reduction="none")  # [B, k]
+    return (losses * weights).sum(axis=1).mean() / weights.sum()
+
+
+def pick(examples: list[dict], batch: int, k: int, max_offset: int, rng: random.Random):  # noqa: ANN201
+    """A training batch: `batch` answers' blocks at one random offset (equal context lengths)."""
+    while True:
+        found = batch_at(rng.sample(examples, min(batch, len(examples))), rng.randrange(max_offset + 1), k)
+        if found is not None:
+            return found
+
+
+def accuracy(drafter: DFlashModel, target, examples: list[dict], k: int, max_offset: int) -> list[float]:  # noqa: ANN001
+    """Held-out top-1 accuracy at each block position, over every offset (a miss does not stop a row)."""
+    hits, n = np.zeros(k), 0
+    for offset in range(max_offset + 1):
+        found = batch_at(examples, offset, k)
+        if found is None:
+            break
+        taps, first, labels = found
+        guess = mx.argmax(block_logits(drafter, target, taps, first, k), axis=-1)
+        hits += np.array((guess == labels).sum(axis=0))
+        n += labels.shape[0]
+    return [round(float(h / max(n, 1)), 3) for h in hits]
+
+
+def drafter_config(target_config: dict, args: argparse.Namespace) -> dict:
+    layers = target_config["num_hidden_layers"]
+    taps = sorted({1, layers // 2, layers - 2})
+    hidden = target_config["hidden_size"]
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": max(hidden // 64, 1),
+        "num_key_value_heads": max(hidden // 128, 1),
+        "head_dim": 64,
+        "intermediate_size": 3 * hidden,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "block_size": args.block_size,
+        "num_target_layers": layers,
+        "dflash_config": {"target_layer_ids": taps, "mask_token_id": int(target_config["pad_token_id"])},
+    }
+
+
+def train(args: argparse.Namespace) -> dict:
+    mx.random.seed(args.seed)
+    loaded = load_model(args.target)
+    config = drafter_config(json.loads((Path(loaded.path) / "config.json").read_text()), args)
+    drafter = DFlashModel(DFlashConfig.from_dict(config))
+    layers = drafter.config.target_layer_ids
+    k = args.block_size - 1
+    started = time.perf_counter()
+    train_chats, held_chats = prompts(args.prompts, args.held_out, args.seed)
+    train_rows, held_rows = (answers(loaded, c, args.answer_tokens) for c in (train_chats, held_chats))
+    data, held = tapped(loaded, train_rows, layers), tapped(loaded, held_rows, layers)
+    print(
+        f"data: {len(data)} answers, {len(held)} held out, {time.perf_counter() - started:.0f} s", flush=True
+    )
+    weights = mx.exp(-mx.arange(k, dtype=mx.float32) / args.decay)
+    schedule = optim.cosine_decay(args.lr, args.steps, args.lr * 0.05)
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+    step_fn = nn.value_and_grad(drafter, lambda m, batch: block_loss(m, loaded.model, batch, weights))
+    max_offset = args.answer_tokens - k - 1
+    rng = random.Random(args.seed)
+    for step in range(1, args.steps + 1):
+        loss, grads = step_fn(drafter, pick(data, args.batch, k, max_offset, rng))
+        optimizer.update(drafter, grads)
+        mx.eval(drafter.parameters(), optimizer.state, loss)
+        if step % 100 == 0 or step == 1:
+            print(f"step {step} loss {loss.item():.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(args.out / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
+    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    reloaded = load_dflash(args.out)  # the saved folder is what the engine loads
+    report = dict(
+        target=str(args.target),
+        steps=args.steps,
+        answers=len(data),
+        held_out_accuracy_per_position=accuracy(reloaded, loaded.model, held, k, max_offset),
+        seconds=round(time.perf_counter() - started),
+    )
+    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="kapitsa/demo")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument(
+        "--decay", type=float, default=4.0, help="block position j's loss weight exp(-j/decay)"
+    )
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--held-out", type=int, default=48)
+    parser.add_argument("--answer-tokens", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(json.dumps(train(args)))
+
+
+if __name__ == "__main__":
+    main()
