@@ -2,7 +2,9 @@
 
 Requests are rendered and tokenized in a worker thread (never on the event loop, never on the
 engine thread), checked against the context window before anything is queued, then handed to the
-engine thread; its events come back through an asyncio queue per request.
+engine thread; its events come back through an asyncio queue per request. Before a chat request's
+template renders, and again once it is tokenized, the engine is told which tokens it will resume
+from, so a checkpoint on disk is read meanwhile (turn_hints.py, cache/read_ahead.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kapitsa.engine.runner.stop import StopMatcher
 from kapitsa.engine.text.prepare import prepare_prompt
 from kapitsa.engine.text.prompt_encoder import PromptEncoder
 from kapitsa.engine.text.token_checks import check_request_token_ids, model_vocab_size
+from kapitsa.engine.turn_hints import TurnHints
 from kapitsa.engine.types import (
     Constraint,
     EngineStats,
@@ -74,6 +77,7 @@ class InProcessEngine:
         self._preparing: dict[str, bool] = {}  # request id -> aborted while its prompt was being prepared
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._grammars_lock = threading.Lock()
+        self._hints = TurnHints()
 
     @classmethod
     def from_loaded(
@@ -126,6 +130,8 @@ class InProcessEngine:
         finally:
             if not done:
                 self.engine.abort(request.request_id)
+        if request.messages and isinstance(event, FinishEvent):
+            self._hints.remember(request.messages, seq.all_key_ids)  # the engine thread is done with it
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._preparing:  # still being rendered: the engine has not seen it yet
@@ -179,9 +185,14 @@ class InProcessEngine:
     # helpers
 
     def _make_sequence(self, request: GenerationRequest) -> Sequence:
+        hint = self._hints.recall(request.messages) if request.messages else None
+        if hint is not None:
+            self.engine.prefetch(hint)  # the conversation's last request and reply, before templating
         prepared = prepare_prompt(self.tokenizer, request, encode=self.encoder.encode, images=self.images)
         if not prepared.ids:
             raise InvalidRequest("the prompt is empty")
+        key_ids = prepared.ids if prepared.media is None else prepared.media.key_ids(prepared.ids)
+        self.engine.prefetch(key_ids)  # what it resumes from when the reply re-rendered differently
         check_request_token_ids(request, prepared.ids, self.info.vocab_size)
         if request.sampling.eos_decay is None and self.info.eos_decay is not None:
             sampling = dataclasses.replace(request.sampling, eos_decay=self.info.eos_decay)
@@ -197,7 +208,7 @@ class InProcessEngine:
         seq = self._new_sequence(request, prepared.ids, max_tokens=max_tokens, reserve=reserve)
         seq.boundaries = prepared.boundaries
         if prepared.media is not None:
-            seq.media, seq.prompt_key_ids = prepared.media, prepared.media.key_ids(prepared.ids)
+            seq.media, seq.prompt_key_ids = prepared.media, key_ids
         seq.forks = [self._choice(seq, index) for index in range(1, request.n)]
         return seq
 
@@ -265,14 +276,21 @@ class InProcessEngine:
 
 
 def _residency(prefix: Any) -> dict[str, int]:
-    kept = prefix.residency if prefix is not None else None
-    if kept is None:
+    if prefix is None:
         return {}
-    return {
+    kept, disk = prefix.residency, prefix.disk
+    out = {
         "conversations_in_memory": kept.conversations,
         "resident_conversations": kept.resident,
         "resident_bytes": kept.resident_bytes,
+        "checkpoints_preloaded": prefix.num_preloaded,
     }
+    if disk is not None:
+        out |= {
+            "checkpoints_loaded_from_disk": disk.num_loaded,
+            "checkpoints_read_ahead": disk.read_ahead.num_taken,
+        }
+    return out
 
 
 def _drop(_event: Event) -> None:

@@ -20,6 +20,7 @@ DEFAULT_SPECULATIVE = "auto"
 
 GIB = 1024**3
 KV_BITS_CHOICES = (None, 8, 4)  # `--kv-bits`: None keeps K/V in the activation dtype
+READ_AHEAD_BYTES = 256 * 1024**2  # disk-tier files read ahead of their lookup, at most (cache/read_ahead.py)
 
 # Kernel families a model can route through (kernels/): the Gated DeltaNet step, the MoE expert
 # kernels, the quantized mat-vecs, the Mamba-2 step, the fused MoE router, attention's decode kernels.
@@ -119,6 +120,9 @@ class EngineConfig:
     cpu_float32_bytes: int = 2 * GIB  # CPU device only: float32 weights and BLAS copies (model_runner.py)
     kv_bits: int | None = None  # attention K/V at 8 or 4 bits (cache/quantized_kv.py); None: activation dtype
     resident_conversations: int = 4  # conversations whose newest checkpoints eviction spares (0: plain LRU)
+    # read disk-tier checkpoints ahead: a request's file as it arrives, spilled conversations when idle
+    prefetch: bool = True
+    read_ahead_bytes: int = READ_AHEAD_BYTES
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:

@@ -229,6 +229,9 @@ class EngineStats:
     conversations_in_memory: int = 0  # prefix-cache conversations with state in memory
     resident_conversations: int = 0  # of those, the ones whose newest checkpoints eviction spares
     resident_bytes: int = 0  # their KV and newest checkpoints
+    checkpoints_loaded_from_disk: int = 0  # disk-tier files loaded, by lookups and idle preloads
+    checkpoints_preloaded: int = 0  # of those, loaded back by an idle engine before a request asked
+    checkpoints_read_ahead: int = 0  # files read off the engine thread before the lookup that took them
     memory_in_use_bytes: int = 0
     memory_peak_bytes: int = 0
     memory_limit_bytes: int = 0

@@ -12,6 +12,9 @@ _COUNTERS = {
     "generated_tokens",
     "requests_finished",
     "requests_failed",
+    "checkpoints_loaded_from_disk",
+    "checkpoints_preloaded",
+    "checkpoints_read_ahead",
 }
 
 

@@ -33,11 +33,14 @@ from kapitsa.engine.cache.file import (
     TMP_PREFIX,
     CorruptPrefixFile,
     PreparedArray,
+    arrays_from_bytes,
     prepare_arrays,
     read_metadata,
     read_prefix_file,
     write_prefix_file,
 )
+from kapitsa.engine.cache.read_ahead import ReadAhead
+from kapitsa.engine.options import READ_AHEAD_BYTES
 from kapitsa.private_files import make_private_dir
 
 log = logging.getLogger(__name__)
@@ -146,6 +149,7 @@ class DiskTier:
         budget_bytes: the most the folder may hold.
         validate: raises ValueError for a loaded checkpoint whose arrays do not fit the model.
         write_delay_s: how long `save_later` waits before writing (a newer turn may supersede it).
+        read_ahead_bytes: the most that files read ahead of their lookup may hold (read_ahead.py).
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class DiskTier:
         budget_bytes: int,
         validate: Validate | None = None,
         write_delay_s: float = WRITE_DELAY_S,
+        read_ahead_bytes: int = READ_AHEAD_BYTES,
     ) -> None:
         make_private_dir(Path(root))
         self.folder = make_private_dir(Path(root) / hashlib.sha256(model_key.encode()).hexdigest()[:16])
@@ -163,6 +168,8 @@ class DiskTier:
         self.validate = validate
         self.write_delay_s = write_delay_s
         self.num_corrupt = 0  # files deleted because their bytes or shapes were wrong
+        self.num_loaded = 0  # checkpoints a lookup loaded from a file
+        self.read_ahead = ReadAhead(read_ahead_bytes)
         self._entries: dict[str, _Entry] = {}
         self._nbytes = 0
         self._cond = threading.Condition()  # guards everything below and the entries
@@ -324,6 +331,37 @@ class DiskTier:
 
     def lookup(self, tokens: Sequence[int], *, min_pos: int = 1) -> StoredPrefix | None:
         """The longest stored prefix of `tokens` (at least `min_pos` long) that loads cleanly."""
+        found = None
+        for pos, digest in self._candidates(tokens, 1):
+            if found is None and pos >= min_pos:
+                found = self._find(digest, tokens[:pos])
+            else:  # memory or a deeper file serves this prompt: its read-ahead is not needed
+                self.read_ahead.discard(digest)
+        return found
+
+    def load_exact(self, tokens: Sequence[int]) -> StoredPrefix | None:
+        """The checkpoint stored for exactly `tokens`, if one loads cleanly."""
+        return self._find(prefix_digest(tokens), tokens)
+
+    def entry_bytes(self, tokens: Sequence[int]) -> int | None:
+        """The size of the file stored for exactly `tokens` (None: no such file)."""
+        with self._cond:
+            entry = self._entries.get(prefix_digest(tokens))
+            return entry.nbytes if entry is not None else None
+
+    def read_ahead_for(self, tokens: Sequence[int], *, min_pos: int = 1) -> bool:
+        """Start reading the file `lookup(tokens, min_pos=...)` would load first; False: none to read."""
+        for _, digest in self._candidates(tokens, min_pos):
+            with self._cond:
+                if digest in self._pending:
+                    return False  # still in memory, waiting for the writer
+                entry = self._entries.get(digest)
+            if entry is not None:
+                return self.read_ahead.request(digest, entry.path, entry.nbytes)
+        return False
+
+    def _candidates(self, tokens: Sequence[int], min_pos: int) -> list[tuple[int, str]]:
+        """(position, digest) of every stored prefix of `tokens` from `min_pos` on, deepest first."""
         n = len(tokens)
         with self._cond:
             known = [(e.pos, e.has_logits) for e in self._entries.values()]
@@ -332,13 +370,9 @@ class DiskTier:
             ]
         positions = {pos for pos, has_logits in known if min_pos <= pos <= n and (pos < n or has_logits)}
         if not positions:
-            return None
+            return []
         digests = _prefix_digests(tokens, positions)
-        for pos in sorted(positions, reverse=True):
-            stored = self._find(digests[pos], tokens[:pos])
-            if stored is not None:
-                return stored
-        return None
+        return [(pos, digests[pos]) for pos in sorted(positions, reverse=True)]
 
     def _find(self, digest: str, expected: Sequence[int]) -> StoredPrefix | None:
         with self._cond:
@@ -352,7 +386,7 @@ class DiskTier:
 
     def _load(self, digest: str, entry: _Entry, expected: Sequence[int]) -> StoredPrefix | None:
         try:
-            arrays, meta = read_prefix_file(entry.path)
+            arrays, meta = self._read(digest, entry.path)
             stored = _stored_from_file(arrays, meta, expected)
             if self.validate is not None:
                 self.validate(stored)
@@ -364,7 +398,17 @@ class DiskTier:
             return None
         with self._cond:
             self._touch(entry)
+            self.num_loaded += 1
         return stored
+
+    def _read(self, digest: str, path: Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+        """The file's arrays: from its read-ahead when one was made, else read now."""
+        early = self.read_ahead.take(digest)
+        if early is None:
+            return read_prefix_file(path)
+        if early.error is not None:
+            raise early.error
+        return arrays_from_bytes(early.arrays), early.metadata
 
     def _drop_corrupt(self, path: Path, err: BaseException) -> None:
         log.warning("deleting corrupt prefix-cache file %s: %s", path.name, err)

@@ -20,6 +20,7 @@ from math import prod
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from kapitsa.private_files import open_private, sync_dir, sync_file
 
@@ -32,6 +33,12 @@ _DTYPE_TAGS = {
     mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32",
 }  # fmt: skip
 _TAG_SIZES = {tag: dtype.size for dtype, tag in _DTYPE_TAGS.items()}
+# numpy has no bfloat16: its bits travel as uint16
+_NUMPY_DTYPES = {
+    "BOOL": np.bool_, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64,
+    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+    "F16": np.float16, "BF16": np.uint16, "F32": np.float32,
+}  # fmt: skip
 
 
 class CorruptPrefixFile(ValueError):
@@ -154,6 +161,45 @@ def _check_layout(header: dict[str, object], data_bytes: int) -> None:
         position = end
     if position != data_bytes:
         raise CorruptPrefixFile(f"{data_bytes} bytes of tensor data where the header says {position}")
+
+
+def read_prefix_bytes(data: bytes | memoryview) -> tuple[list[PreparedArray], dict[str, str]]:
+    """The arrays (as byte views, no MLX: any thread may call it) and metadata of a checkpoint
+    file's bytes, each array checked against its checksum; raises CorruptPrefixFile."""
+    view = memoryview(data)
+    if len(view) < 8:
+        raise CorruptPrefixFile("shorter than a safetensors header")
+    (size,) = struct.unpack("<Q", view[:8])
+    if size > min(_MAX_HEADER_BYTES, len(view) - 8):
+        raise CorruptPrefixFile("header too large")
+    try:
+        header = json.loads(bytes(view[8 : 8 + size]))
+        checksums = json.loads(header["__metadata__"]["checksums"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CorruptPrefixFile(f"unreadable header: {err}") from err
+    _check_layout(header, len(view) - 8 - size)
+    arrays = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (8 + size + o for o in info["data_offsets"])
+        array = PreparedArray(name, info["dtype"], tuple(info["shape"]), view[begin:end])
+        if _checksum(name, array.tag, array.shape, array.data) != checksums.get(name):
+            raise CorruptPrefixFile(f"checksum mismatch in {name}")
+        arrays.append(array)
+    if {a.name for a in arrays} != set(checksums):
+        raise CorruptPrefixFile("the arrays are not the checksummed ones")
+    return arrays, header["__metadata__"]
+
+
+def arrays_from_bytes(arrays: Sequence[PreparedArray]) -> dict[str, mx.array]:
+    """MLX arrays of `read_prefix_bytes`'s views (copies; call on the thread that uses them)."""
+    out = {}
+    for a in arrays:
+        dtype = _NUMPY_DTYPES[a.tag]
+        host = np.frombuffer(a.data, dtype=dtype).reshape(a.shape)
+        out[a.name] = mx.array(host).view(mx.bfloat16) if a.tag == "BF16" else mx.array(host)
+    return out
 
 
 def read_metadata(path: Path) -> dict[str, str]:

@@ -25,6 +25,7 @@ from kapitsa.engine.cache.resident import (
     Residency,
     ResidentPolicy,
     conversations,
+    is_stale,
 )
 
 KVSource = Callable[[int, int], tuple[mx.array, ...]]  # (start, end) -> KV arrays for that span
@@ -32,6 +33,7 @@ CHECKPOINT_KINDS = ("system", "turn", "branch", "periodic", "final")
 # Written to disk soon after they are made, so a crash keeps them: the system prompt, and the end of
 # the last message, where the next request resumes when the template re-renders the reply differently.
 WRITE_BEHIND_KINDS = ("system", "turn")
+MAX_SPILLED = 16  # spilled conversation heads remembered for an idle engine's preload
 
 
 def nbytes_of(arrays: Sequence[mx.array]) -> int:
@@ -128,6 +130,9 @@ class PrefixCache:
         self.checkpoint_bytes = 0
         self.num_checkpoints = 0
         self.residency = Residency()  # refreshed by `enforce_budget`, read by other threads' stats
+        # leaf checkpoints eviction wrote to disk, the most important last: (tokens, resumed)
+        self._spilled: list[tuple[tuple[int, ...], bool]] = []
+        self.num_preloaded = 0  # checkpoints an idle engine loaded back from disk
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +144,8 @@ class PrefixCache:
         """The deepest usable checkpoint for a prompt (memory first, then a deeper one on disk)."""
         found = self._deepest_checkpoint(tokens)
         best_pos = found[-1].end if found else 0
+        if self._spilled:
+            self._forget_spills_under(tokens)
         if self.disk is not None:
             stored = self.disk.lookup(tokens, min_pos=best_pos + 1)
             if stored is not None:
@@ -146,6 +153,14 @@ class PrefixCache:
                 found = self._deepest_checkpoint(tokens)
                 return self._match(found, from_disk=True)
         return self._match(found) if found else None
+
+    def read_ahead(self, tokens: Sequence[int]) -> bool:
+        """Start reading the disk checkpoint `lookup(tokens)` would load, unless memory holds one as
+        deep (disk.py's read-ahead); True when a read started."""
+        if self.disk is None:
+            return False
+        found = self._deepest_checkpoint(tokens)
+        return self.disk.read_ahead_for(tokens, min_pos=(found[-1].end if found else 0) + 1)
 
     def match_length(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` the tree holds KV for (checkpointed or not)."""
@@ -269,7 +284,7 @@ class PrefixCache:
         upper.children[node.tokens[0]] = node
         return upper
 
-    def _insert_stored(self, stored: StoredPrefix) -> None:
+    def _insert_stored(self, stored: StoredPrefix, *, conversation: bool = False) -> None:
         kv = tuple(
             mx.concatenate(parts, axis=self.kv_axis) if len(parts) > 1 else parts[0]
             for parts in zip(*stored.kv_parts, strict=True)
@@ -284,7 +299,32 @@ class PrefixCache:
             kv_source=kv_source,
             kind=stored.kind,
             next_logits=stored.next_logits,
+            conversation=conversation,
         )
+
+    def preload(self, room_bytes: int) -> bool:
+        """Load the most important spilled leaf checkpoint back from disk if its file fits in
+        `room_bytes` (eviction spills the least important first, so that is the last one spilled).
+
+        Returns:
+            True when one was loaded; False when none is left or the next one does not fit.
+        """
+        while self._spilled and self.disk is not None:
+            tokens, resumed = self._spilled[-1]
+            size = self.disk.entry_bytes(tokens)
+            if size is None or self._holds_checkpoint(tokens):
+                self._spilled.pop()  # gone from disk, or back in memory
+                continue
+            if size > room_bytes:
+                return False
+            self._spilled.pop()
+            stored = self.disk.load_exact(tokens)
+            if stored is None:
+                continue
+            self._insert_stored(stored, conversation=resumed)
+            self.num_preloaded += 1
+            return True
+        return False
 
     # eviction
 
@@ -312,6 +352,7 @@ class PrefixCache:
         assert ck is not None
         if self.disk is not None and not node.children:
             self._spill(node, ck)
+            self._remember_spill(node)
         node.checkpoint = None
         self.checkpoint_bytes -= ck.nbytes
         self.num_checkpoints -= 1
@@ -325,6 +366,27 @@ class PrefixCache:
             del parent.children[node.tokens[0]]
             self.kv_bytes -= nbytes_of(node.kv)
             node = parent
+
+    def _holds_checkpoint(self, tokens: Sequence[int]) -> bool:
+        path = self._deepest_checkpoint([*tokens, -1])  # -1: no token; a final has no next logits
+        return bool(path) and path[-1].end == len(tokens)
+
+    def _forget_spills_under(self, tokens: Sequence[int]) -> None:
+        """A prompt that came back supersedes its conversation's spilled checkpoints (the lookup
+        loaded what it needed; the rest is older state)."""
+        self._spilled = [s for s in self._spilled if tuple(tokens[: len(s[0])]) != s[0]]
+
+    def _remember_spill(self, node: _Node) -> None:
+        if is_stale(node):
+            return  # a reply as generated that the next request re-rendered: nobody resumes there
+        path = self._path_to(node)
+        tokens = tuple(t for n in path for t in n.tokens)
+        spill = (tokens, any(n.resumed for n in path))
+        if self._spilled and self._spilled[-1][0][: len(tokens)] == tokens:
+            self._spilled.insert(len(self._spilled) - 1, spill)  # an anchor after its head: a fallback
+        else:
+            self._spilled.append(spill)
+        del self._spilled[:-MAX_SPILLED]
 
     def _spill(self, node: _Node, ck: Checkpoint) -> None:
         assert self.disk is not None

@@ -84,6 +84,20 @@ def conversations(nodes: Iterable[Node]) -> list[Conversation]:
     return sorted(out, key=lambda c: (c.resumed, c.last_used), reverse=True)
 
 
+def is_stale(leaf: Node) -> bool:
+    """Whether a leaf is a reply some newer request re-rendered differently (see the module docstring)."""
+    anchor = _anchor(path_to(leaf))
+    if anchor is None:
+        return False
+    stack = list(anchor.children.values())
+    while stack:
+        node = stack.pop()
+        if node is not leaf and not node.children and node.last_used > leaf.last_used:
+            return True
+        stack.extend(node.children.values())
+    return False
+
+
 @dataclass(slots=True, frozen=True)
 class Residency:
     """What the policy keeps now (a snapshot the engine thread replaces; others read it)."""

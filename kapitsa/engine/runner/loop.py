@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -24,13 +25,13 @@ from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.runner.memory import MemoryBudget, device_memory_limit, periodic_checkpoint_interval
 from kapitsa.engine.runner.model_runner import ModelRunner
-from kapitsa.engine.runner.output import emit_tokens
-from kapitsa.engine.runner.prefix_tier import make_prefix_cache
+from kapitsa.engine.runner.output import emit_tokens, usage_of
+from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
 from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus
 from kapitsa.engine.stats import StatsCounter
-from kapitsa.engine.types import ErrorEvent, FinishEvent, FinishReason, PrefillProgressEvent, Usage
+from kapitsa.engine.types import ErrorEvent, FinishEvent, FinishReason, PrefillProgressEvent
 from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class _Abort:
     request_id: str
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    key_ids: TokenIds[int]
 
 
 @dataclass(eq=False)
@@ -79,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(max_running=self.config.max_running)
         self.stats = StatsCounter()
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
-        self._inbox: queue.SimpleQueue[Sequence | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Sequence | _Abort | _Prefetch | _Stop] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=_thread_main, args=(weakref.ref(self),), name="kapitsa-engine", daemon=True
         )
@@ -106,11 +112,23 @@ class Engine:
         self._inbox.put(stop)
         stop.done.wait(timeout)
 
+    def prefetch(self, key_ids: TokenIds[int]) -> None:
+        """Have the disk-tier checkpoint a coming prompt resumes from read ahead, unless memory holds
+        one as deep (any thread; the engine thread decides between steps: cache/read_ahead.py)."""
+        if self.prefix is not None and self.prefix.disk is not None and self.config.prefetch:
+            self._inbox.put(_Prefetch(key_ids))
+
     # --- the thread ----------------------------------------------------------------------
+
+    def _nothing_to_do(self) -> bool:
+        """Idle, once an idle preload of spilled conversations (runner/prefix_tier.py) has none left."""
+        if self.scheduler.has_running or self.scheduler.waiting:
+            return False
+        return not (self.config.prefetch and preload_one(self.prefix, self.memory))
 
     def _run(self) -> None:
         try:
-            while self._drain_inbox(block=not self.scheduler.has_running and not self.scheduler.waiting):
+            while self._drain_inbox(block=self._nothing_to_do()):
                 self._admit()
                 if self.scheduler.has_running:
                     self._step()
@@ -136,6 +154,8 @@ class Engine:
                 return False
             if isinstance(item, _Abort):
                 self._abort(item.request_id)
+            elif isinstance(item, _Prefetch):
+                self.prefix.read_ahead(item.key_ids)  # type: ignore[union-attr]
             elif len(self.scheduler.waiting) >= self.config.max_queued:
                 item.emit(
                     ErrorEvent(item.request_id, EngineBusy("too many requests are queued; retry later"))
@@ -408,7 +428,7 @@ class Engine:
         self.stats.finished += 1
         seq.emit(
             FinishEvent(
-                seq.request_id, reason, _usage(seq), stop_sequence=seq.stop_sequence, index=seq.choice_index
+                seq.request_id, reason, usage_of(seq), stop_sequence=seq.stop_sequence, index=seq.choice_index
             )
         )
         for child in seq.forks:  # choices that never started end with the sequence they would fork from
@@ -417,7 +437,7 @@ class Engine:
                 reason,
                 seq.finished_at,
             )
-            child.emit(FinishEvent(child.request_id, reason, _usage(child), index=child.choice_index))
+            child.emit(FinishEvent(child.request_id, reason, usage_of(child), index=child.choice_index))
         seq.forks = []
 
     def _abort(self, request_id: str) -> None:
@@ -464,15 +484,3 @@ def _thread_main(engine_ref: weakref.ref[Engine]) -> None:
     # Park rather than return: a finishing thread runs MLX's thread-local destructors (its compile
     # cache), which take the GIL; if the interpreter is exiting at that moment, the process aborts.
     threading.Event().wait()
-
-
-def _usage(seq: Sequence) -> Usage:
-    prefill_end = seq.prefill_done_at or seq.finished_at
-    return Usage(
-        prompt_tokens=seq.num_prompt_tokens,
-        completion_tokens=len(seq.output_ids),
-        cached_tokens=seq.num_cached_tokens,
-        cache_write_tokens=max(0, seq.num_checkpointed_tokens - seq.num_cached_tokens),
-        prefill_seconds=max(0.0, prefill_end - seq.prefill_started) if seq.prefill_started else 0.0,
-        decode_seconds=max(0.0, seq.finished_at - prefill_end) if seq.prefill_done_at else 0.0,
-    )

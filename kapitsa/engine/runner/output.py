@@ -7,7 +7,7 @@ import time
 
 from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.sequence import Sequence
-from kapitsa.engine.types import FinishReason, TokenEvent, TokenLogprob
+from kapitsa.engine.types import FinishReason, TokenEvent, TokenLogprob, Usage
 
 
 def emit_tokens(seq: Sequence, tokens: list[SampledToken]) -> FinishReason | None:
@@ -53,3 +53,16 @@ def _consume(seq: Sequence, token_id: int, text: list[str]) -> FinishReason | No
 def _logprob(seq: Sequence, token: SampledToken) -> TokenLogprob:
     top = tuple((tid, seq.token_text(tid), lp) for tid, lp in token.top)
     return TokenLogprob(token.token_id, seq.token_text(token.token_id), token.logprob, top)
+
+
+def usage_of(seq: Sequence) -> Usage:
+    """What a finished (or failed) sequence reports: its tokens and prefill/decode times."""
+    prefill_end = seq.prefill_done_at or seq.finished_at
+    return Usage(
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=len(seq.output_ids),
+        cached_tokens=seq.num_cached_tokens,
+        cache_write_tokens=max(0, seq.num_checkpointed_tokens - seq.num_cached_tokens),
+        prefill_seconds=max(0.0, prefill_end - seq.prefill_started) if seq.prefill_started else 0.0,
+        decode_seconds=max(0.0, seq.finished_at - prefill_end) if seq.prefill_done_at else 0.0,
+    )

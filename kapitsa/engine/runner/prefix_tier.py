@@ -1,5 +1,6 @@
 """The engine's prefix cache as its config asks for it: the memory budget, the disk tier, and the
-resident-conversation policy that decides what eviction spares (cache/resident.py)."""
+resident-conversation policy that decides what eviction spares (cache/resident.py); and the idle
+engine's preload of conversations that memory pressure pushed to disk."""
 
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ def make_prefix_cache(config: EngineConfig, memory: MemoryBudget, runner: ModelR
             budget_bytes=config.disk_cache_bytes,
             validate=runner.check_stored,
             write_delay_s=config.disk_write_delay_s,
+            read_ahead_bytes=config.read_ahead_bytes if config.prefetch else 0,
         )
     resident = ResidentPolicy(config.resident_conversations) if config.resident_conversations else None
     return PrefixCache(budget_bytes=budget, disk=disk, resident=resident)
+
+
+def preload_one(prefix: PrefixCache | None, memory: MemoryBudget) -> bool:
+    """Load one spilled conversation's newest checkpoint back while the engine is idle, if it fits
+    next to what is reserved and under the cache's budget; True when one was loaded."""
+    if prefix is None or prefix.disk is None:
+        return False
+    room = min(prefix.budget_bytes, memory.free_bytes) - prefix.nbytes
+    return prefix.preload(room)

@@ -1,0 +1,176 @@
+"""Time to first token of turn N+1 of a replayed agent conversation, against cold, with its state in
+memory, and after memory pressure pushed it to disk with prefetch off and on (issue #29).
+
+A tiny qwen3_5 checkpoint (kapitsa.testing.tiny) runs through `InProcessEngine`, the path `kapitsa
+run` and `kapitsa serve` use. Turns 1..N replay an agent conversation (a long system prompt of tool
+rules, short user steps, greedy replies of `--reply` tokens). Then a sub-agent request arrives whose
+reservation (a large max_tokens) does not fit next to the prefix cache (the engine's memory limit
+is set just above it), so admission spills the conversation to the disk tier; it ends at its first
+token (a forced token that is also its stop string). The file cache's pages of the spilled files
+are dropped (posix_fadvise DONTNEED), the engine idles `--idle-s` (the user reading the reply), and
+turn N+1 arrives. Cold: the same turn N+1 prompt on an engine without a prefix cache.
+
+    .venv/bin/python lab/prefetch_ttft.py            # 8-turn replay, 5 repeats: medians and minima
+    .venv/bin/python lab/prefetch_ttft.py --tiny     # seconds-long smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from kapitsa.testing.tiny import write_tiny_checkpoint
+
+MIB = 2**20
+SUB_AGENT_TOKENS = 16384  # the sub-agent's max_tokens: what its admission reserves
+
+
+async def _ask(client, request) -> tuple[float, str, FinishEvent]:
+    t0, first, text, finish = time.perf_counter(), 0.0, "", None
+    async for event in client.generate(request):
+        if isinstance(event, TokenEvent):
+            first = first or time.perf_counter() - t0
+            text += event.text
+        elif isinstance(event, FinishEvent):
+            finish = event
+        elif isinstance(event, ErrorEvent):
+            raise event.error
+    return first, text, finish
+
+
+def _system_prompt(rules: int) -> str:
+    return "You are a coding agent with these tools and rules.\n" + "".join(
+        f"Rule {i}: read files with read_file(path), edit with edit_file(path, old, new); cite paths.\n"
+        for i in range(rules)
+    )
+
+
+def _sub_agent(loaded) -> GenerationRequest:
+    x = loaded.tokenizer.encode("x")[-1]
+    sampling = SamplingParams(max_tokens=SUB_AGENT_TOKENS, logit_bias=((x, 100.0),), stop=("x",))
+    return GenerationRequest(prompt="Summarize the repository.", sampling=sampling)
+
+
+def _drop_page_cache(folder: Path) -> None:
+    for path in folder.rglob("*.safetensors"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _engine(loaded, *, disk: Path | None, prefetch: bool, cache: bool = True) -> InProcessEngine:
+    gc.collect()
+    sizes = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0))
+    reserve = sizes.engine.memory.sequence_bytes(SUB_AGENT_TOKENS + 16)
+    sizes.close()
+    del sizes
+    gc.collect()
+    config = EngineConfig(
+        prefill_chunk=512,
+        prefix_cache_bytes=64 * MIB if cache else 0,
+        memory_limit_bytes=mx.get_active_memory() + reserve + MIB // 4,
+        disk_cache_dir=disk,
+        model_key="prefetch-bench",
+        prefetch=prefetch,
+    )
+    return InProcessEngine.from_loaded(loaded, config=config)
+
+
+async def _replay(loaded, args, *, mode: str, folder: Path) -> dict:
+    """One run: turns 1..N, the sub-agent (unless mode is "memory"), idle, then turn N+1."""
+    disk = None if mode == "memory" else folder / mode
+    client = _engine(loaded, disk=disk, prefetch=mode != "disk-prefetch-off")
+    sampling = SamplingParams(max_tokens=args.reply)
+    messages = [{"role": "system", "content": _system_prompt(args.rules)}]
+    for turn in range(args.turns):
+        messages.append({"role": "user", "content": f"Step {turn}: run the tests and fix what fails."})
+        _, text, _ = await _ask(client, GenerationRequest(messages=tuple(messages), sampling=sampling))
+        messages.append({"role": "assistant", "content": text})
+    if disk is not None:
+        await _ask(client, _sub_agent(loaded))
+        _drop_page_cache(disk)
+    await asyncio.sleep(args.idle_s)
+    stats_before = client.stats()
+    messages.append({"role": "user", "content": f"Step {args.turns}: run the tests and fix what fails."})
+    request = GenerationRequest(messages=tuple(messages), sampling=sampling)
+    ttft, _, finish = await _ask(client, request)
+    stats = client.stats()
+    client.close()
+    return {
+        "ttft_s": ttft,
+        "prompt_tokens": finish.usage.prompt_tokens,
+        "cached_tokens": finish.usage.cached_tokens,
+        "preloaded": stats_before.checkpoints_preloaded,
+        "loaded_at_lookup": stats.checkpoints_loaded_from_disk - stats_before.checkpoints_loaded_from_disk,
+        "read_ahead": stats.checkpoints_read_ahead,
+        "request": request,
+    }
+
+
+async def _cold(loaded, request) -> float:
+    client = _engine(loaded, disk=None, prefetch=False, cache=False)
+    await _ask(client, GenerationRequest(prompt="warm up", sampling=SamplingParams(max_tokens=2)))
+    ttft, _, _ = await _ask(client, request)
+    client.close()
+    return ttft
+
+
+async def main(args) -> None:
+    modes = ("memory", "disk-prefetch-off", "disk-prefetch-on")
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(write_tiny_checkpoint(Path(tmp) / "ckpt", "qwen3_5"))
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        colds = []
+        for repeat in range(args.repeats):
+            for mode in modes:  # interleaved, so drift in the machine's load hits every mode alike
+                row = await _replay(loaded, args, mode=mode, folder=Path(tmp) / f"r{repeat}")
+                runs[mode].append(row)
+            colds.append(await _cold(loaded, runs["memory"][-1]["request"]))
+    cold, cold_min = statistics.median(colds), min(colds)
+    print(f"turns {args.turns}, prompt of turn N+1: {runs['memory'][0]['prompt_tokens']} tokens")
+    print(f"cold TTFT median {cold * 1e3:.1f} ms, min {cold_min * 1e3:.1f} ms (runs {_ms(colds)})")
+    for mode in modes:
+        ttfts = [r["ttft_s"] for r in runs[mode]]
+        median, least = statistics.median(ttfts), min(ttfts)
+        last = runs[mode][-1]
+        print(
+            f"{mode:18} TTFT median {median * 1e3:6.1f} ms = {median / cold:5.1%} of cold, min {least * 1e3:6.1f} ms"
+            f" = {least / cold_min:5.1%} of cold's min (runs {_ms(ttfts)}); last run: cached"
+            f" {last['cached_tokens']}/{last['prompt_tokens']}, preloaded {last['preloaded']}, loaded at lookup"
+            f" {last['loaded_at_lookup']}, read ahead {last['read_ahead']}"
+        )
+
+
+def _ms(seconds: list[float]) -> str:
+    return ", ".join(f"{s * 1e3:.0f}" for s in seconds) + " ms"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=8, help="turns before the measured one (N)")
+    parser.add_argument("--rules", type=int, default=40, help="system prompt lines (~24 tokens each)")
+    parser.add_argument("--reply", type=int, default=32, help="tokens per reply")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--idle-s", type=float, default=0.5, help="idle time before turn N+1")
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    args = parser.parse_args()
+    if args.tiny:
+        args.turns, args.rules, args.reply, args.repeats = 3, 8, 8, 1
+    asyncio.run(main(args))
