@@ -13,9 +13,10 @@ pytest.importorskip("mlx.core")
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from kapitsa.engine.distributed.group import Group, Watchdog  # noqa: E402
+from kapitsa.engine.distributed.group import Group  # noqa: E402
 from kapitsa.engine.distributed.loading import load_shard  # noqa: E402
 from kapitsa.engine.distributed.shard import layer_range  # noqa: E402
+from kapitsa.engine.distributed.watchdog import StepClock, Watchdog  # noqa: E402
 from kapitsa.errors import UnsupportedModel  # noqa: E402
 
 
@@ -90,11 +91,23 @@ def test_tensor_splits_that_do_not_divide_are_refused(tmp_path: Path, overrides:
 
 def test_the_watchdog_fires_once_a_section_outlives_its_deadline() -> None:
     fired: list[str] = []
-    dog = Watchdog(0.6, fired.append)
-    dog.arm("a quick step")
+    dog = Watchdog(fired.append)
+    dog.arm("a quick step", 0.3)
     dog.disarm()
-    time.sleep(1.2)
+    time.sleep(0.6)
     assert fired == []
-    dog.arm("a stuck collective")
-    time.sleep(1.5)
-    assert fired == ["a stuck collective"]
+    dog.arm("a stuck collective", 0.3)
+    time.sleep(0.6)
+    assert fired == ["a stuck collective, 0 s"]
+
+
+def test_a_step_may_take_a_multiple_of_its_recent_peers() -> None:
+    clock = StepClock(first_s=60, floor_s=3, factor=20)
+    assert clock.deadline(1) == clock.deadline(512) == 60  # nothing measured yet: warm-up
+    clock.record(1, 0.01)
+    clock.record(512, 2.56)  # 5 ms per token
+    assert clock.deadline(1) == 3  # 20 x 10 ms is under the floor
+    assert clock.deadline(512) == pytest.approx(20 * 0.005 * 512)
+    clock.record(1, 0.5)
+    clock.record(1, 0.5)
+    assert clock.deadline(1) == 10  # the median recent decode step sets it

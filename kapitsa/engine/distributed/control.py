@@ -1,9 +1,11 @@
 """Rank 0's decision for each step, broadcast to every rank as a small int array.
 
-A command is a header `[op, token count, flags, 0]` then (for a forward) the token ids; both go
-out as an `all_sum` in which only rank 0 contributes non-zeros, so every rank holds rank 0's
-values exactly. Followers block on the next command; rank 0 sends `IDLE` every `HEARTBEAT_S`
-while it has nothing to run, so a follower's watchdog can tell an idle group from a dead one.
+A command is one `all_sum` of `[op, token count, flags, 0, first INLINE token ids]` in which only
+rank 0 contributes non-zeros, so every rank holds rank 0's values exactly; a prompt chunk longer
+than `INLINE` tokens sends the rest in a second one, so a decode step costs one collective (each
+is a network round trip: lab/runs/distributed-cpu.log). Followers block on the next command;
+rank 0 sends `IDLE` every `HEARTBEAT_S` while it has nothing to run, so a follower's watchdog can
+tell an idle group from a dead one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import mlx.core as mx
 from kapitsa.engine.distributed.group import Group, evaluate
 
 _HEADER = 4
+INLINE = 8  # token ids that ride in the header
 NEW_CACHE = 1  # flags bit: start a fresh cache (a new request) before this forward
 
 
@@ -36,15 +39,21 @@ def broadcast(group: Group, command: Command | None) -> Command:
     """Rank 0 passes its `command` (others pass None); every rank returns rank 0's command."""
     if group.is_driver:
         assert command is not None
-        header = [int(command.op), len(command.tokens), NEW_CACHE if command.new_cache else 0, 0]
+        tokens = list(command.tokens)
+        flags = NEW_CACHE if command.new_cache else 0
+        block = [int(command.op), len(tokens), flags, 0, *tokens[:INLINE]]
+        block += [0] * (_HEADER + INLINE - len(block))
     else:
-        header = [0] * _HEADER
-    summed = mx.distributed.all_sum(mx.array(header, dtype=mx.int32), group=group.handle)
+        block = [0] * (_HEADER + INLINE)
+    summed = _sum(group, block)
+    op, count, flags, _ = summed[:_HEADER]
+    ids = summed[_HEADER : _HEADER + min(count, INLINE)]
+    if count > INLINE:
+        ids += _sum(group, tokens[INLINE:] if group.is_driver else [0] * (count - INLINE))
+    return Command(Op(op), tuple(ids), bool(flags & NEW_CACHE))
+
+
+def _sum(group: Group, values: list[int]) -> list[int]:
+    summed = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=group.handle)
     evaluate(summed, what="a control broadcast")
-    op, count, flags, _ = summed.tolist()
-    if count == 0:
-        return Command(Op(op), (), bool(flags & NEW_CACHE))
-    tokens = list(command.tokens) if group.is_driver else [0] * count
-    ids = mx.distributed.all_sum(mx.array(tokens, dtype=mx.int32), group=group.handle)
-    evaluate(ids, what="a control broadcast")
-    return Command(Op(op), tuple(ids.tolist()), bool(flags & NEW_CACHE))
+    return summed.tolist()

@@ -17,8 +17,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from kapitsa.engine.distributed.control import Command, Op, broadcast
-from kapitsa.engine.distributed.group import HEARTBEAT_S, PeerLost, Watchdog, hard_exit
+from kapitsa.engine.distributed.group import HEARTBEAT_S, PeerLost, hard_exit
 from kapitsa.engine.distributed.loading import LoadedShard
+from kapitsa.engine.distributed.watchdog import StepClock, Watchdog
 from kapitsa.engine.runner.memory import check_context
 from kapitsa.engine.runner.output import emit_tokens
 from kapitsa.engine.runner.sampler import SequenceSampler
@@ -49,10 +50,10 @@ class GroupEngine:
     Args:
         shard: rank 0's `Shard` (shard.py / tensor.py).
         loaded: what `load_shard` returned on rank 0 (tokenizer, info).
-        timeout_s: how long one step may block before the group is declared dead.
+        clock: how long a step may block before the group is declared dead (watchdog.py).
     """
 
-    def __init__(self, shard, loaded: LoadedShard, *, timeout_s: float) -> None:  # noqa: ANN001
+    def __init__(self, shard, loaded: LoadedShard, *, clock: StepClock | None = None) -> None:  # noqa: ANN001
         assert loaded.tokenizer is not None and loaded.info is not None
         self.shard, self.tokenizer = shard, loaded.tokenizer
         self.info = dataclasses.replace(loaded.info, vocab_size=loaded.model.args.vocab_size)
@@ -63,7 +64,8 @@ class GroupEngine:
         self._aborted: set[str] = set()
         self._counts = {"finished": 0, "failed": 0, "generated": 0, "computed": 0}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._watchdog = Watchdog(timeout_s, self._silent)
+        self._clock = clock or StepClock()
+        self._watchdog = Watchdog(self._silent)
         self._thread = threading.Thread(target=self._run, name="kapitsa-group", daemon=True)
         self._thread.start()
 
@@ -206,14 +208,17 @@ class GroupEngine:
         self._send(Command(Op.FORWARD, tuple(tokens), new_cache))
         if new_cache:
             self._cache = self.shard.new_cache()
-        self._watchdog.arm("a forward")
+        self._watchdog.arm("a forward", self._clock.deadline(len(tokens)))
+        started = time.perf_counter()
         try:
-            return self.shard.step(self._cache, tokens)
+            logits = self.shard.step(self._cache, tokens)
         finally:
             self._watchdog.disarm()
+        self._clock.record(len(tokens), time.perf_counter() - started)
+        return logits
 
     def _send(self, command: Command) -> None:
-        self._watchdog.arm("a control broadcast")
+        self._watchdog.arm("a control broadcast", self._clock.deadline(1))
         try:
             broadcast(self.shard.group, command)
         finally:
@@ -222,9 +227,7 @@ class GroupEngine:
     # a lost group
 
     def _silent(self, what: str) -> None:
-        self._lost(
-            PeerLost(f"a rank of the group has not answered for {self._watchdog.timeout_s:.0f} s ({what})")
-        )
+        self._lost(PeerLost(f"a rank of the group stopped: it has not answered in time ({what})"))
 
     def _lost(self, err: PeerLost) -> None:
         """Fail what runs and waits, then leave once the errors had time to reach their clients."""

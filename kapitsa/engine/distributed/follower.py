@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import time
+
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.distributed.control import Op, broadcast
-from kapitsa.engine.distributed.group import Group, PeerLost, Watchdog, hard_exit
+from kapitsa.engine.distributed.group import HEARTBEAT_S, Group, PeerLost, hard_exit
+from kapitsa.engine.distributed.watchdog import StepClock, Watchdog
 
 
-def follow(shard, group: Group, *, timeout_s: float) -> None:  # noqa: ANN001 - a Shard
+def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # noqa: ANN001 - a Shard
     """Block on rank 0's commands and run them; returns when rank 0 stops the group.
 
-    A peer that is lost (a closed connection) or silent for `timeout_s` ends this process at once:
+    A peer that is lost (a closed connection) or silent past `clock`'s deadline ends this process:
     a rank blocked in a collective cannot be unblocked, and the group cannot go on without it.
     """
 
     def silent(what: str) -> None:
-        hard_exit(f"rank {group.rank}: no word from the group for {timeout_s:.0f} s ({what}); stopping")
+        hard_exit(f"rank {group.rank}: no word from the group ({what}); stopping")
 
-    watchdog = Watchdog(timeout_s, silent)
+    clock = clock or StepClock()
+    watchdog = Watchdog(silent)
     cache: HybridCache | None = None
     while True:
-        watchdog.arm("waiting for rank 0")
+        watchdog.arm("waiting for rank 0", max(clock.deadline(1), 5 * HEARTBEAT_S))
         try:
             command = broadcast(group, None)
             if command.op is Op.STOP:
@@ -28,8 +32,11 @@ def follow(shard, group: Group, *, timeout_s: float) -> None:  # noqa: ANN001 - 
             if command.op is Op.FORWARD:
                 if command.new_cache or cache is None:
                     cache = shard.new_cache()
-                watchdog.arm("a forward")
-                shard.step(cache, list(command.tokens))
+                tokens = list(command.tokens)
+                watchdog.arm("a forward", clock.deadline(len(tokens)))
+                started = time.perf_counter()
+                shard.step(cache, tokens)
+                clock.record(len(tokens), time.perf_counter() - started)
         except PeerLost as err:
             hard_exit(f"rank {group.rank}: {err}; stopping")
         finally:

@@ -1,17 +1,14 @@
-"""The process group: MLX's distributed init, collectives that turn a lost peer into an error, and
-the watchdog that stops a process whose peers went silent.
+"""The process group: MLX's distributed init, and collectives that turn a lost peer into an error.
 
-On one host a dead peer closes its sockets and the ring backend raises at once; across machines a
-peer that loses power may leave a collective blocked, so every blocking call runs under a deadline.
+A dead peer on the same host closes its sockets and the ring backend usually raises at once; when
+it does not (a collective inside a tensor-parallel step stays blocked, a machine loses power),
+the watchdog (watchdog.py) ends the step.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,8 +18,6 @@ from kapitsa.errors import KapitsaError
 log = logging.getLogger(__name__)
 
 PARALLEL_MODES = ("pipeline", "tensor")
-# How long one collective (a forward step included) may block before the group is declared dead.
-DEFAULT_STEP_TIMEOUT_S = 60.0
 # rank 0 sends an idle command this often, so followers tell a quiet server from a dead one
 HEARTBEAT_S = 1.0
 
@@ -79,38 +74,6 @@ def evaluate(*arrays: mx.array, what: str) -> None:
         mx.eval(*arrays)
     except RuntimeError as err:
         raise PeerLost(f"a rank of the group stopped during {what}: {err}") from err
-
-
-class Watchdog:
-    """Calls `on_timeout` when an armed section outlives its deadline (a peer silently gone).
-
-    `section(what)` is a context manager around each blocking step; the thread checks twice a second.
-    """
-
-    def __init__(self, timeout_s: float, on_timeout: Callable[[str], None]) -> None:
-        self.timeout_s = timeout_s
-        self._on_timeout = on_timeout
-        self._lock = threading.Lock()
-        self._armed: tuple[float, str] | None = None
-        self._thread = threading.Thread(target=self._watch, name="kapitsa-watchdog", daemon=True)
-        self._thread.start()
-
-    def arm(self, what: str) -> None:
-        with self._lock:
-            self._armed = (time.monotonic() + self.timeout_s, what)
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._armed = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(0.5)
-            with self._lock:
-                armed = self._armed
-            if armed is not None and time.monotonic() > armed[0]:
-                self._on_timeout(armed[1])
-                return
 
 
 def hard_exit(message: str, code: int = 1) -> None:

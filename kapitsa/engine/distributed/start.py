@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kapitsa.engine.distributed.engine import GroupEngine
 from kapitsa.engine.distributed.follower import follow
-from kapitsa.engine.distributed.group import DEFAULT_STEP_TIMEOUT_S, barrier, init_group
+from kapitsa.engine.distributed.group import barrier, init_group
 from kapitsa.engine.distributed.loading import LoadedShard, load_shard
 from kapitsa.engine.distributed.shard import PipelineShard, Shard
 from kapitsa.engine.options import KernelOptions
@@ -25,7 +25,6 @@ def start_rank(
     parallel: str,
     model_id: str | None = None,
     kernels: KernelOptions = KernelOptions(),  # noqa: B008 - frozen
-    timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
 ) -> GroupEngine | None:
     """Join the group mlx.launch started, load this rank's shard of `source`.
 
@@ -38,6 +37,6 @@ def start_rank(
     shard = make_shard(loaded, group, parallel, kernels)
     barrier(group, what="startup")
     if group.is_driver:
-        return GroupEngine(shard, loaded, timeout_s=timeout_s)
-    follow(shard, group, timeout_s=timeout_s)
+        return GroupEngine(shard, loaded)
+    follow(shard, group)
     return None

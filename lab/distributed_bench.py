@@ -1,0 +1,88 @@
+"""Decode and prefill speed of one model across a group of local ranks against one process.
+
+Runs `kapitsa run --json` on the model: in one process (the normal engine, speculation off), then
+through `--hostfile` with 1, 2, ... ranks on 127.0.0.1 (ring backend) in pipeline and tensor mode.
+Each configuration runs `--repeats` times, alternating; the medians go to stdout as a markdown
+table, every run's JSON to the log (`--log`, default lab/runs/distributed-cpu.log).
+
+    .venv/bin/python lab/distributed_bench.py --model kapitsa/demo --tokens 128 --ranks 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle. " * 8
+
+
+def run_once(model: str, tokens: int, hostfile: Path | None, parallel: str) -> dict:
+    group = [] if hostfile is None else ["--hostfile", str(hostfile), "--parallel", parallel]
+    command = [sys.executable, "-m", "kapitsa", "run", *group, "-m", model, "--raw", "--json"]
+    command += ["--max-tokens", str(tokens), "--speculative", "none", PROMPT]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, start_new_session=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:8])} ... failed:\n{done.stderr[-2000:]}")
+    line = next(line for line in done.stdout.splitlines() if line.startswith("{"))
+    return json.loads(line) | {"wall_s": round(time.perf_counter() - started, 2)}
+
+
+def hostfile(folder: Path, ranks: int) -> Path:
+    path = folder / f"hosts{ranks}.json"
+    path.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * ranks))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="kapitsa/demo")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--ranks", default="1,2", help="comma list of group sizes")
+    parser.add_argument("--modes", default="pipeline,tensor")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--log", type=Path, default=Path("lab/runs/distributed-cpu.log"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        configs = [("one process", None, "-")]
+        for ranks in map(int, args.ranks.split(",")):
+            for mode in args.modes.split(","):
+                configs.append((f"{ranks} rank(s), {mode}", hostfile(Path(folder), ranks), mode))
+        results: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
+        for _ in range(args.repeats):
+            for name, hosts, mode in configs:
+                results[name].append(run_once(args.model, args.tokens, hosts, mode))
+    report(args, results)
+
+
+def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
+    lines = [
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} model={args.model} tokens={args.tokens}",
+        "| configuration | decode tok/s | prefill tok/s | tokens | wall s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "prefill_tok_s", "wall_s")}
+        generated = runs[0]["generation_tokens"]
+        lines.append(
+            f"| {name} | {med['decode_tok_s']:.1f} | {med['prefill_tok_s']:.1f} | {generated} | {med['wall_s']:.1f} |"
+        )
+    print("\n".join(lines))
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    with args.log.open("a") as log:
+        log.write("\n".join(lines) + "\n")
+        for name, runs in results.items():
+            for run in runs:
+                log.write(
+                    json.dumps({"config": name, **{k: v for k, v in run.items() if k != "text"}}) + "\n"
+                )
+
+
+if __name__ == "__main__":
+    main()
