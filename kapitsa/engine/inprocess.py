@@ -4,7 +4,7 @@ Requests are rendered and tokenized in a worker thread (never on the event loop,
 engine thread), checked against the context window before anything is queued, then handed to the
 engine thread; its events come back through an asyncio queue per request. Before a chat request's
 template renders, and again once it is tokenized, the engine is told which tokens it will resume
-from, so a checkpoint on disk is read meanwhile (turn_hints.py, cache/read_ahead.py).
+from, so a checkpoint on disk is read meanwhile (cache/turn_hints.py, cache/read_ahead.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from kapitsa.engine.cache.turn_hints import TurnHints
 from kapitsa.engine.loading.loader import LoadedModel
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.decode import DecodeStrategy
@@ -28,7 +29,6 @@ from kapitsa.engine.runner.stop import StopMatcher
 from kapitsa.engine.text.prepare import prepare_prompt
 from kapitsa.engine.text.prompt_encoder import PromptEncoder
 from kapitsa.engine.text.token_checks import check_request_token_ids, model_vocab_size
-from kapitsa.engine.turn_hints import TurnHints
 from kapitsa.engine.types import (
     Constraint,
     EngineStats,

@@ -10,7 +10,7 @@ import mlx.core as mx
 from kapitsa.engine.cache import disk as disk_module
 from kapitsa.engine.cache.disk import DiskTier
 from kapitsa.engine.cache.prefix import PrefixCache
-from kapitsa.engine.turn_hints import TurnHints
+from kapitsa.engine.cache.turn_hints import TurnHints
 
 
 def _insert(cache: PrefixCache, tokens, tag: float, kind: str = "turn") -> None:
