@@ -19,6 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
+# the cost of one tiny all_sum between local ranks: what each group step pays per collective
+LATENCY = """
+import time, mlx.core as mx
+g = mx.distributed.init(strict=True, backend="ring")
+x = mx.zeros((12,), dtype=mx.int32)
+for _ in range(20): mx.eval(mx.distributed.all_sum(x))
+t = time.perf_counter()
+for _ in range(300): mx.eval(mx.distributed.all_sum(x))
+if g.rank() == 0: print(round((time.perf_counter() - t) / 300 * 1e6, 1))
+"""
+LAUNCH = (
+    "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
+)
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle. " * 8
 
 
@@ -32,6 +45,14 @@ def run_once(model: str, tokens: int, hostfile: Path | None, parallel: str) -> d
         raise SystemExit(f"{' '.join(command[:8])} ... failed:\n{done.stderr[-2000:]}")
     line = next(line for line in done.stdout.splitlines() if line.startswith("{"))
     return json.loads(line) | {"wall_s": round(time.perf_counter() - started, 2)}
+
+
+def all_sum_latency_us(ranks: int) -> float:
+    command = [sys.executable, "-c", LAUNCH, "--backend", "ring", "-n", str(ranks), "--"]
+    done = subprocess.run(
+        [*command, sys.executable, "-c", LATENCY], capture_output=True, text=True, timeout=300
+    )
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def hostfile(folder: Path, ranks: int) -> Path:
@@ -58,12 +79,16 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, hosts, mode in configs:
                 results[name].append(run_once(args.model, args.tokens, hosts, mode))
-    report(args, results)
+    latency = {n: all_sum_latency_us(n) for n in map(int, args.ranks.split(",")) if n > 1}
+    report(args, results, latency)
 
 
-def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
+def report(args: argparse.Namespace, results: dict[str, list[dict]], latency: dict[int, float]) -> None:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     lines = [
-        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} model={args.model} tokens={args.tokens}",
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} commit={commit} model={args.model} tokens={args.tokens}",
         "| configuration | decode tok/s | prefill tok/s | tokens | wall s |",
         "|---|---|---|---|---|",
     ]
@@ -73,6 +98,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
         lines.append(
             f"| {name} | {med['decode_tok_s']:.1f} | {med['prefill_tok_s']:.1f} | {generated} | {med['wall_s']:.1f} |"
         )
+    lines += [f"all_sum of 12 int32 over {n} local ranks: {us} us" for n, us in latency.items()]
     print("\n".join(lines))
     args.log.parent.mkdir(parents=True, exist_ok=True)
     with args.log.open("a") as log:

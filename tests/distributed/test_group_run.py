@@ -87,14 +87,17 @@ def test_a_different_model_gives_different_tokens(reference) -> None:
     assert len({tuple(tokens) for tokens in reference.values()}) == len(reference)
 
 
-def test_a_split_the_model_does_not_divide_into_fails_clearly(checkpoints, hostfiles, group_env) -> None:
-    """Two Mamba-2 groups (whose norm is per group) do not split over four ranks: exit 1, saying why."""
+def test_a_split_the_model_does_not_divide_into_fails_clearly(tmp_path: Path, hostfiles, group_env) -> None:
+    """One Mamba-2 group (whose norm is per group) does not split over two ranks: exit 1, saying why."""
+    from kapitsa.testing.tiny import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "one-group", "nemotron_h", n_groups=1)
     done = subprocess.run(
-        [sys.executable, "-m", "kapitsa", "run", *group_args(hostfiles[4], "tensor", checkpoints["nemotron_h"])],
+        [sys.executable, "-m", "kapitsa", "run", *group_args(hostfiles[2], "tensor", folder)],
         capture_output=True, text=True, env=group_env, timeout=120, start_new_session=True,
     )  # fmt: skip
     assert done.returncode == 1
-    assert "2 Mamba-2 groups (its norm is per group) do not split over 4 ranks" in done.stderr
+    assert "1 Mamba-2 groups (its norm is per group) do not split over 2 ranks" in done.stderr
 
 
 def test_doctor_reports_what_fits_on_the_group(hostfiles, group_env) -> None:
