@@ -92,11 +92,13 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(tmp_path) -> None:
     try:
         with live_server(engine) as live:
             body = {"messages": [{"role": "user", "content": "word " * 600_000}], "max_tokens": 1}
-            response, _, slowest_health = refused_while_healthy(live.url, "/v1/chat/completions", body)
+            response, seconds, slowest_health = refused_while_healthy(live.url, "/v1/chat/completions", body)
     finally:
         engine.close()
     assert (
         assert_error_shape("/v1/chat/completions", response, 400)["error"]["code"]
         == "context_length_exceeded"
     )
-    assert slowest_health < HEALTH_WITHIN_S
+    # a blocked loop answers /health only when the tokenization ends (health ~ the request's time);
+    # on a loaded machine the tokenization itself takes seconds, so the bound scales with it
+    assert slowest_health < max(HEALTH_WITHIN_S, seconds / 3), (slowest_health, seconds)
