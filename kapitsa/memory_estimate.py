@@ -4,10 +4,18 @@ memory = weights + KV per token × context + recurrent state (fixed per sequence
          + recurrent checkpoints kept by the prefix cache + activation workspace + headroom
          (the larger of a prefill chunk's and, for vision models, one image encoding's)
          + one attention layer's K/V again (a cache update writes the new buffer before the old one goes)
+         + the disk tier's read-ahead buffers (prefetch)
+         + with quantized K/V: a prefill chunk's attention scores over the context (see below)
 
 Only the attention layers grow with context. Gated DeltaNet and Mamba-2 layers hold a fixed state
 per sequence (fp32 SSM state plus bf16 conv window, as in mlx-lm and ../shared/docs/hybrid-engine.md
-§4), and every prefix-cache checkpoint costs one more copy of it.
+§4), and every prefix-cache checkpoint costs one more copy of it: the sequence's own (system prompt,
+turn, periodic ones) and the newest two (reply end and turn end) of each resident conversation.
+
+K/V quantized to 8 or 4 bits (`kv_bits`) take fewer bytes per token, but the quantized attention
+(engine/cache/quantized_kv.py) materialises a prefill chunk's float32 scores, one per query head,
+prompt position and context position; fused attention over float K/V never does. Counting it needs
+the query heads, which `Architecture` does not carry: callers that know them pass `attention_heads`.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kapitsa.catalog import Architecture
+from kapitsa.engine.options import READ_AHEAD_BYTES
 
 Verdict = Literal["fits", "tight", "too_big"]
 
@@ -23,6 +32,9 @@ KV_BYTES = 2  # bf16 K and V
 STATE_BYTES = 4  # SSM state stays fp32 (bf16 drifts)
 CONV_BYTES = 2
 DEFAULT_CHECKPOINTS = 4  # e.g. system prompt + tools, last user turn, two periodic (hybrid-engine.md §5.7)
+DEFAULT_RESIDENT_CONVERSATIONS = 4  # EngineConfig.resident_conversations
+CHECKPOINTS_PER_RESIDENT = 2  # a resident conversation's reply end and turn end (engine/cache/resident.py)
+SCORE_BYTES = 4  # the quantized attention's scores are float32
 DEFAULT_PREFILL_CHUNK = 2048
 HEADROOM_BYTES = 1 << 30  # the rest of the process, allocator fragmentation
 COMFORTABLE_CONTEXT = 65536  # coding agents send 20k+ tokens on the first turn (real-agents.md §2)
@@ -41,16 +53,19 @@ class MemoryEstimate:
     max_context: int  # tokens that fit, capped at the model's context window
     verdict: Verdict
     kv_bits: int | None = None  # K/V quantized to 8 or 4 bits; None: bf16
+    prefetch_bytes: int = 0  # the disk tier's read-ahead buffers
+    scores_bytes_per_token: int = 0  # quantized K/V only: a prefill chunk's scores per context token
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything but the KV cache."""
+        """Everything that does not grow with the context."""
         return (
             self.weights_bytes
             + self.state_bytes
             + self.checkpoint_bytes
             + self.workspace_bytes
             + self.headroom_bytes
+            + self.prefetch_bytes
         )
 
 
@@ -117,9 +132,23 @@ def vision_workspace_bytes(arch: Architecture) -> int:
     return arch.vision_image_patches * arch.vision_hidden_size * 4 * 16
 
 
-def sequence_bytes(arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES) -> int:
+def quantized_scores_bytes(attention_heads: int, prefill_chunk: int, context_tokens: int) -> int:
+    """The float32 scores (and the causal mask, a bool per position pair) the quantized attention
+    holds for one layer while a prefill chunk attends over the context (engine/cache/quantized_kv.py)."""
+    return prefill_chunk * context_tokens * (attention_heads * SCORE_BYTES + 1)
+
+
+def checkpoints_kept(num_checkpoints: int, resident_conversations: int) -> int:
+    """Recurrent checkpoints the prefix cache holds: the sequence's own and the resident conversations'."""
+    return num_checkpoints + CHECKPOINTS_PER_RESIDENT * resident_conversations
+
+
+def sequence_bytes(
+    arch: Architecture, context_tokens: int, dtype_bytes: int = KV_BYTES, *, kv_bits: int | None = None
+) -> int:
     """Cache memory of one sequence holding `context_tokens`: its KV plus its recurrent state."""
-    return kv_bytes_per_token(arch, dtype_bytes) * context_tokens + recurrent_state_bytes(arch, dtype_bytes)
+    kv = kv_bytes_per_token(arch, dtype_bytes, kv_bits=kv_bits) * context_tokens
+    return kv + recurrent_state_bytes(arch, dtype_bytes)
 
 
 def decode_peak_bytes(
@@ -134,6 +163,32 @@ def decode_peak_bytes(
     )
 
 
+def prefill_peak_bytes(
+    arch: Architecture,
+    *,
+    context_tokens: int,
+    prefill_chunk: int,
+    dtype_bytes: int = KV_BYTES,
+    kv_bits: int | None = None,
+    attention_heads: int = 0,
+    dequantized_kv: bool = False,
+) -> int:
+    """Peak memory above the weights while a prompt's last prefill chunk attends over its
+    `context_tokens`: the sequence's cache, one layer's K/V update, the chunk's activations and,
+    for quantized K/V, its attention scores and (`dequantized_kv`: MLX's CPU quantized matmul works
+    on a float32 copy of its operand) one layer's K or V dequantized, broadcast to the query heads.
+    What the engine's measured-peak test compares."""
+    scores = quantized_scores_bytes(attention_heads, prefill_chunk, context_tokens) if kv_bits else 0
+    if kv_bits and dequantized_kv:
+        scores += attention_heads * arch.head_dim * context_tokens * SCORE_BYTES
+    return (
+        sequence_bytes(arch, context_tokens, dtype_bytes, kv_bits=kv_bits)
+        + update_transient_bytes(arch, context_tokens, dtype_bytes, kv_bits=kv_bits)
+        + workspace_bytes(arch, prefill_chunk)
+        + scores
+    )
+
+
 def estimate(
     arch: Architecture,
     *,
@@ -143,24 +198,31 @@ def estimate(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     headroom_bytes: int = HEADROOM_BYTES,
     kv_bits: int | None = None,
+    resident_conversations: int = DEFAULT_RESIDENT_CONVERSATIONS,
+    prefetch_bytes: int = READ_AHEAD_BYTES,
+    attention_heads: int | None = None,
 ) -> MemoryEstimate:
     """How much context one sequence can hold in `usable_bytes`, and whether the model fits at all
-    (`kv_bits`: with K/V quantized to 8 or 4 bits)."""
+    (`kv_bits`: with K/V quantized to 8 or 4 bits; `attention_heads`: the query heads, which count
+    the quantized attention's prefill scores; `prefetch_bytes` 0: prefetch off)."""
     state = recurrent_state_bytes(arch)
+    scores = quantized_scores_bytes(attention_heads, prefill_chunk, 1) if kv_bits and attention_heads else 0
     partial = MemoryEstimate(
         usable_bytes=usable_bytes,
         weights_bytes=weight_bytes,
         kv_bytes_per_token=kv_bytes_per_token(arch, kv_bits=kv_bits),
         state_bytes=state,
-        checkpoint_bytes=num_checkpoints * state,
+        checkpoint_bytes=checkpoints_kept(num_checkpoints, resident_conversations) * state,
         workspace_bytes=max(workspace_bytes(arch, prefill_chunk), vision_workspace_bytes(arch)),
         headroom_bytes=headroom_bytes,
         max_context=0,
         verdict="too_big",
         kv_bits=kv_bits,
+        prefetch_bytes=prefetch_bytes,
+        scores_bytes_per_token=scores,
     )
     free = usable_bytes - partial.fixed_bytes
-    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits)
+    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits) + scores
     max_context = _context_that_fits(arch, free, per_token)
     return MemoryEstimate(
         **{**_as_dict(partial), "max_context": max_context, "verdict": _verdict(arch, free, max_context)}

@@ -82,3 +82,28 @@ def test_checkpoints_cost_recurrent_state_each() -> None:
     none = me.estimate(arch, usable_bytes=64 * 2**30, weight_bytes=10**9, num_checkpoints=0)
     eight = me.estimate(arch, usable_bytes=64 * 2**30, weight_bytes=10**9, num_checkpoints=8)
     assert eight.checkpoint_bytes - none.checkpoint_bytes == 8 * me.recurrent_state_bytes(arch)
+
+
+def test_resident_conversations_and_prefetch_buffers_are_budgeted() -> None:
+    arch = load_catalog().get("lightning").arch
+    assert arch is not None
+    budget = {"usable_bytes": 4 * 2**30, "weight_bytes": 10**9}  # less than the whole window fits
+    alone = me.estimate(arch, **budget, resident_conversations=0, prefetch_bytes=0)
+    default = me.estimate(arch, **budget)
+    state = me.recurrent_state_bytes(arch)
+    assert default.checkpoint_bytes - alone.checkpoint_bytes == 4 * 2 * state  # newest two of each of 4
+    assert default.prefetch_bytes == me.READ_AHEAD_BYTES and alone.prefetch_bytes == 0
+    assert default.fixed_bytes - alone.fixed_bytes == 8 * state + me.READ_AHEAD_BYTES
+    assert default.max_context < alone.max_context
+
+
+def test_quantized_attention_scores_count_per_context_token() -> None:
+    arch = load_catalog().get("27b").arch
+    assert arch is not None
+    options = {"usable_bytes": 24 * 2**30, "weight_bytes": me.weights_bytes(arch, 4.5), "kv_bits": 8}
+    unknown_heads = me.estimate(arch, **options)
+    with_heads = me.estimate(arch, **options, attention_heads=24)
+    assert unknown_heads.scores_bytes_per_token == 0
+    assert with_heads.scores_bytes_per_token == me.DEFAULT_PREFILL_CHUNK * (24 * 4 + 1)
+    assert with_heads.max_context < unknown_heads.max_context
+    assert me.quantized_scores_bytes(24, 2048, 1000) == 2048 * 1000 * (24 * 4 + 1)

@@ -19,8 +19,9 @@ def test_a_vision_model_budgets_one_image_encoding() -> None:
     text_only = dataclasses.replace(arch, vision_hidden_size=0, vision_image_patches=0)
     weights = me.weights_bytes(arch, 4.5)
     budget = weights + 3 * 2**30  # room for less than the whole window, so the workspace shows
-    with_vision = me.estimate(arch, usable_bytes=budget, weight_bytes=weights)
-    without = me.estimate(text_only, usable_bytes=budget, weight_bytes=weights)
+    alone = {"resident_conversations": 0, "prefetch_bytes": 0}  # no other conversation's checkpoints
+    with_vision = me.estimate(arch, usable_bytes=budget, weight_bytes=weights, **alone)
+    without = me.estimate(text_only, usable_bytes=budget, weight_bytes=weights, **alone)
     assert me.vision_workspace_bytes(arch) == 8040 * 1280 * 4 * 16  # a 1920x1080 screenshot, 16-px patches
     assert with_vision.workspace_bytes == max(without.workspace_bytes, me.vision_workspace_bytes(arch))
     assert with_vision.workspace_bytes > without.workspace_bytes
