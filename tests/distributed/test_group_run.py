@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ARCHITECTURES, MAX_TOKENS, PROMPT, run_json
+from conftest import ARCHITECTURES, MAX_TOKENS, PROMPT, free_port_run, run_json
 
 pytest.importorskip("mlx.core")
 
@@ -109,3 +109,17 @@ def test_doctor_reports_what_fits_on_the_group(hostfiles, group_env) -> None:
     report = json.loads(done.stdout)
     assert len(report["usable_bytes"]) == 2 and all(b > 0 for b in report["usable_bytes"])
     assert report["models"] and all(len(m["rank_weights_bytes"]) == 2 for m in report["models"])
+
+
+def test_started_by_mlx_launch_itself(checkpoints, hostfiles, group_env, reference) -> None:
+    """`mlx.launch --hostfile hosts.json -- kapitsa run ...`: each process is already a rank."""
+    launch = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+    args = ["-m", str(checkpoints["flint"]), "--raw", "--max-tokens", str(MAX_TOKENS), "--json", PROMPT]
+    done = subprocess.run(
+        [sys.executable, "-c", launch, "--hostfile", str(hostfiles[2]), "--starting-port", str(free_port_run()),
+         "--", sys.executable, "-m", "kapitsa", "run", "--parallel", "tensor", *args],
+        capture_output=True, text=True, env=group_env, timeout=120, start_new_session=True,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stderr[-2000:]
+    assert json.loads(lines[0])["token_ids"] == reference["flint"]
