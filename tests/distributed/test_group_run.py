@@ -67,6 +67,16 @@ def test_two_ranks_give_the_single_process_greedy_tokens(
     check_group(kind, parallel, 2, checkpoints, hostfiles, group_env, reference)
 
 
+def test_qwen3_next_packed_projections_split_over_two_tensor_ranks(
+    tmp_path: Path, hostfiles, group_env
+) -> None:
+    from kapitsa.testing.tiny import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "qwen3_next", "qwen3_next")
+    out = run_json(group_args(hostfiles[2], "tensor", folder), group_env)
+    assert out["token_ids"] == single_process_tokens(folder)
+
+
 @pytest.mark.parametrize(("kind", "parallel"), FOUR_RANKS)
 def test_four_ranks_give_the_single_process_greedy_tokens(
     kind: str, parallel: str, checkpoints, hostfiles, group_env, reference

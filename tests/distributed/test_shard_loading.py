@@ -78,13 +78,20 @@ def test_tensor_ranks_hold_a_slice_of_every_layer(checkpoints) -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
-    [({"n_groups": 2}, "2 Mamba-2 groups"), ({"n_groups": 4, "n_routed_experts": 6}, "6 routed experts")],
+    ("kind", "overrides", "message"),
+    [
+        ("nemotron_h", {"n_groups": 2}, "2 Mamba-2 groups"),
+        ("nemotron_h", {"n_groups": 4, "n_routed_experts": 6}, "6 routed experts"),
+        ("qwen3_next", {}, "2 linear-attention key heads"),
+        ("qwen3_5", {"num_attention_heads": 2}, "2 attention heads"),
+    ],
 )
-def test_tensor_splits_that_do_not_divide_are_refused(tmp_path: Path, overrides: dict, message: str) -> None:
+def test_tensor_splits_that_do_not_divide_are_refused(
+    tmp_path: Path, kind: str, overrides: dict, message: str
+) -> None:
     from kapitsa.testing.tiny import write_tiny_checkpoint
 
-    folder = write_tiny_checkpoint(tmp_path / "m", "nemotron_h", **overrides)
+    folder = write_tiny_checkpoint(tmp_path / "m", kind, **overrides)
     with pytest.raises(UnsupportedModel, match=message):
         load_shard(str(folder), group=rank(0, 4), parallel="tensor")
 

@@ -8,7 +8,7 @@ Attention K/V and recurrent states are then per-rank slices by head, as their pr
 When there are fewer KV heads (key heads) than ranks, a rank keeps the one its query heads read.
 
 A layout that does not divide over the group is an `UnsupportedModel` error before any tensor is
-read. Biases of row-parallel maps stay on rank 0 only, so the sum adds them once.
+read (Qwen3-Next packs its projections per key head: its key heads must divide). Biases of row-parallel maps stay on rank 0 only, so the sum adds them once.
 """
 
 from __future__ import annotations
@@ -181,24 +181,29 @@ def _shard_attention(attn: Attention, group: Group) -> int:
 
 
 def _shard_gdn(gdn: GatedDeltaNet, group: Group) -> None:
-    if gdn.packed:
-        raise UnsupportedModel(
-            "--parallel tensor does not split Qwen3-Next's packed projections; use pipeline"
-        )
     nk, nv, dk, dv = gdn.nk, gdn.nv, gdn.dk, gdn.dv
-    v0, v1 = _part(nv, group, "linear-attention value heads")
-    k0, k1 = _shared_heads(v0, nv, nk, group, "linear-attention key heads")
+    if gdn.packed:  # Qwen3-Next: [q | k | v | z] and [b | a] per key head, so whole key heads split
+        k0, k1 = _part(nk, group, "linear-attention key heads (packed per key head)")
+        v0, v1 = k0 * (nv // nk), k1 * (nv // nk)
+    else:
+        v0, v1 = _part(nv, group, "linear-attention value heads")
+        k0, k1 = _shared_heads(v0, nv, nk, group, "linear-attention key heads")
     key_dim = nk * dk
     channels = [
         (k0 * dk, k1 * dk),
         (key_dim + k0 * dk, key_dim + k1 * dk),
         (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv),
     ]
-    _rows(gdn.in_proj_qkv, channels, gdn.conv_dim)
     gdn.conv1d.weight = _channels(gdn.conv1d.weight, channels)
-    _rows(gdn.in_proj_z, [(v0 * dv, v1 * dv)], nv * dv)
-    _rows(gdn.in_proj_b, [(v0, v1)], nv)
-    _rows(gdn.in_proj_a, [(v0, v1)], nv)
+    if gdn.packed:
+        per_head = 2 * dk + 2 * (nv // nk) * dv
+        _rows(gdn.in_proj_qkvz, [(k0 * per_head, k1 * per_head)], nk * per_head)
+        _rows(gdn.in_proj_ba, [(2 * v0, 2 * v1)], 2 * nv)
+    else:
+        _rows(gdn.in_proj_qkv, channels, gdn.conv_dim)
+        _rows(gdn.in_proj_z, [(v0 * dv, v1 * dv)], nv * dv)
+        _rows(gdn.in_proj_b, [(v0, v1)], nv)
+        _rows(gdn.in_proj_a, [(v0, v1)], nv)
     gdn.dt_bias, gdn.A_log = gdn.dt_bias[v0:v1], gdn.A_log[v0:v1]
     _cols(gdn.out_proj, v0 * dv, v1 * dv, nv * dv, group)
     gdn.out_proj = SummedLinear(gdn.out_proj, group)
