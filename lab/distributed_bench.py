@@ -41,8 +41,11 @@ def run_once(model: str, tokens: int, hostfile: Path | None, parallel: str) -> d
     command += ["--max-tokens", str(tokens), "--speculative", "none", PROMPT]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, start_new_session=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command[:8])} ... failed:\n{done.stderr[-2000:]}")
+    if done.returncode != 0:  # a split the model does not divide into: reported, not timed
+        error = next(
+            (line for line in done.stderr.splitlines() if line.startswith("error:")), done.stderr[-300:]
+        )
+        return {"error": error, "wall_s": round(time.perf_counter() - started, 2)}
     line = next(line for line in done.stdout.splitlines() if line.startswith("{"))
     return json.loads(line) | {"wall_s": round(time.perf_counter() - started, 2)}
 
@@ -78,7 +81,8 @@ def main() -> None:
         results: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
         for _ in range(args.repeats):
             for name, hosts, mode in configs:
-                results[name].append(run_once(args.model, args.tokens, hosts, mode))
+                if not results[name] or "error" not in results[name][0]:
+                    results[name].append(run_once(args.model, args.tokens, hosts, mode))
     latency = {n: all_sum_latency_us(n) for n in map(int, args.ranks.split(",")) if n > 1}
     report(args, results, latency)
 
@@ -93,6 +97,9 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], latency: di
         "|---|---|---|---|---|",
     ]
     for name, runs in results.items():
+        if "error" in runs[0]:
+            lines.append(f"| {name} | {runs[0]['error']} | | | |")
+            continue
         med = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "prefill_tok_s", "wall_s")}
         generated = runs[0]["generation_tokens"]
         lines.append(
