@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 FIRST_STEP_S = 60.0  # no step of this kind has finished yet: loading, tracing, a long first chunk
 FLOOR_S = 3.0
-FACTOR = 20.0
+FACTOR = 8.0  # a healthy step seldom takes 8x its median; a dead peer's never ends
 
 
 class StepClock:
