@@ -26,7 +26,7 @@ from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.runner.memory import MemoryBudget, device_memory_limit, periodic_checkpoint_interval
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens, usage_of
-from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one
+from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, read_ahead
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
 from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus
@@ -155,7 +155,7 @@ class Engine:
             if isinstance(item, _Abort):
                 self._abort(item.request_id)
             elif isinstance(item, _Prefetch):
-                self.prefix.read_ahead(item.key_ids)  # type: ignore[union-attr]
+                read_ahead(self.prefix, item.key_ids)
             elif len(self.scheduler.waiting) >= self.config.max_queued:
                 item.emit(
                     ErrorEvent(item.request_id, EngineBusy("too many requests are queued; retry later"))

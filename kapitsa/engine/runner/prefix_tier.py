@@ -1,8 +1,12 @@
 """The engine's prefix cache as its config asks for it: the memory budget, the disk tier, and the
-resident-conversation policy that decides what eviction spares (cache/resident.py); and the idle
-engine's preload of conversations that memory pressure pushed to disk."""
+resident-conversation policy that decides what eviction spares (cache/resident.py); and the engine
+thread's two prefetch entry points (a coming prompt's read-ahead, an idle engine's preload of
+conversations memory pressure pushed to disk), which log a failure instead of stopping the engine."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
 
 from kapitsa.engine.cache.disk import DiskTier
 from kapitsa.engine.cache.prefix import PrefixCache
@@ -10,6 +14,8 @@ from kapitsa.engine.cache.resident import ResidentPolicy
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.memory import MemoryBudget
 from kapitsa.engine.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 def make_prefix_cache(config: EngineConfig, memory: MemoryBudget, runner: ModelRunner) -> PrefixCache | None:
@@ -39,4 +45,18 @@ def preload_one(prefix: PrefixCache | None, memory: MemoryBudget) -> bool:
     if prefix is None or prefix.disk is None:
         return False
     room = min(prefix.budget_bytes, memory.free_bytes) - prefix.nbytes
-    return prefix.preload(room)
+    try:
+        return prefix.preload(room)
+    except Exception:  # noqa: BLE001 - a failed preload only loses a cache entry, never the engine
+        log.exception("could not preload a checkpoint from disk")
+        return False
+
+
+def read_ahead(prefix: PrefixCache | None, key_ids: Sequence[int]) -> None:
+    """Start the read of the disk checkpoint a coming prompt resumes from (on the engine thread)."""
+    if prefix is None:
+        return
+    try:
+        prefix.read_ahead(key_ids)
+    except Exception:  # noqa: BLE001 - a failed read-ahead leaves the lookup to read the file
+        log.exception("could not start reading a checkpoint ahead")
