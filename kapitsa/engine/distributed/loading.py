@@ -1,8 +1,9 @@
 """Loading one rank's part of a checkpoint: only the tensors its shard keeps are ever read.
 
 The whole model is built and loaded lazily (MLX maps safetensors without reading them), then cut
-down to the rank's part: layers outside its range (pipeline) become empty modules, kept tensors
-are sliced (tensor parallel); evaluating what is left reads just those tensors from disk.
+down to the rank's part. Pipeline: layers outside its range become empty modules, so only the
+rank's layers are ever read. Tensor parallel: every tensor is sliced; a slice reads its whole
+tensor, so layers are evaluated one at a time (the peak is the rank's part plus one layer).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.distributed.group import PARALLEL_MODES, Group
@@ -119,6 +121,8 @@ def _cut_to_shard(model: nn.Module, group: Group, parallel: str) -> list[int]:
         from kapitsa.engine.distributed.tensor import shard_tensor_parallel
 
         shard_tensor_parallel(model, group)
+        for layer in model.layers:  # each layer's whole tensors are read, sliced and freed in turn
+            mx.eval(layer.parameters())
         return list(range(num_layers))
     if num_layers < group.size:
         raise InvalidRequest(f"{num_layers} layers cannot be split across {group.size} ranks")

@@ -141,7 +141,7 @@ def _rows(linear: nn.Module, ranges: list[tuple[int, int]], total: int) -> None:
     """Keep output rows `ranges` (of `total`) of a linear, float or quantized."""
     for key, value in list(linear.parameters().items()):
         if isinstance(value, mx.array) and value.ndim >= 1 and value.shape[0] == total:
-            linear[key] = mx.concatenate([value[a:b] for a, b in ranges], axis=0)
+            linear[key] = _own(mx.concatenate([value[a:b] for a, b in ranges], axis=0))
 
 
 def _cols(linear: nn.Module, start: int, end: int, total: int, group: Group) -> None:
@@ -152,13 +152,18 @@ def _cols(linear: nn.Module, start: int, end: int, total: int, group: Group) -> 
             width = value.shape[-1]
             if (start * width) % total or (end * width) % total:
                 raise UnsupportedModel("--parallel tensor: a quantization group straddles two ranks' columns")
-            linear[key] = value[..., start * width // total : end * width // total]
+            linear[key] = _own(value[..., start * width // total : end * width // total])
     if "bias" in linear and not group.is_driver:
         linear["bias"] = mx.zeros_like(linear["bias"])
 
 
 def _channels(array: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
-    return mx.concatenate([array[a:b] for a, b in ranges], axis=0)
+    return _own(mx.concatenate([array[a:b] for a, b in ranges], axis=0))
+
+
+def _own(part: mx.array) -> mx.array:
+    """A copy: a slice is a view that keeps its whole tensor alive (the rank would hold it all)."""
+    return mx.contiguous(part)
 
 
 # -- per-module sharding -------------------------------------------------------------------------
@@ -175,7 +180,7 @@ def _shard_attention(attn: Attention, group: Group) -> int:
     _cols(attn.o_proj, q0 * D, q1 * D, H * D, group)
     attn.o_proj = SummedLinear(attn.o_proj, group)
     if "softmax_offset" in attn:  # Flint's sinks, one per head
-        attn.softmax_offset = attn.softmax_offset[q0:q1]
+        attn.softmax_offset = _own(attn.softmax_offset[q0:q1])
     attn.heads, attn.kv_heads = q1 - q0, k1 - k0
     return k1 - k0
 
@@ -204,7 +209,7 @@ def _shard_gdn(gdn: GatedDeltaNet, group: Group) -> None:
         _rows(gdn.in_proj_z, [(v0 * dv, v1 * dv)], nv * dv)
         _rows(gdn.in_proj_b, [(v0, v1)], nv)
         _rows(gdn.in_proj_a, [(v0, v1)], nv)
-    gdn.dt_bias, gdn.A_log = gdn.dt_bias[v0:v1], gdn.A_log[v0:v1]
+    gdn.dt_bias, gdn.A_log = _own(gdn.dt_bias[v0:v1]), _own(gdn.A_log[v0:v1])
     _cols(gdn.out_proj, v0 * dv, v1 * dv, nv * dv, group)
     gdn.out_proj = SummedLinear(gdn.out_proj, group)
     gdn.nk, gdn.nv = k1 - k0, v1 - v0
@@ -226,8 +231,8 @@ def _shard_mamba(m: Mamba2Mixer, group: Group) -> None:
     for key in ("weight", "bias"):
         if key in m.conv1d:
             m.conv1d[key] = _channels(m.conv1d[key], xbc)
-    m.dt_bias, m.A_log, m.D = m.dt_bias[h0:h1], m.A_log[h0:h1], m.D[h0:h1]
-    m.norm.weight = m.norm.weight[h0 * P : h1 * P]
+    m.dt_bias, m.A_log, m.D = (_own(a[h0:h1]) for a in (m.dt_bias, m.A_log, m.D))
+    m.norm.weight = _own(m.norm.weight[h0 * P : h1 * P])
     _cols(m.out_proj, h0 * P, h1 * P, inner, group)
     m.out_proj = SummedLinear(m.out_proj, group)
     m.heads, m.groups = h1 - h0, g1 - g0
@@ -261,7 +266,7 @@ def _shard_moe(moe: nn.Module, group: Group) -> SummedBlock:
     e0, e1 = _part(total, group, "routed experts")
     for proj in experts.children().values():
         for key, value in list(proj.parameters().items()):
-            proj[key] = value[e0:e1]
+            proj[key] = _own(value[e0:e1])
     moe.switch_mlp = LocalExperts(experts, e0, e1 - e0)
     for name in _MOE_SHARED:
         if name in moe:
