@@ -79,7 +79,9 @@ async def test_idle_engine_preloads_the_spilled_conversation(qwen_model, make_cl
     assert usage.cached_tokens >= 0.95 * usage.prompt_tokens
     cold_s, cold_ids, _ = await _first_token_s(make_client(qwen_model, prefix_cache_bytes=0), messages)
     assert ids == cold_ids
-    assert first_s <= 0.5 * cold_s, (first_s, cold_s)  # generous for a loaded CI machine: the lab's is < 10%
+    # Only a loose bound: on a loaded 2-core machine one run may stall for seconds (lab/prefetch_ttft.py
+    # measures the ratio, ~6-11% of cold, and the lookup's own time).
+    assert first_s < 0.7 * cold_s, (first_s, cold_s)
 
 
 async def test_without_prefetch_the_lookup_reads_the_file(qwen_model, make_client, tmp_path) -> None:
