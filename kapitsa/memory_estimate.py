@@ -5,7 +5,7 @@ memory = weights + KV per token × context + recurrent state (fixed per sequence
          (the larger of a prefill chunk's and, for vision models, one image encoding's)
          + one attention layer's K/V again (a cache update writes the new buffer before the old one goes)
          + the disk tier's read-ahead buffers (prefetch)
-         + with quantized K/V: a prefill chunk's attention scores over the context (see below)
+         + with quantized K/V: one block of a prefill chunk's attention scores (see below)
 
 Only the attention layers grow with context. Gated DeltaNet and Mamba-2 layers hold a fixed state
 per sequence (fp32 SSM state plus bf16 conv window, as in mlx-lm and ../shared/docs/hybrid-engine.md
@@ -13,9 +13,9 @@ per sequence (fp32 SSM state plus bf16 conv window, as in mlx-lm and ../shared/d
 turn, periodic ones) and the newest two (reply end and turn end) of each resident conversation.
 
 K/V quantized to 8 or 4 bits (`kv_bits`) take fewer bytes per token, but the quantized attention
-(engine/cache/quantized_kv.py) materialises a prefill chunk's float32 scores, one per query head,
-prompt position and context position; fused attention over float K/V never does. Counting it needs
-the query heads, which `Architecture` does not carry: callers that know them pass `attention_heads`.
+(engine/cache/quantized_kv.py) materialises float32 scores, one per query head, prompt position and
+context position (fused attention over float K/V never does); it runs a prefill chunk's positions in
+blocks whose scores stay under SCORES_BLOCK_BYTES, which the estimate budgets once.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kapitsa.catalog import Architecture
-from kapitsa.engine.options import READ_AHEAD_BYTES
+from kapitsa.engine.options import READ_AHEAD_BYTES, SCORES_BLOCK_BYTES
 
 Verdict = Literal["fits", "tight", "too_big"]
 
@@ -54,7 +54,7 @@ class MemoryEstimate:
     verdict: Verdict
     kv_bits: int | None = None  # K/V quantized to 8 or 4 bits; None: bf16
     prefetch_bytes: int = 0  # the disk tier's read-ahead buffers
-    scores_bytes_per_token: int = 0  # quantized K/V only: a prefill chunk's scores per context token
+    scores_bytes: int = 0  # quantized K/V only: one block of the prefill's attention scores
 
     @property
     def fixed_bytes(self) -> int:
@@ -66,6 +66,7 @@ class MemoryEstimate:
             + self.workspace_bytes
             + self.headroom_bytes
             + self.prefetch_bytes
+            + self.scores_bytes
         )
 
 
@@ -134,8 +135,11 @@ def vision_workspace_bytes(arch: Architecture) -> int:
 
 def quantized_scores_bytes(attention_heads: int, prefill_chunk: int, context_tokens: int) -> int:
     """The float32 scores (and the causal mask, a bool per position pair) the quantized attention
-    holds for one layer while a prefill chunk attends over the context (engine/cache/quantized_kv.py)."""
-    return prefill_chunk * context_tokens * (attention_heads * SCORE_BYTES + 1)
+    holds for one layer while a prefill chunk attends over the context: the chunk's query rows run
+    in blocks whose scores stay under SCORES_BLOCK_BYTES (engine/cache/quantized_kv.py)."""
+    row_bytes = attention_heads * context_tokens * SCORE_BYTES
+    rows = min(prefill_chunk, max(1, SCORES_BLOCK_BYTES // max(1, row_bytes)))
+    return rows * context_tokens * (attention_heads * SCORE_BYTES + 1)
 
 
 def checkpoints_kept(num_checkpoints: int, resident_conversations: int) -> int:
@@ -200,13 +204,10 @@ def estimate(
     kv_bits: int | None = None,
     resident_conversations: int = DEFAULT_RESIDENT_CONVERSATIONS,
     prefetch_bytes: int = READ_AHEAD_BYTES,
-    attention_heads: int | None = None,
 ) -> MemoryEstimate:
     """How much context one sequence can hold in `usable_bytes`, and whether the model fits at all
-    (`kv_bits`: with K/V quantized to 8 or 4 bits; `attention_heads`: the query heads, which count
-    the quantized attention's prefill scores; `prefetch_bytes` 0: prefetch off)."""
+    (`kv_bits`: with K/V quantized to 8 or 4 bits; `prefetch_bytes` 0: prefetch off)."""
     state = recurrent_state_bytes(arch)
-    scores = quantized_scores_bytes(attention_heads, prefill_chunk, 1) if kv_bits and attention_heads else 0
     partial = MemoryEstimate(
         usable_bytes=usable_bytes,
         weights_bytes=weight_bytes,
@@ -219,10 +220,10 @@ def estimate(
         verdict="too_big",
         kv_bits=kv_bits,
         prefetch_bytes=prefetch_bytes,
-        scores_bytes_per_token=scores,
+        scores_bytes=SCORES_BLOCK_BYTES * 5 // 4 if kv_bits else 0,  # and the block's mask, at most 1/4
     )
     free = usable_bytes - partial.fixed_bytes
-    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits) + scores
+    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits)
     max_context = _context_that_fits(arch, free, per_token)
     return MemoryEstimate(
         **{**_as_dict(partial), "max_context": max_context, "verdict": _verdict(arch, free, max_context)}

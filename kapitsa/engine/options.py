@@ -21,6 +21,8 @@ DEFAULT_SPECULATIVE = "auto"
 GIB = 1024**3
 KV_BITS_CHOICES = (None, 8, 4)  # `--kv-bits`: None keeps K/V in the activation dtype
 READ_AHEAD_BYTES = 256 * 1024**2  # disk-tier files read ahead of their lookup, at most (cache/read_ahead.py)
+# One block of the quantized attention's float32 scores, at most (cache/quantized_kv.py).
+SCORES_BLOCK_BYTES = 64 * 1024**2
 
 # Kernel families a model can route through (kernels/): the Gated DeltaNet step, the MoE expert
 # kernels, the quantized mat-vecs, the Mamba-2 step, the fused MoE router, attention's decode kernels.

@@ -97,13 +97,14 @@ def test_resident_conversations_and_prefetch_buffers_are_budgeted() -> None:
     assert default.max_context < alone.max_context
 
 
-def test_quantized_attention_scores_count_per_context_token() -> None:
+def test_quantized_attention_scores_are_one_block() -> None:
     arch = load_catalog().get("27b").arch
     assert arch is not None
-    options = {"usable_bytes": 24 * 2**30, "weight_bytes": me.weights_bytes(arch, 4.5), "kv_bits": 8}
-    unknown_heads = me.estimate(arch, **options)
-    with_heads = me.estimate(arch, **options, attention_heads=24)
-    assert unknown_heads.scores_bytes_per_token == 0
-    assert with_heads.scores_bytes_per_token == me.DEFAULT_PREFILL_CHUNK * (24 * 4 + 1)
-    assert with_heads.max_context < unknown_heads.max_context
-    assert me.quantized_scores_bytes(24, 2048, 1000) == 2048 * 1000 * (24 * 4 + 1)
+    options = {"usable_bytes": 24 * 2**30, "weight_bytes": me.weights_bytes(arch, 4.5)}
+    bf16, eight = me.estimate(arch, **options), me.estimate(arch, **options, kv_bits=8)
+    assert eight.scores_bytes == me.SCORES_BLOCK_BYTES * 5 // 4 and bf16.scores_bytes == 0
+    assert eight.max_context > bf16.max_context  # the block is fixed; 8-bit K/V still saves per token
+    # a short context: the whole 2048-token chunk in one block; a long one: rows capped by the block
+    assert me.quantized_scores_bytes(24, 2048, 100) == 2048 * 100 * (24 * 4 + 1)
+    rows = me.SCORES_BLOCK_BYTES // (24 * 131072 * 4)
+    assert me.quantized_scores_bytes(24, 2048, 131072) == rows * 131072 * (24 * 4 + 1)

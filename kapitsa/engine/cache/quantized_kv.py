@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from kapitsa.engine import options
 from kapitsa.engine.cache.layers import KV_STEP, KVCache, StepInfo
 
 KV_BITS = (8, 4)
@@ -137,16 +138,60 @@ def quantized_attention(
 ) -> mx.array:
     """Softmax attention of q `[B, H, T, D]` over quantized K/V `[B, Hkv, L, *]` (H a multiple of
     Hkv); `mask` as `mx.fast.scaled_dot_product_attention` takes it ("causal" is bottom-right
-    aligned, a bool array `[B, 1, T, L]` marks visible keys). Returns `[B, H, T, D]` in q's dtype."""
+    aligned, a bool array `[B, 1, T, L]` marks visible keys). Returns `[B, H, T, D]` in q's dtype.
+
+    The scores are materialised, so a long prefill chunk over a long context runs in blocks of
+    query positions whose scores stay under `options.SCORES_BLOCK_BYTES` (each row's softmax is
+    its own, so the blocks give the same values).
+    """
     B, H, T, D = q.shape
-    Hkv, L = keys[0].shape[1], keys[0].shape[2]
+    L = keys[0].shape[2]
+    rows = max(1, options.SCORES_BLOCK_BYTES // (B * H * L * 4))
+    if rows >= T:
+        return _attention_block(q, keys, values, _block_mask(mask, L, T, 0, T), scale, group_size, bits)
+    blocks = []
+    for start in range(0, T, rows):
+        stop = min(start + rows, T)
+        block_mask = _block_mask(mask, L, T, start, stop)
+        out = _attention_block(q[:, :, start:stop], keys, values, block_mask, scale, group_size, bits)
+        _eval_unless_traced(out)  # one block's scores at a time: a lazy graph holds every block's at once
+        blocks.append(out)
+    return mx.concatenate(blocks, axis=2)
+
+
+def _eval_unless_traced(x: mx.array) -> None:
+    try:
+        mx.eval(x)
+    except ValueError as err:  # inside mx.compile or vmap: the trace records the blocks as one graph
+        if "transformation" not in str(err) and "compile" not in str(err):
+            raise
+
+
+def _block_mask(mask: mx.array | str | None, L: int, T: int, start: int, stop: int) -> mx.array | None:
+    """Query rows [start, stop) of the mask: bool `[stop-start, L]` or `[B, 1, stop-start, L]`, or None."""
+    if isinstance(mask, str):
+        return (mx.arange(L - T + start, L - T + stop)[:, None] >= mx.arange(L)[None]) if T > 1 else None
+    if mask is None or (start == 0 and stop == T):
+        return mask
+    return mask[..., start:stop, :]
+
+
+def _attention_block(
+    q: mx.array,
+    keys: QuantizedKV,
+    values: QuantizedKV,
+    mask: mx.array | None,
+    scale: float,
+    group_size: int,
+    bits: int,
+) -> mx.array:
+    B, H, T, D = q.shape
+    Hkv = keys[0].shape[1]
     group = H // Hkv
     qg = (q * scale).reshape(B, Hkv, group, T, D)
     kg = tuple(mx.expand_dims(a, 2) for a in keys)
     vg = tuple(mx.expand_dims(a, 2) for a in values)
     scores = mx.quantized_matmul(qg, *kg, transpose=True, group_size=group_size, bits=bits)
-    if isinstance(mask, str):
-        mask = (mx.arange(L - T, L)[:, None] >= mx.arange(L)[None]) if T > 1 else None
     if mask is not None:
         visible = mask if mask.ndim == 2 else mx.expand_dims(mask, 2)  # [B, 1, 1, T, L] over the groups
         scores = mx.where(visible, scores, mx.array(-mx.inf, scores.dtype))
