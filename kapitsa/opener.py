@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -188,7 +188,12 @@ def _engine_required() -> Iterator[None]:
 
 
 def check_group_flags(
-    *, parallel: str, speculative: str | None, draft: str | None, kv_bits: str | None
+    *,
+    parallel: str,
+    speculative: str | None,
+    draft: str | None,
+    kv_bits: str | None,
+    model: str | None = None,
 ) -> None:
     """Refuse what a distributed group does not run, before any process is launched."""
     with _engine_required():
@@ -199,6 +204,26 @@ def check_group_flags(
         raise InvalidRequest("speculative decoding does not run across a group yet: leave --speculative out")
     if kv_bits not in (None, "off"):
         raise InvalidRequest("--kv-bits does not run across a group yet: leave it out")
+    if model is not None and _is_small(model):
+        raise InvalidRequest(
+            "the ':small' recipe does not run across a group yet: load a quantized checkpoint"
+        )
+
+
+def on_group_hard_exit(hook: Callable[[int], None]) -> None:
+    """Call `hook(code)` before a rank leaves at once (a lost peer, a stuck step), which skips atexit."""
+    with _engine_required():
+        from kapitsa.engine.distributed.group import EXIT_HOOKS
+    EXIT_HOOKS.append(hook)
+
+
+def _is_small(ref: str) -> bool:
+    from kapitsa.engine.loading.model_ref import parse_model_ref
+
+    try:
+        return parse_model_ref(ref).quantization == "small"
+    except KapitsaError:
+        return False  # opening it says what is wrong
 
 
 def open_group_engine(ref: str | None, *, parallel: str, settings: KapitsaSettings | None = None):  # noqa: ANN201 - GroupEngine | None
@@ -223,6 +248,8 @@ def open_group_engine(ref: str | None, *, parallel: str, settings: KapitsaSettin
         resolved = resolve_model(ref, catalog)
         source = str(resolved.path if resolved.kind == "path" else resolved.repo_id)
         model_id = resolved.display_name
+        if resolved.quantize is not None:  # a recipe on load (':small'): not split across ranks yet
+            raise InvalidRequest(f"{ref}: the ':{resolved.quantize}' recipe does not run across a group yet")
     return start_rank(source, parallel=parallel, model_id=model_id, kernels=engine_config(settings).kernels)
 
 

@@ -54,18 +54,31 @@ def relaunch(hostfile: Path, argv: list[str]) -> NoReturn:
     """Run `kapitsa <argv>` under mlx.launch on every host of `hostfile`; exit with rank 0's code.
 
     mlx.launch itself exits 0 whatever its ranks did, so rank 0 writes its exit code to the file
-    `KAPITSA_GROUP_STATUS` names (when rank 0 runs on another machine, the launcher's code stands).
+    `KAPITSA_GROUP_STATUS` names (given with `--env`, which reaches ranks started over ssh too).
+    Rank 0 on this machine that leaves no code ended without reporting it: a failure. When rank 0
+    runs on another machine, the launcher's code stands.
     """
     hosts = read_hosts(hostfile)
-    command = [sys.executable, "-c", _LAUNCH, "--hostfile", str(hostfile)]
-    if all(h["ssh"] in _LOCAL_HOSTS for h in hosts):  # ranks on this machine: ports nobody holds
-        command += ["--starting-port", str(_free_port_run(len(hosts)))]
-    command += ["--", sys.executable, "-m", "kapitsa", *argv]
     sys.stdout.flush()
     with tempfile.TemporaryDirectory(prefix="kapitsa-group-") as folder:
         status = Path(folder) / "rank0-exit"
+        command = [
+            sys.executable,
+            "-c",
+            _LAUNCH,
+            "--hostfile",
+            str(hostfile),
+            "--env",
+            f"{_STATUS_VAR}={status}",
+        ]
+        if all(h["ssh"] in _LOCAL_HOSTS for h in hosts):  # ranks on this machine: ports nobody holds
+            command += ["--starting-port", str(_free_port_run(len(hosts)))]
+        command += ["--", sys.executable, "-m", "kapitsa", *argv]
         launcher = subprocess.run(command, env={**os.environ, _STATUS_VAR: str(status)}, check=False)
-        code = int(status.read_text()) if status.is_file() else launcher.returncode
+        if status.is_file():
+            code = int(status.read_text())
+        else:
+            code = 1 if hosts[0]["ssh"] in _LOCAL_HOSTS and launcher.returncode == 0 else launcher.returncode
     sys.stdout.flush()
     os._exit(code)  # the ranks' answer is already out: nothing of this process is left to run
 
@@ -74,6 +87,9 @@ def join_as_rank() -> None:
     """On rank 0: report this process's exit code to the relaunching process, however it ends."""
     if launched_rank() == 0 and os.environ.get(_STATUS_VAR):
         atexit.register(_write_status, 1)  # sys.exit and errors; `leave` writes its own code first
+        from kapitsa.opener import on_group_hard_exit
+
+        on_group_hard_exit(_write_status)  # a lost peer's hard exit skips atexit
 
 
 def leave(code: int = 0) -> NoReturn:

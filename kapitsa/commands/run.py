@@ -73,10 +73,10 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
     """Run one generation; stream text through `write` (stdout) unless `--json`, then print JSON."""
     from kapitsa.opener import open_engine
 
-    request = make_request(read_prompt(options), options)  # bad flags fail before the weights load
     out = write or _stdout_write
     if wants_group(options.hostfile):
-        return _run_in_group(options, request, out)
+        return _run_in_group(options, out)
+    request = make_request(read_prompt(options), options)  # bad flags fail before the weights load
     engine = open_engine(
         options.model,
         speculative=options.speculative or DEFAULT_SPECULATIVE,
@@ -96,8 +96,9 @@ def cmd_run(options: RunOptions, *, write: Callable[[str], object] | None = None
     return result
 
 
-def _run_in_group(options: RunOptions, request, out: Callable[[str], object]) -> RunResult | None:  # noqa: ANN001
-    """Rank 0 generates and prints; the other ranks run its steps and print nothing."""
+def _run_in_group(options: RunOptions, out: Callable[[str], object]) -> RunResult | None:
+    """Rank 0 reads the prompt, generates and prints; the other ranks run its steps and print nothing
+    (nor read the prompt: its file may exist only where rank 0 runs)."""
     from kapitsa.opener import check_group_flags, open_group_engine
 
     check_group_flags(
@@ -105,12 +106,17 @@ def _run_in_group(options: RunOptions, request, out: Callable[[str], object]) ->
         speculative=options.speculative,
         draft=options.draft,
         kv_bits=options.kv_bits,
+        model=options.model,
     )
     if options.images:
         raise InvalidRequest("a distributed model reads text only: leave --image out")
+    if options.prompt_file is not None and str(options.prompt_file) == "-":
+        raise InvalidRequest("the ranks of a group do not read stdin: give the prompt as an argument or a file")
     if launched_rank() is None:
+        make_request(read_prompt(options), options)  # a bad prompt fails before any rank starts
         relaunch(options.hostfile, sys.argv[1:])
     join_as_rank()
+    request = make_request(read_prompt(options), options) if launched_rank() == 0 else None
     engine = open_group_engine(options.model, parallel=options.parallel)
     if engine is None:
         leave(0)

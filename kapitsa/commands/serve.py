@@ -74,7 +74,9 @@ def _serve_group(
     from kapitsa.opener import check_group_flags, open_group_engine
 
     speculative, draft, kv_bits = flags
-    check_group_flags(parallel=parallel, speculative=speculative, draft=draft, kv_bits=kv_bits)
+    check_group_flags(
+        parallel=parallel, speculative=speculative, draft=draft, kv_bits=kv_bits, model=settings.model
+    )
     rank = launched_rank()
     if rank in (None, 0):  # the port is rank 0's: check it before any rank loads
         check_bind(settings)
@@ -87,7 +89,8 @@ def _serve_group(
         leave(0)
     with contextlib.closing(engine) as client:
         _serve_recorded(client, settings)
-    leave(0)
+        healthy = client.stats().alive  # a lost rank fails the group: the command does not exit 0
+    leave(0 if healthy else 1)
 
 
 def _serve_recorded(client: object, settings: ServerSettings) -> None:

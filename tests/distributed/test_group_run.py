@@ -133,3 +133,18 @@ def test_started_by_mlx_launch_itself(checkpoints, hostfiles, group_env, referen
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, done.stderr[-2000:]
     assert json.loads(lines[0])["token_ids"] == reference["flint"]
+
+
+def test_what_a_group_cannot_run_is_refused_before_any_rank_starts(tmp_path) -> None:
+    """`:small` (its widths come from one machine's budget) and a prompt on stdin (the ranks do not
+    share it) are refused by the launching process itself."""
+    from kapitsa.commands.run import RunOptions, cmd_run
+    from kapitsa.errors import InvalidRequest
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[{"ssh": "127.0.0.1"}, {"ssh": "127.0.0.1"}]')
+    base = dict(hostfile=hostfile, parallel="pipeline", speculative="none")
+    with pytest.raises(InvalidRequest, match="':small' recipe does not run across a group"):
+        cmd_run(RunOptions(model="some/moe:small", prompt="hi", **base))
+    with pytest.raises(InvalidRequest, match="do not read stdin"):
+        cmd_run(RunOptions(model="some/moe", prompt_file=Path("-"), **base))

@@ -103,6 +103,7 @@ def check_served_group(kind: str, parallel: str, ranks: int, checkpoints, hostfi
         streamed = client.chat.completions.create(model=kind, messages=MESSAGES, stream=True, **GREEDY)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
         assert_killed_rank_ends_stream_and_group(client, kind, proc.pid, ranks)
+        assert proc.wait(10) != 0, "a group that lost a rank exited 0"
 
 
 @pytest.mark.parametrize(("kind", "parallel", "ranks"), SERVED)

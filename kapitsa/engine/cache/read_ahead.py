@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kapitsa.engine.cache.file import CorruptPrefixFile, PreparedArray, read_prefix_bytes
+from kapitsa.engine.cache.file import PreparedArray, read_prefix_bytes
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ def _read(path: Path) -> ReadFile:
         data = path.read_bytes()
         arrays, metadata = read_prefix_bytes(data)
         return ReadFile(arrays, metadata, len(data))
-    except (OSError, CorruptPrefixFile) as err:  # the lookup deletes or misses it, as if it read it
+    except Exception as err:  # noqa: BLE001 - the lookup deletes or misses it, as if it read it;
+        # anything uncaught would end this thread and leave every later take() waiting its timeout
         log.info("read-ahead of %s failed: %s", path.name, err)
         return ReadFile([], {}, 0, err)

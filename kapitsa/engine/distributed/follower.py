@@ -23,8 +23,9 @@ def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # n
     clock = clock or StepClock()
     watchdog = Watchdog(silent)
     cache: HybridCache | None = None
+    last_tokens = 1  # the wait for the next command covers the later ranks' share of the last step
     while True:
-        watchdog.arm("waiting for rank 0", max(clock.deadline(1), 5 * HEARTBEAT_S))
+        watchdog.arm("waiting for rank 0", max(clock.deadline(last_tokens), 5 * HEARTBEAT_S))
         try:
             command = broadcast(group, None)
             if command.op is Op.STOP:
@@ -33,6 +34,7 @@ def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # n
                 if command.new_cache or cache is None:
                     cache = shard.new_cache()
                 tokens = list(command.tokens)
+                last_tokens = len(tokens)
                 watchdog.arm("a forward", clock.deadline(len(tokens)))
                 started = time.perf_counter()
                 shard.step(cache, tokens)

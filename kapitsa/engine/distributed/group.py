@@ -7,8 +7,10 @@ the watchdog (watchdog.py) ends the step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -76,10 +78,16 @@ def evaluate(*arrays: mx.array, what: str) -> None:
         raise PeerLost(f"a rank of the group stopped during {what}: {err}") from err
 
 
+EXIT_HOOKS: list[Callable[[int], None]] = []  # called with the code before a hard exit (commands/group.py)
+
+
 def hard_exit(message: str, code: int = 1) -> None:
     """Leave now: a thread blocked in a collective never returns, so no orderly shutdown can run."""
     log.error("%s", message)
     os.write(2, f"kapitsa: {message}\n".encode())
+    for hook in EXIT_HOOKS:
+        with contextlib.suppress(Exception):  # nothing may stop the exit
+            hook(code)
     os._exit(code)
 
 

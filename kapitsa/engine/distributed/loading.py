@@ -29,6 +29,7 @@ from kapitsa.engine.loading.quantize import (
     restore_checkpoint_quantization,
 )
 from kapitsa.engine.loading.resolve import parse_model_ref, resolve_source
+from kapitsa.engine.loading.small_rule import SMALL as SMALL_TAG
 from kapitsa.engine.loading.weights import load_safetensors, read_config, weight_files
 from kapitsa.engine.models import get_model_module
 from kapitsa.engine.text.tokenizer import Tokenizer
@@ -108,6 +109,12 @@ def _build_lazily(config: dict[str, Any], path: Path, quantize: str | None) -> t
         return model, describe_quantization(stored) if stored else None
     if stored is not None:
         raise InvalidRequest(f"this checkpoint is already quantized; it cannot be loaded as {quantize}")
+    if (
+        quantize == SMALL_TAG
+    ):  # its widths come from one machine's budget; a group's ranks each have their own
+        raise InvalidRequest(
+            "the ':small' recipe does not run across a group yet: load a quantized checkpoint"
+        )
     spec = parse_quant_spec(quantize)
     if spec.is_quantized:
         quantize_model(model, spec)
