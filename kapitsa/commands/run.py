@@ -111,7 +111,9 @@ def _run_in_group(options: RunOptions, out: Callable[[str], object]) -> RunResul
     if options.images:
         raise InvalidRequest("a distributed model reads text only: leave --image out")
     if options.prompt_file is not None and str(options.prompt_file) == "-":
-        raise InvalidRequest("the ranks of a group do not read stdin: give the prompt as an argument or a file")
+        raise InvalidRequest(
+            "the ranks of a group do not read stdin: give the prompt as an argument or a file"
+        )
     if launched_rank() is None:
         make_request(read_prompt(options), options)  # a bad prompt fails before any rank starts
         relaunch(options.hostfile, sys.argv[1:])
