@@ -1,0 +1,86 @@
+"""What `kapitsa serve` costs a stream's decode: the same greedy request timed the same way (first
+to last token as they arrive at the client) in process and through the server's HTTP stream.
+
+    python lab/server_overhead.py --model demo --tokens 128 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from kapitsa.opener import open_engine
+from lab.server_bench import free_port
+
+MESSAGES = [
+    {"role": "user", "content": "Write a long Python module with many small functions and docstrings."}
+]
+
+
+async def _in_process(client, tokens: int) -> float:  # noqa: ANN001 - an EngineClient
+    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    first, count = None, 0
+    async for event in client.generate(GenerationRequest(messages=tuple(MESSAGES), sampling=sampling)):
+        if isinstance(event, TokenEvent) and event.token_ids:
+            count += len(event.token_ids)
+            first = first or time.perf_counter()
+        elif isinstance(event, FinishEvent):
+            return (count - 1) / (time.perf_counter() - first)
+    raise RuntimeError("no finish event")
+
+
+def _over_http(url: str, tokens: int) -> float:
+    body = {"messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    first, count = None, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and '"content"' in line and '"content":""' not in line:
+                count += 1  # one text chunk per token
+                first = first or time.perf_counter()
+    return (count - 1) / (time.perf_counter() - first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    engine = open_engine(args.model, speculative="none")
+    with contextlib.closing(engine):
+        local = [asyncio.run(_in_process(engine, args.tokens)) for _ in range(args.rounds)]
+    port = free_port()
+    argv = [sys.executable, "-m", "kapitsa", "serve", "--model", args.model, "--port", str(port)]
+    server = subprocess.Popen(
+        [*argv, "--speculative", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        served = [_over_http(url, args.tokens) for _ in range(args.rounds)]
+    finally:
+        server.terminate()
+        server.wait(30)
+    print(
+        json.dumps(
+            dict(in_process_tok_s=[round(x, 1) for x in local], served_tok_s=[round(x, 1) for x in served])
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
