@@ -23,14 +23,9 @@ import mlx.core as mx
 from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import (
-    ErrorEvent,
-    FinishEvent,
-    GenerationRequest,
     ModelInfo,
-    SamplingParams,
-    TokenEvent,
 )
-from lab.engine_timing import DEFAULTS, _Tokenizer, emit
+from lab.engine_timing import DEFAULTS, _Tokenizer, emit, stream
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model, prompt_ids
 
 
@@ -42,33 +37,16 @@ def engine(model, prompt_len: int, tokens: int, streams: int) -> InProcessEngine
     return InProcessEngine(model, _Tokenizer(), info, eos_token_ids=set(), config=config)
 
 
-async def _one(client: InProcessEngine, prompt: list[int], tokens: int) -> tuple[float, float, int]:
-    request = GenerationRequest(
-        prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
-    )
-    first = end = None
-    count = 0
-    async for event in client.generate(request):
-        if isinstance(event, TokenEvent):
-            count += len(event.token_ids)
-            first = first or time.perf_counter()
-        elif isinstance(event, FinishEvent):
-            end = time.perf_counter()
-        elif isinstance(event, ErrorEvent):
-            raise event.error
-    return first, end, count
-
-
 def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dict:
-    async def run() -> list[tuple[float, float, int]]:
-        return await asyncio.gather(*(_one(client, p, tokens) for p in prompts))
+    async def run() -> list[tuple[float, float, float, list[int]]]:
+        return await asyncio.gather(*(stream(client, p, tokens) for p in prompts))
 
     start = time.perf_counter()
     results = asyncio.run(run())
     wall = time.perf_counter() - start
-    all_decoding = max(r[0] for r in results)
-    span = max(r[1] for r in results) - all_decoding
-    after_first = sum(r[2] - 1 for r in results)
+    all_decoding = max(r[1] for r in results)
+    span = max(r[2] for r in results) - all_decoding
+    after_first = sum(len(r[3]) - 1 for r in results)
     return dict(wall_s=round(wall, 3), aggregate_tok_s=round(after_first / max(span, 1e-9), 2))
 
 

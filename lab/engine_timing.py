@@ -80,32 +80,36 @@ def kapitsa_engine(
     )
 
 
+async def stream(
+    client: InProcessEngine, prompt: list[int], tokens: int
+) -> tuple[float, float, float, list[int]]:
+    """One greedy request of `tokens` tokens: (start, first token, end) perf_counter times and its ids."""
+    start = time.perf_counter()
+    ids: list[int] = []
+    first = end = None
+    request = GenerationRequest(
+        prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
+    )
+    async for event in client.generate(request):
+        if isinstance(event, TokenEvent):
+            ids += event.token_ids
+            first = first or time.perf_counter()
+        elif isinstance(event, FinishEvent):
+            end = time.perf_counter()
+        elif isinstance(event, ErrorEvent):
+            raise event.error
+    return start, first, end, ids
+
+
 def generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
     """One greedy request of `tokens` tokens: its ids, time to first token, decode and prefill tok/s."""
-
-    async def run() -> dict:
-        start = time.perf_counter()
-        ids: list[int] = []
-        first = end = None
-        request = GenerationRequest(
-            prompt_token_ids=tuple(prompt), sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)
-        )
-        async for event in client.generate(request):
-            if isinstance(event, TokenEvent):
-                ids += event.token_ids
-                first = first or time.perf_counter()
-            elif isinstance(event, FinishEvent):
-                end = time.perf_counter()
-            elif isinstance(event, ErrorEvent):
-                raise event.error
-        return dict(
-            ids=ids,
-            ttft_s=first - start,
-            decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9),
-            prefill_tok_s=len(prompt) / (first - start),
-        )
-
-    return asyncio.run(run())
+    start, first, end, ids = asyncio.run(stream(client, prompt, tokens))
+    return dict(
+        ids=ids,
+        ttft_s=first - start,
+        decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9),
+        prefill_tok_s=len(prompt) / (first - start),
+    )
 
 
 def time_kapitsa(

@@ -10,15 +10,16 @@ import argparse
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from kapitsa.opener import open_engine
-from lab.server_bench import free_port
+from lab.server_bench import free_port, server
 
 MESSAGES = [
     {"role": "user", "content": "Write a long Python module with many small functions and docstrings."}
@@ -61,20 +62,10 @@ def main() -> None:
         local = [asyncio.run(_in_process(engine, args.tokens)) for _ in range(args.rounds)]
     port = free_port()
     argv = [sys.executable, "-m", "kapitsa", "serve", "--model", args.model, "--port", str(port)]
-    server = subprocess.Popen(
-        [*argv, "--speculative", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(240):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.gettempdir()) / "kapitsa-server-overhead.log"
+    with server([*argv, "--speculative", "none"], f"{url}/health", log, timeout_s=120):
         served = [_over_http(url, args.tokens) for _ in range(args.rounds)]
-    finally:
-        server.terminate()
-        server.wait(30)
     print(
         json.dumps(
             dict(in_process_tok_s=[round(x, 1) for x in local], served_tok_s=[round(x, 1) for x in served])

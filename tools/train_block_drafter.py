@@ -118,16 +118,12 @@ def batch_at(examples: list[dict], offset: int, k: int) -> tuple[mx.array, mx.ar
 
 
 def block_logits(drafter: DFlashModel, target, taps: mx.array, first: mx.array, k: int) -> mx.array:  # noqa: ANN001
-    """[B, k, V]: the engine's drafting path (DFlashDrafter._block_logits) for a batch of blocks."""
-    embed, head = target.backbone_parts()[0], target.head()
-    masks = mx.full((first.shape[0], k), drafter.config.mask_token_id, dtype=mx.int32)
+    """[B, k, V]: the engine's drafting path (DFlashModel.block_logits) for a batch of blocks."""
     if taps.shape[1]:
         kv = drafter.context_kv(drafter.context(taps), 0)
-    else:  # the first block of an answer: no context yet, as the engine's empty K/V
-        c = drafter.config
-        empty = mx.zeros((first.shape[0], c.num_key_value_heads, 0, c.head_dim))
-        kv = [(empty, empty) for _ in drafter.layers]
-    return head(drafter.block(embed(mx.concatenate([first, masks], axis=1)), kv)[:, 1:])
+    else:  # the first block of an answer: no context yet, as in the engine
+        kv = drafter.empty_kv(first.shape[0], taps.dtype)
+    return drafter.block_logits(target, first, kv, k)
 
 
 def block_loss(drafter: DFlashModel, target, batch, weights: mx.array) -> mx.array:  # noqa: ANN001

@@ -72,7 +72,7 @@ def relaunch(hostfile: Path, argv: list[str]) -> NoReturn:
             f"{_STATUS_VAR}={status}",
         ]
         if all(h["ssh"] in _LOCAL_HOSTS for h in hosts):  # ranks on this machine: ports nobody holds
-            command += ["--starting-port", str(_free_port_run(len(hosts)))]
+            command += ["--starting-port", str(free_port_run(len(hosts)))]
         command += ["--", sys.executable, "-m", "kapitsa", *argv]
         launcher = subprocess.run(command, env={**os.environ, _STATUS_VAR: str(status)}, check=False)
         if status.is_file():
@@ -106,7 +106,7 @@ def _write_status(code: int) -> None:
         Path(path).write_text(str(code))
 
 
-def _free_port_run(count: int) -> int:
+def free_port_run(count: int) -> int:
     """A first port of `count` consecutive free ones (the ring backend takes one per rank)."""
     for _ in range(50):
         with socket.socket() as s:

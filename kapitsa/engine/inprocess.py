@@ -10,10 +10,9 @@ from, so a checkpoint on disk is read meanwhile (cache/turn_hints.py, cache/read
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import mlx.core as mx
@@ -24,6 +23,7 @@ from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.decode import DecodeStrategy
 from kapitsa.engine.runner.loop import Engine
 from kapitsa.engine.runner.memory import check_context
+from kapitsa.engine.runner.output import threadsafe_put
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.runner.stop import StopMatcher
 from kapitsa.engine.text.prepare import prepare_prompt
@@ -114,7 +114,7 @@ class InProcessEngine:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         for choice in (seq, *seq.forks):
-            choice.emit = _threadsafe_put(loop, events)
+            choice.emit = threadsafe_put(loop, events)
         try:
             self.engine.submit(seq)
         except EngineDead as err:
@@ -295,11 +295,3 @@ def _residency(prefix: Any) -> dict[str, int]:
 
 def _drop(_event: Event) -> None:
     return None
-
-
-def _threadsafe_put(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
-    def put(event: Event) -> None:
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody is listening
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-    return put

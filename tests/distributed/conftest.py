@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,26 +55,6 @@ def hostfile(folder: Path, ranks: int) -> Path:
 def hostfiles(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("hosts")
     return {n: hostfile(root, n) for n in (1, 2, 4)}
-
-
-def free_port_run(count: int = 4) -> int:
-    """A first port of `count` free consecutive ones, for mlx.launch's ring."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if all(_port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def run_json(args: list[str], env: dict[str, str], timeout: float = 120) -> dict:

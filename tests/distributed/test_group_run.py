@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ARCHITECTURES, MAX_TOKENS, PROMPT, free_port_run, run_json
+
+from kapitsa.commands.group import free_port_run
+from tests.distributed.conftest import ARCHITECTURES, MAX_TOKENS, PROMPT, run_json
 
 pytest.importorskip("mlx.core")
 
@@ -126,7 +128,7 @@ def test_started_by_mlx_launch_itself(checkpoints, hostfiles, group_env, referen
     launch = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
     args = ["-m", str(checkpoints["flint"]), "--raw", "--max-tokens", str(MAX_TOKENS), "--json", PROMPT]
     done = subprocess.run(
-        [sys.executable, "-c", launch, "--hostfile", str(hostfiles[2]), "--starting-port", str(free_port_run()),
+        [sys.executable, "-c", launch, "--hostfile", str(hostfiles[2]), "--starting-port", str(free_port_run(4)),
          "--", sys.executable, "-m", "kapitsa", "run", "--parallel", "tensor", *args],
         capture_output=True, text=True, env=group_env, timeout=120, start_new_session=True,
     )  # fmt: skip

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import MAX_TOKENS, rank_pid, session_pids
+
+from tests.distributed.conftest import MAX_TOKENS, rank_pid, session_pids
 
 pytest.importorskip("mlx.core")
 

@@ -9,19 +9,18 @@ peer fails the running and queued requests with `PeerLost`, then ends the proces
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from kapitsa.engine.distributed.control import Command, Op, broadcast
 from kapitsa.engine.distributed.group import HEARTBEAT_S, PeerLost, hard_exit
 from kapitsa.engine.distributed.loading import LoadedShard
 from kapitsa.engine.distributed.watchdog import StepClock, Watchdog
 from kapitsa.engine.runner.memory import check_context
-from kapitsa.engine.runner.output import emit_tokens
+from kapitsa.engine.runner.output import emit_tokens, threadsafe_put
 from kapitsa.engine.runner.sampler import SequenceSampler
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.runner.stop import StopMatcher
@@ -74,7 +73,7 @@ class GroupEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         seq = await asyncio.to_thread(self._make_sequence, request)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        seq.emit = _threadsafe_put(loop, events)
+        seq.emit = threadsafe_put(loop, events)
         if not self.alive:
             yield ErrorEvent(request.request_id, self.error or EngineDead("the group has stopped"))
             return
@@ -246,11 +245,3 @@ class GroupEngine:
         timer = threading.Timer(EXIT_GRACE_S, hard_exit, args=(f"rank 0: {err}; stopping the group",))
         timer.daemon = True
         timer.start()
-
-
-def _threadsafe_put(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[Event], None]:
-    def put(event: Event) -> None:
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody is listening
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-    return put

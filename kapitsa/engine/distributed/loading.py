@@ -8,8 +8,6 @@ tensor, so layers are evaluated one at a time (the peak is the rank's part plus 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,22 +17,20 @@ import mlx.nn as nn
 
 from kapitsa.engine.distributed.group import PARALLEL_MODES, Group
 from kapitsa.engine.distributed.shard import layer_range
-from kapitsa.engine.loading.loader import make_model_info
-from kapitsa.engine.loading.quantize import (
-    checkpoint_quantization,
-    describe_quantization,
-    foreign_quantization,
-    parse_quant_spec,
-    quantize_model,
-    restore_checkpoint_quantization,
+from kapitsa.engine.loading.loader import (
+    build_model,
+    generation_defaults,
+    make_model_info,
+    with_generation_defaults,
 )
+from kapitsa.engine.loading.quantize import foreign_quantization, parse_quant_spec
 from kapitsa.engine.loading.resolve import parse_model_ref, resolve_source
 from kapitsa.engine.loading.small_rule import SMALL as SMALL_TAG
 from kapitsa.engine.loading.weights import load_safetensors, read_config, weight_files
 from kapitsa.engine.models import get_model_module
 from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.engine.types import ModelInfo
-from kapitsa.errors import CheckpointError, InvalidRequest, UnsupportedModel
+from kapitsa.errors import InvalidRequest, UnsupportedModel
 
 
 @dataclass
@@ -77,48 +73,26 @@ def _describe(
     model_id: str, config: dict[str, Any], tokenizer: Tokenizer, path: Path, quantization: str | None
 ) -> tuple[ModelInfo, dict[str, Any]]:
     """`ModelInfo` as a single-process load reports it, and generation_config.json's sampling defaults."""
+    generation = generation_defaults(path)
     info = make_model_info(model_id, config, tokenizer, path, quantization)
-    generation_path = path / "generation_config.json"
-    generation = json.loads(generation_path.read_text("utf-8")) if generation_path.is_file() else {}
-    limit = generation.get("max_new_tokens") if isinstance(generation, dict) else None
-    if isinstance(limit, int) and 0 < limit < info.context_length:
-        info = dataclasses.replace(info, max_output_tokens=limit)
-    return info, generation if isinstance(generation, dict) else {}
+    return with_generation_defaults(info, generation), generation
 
 
 def _build_lazily(config: dict[str, Any], path: Path, quantize: str | None) -> tuple[nn.Module, str | None]:
     """The whole model with every weight loaded lazily (nothing read yet), and its quantization."""
-    module = get_model_module(str(config.get("model_type")))
+    get_model_module(str(config.get("model_type")))  # an unknown architecture fails before reading weights
     if (method := foreign_quantization(config)) is not None:
         raise UnsupportedModel(f"{path.name} is quantized with {method!r}; kapitsa cannot load it")
-    try:
-        model = module.Model(module.ModelArgs.from_dict(config))
-        weights = model.sanitize(load_safetensors(weight_files(path)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"config.json and the weights do not describe this model: {e!r}") from e
-    model.pop("vision_tower", None)  # distributed runs are text-only
-    weights = {k: v for k, v in weights.items() if not k.startswith("vision_tower.")}
-    stored = checkpoint_quantization(config)
-    if stored is not None:
-        restore_checkpoint_quantization(model, stored, weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise CheckpointError(f"the weights do not match config.json: {str(e)[:600]}") from e
-    if quantize is None:
-        return model, describe_quantization(stored) if stored else None
-    if stored is not None:
-        raise InvalidRequest(f"this checkpoint is already quantized; it cannot be loaded as {quantize}")
     if (
         quantize == SMALL_TAG
     ):  # its widths come from one machine's budget; a group's ranks each have their own
         raise InvalidRequest(
             "the ':small' recipe does not run across a group yet: load a quantized checkpoint"
         )
-    spec = parse_quant_spec(quantize)
-    if spec.is_quantized:
-        quantize_model(model, spec)
-    return model, spec.name
+    spec = parse_quant_spec(quantize) if quantize else None
+    model, description = build_model(config, load_safetensors(weight_files(path)), spec, evaluate=False)
+    model.pop("vision_tower", None)  # distributed runs are text-only; its lazy weights are never read
+    return model, description
 
 
 def _cut_to_shard(model: nn.Module, group: Group, parallel: str) -> list[int]:

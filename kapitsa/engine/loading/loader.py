@@ -73,12 +73,15 @@ def build_model(
     quant: QuantSpec | None,
     *,
     memory_budget: int | None = None,
+    evaluate: bool = True,
 ) -> tuple[nn.Module, str | None]:
     """Instantiate the model for `config`, load `weights` (Hugging Face or MLX names), quantize.
 
     `weights` is consumed (emptied): with no other reference to the lazy float tensors, MLX frees
     each one as soon as its quantized form is computed, so quantizing on load never holds the
     whole float model in memory. `memory_budget` (bytes) picks the `small` recipe's widths.
+    `evaluate=False` leaves every weight lazy (nothing read yet): a distributed rank keeps only its
+    shard and reads only that.
 
     Returns:
         The evaluated model and a description of its quantization ("4bit", "bf16", "small-2/4", None).
@@ -120,7 +123,8 @@ def build_model(
         else:
             cast_model(model, quant.dtype or "bfloat16")
         description = quant.name
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
     model.eval()
     return model, description
 
@@ -241,16 +245,20 @@ def load_model(
         model, tokenizer, config, quantization = _load_folder(path, quant, memory_budget)
     default_id = ref.source if not Path(ref.source).expanduser().exists() else path.name
     info = make_model_info(model_id or default_id, config, tokenizer, path, quantization)
-    generation = _generation_config(path) if path.is_dir() else {}
+    generation = generation_defaults(path) if path.is_dir() else {}
     takes_images = path.is_dir() and getattr(model, "takes_images", False)
     images = image_prompter(config, path, tokenizer) if takes_images else None
-    info = dataclasses.replace(
+    info = dataclasses.replace(with_generation_defaults(info, generation), vision=images is not None)
+    return LoadedModel(model, tokenizer, config, path, info, generation, images)
+
+
+def with_generation_defaults(info: ModelInfo, generation: dict[str, Any]) -> ModelInfo:
+    """`info` with the answer length and EOS decay its generation_config.json sets."""
+    return dataclasses.replace(
         info,
         max_output_tokens=_output_limit(info.context_length, generation),
         eos_decay=_eos_decay(generation),
-        vision=images is not None,
     )
-    return LoadedModel(model, tokenizer, config, path, info, generation, images)
 
 
 def _output_limit(context_length: int, generation: dict[str, Any]) -> int:
@@ -273,7 +281,8 @@ def _eos_decay(generation: dict[str, Any]) -> tuple[int, float] | None:
     return (start, float(factor)) if start >= 0 and factor >= 1.0 else None
 
 
-def _generation_config(folder: Path) -> dict[str, Any]:
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    """A checkpoint folder's generation_config.json (the publisher's sampling defaults); {} if none."""
     path = folder / "generation_config.json"
     if not path.is_file():
         return {}

@@ -3,11 +3,24 @@ end at EOS / stop ids / stop strings / max_tokens, attach logprobs."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 
 from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.sequence import Sequence
-from kapitsa.engine.types import FinishReason, TokenEvent, TokenLogprob, Usage
+from kapitsa.engine.types import Event, FinishReason, TokenEvent, TokenLogprob, Usage
+
+
+def threadsafe_put(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
+    """A sequence's `emit` for the engine thread: the event goes onto `events` on the consumer's loop."""
+
+    def put(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody is listening
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return put
 
 
 def emit_tokens(seq: Sequence, tokens: list[SampledToken]) -> FinishReason | None:

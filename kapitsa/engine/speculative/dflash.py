@@ -139,6 +139,20 @@ class DFlashModel(nn.Module):
     def context_kv(self, ctx: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
         return [layer.self_attn.kv(ctx, self.rope, offset) for layer in self.layers]
 
+    def empty_kv(self, batch: int, dtype: mx.Dtype) -> list[tuple[mx.array, mx.array]]:
+        """Each layer's context K/V before any committed position."""
+        empty = mx.zeros((batch, self.config.num_key_value_heads, 0, self.config.head_dim), dtype=dtype)
+        return [(empty, empty) for _ in self.layers]
+
+    def block_logits(
+        self, target, first: mx.array, ctx_kv: list[tuple[mx.array, mx.array]], depth: int
+    ) -> mx.array:  # noqa: ANN001 - the served HybridLM
+        """`[B, depth, V]`: the target's LM head over the block `[first, MASK x depth]` per row."""
+        embed = target.backbone_parts()[0]
+        masks = mx.full((first.shape[0], depth), self.config.mask_token_id, dtype=mx.int32)
+        hidden = self.block(embed(mx.concatenate([first.astype(mx.int32), masks], axis=1)), ctx_kv)
+        return target.head()(hidden[:, 1:])
+
 
 def load_dflash(path: str | Path) -> DFlashModel:
     """Load a DFlash drafter folder (config.json + *.safetensors) as published by z-lab."""
@@ -205,11 +219,9 @@ class DFlashDrafter:
     def _block_logits(self, context: Sequence[int], depth: int) -> mx.array:
         """[depth, V]: the target's LM head over the drafter's block after the last token."""
         self._fold_pending()
-        embed = self.target.backbone_parts()[0]
-        block = mx.array([[context[-1]] + [self.drafter.config.mask_token_id] * depth], dtype=mx.int32)
-        kv = self._kv or self._empty_kv(embed(block).dtype)
-        hidden = self.drafter.block(embed(block), kv)
-        return self.target.head()(hidden[:, 1:])[0]
+        first = mx.array([[context[-1]]], dtype=mx.int32)
+        kv = self._kv or self.drafter.empty_kv(1, self._embed_dtype())
+        return self.drafter.block_logits(self.target, first, kv, depth)[0]
 
     def propose_tree(self, context: Sequence[int], budget: int, *, top_k: int = TREE_TOP_K) -> DraftTree:
         """A best-first tree over one block forward: the block gives each depth's distribution
@@ -224,7 +236,6 @@ class DFlashDrafter:
             root, lambda path: per_depth[len(path)] if len(path) < budget else [], budget=budget, top_k=top_k
         )
 
-    def _empty_kv(self, dtype: mx.Dtype) -> list[tuple[mx.array, mx.array]]:
-        c = self.drafter.config
-        empty = mx.zeros((1, c.num_key_value_heads, 0, c.head_dim), dtype=dtype)
-        return [(empty, empty) for _ in self.drafter.layers]
+    def _embed_dtype(self) -> mx.Dtype:
+        """The dtype of the target's token embeddings (the block's activations)."""
+        return self.target.backbone_parts()[0](mx.array([[0]], dtype=mx.int32)).dtype
