@@ -1,5 +1,7 @@
 """Flint at its published shape (random weights): the `:small` recipe against plain 4-bit, through
-kapitsa's engine (the path of `kapitsa run`), with each variant's weight bytes.
+kapitsa's engine (the path of `kapitsa run`), with each variant's weight bytes; beside them
+mlx-vlm 0.7.10's own Flint language model at 4 bits, timed through mlx-lm's generate_step (what
+`mlx_vlm.generate` runs for text), when mlx-vlm is installed.
 
 `:small` is timed at two budgets: a 24 GB Mac's Metal working set (16 GiB: the rest at 6 bits) and a
 16 GB Mac's (10.67 GiB: the rest at 3 bits). Plain 4-bit is `models_under_test.materialize`.
@@ -20,7 +22,7 @@ from mlx.utils import tree_flatten
 from kapitsa.engine.loading.small import apply_small, plan_small
 from kapitsa.engine.models import get_model_module
 from kapitsa.testing.tiny_flint import flint_config
-from lab.engine_timing import emit, time_kapitsa
+from lab.engine_timing import emit, time_kapitsa, time_mlxlm
 from lab.models_under_test import DTYPE, materialize, prompt_ids
 
 GiB = 1 << 30
@@ -63,6 +65,32 @@ def small_model(config: dict, budget: int) -> tuple[nn.Module, str]:
     return model, plan.description
 
 
+class _VlmText:
+    """mlx-vlm's Flint language model as mlx-lm's generate_step calls a model: logits out."""
+
+    def __init__(self, language_model: nn.Module) -> None:
+        self.language_model = language_model
+        self.layers = language_model.layers
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:  # noqa: ANN001
+        return self.language_model(inputs, cache=cache).logits
+
+    def make_cache(self) -> list:
+        return self.language_model.make_cache()
+
+    def parameters(self) -> dict:
+        return self.language_model.parameters()
+
+
+def mlx_vlm_model(config: dict) -> _VlmText | None:
+    try:
+        from mlx_vlm.models.flint import LanguageModel, ModelConfig
+    except Exception as error:  # noqa: BLE001 - a missing or broken install only drops the reference
+        print(f"mlx-vlm's Flint does not import: {error!r}", flush=True)
+        return None
+    return _VlmText(materialize(LanguageModel(ModelConfig.from_dict(config))))
+
+
 def weight_gb(model: nn.Module) -> float:
     return round(sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9, 2)
 
@@ -82,18 +110,27 @@ def main() -> None:
     for budget_name, build in builds:
         model, quantization = build()
         timing = time_kapitsa(model, prompt, args.tokens)
-        emit(
-            {
-                "shape": "flint-tiny" if args.tiny else "flint",
-                "quantization": quantization,
-                "budget": budget_name,
-                "weights_gb": weight_gb(model),
-                **{k: round(v, 2) for k, v in timing.items()},
-            }
-        )
+        _emit(args.tiny, "kapitsa", quantization, budget_name, model, timing)
         del model
         gc.collect()
         mx.clear_cache()
+    reference = mlx_vlm_model(config)
+    if reference is None:
+        return
+    _emit(args.tiny, "mlx-vlm", "4bit", "4bit", reference, time_mlxlm(reference, prompt, args.tokens))
+
+
+def _emit(tiny: bool, engine: str, quantization: str, budget: str, model, timing: dict) -> None:  # noqa: ANN001
+    emit(
+        {
+            "shape": "flint-tiny" if tiny else "flint",
+            "engine": engine,
+            "quantization": quantization,
+            "budget": budget,
+            "weights_gb": weight_gb(model),
+            **{k: round(v, 2) for k, v in timing.items()},
+        }
+    )
 
 
 if __name__ == "__main__":

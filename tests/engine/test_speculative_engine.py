@@ -325,7 +325,25 @@ async def test_tree_verification_equals_plain(kind: str) -> None:
         ),
         make_decode_strategy("ngram", draft_tokens=6, tree=True),
         make_decode_strategy("draft", draft_model=model, draft_tokens=5, tree=True),
+        # trees padded up to verify widths, as on a GPU: the padding leaves are never accepted
+        SpeculativeDecode(
+            lambda: OracleTreeDrafter(refs, seed=3),
+            name="oracle-tree-padded",
+            max_draft=6,
+            adaptive=False,
+            tree=True,
+            verify_widths=(2, 4, 8),
+        ),
     ]
+    widths: dict[str, set[int]] = {}
+    forward = model.forward
+
+    def forward_noting_tree_widths(x, *args, **kwargs):  # noqa: ANN001, ANN202
+        if kwargs.get("parents") is not None:
+            widths.setdefault(strategy.name, set()).add(x.shape[1])
+        return forward(x, *args, **kwargs)
+
+    model.forward = forward_noting_tree_widths
     for strategy in strategies:
         alone, together = await _alone_and_batched(model, strategy)
         assert alone == plain, strategy.name
@@ -333,6 +351,9 @@ async def test_tree_verification_equals_plain(kind: str) -> None:
     assert strategies[0].stats.accepted > 0
     # the draft model is the target: its top candidate at the root is in every tree and always kept
     assert strategies[2].stats.tokens_per_step > 2.0
+    assert strategies[3].stats.accepted > 0
+    # 7: max_draft + 1; unpadded, the same drafter's trees take other widths too
+    assert widths["oracle-tree-padded"] <= {2, 4, 7} and widths["oracle-tree"] - {2, 4, 7}
 
 
 async def test_tree_sampling_is_seeded() -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 from kapitsa.engine.speculative import NGramDrafter
 from kapitsa.engine.speculative.controller import DraftLengthController
 from kapitsa.engine.speculative.tree import DraftTree, build_best_first
@@ -17,6 +19,46 @@ def test_ngram_copies_what_followed_the_latest_earlier_match() -> None:
     d2 = NGramDrafter(min_n=1, max_n=3)
     assert d2.propose([5, 6, 7, 1, 6, 7, 2, 6, 7], 1).tokens == (2,)
     assert d2.propose([5, 6, 7, 1, 9, 5, 6, 7], 2).tokens == (1, 9)
+
+
+def _latest_copies(context: list[int], min_n: int, max_n: int, limit: int) -> list[int]:
+    """The reference: scan for the longest suffix (min_n..max_n) seen earlier, latest first."""
+    end = len(context)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        suffix = context[end - n :]
+        starts = [e for e in range(end - 1, n - 1, -1) if context[e - n : e] == suffix]
+        if starts:
+            return starts[:limit]
+    return []
+
+
+def test_ngram_index_agrees_with_a_scan_of_the_context() -> None:
+    rng = random.Random(0)
+    for min_n, max_n in ((1, 3), (2, 4), (3, 3)):
+        d = NGramDrafter(min_n=min_n, max_n=max_n)
+        context: list[int] = []
+        for _ in range(300):  # a small alphabet: many repeats, and suffixes that match at every n
+            context.append(rng.randrange(6))
+            starts = _latest_copies(context, min_n, max_n, 3)
+            expected = tuple(context[starts[0] : starts[0] + 5]) if starts else ()
+            assert d.propose(context, 5).tokens == expected
+            tree = d.propose_tree(context, 3, branches=3)
+            copies = [tuple(context[s : s + 3]) for s in _latest_copies(context, min_n, max_n, 12)]
+            for node in range(1, len(tree)):
+                branch = tuple(tree.tokens[i] for i in tree.path_to(node)[1:])
+                assert any(copy[: len(branch)] == branch for copy in copies)
+
+
+def test_controller_answers_change_when_an_update_or_cost_curve_does() -> None:
+    c = DraftLengthController(max_draft=4)
+    for _ in range(80):
+        c.update(4, 0)
+    assert c.best_length() == 0 and c.best_length() == 0  # asked twice: the same answer
+    for _ in range(40):
+        c.update(4, 4)
+    assert c.best_length() > 0  # the estimate changed: so does the answer
+    c.set_cost_curve([1.0] + [50.0] * 4)
+    assert c.best_length() == 0  # verifies priced out
 
 
 def test_tree_preorder_and_masks() -> None:

@@ -56,6 +56,8 @@ class TokenIds(SequenceABC):
 
     def __getitem__(self, index):  # noqa: ANN001, ANN204 - int or slice, like a list
         n = len(self._prompt)
+        if index.__class__ is int and 0 <= index < n:  # the per-step reads first: no other checks
+            return self._prompt[index]
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step == 1 and start >= n:

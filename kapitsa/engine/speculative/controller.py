@@ -42,6 +42,10 @@ class DraftLengthController:
     prior: float = 0.6  # the acceptance assumed at every depth before any draft was scored
     _off_since: int | None = None  # position (output tokens) where speculation last went off
     _calls: int = 0
+    # best_length's answers since the estimate last changed, by (from_depth, extra_cost): while
+    # speculation rests the engine asks every decode step, and the answer changes only when a
+    # guess is scored (update) or the cost curve is set
+    _best: dict[tuple[int, float], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.cost:
@@ -65,8 +69,15 @@ class DraftLengthController:
         """The draft length with the best expected tokens per unit of cost, for a draft that
         continues a run of `from_depth` correct tokens and costs `extra_cost` decode steps on top
         of its verify (leaving pipelined decoding); 0 when none beats plain decoding by `margin`.
-        No side effects (`choose` also schedules probes); O(max_draft), as the engine asks every
-        decode step."""
+        No side effects (`choose` also schedules probes); O(max_draft) once per estimate, as the
+        engine asks every decode step."""
+        key = (from_depth, extra_cost)
+        known = self._best.get(key)
+        if known is None:
+            known = self._best[key] = self._best_length(from_depth, extra_cost)
+        return known
+
+    def _best_length(self, from_depth: int, extra_cost: float) -> int:
         best_k, best = 0, (1.0 / self.cost[0]) * (1 + self.margin)
         total, reach, last = 1.0, 1.0, len(self.alphas) - 1
         for k in range(1, self.max_draft + 1):
@@ -102,6 +113,7 @@ class DraftLengthController:
     def update(self, proposed: int, accepted: int, from_depth: int = 0) -> None:
         """Fold one verify step in: depths < accepted passed, depth `accepted` failed (if proposed);
         `from_depth`: the run of correct tokens the draft continued."""
+        self._best.clear()
         for i in range(min(proposed, self.max_draft)):
             if i > accepted:
                 break
@@ -112,3 +124,4 @@ class DraftLengthController:
     def set_cost_curve(self, cost: Sequence[float]) -> None:
         base = cost[0]
         self.cost = [c / base for c in cost]
+        self._best.clear()

@@ -61,6 +61,16 @@ class _SequenceState:
     controller: DraftLengthController
     shadow: ShadowGuess = field(default_factory=ShadowGuess)
     exit_cost: float = 0.0  # decode steps a verify costs beyond its price when it leaves the pipeline
+    # the drafter's kind, read once: the engine asks `_would_verify` every decode step, and on a
+    # host-bound step (small and MoE models on a GPU) each microsecond of it is a microsecond of
+    # decode time
+    on_host: bool = False  # drafts on the host alone (n-gram): guesses are scored while resting
+    needs_target: bool = False  # reads the target's hidden states or taps: never pipelines
+
+    def __post_init__(self) -> None:
+        drafter = self.drafter
+        self.on_host = bool(getattr(drafter, "drafts_on_host", False))
+        self.needs_target = bool(getattr(drafter, "needs_hidden", False) or getattr(drafter, "tap_layers", ()))
 
 
 @dataclass
@@ -131,9 +141,9 @@ class SpeculativeDecode:
 
     def _would_verify(self, state: _SequenceState) -> bool:
         drafter, seq = state.drafter, state.seq
-        if getattr(drafter, "needs_hidden", False) or getattr(drafter, "tap_layers", ()):
+        if state.needs_target:
             return True
-        if not getattr(drafter, "drafts_on_host", False):
+        if not state.on_host:
             return not state.controller.resting(len(seq.output_ids))
         context, shadow = seq.token_ids, state.shadow
         shadow.score(context, state.controller)
@@ -205,7 +215,9 @@ class SpeculativeDecode:
         """One tree forward for the batch (rows padded with extra leaves under the root, which
         acceptance never considers), then `commit_path` keeps each row's accepted root path."""
         trees = [self._propose_tree(state) for state in states]
-        width = max(len(t) for t in trees)
+        # padded up to a verify width like chains, so a GPU compiles a few tree widths, not one
+        # per tree size (the padding leaves are never accepted)
+        width = self._width_for(max(len(t) for t in trees))
         rows = [list(t.tokens) + [0] * (width - len(t)) for t in trees]
         parents = [list(t.parents) + [0] * (width - len(t)) for t in trees]
         taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
@@ -284,9 +296,12 @@ class SpeculativeDecode:
         return (gpu_cost_curve if backend() else default_cost_curve)(self.max_draft)
 
     def _forget_finished(self, sequences: Seq[Sequence]) -> None:
+        states = self._states
+        if len(states) == len(sequences) and all(states.get(id(s)) is not None for s in sequences):
+            return  # every state is a live sequence's: nothing to forget (the per-step case)
         live = {id(seq) for seq in sequences}
-        for key in [k for k, st in self._states.items() if k not in live and st.seq.is_finished]:
-            del self._states[key]
+        for key in [k for k, st in states.items() if k not in live and st.seq.is_finished]:
+            del states[key]
 
     def _propose(self, state: _SequenceState) -> list[int]:
         seq = state.seq
@@ -334,7 +349,7 @@ class SpeculativeDecode:
 def _run(state: _SequenceState) -> int:
     """The depth a host drafter's next draft continues from (its correct tokens in a row); other
     drafters' depths count from each draft's start."""
-    return state.shadow.run if getattr(state.drafter, "drafts_on_host", False) else 0
+    return state.shadow.run if state.on_host else 0
 
 
 def _greedy_picks(states: list[_SequenceState], logits: mx.array) -> list[list[int]] | None:

@@ -27,19 +27,27 @@ class NGramDrafter:
         self._tokens: list[int] = []
         # n-gram -> positions just after each of its occurrences, oldest first
         self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._suffix: list[list[int]] = []  # the lists of the context's last n-grams, longest first
 
     def reset(self, context: Sequence[int]) -> None:
         self._tokens = []
         self._ends.clear()
+        self._suffix = []
         self.observe(context)
 
     def observe(self, new_tokens: Sequence[int]) -> None:
+        tokens, ends_of = self._tokens, self._ends
         for token in new_tokens:
-            self._tokens.append(int(token))
-            end = len(self._tokens)
-            for n in range(self.min_n, self.max_n + 1):
-                if end >= n:
-                    self._ends.setdefault(tuple(self._tokens[end - n : end]), []).append(end)
+            tokens.append(int(token))
+            end = len(tokens)
+            # the suffix's own lists, longest n first: _earlier_matches reads them without
+            # building the keys again (it runs every decode step, also while speculation rests)
+            self._suffix = [
+                ends_of.setdefault(tuple(tokens[end - n : end]), [])
+                for n in range(min(self.max_n, end), self.min_n - 1, -1)
+            ]
+            for ends in self._suffix:
+                ends.append(end)
 
     def _sync(self, context: Sequence[int]) -> None:
         tail = new_tokens(context, self._tokens)
@@ -50,19 +58,11 @@ class NGramDrafter:
 
     def _earlier_matches(self, limit: int) -> list[int]:
         """Start positions of what followed the latest `limit` earlier occurrences of the longest
-        matching suffix, latest first (the suffix's own occurrence excluded). Reads only the list's
-        tail: a common n-gram's list grows with the context, and this runs every decode step."""
-        end = len(self._tokens)
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            ends = self._ends.get(tuple(self._tokens[end - n :]), ())
-            starts: list[int] = []
-            for e in reversed(ends):
-                if e < end:
-                    starts.append(e)
-                    if len(starts) == limit:
-                        break
-            if starts:
-                return starts
+        matching suffix, latest first (the suffix's own occurrence, each list's last entry,
+        excluded). Reads only the list's tail: a common n-gram's list grows with the context."""
+        for ends in self._suffix:
+            if len(ends) > 1:
+                return ends[-2 : -2 - limit : -1]
         return []
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
