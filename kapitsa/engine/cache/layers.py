@@ -82,6 +82,11 @@ class StepInfo:
         return self._windows[kernel]
 
     @cached_property
+    def tree_paths(self) -> tree.TreePaths:
+        """The tree's root-to-leaf paths as one batch of chains (every recurrent layer's)."""
+        return tree.tree_paths(self.parents, self.lengths)
+
+    @cached_property
     def tree_positions(self) -> mx.array:
         """`[B, T]` per-node positions of a tree forward (offset + depth)."""
         return tree.tree_positions(self.parents, self.rope_base)

@@ -2,8 +2,8 @@
 linear attention over a recurrent state, then a gated RMSNorm and the out-projection.
 
 Four paths run the same math: a prefill or verify chunk op by op (or as one fused chain kernel),
-a tree of draft tokens (each node steps from its parent's state), a plain decode step and a short
-chain as pure functions the decoder layer compiles (`decode`, `chain`).
+a tree of draft tokens (its root-to-leaf paths as one batch of chains, ops/tree.py), a plain
+decode step and a short chain as pure functions the decoder layer compiles (`decode`, `chain`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,16 @@ from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.gated_delta import gated_delta, gdn_decay, l2norm_qk
 from kapitsa.engine.ops.linear import linear_plus, normed_linear
 from kapitsa.engine.ops.norm import GatedRMSNorm
-from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
+from kapitsa.engine.ops.tree import (
+    gather_paths,
+    gather_time,
+    node_outputs,
+    path_conv_in,
+    path_recurrence,
+    repeat_rows,
+    tree_conv,
+    tree_recurrence,
+)
 from kapitsa.engine.options import KernelOptions
 
 if TYPE_CHECKING:
@@ -83,15 +92,22 @@ class GatedDeltaNet(nn.Module):
         qkv = mx.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
         return qkv, z.reshape(B, T, self.nv, self.dv), b.reshape(B, T, self.nv), a.reshape(B, T, self.nv)
 
-    def __call__(self, x: mx.array, info: StepInfo, cache: RecurrentCache | None) -> mx.array:
+    def __call__(
+        self, x: mx.array, info: StepInfo, cache: RecurrentCache | None, *, node_walk: bool = False
+    ) -> mx.array:
+        """`node_walk`: a tree's recurrence one node at a time (ops/tree.py `tree_recurrence`), the
+        reference the path-batched tree routes are tested against."""
         B, T, _ = x.shape
         qkv, z, b, a = self._project(x)
         conv_state, s0 = (cache.conv, cache.state) if cache is not None else (None, None)
         if conv_state is None:
             conv_state, s0 = mx.zeros((B, self.kernel - 1, self.conv_dim), qkv.dtype), None
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        if info.parents is None and kernels.enabled("gdn", self.kernel_options):
+        fused = kernels.enabled("gdn", self.kernel_options)
+        if fused and info.parents is None:
             return self._chain_fused(conv_in, z, b, a, s0, info, cache)
+        if fused and not node_walk:
+            return self._tree_fused(conv_in, z, b, a, s0, info, cache)
         if info.parents is None:
             conv_out = causal_conv(conv_in, self.conv1d.weight)
         else:
@@ -105,9 +121,13 @@ class GatedDeltaNet(nn.Module):
         inputs = (q, k, v, g, beta)
         if info.parents is None:
             y, state = gated_delta(*inputs, s0, info.recurrent_mask)
-        else:  # each node steps from its parent's state; the cache keeps s0 until commit_path
+        elif node_walk:  # each node steps from its parent's state; the cache keeps s0 until commit_path
             y = tree_recurrence(
                 lambda t, st: gated_delta(*(x[:, t : t + 1] for x in inputs), st), s0, info.parents
+            )
+        else:
+            y = path_recurrence(
+                lambda xs, mask, st: gated_delta(*xs, st, mask)[0], inputs, s0, info.tree_paths
             )
         if cache is not None:
             if info.parents is None:
@@ -121,28 +141,43 @@ class GatedDeltaNet(nn.Module):
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y, z).reshape(B, T, -1))
 
+    def _fused(self, conv_in, z, b, a, s0, mask) -> tuple[mx.array, mx.array]:
+        """The fused kernel over chains: (out `[B, T, Hv*Dv]`, state) from conv rows `[B, K-1+T, C]`."""
+        return gdn_chain(
+            conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
+            **self._heads, norm_eps=self.norm.eps, mask=mask,
+        )  # fmt: skip
+
     def _chain_fused(self, conv_in, z, b, a, s0, info: StepInfo, cache: RecurrentCache | None) -> mx.array:
         """A chain of tokens (prefill chunk, verification) through the fused kernel, any length
         (kernels/gdn_prefill.py); the rollback replay runs it again from s0 under its mask."""
-        B, T = a.shape[:2]
-
-        def run(mask):
-            return gdn_chain(
-                conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
-                **self._heads, norm_eps=self.norm.eps, mask=mask,
-            )  # fmt: skip
-
-        out, state = run(info.recurrent_mask)
+        out, state = self._fused(conv_in, z, b, a, s0, info.recurrent_mask)
         if cache is not None:
             cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
             if info.record:
 
                 def replay(mask, order=None):
                     assert order is None, "a chain's replay takes its tokens in order"
-                    return run(mask)[1]
+                    return self._fused(conv_in, z, b, a, s0, mask)[1]
 
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(out)
+
+    def _tree_fused(self, conv_in, z, b, a, s0, info: StepInfo, cache: RecurrentCache | None) -> mx.array:
+        """A draft tree through the fused kernel in one call over its root-to-leaf paths (ops/tree.py),
+        each node's output from the first path through it. The cache keeps s0 until commit_path,
+        whose replay runs the kernel over the accepted path."""
+        paths, K = info.tree_paths, self.kernel
+        chains = (gather_paths(x, paths) for x in (z, b, a))
+        out, _ = self._fused(path_conv_in(conv_in, K, paths), *chains, repeat_rows(s0, paths), paths.mask)
+        if cache is not None and info.record:
+
+            def replay(mask, order):
+                rows, *picked = (gather_time(x, order) for x in (conv_in[:, K - 1 :], z, b, a))
+                return self._fused(mx.concatenate([conv_in[:, : K - 1], rows], 1), *picked, s0, mask)[1]
+
+            cache.record = ReplayRecord(conv_in, K, replay)
+        return self.out_proj(node_outputs(out, paths))
 
     def decode(
         self,

@@ -1,8 +1,9 @@
 """The Mamba-2 mixer of Nemotron-H: in-projection, a causal conv over x/B/C, the selective state
 space scan (chunked at prefill), a group-gated RMSNorm and the out-projection.
 
-Like the Gated DeltaNet mixer it runs a chunk op by op, a tree of draft tokens, and a plain decode
-step or a short chain as pure functions the block compiles (`decode`, `chain`).
+Like the Gated DeltaNet mixer it runs a chunk op by op, a tree of draft tokens (its root-to-leaf
+paths as one batch of chains, ops/tree.py), and a plain decode step or a short chain as pure
+functions the block compiles (`decode`, `chain`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kapitsa.engine.ops.conv import causal_conv, conv_state_after
 from kapitsa.engine.ops.linear import linear_plus, normed_linear
 from kapitsa.engine.ops.norm import GroupGatedRMSNorm
 from kapitsa.engine.ops.ssm import ssm_dt, ssm_scan
-from kapitsa.engine.ops.tree import gather_time, tree_conv, tree_recurrence
+from kapitsa.engine.ops.tree import gather_time, path_recurrence, tree_conv, tree_recurrence
 from kapitsa.engine.options import KernelOptions
 
 if TYPE_CHECKING:
@@ -45,7 +46,11 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupGatedRMSNorm(self.inner, a.layer_norm_epsilon, self.inner // self.groups)
         self.out_proj = nn.Linear(self.inner, a.hidden_size, bias=a.use_bias)
 
-    def __call__(self, x: mx.array, info: StepInfo, cache: RecurrentCache | None) -> mx.array:
+    def __call__(
+        self, x: mx.array, info: StepInfo, cache: RecurrentCache | None, *, node_walk: bool = False
+    ) -> mx.array:
+        """`node_walk`: a tree's recurrence one node at a time (ops/tree.py `tree_recurrence`), the
+        reference the path-batched tree route is tested against."""
         B, T, _ = x.shape
         gate, xbc, dt = mx.split(self.in_proj(x), [self.inner, self.inner + self.conv_dim], axis=-1)
         conv_state, s0 = (cache.conv, cache.state) if cache is not None else (None, None)
@@ -68,13 +73,8 @@ class Mamba2Mixer(nn.Module):
             s0 = mx.zeros((B, self.heads, self.head_dim, self.state_size), mx.float32)
         if info.parents is None:
             y, state = ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0, chunk=self.kernel_options.ssd_chunk)
-        else:  # each node steps from its parent's state; the cache keeps s0 until commit_path
-
-            def node(t: int, st: mx.array):
-                one = slice(t, t + 1)
-                return ssm_scan(xs[:, one], step[:, one], self.A_log, Bm[:, one], Cm[:, one], self.D, st)
-
-            y = tree_recurrence(node, s0, info.parents)
+        else:  # the cache keeps s0 until commit_path
+            y = self._tree_scan((xs, step, Bm, Cm), s0, info, node_walk)
         if cache is not None:
             if info.parents is None:
                 cache.conv, cache.state = conv_state_after(conv_in, info.kept, self.kernel), state
@@ -99,6 +99,25 @@ class Mamba2Mixer(nn.Module):
 
                 cache.record = ReplayRecord(conv_in, self.kernel, replay)
         return self.out_proj(self.norm(y.reshape(B, T, self.inner), gate))
+
+    def _tree_scan(
+        self, inputs: tuple[mx.array, ...], s0: mx.array, info: StepInfo, node_walk: bool
+    ) -> mx.array:
+        """y `[B, T, H, P]` of a draft tree: one chunked scan over its root-to-leaf paths
+        (ops/tree.py), or with `node_walk` one step per node from its parent's state."""
+        if not node_walk:
+            return path_recurrence(self._path_scan, inputs, s0, info.tree_paths)
+
+        def node(t: int, st: mx.array):
+            xs, step, Bm, Cm = (x[:, t : t + 1] for x in inputs)
+            return ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, st)
+
+        return tree_recurrence(node, s0, info.parents)
+
+    def _path_scan(self, inputs: tuple[mx.array, ...], mask: mx.array | None, s0: mx.array) -> mx.array:
+        xs, step, Bm, Cm = inputs
+        step = step if mask is None else step * mask[..., None]  # dt = 0: padding leaves the state alone
+        return ssm_scan(xs, step, self.A_log, Bm, Cm, self.D, s0, chunk=self.kernel_options.ssd_chunk)[0]
 
     def decode(
         self, x: mx.array, conv_state: mx.array, s0: mx.array, **fused

@@ -3,13 +3,18 @@
 A tree of T nodes is given per batch row as `parents[t]` in DFS preorder (`parents[0] == -1`: the
 root attaches to the committed prefix; `0 <= parents[t] < t` otherwise). Node t sits at position
 `offset + depth(t)`, attends to the committed prefix and to its ancestors-or-self, and its
-recurrent state comes from its parent's state. The reference recurrence here walks the nodes in
-order with one step kernel call per node, which is fine for the 8-16 node trees worth verifying.
+recurrent state comes from its parent's state.
+
+The models run a tree's recurrence as its root-to-leaf paths (`tree_paths`): every path becomes a
+chain of one `[B*P, D]` batch, so a layer makes one chain call, not one step call per node (a
+node's graph is launch-bound on a GPU). Shared prefixes are recomputed per path; only the
+recurrence runs again, not the projections. `tree_recurrence`, one step per node, is the reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -108,3 +113,93 @@ def gather_time(x: mx.array, order: mx.array) -> mx.array:
     """`x[b, order[b, j], ...]` along axis 1."""
     B, P = order.shape
     return mx.take_along_axis(x, order.reshape(B, P, *([1] * (x.ndim - 2))), axis=1)
+
+
+@dataclass(frozen=True)
+class TreePaths:
+    """A batch of trees as chains: path p of row b is chain `b * paths + p` of a `[B*P, D]` batch."""
+
+    order: mx.array  # [B, P*D] int32: the node at each step of each path (padding repeats one)
+    mask: mx.array | None  # [B*P, D] bool, True on real steps; None when no step is padding
+    slots: mx.array  # [B, T] int32: the step of the first path through each node, in [0, P*D)
+    paths: int  # P: the most leaves of any row
+    depth: int  # D: the most nodes on any path
+
+
+def leaf_paths(parents: Sequence[int], length: int) -> list[list[int]]:
+    """Root-first node lists ending at each leaf among the first `length` nodes, in preorder;
+    the nodes past `length` are the decoder's padding and belong to no path."""
+    inner = {parents[t] for t in range(1, length)}
+    out = []
+    for leaf in (t for t in range(length) if t not in inner):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        out.append(path[::-1])
+    return out
+
+
+def _row_steps(row: list[list[int]], P: int, D: int, T: int) -> tuple[np.ndarray, ...]:
+    """One row's (order, mask) `[P, D]` and node slots `[T]`; padding nodes read step 0."""
+    order, mask = np.zeros((P, D), np.int32), np.zeros((P, D), bool)
+    slots = np.full(T, -1, np.int32)
+    for p, path in enumerate(row):
+        order[p, : len(path)], mask[p, : len(path)] = path, True
+        order[p, len(path) :] = path[-1]
+        for d, node in enumerate(path):
+            if slots[node] < 0:
+                slots[node] = p * D + d
+    return order, mask, np.maximum(slots, 0)
+
+
+def tree_paths(parents: list[list[int]], lengths: Sequence[int]) -> TreePaths:
+    """The root-to-leaf paths of each row's first `lengths[b]` nodes, padded to P paths of D steps
+    (a row with fewer leaves gets empty paths, a shorter path masked steps at its end)."""
+    rows = [leaf_paths(p, n) for p, n in zip(parents, lengths, strict=True)]
+    P = max(1, *map(len, rows))
+    D = max([1] + [len(path) for row in rows for path in row])
+    steps = [_row_steps(row, P, D, len(parents[0])) for row in rows]
+    order, mask, slots = (np.stack(parts) for parts in zip(*steps, strict=True))
+    return TreePaths(
+        order=mx.array(order.reshape(len(rows), P * D)),
+        mask=None if mask.all() else mx.array(mask.reshape(len(rows) * P, D)),
+        slots=mx.array(slots),
+        paths=P,
+        depth=D,
+    )
+
+
+def gather_paths(x: mx.array, paths: TreePaths) -> mx.array:
+    """Per-node inputs `[B, T, ...]` as the path chains `[B*P, D, ...]`."""
+    return gather_time(x, paths.order).reshape(x.shape[0] * paths.paths, paths.depth, *x.shape[2:])
+
+
+def node_outputs(y: mx.array, paths: TreePaths) -> mx.array:
+    """Path outputs `[B*P, D, ...]` back at the nodes `[B, T, ...]`, each from the first path through it."""
+    B = y.shape[0] // paths.paths
+    return gather_time(y.reshape(B, paths.paths * paths.depth, *y.shape[2:]), paths.slots)
+
+
+def repeat_rows(x: mx.array | None, paths: TreePaths) -> mx.array | None:
+    """A per-row array (the state before the tree) once per path: `[B, ...]` -> `[B*P, ...]`."""
+    return x if x is None or paths.paths == 1 else mx.repeat(x, paths.paths, axis=0)
+
+
+def path_conv_in(conv_in: mx.array, kernel: int, paths: TreePaths) -> mx.array:
+    """`conv_in` (conv state, then node rows) as each path's chain of conv rows `[B*P, K-1+D, C]`:
+    a causal conv over a path gives each of its nodes the window `conv_windows` gives it."""
+    state = repeat_rows(conv_in[:, : kernel - 1], paths)
+    return mx.concatenate([state, gather_paths(conv_in[:, kernel - 1 :], paths)], axis=1)
+
+
+def path_recurrence(
+    chain: Callable[[tuple[mx.array, ...], mx.array | None, mx.array], mx.array],
+    inputs: Sequence[mx.array],
+    s0: mx.array,
+    paths: TreePaths,
+) -> mx.array:
+    """`tree_recurrence` as one call of `chain(inputs [B*P, D, ...], mask [B*P, D] | None,
+    s0 [B*P, ...]) -> y [B*P, D, ...]` over every path; returns y `[B, T, ...]`."""
+    chains = tuple(gather_paths(x, paths) for x in inputs)
+    return node_outputs(chain(chains, paths.mask, repeat_rows(s0, paths)), paths)
