@@ -26,6 +26,12 @@
 #                                       4b) as a streaming client sees them, beside the in-process
 #                                       engine (lab/server_bench.py); needs .gpu/s4 carried
 #                                       (lab/stage_server_wheels.sh)
+#   bash lab/h200_all.sh cache        the memory estimate against the engine's measured peak on the
+#                                       4b and 27b shapes (an 8k prompt in 2048-token chunks, K/V bf16
+#                                       and 8-bit; lab/memory_fit.py), then turn N+1's time to first
+#                                       token against cold on the 4b, its state in memory and spilled
+#                                       to disk with prefetch off and on (lab/prefetch_ttft.py,
+#                                       $PREFETCH_REPEATS repeats, default 3); ~9 minutes at most
 #   bash lab/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
 #                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
@@ -47,7 +53,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
 out=${OUT:-.}
 py=${PY:-python3}
-part=${1:?which part: knobs, tests, compiled, or shapes (27b 35b-a3b 4b nemotron-30b-a3b)}
+part=${1:?which part: knobs, tests, compiled, cache, or shapes (27b 35b-a3b 4b nemotron-30b-a3b)}
 knobs_file=/tmp/kapitsa-knobs.env
 # MLX keeps its NVRTC output in /tmp/mlx/<version>/ptx; a fresh machine compiles every kernel again
 # (kapitsa's ~300 launches a step are a few dozen kernels, each template a compile). The ptx-save
@@ -128,6 +134,19 @@ case "$part" in
     timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "${SERVER_SHAPE:-4b}" \
       --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench > "$out/server.log" 2>&1
     tail -1 "$out/server.log"
+    ;;
+  cache)
+    : > "$out/cache.log"
+    # one process per shape, so a cut 27B keeps the 4B's rows (and leaves the prefetch its time)
+    for shape in 4b 27b; do
+      limit=${MEMFIT_TIMEOUT:-$([ "$shape" = 27b ] && echo 160 || echo 140)}
+      timeout "$limit" $py lab/memory_fit.py --shapes "$shape" --context 8192 --chunk 2048 --kv-bits none 8 \
+        --runs 2 >> "$out/cache.log" 2>&1
+    done
+    # the 4B's random checkpoint is written to /tmp first (~2.4 GB, half a minute)
+    timeout "${PREFETCH_TIMEOUT:-240}" $py lab/prefetch_ttft.py --shape 4b --turns 6 --reply 16 \
+      --repeats "${PREFETCH_REPEATS:-3}" --idle-s 2 >> "$out/cache.log" 2>&1
+    grep -E '"ratio"|TTFT median|^turns|Error' "$out/cache.log"
     ;;
   tests)
     # Every gpu-marked test (~540 cases; in one process ~18 minutes on a fresh machine, nearly all

@@ -1,22 +1,42 @@
 """The memory estimate (`memory_estimate.prefill_peak_bytes`) against the engine's measured peak
-allocation on the CPU, on the shapes of tests/engine/test_memory_fit.py, `--runs` times each.
+allocation, on the CPU at the tiny shapes of tests/engine/test_memory_fit.py (`--runs` times each),
+or with `--shapes` on random-weight 4-bit models of the real shapes (lab/models_under_test.py,
+bf16 activations: the H200's figures), a long prompt prefilled in chunks with K/V in the activation
+dtype and quantized (`--kv-bits`), one JSON line per run.
 
-    .venv/bin/python lab/memory_fit.py
+    .venv/bin/python lab/memory_fit.py                                    # the test's tiny shapes
+    python lab/memory_fit.py --shapes 4b 27b                              # real shapes, 8k prompt
+    .venv/bin/python lab/memory_fit.py --shapes 4b 27b --tiny --context 1024 --chunk 256  # smoke run
+
+The estimate takes `dtype_bytes` of the activation dtype (2 for bf16: K/V, their quantization
+scales, the conv state); its workspace and quantized scores are float32 by its own rule. On a GPU
+it leaves out `dequantized_kv` (the CPU's quantized matmul works on a float32 copy of K or V): a
+row says whether it counted it, and `ratio_with_dequantized` gives the other case.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
 
+from engine_standins import EOS, ByteTokenizer  # noqa: E402
 from test_memory_fit import SHAPES, _measured_peak  # noqa: E402
 
 from kapitsa import memory_estimate as me  # noqa: E402
 from kapitsa.catalog import arch_from_config  # noqa: E402
+from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
+from kapitsa.engine.options import EngineConfig  # noqa: E402
+from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams  # noqa: E402
 from kapitsa.testing.tiny import tiny_config  # noqa: E402
+from lab import models_under_test as mut  # noqa: E402
+from lab.engine_timing import emit  # noqa: E402
 
 MIB = 2**20
 
@@ -45,7 +65,135 @@ def main(runs: int) -> None:
             )
 
 
+def model_peak(model, *, context: int, chunk: int, kv_bits: int | None, vocab: int) -> int:
+    """The engine's peak allocation above what it holds before a `context`-token prompt, measured
+    as tests/engine/test_memory_fit._measured_peak measures it, over a given model."""
+    info = ModelInfo(id="shape", family="test", context_length=2 * context, max_output_tokens=16)
+    config = EngineConfig(prefill_chunk=chunk, kv_bits=kv_bits, prefix_cache_bytes=0)
+    client = InProcessEngine(model, ByteTokenizer(), info, eos_token_ids={EOS}, config=config)
+    prompt = tuple(mut.prompt_ids(context, vocab))
+    try:
+        # the first chunk alone first: kernels compile and the engine's lasting buffers allocate,
+        # so the peak below is the long prompt's own
+        _run(client, prompt[:chunk], max_tokens=1)
+        gc.collect()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        _run(client, prompt, max_tokens=2)
+        return mx.get_peak_memory() - before
+    finally:
+        client.close()
+
+
+def _run(client: InProcessEngine, prompt: tuple[int, ...], *, max_tokens: int) -> None:
+    request = GenerationRequest(
+        prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+
+    async def drain() -> None:
+        async for _ in client.generate(request):
+            pass
+
+    asyncio.run(drain())
+
+
+def estimate_fields(
+    arch, args: argparse.Namespace, *, kv_bits: int | None, dtype_bytes: int, heads: int
+) -> dict:
+    """The estimate (with `dequantized_kv` as this device has it), its lower bound (one of K/V
+    growing, as the test allows) and its terms in MiB, so a measured gap names the term it comes from."""
+    on_cpu = mx.default_device().type == mx.cpu
+    context, chunk = args.context, args.chunk
+    sizes = dict(context_tokens=context, prefill_chunk=chunk, dtype_bytes=dtype_bytes, kv_bits=kv_bits)
+    estimate = me.prefill_peak_bytes(arch, **sizes, attention_heads=heads, dequantized_kv=on_cpu)
+    terms = {
+        "cache": me.sequence_bytes(arch, context, dtype_bytes, kv_bits=kv_bits),
+        "kv_update": me.update_transient_bytes(arch, context, dtype_bytes, kv_bits=kv_bits),
+        "workspace": me.workspace_bytes(arch, chunk),
+        "scores": me.quantized_scores_bytes(heads, chunk, context) if kv_bits else 0,
+        "dequantized_kv": heads * arch.head_dim * context * me.SCORE_BYTES if kv_bits else 0,
+    }
+    return dict(
+        dtype_bytes=dtype_bytes,
+        dequantized_kv=on_cpu,
+        estimate=estimate,
+        flipped=me.prefill_peak_bytes(arch, **sizes, attention_heads=heads, dequantized_kv=not on_cpu),
+        lower=estimate - terms["kv_update"] // 2,
+        terms_mib={name: round(value / MIB, 2) for name, value in terms.items()},
+    )
+
+
+def peak_row(peak: int, fields: dict) -> dict:
+    """One run's JSON fields: the measured peak beside the estimate, in MiB, and their ratios."""
+    estimate, flipped = fields["estimate"], fields["flipped"]
+    row = dict(
+        dtype_bytes=fields["dtype_bytes"],
+        dequantized_kv=fields["dequantized_kv"],
+        peak_mib=round(peak / MIB, 2),
+        estimate_mib=round(estimate / MIB, 2),
+        one_of_kv_growing_mib=round(fields["lower"] / MIB, 2),
+        ratio=round(peak / estimate, 3),
+        terms_mib=fields["terms_mib"],
+    )
+    if flipped != estimate:  # quantized K/V: the ratio had the other device's dequantized copy counted
+        other = "ratio_without_dequantized" if fields["dequantized_kv"] else "ratio_with_dequantized"
+        row[other] = round(peak / flipped, 3)
+    return row
+
+
+def shape_rows(shape: str, args: argparse.Namespace) -> None:
+    """Every `--kv-bits` setting's estimate and `--runs` measured peaks for one shape."""
+    kind, dims = (mut.TINY if args.tiny else mut.SHAPES)[shape]
+    config = tiny_config(kind, **dims)
+    model = mut.kapitsa_model(config)
+    emit({"shape": shape, "built": True, "weights_gb": round(mx.get_active_memory() / 1e9, 2)})
+    arch = arch_from_config(config)
+    text = config.get("text_config", config)
+    dtype_bytes = mut.DTYPE["value"].size  # K/V and conv state take the activation dtype
+    for kv_bits in args.kv_bits:
+        fields = estimate_fields(
+            arch, args, kv_bits=kv_bits, dtype_bytes=dtype_bytes, heads=text["num_attention_heads"]
+        )
+        for run in range(args.runs):
+            peak = model_peak(
+                model, context=args.context, chunk=args.chunk, kv_bits=kv_bits, vocab=text["vocab_size"]
+            )
+            where = dict(
+                shape=shape, kind=kind, context=args.context, chunk=args.chunk, kv_bits=kv_bits, run=run
+            )
+            emit({**where, **peak_row(peak, fields)})
+    del model
+    gc.collect()
+    mx.clear_cache()
+
+
+def _kv_bits(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
-    main(parser.parse_args().runs)
+    parser.add_argument(
+        "--shapes", nargs="*", choices=sorted(mut.SHAPES), help="real shapes instead of the test's"
+    )
+    parser.add_argument("--context", type=int, default=8192, help="prompt tokens (--shapes)")
+    parser.add_argument(
+        "--chunk", type=int, default=me.DEFAULT_PREFILL_CHUNK, help="prefill chunk (--shapes)"
+    )
+    parser.add_argument(
+        "--kv-bits", nargs="+", type=_kv_bits, default=[None, 8], help="none, 8 or 4 (--shapes)"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="--shapes at tiny widths, float32 (a CPU smoke run)"
+    )
+    args = parser.parse_args()
+    if args.tiny:
+        mut.DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
+    if not args.shapes:
+        main(args.runs)
+    else:
+        print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
+        for shape in args.shapes:
+            shape_rows(shape, args)

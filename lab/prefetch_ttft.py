@@ -13,8 +13,16 @@ time to first token, the script times the prefix-cache lookup itself, where the 
 a file when nothing read it ahead: on a loaded machine that is the part prefetch changes that noise
 does not drown.
 
+With `--shape 4b` the model is a random-weight 4-bit checkpoint of that real shape
+(lab/shape_checkpoint.py: the tiny test tokenizer, replies always plain text), the prefix cache
+`--cache-mib` (default 2048: a real shape's conversation holds hundreds of MB of K/V and recurrent
+checkpoints) and the sub-agent's reservation twice that, so the turns fit beside the cache and the
+sub-agent does not. Each run prints a JSON line as it ends (a cut run still reports).
+
     .venv/bin/python lab/prefetch_ttft.py            # 8-turn replay, 7 repeats: medians and minima
     .venv/bin/python lab/prefetch_ttft.py --tiny     # seconds-long smoke run
+    python lab/prefetch_ttft.py --shape 4b --turns 6 --reply 16 --repeats 3 --idle-s 2   # the H200
+    .venv/bin/python lab/prefetch_ttft.py --shape 4b --tiny   # the same path at tiny widths
 """
 
 from __future__ import annotations
@@ -36,10 +44,13 @@ from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from kapitsa.testing.tiny import write_tiny_checkpoint
+from lab.engine_timing import emit
+from lab.models_under_test import DTYPE, SHAPES
+from lab.shape_checkpoint import write_shape_checkpoint
 
 MIB = 2**20
 LOOKUP_MS: list[float] = []  # every PrefixCache.lookup's own time (the engine thread's file read, if any)
-SUB_AGENT_TOKENS = 16384  # the sub-agent's max_tokens: what its admission reserves
+SUB_AGENT_TOKENS = 16384  # the sub-agent's max_tokens at least: what its admission reserves
 # Every layer full attention, 4 KV heads of 64: 8 KiB of float32 K/V per token, so a conversation's
 # checkpoint file is tens of MB and reading it is more than the machine's noise.
 WIDE_KV = {"full_attention_interval": 1, "num_key_value_heads": 4, "head_dim": 64}
@@ -78,9 +89,9 @@ def _system_prompt(rules: int) -> str:
     )
 
 
-def _sub_agent(loaded) -> GenerationRequest:
+def _sub_agent(loaded, tokens: int) -> GenerationRequest:
     x = loaded.tokenizer.encode("x")[-1]
-    sampling = SamplingParams(max_tokens=SUB_AGENT_TOKENS, logit_bias=((x, 100.0),), stop=("x",))
+    sampling = SamplingParams(max_tokens=tokens, logit_bias=((x, 100.0),), stop=("x",))
     return GenerationRequest(prompt="Summarize the repository.", sampling=sampling)
 
 
@@ -96,17 +107,28 @@ def _drop_page_cache(folder: Path) -> None:
             os.close(fd)
 
 
-def _engine(loaded, *, disk: Path | None, prefetch: bool, cache: bool = True) -> InProcessEngine:
+def _sub_agent_reserve(loaded, cache_bytes: int) -> tuple[int, int]:
+    """The sub-agent's max_tokens and the bytes its admission reserves: K/V of at least twice the
+    prefix cache, so the turns (a few thousand tokens) fit beside a full cache and it does not; at
+    most half the context window, which the engine would clamp it to (a smaller reservation)."""
     gc.collect()
     sizes = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0))
-    reserve = sizes.engine.memory.sequence_bytes(SUB_AGENT_TOKENS + 16)
+    memory = sizes.engine.memory
+    tokens = max(SUB_AGENT_TOKENS, -(-2 * cache_bytes // max(1, memory.sizes.kv_bytes_per_token)))
+    tokens = min(tokens, loaded.info.context_length // 2)
+    reserve = memory.sequence_bytes(tokens + 16)
     sizes.close()
     del sizes
     gc.collect()
+    return tokens, reserve
+
+
+def _engine(loaded, args, *, disk: Path | None, prefetch: bool, cache: bool = True) -> InProcessEngine:
+    gc.collect()
     config = EngineConfig(
         prefill_chunk=512,
-        prefix_cache_bytes=64 * MIB if cache else 0,
-        memory_limit_bytes=mx.get_active_memory() + reserve + MIB // 4,
+        prefix_cache_bytes=args.cache_mib * MIB if cache else 0,
+        memory_limit_bytes=mx.get_active_memory() + args.reserve_bytes + MIB // 4,
         disk_cache_dir=disk,
         model_key="prefetch-bench",
         prefetch=prefetch,
@@ -117,7 +139,7 @@ def _engine(loaded, *, disk: Path | None, prefetch: bool, cache: bool = True) ->
 async def _replay(loaded, args, *, mode: str, folder: Path) -> dict:
     """One run: turns 1..N, the sub-agent (unless mode is "memory"), idle, then turn N+1."""
     disk = None if mode == "memory" else folder / mode
-    client = _engine(loaded, disk=disk, prefetch=mode != "disk-prefetch-off")
+    client = _engine(loaded, args, disk=disk, prefetch=mode != "disk-prefetch-off")
     sampling = SamplingParams(max_tokens=args.reply)
     messages = [{"role": "system", "content": _system_prompt(args.rules)}]
     for turn in range(args.turns):
@@ -125,7 +147,7 @@ async def _replay(loaded, args, *, mode: str, folder: Path) -> dict:
         _, text, _ = await _ask(client, GenerationRequest(messages=tuple(messages), sampling=sampling))
         messages.append({"role": "assistant", "content": text})
     if disk is not None:
-        await _ask(client, _sub_agent(loaded))
+        await _ask(client, _sub_agent(loaded, args.sub_agent_tokens))
         _drop_page_cache(disk)
     await asyncio.sleep(args.idle_s)
     stats_before = client.stats()
@@ -147,8 +169,8 @@ async def _replay(loaded, args, *, mode: str, folder: Path) -> dict:
     }
 
 
-async def _cold(loaded, request) -> float:
-    client = _engine(loaded, disk=None, prefetch=False, cache=False)
+async def _cold(loaded, args, request) -> float:
+    client = _engine(loaded, args, disk=None, prefetch=False, cache=False)
     await _ask(client, GenerationRequest(prompt="warm up", sampling=SamplingParams(max_tokens=2)))
     ttft, _, _ = await _ask(client, request)
     client.close()
@@ -159,14 +181,26 @@ async def main(args) -> None:
     modes = ("memory", "disk-prefetch-off", "disk-prefetch-on")
     _time_lookups()
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(write_tiny_checkpoint(Path(tmp) / "ckpt", "qwen3_5", **WIDE_KV))
+        loaded = load_model(_checkpoint(args, Path(tmp) / "ckpt"))
+        args.sub_agent_tokens, args.reserve_bytes = _sub_agent_reserve(loaded, args.cache_mib * MIB)
+        emit(
+            {
+                "phase": "loaded",
+                "shape": args.shape or "tiny-wide-kv",
+                "sub_agent_tokens": args.sub_agent_tokens,
+                "reserve_mib": round(args.reserve_bytes / MIB, 1),
+                "cache_mib": args.cache_mib,
+            }
+        )
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         colds = []
         for repeat in range(args.repeats):
             for mode in modes:  # interleaved, so drift in the machine's load hits every mode alike
                 row = await _replay(loaded, args, mode=mode, folder=Path(tmp) / f"r{repeat}")
                 runs[mode].append(row)
-            colds.append(await _cold(loaded, runs["memory"][-1]["request"]))
+                _emit_run(mode, repeat, row)
+            colds.append(await _cold(loaded, args, runs["memory"][-1]["request"]))
+            emit({"phase": "run", "mode": "cold", "repeat": repeat, "ttft_ms": round(colds[-1] * 1e3, 1)})
     cold, cold_min = statistics.median(colds), min(colds)
     print(f"turns {args.turns}, prompt of turn N+1: {runs['memory'][0]['prompt_tokens']} tokens")
     print(f"cold TTFT median {cold * 1e3:.1f} ms, min {cold_min * 1e3:.1f} ms (runs {_ms(colds)})")
@@ -184,6 +218,24 @@ async def main(args) -> None:
         )
 
 
+def _checkpoint(args, folder: Path) -> Path:
+    """The model's folder: the tiny full-attention Qwen3.5, or `--shape`'s random 4-bit checkpoint."""
+    if args.shape is None:
+        return write_tiny_checkpoint(folder, "qwen3_5", **WIDE_KV)
+    write_shape_checkpoint(args.shape, folder, tiny=args.tiny)
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    emit({"phase": "checkpoint", "shape": args.shape, "tiny": args.tiny, "gb": round(size / 1e9, 2)})
+    return folder
+
+
+def _emit_run(mode: str, repeat: int, row: dict) -> None:
+    counts = {
+        k: row[k] for k in ("prompt_tokens", "cached_tokens", "preloaded", "loaded_at_lookup", "read_ahead")
+    }
+    timings = {"ttft_ms": round(row["ttft_s"] * 1e3, 1), "lookup_ms": round(row["lookup_ms"], 2)}
+    emit({"phase": "run", "mode": mode, "repeat": repeat, **timings, **counts})
+
+
 def _ms(seconds: list[float]) -> str:
     return ", ".join(f"{s * 1e3:.0f}" for s in seconds) + " ms"
 
@@ -195,8 +247,15 @@ if __name__ == "__main__":
     parser.add_argument("--reply", type=int, default=32, help="tokens per reply")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--idle-s", type=float, default=0.5, help="idle time before turn N+1")
-    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a real shape's random 4-bit checkpoint")
+    parser.add_argument("--cache-mib", type=int, help="prefix cache size (default 64, with --shape 2048)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a seconds-long smoke run (--shape: at tiny widths)"
+    )
     args = parser.parse_args()
+    if args.cache_mib is None:
+        args.cache_mib = 2048 if args.shape and not args.tiny else 64
     if args.tiny:
         args.turns, args.rules, args.reply, args.repeats = 3, 8, 8, 1
+        DTYPE["value"] = mx.float32  # as shape_checkpoint --tiny: MLX's CPU gather_mm (MoE) is float32-only
     asyncio.run(main(args))
