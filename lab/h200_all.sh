@@ -22,6 +22,13 @@
 #                                       kapitsa's engine against mlx-lm's batch_generate, with each
 #                                       batch size's first-burst compile cost ($BATCH_SHAPES, default
 #                                       all four; lab/batch_sweep.py)
+#   bash lab/h200_all.sh spec         --speculative auto (the default) against plain decoding on
+#                                       $SPEC_SHAPES (default all four; lab/spec_default.py): own
+#                                       text, a scripted essay, the edit workload (chain and n-gram
+#                                       tree) beside mlx-lm; $ROUNDS rounds (default 3)
+#   bash lab/h200_all.sh bf16         tests/engine/test_speculation_bf16.py on the GPU
+#   bash lab/h200_all.sh flint        lab/small_flint.py: Flint's :small recipe, plain 4-bit and
+#                                       mlx-vlm's Flint at the published shape
 #   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPE (default
 #                                       4b) as a streaming client sees them, beside the in-process
 #                                       engine (lab/server_bench.py); needs .gpu/s4 carried
@@ -128,6 +135,27 @@ case "$part" in
     timeout "${BATCH_TIMEOUT:-560}" $py lab/batch_sweep.py --shapes "${BATCH_SHAPES:-27b,35b-a3b,4b,nemotron-30b-a3b}" \
       --streams "${BATCH_STREAMS:-1,4,8,16}" --tokens "${TOKENS:-64}" --prompt 512 > "$out/batch.log" 2>&1
     grep -E 'aggregate|Error' "$out/batch.log"
+    ;;
+  spec)
+    # the default speculation against plain decoding per shape ($SPEC_SHAPES, default all four):
+    # own output, a scripted essay, the edit workload with the n-gram tree and mlx-lm
+    # shellcheck disable=SC2086
+    timeout "${SPEC_TIMEOUT:-560}" $py lab/spec_default.py --shapes ${SPEC_SHAPES:-27b 35b-a3b 4b nemotron-30b-a3b} \
+      --rounds "${ROUNDS:-3}" --tokens "${TOKENS:-256}" > "$out/spec.log" 2>&1
+    grep -E 'summary|Error' "$out/spec.log"
+    ;;
+  bf16)
+    # greedy speculation == plain in bf16 on the GPU's kernels (both families, 256 tokens)
+    timeout "${BF16_TIMEOUT:-240}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=short \
+      tests/engine/test_speculation_bf16.py > "$out/bf16.log" 2>&1
+    tail -3 "$out/bf16.log"
+    ;;
+  flint)
+    # Flint at its published shape: :small at a 24 GB and a 16 GB Mac's budgets, plain 4-bit, and
+    # mlx-vlm's own Flint at 4 bits (needs .gpu/s4's mlx-vlm wheel installed)
+    timeout "${FLINT_TIMEOUT:-400}" $py lab/small_flint.py --tokens "${TOKENS:-128}" --prompt 512 \
+      > "$out/flint.log" 2>&1
+    grep -E '"shape"|Error|mlx-vlm' "$out/flint.log"
     ;;
   server)
     [ -f "$root/.gpu/s4/install.sh" ] && bash "$root/.gpu/s4/install.sh"
