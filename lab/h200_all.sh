@@ -141,7 +141,7 @@ case "$part" in
     # own output, a scripted essay, the edit workload with the n-gram tree and mlx-lm
     # shellcheck disable=SC2086
     timeout "${SPEC_TIMEOUT:-560}" $py lab/spec_default.py --shapes ${SPEC_SHAPES:-27b 35b-a3b 4b nemotron-30b-a3b} \
-      --rounds "${ROUNDS:-3}" --tokens "${TOKENS:-256}" > "$out/spec.log" 2>&1
+      --rounds "${ROUNDS:-3}" --edit-rounds "${EDIT_ROUNDS:-${ROUNDS:-3}}" --tokens "${TOKENS:-256}" > "$out/spec.log" 2>&1
     grep -E 'summary|Error' "$out/spec.log"
     ;;
   bf16)

@@ -91,8 +91,15 @@ def _rounds(shape: str, workload: str, runs: dict, rounds: int, reference: list[
 
 
 def bench_shape(
-    name: str, table: dict, rounds: int, tokens: int, workloads=("own", "essay", "edit"), tree: bool = True
+    name: str,
+    table: dict,
+    rounds: int,
+    tokens: int,
+    workloads=("own", "essay", "edit"),
+    tree: bool = True,
+    edit_rounds: int | None = None,
 ) -> list[dict]:
+    edit_rounds = rounds if edit_rounds is None else edit_rounds
     kind, dims = table[name]
     config = tiny_config(kind, **dims)
     vocab = config.get("text_config", config)["vocab_size"]
@@ -122,7 +129,7 @@ def bench_shape(
                 runs["auto-tree"] = lambda p=prompt: _timed(model, p, n, "auto", tree=True)
             if workload == "edit":
                 runs["mlx-lm"] = lambda p=prompt: time_mlxlm(mlxlm, p, n)
-            rows += _rounds(name, workload, runs, rounds, list(answer))
+            rows += _rounds(name, workload, runs, edit_rounds if workload == "edit" else rounds, list(answer))
             model.forward, model.logits = unscripted
     finally:
         gc.collect()
@@ -160,6 +167,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--edit-rounds", type=int, default=None, help="rounds of the edit workload (default --rounds)")
     ap.add_argument("--workloads", nargs="+", default=["own", "essay", "edit"])
     ap.add_argument("--no-tree", action="store_true", help="the edit workload without the n-gram tree")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
@@ -172,7 +180,9 @@ def main() -> None:
     print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
     rows = []
     for name in args.shapes:
-        rows += bench_shape(name, table, args.rounds, args.tokens, tuple(args.workloads), not args.no_tree)
+        rows += bench_shape(
+            name, table, args.rounds, args.tokens, tuple(args.workloads), not args.no_tree, args.edit_rounds
+        )
     summary(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
