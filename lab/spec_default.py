@@ -13,7 +13,8 @@ Workloads (greedy, batch 1):
   it for the ratio.
 
 Engines: kapitsa plain (`--speculative none`), kapitsa's default speculation as `kapitsa serve`
-builds it (factory.make_decode_strategy("auto")), and the same with `tree=True` (n-gram tries)
+builds it (factory.strategy_for("auto"): its verify cost curve timed on the model), and the same
+with `tree=True` (n-gram tries)
 on the edit workload. Interleaved rounds; each speculative run must write what plain decoding
 writes (`same_as_plain`). The summary gives auto / plain per workload and the edit's ratio to
 mlx-lm; tokens per verify and acceptance for the chain and the tree.
@@ -30,11 +31,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from kapitsa.engine.speculative.decoder import SpeculativeStats
-from kapitsa.engine.speculative.factory import make_decode_strategy
+from kapitsa.engine.speculative.factory import strategy_for
 from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.testing.tiny import tiny_config
 from lab import models_under_test
-from lab.engine_timing import emit, generate, kapitsa_engine, time_mlxlm
+from lab.engine_timing import DEFAULTS, emit, generate, kapitsa_engine, time_mlxlm
 from lab.models_under_test import DTYPE, SHAPES, TINY
 from lab.spec_shapes import DEMO, edit_workload, script_model
 
@@ -51,7 +52,7 @@ def essay_workload() -> tuple[list[int], list[int]]:
 
 
 def _timed(model, prompt: list[int], tokens: int, mode: str, tree: bool = False) -> dict:
-    strategy = make_decode_strategy(mode, target_model=model, tree=tree)
+    strategy = strategy_for(mode, target_model=model, tree=tree, kernels=DEFAULTS)
     client = kapitsa_engine(model, len(prompt), tokens, strategy)
     try:
         generate(client, prompt, tokens)  # warm-up: compiles what the timed run meets

@@ -42,3 +42,37 @@ def test_the_served_strategy_prices_verifies_by_timing_the_model_on_the_cpu() ->
     curve = strategy.cost_curve
     assert curve is not None and len(curve) == strategy.max_draft + 1 and curve[0] == 1.0
     assert curve == sorted(curve) and curve != default_cost_curve(strategy.max_draft)
+
+
+def test_a_gpu_prices_verifies_by_what_their_widths_cost_on_the_model() -> None:
+    """Dense: every verify width costs about one token's forward, the built-in GPU curve stays.
+    MoE: the widths route to more experts (Nemotron-30B-A3B on the H200: 8 tokens cost 4.5x one),
+    and even drafts that are always accepted do not pay, so the controller decodes plainly."""
+    from kapitsa.engine.speculative.controller import DraftLengthController, gpu_cost_curve
+    from kapitsa.engine.speculative.cost import gpu_cost_curve_from_timings
+
+    dense = gpu_cost_curve_from_timings({1: 21.9, 2: 21.0, 4: 20.2, 8: 20.7}.__getitem__, 7, (2, 4, 8))
+    assert dense == gpu_cost_curve(7)
+    moe_ms = {1: 15.1, 2: 30.0, 4: 50.3, 8: 68.3}
+    moe = gpu_cost_curve_from_timings(moe_ms.__getitem__, 7, (2, 4, 8))
+    assert moe[0] == 1.0 and moe[7] == pytest.approx(gpu_cost_curve(7)[1] * 68.3 / 15.1) and moe[4] == moe[7]  # T=5..8 pad to 8
+    assert all(m >= g for m, g in zip(moe, gpu_cost_curve(7), strict=True))
+    sure = DraftLengthController(max_draft=7, cost=moe, alphas=[1.0] * 7)
+    assert sure.best_length() == 0
+    cheaper = gpu_cost_curve_from_timings({1: 15.1, 2: 16.0, 4: 20.0, 8: 30.0}.__getitem__, 7, (2, 4, 8))
+    assert DraftLengthController(max_draft=7, cost=cheaper, alphas=[1.0] * 7).best_length() == 7
+
+
+def test_the_served_strategy_times_its_verify_widths_on_a_gpu(monkeypatch) -> None:  # noqa: ANN001
+    """The opener's wiring with a GPU backend: the curve comes from the model's own forwards at the
+    decoder's padded widths (timed here on the CPU, so only its form is checked)."""
+    from kapitsa.engine.speculative import decoder, factory
+    from kapitsa.engine.speculative.controller import gpu_cost_curve
+
+    monkeypatch.setattr(factory, "backend", lambda: "cuda")
+    monkeypatch.setattr(decoder, "backend", lambda: "cuda")
+    strategy = factory.strategy_for("auto", target_model=build_ours("qwen3_5_moe"))
+    assert strategy.padded_widths == (2, 4, 8)
+    curve = strategy.cost_curve
+    assert len(curve) == strategy.max_draft + 1 and curve[0] == 1.0
+    assert all(c >= g for c, g in zip(curve, gpu_cost_curve(strategy.max_draft), strict=True))

@@ -1,18 +1,24 @@
-"""The verify cost curve c(T) measured on the served model, for backends where no measured curve
-is built in (the CPU).
+"""The verify cost curve c(T) measured on the served model, once per engine.
 
-On a GPU a verify forward of up to 16 tokens reads the weights once and costs about two pipelined
-decode steps whatever T is (controller.gpu_cost_curve, measured on the H200). On the CPU a small
-model is compute-bound: a verify of T tokens costs about 0.75 T decode steps on the demo (its
-[T] forward against a one-token step), so drafts pay only when short and nearly always accepted.
-That depends on the model's size and the machine, so the opener times it once per engine.
+On a GPU a dense model's verify forward of up to 16 tokens reads the weights once and costs about
+two pipelined decode steps whatever T is (controller.gpu_cost_curve, measured on the H200). A MoE
+model's does not: each of the T tokens routes to its own experts, so a verify of 8 tokens on
+Nemotron-30B-A3B reads up to 8x the expert weights and cost 4.5x a one-token forward there
+(docs/results.md); priced as a dense verify, drafts that are half accepted would run at a third of
+plain speed. So a GPU's curve is the built-in one raised by the verify widths' measured cost
+relative to one token (`gpu_measured_cost_curve`). On the CPU a small model is compute-bound: a
+verify of T tokens costs about 0.75 T decode steps on the demo (its [T] forward against a
+one-token step), so drafts pay only when short and nearly always accepted (`measured_cost_curve`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+
+from kapitsa.engine.speculative.controller import gpu_cost_curve
 
 CONTEXT_TOKENS = 32  # a short context, so the timing reads the forward and not the attention
 REPEATS = 5
@@ -40,3 +46,35 @@ def measured_cost_curve(model, max_draft: int) -> list[float]:  # noqa: ANN001 -
     top = _median_forward_s(model, cache, max_draft + 1)
     ratio = max(top / max(one, 1e-9), 1.0)
     return [1.0 + (ratio - 1.0) * t / max_draft for t in range(max_draft + 1)]
+
+
+def gpu_cost_curve_from_timings(
+    forward_s: Callable[[int], float], max_draft: int, widths: Sequence[int]
+) -> list[float]:
+    """c(T) on a GPU: `gpu_cost_curve`, each verify raised to the built-in verify price times its
+    padded width's measured cost relative to one token (`forward_s(width)`: seconds of a forward
+    of that width), never below the built-in curve. A dense model's widths cost about what one
+    token does, so its curve stays the built-in one; a MoE model's rise with the experts they read."""
+    built_in = gpu_cost_curve(max_draft)
+    verify_price = built_in[1]  # the narrowest verify: the host round trip a dense verify costs
+    one = max(forward_s(1), 1e-9)
+    measured = sorted({w for w in widths if w > 1})
+    ratio_at = {w: forward_s(w) / one for w in measured}
+    curve = [built_in[0]]
+    for T in range(2, max_draft + 2):
+        width = next((w for w in measured if w >= T), measured[-1] if measured else None)
+        ratio = ratio_at.get(width, 1.0)
+        curve.append(max(built_in[T - 1], verify_price * ratio))
+    return curve
+
+
+def gpu_measured_cost_curve(model, max_draft: int, widths: Sequence[int]) -> list[float]:  # noqa: ANN001
+    """`gpu_cost_curve_from_timings` over the model's own forwards (each with its replay record and
+    rollback, as a verify runs), after one warm-up forward per width (the first call compiles)."""
+    cache = model.make_cache(1)
+    mx.eval(model(mx.array([[1] * CONTEXT_TOKENS], dtype=mx.int32), cache))
+    sizes = sorted({1, *(w for w in widths if w > 1)})
+    for width in sizes:
+        _median_forward_s(model, cache, width)
+    timed = {width: _median_forward_s(model, cache, width) for width in sizes}
+    return gpu_cost_curve_from_timings(timed.__getitem__, max_draft, sizes)

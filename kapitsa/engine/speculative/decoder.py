@@ -318,6 +318,11 @@ class SpeculativeDecode:
             k = min(self._width_for(1 + k) - 1, room)  # the padding's places, filled by real drafts
         return list(state.drafter.propose(seq.token_ids, max(k, 0)).tokens)
 
+    @property
+    def padded_widths(self) -> tuple[int, ...]:
+        """The verify widths drafts are padded up to here (none: every width as it comes)."""
+        return self._widths()
+
     def _widths(self) -> tuple[int, ...]:
         widths = self.verify_widths
         if widths is None:

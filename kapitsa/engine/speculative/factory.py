@@ -7,7 +7,7 @@ from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.options import SPECULATIVE_MODES, KernelOptions
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT
-from kapitsa.engine.speculative.cost import measured_cost_curve
+from kapitsa.engine.speculative.cost import gpu_measured_cost_curve, measured_cost_curve
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
 from kapitsa.engine.speculative.dflash import DFlashDrafter
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter
@@ -124,6 +124,15 @@ def strategy_for(
         tree=tree,
         kernels=kernels,
     )
-    if isinstance(strategy, SpeculativeDecode) and strategy.adaptive and backend() is None:
-        strategy.cost_curve = measured_cost_curve(target_model, strategy.max_draft)
+    if isinstance(strategy, SpeculativeDecode) and strategy.adaptive:
+        strategy.cost_curve = _served_cost_curve(target_model, strategy)
     return strategy
+
+
+def _served_cost_curve(target_model, strategy: SpeculativeDecode) -> list[float]:  # noqa: ANN001
+    """The verify cost curve timed on the served model (cost.py): on a GPU the built-in curve
+    raised where its verify widths cost more than one token (MoE), on the CPU the timed curve."""
+    if backend() is None:
+        return measured_cost_curve(target_model, strategy.max_draft)
+    widths = strategy.padded_widths or tuple(range(2, strategy.max_draft + 2))
+    return gpu_measured_cost_curve(target_model, strategy.max_draft, widths)
