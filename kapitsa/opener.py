@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kapitsa.engine.options import DEFAULT_SPECULATIVE, EngineConfig, KernelOptions
+from kapitsa.engine.options import DEFAULT_SPECULATIVE, SPECULATIVE_MODES, EngineConfig, KernelOptions
 from kapitsa.errors import InvalidRequest, KapitsaError, ModelNotFound, NotBuilt, NotDownloaded
 from kapitsa.kv_fit import parse_kv_bits, resolve_kv_bits
 from kapitsa.settings import KapitsaSettings, load_settings
@@ -194,14 +194,27 @@ def check_group_flags(
     draft: str | None,
     kv_bits: str | None,
     model: str | None = None,
+    tree: bool | None = None,
 ) -> None:
     """Refuse what a distributed group does not run, before any process is launched."""
     with _engine_required():
         from kapitsa.engine.distributed.group import PARALLEL_MODES
+        from kapitsa.engine.distributed.speculation import GROUP_SPECULATIVE_MODES
     if parallel not in PARALLEL_MODES:
         raise InvalidRequest(f"unknown --parallel {parallel!r}; choose one of {', '.join(PARALLEL_MODES)}")
-    if speculative not in (None, "auto", "none") or draft is not None:
-        raise InvalidRequest("speculative decoding does not run across a group yet: leave --speculative out")
+    if speculative is not None and speculative not in GROUP_SPECULATIVE_MODES:
+        if speculative not in SPECULATIVE_MODES:
+            raise InvalidRequest(
+                f"unknown speculative mode {speculative!r}; choose one of {', '.join(SPECULATIVE_MODES)}"
+            )
+        raise InvalidRequest(
+            f"--speculative {speculative} does not run across a group yet: a group drafts by n-gram "
+            "lookup (--speculative auto or ngram) or not at all (none)"
+        )
+    if draft is not None:
+        raise InvalidRequest("--draft does not run across a group yet: a group drafts by n-gram lookup")
+    if tree:
+        raise InvalidRequest("--tree does not run across a group yet: a group verifies a chain of drafts")
     if kv_bits not in (None, "off"):
         raise InvalidRequest("--kv-bits does not run across a group yet: leave it out")
     if model is not None and _is_small(model):
@@ -226,8 +239,18 @@ def _is_small(ref: str) -> bool:
         return False  # opening it says what is wrong
 
 
-def open_group_engine(ref: str | None, *, parallel: str, settings: KapitsaSettings | None = None):  # noqa: ANN201 - GroupEngine | None
+def open_group_engine(  # noqa: ANN201 - GroupEngine | None
+    ref: str | None,
+    *,
+    parallel: str,
+    settings: KapitsaSettings | None = None,
+    speculative: str | None = None,
+    draft_tokens: int | None = None,
+):
     """This process's rank of a group that mlx.launch started: load its shard of the model.
+
+    `speculative` ("auto", "ngram" or "none"; None: the default, n-gram drafting) and
+    `draft_tokens` (the longest draft) set rank 0's speculation (check_group_flags refuses others).
 
     Returns:
         On rank 0 the group's engine, an `EngineClient` whose `close()` stops every rank; on the
@@ -250,7 +273,14 @@ def open_group_engine(ref: str | None, *, parallel: str, settings: KapitsaSettin
         model_id = resolved.display_name
         if resolved.quantize is not None:  # a recipe on load (':small'): not split across ranks yet
             raise InvalidRequest(f"{ref}: the ':{resolved.quantize}' recipe does not run across a group yet")
-    return start_rank(source, parallel=parallel, model_id=model_id, kernels=engine_config(settings).kernels)
+    return start_rank(
+        source,
+        parallel=parallel,
+        model_id=model_id,
+        kernels=engine_config(settings).kernels,
+        speculative=speculative,
+        draft_tokens=draft_tokens,
+    )
 
 
 def gather_over_group(values: list[int]) -> tuple[int, list[list[int]]]:

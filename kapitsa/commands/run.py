@@ -48,6 +48,7 @@ class RunResult:
     finish_reason: str
     prefill_tok_s: float
     decode_tok_s: float
+    tokens_per_step: float = 0.0  # the engine's speculative decoding, per decode step (0: none)
 
 
 def read_prompt(options: RunOptions) -> str:
@@ -107,6 +108,7 @@ def _run_in_group(options: RunOptions, out: Callable[[str], object]) -> RunResul
         draft=options.draft,
         kv_bits=options.kv_bits,
         model=options.model,
+        tree=options.tree,
     )
     if options.images:
         raise InvalidRequest("a distributed model reads text only: leave --image out")
@@ -119,7 +121,12 @@ def _run_in_group(options: RunOptions, out: Callable[[str], object]) -> RunResul
         relaunch(options.hostfile, sys.argv[1:])
     join_as_rank()
     request = make_request(read_prompt(options), options) if launched_rank() == 0 else None
-    engine = open_group_engine(options.model, parallel=options.parallel)
+    engine = open_group_engine(
+        options.model,
+        parallel=options.parallel,
+        speculative=options.speculative,
+        draft_tokens=options.draft_tokens,
+    )
     if engine is None:
         leave(0)
     with contextlib.closing(engine) as client:
@@ -183,11 +190,12 @@ async def generate(client, request, on_text: Callable[[str], object] | None) -> 
         elif isinstance(event, ErrorEvent):
             raise event.error
         elif isinstance(event, FinishEvent):
-            return _result(client.models()[0].id, "".join(parts), ids, event)
+            per_step = client.stats().tokens_per_step
+            return _result(client.models()[0].id, "".join(parts), ids, event, per_step)
     raise KapitsaError("the engine ended the stream without finishing it")
 
 
-def _result(model: str, text: str, ids: list[int], finish) -> RunResult:  # noqa: ANN001
+def _result(model: str, text: str, ids: list[int], finish, tokens_per_step: float) -> RunResult:  # noqa: ANN001
     usage = finish.usage
     computed = usage.prompt_tokens - usage.cached_tokens
     # the first token comes out of the prefill; decode speed counts the tokens after it
@@ -202,6 +210,7 @@ def _result(model: str, text: str, ids: list[int], finish) -> RunResult:  # noqa
         finish_reason=finish.finish_reason,
         prefill_tok_s=round(computed / usage.prefill_seconds, 2) if usage.prefill_seconds > 0 else 0.0,
         decode_tok_s=round(decoded / usage.decode_seconds, 2) if usage.decode_seconds > 0 else 0.0,
+        tokens_per_step=round(tokens_per_step, 3),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+from typing import Any
 
 from kapitsa.commands.group import join_as_rank, launched_rank, leave, relaunch, wants_group
 from kapitsa.server.runner import check_bind, check_port_free, serve_forever
@@ -50,7 +51,8 @@ def cmd_serve(
 
     settings = make_settings(model=model, host=host, port=port, speculative=speculative)
     if wants_group(hostfile):
-        return _serve_group(settings, hostfile, parallel=parallel, flags=(speculative, draft, kv_bits))
+        flags = {"draft": draft, "draft_tokens": draft_tokens, "tree": tree, "kv_bits": kv_bits}
+        return _serve_group(settings, hostfile, parallel=parallel, flags=flags)
     check_bind(settings)
     check_speculation(settings.speculative, draft)
     parse_kv_bits(kv_bits)  # a bad flag fails before the port check and the weights
@@ -68,14 +70,20 @@ def cmd_serve(
 
 
 def _serve_group(
-    settings: ServerSettings, hostfile: Path | None, *, parallel: str, flags: tuple[str | None, ...]
+    settings: ServerSettings, hostfile: Path | None, *, parallel: str, flags: dict[str, Any]
 ) -> None:
-    """Rank 0 serves the API over the group's engine; the other ranks run its steps."""
+    """Rank 0 serves the API over the group's engine; the other ranks run its steps.
+
+    `flags`: the engine's `--draft`, `--draft-tokens`, `--tree` and `--kv-bits` as given."""
     from kapitsa.opener import check_group_flags, open_group_engine
 
-    speculative, draft, kv_bits = flags
     check_group_flags(
-        parallel=parallel, speculative=speculative, draft=draft, kv_bits=kv_bits, model=settings.model
+        parallel=parallel,
+        speculative=settings.speculative,
+        draft=flags["draft"],
+        kv_bits=flags["kv_bits"],
+        model=settings.model,
+        tree=flags["tree"],
     )
     rank = launched_rank()
     if rank in (None, 0):  # the port is rank 0's: check it before any rank loads
@@ -84,7 +92,12 @@ def _serve_group(
     if rank is None:
         relaunch(hostfile, sys.argv[1:])
     join_as_rank()
-    engine = open_group_engine(settings.model, parallel=parallel)
+    engine = open_group_engine(
+        settings.model,
+        parallel=parallel,
+        speculative=settings.speculative,
+        draft_tokens=flags["draft_tokens"],
+    )
     if engine is None:
         leave(0)
     with contextlib.closing(engine) as client:

@@ -16,14 +16,14 @@ PROMPT = "the quick brown fox jumps"
 MAX_TOKENS = 10
 
 
-def write_checkpoint(folder: Path, kind: str) -> Path:
+def write_checkpoint(folder: Path, kind: str, **config_overrides: object) -> Path:
     if kind == "flint":
         from kapitsa.testing.tiny_flint import write_tiny_flint
 
-        return write_tiny_flint(folder)
+        return write_tiny_flint(folder, **config_overrides)
     from kapitsa.testing.tiny import write_tiny_checkpoint
 
-    return write_tiny_checkpoint(folder, kind)
+    return write_tiny_checkpoint(folder, kind, **config_overrides)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,10 @@
 """`GroupEngine`: the `EngineClient` rank 0 serves while the other ranks follow its steps.
 
 One request at a time, batch 1: each prompt chunk and each decode step is broadcast (control.py)
-and run on every rank's shard; rank 0 samples from the logits its shard returns. A lost or silent
+and run on every rank's shard; rank 0 samples from the logits its shard returns. With speculation
+(speculation.py) a decode step verifies rank 0's n-gram draft: the group runs `[last, d1..dk]`
+recorded, rank 0 accepts from every position's logits, and the next command tells every rank how
+many of those tokens to roll back. A lost or silent
 peer fails the running and queued requests with `PeerLost`, then ends the process after
 `EXIT_GRACE_S` (time for the error to reach the client): the group cannot serve without it.
 """
@@ -15,13 +18,15 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.distributed.control import Command, Op, broadcast
 from kapitsa.engine.distributed.group import HEARTBEAT_S, PeerLost, hard_exit
 from kapitsa.engine.distributed.loading import LoadedShard
+from kapitsa.engine.distributed.speculation import GroupSpeculation
 from kapitsa.engine.distributed.watchdog import StepClock, Watchdog
 from kapitsa.engine.runner.memory import check_context
 from kapitsa.engine.runner.output import emit_tokens, threadsafe_put
-from kapitsa.engine.runner.sampler import SequenceSampler
+from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.runner.stop import StopMatcher
 from kapitsa.engine.text.prepare import prepare_prompt
@@ -50,11 +55,22 @@ class GroupEngine:
         shard: rank 0's `Shard` (shard.py / tensor.py).
         loaded: what `load_shard` returned on rank 0 (tokenizer, info).
         clock: how long a step may block before the group is declared dead (watchdog.py).
+        speculation: rank 0's drafting and acceptance; None decodes one token per step.
     """
 
-    def __init__(self, shard, loaded: LoadedShard, *, clock: StepClock | None = None) -> None:  # noqa: ANN001
+    def __init__(
+        self,
+        shard,  # noqa: ANN001
+        loaded: LoadedShard,
+        *,
+        clock: StepClock | None = None,
+        speculation: GroupSpeculation | None = None,
+    ) -> None:
         assert loaded.tokenizer is not None and loaded.info is not None
         self.shard, self.tokenizer = shard, loaded.tokenizer
+        self.speculation = speculation
+        self._drop = 0  # tokens of the last verify every rank rolls back before the next forward
+        self._cache: HybridCache | None = None
         self.info = dataclasses.replace(loaded.info, vocab_size=loaded.model.args.vocab_size)
         self.encoder = PromptEncoder(self.tokenizer)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -101,8 +117,11 @@ class GroupEngine:
         return len(prepared.ids)
 
     def stats(self) -> EngineStats:
-        c = self._counts
+        c, spec = self._counts, self.speculation
         return EngineStats(
+            speculative="none" if spec is None else spec.name,
+            draft_acceptance_rate=0.0 if spec is None else spec.acceptance_rate,
+            tokens_per_step=0.0 if spec is None else spec.tokens_per_step,
             alive=self.alive,
             model=self.info.id,
             active_requests=int(self._current is not None),
@@ -170,6 +189,8 @@ class GroupEngine:
     def _serve(self, seq: Sequence) -> None:
         self._current = seq  # kept on a PeerLost: `_lost` fails it
         seq.sampler = SequenceSampler(seq.request.sampling, seq.prompt_ids, tuple(self.eos_token_ids))
+        if self.speculation is not None:
+            self.speculation.start()
         self._generate(seq)
         self._counts["finished"] += 1
         self._current = None
@@ -183,15 +204,28 @@ class GroupEngine:
                 return self._finish(seq, "abort", started, started)
         self._counts["computed"] += len(prompt)
         prefilled = time.perf_counter()
+        tokens = [seq.sampler.sample(logits)]
         while True:
-            token = seq.sampler.sample(logits)
-            reason = emit_tokens(seq, [token])
-            self._counts["generated"] += 1
+            before = len(seq.output_ids)
+            reason = emit_tokens(seq, tokens)
+            self._counts["generated"] += len(seq.output_ids) - before
             if reason is None and seq.request_id in self._aborted:
                 reason = "abort"
             if reason is not None:
                 return self._finish(seq, reason, started, prefilled)
-            logits = self._forward([token.token_id], new_cache=False)
+            tokens = self._decode_step(seq)
+
+    def _decode_step(self, seq: Sequence) -> list[SampledToken]:
+        """One forward after `seq`'s last token: a verify of a draft when there is one, else plain."""
+        spec, last = self.speculation, seq.output_ids[-1]
+        draft = [] if spec is None else spec.propose(seq)
+        logits = self._forward([last, *draft], new_cache=False, record=bool(draft))
+        if draft:
+            tokens, self._drop = spec.accept(seq, draft, logits)
+            return tokens
+        if spec is not None:
+            spec.count(1)
+        return [seq.sampler.sample(logits)]
 
     def _finish(self, seq: Sequence, reason: str, started: float, prefilled: float) -> None:
         self._aborted.discard(seq.request_id)
@@ -203,17 +237,19 @@ class GroupEngine:
         )
         seq.emit(FinishEvent(seq.request_id, reason, usage, stop_sequence=seq.stop_sequence))
 
-    def _forward(self, tokens: list[int], *, new_cache: bool):  # noqa: ANN202 - mx.array
-        self._send(Command(Op.FORWARD, tuple(tokens), new_cache))
-        if new_cache:
-            self._cache = self.shard.new_cache()
-        self._watchdog.arm("a forward", self._clock.deadline(len(tokens)))
+    def _forward(self, tokens: list[int], *, new_cache: bool, record: bool = False):  # noqa: ANN202 - mx.array
+        """Every rank's forward of `tokens`; rank 0's logits (`[T, V]` when `record`, else `[V]`)."""
+        command = Command(Op.FORWARD, tuple(tokens), new_cache, record, 0 if new_cache else self._drop)
+        self._drop = 0
+        self._send(command)
+        self._cache = self.shard.cache_for(self._cache, command)
+        self._watchdog.arm("a forward", self._clock.deadline(command.paced_as))
         started = time.perf_counter()
         try:
-            logits = self.shard.step(self._cache, tokens)
+            logits = self.shard.step(self._cache, tokens, record)
         finally:
             self._watchdog.disarm()
-        self._clock.record(len(tokens), time.perf_counter() - started)
+        self._clock.record(command.paced_as, time.perf_counter() - started)
         return logits
 
     def _send(self, command: Command) -> None:

@@ -31,14 +31,12 @@ def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # n
             if command.op is Op.STOP:
                 return
             if command.op is Op.FORWARD:
-                if command.new_cache or cache is None:
-                    cache = shard.new_cache()
-                tokens = list(command.tokens)
-                last_tokens = len(tokens)
-                watchdog.arm("a forward", clock.deadline(len(tokens)))
+                cache = shard.cache_for(cache, command)
+                last_tokens = command.paced_as
+                watchdog.arm("a forward", clock.deadline(last_tokens))
                 started = time.perf_counter()
-                shard.step(cache, tokens)
-                clock.record(len(tokens), time.perf_counter() - started)
+                shard.step(cache, list(command.tokens), command.record)
+                clock.record(last_tokens, time.perf_counter() - started)
         except PeerLost as err:
             hard_exit(f"rank {group.rank}: {err}; stopping")
         finally:

@@ -3,7 +3,9 @@
 `PipelineShard`: a contiguous range of layers; hidden states go rank to rank (`send`/`recv`),
 the last rank sends its last position back to rank 0, which holds the embedding and the head.
 `TensorShard` (tensor.py): every layer, each with a slice of its heads and columns.
-Both give rank 0 the next-token logits `[V]`; the other ranks get None.
+Both give rank 0 the next-token logits `[V]`; the other ranks get None. A recorded step (a
+speculative verify) keeps replay records on every rank and gives rank 0 every position's logits
+`[T, V]`, so the pipeline's last rank sends all T hidden states back, not just the last.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.cache.hybrid import HybridCache
+from kapitsa.engine.distributed.control import Command
 from kapitsa.engine.distributed.group import Group, evaluate
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.loading.fuse import fuse_model
@@ -48,21 +51,32 @@ class Shard:
     def new_cache(self) -> HybridCache:
         return HybridCache([self.model.make_layer_cache(layer) for layer in self.local_layers], 1)
 
-    def run_layers(self, h: mx.array, cache: HybridCache) -> mx.array:
-        info = cache.begin(h.shape[1])
+    def cache_for(self, cache: HybridCache | None, command: Command) -> HybridCache:
+        """The cache a forward `command` runs on: a fresh one for a new request, else `cache` with
+        the previous verify's rejected tokens rolled back."""
+        if command.new_cache or cache is None:
+            return self.new_cache()
+        cache.rollback([command.drop])
+        return cache
+
+    def run_layers(self, h: mx.array, cache: HybridCache, record: bool = False) -> mx.array:
+        info = cache.begin(h.shape[1], record=record)
         for layer, layer_cache in zip(self.local_layers, cache.layers, strict=True):
             h = layer(h, info, layer_cache)
         cache.end(info)
         return h
 
-    def head_logits(self, last: mx.array) -> mx.array:
-        return self.model.logits(last)[0, -1]
+    def head_logits(self, h: mx.array, record: bool = False) -> mx.array:
+        """`[V]` of the last position, or `[T, V]` float32 of every position for a verify."""
+        if record:
+            return self.model.logits(h)[0].astype(mx.float32)
+        return self.model.logits(h[:, -1:])[0, -1]
 
 
 class PipelineShard(Shard):
     """Layers `layer_ids` (contiguous); rank 0 also embeds and computes the logits."""
 
-    def step(self, cache: HybridCache, tokens: list[int]) -> mx.array | None:
+    def step(self, cache: HybridCache, tokens: list[int], record: bool = False) -> mx.array | None:
         g, T = self.group, len(tokens)
         hidden_size = self.model.args.hidden_size
         if g.is_driver:
@@ -71,19 +85,25 @@ class PipelineShard(Shard):
             h = mx.distributed.recv_like(
                 mx.zeros((1, T, hidden_size), self.dtype), g.prev_rank, group=g.handle
             )
-        h = self.run_layers(h, cache)
+            if record:
+                # replay records keep lazy pieces of this pass that the outputs do not need; left
+                # hanging off the recv, a rollback that evaluates them would run the recv again
+                # and wait for a send that never comes
+                evaluate(h, what="a forward")
+        h = self.run_layers(h, cache, record)
         last_rank = g.rank == g.size - 1
         if g.size == 1:
-            logits = self.head_logits(h[:, -1:])
+            logits = self.head_logits(h, record)
             evaluate(logits, *cache.state_arrays(), what="a forward")
             return logits
-        sent = mx.distributed.send(h[:, -1:] if last_rank else h, g.next_rank, group=g.handle)
+        back = T if record else 1  # the positions whose logits rank 0 needs
+        sent = mx.distributed.send(h[:, -back:] if last_rank else h, g.next_rank, group=g.handle)
         evaluate(sent, *cache.state_arrays(), what="a forward")
         if not g.is_driver:
             return None
-        template = mx.zeros((1, 1, hidden_size), self.dtype)
+        template = mx.zeros((1, back, hidden_size), self.dtype)
         last = mx.distributed.recv_like(template, g.size - 1, group=g.handle)
-        logits = self.head_logits(last)
+        logits = self.head_logits(last, record)
         evaluate(logits, what="a forward")
         return logits
 

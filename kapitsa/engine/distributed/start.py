@@ -7,6 +7,7 @@ from kapitsa.engine.distributed.follower import follow
 from kapitsa.engine.distributed.group import barrier, init_group
 from kapitsa.engine.distributed.loading import LoadedShard, load_shard
 from kapitsa.engine.distributed.shard import PipelineShard, Shard
+from kapitsa.engine.distributed.speculation import GroupSpeculation, group_speculates
 from kapitsa.engine.options import KernelOptions
 
 
@@ -25,8 +26,14 @@ def start_rank(
     parallel: str,
     model_id: str | None = None,
     kernels: KernelOptions = KernelOptions(),  # noqa: B008 - frozen
+    speculative: str | None = None,
+    draft_tokens: int | None = None,
 ) -> GroupEngine | None:
     """Join the group mlx.launch started, load this rank's shard of `source`.
+
+    `speculative` is the `--speculative` mode (speculation.GROUP_SPECULATIVE_MODES; None: the
+    default, n-gram drafting) and `draft_tokens` the longest draft; only rank 0 reads them, the
+    other ranks take each step's shape from its command.
 
     Returns:
         On rank 0 the running `GroupEngine` (its `close()` stops the group); on the other ranks
@@ -37,6 +44,7 @@ def start_rank(
     shard = make_shard(loaded, group, parallel, kernels)
     barrier(group, what="startup")
     if group.is_driver:
-        return GroupEngine(shard, loaded)
+        speculation = GroupSpeculation(draft_tokens) if group_speculates(speculative) else None
+        return GroupEngine(shard, loaded, speculation=speculation)
     follow(shard, group)
     return None

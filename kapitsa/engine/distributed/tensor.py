@@ -85,13 +85,13 @@ class LocalExperts(nn.Module):
 class TensorShard(Shard):
     """Every layer, each on this rank's slice; every rank embeds, rank 0 computes the logits."""
 
-    def step(self, cache: HybridCache, tokens: list[int]) -> mx.array | None:
+    def step(self, cache: HybridCache, tokens: list[int], record: bool = False) -> mx.array | None:
         h = self.model.backbone_parts()[0](mx.array([tokens], dtype=mx.int32)).astype(self.dtype)
-        h = self.run_layers(h, cache)
+        h = self.run_layers(h, cache, record)
         if not self.group.is_driver:
             evaluate(h, *cache.state_arrays(), what="a forward")
             return None
-        logits = self.head_logits(h[:, -1:])
+        logits = self.head_logits(h, record)
         evaluate(logits, *cache.state_arrays(), what="a forward")
         return logits
 

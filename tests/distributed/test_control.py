@@ -1,0 +1,55 @@
+"""The control header round-trips: what rank 0 broadcasts is what every rank reads back, the
+speculative verify's record flag and the previous verify's drop count included."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlx.core")
+
+from kapitsa.engine.distributed import control  # noqa: E402 - needs MLX
+from kapitsa.engine.distributed.control import INLINE, Command, Op, broadcast  # noqa: E402
+from kapitsa.engine.distributed.group import Group  # noqa: E402
+
+COMMANDS = [
+    Command(Op.IDLE),
+    Command(Op.FORWARD, (5, 6, 7), new_cache=True),
+    Command(Op.FORWARD, (9, 1, 2, 3), record=True, drop=0),
+    Command(Op.FORWARD, (4,), drop=3),
+    Command(Op.FORWARD, tuple(range(1, 2 * INLINE + 3)), record=True, drop=7),
+    Command(Op.STOP),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_follower_reads_what_rank_0_sent(command: Command, monkeypatch) -> None:
+    """A two-rank sum where the follower contributes zeros: each collective's result is rank 0's block."""
+    sent: list[list[int]] = []
+
+    def driver_sum(_group, values):  # noqa: ANN001, ANN202
+        sent.append(list(values))
+        return list(values)
+
+    monkeypatch.setattr(control, "_sum", driver_sum)
+    assert broadcast(Group(0, 2, None), command) == command
+    assert len(sent) == (2 if len(command.tokens) > INLINE else 1)  # a decode step is one collective
+
+    def follower_sum(_group, values):  # noqa: ANN001, ANN202
+        assert not any(values)  # a follower adds nothing
+        return sent.pop(0)
+
+    monkeypatch.setattr(control, "_sum", follower_sum)
+    assert broadcast(Group(1, 2, None), None) == command
+
+
+def test_a_group_of_one_round_trips_through_mlx() -> None:
+    import mlx.core as mx
+
+    handle = mx.distributed.init(strict=False)
+    command = Command(Op.FORWARD, tuple(range(10, 10 + INLINE + 2)), record=True, drop=4)
+    assert broadcast(Group(handle.rank(), handle.size(), handle), command) == command
+
+
+def test_a_verify_is_paced_as_one_decode_step() -> None:
+    assert Command(Op.FORWARD, (1, 2, 3), record=True).paced_as == 1
+    assert Command(Op.FORWARD, (1, 2, 3)).paced_as == 3
