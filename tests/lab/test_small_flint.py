@@ -24,7 +24,7 @@ def test_the_published_shape_splits_as_the_catalog_says_and_each_budget_gets_its
     assert {n: p.description for n, p in plans.items()} == {"24gb-mac": "small-2/6", "16gb-mac": "small-2/3"}
 
 
-def test_tiny_run_times_the_recipe_and_plain_4bit() -> None:
+def test_tiny_run_times_the_recipe_and_plain_4bit_beside_mlx_vlm() -> None:
     done = subprocess.run(
         [sys.executable, "lab/small_flint.py", "--tiny", "--tokens", "4", "--prompt", "24"],
         cwd=ROOT,
@@ -34,5 +34,10 @@ def test_tiny_run_times_the_recipe_and_plain_4bit() -> None:
         timeout=300,
     )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["quantization"] for r in rows] == ["small-2/6", "small-2/6", "4bit"]
+    assert [(r["engine"], r["quantization"]) for r in rows] == [
+        ("kapitsa", "small-2/6"),
+        ("kapitsa", "small-2/6"),
+        ("kapitsa", "4bit"),
+        ("mlx-vlm", "4bit"),  # the test environment has mlx-vlm 0.7.10
+    ]
     assert all(r["decode_tok_s"] > 0 for r in rows)
