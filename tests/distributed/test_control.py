@@ -53,3 +53,17 @@ def test_a_group_of_one_round_trips_through_mlx() -> None:
 def test_a_verify_is_paced_as_one_decode_step() -> None:
     assert Command(Op.FORWARD, (1, 2, 3), record=True).paced_as == 1
     assert Command(Op.FORWARD, (1, 2, 3)).paced_as == 3
+
+
+def test_each_speculative_shape_gets_the_warm_up_deadline_once() -> None:
+    """A verify's width and a rollback's length compile on first use: the first of each may take
+    as long as a first step; later ones are held to the decode pace."""
+    from kapitsa.engine.distributed.watchdog import StepClock
+
+    clock = StepClock(first_s=60, floor_s=3, factor=8)
+    clock.record(1, 0.01)
+    verify = Command(Op.FORWARD, (1, 2, 3), record=True, drop=1)
+    assert clock.deadline(verify.paced_as, verify.warm_key) == 60
+    clock.record(verify.paced_as, 0.02, verify.warm_key)
+    assert clock.deadline(verify.paced_as, verify.warm_key) == 3
+    assert Command(Op.FORWARD, (4,)).warm_key is None  # a plain step has no shape of its own

@@ -51,6 +51,12 @@ class Command:
         verify costs about one decode step, not its tokens' share of a prefill chunk."""
         return 1 if self.record else len(self.tokens)
 
+    @property
+    def warm_key(self) -> tuple[int, int] | None:
+        """The speculative shape this forward compiles for on first use (a verify's width, the
+        rollback before it); None for plain steps."""
+        return (len(self.tokens), self.drop) if self.record or self.drop else None
+
 
 def broadcast(group: Group, command: Command | None) -> Command:
     """Rank 0 passes its `command` (others pass None); every rank returns rank 0's command."""

@@ -243,13 +243,13 @@ class GroupEngine:
         self._drop = 0
         self._send(command)
         self._cache = self.shard.cache_for(self._cache, command)
-        self._watchdog.arm("a forward", self._clock.deadline(command.paced_as))
+        self._watchdog.arm("a forward", self._clock.deadline(command.paced_as, command.warm_key))
         started = time.perf_counter()
         try:
             logits = self.shard.step(self._cache, tokens, record)
         finally:
             self._watchdog.disarm()
-        self._clock.record(command.paced_as, time.perf_counter() - started)
+        self._clock.record(command.paced_as, time.perf_counter() - started, command.warm_key)
         return logits
 
     def _send(self, command: Command) -> None:

@@ -33,10 +33,10 @@ def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # n
             if command.op is Op.FORWARD:
                 cache = shard.cache_for(cache, command)
                 last_tokens = command.paced_as
-                watchdog.arm("a forward", clock.deadline(last_tokens))
+                watchdog.arm("a forward", clock.deadline(last_tokens, command.warm_key))
                 started = time.perf_counter()
                 shard.step(cache, list(command.tokens), command.record)
-                clock.record(last_tokens, time.perf_counter() - started)
+                clock.record(last_tokens, time.perf_counter() - started, command.warm_key)
         except PeerLost as err:
             hard_exit(f"rank {group.rank}: {err}; stopping")
         finally:

@@ -2,7 +2,9 @@
 
 `StepClock` says how long a step may take: `factor` times the median recent step of its kind (a
 decode step, or a prefill chunk per token), at least `floor_s`; `first_s` until one of its kind
-has finished (the first steps trace and warm up). `Watchdog` calls its callback once an armed
+has finished (the first steps trace and warm up), and for the first step of each speculative
+shape (`warm_key`: a verify's width and a rollback's length each compile their own kernels on a
+GPU, seconds on a large model). `Watchdog` calls its callback once an armed
 section outlives its deadline.
 """
 
@@ -31,14 +33,17 @@ class StepClock:
         self.first_s, self.floor_s, self.factor = first_s, floor_s, factor
         self._decode: deque[float] = deque(maxlen=window)  # seconds per decode step
         self._chunk: deque[float] = deque(maxlen=window)  # seconds per token of a prefill chunk
+        self._warm: set[object] = set()  # the speculative shapes that ran once
 
-    def deadline(self, tokens: int) -> float:
+    def deadline(self, tokens: int, warm_key: object = None) -> float:
         recent = self._decode if tokens == 1 else self._chunk
-        if not recent:
+        if not recent or (warm_key is not None and warm_key not in self._warm):
             return self.first_s
         return max(self.floor_s, self.factor * statistics.median(recent) * (1 if tokens == 1 else tokens))
 
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float, warm_key: object = None) -> None:
+        if warm_key is not None:
+            self._warm.add(warm_key)
         if tokens == 1:
             self._decode.append(seconds)
         else:
