@@ -101,9 +101,7 @@ class GroupSpeculation:
         if draft:
             shadow.clear()  # the verify scores this draft
         elif not shadow.live:
-            shadow.start(state.drafter.propose(context, self.max_draft).tokens, len(context))
-            if not shadow.live:
-                shadow.run = 0  # nothing guessed: the next token breaks any run
+            shadow.guess(state.drafter.propose(context, self.max_draft).tokens, len(context))
         return draft
 
     def accept(self, seq: Sequence, draft: list[int], rows: mx.array) -> tuple[list[SampledToken], int]:

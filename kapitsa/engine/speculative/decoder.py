@@ -153,9 +153,7 @@ class SpeculativeDecode:
         if not self.adaptive or state.controller.best_length(shadow.current_run, exit_cost) > 0:
             return bool(drafter.propose(context, 1).tokens)
         if not shadow.live:
-            shadow.start(drafter.propose(context, self.max_draft).tokens, len(context))
-            if not shadow.live:
-                shadow.run = 0  # nothing guessed: the next token breaks any run
+            shadow.guess(drafter.propose(context, self.max_draft).tokens, len(context))
         return False
 
     def step(

@@ -40,6 +40,15 @@ class ShadowGuess:
     def start(self, tokens: Sequence[int], at: int) -> None:
         self.tokens, self.at, self.matched = tuple(int(t) for t in tokens), at, 0
 
+    def guess(self, tokens: Sequence[int], at: int) -> None:
+        """Start scoring `tokens` as the continuation of a context of length `at` unless a guess
+        is live; an empty guess breaks any run (the next token is not one the drafter saw coming)."""
+        if self.tokens:
+            return
+        self.start(tokens, at)
+        if not self.tokens:
+            self.run = 0
+
     def clear(self) -> None:
         self.run, self.tokens, self.matched = self.current_run, (), 0
 
