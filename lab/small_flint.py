@@ -82,12 +82,38 @@ class _VlmText:
         return self.language_model.parameters()
 
 
+def _flint_modules_alone():  # noqa: ANN202
+    """mlx-vlm's Flint language model without `mlx_vlm/__init__` (its generate, convert and
+    processor imports want transformers and more): the two parent packages become bare namespaces
+    over the installed folders, so only the model files and their mlx/numpy/PIL imports load."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("mlx_vlm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("mlx_vlm is not installed")
+    root = list(spec.submodule_search_locations)[0]
+    for name, folder in (("mlx_vlm", root), ("mlx_vlm.models.flint", f"{root}/models/flint")):
+        package = types.ModuleType(name)
+        package.__path__ = [folder]
+        sys.modules[name] = package
+    language = importlib.import_module("mlx_vlm.models.flint.language")
+    config = importlib.import_module("mlx_vlm.models.flint.config")
+    return language.LanguageModel, config.ModelConfig
+
+
 def mlx_vlm_model(config: dict) -> _VlmText | None:
     try:
         from mlx_vlm.models.flint import LanguageModel, ModelConfig
-    except Exception as error:  # noqa: BLE001 - a missing or broken install only drops the reference
-        print(f"mlx-vlm's Flint does not import: {error!r}", flush=True)
-        return None
+    except Exception as error:  # noqa: BLE001 - the package's own imports, not the model's
+        print(f"mlx-vlm's package does not import ({error!r}); its Flint files alone", flush=True)
+        try:
+            LanguageModel, ModelConfig = _flint_modules_alone()  # noqa: N806
+        except Exception as inner:  # noqa: BLE001 - a missing install only drops the reference
+            print(f"mlx-vlm's Flint does not import: {inner!r}", flush=True)
+            return None
     return _VlmText(materialize(LanguageModel(ModelConfig.from_dict(config))))
 
 
