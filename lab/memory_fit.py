@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -31,8 +32,9 @@ from test_memory_fit import SHAPES, _measured_peak  # noqa: E402
 
 from kapitsa import memory_estimate as me  # noqa: E402
 from kapitsa.catalog import arch_from_config  # noqa: E402
+from kapitsa.engine import kernels  # noqa: E402
 from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
-from kapitsa.engine.options import EngineConfig  # noqa: E402
+from kapitsa.engine.options import EngineConfig, KernelOptions  # noqa: E402
 from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams  # noqa: E402
 from kapitsa.testing.tiny import tiny_config  # noqa: E402
 from lab import models_under_test as mut  # noqa: E402
@@ -69,7 +71,9 @@ def model_peak(model, *, context: int, chunk: int, kv_bits: int | None, vocab: i
     """The engine's peak allocation above what it holds before a `context`-token prompt, measured
     as tests/engine/test_memory_fit._measured_peak measures it, over a given model."""
     info = ModelInfo(id="shape", family="test", context_length=2 * context, max_output_tokens=16)
-    config = EngineConfig(prefill_chunk=chunk, kv_bits=kv_bits, prefix_cache_bytes=0)
+    # the KAPITSA_* lab variables (KAPITSA_QLINEAR=stock: no dense prefill route) A/B a kernel's share
+    kernels = KernelOptions.from_environ(os.environ)
+    config = EngineConfig(prefill_chunk=chunk, kv_bits=kv_bits, prefix_cache_bytes=0, kernels=kernels)
     client = InProcessEngine(model, ByteTokenizer(), info, eos_token_ids={EOS}, config=config)
     prompt = tuple(mut.prompt_ids(context, vocab))
     try:
@@ -103,7 +107,8 @@ def estimate_fields(
 ) -> dict:
     """The estimate (with `dequantized_kv` as this device has it), its lower bound (one of K/V
     growing, as the test allows) and its terms in MiB, so a measured gap names the term it comes from."""
-    on_cpu = mx.default_device().type == mx.cpu
+    # MLX's CPU quantized matmul works on a float copy; on CUDA the engine dequantizes K/V first
+    on_cpu = mx.default_device().type == mx.cpu or kernels.backend() == "cuda"
     context, chunk = args.context, args.chunk
     sizes = dict(context_tokens=context, prefill_chunk=chunk, dtype_bytes=dtype_bytes, kv_bits=kv_bits)
     estimate = me.prefill_peak_bytes(arch, **sizes, attention_heads=heads, dequantized_kv=on_cpu)
@@ -162,7 +167,8 @@ def shape_rows(shape: str, args: argparse.Namespace) -> None:
             where = dict(
                 shape=shape, kind=kind, context=args.context, chunk=args.chunk, kv_bits=kv_bits, run=run
             )
-            emit({**where, **peak_row(peak, fields)})
+            knobs = {k: v for k, v in os.environ.items() if k.startswith(("KAPITSA_", "MLX_MAX"))}
+            emit({**where, "knobs": knobs, **peak_row(peak, fields)})
     del model
     gc.collect()
     mx.clear_cache()

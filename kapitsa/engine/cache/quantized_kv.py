@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from kapitsa.engine import options
+from kapitsa.engine import kernels, options
 from kapitsa.engine.cache.layers import KV_STEP, KVCache, StepInfo
 
 KV_BITS = (8, 4)
@@ -135,6 +135,7 @@ def quantized_attention(
     scale: float,
     group_size: int,
     bits: int,
+    dequantize_first: bool | None = None,
 ) -> mx.array:
     """Softmax attention of q `[B, H, T, D]` over quantized K/V `[B, Hkv, L, *]` (H a multiple of
     Hkv); `mask` as `mx.fast.scaled_dot_product_attention` takes it ("causal" is bottom-right
@@ -143,17 +144,30 @@ def quantized_attention(
     The scores are materialised, so a long prefill chunk over a long context runs in blocks of
     query positions whose scores stay under `options.SCORES_BLOCK_BYTES` (each row's softmax is
     its own, so the blocks give the same values).
+
+    `dequantize_first` (None: where MLX's quantized matmul cannot take these operands, i.e. on
+    CUDA, whose kernels need an unbatched weight of 8-aligned rows and have no transposed-input
+    form for the V product) dequantizes one layer's K and V to q's dtype once and attends with
+    plain matmuls: the same quantized values, one layer's float K/V held for the call.
     """
     B, H, T, D = q.shape
     L = keys[0].shape[2]
+    if dequantize_first is None:
+        dequantize_first = kernels.backend() == "cuda"
+    operands: tuple = (keys, values)
+    if dequantize_first:
+        operands = tuple(
+            mx.dequantize(*kv, group_size=group_size, bits=bits).astype(q.dtype) for kv in operands
+        )
+    keys_, values_ = operands
     rows = max(1, options.SCORES_BLOCK_BYTES // (B * H * L * 4))
     if rows >= T:
-        return _attention_block(q, keys, values, _block_mask(mask, L, T, 0, T), scale, group_size, bits)
+        return _attention_block(q, keys_, values_, _block_mask(mask, L, T, 0, T), scale, group_size, bits)
     blocks = []
     for start in range(0, T, rows):
         stop = min(start + rows, T)
         block_mask = _block_mask(mask, L, T, start, stop)
-        out = _attention_block(q[:, :, start:stop], keys, values, block_mask, scale, group_size, bits)
+        out = _attention_block(q[:, :, start:stop], keys_, values_, block_mask, scale, group_size, bits)
         _eval_unless_traced(out)  # one block's scores at a time: a lazy graph holds every block's at once
         blocks.append(out)
     return mx.concatenate(blocks, axis=2)
@@ -178,25 +192,35 @@ def _block_mask(mask: mx.array | str | None, L: int, T: int, start: int, stop: i
 
 def _attention_block(
     q: mx.array,
-    keys: QuantizedKV,
-    values: QuantizedKV,
+    keys: QuantizedKV | mx.array,
+    values: QuantizedKV | mx.array,
     mask: mx.array | None,
     scale: float,
     group_size: int,
     bits: int,
 ) -> mx.array:
+    """One block of query rows; `keys`/`values` quantized triples or (dequantize_first) arrays
+    `[B, Hkv, L, D]`."""
     B, H, T, D = q.shape
-    Hkv = keys[0].shape[1]
+    dequantized = isinstance(keys, mx.array)
+    Hkv = keys.shape[1] if dequantized else keys[0].shape[1]
     group = H // Hkv
     qg = (q * scale).reshape(B, Hkv, group, T, D)
-    kg = tuple(mx.expand_dims(a, 2) for a in keys)
-    vg = tuple(mx.expand_dims(a, 2) for a in values)
-    scores = mx.quantized_matmul(qg, *kg, transpose=True, group_size=group_size, bits=bits)
+    if dequantized:
+        # the group's query rows stacked, so each K/V head is read as it is, not broadcast
+        scores = (qg.reshape(B, Hkv, group * T, D) @ keys.swapaxes(-1, -2)).reshape(B, Hkv, group, T, -1)
+    else:
+        kg = tuple(mx.expand_dims(a, 2) for a in keys)
+        scores = mx.quantized_matmul(qg, *kg, transpose=True, group_size=group_size, bits=bits)
     if mask is not None:
         visible = mask if mask.ndim == 2 else mx.expand_dims(mask, 2)  # [B, 1, 1, T, L] over the groups
         scores = mx.where(visible, scores, mx.array(-mx.inf, scores.dtype))
     weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
-    out = mx.quantized_matmul(weights, *vg, transpose=False, group_size=group_size, bits=bits)
+    if dequantized:
+        out = weights.reshape(B, Hkv, group * T, -1) @ values
+    else:
+        vg = tuple(mx.expand_dims(a, 2) for a in values)
+        out = mx.quantized_matmul(weights, *vg, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, H, T, D)
 
 
