@@ -266,6 +266,33 @@ def fast_decode(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bo
 # steps of host time on the H200 (lab/runs/decode-h200.md). Replay records are built outside
 # the traced functions from arrays they return.
 CHAIN_MAX_T = 16
+# Rows (batch x tokens) from which a forward runs layer by layer on a GPU. The device holds each
+# queued op's transients (the chunk's activations, CUDA's prefill route's dense copies of the
+# weights) until the work they belong to is done, and the host queues a whole chunk long before the
+# device finishes its first layers: a prefill chunk sent as one graph holds most layers' transients
+# at once. Each layer is sent as it is built and the host waits for the one before it, so at most
+# two layers' are held and the device never idles. Decode steps and verifies (few rows) stay one graph.
+LAYER_QUEUE_ROWS = 256
+
+
+def _on_gpu() -> bool:
+    return mx.default_device().type == mx.gpu
+
+
+def _queue_layer(h: mx.array, rows: int, previous: mx.array | None) -> mx.array | None:
+    """Send layer output `h` to the device and wait for `previous` (the last one sent); returns
+    what was sent, None when this forward stays one graph."""
+    if rows < LAYER_QUEUE_ROWS or not _on_gpu():
+        return None
+    try:
+        mx.async_eval(h)
+    except ValueError as err:  # inside mx.compile or vmap: the trace stays one graph
+        if "transformation" not in str(err):
+            raise
+        return None
+    if previous is not None:
+        mx.eval(previous)
+    return h
 
 
 def fast_chain(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bool:
@@ -348,8 +375,10 @@ class HybridLM(nn.Module):
         if media is not None:
             h, info.positions = media.splice(h), media.positions
         out = ForwardOutput(h)
+        queued = None
         for i, layer in enumerate(layers):
             h = layer(h, info, None if cache is None else cache[i])
+            queued = _queue_layer(h, B * T, queued)
             if i in taps:
                 out.taps[i] = h
         if cache is not None:
