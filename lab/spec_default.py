@@ -15,7 +15,7 @@ Workloads (greedy, batch 1):
 Engines: kapitsa plain (`--speculative none`), kapitsa's default speculation as `kapitsa serve`
 builds it (factory.strategy_for("auto"): its verify cost curve timed on the model), and the same
 with `tree=True` (n-gram tries)
-on the edit workload. Interleaved rounds; each speculative run must write what plain decoding
+and with `--draft-tokens 7` (drafts no longer than before a GPU's long drafts) on the edit workload. Interleaved rounds; each speculative run must write what plain decoding
 writes (`same_as_plain`). The summary gives auto / plain per workload and the edit's ratio to
 mlx-lm; tokens per verify and acceptance for the chain and the tree.
 """
@@ -51,8 +51,10 @@ def essay_workload() -> tuple[list[int], list[int]]:
     return prompt, tokenizer.encode(text)
 
 
-def _timed(model, prompt: list[int], tokens: int, mode: str, tree: bool = False) -> dict:
-    strategy = strategy_for(mode, target_model=model, tree=tree, kernels=DEFAULTS)
+def _timed(
+    model, prompt: list[int], tokens: int, mode: str, tree: bool = False, draft_tokens: int | None = None
+) -> dict:
+    strategy = strategy_for(mode, target_model=model, tree=tree, kernels=DEFAULTS, draft_tokens=draft_tokens)
     client = kapitsa_engine(model, len(prompt), tokens, strategy)
     try:
         generate(client, prompt, tokens)  # warm-up: compiles what the timed run meets
@@ -64,6 +66,7 @@ def _timed(model, prompt: list[int], tokens: int, mode: str, tree: bool = False)
     stats = getattr(strategy, "stats", None)
     if stats is not None:
         result.update(
+            max_draft=strategy.max_draft,
             verifies=stats.steps,
             tokens_per_verify=round(stats.tokens_per_step, 3),
             acceptance=round(stats.acceptance_rate, 3),
@@ -126,6 +129,8 @@ def bench_shape(
                 "plain": lambda p=prompt: _timed(model, p, n, "none"),
                 "auto": lambda p=prompt: _timed(model, p, n, "auto"),
             }
+            if workload == "edit":  # auto's draft length against the one it had before long drafts
+                runs["auto-7"] = lambda p=prompt: _timed(model, p, n, "auto", draft_tokens=7)
             if workload == "edit" and tree:
                 runs["auto-tree"] = lambda p=prompt: _timed(model, p, n, "auto", tree=True)
             if workload == "edit":
@@ -151,9 +156,10 @@ def summary(rows: list[dict]) -> None:
             auto_vs_plain=round(med["auto"] / med["plain"], 3),
             all_same_as_plain=all(r.get("same_as_plain", True) for r in mine if r["engine"] != "mlx-lm"),
         )
-        for e in ("auto", "auto-tree"):
+        for e in ("auto", "auto-7", "auto-tree"):
             last = [r for r in mine if r["engine"] == e]
             if last:
+                line[f"{e}_max_draft"] = last[-1].get("max_draft")
                 line[f"{e}_tokens_per_verify"] = last[-1]["tokens_per_verify"]
                 line[f"{e}_verifies"] = last[-1]["verifies"]
         if "mlx-lm" in med:
@@ -168,7 +174,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--edit-rounds", type=int, default=None, help="rounds of the edit workload (default --rounds)")
+    ap.add_argument(
+        "--edit-rounds", type=int, default=None, help="rounds of the edit workload (default --rounds)"
+    )
     ap.add_argument("--workloads", nargs="+", default=["own", "essay", "edit"])
     ap.add_argument("--no-tree", action="store_true", help="the edit workload without the n-gram tree")
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")

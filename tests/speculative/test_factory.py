@@ -55,7 +55,9 @@ def test_a_gpu_prices_verifies_by_what_their_widths_cost_on_the_model() -> None:
     assert dense == gpu_cost_curve(7)
     moe_ms = {1: 15.1, 2: 30.0, 4: 50.3, 8: 68.3}
     moe = gpu_cost_curve_from_timings(moe_ms.__getitem__, 7, (2, 4, 8))
-    assert moe[0] == 1.0 and moe[7] == pytest.approx(gpu_cost_curve(7)[1] * 68.3 / 15.1) and moe[4] == moe[7]  # T=5..8 pad to 8
+    assert (
+        moe[0] == 1.0 and moe[7] == pytest.approx(gpu_cost_curve(7)[1] * 68.3 / 15.1) and moe[4] == moe[7]
+    )  # T=5..8 pad to 8
     assert all(m >= g for m, g in zip(moe, gpu_cost_curve(7), strict=True))
     sure = DraftLengthController(max_draft=7, cost=moe, alphas=[1.0] * 7)
     assert sure.best_length() == 0
@@ -76,3 +78,44 @@ def test_the_served_strategy_times_its_verify_widths_on_a_gpu(monkeypatch) -> No
     curve = strategy.cost_curve
     assert len(curve) == strategy.max_draft + 1 and curve[0] == 1.0
     assert all(c >= g for c, g in zip(curve, gpu_cost_curve(strategy.max_draft), strict=True))
+
+
+def test_a_gpu_lengthens_drafts_only_where_the_widest_verify_is_cheap() -> None:
+    """The H200's 27B: 16 tokens verify in 25.2 ms against 20.7 for 8 (one read of the weights),
+    so drafts may reach 15 tokens, and a copy that holds is taken 15 at a time; Nemotron's MoE
+    verify routes 16 tokens to ~twice the experts of 8, and drafts stay at 7 at most."""
+    from kapitsa.engine.speculative.controller import DraftLengthController
+    from kapitsa.engine.speculative.cost import LONG_DRAFT, gpu_cost_curve_from_timings, takes_long_drafts
+
+    dense = {1: 21.9, 2: 21.0, 4: 20.2, 8: 20.7, 16: 25.2}
+    assert takes_long_drafts(dense)
+    curve = gpu_cost_curve_from_timings(dense.__getitem__, LONG_DRAFT, sorted(dense))
+    assert (
+        DraftLengthController(max_draft=LONG_DRAFT, cost=curve, alphas=[1.0] * LONG_DRAFT).best_length() == 15
+    )
+    assert not takes_long_drafts({1: 15.1, 2: 30.0, 4: 50.3, 8: 68.3, 16: 120.0})
+    assert not takes_long_drafts({1: 15.1, 8: 20.0})  # the wide verify not timed
+
+
+def test_the_served_strategy_on_a_gpu_picks_the_draft_length_from_its_timings(monkeypatch) -> None:  # noqa: ANN001
+    """The opener's wiring with a GPU backend: a cheap 16-token verify lengthens n-gram drafts to
+    15 (padded widths up to 16), a dear one keeps 7, and --draft-tokens always wins."""
+    from kapitsa.engine.speculative import cost, decoder, factory
+
+    monkeypatch.setattr(factory, "backend", lambda: "cuda")
+    monkeypatch.setattr(decoder, "backend", lambda: "cuda")
+    model = build_ours("qwen3_5_dense")
+    for wide_ms, expected in ((22.0, 15), (40.0, 7)):
+        timings = {1: 20.0, 2: 20.0, 4: 20.0, 8: 20.0, 16: wide_ms}
+        monkeypatch.setattr(
+            factory,
+            "gpu_width_timings",
+            lambda _m, widths, t=timings: {w: t.get(w, 20.0) for w in (1, *widths)},
+        )
+        strategy = factory.strategy_for("auto", target_model=model)
+        assert strategy.max_draft == expected
+        assert len(strategy.cost_curve) == expected + 1
+        assert strategy.padded_widths == ((2, 4, 8, 16) if expected == 15 else (2, 4, 8))
+    fixed = factory.strategy_for("auto", target_model=model, draft_tokens=5)
+    assert fixed.max_draft == 5 and len(fixed.cost_curve) == 6
+    assert cost.LONG_DRAFT == 15

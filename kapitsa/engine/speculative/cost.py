@@ -18,10 +18,15 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from kapitsa.engine.speculative.controller import gpu_cost_curve
+from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT, gpu_cost_curve
 
 CONTEXT_TOKENS = 32  # a short context, so the timing reads the forward and not the attention
 REPEATS = 5
+# On a GPU with no --draft-tokens, drafts may reach LONG_DRAFT tokens when the model's measured
+# verify of LONG_DRAFT + 1 tokens costs at most LONG_DRAFT_COST_RATIO times an 8-token one (the
+# H200's 27B: 25.2 against 20.7 ms, 1.22); the controller still picks each draft's length.
+LONG_DRAFT = 15
+LONG_DRAFT_COST_RATIO = 1.3
 
 
 def _median_forward_s(model, cache, width: int) -> float:  # noqa: ANN001 - a kapitsa HybridLM
@@ -68,13 +73,28 @@ def gpu_cost_curve_from_timings(
     return curve
 
 
-def gpu_measured_cost_curve(model, max_draft: int, widths: Sequence[int]) -> list[float]:  # noqa: ANN001
-    """`gpu_cost_curve_from_timings` over the model's own forwards (each with its replay record and
-    rollback, as a verify runs), after one warm-up forward per width (the first call compiles)."""
+def gpu_width_timings(model, widths: Sequence[int]) -> dict[int, float]:  # noqa: ANN001
+    """Seconds of the model's forward (with its replay record and rollback, as a verify runs) at 1
+    and each of `widths`, after one warm-up forward per width (the first call compiles)."""
     cache = model.make_cache(1)
     mx.eval(model(mx.array([[1] * CONTEXT_TOKENS], dtype=mx.int32), cache))
     sizes = sorted({1, *(w for w in widths if w > 1)})
     for width in sizes:
         _median_forward_s(model, cache, width)
-    timed = {width: _median_forward_s(model, cache, width) for width in sizes}
-    return gpu_cost_curve_from_timings(timed.__getitem__, max_draft, sizes)
+    return {width: _median_forward_s(model, cache, width) for width in sizes}
+
+
+def gpu_measured_cost_curve(model, max_draft: int, widths: Sequence[int]) -> list[float]:  # noqa: ANN001
+    """`gpu_cost_curve_from_timings` over the model's own forwards at `widths`."""
+    timed = gpu_width_timings(model, widths)
+    return gpu_cost_curve_from_timings(timed.__getitem__, max_draft, sorted(timed))
+
+
+def takes_long_drafts(timed: dict[int, float]) -> bool:
+    """Whether a GPU's longest verify (LONG_DRAFT + 1 tokens) costs little more than an 8-token
+    one on this model (`timed`: seconds per width): a dense model's 16 rows share one read of the
+    weights when the 9-16-row mat-vec kernel took them, so a copy that holds gains twice the
+    tokens for ~20% more time; where that kernel is missing or the rows route to more experts
+    (MoE), the 16-token verify costs far more and drafts stay at most DEFAULT_MAX_DRAFT long."""
+    wide, narrow = timed.get(LONG_DRAFT + 1), timed.get(DEFAULT_MAX_DRAFT + 1)
+    return wide is not None and narrow is not None and wide <= LONG_DRAFT_COST_RATIO * narrow

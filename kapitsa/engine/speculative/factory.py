@@ -7,8 +7,14 @@ from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.options import SPECULATIVE_MODES, KernelOptions
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT
-from kapitsa.engine.speculative.cost import gpu_measured_cost_curve, measured_cost_curve
-from kapitsa.engine.speculative.decoder import SpeculativeDecode
+from kapitsa.engine.speculative.cost import (
+    LONG_DRAFT,
+    gpu_cost_curve_from_timings,
+    gpu_width_timings,
+    measured_cost_curve,
+    takes_long_drafts,
+)
+from kapitsa.engine.speculative.decoder import GPU_VERIFY_WIDTHS, SpeculativeDecode
 from kapitsa.engine.speculative.dflash import DFlashDrafter
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter
 from kapitsa.engine.speculative.mtp import MTPDrafter
@@ -125,14 +131,22 @@ def strategy_for(
         kernels=kernels,
     )
     if isinstance(strategy, SpeculativeDecode) and strategy.adaptive:
-        strategy.cost_curve = _served_cost_curve(target_model, strategy)
+        strategy.cost_curve = _served_cost_curve(target_model, strategy, may_lengthen=draft_tokens is None)
     return strategy
 
 
-def _served_cost_curve(target_model, strategy: SpeculativeDecode) -> list[float]:  # noqa: ANN001
+def _served_cost_curve(target_model, strategy: SpeculativeDecode, *, may_lengthen: bool) -> list[float]:  # noqa: ANN001
     """The verify cost curve timed on the served model (cost.py): on a GPU the built-in curve
-    raised where its verify widths cost more than one token (MoE), on the CPU the timed curve."""
+    raised where its verify widths cost more than one token (MoE), on the CPU the timed curve.
+    `may_lengthen` (no --draft-tokens): on a GPU an n-gram strategy's drafts reach LONG_DRAFT
+    tokens where the model's widest verify is cheap (cost.takes_long_drafts)."""
     if backend() is None:
         return measured_cost_curve(target_model, strategy.max_draft)
-    widths = strategy.padded_widths or tuple(range(2, strategy.max_draft + 2))
-    return gpu_measured_cost_curve(target_model, strategy.max_draft, widths)
+    if may_lengthen and strategy.name == "ngram":
+        timed = gpu_width_timings(target_model, GPU_VERIFY_WIDTHS)
+        if takes_long_drafts(timed):
+            strategy.max_draft = LONG_DRAFT
+    else:
+        widths = strategy.padded_widths or tuple(range(2, strategy.max_draft + 2))
+        timed = gpu_width_timings(target_model, widths)
+    return gpu_cost_curve_from_timings(timed.__getitem__, strategy.max_draft, sorted(timed))
