@@ -39,6 +39,10 @@
 #                                       token against cold on the 4b, its state in memory and spilled
 #                                       to disk with prefetch off and on (lab/prefetch_ttft.py,
 #                                       $PREFETCH_REPEATS repeats, default 3); ~9 minutes at most
+#   bash lab/h200_all.sh memory       the estimate against the measured peak (lab/memory_fit.py) on the
+#                                       4b and 27b shapes with each layer's window placed, layer by
+#                                       layer against one graph per chunk, and without the dense
+#                                       prefill route; ~8 minutes at most
 #   bash lab/h200_all.sh 27b [4b ...] per shape, one process each: decode ($ROUNDS rounds, default 2,
 #                                       of $TOKENS tokens, default 64;
 #                                       kapitsa at its defaults and with the fused parts $FUSED_AB
@@ -175,6 +179,19 @@ case "$part" in
     timeout "${PREFETCH_TIMEOUT:-240}" $py lab/prefetch_ttft.py --shape 4b --turns 6 --reply 16 \
       --repeats "${PREFETCH_REPEATS:-3}" --idle-s 2 >> "$out/cache.log" 2>&1
     grep -E '"ratio"|TTFT median|^turns|Error' "$out/cache.log"
+    ;;
+  memory)
+    # the estimate against the measured peak, each layer's window placed (lab/memory_fit.py): 4b and
+    # 27b with K/V bf16 and 8-bit, each run layer by layer and as one graph per chunk (prompt_s:
+    # the layer queue's cost or gain); then the 4b without the dense prefill route (its copies' share)
+    : > "$out/memory.log"
+    for shape in 4b 27b; do
+      timeout "${MEMFIT_TIMEOUT:-220}" $py lab/memory_fit.py --shapes "$shape" --context 8192 --chunk 2048 \
+        --kv-bits none 8 --runs 1 --layer-queue-ab >> "$out/memory.log" 2>&1
+    done
+    KAPITSA_QLINEAR=stock timeout 120 $py lab/memory_fit.py --shapes 4b --context 8192 --chunk 2048 \
+      --kv-bits none --runs 1 >> "$out/memory.log" 2>&1
+    grep -E '"ratio"|Error' "$out/memory.log"
     ;;
   tests)
     # Every gpu-marked test (~540 cases; in one process ~18 minutes on a fresh machine, nearly all

@@ -21,6 +21,7 @@ import asyncio
 import gc
 import os
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ from kapitsa import memory_estimate as me  # noqa: E402
 from kapitsa.catalog import arch_from_config  # noqa: E402
 from kapitsa.engine import kernels  # noqa: E402
 from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
+from kapitsa.engine.models import base  # noqa: E402
 from kapitsa.engine.options import EngineConfig, KernelOptions  # noqa: E402
 from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams  # noqa: E402
 from kapitsa.testing.tiny import tiny_config  # noqa: E402
@@ -41,6 +43,7 @@ from lab import models_under_test as mut  # noqa: E402
 from lab.engine_timing import emit  # noqa: E402
 
 MIB = 2**20
+ONE_GRAPH = 1 << 62  # models/base.LAYER_QUEUE_ROWS that no chunk reaches: each chunk one graph
 
 
 def main(runs: int) -> None:
@@ -67,9 +70,62 @@ def main(runs: int) -> None:
             )
 
 
-def model_peak(model, *, context: int, chunk: int, kv_bits: int | None, vocab: int) -> int:
+def _layer_kind(layer) -> str:  # noqa: ANN001
+    """'linear' / 'attention' (Qwen3.5), Nemotron-H's block letter, else the layer's class name."""
+    if hasattr(layer, "is_linear"):
+        return "linear" if layer.is_linear else "attention"
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    return names.get(getattr(layer, "block_type", ""), type(layer).__name__)
+
+
+class LayerPeaks:
+    """While installed, records the peak allocation above `before` at each layer the prefill sends
+    (models/base._queue_layer: layer i sent, layer i - 1 waited for), so a run's peak is placed at
+    the layer (and its kind) where it happens."""
+
+    def __init__(self, layers) -> None:  # noqa: ANN001 - the model's layers
+        self.kinds = [_layer_kind(layer) for layer in layers]
+        self.rows: list[tuple[int, int]] = []  # (layer index, peak above before)
+        self.before = 0
+
+    def __enter__(self) -> LayerPeaks:
+        self._original = base._queue_layer
+
+        def queue(h, rows, previous):  # noqa: ANN001, ANN202
+            sent = self._original(h, rows, previous)
+            if sent is not None:
+                self.rows.append((len(self.rows) % len(self.kinds), mx.get_peak_memory() - self.before))
+                mx.reset_peak_memory()
+            return sent
+
+        base._queue_layer = queue
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        base._queue_layer = self._original
+
+    def summary(self) -> dict:
+        """The highest window's layer, its kind and its peak; the highest window per layer kind (MiB)."""
+        if not self.rows:
+            return {"layer_windows": 0}
+        index, peak = max(self.rows, key=lambda row: row[1])
+        per_kind: dict[str, int] = {}
+        for i, value in self.rows:
+            per_kind[self.kinds[i]] = max(per_kind.get(self.kinds[i], 0), value)
+        return dict(
+            layer_windows=len(self.rows),
+            peak_layer=index,
+            peak_layer_kind=self.kinds[index],
+            peak_by_kind_mib={kind: round(v / MIB, 1) for kind, v in per_kind.items()},
+        )
+
+
+def model_peak(
+    model, *, context: int, chunk: int, kv_bits: int | None, vocab: int, layer_peaks: LayerPeaks | None = None
+) -> int:
     """The engine's peak allocation above what it holds before a `context`-token prompt, measured
-    as tests/engine/test_memory_fit._measured_peak measures it, over a given model."""
+    as tests/engine/test_memory_fit._measured_peak measures it, over a given model (`layer_peaks`:
+    also per layer the prefill sends)."""
     info = ModelInfo(id="shape", family="test", context_length=2 * context, max_output_tokens=16)
     # the KAPITSA_* lab variables (KAPITSA_QLINEAR=stock: no dense prefill route) A/B a kernel's share
     kernels = KernelOptions.from_environ(os.environ)
@@ -84,8 +140,13 @@ def model_peak(model, *, context: int, chunk: int, kv_bits: int | None, vocab: i
         mx.clear_cache()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        _run(client, prompt, max_tokens=2)
-        return mx.get_peak_memory() - before
+        if layer_peaks is None:
+            _run(client, prompt, max_tokens=2)
+            return mx.get_peak_memory() - before
+        layer_peaks.before = before
+        with layer_peaks:
+            _run(client, prompt, max_tokens=2)
+        return max([mx.get_peak_memory() - before, *(peak for _, peak in layer_peaks.rows)])
     finally:
         client.close()
 
@@ -156,19 +217,34 @@ def shape_rows(shape: str, args: argparse.Namespace) -> None:
     arch = arch_from_config(config)
     text = config.get("text_config", config)
     dtype_bytes = mut.DTYPE["value"].size  # K/V and conv state take the activation dtype
+    queue_rows = base.LAYER_QUEUE_ROWS
     for kv_bits in args.kv_bits:
         fields = estimate_fields(
             arch, args, kv_bits=kv_bits, dtype_bytes=dtype_bytes, heads=text["num_attention_heads"]
         )
-        for run in range(args.runs):
+        for run in range(args.runs * (2 if args.layer_queue_ab else 1)):
+            # --layer-queue-ab: odd runs send each chunk as one graph (the prefill before the layer queue)
+            base.LAYER_QUEUE_ROWS = ONE_GRAPH if args.layer_queue_ab and run % 2 else queue_rows
+            layer_peaks = LayerPeaks(model.layers)
+            start = time.perf_counter()
             peak = model_peak(
-                model, context=args.context, chunk=args.chunk, kv_bits=kv_bits, vocab=text["vocab_size"]
+                model,
+                context=args.context,
+                chunk=args.chunk,
+                kv_bits=kv_bits,
+                vocab=text["vocab_size"],
+                layer_peaks=layer_peaks,
             )
             where = dict(
                 shape=shape, kind=kind, context=args.context, chunk=args.chunk, kv_bits=kv_bits, run=run
             )
             knobs = {k: v for k, v in os.environ.items() if k.startswith(("KAPITSA_", "MLX_MAX"))}
-            emit({**where, "knobs": knobs, **peak_row(peak, fields)})
+            timing = {
+                "prompt_s": round(time.perf_counter() - start, 3),
+                "layer_queue_rows": base.LAYER_QUEUE_ROWS,
+            }
+            emit({**where, "knobs": knobs, **timing, **peak_row(peak, fields), **layer_peaks.summary()})
+    base.LAYER_QUEUE_ROWS = queue_rows
     del model
     gc.collect()
     mx.clear_cache()
@@ -194,7 +270,20 @@ if __name__ == "__main__":
     parser.add_argument(
         "--tiny", action="store_true", help="--shapes at tiny widths, float32 (a CPU smoke run)"
     )
+    parser.add_argument(
+        "--layer-queue-rows",
+        type=int,
+        default=None,
+        help="models/base.LAYER_QUEUE_ROWS for this run (a huge value: each chunk one graph, as before it)",
+    )
+    parser.add_argument(
+        "--layer-queue-ab",
+        action="store_true",
+        help="each run twice: layer by layer (the default) and each chunk as one graph (prompt_s, peak)",
+    )
     args = parser.parse_args()
+    if args.layer_queue_rows is not None:
+        base.LAYER_QUEUE_ROWS = args.layer_queue_rows
     if args.tiny:
         mut.DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
     if not args.shapes:
