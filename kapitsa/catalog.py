@@ -57,6 +57,9 @@ _ARCH_KEYS = (
     "vision_hidden_size",
     "vision_image_patches",
     "expert_params_b",
+    "attention_heads",
+    "mlp_width",
+    "moe_layers",
     "params_b",
     "active_params_b",
     "context_length",
@@ -94,6 +97,11 @@ class Architecture:
     vision_hidden_size: int = 0  # the vision tower's width; 0: the model reads text only
     vision_image_patches: int = 0  # patches of the image one encoding is budgeted for (SCREENSHOT)
     expert_params_b: float = 0.0  # parameters in routed experts (what `:small` keeps at 2 bits); 0: dense
+    # A GPU prefill's per-layer memory (memory_estimate.gpu_layer_bytes); 0: unknown, the estimate
+    # falls back to its rule of thumb
+    attention_heads: int = 0  # query heads of an attention layer
+    mlp_width: int = 0  # the dense MLP's (or the shared expert's) intermediate width
+    moe_layers: int = 0  # layers with routed experts
 
     @property
     def takes_images(self) -> bool:
@@ -326,6 +334,7 @@ def _text_arch(config: dict[str, Any]) -> Architecture:
             mamba_state_size=cfg["ssm_state_size"],
             mamba_groups=cfg["n_groups"],
             conv_kernel=cfg.get("conv_kernel", 4),
+            moe_layers=kinds.count("moe"),
         )
     kinds = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear_attention"
@@ -342,7 +351,19 @@ def _text_arch(config: dict[str, Any]) -> Architecture:
         linear_key_dim=cfg["linear_key_head_dim"],
         linear_value_dim=cfg["linear_value_head_dim"],
         conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+        moe_layers=layers if cfg.get("num_experts") else 0,
     )
+
+
+def _mlp_width(cfg: dict[str, Any]) -> int:
+    """The intermediate width of a layer's dense MLP: the shared expert's in a MoE model (its routed
+    experts are counted by expert_params_b), else `intermediate_size`."""
+    for key in ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"):
+        if cfg.get(key):
+            return int(cfg[key])
+    if cfg.get("num_experts") or cfg.get("n_routed_experts"):
+        return 0
+    return int(cfg.get("intermediate_size") or 0)
 
 
 def _nemotron_layer_kinds(cfg: dict[str, Any]) -> list[str]:
@@ -355,6 +376,8 @@ def _nemotron_layer_kinds(cfg: dict[str, Any]) -> list[str]:
 def _arch_common(cfg: dict[str, Any], **shape: Any) -> Architecture:
     # The parameter count is not in config.json; the checkpoint's size on disk is used instead (hub.py).
     return Architecture(
+        attention_heads=int(cfg.get("num_attention_heads") or 0),
+        mlp_width=_mlp_width(cfg),
         params_b=0.0,
         active_params_b=0.0,
         context_length=int(cfg.get("max_position_embeddings", 0)),

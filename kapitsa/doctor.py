@@ -232,7 +232,11 @@ def _small_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int) -
     bits = choose_rest_bits(hw.usable_memory_bytes, expert_params=experts, rest_params=rest)
     weights = small_weights_bytes(expert_params=experts, rest_params=rest, rest_bits=bits)
     est = memory_estimate.estimate(
-        entry.arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights, num_checkpoints=num_checkpoints
+        entry.arch,
+        usable_bytes=hw.usable_memory_bytes,
+        weight_bytes=weights,
+        num_checkpoints=num_checkpoints,
+        backend=memory_estimate.gpu_backend(hw.backend),
     )
     return ModelFit(
         ref=f"{entry.alias}:{SMALL}",
@@ -253,7 +257,11 @@ def _quant_fit(entry: CatalogEntry, quant: Quant, hw: HardwareProfile, num_check
     assert entry.arch is not None
     weights = memory_estimate.weights_bytes(entry.arch, quant.bits_per_weight)
     est = memory_estimate.estimate(
-        entry.arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights, num_checkpoints=num_checkpoints
+        entry.arch,
+        usable_bytes=hw.usable_memory_bytes,
+        weight_bytes=weights,
+        num_checkpoints=num_checkpoints,
+        backend=memory_estimate.gpu_backend(hw.backend),
     )
     ref = entry.alias if quant.name == entry.default_quant else f"{entry.alias}:{quant.name}"
     return ModelFit(
@@ -288,7 +296,11 @@ def _package_fit(entry: CatalogEntry, hw: HardwareProfile, num_checkpoints: int)
         )
     weights = weight_bytes_on_disk(folder)
     est = memory_estimate.estimate(
-        arch, usable_bytes=hw.usable_memory_bytes, weight_bytes=weights, num_checkpoints=num_checkpoints
+        arch,
+        usable_bytes=hw.usable_memory_bytes,
+        weight_bytes=weights,
+        num_checkpoints=num_checkpoints,
+        backend=memory_estimate.gpu_backend(hw.backend),
     )
     return ModelFit(
         ref=entry.alias,

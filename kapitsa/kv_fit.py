@@ -42,7 +42,10 @@ def resolve_kv_bits(choice: KvBits, folder: Path) -> int | None:
         arch = arch_for_folder(folder)
     except KapitsaError:
         return None  # no config.json to read (a .gguf file): K/V stay as computed
-    usable = probe_hardware(folder).usable_memory_bytes
+    hardware = probe_hardware(folder)
     return memory_estimate.choose_kv_bits(
-        arch, usable_bytes=usable, weight_bytes=weight_bytes_on_disk(folder)
+        arch,
+        usable_bytes=hardware.usable_memory_bytes,
+        weight_bytes=weight_bytes_on_disk(folder),
+        backend=memory_estimate.gpu_backend(hardware.backend),
     )

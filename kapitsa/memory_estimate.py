@@ -16,12 +16,19 @@ K/V quantized to 8 or 4 bits (`kv_bits`) take fewer bytes per token, but the qua
 (engine/cache/quantized_kv.py) materialises float32 scores, one per query head, prompt position and
 context position (fused attention over float K/V never does); it runs a prefill chunk's positions in
 blocks whose scores stay under SCORES_BLOCK_BYTES, which the estimate budgets once.
+
+On a GPU (`backend` "metal" or "cuda") a prefill chunk's activations follow the layer shapes
+instead of the CPU's rule of thumb: the engine sends one layer at a time and waits for the one
+before it (models/base.py), and the backend keeps every op's buffers until the command buffer that
+holds it completes, so two layers' intermediates are alive at once, all of them. On CUDA a layer's
+prefill mat-muls also run on dense copies of its weights (ops/linear.py, ops/moe.py), and attention
+over head sizes MLX has no fused kernel for (Qwen3.5's 256) materialises its scores.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from kapitsa.catalog import Architecture
 from kapitsa.engine.options import READ_AHEAD_BYTES, SCORES_BLOCK_BYTES
@@ -37,6 +44,14 @@ CHECKPOINTS_PER_RESIDENT = 2  # a resident conversation's reply end and turn end
 SCORE_BYTES = 4  # the quantized attention's scores are float32
 DEFAULT_PREFILL_CHUNK = 2048
 HEADROOM_BYTES = 1 << 30  # the rest of the process, allocator fragmentation
+GPU_LAYERS_IN_FLIGHT = 2  # models/base._queue_layer: layer i + 1 is built while layer i runs
+# CUDA's prefill routes (kept equal to ops/linear.py and ops/moe.py by tests/unit/test_memory_estimate.py)
+DENSE_COPY_MIN_ROWS = 384  # a linear's rows from which it multiplies a dense copy of its weight
+DENSE_COPY_MAX_BYTES = 1 << 30  # the largest such copy
+EXPERT_COPY_MIN_ROWS = 512  # token-expert rows from which a MoE layer copies its expert stacks
+EXPERT_COPY_MAX_BYTES = 3 << 30
+CUDA_FUSED_HEAD_DIMS = (64, 96, 128)  # MLX's CUDA attention kernels; other sizes materialise scores
+EXPERT_STACKS = 3  # gate, up, down (Nemotron's relu^2 experts have two: the estimate takes three)
 COMFORTABLE_CONTEXT = 65536  # coding agents send 20k+ tokens on the first turn (real-agents.md §2)
 MINIMUM_CONTEXT = 8192
 
@@ -127,6 +142,93 @@ def workspace_bytes(arch: Architecture, prefill_chunk: int = DEFAULT_PREFILL_CHU
     return prefill_chunk * arch.hidden_size * 4 * 16 + arch.vocab_size * 4 * 2
 
 
+def gpu_backend(name: str) -> str | None:
+    """The `backend` the estimate takes for a doctor's backend name: "cuda" or "metal", else None."""
+    return name if name in ("cuda", "metal") else None
+
+
+def knows_layer_shapes(arch: Architecture) -> bool:
+    """Whether `arch` carries what `gpu_layer_bytes` needs (catalog entries without it fall back to
+    the rule of thumb)."""
+    return arch.attention_heads > 0 and (arch.mlp_width > 0 or arch.moe_layers > 0)
+
+
+def _mixer_widths(arch: Architecture) -> list[tuple[int, int]]:
+    """(input projection width, output projection's input width) of each kind of token mixer."""
+    gated = arch.linear_layers > 0  # Qwen3.5 / Qwen3-Next attention projects a gate beside q
+    heads = arch.attention_heads * arch.head_dim
+    widths = [(heads * (2 if gated else 1) + 2 * arch.num_kv_heads * arch.head_dim, heads)]
+    if arch.linear_layers:
+        value = arch.linear_value_heads * arch.linear_value_dim
+        keys = arch.linear_key_heads * arch.linear_key_dim
+        widths.append((2 * keys + 2 * value + 2 * arch.linear_value_heads, value))
+    if arch.mamba_layers:
+        inner = arch.mamba_heads * arch.mamba_head_dim
+        widths.append((2 * inner + 2 * arch.mamba_groups * arch.mamba_state_size + arch.mamba_heads, inner))
+    return widths
+
+
+def gpu_layer_bytes(
+    arch: Architecture, prefill_chunk: int, dtype_bytes: int = KV_BYTES, *, cuda: bool
+) -> int:
+    """The intermediates of one layer (the widest kind) at a prefill chunk on a GPU. Per token: six
+    hidden-sized buffers (norms, residual adds, projections' outputs), the mixer's input projection
+    twice (its output and the convolution's / split's copies), its output, and the MLP's gate, up
+    and product. On CUDA (`cuda`) also the dense copies of the layer's weights its prefill
+    mat-muls take, each up to DENSE_COPY_MAX_BYTES, and a MoE layer's expert stacks."""
+    H, mlp = arch.hidden_size, arch.mlp_width
+    worst = 0
+    for into, out in _mixer_widths(arch):
+        per_token = 6 * H + 2 * into + out + 3 * mlp
+        total = prefill_chunk * per_token * dtype_bytes
+        if cuda and prefill_chunk >= DENSE_COPY_MIN_ROWS:
+            weights = (H * into, out * H, 2 * H * mlp, mlp * H)
+            total += sum(n * dtype_bytes for n in weights if n * dtype_bytes <= DENSE_COPY_MAX_BYTES)
+        worst = max(worst, total)
+    return worst + (_expert_copy_bytes(arch, prefill_chunk, dtype_bytes) if cuda else 0)
+
+
+def _expert_copy_bytes(arch: Architecture, prefill_chunk: int, dtype_bytes: int) -> int:
+    """One MoE layer's expert stacks copied dense for a prefill chunk on CUDA (ops/moe.py)."""
+    if not arch.moe_layers or arch.expert_params_b <= 0 or prefill_chunk < EXPERT_COPY_MIN_ROWS:
+        return 0
+    stack = int(arch.expert_params_b * 1e9 / arch.moe_layers / EXPERT_STACKS) * dtype_bytes
+    return EXPERT_STACKS * stack if stack <= EXPERT_COPY_MAX_BYTES else 0
+
+
+def unfused_scores_bytes(
+    arch: Architecture, prefill_chunk: int, context_tokens: int, dtype_bytes: int
+) -> int:
+    """CUDA attention over a head size with no fused kernel: a chunk's scores in the activation
+    dtype, one per query head, prompt position and context position, plus the causal mask."""
+    if arch.head_dim in CUDA_FUSED_HEAD_DIMS or not arch.attention_layers:
+        return 0
+    return prefill_chunk * context_tokens * (arch.attention_heads * dtype_bytes + 1)
+
+
+def prefill_workspace_bytes(
+    arch: Architecture,
+    prefill_chunk: int,
+    context_tokens: int,
+    *,
+    dtype_bytes: int = KV_BYTES,
+    backend: str | None = None,
+    kv_bits: int | None = None,
+) -> int:
+    """A prefill chunk's activations on `backend` ("cuda", "metal"; None: the CPU): on a GPU, with
+    the layer shapes known, GPU_LAYERS_IN_FLIGHT layers' intermediates (gpu_layer_bytes), on CUDA
+    with float K/V the unfused attention's scores, and the last position's logits; else the rule
+    of thumb (`workspace_bytes`)."""
+    if backend not in ("cuda", "metal") or not knows_layer_shapes(arch):
+        return workspace_bytes(arch, prefill_chunk)
+    cuda = backend == "cuda"
+    layers = GPU_LAYERS_IN_FLIGHT * gpu_layer_bytes(arch, prefill_chunk, dtype_bytes, cuda=cuda)
+    scores = (
+        unfused_scores_bytes(arch, prefill_chunk, context_tokens, dtype_bytes) if cuda and not kv_bits else 0
+    )
+    return layers + scores + arch.vocab_size * 4 * 2
+
+
 def vision_workspace_bytes(arch: Architecture) -> int:
     """Activations of encoding one image (`arch.vision_image_patches` patches), by the same rule of
     thumb as a prefill chunk; it runs before the chunk that holds the image, so the larger counts."""
@@ -176,19 +278,23 @@ def prefill_peak_bytes(
     kv_bits: int | None = None,
     attention_heads: int = 0,
     dequantized_kv: bool = False,
+    backend: str | None = None,
 ) -> int:
     """Peak memory above the weights while a prompt's last prefill chunk attends over its
     `context_tokens`: the sequence's cache, one layer's K/V update, the chunk's activations and,
     for quantized K/V, its attention scores and (`dequantized_kv`: MLX's CPU quantized matmul works
     on a float32 copy of its operand) one layer's K or V dequantized, broadcast to the query heads.
-    What the engine's measured-peak test compares."""
+    `backend` ("cuda", "metal"; None: the CPU) picks how the chunk's activations are counted
+    (prefill_workspace_bytes). What the engine's measured-peak test compares."""
     scores = quantized_scores_bytes(attention_heads, prefill_chunk, context_tokens) if kv_bits else 0
     if kv_bits and dequantized_kv:
         scores += attention_heads * arch.head_dim * context_tokens * SCORE_BYTES
     return (
         sequence_bytes(arch, context_tokens, dtype_bytes, kv_bits=kv_bits)
         + update_transient_bytes(arch, context_tokens, dtype_bytes, kv_bits=kv_bits)
-        + workspace_bytes(arch, prefill_chunk)
+        + prefill_workspace_bytes(
+            arch, prefill_chunk, context_tokens, dtype_bytes=dtype_bytes, backend=backend, kv_bits=kv_bits
+        )
         + scores
     )
 
@@ -204,17 +310,26 @@ def estimate(
     kv_bits: int | None = None,
     resident_conversations: int = DEFAULT_RESIDENT_CONVERSATIONS,
     prefetch_bytes: int = READ_AHEAD_BYTES,
+    backend: str | None = None,
 ) -> MemoryEstimate:
     """How much context one sequence can hold in `usable_bytes`, and whether the model fits at all
-    (`kv_bits`: with K/V quantized to 8 or 4 bits; `prefetch_bytes` 0: prefetch off)."""
+    (`kv_bits`: with K/V quantized to 8 or 4 bits; `prefetch_bytes` 0: prefetch off; `backend`
+    "cuda" / "metal" / None (the CPU): how a prefill chunk's activations are counted)."""
     state = recurrent_state_bytes(arch)
+    chunk_workspace = prefill_workspace_bytes(arch, prefill_chunk, 0, backend=backend, kv_bits=kv_bits)
+    # CUDA's unfused attention scores grow with the context the last chunk attends over
+    scores_per_token = (
+        unfused_scores_bytes(arch, prefill_chunk, 1, KV_BYTES)
+        if backend == "cuda" and not kv_bits and knows_layer_shapes(arch)
+        else 0
+    )
     partial = MemoryEstimate(
         usable_bytes=usable_bytes,
         weights_bytes=weight_bytes,
         kv_bytes_per_token=kv_bytes_per_token(arch, kv_bits=kv_bits),
         state_bytes=state,
         checkpoint_bytes=checkpoints_kept(num_checkpoints, resident_conversations) * state,
-        workspace_bytes=max(workspace_bytes(arch, prefill_chunk), vision_workspace_bytes(arch)),
+        workspace_bytes=max(chunk_workspace, vision_workspace_bytes(arch)),
         headroom_bytes=headroom_bytes,
         max_context=0,
         verdict="too_big",
@@ -223,17 +338,19 @@ def estimate(
         scores_bytes=SCORES_BLOCK_BYTES * 5 // 4 if kv_bits else 0,  # and the block's mask, at most 1/4
     )
     free = usable_bytes - partial.fixed_bytes
-    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits)
+    per_token = (
+        partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits) + scores_per_token
+    )
     max_context = _context_that_fits(arch, free, per_token)
     return MemoryEstimate(
         **{**_as_dict(partial), "max_context": max_context, "verdict": _verdict(arch, free, max_context)}
     )
 
 
-def choose_kv_bits(arch: Architecture, *, usable_bytes: int, weight_bytes: int, **options: int) -> int | None:
+def choose_kv_bits(arch: Architecture, *, usable_bytes: int, weight_bytes: int, **options: Any) -> int | None:
     """The K/V precision doctor's fit picks: bf16 (None) when it holds a comfortable context, else
     the fewest bits' reduction that does (8, then 4); 4 when nothing reaches it but 4 bits fit at all.
-    `options` go to `estimate` (num_checkpoints, prefill_chunk, headroom_bytes)."""
+    `options` go to `estimate` (num_checkpoints, prefill_chunk, headroom_bytes, backend)."""
     comfortable = min(COMFORTABLE_CONTEXT, arch.context_length)
     for bits in (None, 8, 4):
         est = estimate(arch, usable_bytes=usable_bytes, weight_bytes=weight_bytes, kv_bits=bits, **options)
