@@ -172,11 +172,14 @@ def estimate_fields(
     on_cpu = mx.default_device().type == mx.cpu or kernels.backend() == "cuda"
     context, chunk = args.context, args.chunk
     sizes = dict(context_tokens=context, prefill_chunk=chunk, dtype_bytes=dtype_bytes, kv_bits=kv_bits)
+    sizes["backend"] = kernels.backend()  # a GPU's prefill activations follow the layer shapes
     estimate = me.prefill_peak_bytes(arch, **sizes, attention_heads=heads, dequantized_kv=on_cpu)
     terms = {
         "cache": me.sequence_bytes(arch, context, dtype_bytes, kv_bits=kv_bits),
         "kv_update": me.update_transient_bytes(arch, context, dtype_bytes, kv_bits=kv_bits),
-        "workspace": me.workspace_bytes(arch, chunk),
+        "workspace": me.prefill_workspace_bytes(
+            arch, chunk, context, dtype_bytes=dtype_bytes, backend=sizes["backend"], kv_bits=kv_bits
+        ),
         "scores": me.quantized_scores_bytes(heads, chunk, context) if kv_bits else 0,
         "dequantized_kv": heads * arch.head_dim * context * me.SCORE_BYTES if kv_bits else 0,
     }
