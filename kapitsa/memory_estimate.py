@@ -22,7 +22,8 @@ instead of the CPU's rule of thumb: the engine sends one layer at a time and wai
 before it (models/base.py), and the backend keeps every op's buffers until the command buffer that
 holds it completes, so two layers' intermediates are alive at once, all of them. On CUDA a layer's
 prefill mat-muls also run on dense copies of its weights (ops/linear.py, ops/moe.py), and attention
-over head sizes MLX has no fused kernel for (Qwen3.5's 256) materialises its scores.
+over head sizes MLX has no fused kernel for (Qwen3.5's 256) materialises its scores, which the
+engine bounds by running a long chunk's query rows in blocks.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ DENSE_COPY_MIN_ROWS = 384  # a linear's rows from which it multiplies a dense co
 DENSE_COPY_MAX_BYTES = 1 << 30  # the largest such copy
 EXPERT_COPY_MIN_ROWS = 512  # token-expert rows from which a MoE layer copies its expert stacks
 EXPERT_COPY_MAX_BYTES = 3 << 30
-CUDA_FUSED_HEAD_DIMS = (64, 96, 128)  # MLX's CUDA attention kernels; other sizes materialise scores
+# MLX's fused prefill attention per backend (kept equal to ops/prefill_attention.py by a test)
+FUSED_PREFILL_HEAD_DIMS = {"metal": (64, 80, 128), "cuda": (64, 96, 128)}
 EXPERT_STACKS = 3  # gate, up, down (Nemotron's relu^2 experts have two: the estimate takes three)
 COMFORTABLE_CONTEXT = 65536  # coding agents send 20k+ tokens on the first turn (real-agents.md §2)
 MINIMUM_CONTEXT = 8192
@@ -197,13 +199,18 @@ def _expert_copy_bytes(arch: Architecture, prefill_chunk: int, dtype_bytes: int)
 
 
 def unfused_scores_bytes(
-    arch: Architecture, prefill_chunk: int, context_tokens: int, dtype_bytes: int
+    arch: Architecture, prefill_chunk: int, context_tokens: int, dtype_bytes: int, backend: str = "cuda"
 ) -> int:
-    """CUDA attention over a head size with no fused kernel: a chunk's scores in the activation
-    dtype, one per query head, prompt position and context position, plus the causal mask."""
-    if arch.head_dim in CUDA_FUSED_HEAD_DIMS or not arch.attention_layers:
+    """Attention over a head size `backend` has no fused prefill kernel for: the chunk's scores in
+    the activation dtype (one per query head, prompt position and context position) plus the
+    causal mask, which the engine runs in blocks of query rows when they pass SCORES_BLOCK_BYTES
+    (ops/prefill_attention.py), two blocks alive at a time."""
+    if arch.head_dim in FUSED_PREFILL_HEAD_DIMS.get(backend, ()) or not arch.attention_layers:
         return 0
-    return prefill_chunk * context_tokens * (arch.attention_heads * dtype_bytes + 1)
+    row_bytes = context_tokens * (arch.attention_heads * dtype_bytes + 1)
+    if prefill_chunk * arch.attention_heads * context_tokens * dtype_bytes <= SCORES_BLOCK_BYTES:
+        return prefill_chunk * row_bytes
+    return GPU_LAYERS_IN_FLIGHT * SCORES_BLOCK_BYTES * row_bytes // max(1, row_bytes - context_tokens)
 
 
 def prefill_workspace_bytes(
@@ -216,16 +223,13 @@ def prefill_workspace_bytes(
     kv_bits: int | None = None,
 ) -> int:
     """A prefill chunk's activations on `backend` ("cuda", "metal"; None: the CPU): on a GPU, with
-    the layer shapes known, GPU_LAYERS_IN_FLIGHT layers' intermediates (gpu_layer_bytes), on CUDA
-    with float K/V the unfused attention's scores, and the last position's logits; else the rule
-    of thumb (`workspace_bytes`)."""
+    the layer shapes known, GPU_LAYERS_IN_FLIGHT layers' intermediates (gpu_layer_bytes), with
+    float K/V an unfused attention's scores, and the last position's logits; else the rule of
+    thumb (`workspace_bytes`)."""
     if backend not in ("cuda", "metal") or not knows_layer_shapes(arch):
         return workspace_bytes(arch, prefill_chunk)
-    cuda = backend == "cuda"
-    layers = GPU_LAYERS_IN_FLIGHT * gpu_layer_bytes(arch, prefill_chunk, dtype_bytes, cuda=cuda)
-    scores = (
-        unfused_scores_bytes(arch, prefill_chunk, context_tokens, dtype_bytes) if cuda and not kv_bits else 0
-    )
+    layers = GPU_LAYERS_IN_FLIGHT * gpu_layer_bytes(arch, prefill_chunk, dtype_bytes, cuda=backend == "cuda")
+    scores = 0 if kv_bits else unfused_scores_bytes(arch, prefill_chunk, context_tokens, dtype_bytes, backend)
     return layers + scores + arch.vocab_size * 4 * 2
 
 
@@ -316,12 +320,9 @@ def estimate(
     (`kv_bits`: with K/V quantized to 8 or 4 bits; `prefetch_bytes` 0: prefetch off; `backend`
     "cuda" / "metal" / None (the CPU): how a prefill chunk's activations are counted)."""
     state = recurrent_state_bytes(arch)
-    chunk_workspace = prefill_workspace_bytes(arch, prefill_chunk, 0, backend=backend, kv_bits=kv_bits)
-    # CUDA's unfused attention scores grow with the context the last chunk attends over
-    scores_per_token = (
-        unfused_scores_bytes(arch, prefill_chunk, 1, KV_BYTES)
-        if backend == "cuda" and not kv_bits and knows_layer_shapes(arch)
-        else 0
+    # the context the chunk's attention scores are sized for: beyond it they run in bounded blocks
+    chunk_workspace = prefill_workspace_bytes(
+        arch, prefill_chunk, COMFORTABLE_CONTEXT, backend=backend, kv_bits=kv_bits
     )
     partial = MemoryEstimate(
         usable_bytes=usable_bytes,
@@ -338,9 +339,7 @@ def estimate(
         scores_bytes=SCORES_BLOCK_BYTES * 5 // 4 if kv_bits else 0,  # and the block's mask, at most 1/4
     )
     free = usable_bytes - partial.fixed_bytes
-    per_token = (
-        partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits) + scores_per_token
-    )
+    per_token = partial.kv_bytes_per_token + update_transient_bytes(arch, 1, kv_bits=kv_bits)
     max_context = _context_that_fits(arch, free, per_token)
     return MemoryEstimate(
         **{**_as_dict(partial), "max_context": max_context, "verdict": _verdict(arch, free, max_context)}

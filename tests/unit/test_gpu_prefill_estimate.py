@@ -38,6 +38,9 @@ def test_the_cuda_route_thresholds_are_the_engines() -> None:
     assert me.DENSE_COPY_MAX_BYTES == linear.DEQUANT_MAX_BYTES
     assert me.EXPERT_COPY_MIN_ROWS == moe.MOE_DEQUANT_MIN_ROWS
     assert me.EXPERT_COPY_MAX_BYTES == moe.MOE_DEQUANT_MAX_BYTES
+    from kapitsa.engine.ops import prefill_attention
+
+    assert me.FUSED_PREFILL_HEAD_DIMS == prefill_attention.FUSED_PREFILL_HEAD_DIMS
 
 
 def test_configs_give_the_layer_shapes() -> None:
@@ -74,22 +77,26 @@ def test_the_prefill_workspace_follows_the_backend() -> None:
     metal = me.prefill_peak_bytes(arch, **sizes, backend="metal")
     cuda = me.prefill_peak_bytes(arch, **sizes, backend="cuda")
     layers = me.GPU_LAYERS_IN_FLIGHT * me.gpu_layer_bytes(arch, 2048, cuda=True)
-    scores = 2048 * 8192 * (24 * 2 + 1)  # head size 256: MLX's CUDA attention materialises them
-    assert (
-        cuda - metal == layers - me.GPU_LAYERS_IN_FLIGHT * me.gpu_layer_bytes(arch, 2048, cuda=False) + scores
-    )
-    narrow = dataclasses.replace(arch, head_dim=128)  # a fused CUDA attention: no scores
+    # head size 256: the scores (2048 x 8192 x 24 in bf16, 805 MB) run in blocks, two alive at once
+    blocks = me.GPU_LAYERS_IN_FLIGHT * me.SCORES_BLOCK_BYTES * 49 // 48
+    assert me.unfused_scores_bytes(arch, 2048, 8192, 2) == blocks
+    assert me.unfused_scores_bytes(arch, 2048, 8192, 2, "metal") == blocks
+    assert me.unfused_scores_bytes(arch, 16, 8192, 2) == 16 * 8192 * 49  # fits one call: all of them
+    layers = me.GPU_LAYERS_IN_FLIGHT * me.gpu_layer_bytes(arch, 2048, cuda=True)
+    assert cuda - metal == layers - me.GPU_LAYERS_IN_FLIGHT * me.gpu_layer_bytes(arch, 2048, cuda=False)
+    narrow = dataclasses.replace(arch, head_dim=128)  # a fused attention: no scores
     assert me.unfused_scores_bytes(narrow, 2048, 8192, 2) == 0
+    assert me.unfused_scores_bytes(dataclasses.replace(arch, head_dim=96), 2048, 8192, 2, "metal") > 0
     unknown = dataclasses.replace(arch, attention_heads=0)  # an entry without the shapes: the rule of thumb
     assert me.prefill_workspace_bytes(unknown, 2048, 8192, backend="cuda") == me.workspace_bytes(
         unknown, 2048
     )
 
 
-def test_doctor_on_cuda_budgets_the_unfused_scores_per_context_token() -> None:
+def test_doctor_on_cuda_budgets_the_dense_copies() -> None:
     arch = load_catalog().get("27b").arch
     assert arch is not None
-    fit = dict(usable_bytes=40 << 30, weight_bytes=me.weights_bytes(arch, 4.5))
+    fit = dict(usable_bytes=24 << 30, weight_bytes=me.weights_bytes(arch, 4.5))
     metal = me.estimate(arch, **fit, backend="metal")
     cuda = me.estimate(arch, **fit, backend="cuda")
     assert 0 < cuda.max_context < metal.max_context

@@ -42,6 +42,7 @@ from kapitsa.engine.kernels.attention import probe as attention_probe
 from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.loading.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.models.media import MediaChunk
+from kapitsa.engine.ops import prefill_attention
 from kapitsa.engine.ops.linear import linear_plus, normed_linear
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.options import KernelOptions
@@ -176,6 +177,8 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         mask = info.attention_mask
         out = _cpu_attention(q, k, v, self.scale, mask) if cpu_blas.attention_takes(q, k, mask) else None
+        if out is None and (rows := prefill_attention.block_rows(q, k)) is not None:
+            out = prefill_attention.attention_in_blocks(q, k, v, scale=self.scale, mask=mask, rows=rows)
         if out is None:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
