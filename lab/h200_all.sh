@@ -182,12 +182,13 @@ case "$part" in
     ;;
   memory)
     # the estimate against the measured peak, each layer's window placed (lab/memory_fit.py): 4b and
-    # 27b with K/V bf16 and 8-bit, each run layer by layer and as one graph per chunk (prompt_s:
-    # the layer queue's cost or gain); then the 4b without the dense prefill route (its copies' share)
+    # 27b with K/V bf16 and 8-bit, each run as the engine prefills, as one graph per chunk and with
+    # attention unblocked (prompt_s: what each costs or gains); then the 4b without the dense
+    # prefill route (its copies' share)
     : > "$out/memory.log"
     for shape in 4b 27b; do
       timeout "${MEMFIT_TIMEOUT:-220}" $py lab/memory_fit.py --shapes "$shape" --context 8192 --chunk 2048 \
-        --kv-bits none 8 --runs 1 --layer-queue-ab >> "$out/memory.log" 2>&1
+        --kv-bits none 8 --runs 1 --variants default one-graph no-blocks >> "$out/memory.log" 2>&1
     done
     KAPITSA_QLINEAR=stock timeout 120 $py lab/memory_fit.py --shapes 4b --context 8192 --chunk 2048 \
       --kv-bits none --runs 1 >> "$out/memory.log" 2>&1

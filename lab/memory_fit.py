@@ -36,6 +36,7 @@ from kapitsa.catalog import arch_from_config  # noqa: E402
 from kapitsa.engine import kernels  # noqa: E402
 from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
 from kapitsa.engine.models import base  # noqa: E402
+from kapitsa.engine.ops import prefill_attention  # noqa: E402
 from kapitsa.engine.options import EngineConfig, KernelOptions  # noqa: E402
 from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams  # noqa: E402
 from kapitsa.testing.tiny import tiny_config  # noqa: E402
@@ -225,9 +226,8 @@ def shape_rows(shape: str, args: argparse.Namespace) -> None:
         fields = estimate_fields(
             arch, args, kv_bits=kv_bits, dtype_bytes=dtype_bytes, heads=text["num_attention_heads"]
         )
-        for run in range(args.runs * (2 if args.layer_queue_ab else 1)):
-            # --layer-queue-ab: odd runs send each chunk as one graph (the prefill before the layer queue)
-            base.LAYER_QUEUE_ROWS = ONE_GRAPH if args.layer_queue_ab and run % 2 else queue_rows
+        for run, variant in enumerate([v for _ in range(args.runs) for v in args.variants]):
+            _use_variant(variant, queue_rows)
             layer_peaks = LayerPeaks(model.layers)
             start = time.perf_counter()
             peak = model_peak(
@@ -244,13 +244,25 @@ def shape_rows(shape: str, args: argparse.Namespace) -> None:
             knobs = {k: v for k, v in os.environ.items() if k.startswith(("KAPITSA_", "MLX_MAX"))}
             timing = {
                 "prompt_s": round(time.perf_counter() - start, 3),
+                "variant": variant,
                 "layer_queue_rows": base.LAYER_QUEUE_ROWS,
             }
             emit({**where, "knobs": knobs, **timing, **peak_row(peak, fields), **layer_peaks.summary()})
-    base.LAYER_QUEUE_ROWS = queue_rows
+    _use_variant("default", queue_rows)
     del model
     gc.collect()
     mx.clear_cache()
+
+
+VARIANTS = ("default", "one-graph", "no-blocks")
+_BLOCK_ROWS = prefill_attention.block_rows
+
+
+def _use_variant(variant: str, queue_rows: int) -> None:
+    """`one-graph`: each prefill chunk sent as one graph (no layer queue); `no-blocks`: attention
+    over unfused head sizes in one call (ops/prefill_attention.py off); `default`: the engine's."""
+    base.LAYER_QUEUE_ROWS = ONE_GRAPH if variant == "one-graph" else queue_rows
+    prefill_attention.block_rows = (lambda q, k: None) if variant == "no-blocks" else _BLOCK_ROWS
 
 
 def _kv_bits(text: str) -> int | None:
@@ -280,9 +292,11 @@ if __name__ == "__main__":
         help="models/base.LAYER_QUEUE_ROWS for this run (a huge value: each chunk one graph, as before it)",
     )
     parser.add_argument(
-        "--layer-queue-ab",
-        action="store_true",
-        help="each run twice: layer by layer (the default) and each chunk as one graph (prompt_s, peak)",
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=["default"],
+        help="each run once per variant: the engine's prefill, one graph per chunk, attention unblocked",
     )
     args = parser.parse_args()
     if args.layer_queue_rows is not None:
