@@ -20,7 +20,7 @@ blocks whose scores stay under SCORES_BLOCK_BYTES, which the estimate budgets on
 On a GPU (`backend` "metal" or "cuda") a prefill chunk's activations follow the layer shapes
 instead of the CPU's rule of thumb: the engine sends one layer at a time and waits for the one
 before it (models/base.py), and the backend keeps every op's buffers until the command buffer that
-holds it completes, so two layers' intermediates are alive at once, all of them. On CUDA a layer's
+holds it completes, so a few layers' intermediates are alive at once, all of them (GPU_LAYERS_IN_FLIGHT). On CUDA a layer's
 prefill mat-muls also run on dense copies of its weights (ops/linear.py, ops/moe.py), and attention
 over head sizes MLX has no fused kernel for (Qwen3.5's 256) materialises its scores, which the
 engine bounds by running a long chunk's query rows in blocks.
@@ -45,7 +45,12 @@ CHECKPOINTS_PER_RESIDENT = 2  # a resident conversation's reply end and turn end
 SCORE_BYTES = 4  # the quantized attention's scores are float32
 DEFAULT_PREFILL_CHUNK = 2048
 HEADROOM_BYTES = 1 << 30  # the rest of the process, allocator fragmentation
-GPU_LAYERS_IN_FLIGHT = 2  # models/base._queue_layer: layer i + 1 is built while layer i runs
+# Layers whose intermediates are alive at once in a GPU prefill (models/base._queue_layer): the one
+# being encoded, the one running, and the one just waited for, whose buffers return only when its
+# command buffer's completion handler has run (H200, lab/runs/memory-fit-h200-s17.log: the peak
+# window's bytes match three layers, not two)
+GPU_LAYERS_IN_FLIGHT = 3
+SCORE_BLOCKS_IN_FLIGHT = 2  # ops/prefill_attention.py: a block is sent, the one before waited for
 # CUDA's prefill routes (kept equal to ops/linear.py and ops/moe.py by tests/unit/test_memory_estimate.py)
 DENSE_COPY_MIN_ROWS = 384  # a linear's rows from which it multiplies a dense copy of its weight
 DENSE_COPY_MAX_BYTES = 1 << 30  # the largest such copy
@@ -210,7 +215,7 @@ def unfused_scores_bytes(
     row_bytes = context_tokens * (arch.attention_heads * dtype_bytes + 1)
     if prefill_chunk * arch.attention_heads * context_tokens * dtype_bytes <= SCORES_BLOCK_BYTES:
         return prefill_chunk * row_bytes
-    return GPU_LAYERS_IN_FLIGHT * SCORES_BLOCK_BYTES * row_bytes // max(1, row_bytes - context_tokens)
+    return SCORE_BLOCKS_IN_FLIGHT * SCORES_BLOCK_BYTES * row_bytes // max(1, row_bytes - context_tokens)
 
 
 def prefill_workspace_bytes(

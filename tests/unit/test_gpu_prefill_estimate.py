@@ -78,7 +78,7 @@ def test_the_prefill_workspace_follows_the_backend() -> None:
     cuda = me.prefill_peak_bytes(arch, **sizes, backend="cuda")
     layers = me.GPU_LAYERS_IN_FLIGHT * me.gpu_layer_bytes(arch, 2048, cuda=True)
     # head size 256: the scores (2048 x 8192 x 24 in bf16, 805 MB) run in blocks, two alive at once
-    blocks = me.GPU_LAYERS_IN_FLIGHT * me.SCORES_BLOCK_BYTES * 49 // 48
+    blocks = me.SCORE_BLOCKS_IN_FLIGHT * me.SCORES_BLOCK_BYTES * 49 // 48
     assert me.unfused_scores_bytes(arch, 2048, 8192, 2) == blocks
     assert me.unfused_scores_bytes(arch, 2048, 8192, 2, "metal") == blocks
     assert me.unfused_scores_bytes(arch, 16, 8192, 2) == 16 * 8192 * 49  # fits one call: all of them
