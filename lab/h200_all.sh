@@ -187,8 +187,8 @@ case "$part" in
     # prefill route (its copies' share)
     : > "$out/memory.log"
     for shape in 4b 27b; do
-      timeout "${MEMFIT_TIMEOUT:-220}" $py lab/memory_fit.py --shapes "$shape" --context 8192 --chunk 2048 \
-        --kv-bits none 8 --runs 1 --variants default one-graph no-blocks >> "$out/memory.log" 2>&1
+      timeout "${MEMFIT_TIMEOUT:-250}" $py lab/memory_fit.py --shapes "$shape" --context 8192 --chunk 2048 \
+        --kv-bits none 8 --runs 2 --variants default one-graph no-blocks >> "$out/memory.log" 2>&1
     done
     KAPITSA_QLINEAR=stock timeout 120 $py lab/memory_fit.py --shapes 4b --context 8192 --chunk 2048 \
       --kv-bits none --runs 1 >> "$out/memory.log" 2>&1
