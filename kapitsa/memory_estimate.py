@@ -20,10 +20,10 @@ blocks whose scores stay under SCORES_BLOCK_BYTES, which the estimate budgets on
 On a GPU (`backend` "metal" or "cuda") a prefill chunk's activations follow the layer shapes
 instead of the CPU's rule of thumb: the engine sends one layer at a time and waits for the one
 before it (models/base.py), and the backend keeps every op's buffers until the command buffer that
-holds it completes, so a few layers' intermediates are alive at once, all of them (GPU_LAYERS_IN_FLIGHT). On CUDA a layer's
-prefill mat-muls also run on dense copies of its weights (ops/linear.py, ops/moe.py), and attention
-over head sizes MLX has no fused kernel for (Qwen3.5's 256) materialises its scores, which the
-engine bounds by running a long chunk's query rows in blocks.
+holds it completes, so a few layers' intermediates are alive at once, all of them
+(GPU_LAYERS_IN_FLIGHT). On CUDA a layer's prefill mat-muls also run on dense copies of its weights
+(ops/linear.py, ops/moe.py). Attention over head sizes MLX has no fused kernel for (Qwen3.5's 256)
+materialises its scores, which the engine bounds by running a long chunk's query rows in blocks.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ HEADROOM_BYTES = 1 << 30  # the rest of the process, allocator fragmentation
 # window's bytes match three layers, not two)
 GPU_LAYERS_IN_FLIGHT = 3
 SCORE_BLOCKS_IN_FLIGHT = 2  # ops/prefill_attention.py: a block is sent, the one before waited for
-# CUDA's prefill routes (kept equal to ops/linear.py and ops/moe.py by tests/unit/test_memory_estimate.py)
+# CUDA's prefill routes (kept equal to ops/linear.py and ops/moe.py by tests/unit/test_gpu_prefill_estimate.py)
 DENSE_COPY_MIN_ROWS = 384  # a linear's rows from which it multiplies a dense copy of its weight
 DENSE_COPY_MAX_BYTES = 1 << 30  # the largest such copy
 EXPERT_COPY_MIN_ROWS = 512  # token-expert rows from which a MoE layer copies its expert stacks

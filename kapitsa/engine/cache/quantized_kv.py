@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from kapitsa.engine import kernels, options
 from kapitsa.engine.cache.layers import KV_STEP, KVCache, StepInfo
+from kapitsa.engine.ops import device_queue
 
 KV_BITS = (8, 4)
 _GROUP_SIZES = (64, 32)  # the largest MLX supports that divides the head size: fewer scales per row
@@ -168,17 +169,9 @@ def quantized_attention(
         stop = min(start + rows, T)
         block_mask = _block_mask(mask, L, T, start, stop)
         out = _attention_block(q[:, :, start:stop], keys_, values_, block_mask, scale, group_size, bits)
-        _eval_unless_traced(out)  # one block's scores at a time: a lazy graph holds every block's at once
+        device_queue.eval_unless_traced(out)  # one block's scores at a time: a lazy graph holds every block's at once
         blocks.append(out)
     return mx.concatenate(blocks, axis=2)
-
-
-def _eval_unless_traced(x: mx.array) -> None:
-    try:
-        mx.eval(x)
-    except ValueError as err:  # inside mx.compile or vmap: the trace records the blocks as one graph
-        if "transformation" not in str(err) and "compile" not in str(err):
-            raise
 
 
 def _block_mask(mask: mx.array | str | None, L: int, T: int, start: int, stop: int) -> mx.array | None:

@@ -42,7 +42,7 @@ from kapitsa.engine.kernels.attention import probe as attention_probe
 from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.loading.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.models.media import MediaChunk
-from kapitsa.engine.ops import prefill_attention
+from kapitsa.engine.ops import device_queue, prefill_attention
 from kapitsa.engine.ops.linear import linear_plus, normed_linear
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.options import KernelOptions
@@ -287,15 +287,7 @@ def _queue_layer(h: mx.array, rows: int, previous: mx.array | None) -> mx.array 
     what was sent, None when this forward stays one graph."""
     if rows < LAYER_QUEUE_ROWS or not _on_gpu():
         return None
-    try:
-        mx.async_eval(h)
-    except ValueError as err:  # inside mx.compile or vmap: the trace stays one graph
-        if "transformation" not in str(err):
-            raise
-        return None
-    if previous is not None:
-        mx.eval(previous)
-    return h
+    return device_queue.send(h, previous)
 
 
 def fast_chain(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bool:

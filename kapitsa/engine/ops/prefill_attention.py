@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kapitsa.engine.kernels import backend
+from kapitsa.engine.ops import device_queue
 from kapitsa.engine.options import SCORES_BLOCK_BYTES
 
 FUSED_PREFILL_HEAD_DIMS = {"metal": (64, 80, 128), "cuda": (64, 96, 128)}
@@ -49,7 +50,7 @@ def attention_in_blocks(
     for start in range(0, T, rows):
         stop = min(start + rows, T)
         block = _block(q[:, :, start:stop], k, v, scale, mask, start, stop, T, L)
-        sent = _send(block, sent)
+        sent = device_queue.send(block, sent)
         blocks.append(block)
     return mx.concatenate(blocks, axis=2)
 
@@ -61,16 +62,3 @@ def _block(q, k, v, scale: float, mask, start: int, stop: int, T: int, L: int) -
     if mask is not None and mask.shape[-2] == T:
         mask = mask[..., start:stop, :]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-
-def _send(block: mx.array, previous: mx.array | None) -> mx.array | None:
-    """Queue `block` on the device and wait for `previous`; inside mx.compile the blocks stay one graph."""
-    try:
-        mx.async_eval(block)
-    except ValueError as err:
-        if "transformation" not in str(err) and "compile" not in str(err):
-            raise
-        return None
-    if previous is not None:
-        mx.eval(previous)
-    return block

@@ -6,7 +6,7 @@ model's does not: each of the T tokens routes to its own experts, so a verify of
 Nemotron-30B-A3B reads up to 8x the expert weights and cost 4.5x a one-token forward there
 (docs/results.md); priced as a dense verify, drafts that are half accepted would run at a third of
 plain speed. So a GPU's curve is the built-in one raised by the verify widths' measured cost
-relative to one token (`gpu_measured_cost_curve`). On the CPU a small model is compute-bound: a
+relative to one token (`gpu_width_timings`, `gpu_cost_curve_from_timings`). On the CPU a small model is compute-bound: a
 verify of T tokens costs about 0.75 T decode steps on the demo (its [T] forward against a
 one-token step), so drafts pay only when short and nearly always accepted (`measured_cost_curve`).
 """
@@ -82,12 +82,6 @@ def gpu_width_timings(model, widths: Sequence[int]) -> dict[int, float]:  # noqa
     for width in sizes:
         _median_forward_s(model, cache, width)
     return {width: _median_forward_s(model, cache, width) for width in sizes}
-
-
-def gpu_measured_cost_curve(model, max_draft: int, widths: Sequence[int]) -> list[float]:  # noqa: ANN001
-    """`gpu_cost_curve_from_timings` over the model's own forwards at `widths`."""
-    timed = gpu_width_timings(model, widths)
-    return gpu_cost_curve_from_timings(timed.__getitem__, max_draft, sorted(timed))
 
 
 def takes_long_drafts(timed: dict[int, float]) -> bool:
