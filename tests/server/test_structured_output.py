@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -42,6 +43,7 @@ OPENAI_TOOLS = [
     },
 ]
 RUNS = 50  # per API and model family: 100 structured answers per API over the two families
+CONCURRENT = 8  # requests in flight: the engine decodes them as one batch, each under its own grammar
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
@@ -62,6 +64,12 @@ def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]
     return response.json()
 
 
+def _post_all(http: httpx.Client, path: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each body's answer, in order, `CONCURRENT` requests at a time."""
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        return list(pool.map(lambda body: _post(http, path, body), bodies))
+
+
 def _chat(seed: int, **extra: Any) -> dict[str, Any]:
     return {
         "model": "tiny",
@@ -80,51 +88,53 @@ def _valid(text: str, schema: dict[str, Any]) -> None:
 
 def test_json_schema_in_chat_completions(http) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
-    for seed in range(RUNS):
-        body = _post(http, "/v1/chat/completions", _chat(seed, response_format=fmt))
+    bodies = [_chat(seed, response_format=fmt) for seed in range(RUNS)]
+    for body in _post_all(http, "/v1/chat/completions", bodies):
         _valid(body["choices"][0]["message"]["content"], SCHEMA)
 
 
 def test_json_schema_in_responses(http) -> None:
     fmt = {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}
-    for seed in range(RUNS):
-        body = _post(
-            http,
-            "/v1/responses",
-            {
-                "model": "tiny",
-                "input": f"question {seed}",
-                "temperature": 1.0,
-                "max_output_tokens": 200,
-                "reasoning": {"effort": "none"},
-                "text": {"format": fmt},
-                "store": False,
-            },
-        )
+    bodies = [
+        {
+            "model": "tiny",
+            "input": f"question {seed}",
+            "temperature": 1.0,
+            "max_output_tokens": 200,
+            "reasoning": {"effort": "none"},
+            "text": {"format": fmt},
+            "store": False,
+        }
+        for seed in range(RUNS)
+    ]
+    for body in _post_all(http, "/v1/responses", bodies):
         texts = [c["text"] for item in body["output"] if item["type"] == "message" for c in item["content"]]
         _valid("".join(texts), SCHEMA)
+
+
+def _anthropic_choice(seed: int) -> dict[str, Any]:
+    choice = {"type": "any"} if seed % 2 else {"type": "tool", "name": "get_weather"}
+    return {**choice, "disable_parallel_tool_use": seed % 3 != 0}
 
 
 def test_required_tool_call_in_anthropic_messages(http) -> None:
     tools = [
         {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in OPENAI_TOOLS
     ]
-    for seed in range(RUNS):
-        choice = {"type": "any"} if seed % 2 else {"type": "tool", "name": "get_weather"}
-        choice["disable_parallel_tool_use"] = seed % 3 != 0
-        body = _post(
-            http,
-            "/v1/messages",
-            {
-                "model": "tiny",
-                "max_tokens": 800 if choice["disable_parallel_tool_use"] else 1000,
-                "temperature": 1.0,
-                "messages": [{"role": "user", "content": f"weather {seed}"}],
-                "thinking": {"type": "disabled"},
-                "tools": tools,
-                "tool_choice": choice,
-            },
-        )
+    choices = [_anthropic_choice(seed) for seed in range(RUNS)]
+    bodies = [
+        {
+            "model": "tiny",
+            "max_tokens": 800 if choice["disable_parallel_tool_use"] else 1000,
+            "temperature": 1.0,
+            "messages": [{"role": "user", "content": f"weather {seed}"}],
+            "thinking": {"type": "disabled"},
+            "tools": tools,
+            "tool_choice": choice,
+        }
+        for seed, choice in enumerate(choices)
+    ]
+    for choice, body in zip(choices, _post_all(http, "/v1/messages", bodies), strict=True):
         uses = [b for b in body["content"] if b["type"] == "tool_use"]
         assert uses and body["stop_reason"] == "tool_use", body
         for use in uses:
@@ -136,11 +146,16 @@ def test_required_tool_call_in_anthropic_messages(http) -> None:
 
 
 def test_required_tool_call_in_chat_completions(http) -> None:
-    for seed in range(RUNS):
-        choice = "required" if seed % 2 else {"type": "function", "function": {"name": "get_weather"}}
+    choices = [
+        "required" if seed % 2 else {"type": "function", "function": {"name": "get_weather"}}
+        for seed in range(RUNS)
+    ]
+    bodies = []
+    for seed, choice in enumerate(choices):
         parallel = seed % 3 == 0  # up to MAX_PARALLEL_CALLS calls, else exactly one
         body = _chat(seed, tools=OPENAI_TOOLS, tool_choice=choice, parallel_tool_calls=parallel)
-        body = _post(http, "/v1/chat/completions", {**body, "max_tokens": 1000 if parallel else 800})
+        bodies.append({**body, "max_tokens": 1000 if parallel else 800})
+    for choice, body in zip(choices, _post_all(http, "/v1/chat/completions", bodies), strict=True):
         calls = body["choices"][0]["message"].get("tool_calls")
         assert calls and body["choices"][0]["finish_reason"] == "tool_calls", body
         for call in calls:
@@ -152,22 +167,21 @@ def test_required_tool_call_in_chat_completions(http) -> None:
 
 def test_required_tool_call_in_responses(http) -> None:
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
-    for seed in range(RUNS):
-        body = _post(
-            http,
-            "/v1/responses",
-            {
-                "model": "tiny",
-                "input": f"weather {seed}",
-                "temperature": 1.0,
-                "max_output_tokens": 800,
-                "reasoning": {"effort": "none"},
-                "tools": tools,
-                "tool_choice": "required",
-                "parallel_tool_calls": False,
-                "store": False,
-            },
-        )
+    bodies = [
+        {
+            "model": "tiny",
+            "input": f"weather {seed}",
+            "temperature": 1.0,
+            "max_output_tokens": 800,
+            "reasoning": {"effort": "none"},
+            "tools": tools,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "store": False,
+        }
+        for seed in range(RUNS)
+    ]
+    for body in _post_all(http, "/v1/responses", bodies):
         calls = [item for item in body["output"] if item["type"] == "function_call"]
         assert calls, body
         for call in calls:
