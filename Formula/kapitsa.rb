@@ -6,7 +6,7 @@ class Kapitsa < Formula
   desc "Local LLM engine and coding-agent launcher for Apple silicon"
   homepage "https://pypi.org/project/kapitsa/"
   url "https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-0.1.0.tar.gz"
-  sha256 "4de269296caacff7a8cd7875054e010d852dcbb3bab2f09455d18202bc784429"
+  sha256 "f4d064570c4d33cb229fb88c79d058411aae3fd7aeea0b0b7ecbcfb7db5dd1ca"
   license "Apache-2.0"
 
   depends_on "rust" => :build

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The project's one test command (README and .ci/run both run it): makes .venv if needed,
-# installs kapitsa with its test dependencies, then runs pytest. Extra args go to pytest.
+# installs kapitsa with its test dependencies, then runs pytest on every core (pytest-xdist's -n auto;
+# most tests wait on subprocesses, servers or agents, so two workers nearly halve a 2-core run).
+# Extra args go to pytest; a later `-n 0` runs in one process.
 # It fails when no test ran: nothing collected, or everything skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +19,7 @@ fi
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 set +e
-.venv/bin/python -m pytest --junitxml="$report" "$@"
+.venv/bin/python -m pytest -n auto --junitxml="$report" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -30,13 +31,20 @@ def agents_dir() -> Path:
 def ensure_agents() -> tuple[Path | None, str]:
     """The folder of agent binaries (installing them once), or None and why not."""
     root = agents_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    # Test workers run in parallel: one installs while the others wait, then find the binaries.
+    with (root / ".install.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _install_agents(root)
+
+
+def _install_agents(root: Path) -> tuple[Path | None, str]:
     bin_dir = root / "node_modules" / ".bin"
     if all((bin_dir / name).exists() for name in PACKAGES):
         return bin_dir, ""
     npm = shutil.which("npm")
     if npm is None:
         return None, "npm is not installed"
-    root.mkdir(parents=True, exist_ok=True)
     try:
         done = subprocess.run(
             [npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", *PACKAGES.values()],
