@@ -40,7 +40,7 @@ def test_kept_copy_follows_a_replaced_weight(on_cpu) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(("T", "offset"), [(300, 0), (40, 1700), (513, 260)])
+@pytest.mark.parametrize(("T", "offset"), [(300, 0), (40, 1700), (513, 260), (1, 8200), (7, 2600)])
 def test_attention_matches_sdpa(on_cpu, causal: bool, T: int, offset: int) -> None:
     mx.random.seed(1)
     B, H, Hkv, D = 2, 4, 2, 32
@@ -55,9 +55,22 @@ def test_attention_matches_sdpa(on_cpu, causal: bool, T: int, offset: int) -> No
 
 def test_attention_declines_what_it_does_not_serve(on_cpu) -> None:
     q, k = mx.zeros((1, 2, 1, 16)), mx.zeros((1, 2, 5000, 16))
-    assert not cpu_blas.attention_takes(q, k, None)  # one query row: a decode step
+    assert not cpu_blas.attention_takes(q, k, None)  # a decode step over too little work to pay
+    assert cpu_blas.attention_takes(mx.zeros((1, 16, 1, 128)), k, None)  # the same context, wider heads
     q = mx.zeros((1, 2, 64, 16))
     assert not cpu_blas.attention_takes(q, k, mx.ones((64, 5000), dtype=mx.bool_))  # an explicit mask
+
+
+def test_a_decode_step_over_a_long_context_equals_mlx_attention(on_cpu) -> None:
+    """One query row per sequence (decode) and a short causal chain (a verify) over 8k keys."""
+    mx.random.seed(2)
+    k, v = mx.random.normal((1, 1, 8192, 64)), mx.random.normal((1, 1, 8192, 64))
+    for T, mask in ((1, None), (4, "causal")):
+        q = mx.random.normal((1, 2, T, 64))
+        assert cpu_blas.attention_takes(q, k, mask)
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        got = cpu_blas.attention(q, k, v, scale=0.125, causal=mask is not None)
+        assert _rel_err(got, ref) < 1e-4
 
 
 def test_routed_layers_take_it_only_past_compiled_sizes(on_cpu) -> None:

@@ -22,7 +22,9 @@ import mlx.nn as nn
 import numpy as np
 
 MIN_ROWS = 17  # more tokens than any compiled step (models/base.py CHAIN_MAX_T) carries
-ATTENTION_MIN_SCORES = 1 << 16  # query rows x keys below which MLX's own attention is as fast
+# query heads x rows x keys x head size (the QK product's multiply-adds) below which MLX's own attention
+# costs less than reading its arrays here: the read waits for the layers before it (lab/runs/cpu-attention.log)
+ATTENTION_MIN_WORK = 1 << 20
 SCORE_BYTES = 64 << 20  # float32 scores one attention block may hold (all heads)
 
 
@@ -119,10 +121,14 @@ def linear(layer: nn.Module, x: mx.array, *, keep: bool) -> mx.array | None:
 
 
 def attention_takes(q: mx.array, k: mx.array, mask: object) -> bool:
-    """Whether `attention` serves this call: CPU, no mask or a causal one, enough scores to pay."""
+    """Whether `attention` serves this call: CPU, no mask or a causal one, enough scores to pay.
+
+    Decode steps and short verify chains count too: their attention runs eagerly (models/base.py
+    `compiled_attention`), and over a long context MLX's CPU attention is the step's largest cost.
+    """
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
         return False
-    return takes_tokens(q.shape[2]) and q.shape[2] * k.shape[2] >= ATTENTION_MIN_SCORES
+    return on_cpu() and q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3] >= ATTENTION_MIN_WORK
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool) -> mx.array:
