@@ -273,13 +273,15 @@ def open_group_engine(  # noqa: ANN201 - GroupEngine | None
         model_id = resolved.display_name
         if resolved.quantize is not None:  # a recipe on load (':small'): not split across ranks yet
             raise InvalidRequest(f"{ref}: the ':{resolved.quantize}' recipe does not run across a group yet")
+    config = engine_config(settings)
     return start_rank(
         source,
         parallel=parallel,
         model_id=model_id,
-        kernels=engine_config(settings).kernels,
+        kernels=config.kernels,
         speculative=speculative,
         draft_tokens=draft_tokens,
+        prefix_cache_bytes=config.prefix_cache_bytes,
     )
 
 

@@ -99,3 +99,19 @@ def rank_pid(session: int, rank: int) -> int | None:
         if f"MLX_RANK={rank}".encode() in environ and b"kapitsa" in cmdline:
             return pid
     return None
+
+
+def one_rank_engine(folder: Path, parallel: str = "pipeline", **options: object):  # noqa: ANN201 - a GroupEngine
+    """Rank 0 of a group of one, in this process: the group's engine with no launch."""
+    import mlx.core as mx
+
+    from kapitsa.engine.distributed.engine import GroupEngine
+    from kapitsa.engine.distributed.group import Group
+    from kapitsa.engine.distributed.loading import load_shard
+    from kapitsa.engine.distributed.start import make_shard
+    from kapitsa.engine.options import KernelOptions
+
+    handle = mx.distributed.init(strict=False)
+    group = Group(handle.rank(), handle.size(), handle)
+    loaded = load_shard(str(folder), group=group, parallel=parallel)
+    return GroupEngine(make_shard(loaded, group, parallel, KernelOptions()), loaded, **options)

@@ -1,5 +1,6 @@
 """The control header round-trips: what rank 0 broadcasts is what every rank reads back, the
-speculative verify's record flag and the previous verify's drop count included."""
+speculative verify's record flag, the previous verify's drop count and the saved-state ids
+(restore, save, forget) included; rank 0's pending bookkeeping rides in the next command once."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ COMMANDS = [
     Command(Op.FORWARD, (9, 1, 2, 3), record=True, drop=0),
     Command(Op.FORWARD, (4,), drop=3),
     Command(Op.FORWARD, tuple(range(1, 2 * INLINE + 3)), record=True, drop=7),
+    Command(Op.FORWARD, tuple(range(3, INLINE + 5)), new_cache=True, drop=2, restore=9, save=11, forget=4),
+    Command(Op.IDLE, drop=1, save=12, forget=3),
     Command(Op.STOP),
 ]
 
@@ -67,3 +70,16 @@ def test_each_speculative_shape_gets_the_warm_up_deadline_once() -> None:
     clock.record(verify.paced_as, 0.02, verify.warm_key)
     assert clock.deadline(verify.paced_as, verify.warm_key) == 3
     assert Command(Op.FORWARD, (4,)).warm_key is None  # a plain step has no shape of its own
+
+
+def test_pending_bookkeeping_rides_in_the_next_command_once() -> None:
+    from kapitsa.engine.distributed.control import Pending
+
+    pending = Pending(drop=2)
+    pending.save_next(5)
+    pending.forgets.extend([7, 8])
+    first = pending.stamp(Command(Op.FORWARD, (1,), new_cache=True, restore=3))
+    assert (first.drop, first.save, first.forget, first.restore, first.new_cache) == (2, 5, 7, 3, True)
+    second = pending.stamp(Command(Op.IDLE))
+    assert (second.drop, second.save, second.forget) == (0, 0, 8)
+    assert not pending.any

@@ -30,8 +30,8 @@ def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # n
             command = broadcast(group, None)
             if command.op is Op.STOP:
                 return
+            cache = shard.cache_for(cache, command)
             if command.op is Op.FORWARD:
-                cache = shard.cache_for(cache, command)
                 last_tokens = command.paced_as
                 watchdog.arm("a forward", clock.deadline(last_tokens, command.warm_key))
                 started = time.perf_counter()

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.distributed.control import Command
 from kapitsa.engine.distributed.group import Group, evaluate
+from kapitsa.engine.distributed.saved import SavedStates
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.models.base import use_kernel_options
@@ -42,6 +43,7 @@ class Shard:
         route_quantized_linears(model, kernels)
         mx.eval(model.parameters())
         self.dtype = _activation_dtype(model)
+        self.saved = SavedStates(self.new_cache())
 
     @property
     def local_layers(self) -> list[nn.Module]:
@@ -51,12 +53,17 @@ class Shard:
     def new_cache(self) -> HybridCache:
         return HybridCache([self.model.make_layer_cache(layer) for layer in self.local_layers], 1)
 
-    def cache_for(self, cache: HybridCache | None, command: Command) -> HybridCache:
-        """The cache a forward `command` runs on: a fresh one for a new request, else `cache` with
-        the previous verify's rejected tokens rolled back."""
-        if command.new_cache or cache is None:
-            return self.new_cache()
-        cache.rollback([command.drop])
+    def cache_for(self, cache: HybridCache | None, command: Command) -> HybridCache | None:
+        """`cache` after `command`'s bookkeeping (control.py: drop, save, forget, in that order);
+        for a new request, its cache instead: empty, or restored from a saved state."""
+        if cache is not None:
+            cache.rollback([command.drop])
+            if command.save:
+                self.saved.save(command.save, cache)
+        if command.forget:
+            self.saved.forget(command.forget)
+        if command.new_cache:
+            return self.saved.started(self.new_cache(), command.restore)
         return cache
 
     def run_layers(self, h: mx.array, cache: HybridCache, record: bool = False) -> mx.array:

@@ -28,12 +28,15 @@ def start_rank(
     kernels: KernelOptions = KernelOptions(),  # noqa: B008 - frozen
     speculative: str | None = None,
     draft_tokens: int | None = None,
+    prefix_cache_bytes: int | None = None,
 ) -> GroupEngine | None:
     """Join the group mlx.launch started, load this rank's shard of `source`.
 
     `speculative` is the `--speculative` mode (speculation.GROUP_SPECULATIVE_MODES; None: the
     default, n-gram drafting) and `draft_tokens` the longest draft; only rank 0 reads them, the
-    other ranks take each step's shape from its command.
+    other ranks take each step's shape from its command. `prefix_cache_bytes` bounds rank 0's saved
+    states (prefix.py; 0: none, None: a quarter of the memory left next to its weights); every rank
+    keeps its own shard of the same states.
 
     Returns:
         On rank 0 the running `GroupEngine` (its `close()` stops the group); on the other ranks
@@ -45,6 +48,6 @@ def start_rank(
     barrier(group, what="startup")
     if group.is_driver:
         speculation = GroupSpeculation(draft_tokens) if group_speculates(speculative) else None
-        return GroupEngine(shard, loaded, speculation=speculation)
+        return GroupEngine(shard, loaded, speculation=speculation, prefix_cache_bytes=prefix_cache_bytes)
     follow(shard, group)
     return None

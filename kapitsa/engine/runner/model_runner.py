@@ -11,12 +11,13 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from kapitsa.engine.cache import snapshot
 from kapitsa.engine.cache.disk import StoredPrefix
 from kapitsa.engine.cache.hybrid import HybridCache
-from kapitsa.engine.cache.layers import KVCache, RecurrentCache
+from kapitsa.engine.cache.layers import KVCache
 from kapitsa.engine.cache.prefix import PrefixMatch
-from kapitsa.engine.cache.quantized_kv import slot_count, use_kv_bits
-from kapitsa.engine.cache.window import RotatingKVCache
+from kapitsa.engine.cache.quantized_kv import use_kv_bits
+from kapitsa.engine.cache.snapshot import KV_AXIS
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.kernels.probes import probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
@@ -27,7 +28,6 @@ from kapitsa.engine.runner.memory import StateSizes
 from kapitsa.engine.runner.vision import ImageFeatures
 from kapitsa.engine.vision.media import PromptMedia
 
-KV_AXIS = 2  # token axis of KV buffers
 _Layout = tuple[
     list[tuple[tuple[int, ...], mx.Dtype]], list[tuple[tuple[int, ...], mx.Dtype]]
 ]  # (KV, recurrent)
@@ -59,9 +59,9 @@ class ModelRunner:
         route_quantized_linears(model, kernels, dense_copy_bytes=spare)
         probe_enabled(kernels)  # the opt-in kernels' one-time checks evaluate: before any trace
         probe = model.make_cache(1)
-        self.kv_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, KVCache)]
+        self.kv_layers = snapshot.kv_layer_ids(probe)
         # fixed-size state per sequence, checkpointed whole: recurrent layers and sliding windows
-        self.recurrent_layers = [i for i, c in enumerate(probe.layers) if isinstance(c, _FIXED_STATE)]
+        self.recurrent_layers = snapshot.fixed_layer_ids(probe)
         self.dtype = dtype or _param_dtype(model)
         self._layout: _Layout | None = None  # state shapes and dtypes, measured by `state_sizes`
         self.images = ImageFeatures(model) if getattr(model, "takes_images", False) else None
@@ -115,20 +115,12 @@ class ModelRunner:
 
     def kv_span(self, cache: HybridCache, start: int, end: int) -> tuple[mx.array, ...]:
         """K and V of every attention layer for positions [start, end) of a batch-1 cache."""
-        out: list[mx.array] = []
-        for i in self.kv_layers:
-            layer = cache.layers[i]
-            assert isinstance(layer, KVCache) and layer.keys is not None and layer.values is not None
-            out += [a[:, :, start:end] for a in layer.slots()]
-        return tuple(out)
+        return snapshot.kv_span(cache, self.kv_layers, start, end)
 
     def recurrent_state(self, cache: HybridCache) -> tuple[mx.array, ...]:
         """(conv, state) of every recurrent layer and (keys, values) of every sliding window of a
         batch-1 cache, by reference."""
-        out: list[mx.array] = []
-        for i in self.recurrent_layers:
-            out += _fixed_state(cache.layers[i])
-        return tuple(out)
+        return snapshot.fixed_state(cache, self.recurrent_layers)
 
     def restore(self, match: PrefixMatch, media: PromptMedia | None = None) -> HybridCache:
         """A batch-1 cache holding `match.pos` tokens: KV copied in, recurrent state shared (and the
@@ -136,19 +128,14 @@ class ModelRunner:
         cache = self.model.make_cache(1)
         if media is not None:
             cache.rope_deltas = [media.delta_after(match.pos)]
-        kv = iter(match.kv)
-        for i in self.kv_layers:
-            layer = cache.layers[i]
-            assert isinstance(layer, KVCache)
-            layer.set_slots([next(kv) for _ in range(slot_count(layer))])
-        rec = iter(match.recurrent)
-        for i in self.recurrent_layers:
-            layer = cache.layers[i]
-            if isinstance(layer, RotatingKVCache):
-                layer.keys, layer.values = next(rec), next(rec)
-            else:
-                layer.conv, layer.state = next(rec), next(rec)
-        cache.offsets = [match.pos]
+        snapshot.fill(
+            cache,
+            pos=match.pos,
+            kv=match.kv,
+            fixed=match.recurrent,
+            kv_layers=self.kv_layers,
+            fixed_layers=self.recurrent_layers,
+        )
         mx.eval(*cache.state_arrays())
         return cache
 
@@ -230,14 +217,5 @@ def _state_layout(cache: HybridCache, kv_layers: list[int], recurrent_layers: li
         kv += [(tuple(a[:, :, :1].shape), a.dtype) for a in layer.slots()]
     recurrent: list[tuple[tuple[int, ...], mx.Dtype]] = []
     for i in recurrent_layers:
-        recurrent += [(tuple(a.shape), a.dtype) for a in _fixed_state(cache.layers[i])]
+        recurrent += [(tuple(a.shape), a.dtype) for a in snapshot.layer_state(cache.layers[i])]
     return kv, recurrent
-
-
-_FIXED_STATE = (RecurrentCache, RotatingKVCache)
-
-
-def _fixed_state(layer: RecurrentCache | RotatingKVCache) -> tuple[mx.array, mx.array]:
-    pair = (layer.keys, layer.values) if isinstance(layer, RotatingKVCache) else (layer.conv, layer.state)
-    assert pair[0] is not None and pair[1] is not None
-    return pair
