@@ -71,6 +71,28 @@ def _deepest_saved(first_prompt: list[int], first_answer: list[int], boundaries,
     return max((len(s) for s in saved if len(s) < len(prompt) and prompt[: len(s)] == s), default=0)
 
 
+def test_the_index_resumes_short_of_the_prompt_and_evicts_the_least_recent_first() -> None:
+    from kapitsa.engine.distributed.prefix import GroupPrefix
+
+    class TenBytesEach:
+        def nbytes(self, ids: list[int]) -> int:
+            return 10 * len(ids)
+
+    prefix = GroupPrefix(TenBytesEach(), budget_bytes=25)
+    system, turn, final = (
+        prefix.add([1, 2], "system"),
+        prefix.add([1, 2, 3, 4], "turn"),
+        prefix.add([1, 2, 3, 4, 5, 6], "final"),
+    )
+    assert prefix.add([1, 2, 3, 4], "turn") == 0  # saved already
+    assert prefix.lookup([1, 2, 3, 4, 5, 6]) == (turn, 4)  # no state holds logits: one token is computed
+    assert prefix.lookup([1, 2, 3, 4, 5, 6, 7]) == (final, 6)
+    assert prefix.lookup([1, 2, 9]) == (system, 2) and prefix.lookup([7, 1, 2]) == (0, 0)
+    assert prefix.victims() == [turn]  # 30 bytes: the least recently used goes, the system prompt last
+    assert prefix.ids() == [system, final] and prefix.lookup([1, 2, 3, 4, 8]) == (system, 2)
+    assert GroupPrefix(TenBytesEach(), budget_bytes=0).add([1, 2], "turn") == 0  # the cache is off
+
+
 @pytest.mark.parametrize("parallel", MODES)
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_a_second_turn_computes_only_what_no_saved_state_holds(kind: str, parallel: str, checkpoints) -> None:

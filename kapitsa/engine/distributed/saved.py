@@ -63,6 +63,8 @@ class SavedStates:
                 kv_layers=self.kv_layers,
                 fixed_layers=self.fixed_layers,
             )
+            # the copy runs here, not inside the first forward, whose deadline follows its tokens
+            mx.eval(*cache.state_arrays())
         return cache
 
     def save(self, state_id: int, cache: HybridCache) -> None:
