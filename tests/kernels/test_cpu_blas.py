@@ -96,3 +96,20 @@ def test_inside_a_compiled_function_the_ops_run(on_cpu) -> None:
     k = v = mx.random.normal((1, 2, 2048, 16))
     with pytest.raises(cpu_blas.Traced):
         mx.compile(lambda a, b, c: cpu_blas.attention(a, b, c, scale=0.25, causal=True))(q, k, v)
+
+
+def test_rows_at_different_offsets_and_a_tree_mask_equal_mlx_attention(on_cpu) -> None:
+    """A batched decode's rows see different key counts; a draft tree sees its ancestors only."""
+    mx.random.seed(3)
+    B, H, Hkv, D, L = 3, 8, 2, 64, 3000
+    k, v = mx.random.normal((B, Hkv, L, D)), mx.random.normal((B, Hkv, L, D))
+    for T in (1, 5):
+        visible = mx.array([L - T - 900, L - T, 1200])[:, None] + mx.arange(T)[None, :]  # [B, T]
+        mask = (mx.arange(L)[None, None, :] <= visible[..., None])[:, None]  # [B, 1, T, L]
+        if T == 5:  # a tree: the last query skips its sibling at L - 2
+            mask[:, :, 4, L - 2] = False
+        q = mx.random.normal((B, H, T, D))
+        assert cpu_blas.attention_takes(q, k, mask)
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        got = cpu_blas.attention(q, k, v, scale=0.125, causal=False, mask=mask)
+        assert _rel_err(got, ref) < 1e-4

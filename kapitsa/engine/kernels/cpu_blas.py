@@ -121,45 +121,84 @@ def linear(layer: nn.Module, x: mx.array, *, keep: bool) -> mx.array | None:
 
 
 def attention_takes(q: mx.array, k: mx.array, mask: object) -> bool:
-    """Whether `attention` serves this call: CPU, no mask or a causal one, enough scores to pay.
+    """Whether `attention` serves this call: CPU, enough work to pay, and no mask, a causal one or
+    a bool `[B or 1, 1, T, L]` one (a batch of rows at different offsets, a draft tree).
 
     Decode steps and short verify chains count too: their attention runs eagerly (models/base.py
     `compiled_attention`), and over a long context MLX's CPU attention is the step's largest cost.
     """
-    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+    if not (mask is None or (isinstance(mask, str) and mask == "causal") or _row_mask(q, k, mask)):
         return False
     return on_cpu() and q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3] >= ATTENTION_MIN_WORK
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool) -> mx.array:
+def _row_mask(q: mx.array, k: mx.array, mask: object) -> bool:
+    return (
+        isinstance(mask, mx.array)
+        and mask.dtype == mx.bool_
+        and mask.ndim == 4
+        and mask.shape[0] in (1, q.shape[0])
+        and mask.shape[1:] == (1, q.shape[2], k.shape[2])
+    )
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, causal: bool, mask: mx.array | None = None
+) -> mx.array:
     """(Raises `Traced` inside a trace.) Softmax attention of q `[B, H, T, D]` over k/v `[B, Hkv, L, D]` (H a multiple of Hkv),
     `causal` bottom-right aligned as in `mx.fast.scaled_dot_product_attention` (query t sees keys
-    up to L - T + t). Float32 throughout; returned `[B, H, T, D]` in q's dtype."""
+    up to L - T + t), or `mask` (bool `[B or 1, 1, T, L]`, True: visible; every query sees a key).
+    Float32 throughout; returned `[B, H, T, D]` in q's dtype."""
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     group = H // Hkv
     qn = host_array(q).reshape(B, Hkv, group, T, D)
     kn, vn = host_array(k), host_array(v)
+    allowed = None if mask is None else np.broadcast_to(np.asarray(mask), (B, 1, T, L))
     out = np.empty((B, Hkv, group, T, D), dtype=np.float32)
     block = max(1, SCORE_BYTES // (4 * H * L))
     for b in range(B):
         for start in range(0, T, block):
             stop = min(start + block, T)
-            visible = L - T + stop if causal else L
+            rows = None if allowed is None else allowed[b, 0, start:stop]
+            visible = _visible_keys(rows, L - T + stop if causal else L)
             out[b, :, :, start:stop] = _block(
-                qn[b, :, :, start:stop], kn[b, :, :visible], vn[b, :, :visible], scale, L - T + start, causal
+                qn[b, :, :, start:stop],
+                kn[b, :, :visible],
+                vn[b, :, :visible],
+                scale,
+                L - T + start,
+                causal and rows is None,
+                None if rows is None else rows[:, :visible],
             )
     return mx.array(out.reshape(B, H, T, D)).astype(q.dtype)
 
 
+def _visible_keys(rows: np.ndarray | None, default: int) -> int:
+    """Keys up to the last one any query of the block sees (a shorter row of a batch reads less)."""
+    if rows is None:
+        return default
+    seen = np.flatnonzero(rows.any(axis=0))
+    return int(seen[-1]) + 1 if seen.size else 1
+
+
 def _block(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first_position: int, causal: bool
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    first_position: int,
+    causal: bool,
+    allowed: np.ndarray | None = None,
 ) -> np.ndarray:
-    """One query block: q `[Hkv, G, Tb, D]`, k/v `[Hkv, Lb, D]`; query i sits at `first_position + i`."""
+    """One query block: q `[Hkv, G, Tb, D]`, k/v `[Hkv, Lb, D]`; query i sits at `first_position + i`;
+    `allowed` `[Tb, Lb]`, when given, is the block's mask."""
     scores = (q * np.float32(scale)) @ k[:, None].swapaxes(-1, -2)  # [Hkv, G, Tb, Lb]
     if causal:  # only the block's own trailing keys can lie after a query
         tail = scores[..., first_position:]
         tail[..., np.triu(np.ones(tail.shape[-2:], dtype=bool), 1)] = -np.inf
+    if allowed is not None:
+        scores[..., ~allowed] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     total = scores.sum(axis=-1, keepdims=True)

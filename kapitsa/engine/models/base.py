@@ -232,6 +232,8 @@ class Attention(nn.Module):
 
 def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: object) -> mx.array | None:
     try:
+        if isinstance(mask, mx.array):
+            return cpu_blas.attention(q, k, v, scale=scale, causal=False, mask=mask)
         return cpu_blas.attention(q, k, v, scale=scale, causal=mask is not None)
     except cpu_blas.Traced:
         return None
