@@ -1,6 +1,7 @@
 """The control header round-trips: what rank 0 broadcasts is what every rank reads back, the
-speculative verify's record flag, the previous verify's drop count and the saved-state ids
-(restore, save, forget) included; rank 0's pending bookkeeping rides in the next command once."""
+speculative verify's record flag, the previous verify's drop count, the saved-state ids
+(restore, save, forget) and the batch's membership (a join, the rows that leave, the row a save
+keeps) included; rank 0's pending bookkeeping rides in the next command once."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ COMMANDS = [
     Command(Op.FORWARD, tuple(range(1, 2 * INLINE + 3)), record=True, drop=7),
     Command(Op.FORWARD, tuple(range(3, INLINE + 5)), new_cache=True, drop=2, restore=9, save=11, forget=4),
     Command(Op.IDLE, drop=1, save=12, forget=3),
+    Command(Op.FORWARD, (4, 5, 6), batch=True, join=True, save=3, row=2, leave=0b101),
+    Command(Op.FORWARD, tuple(range(1, INLINE + 4)), batch=True),  # more rows than ride inline
+    Command(Op.FORWARD, (1, 2, 3), batch=True, record=True, drop=1),  # a verify of a batch of one
+    Command(Op.IDLE, save=4, row=1, leave=1 << (control.MAX_ROWS - 1)),
     Command(Op.STOP),
 ]
 
@@ -58,6 +63,15 @@ def test_a_verify_is_paced_as_one_decode_step() -> None:
     assert Command(Op.FORWARD, (1, 2, 3)).paced_as == 3
 
 
+def test_a_batched_step_feeds_one_token_per_row_at_one_step_s_pace() -> None:
+    step = Command(Op.FORWARD, (7, 8, 9), batch=True)
+    assert step.rows == [[7], [8], [9]] and step.paced_as == 1 and step.warm_key == (3, -1)
+    verify = Command(Op.FORWARD, (7, 8, 9), batch=True, record=True)
+    assert verify.rows == [[7, 8, 9]] and verify.warm_key == (3, 0)
+    assert Command(Op.FORWARD, (7, 8, 9)).rows == [[7, 8, 9]]  # a prompt chunk
+    assert Command(Op.FORWARD, (7,), batch=True).warm_key is None
+
+
 def test_each_speculative_shape_gets_the_warm_up_deadline_once() -> None:
     """A verify's width and a rollback's length compile on first use: the first of each may take
     as long as a first step; later ones are held to the decode pace."""
@@ -83,3 +97,8 @@ def test_pending_bookkeeping_rides_in_the_next_command_once() -> None:
     second = pending.stamp(Command(Op.IDLE))
     assert (second.drop, second.save, second.forget) == (0, 0, 8)
     assert not pending.any
+    pending.save_next(6, row=2)
+    pending.leave, pending.join = 0b10, True
+    third = pending.stamp(Command(Op.FORWARD, (1, 2), batch=True))
+    assert (third.save, third.row, third.leave, third.join) == (6, 2, 0b10, True)
+    assert not pending.any and pending.stamp(Command(Op.IDLE)) == Command(Op.IDLE)

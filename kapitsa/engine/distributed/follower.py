@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.distributed.control import Op, broadcast
 from kapitsa.engine.distributed.group import HEARTBEAT_S, Group, PeerLost, hard_exit
 from kapitsa.engine.distributed.watchdog import StepClock, Watchdog
@@ -22,7 +21,6 @@ def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # n
 
     clock = clock or StepClock()
     watchdog = Watchdog(silent)
-    cache: HybridCache | None = None
     last_tokens = 1  # the wait for the next command covers the later ranks' share of the last step
     while True:
         watchdog.arm("waiting for rank 0", max(clock.deadline(last_tokens), 5 * HEARTBEAT_S))
@@ -30,12 +28,12 @@ def follow(shard, group: Group, *, clock: StepClock | None = None) -> None:  # n
             command = broadcast(group, None)
             if command.op is Op.STOP:
                 return
-            cache = shard.cache_for(cache, command)
+            shard.caches.apply(command)
             if command.op is Op.FORWARD:
                 last_tokens = command.paced_as
                 watchdog.arm("a forward", clock.deadline(last_tokens, command.warm_key))
                 started = time.perf_counter()
-                shard.step(cache, list(command.tokens), command.record)
+                shard.step(shard.caches.target(command), command.rows, command.record)
                 clock.record(last_tokens, time.perf_counter() - started, command.warm_key)
         except PeerLost as err:
             hard_exit(f"rank {group.rank}: {err}; stopping")

@@ -9,11 +9,13 @@ end of a finished request.
 K/V is kept as spans of positions, each detached once and shared: a state saved at the end of a
 request holds the spans of the state it was restored from plus the positions computed since, so a
 conversation's turns share their common K/V. Fixed-size state is kept by reference (cache/snapshot.py).
+Each running request (the one being prefilled, each row of the decode batch) has its own `Live`
+spans: the detached K/V it shares with the states it was restored from and saved.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -30,8 +32,16 @@ class SavedState:
     fixed: tuple[mx.array, ...]  # recurrent layers' and sliding windows' state at pos
 
 
+@dataclass(slots=True)
+class Live:
+    """Detached K/V of a running request's first `end` positions, as spans."""
+
+    spans: list[Span] = field(default_factory=list)
+    end: int = 0
+
+
 class SavedStates:
-    """This rank's states by id, and the K/V spans of the cache it runs now.
+    """This rank's states by id.
 
     Args:
         probe: an empty batch-1 cache of this rank's layers (which ones hold K/V, which fixed state).
@@ -41,18 +51,15 @@ class SavedStates:
         self.kv_layers = snapshot.kv_layer_ids(probe)
         self.fixed_layers = snapshot.fixed_layer_ids(probe)
         self._saved: dict[int, SavedState] = {}
-        self._live: list[Span] = []  # detached K/V of the running cache's first `_live_end` positions
-        self._live_end = 0
 
     def __len__(self) -> int:
         return len(self._saved)
 
-    def started(self, cache: HybridCache, state_id: int) -> HybridCache:
-        """`cache` (empty) made to hold saved state `state_id`; 0 leaves it empty."""
+    def started(self, cache: HybridCache, state_id: int) -> Live:
+        """Fill `cache` (empty) with saved state `state_id` (0 leaves it empty); its live spans."""
         saved = self._saved.get(state_id) if state_id else None
         if state_id and saved is None:
             raise KeyError(f"no saved state {state_id} on this rank")
-        self._live, self._live_end = ([], 0) if saved is None else (list(saved.spans), saved.pos)
         if saved is not None:
             kv = [mx.concatenate(parts, axis=snapshot.KV_AXIS) for parts in zip(*saved.spans, strict=True)]
             snapshot.fill(
@@ -65,20 +72,21 @@ class SavedStates:
             )
             # the copy runs here, not inside the first forward, whose deadline follows its tokens
             mx.eval(*cache.state_arrays())
-        return cache
+        return Live() if saved is None else Live(list(saved.spans), saved.pos)
 
-    def save(self, state_id: int, cache: HybridCache) -> None:
-        """Keep the running `cache` as it stands (all `cache.offsets[0]` tokens) as `state_id`."""
+    def save(self, state_id: int, cache: HybridCache, live: Live) -> None:
+        """Keep a running request's batch-1 `cache` as it stands (all `cache.offsets[0]` tokens) as
+        `state_id`; `live` (its spans) grows to that position."""
         pos = cache.offsets[0]
-        if pos < self._live_end:
-            raise ValueError(f"a state at {pos} tokens, below the {self._live_end} already kept")
-        if pos > self._live_end and self.kv_layers:
-            span = snapshot.kv_span(cache, self.kv_layers, self._live_end, pos)
-            self._live.append(tuple(mx.contiguous(a) for a in span))  # a view would keep the buffer
-        self._live_end = pos
+        if pos < live.end:
+            raise ValueError(f"a state at {pos} tokens, below the {live.end} already kept")
+        if pos > live.end and self.kv_layers:
+            span = snapshot.kv_span(cache, self.kv_layers, live.end, pos)
+            live.spans.append(tuple(mx.contiguous(a) for a in span))  # a view would keep the buffer
+        live.end = pos
         fixed = snapshot.fixed_state(cache, self.fixed_layers)
-        self._saved[state_id] = SavedState(pos, tuple(self._live), fixed)
-        mx.eval(*(a for span in self._live for a in span), *fixed)
+        self._saved[state_id] = SavedState(pos, tuple(live.spans), fixed)
+        mx.eval(*(a for span in live.spans for a in span), *fixed)
 
     def ids(self) -> list[int]:
         return sorted(self._saved)

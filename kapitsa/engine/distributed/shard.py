@@ -3,9 +3,11 @@
 `PipelineShard`: a contiguous range of layers; hidden states go rank to rank (`send`/`recv`),
 the last rank sends its last position back to rank 0, which holds the embedding and the head.
 `TensorShard` (tensor.py): every layer, each with a slice of its heads and columns.
-Both give rank 0 the next-token logits `[V]`; the other ranks get None. A recorded step (a
-speculative verify) keeps replay records on every rank and gives rank 0 every position's logits
-`[T, V]`, so the pipeline's last rank sends all T hidden states back, not just the last.
+A step runs `[B, T]` tokens: a prompt chunk or a verify (B = 1), or a batched decode step (one
+token per row, each row at its own offset). Both give rank 0 each row's next-token logits `[B, V]`;
+the other ranks get None. A recorded step (a speculative verify, B = 1) keeps replay records on
+every rank and gives rank 0 every position's logits `[T, V]`, so the pipeline's last rank sends
+all T hidden states back, not just the last.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kapitsa.engine.cache.hybrid import HybridCache
-from kapitsa.engine.distributed.control import Command
+from kapitsa.engine.distributed.caches import RankCaches
 from kapitsa.engine.distributed.group import Group, evaluate
 from kapitsa.engine.distributed.saved import SavedStates
 from kapitsa.engine.kernels import cpu_blas
@@ -44,6 +46,7 @@ class Shard:
         mx.eval(model.parameters())
         self.dtype = _activation_dtype(model)
         self.saved = SavedStates(self.new_cache())
+        self.caches = RankCaches(self.saved, self.new_cache)
 
     @property
     def local_layers(self) -> list[nn.Module]:
@@ -53,19 +56,6 @@ class Shard:
     def new_cache(self) -> HybridCache:
         return HybridCache([self.model.make_layer_cache(layer) for layer in self.local_layers], 1)
 
-    def cache_for(self, cache: HybridCache | None, command: Command) -> HybridCache | None:
-        """`cache` after `command`'s bookkeeping (control.py: drop, save, forget, in that order);
-        for a new request, its cache instead: empty, or restored from a saved state."""
-        if cache is not None:
-            cache.rollback([command.drop])
-            if command.save:
-                self.saved.save(command.save, cache)
-        if command.forget:
-            self.saved.forget(command.forget)
-        if command.new_cache:
-            return self.saved.started(self.new_cache(), command.restore)
-        return cache
-
     def run_layers(self, h: mx.array, cache: HybridCache, record: bool = False) -> mx.array:
         info = cache.begin(h.shape[1], record=record)
         for layer, layer_cache in zip(self.local_layers, cache.layers, strict=True):
@@ -74,23 +64,23 @@ class Shard:
         return h
 
     def head_logits(self, h: mx.array, record: bool = False) -> mx.array:
-        """`[V]` of the last position, or `[T, V]` float32 of every position for a verify."""
+        """`[B, V]` of each row's last position, or `[T, V]` float32 of every position for a verify."""
         if record:
             return self.model.logits(h)[0].astype(mx.float32)
-        return self.model.logits(h[:, -1:])[0, -1]
+        return self.model.logits(h[:, -1:])[:, -1]
 
 
 class PipelineShard(Shard):
     """Layers `layer_ids` (contiguous); rank 0 also embeds and computes the logits."""
 
-    def step(self, cache: HybridCache, tokens: list[int], record: bool = False) -> mx.array | None:
-        g, T = self.group, len(tokens)
+    def step(self, cache: HybridCache, rows: list[list[int]], record: bool = False) -> mx.array | None:
+        g, B, T = self.group, len(rows), len(rows[0])
         hidden_size = self.model.args.hidden_size
         if g.is_driver:
-            h = self.model.backbone_parts()[0](mx.array([tokens], dtype=mx.int32)).astype(self.dtype)
+            h = self.model.backbone_parts()[0](mx.array(rows, dtype=mx.int32)).astype(self.dtype)
         else:
             h = mx.distributed.recv_like(
-                mx.zeros((1, T, hidden_size), self.dtype), g.prev_rank, group=g.handle
+                mx.zeros((B, T, hidden_size), self.dtype), g.prev_rank, group=g.handle
             )
             if record:
                 # replay records keep lazy pieces of this pass that the outputs do not need; left
@@ -108,7 +98,7 @@ class PipelineShard(Shard):
         evaluate(sent, *cache.state_arrays(), what="a forward")
         if not g.is_driver:
             return None
-        template = mx.zeros((1, back, hidden_size), self.dtype)
+        template = mx.zeros((B, back, hidden_size), self.dtype)
         last = mx.distributed.recv_like(template, g.size - 1, group=g.handle)
         logits = self.head_logits(last, record)
         evaluate(logits, what="a forward")

@@ -13,7 +13,8 @@ The pieces are the single engine's (speculative/): `NGramDrafter` proposes, a
 scores the drafter's guesses against the tokens that arrive while drafts do not pay (so turning
 speculation back on costs no verify), and `accept_chain` keeps exactly what the target itself
 would emit, greedy or sampled. The rejected tail of a verify is rolled back on every rank by the
-next command (control.py).
+next command (control.py). Drafts are verified only while one sequence decodes: a step of several
+rows is plain, and each sequence keeps its own drafter and estimates for when it runs alone again.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class _Drafting:
 
 
 class GroupSpeculation:
-    """Rank 0's drafting and acceptance for the sequence the group decodes (one at a time).
+    """Rank 0's drafting and acceptance, per sequence the group decodes.
 
     Args:
         max_draft: the longest draft (`--draft-tokens`); a verify of more than `INLINE` tokens
@@ -64,7 +65,7 @@ class GroupSpeculation:
     def __init__(self, max_draft: int | None = None) -> None:
         self.max_draft = max_draft or DEFAULT_MAX_DRAFT
         self.stats = SpeculativeStats()
-        self._state: _Drafting | None = None
+        self._states: dict[int, _Drafting] = {}  # by id() of the sequence
 
     @property
     def acceptance_rate(self) -> float:
@@ -74,23 +75,25 @@ class GroupSpeculation:
     def tokens_per_step(self) -> float:
         return self.stats.tokens_per_step
 
-    def start(self) -> None:
-        """A new sequence: drafts and acceptance estimates start over."""
+    def start(self, seq: Sequence) -> None:
+        """A new sequence: its drafts and acceptance estimates start from the prior."""
         controller = DraftLengthController(
             max_draft=self.max_draft,
             cost=default_cost_curve(self.max_draft),
             prior=HOST_DRAFTER_PRIOR,
             decay=HOST_DRAFTER_DECAY,
         )
-        self._state = _Drafting(NGramDrafter(), controller)
+        self._states[id(seq)] = _Drafting(NGramDrafter(), controller)
+
+    def finish(self, seq: Sequence) -> None:
+        self._states.pop(id(seq), None)
 
     def propose(self, seq: Sequence) -> list[int]:
         """The draft to verify after `seq`'s last token; [] for a plain step.
 
         While the controller says drafts do not pay, the drafter's guess is scored against the
         tokens that arrive instead, as the single engine does while its speculation rests."""
-        state = self._state
-        assert state is not None, "start() a sequence first"
+        state = self._states[id(seq)]
         context, shadow = seq.token_ids, state.shadow
         shadow.score(context, state.controller)
         room = min(self.max_draft, seq.max_tokens - len(seq.output_ids) - 1)
@@ -107,8 +110,7 @@ class GroupSpeculation:
     def accept(self, seq: Sequence, draft: list[int], rows: mx.array) -> tuple[list[SampledToken], int]:
         """The tokens to emit from a verify's `[1 + len(draft), V]` logits, and how many of the
         verify's tokens every rank drops (the rejected drafts)."""
-        state = self._state
-        assert state is not None, "start() a sequence first"
+        state = self._states[id(seq)]
         argmax = mx.argmax(rows, axis=-1).tolist() if is_plain_greedy(seq.sampler) else None
         tokens, accepted = accept_chain(seq.sampler, draft, rows, argmax)
         state.controller.update(len(draft), accepted, state.shadow.run)
@@ -116,11 +118,11 @@ class GroupSpeculation:
         self.count(len(tokens), len(draft), accepted)
         return tokens, len(draft) - accepted
 
-    def count(self, emitted: int, proposed: int = 0, accepted: int = 0) -> None:
-        """One decode step (a plain one: `emitted` 1, nothing proposed)."""
+    def count(self, emitted: int, proposed: int = 0, accepted: int = 0, *, rows: int = 1) -> None:
+        """One decode step of `rows` rows (a plain one: a token a row, nothing proposed)."""
         s = self.stats
         s.steps += 1
-        s.rows += 1
+        s.rows += rows
         s.emitted += emitted
         s.proposed += proposed
         s.accepted += accepted

@@ -85,8 +85,8 @@ class LocalExperts(nn.Module):
 class TensorShard(Shard):
     """Every layer, each on this rank's slice; every rank embeds, rank 0 computes the logits."""
 
-    def step(self, cache: HybridCache, tokens: list[int], record: bool = False) -> mx.array | None:
-        h = self.model.backbone_parts()[0](mx.array([tokens], dtype=mx.int32)).astype(self.dtype)
+    def step(self, cache: HybridCache, rows: list[list[int]], record: bool = False) -> mx.array | None:
+        h = self.model.backbone_parts()[0](mx.array(rows, dtype=mx.int32)).astype(self.dtype)
         h = self.run_layers(h, cache, record)
         if not self.group.is_driver:
             evaluate(h, *cache.state_arrays(), what="a forward")
