@@ -1,5 +1,6 @@
 """`kapitsa serve --hostfile`: the openai SDK gets from a group of local ranks what one process
-answers, and killing a rank mid-stream ends the stream with an error and every rank within 10 s."""
+answers, and killing a rank mid-stream ends both running streams with an error and every rank
+within 10 s."""
 
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ def assert_killed_rank_ends_stream_and_group(
     client: openai.OpenAI, model: str, session: int, ranks: int
 ) -> None:
     long = {"temperature": 0, "max_tokens": 100_000, "extra_body": {"ignore_eos": True}}
+    other = client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **long)
     stream = client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **long)
     victim = rank_pid(session, ranks - 1)
     assert victim is not None and len(session_pids(session)) >= ranks + 1
@@ -136,6 +138,9 @@ def assert_killed_rank_ends_stream_and_group(
                 killed_at = time.monotonic()
     assert received >= 3
     assert isinstance(failure.value, openai.APIError) and "a rank of the group stopped" in str(failure.value)
+    with pytest.raises(openai.APIError, match="a rank of the group stopped"):  # a row of the same batch
+        for _chunk in other:
+            pass
     while session_pids(session) and time.monotonic() - killed_at < 10:
         time.sleep(0.1)
     assert session_pids(session) == [], "ranks still running 10 s after one was killed"
