@@ -70,7 +70,9 @@ class _SequenceState:
     def __post_init__(self) -> None:
         drafter = self.drafter
         self.on_host = bool(getattr(drafter, "drafts_on_host", False))
-        self.needs_target = bool(getattr(drafter, "needs_hidden", False) or getattr(drafter, "tap_layers", ()))
+        self.needs_target = bool(
+            getattr(drafter, "needs_hidden", False) or getattr(drafter, "tap_layers", ())
+        )
 
 
 @dataclass
