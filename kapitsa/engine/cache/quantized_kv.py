@@ -169,9 +169,8 @@ def quantized_attention(
         stop = min(start + rows, T)
         block_mask = _block_mask(mask, L, T, start, stop)
         out = _attention_block(q[:, :, start:stop], keys_, values_, block_mask, scale, group_size, bits)
-        device_queue.eval_unless_traced(
-            out
-        )  # one block's scores at a time: a lazy graph holds every block's at once
+        # one block's scores at a time: a lazy graph holds every block's at once
+        device_queue.eval_unless_traced(out)
         blocks.append(out)
     return mx.concatenate(blocks, axis=2)
 
