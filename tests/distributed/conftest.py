@@ -57,6 +57,24 @@ def hostfiles(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return {n: hostfile(root, n) for n in (1, 2, 4)}
 
 
+def launch_cases(
+    script: Path, cases: list[str], hostfile: Path, env: dict[str, str], *, num_lines: int
+) -> list[dict]:
+    """`script` on each rank of `hostfile`'s group under mlx.launch, given `cases`; the `num_lines`
+    JSON lines the ranks print."""
+    from kapitsa.commands.group import free_port_run
+
+    launch = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+    done = subprocess.run(
+        [sys.executable, "-c", launch, "--hostfile", str(hostfile), "--starting-port", str(free_port_run(4)),
+         "--", sys.executable, str(script), *cases],
+        capture_output=True, text=True, env=env, timeout=240, start_new_session=True,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == num_lines, done.stderr[-3000:]
+    return lines
+
+
 def run_json(args: list[str], env: dict[str, str], timeout: float = 120) -> dict:
     """`kapitsa run ... --json` in a new session; its JSON line."""
     done = subprocess.run(

@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from kapitsa.commands.group import free_port_run
-from tests.distributed.conftest import ARCHITECTURES, one_rank_engine, write_checkpoint
+from tests.distributed.conftest import ARCHITECTURES, launch_cases, one_rank_engine, write_checkpoint
 
 pytest.importorskip("mlx.core")
 
@@ -159,15 +155,9 @@ def test_a_budget_of_zero_saves_nothing(checkpoints) -> None:
 def launched(checkpoints, hostfiles, group_env) -> dict[tuple[int, str], dict]:
     """Every rank's JSON line per case, from one launch of two ranks over every case."""
     cases = [f"{parallel}={checkpoints[kind]}" for parallel in MODES for kind in ARCHITECTURES]
-    launch = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
-    script = Path(__file__).with_name("prefix_ranks.py")
-    done = subprocess.run(
-        [sys.executable, "-c", launch, "--hostfile", str(hostfiles[2]), "--starting-port", str(free_port_run(4)),
-         "--", sys.executable, str(script), *cases],
-        capture_output=True, text=True, env=group_env, timeout=240, start_new_session=True,
-    )  # fmt: skip
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 2 * len(cases), done.stderr[-3000:]
+    lines = launch_cases(
+        Path(__file__).with_name("prefix_ranks.py"), cases, hostfiles[2], group_env, num_lines=2 * len(cases)
+    )
     return {(line["rank"], line["case"]): line for line in lines}
 
 
