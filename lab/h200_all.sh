@@ -22,6 +22,9 @@
 #                                       kapitsa's engine against mlx-lm's batch_generate, with each
 #                                       batch size's first-burst compile cost ($BATCH_SHAPES, default
 #                                       all four; lab/batch_sweep.py)
+#   bash lab/h200_all.sh compile      each decode batch size's first-burst cost and the kernels it
+#                                       compiles, over a fresh and then a warm PTX cache
+#                                       ($COMPILE_SHAPES, default 4b; lab/batch_compile.py)
 #   bash lab/h200_all.sh spec         --speculative auto (the default) against plain decoding on
 #                                       $SPEC_SHAPES (default all four; lab/spec_default.py): own
 #                                       text, a scripted essay, the edit workload (chain and n-gram
@@ -139,6 +142,19 @@ case "$part" in
     timeout "${BATCH_TIMEOUT:-560}" $py lab/batch_sweep.py --shapes "${BATCH_SHAPES:-27b,35b-a3b,4b,nemotron-30b-a3b}" \
       --streams "${BATCH_STREAMS:-1,4,8,16}" --tokens "${TOKENS:-64}" --prompt 512 > "$out/batch.log" 2>&1
     grep -E 'aggregate|Error' "$out/batch.log"
+    ;;
+  compile)
+    # each decode batch size's first-burst cost and the kernels it JIT-compiles ($COMPILE_SHAPES,
+    # default 4b; lab/batch_compile.py), twice over one fresh PTX cache: the second process shows
+    # what MLX's disk cache leaves of the stall; the cache's module list goes to $OUT
+    export MLX_PTX_CACHE_DIR=/tmp/kapitsa-ptx-compile && rm -rf "$MLX_PTX_CACHE_DIR" && mkdir -p "$MLX_PTX_CACHE_DIR"
+    : > "$out/compile.log"
+    for pass in cold-cache warm-cache; do
+      timeout "${COMPILE_TIMEOUT:-270}" $py lab/batch_compile.py --shapes "${COMPILE_SHAPES:-4b}" \
+        --sizes "${COMPILE_SIZES:-1,2,3,4,6,8,16}" 2>&1 | sed "s/^{/{\"pass\": \"$pass\", /" >> "$out/compile.log"
+    done
+    (cd "$MLX_PTX_CACHE_DIR" && ls -l --time-style=+%s) > "$out/compile-modules.txt"
+    grep -E 'streams|first-request|Error' "$out/compile.log"
     ;;
   spec)
     # the default speculation against plain decoding per shape ($SPEC_SHAPES, default all four):
