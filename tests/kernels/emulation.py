@@ -38,7 +38,10 @@ EMULATOR_PRELUDE = r"""
 #undef __global__
 #define __global__
 #define __shared__ static
+#define __grid_constant__
 using std::min;
+// MLX's `Shape` parameter (an input's shape, passed when the body names `<input>_shape`).
+struct Shape { int32_t dims[10]; int32_t operator[](int i) const { return dims[i]; } };
 struct EmuDim { unsigned x = 0, y = 0, z = 0; };
 thread_local EmuDim threadIdx, blockIdx;
 struct EmuBlock {
@@ -111,15 +114,24 @@ def metal_translation(kernel, input_dtypes, output_dtypes, template) -> tuple[st
 
 
 def emulator_source(
-    unit: str, function: str, input_dtypes, output_dtypes, output_sizes, blocks, threads
+    unit: str, function: str, input_dtypes, output_dtypes, output_sizes, blocks, threads, input_shapes=None
 ) -> str:
     """EMULATOR_PRELUDE + a translated kernel + a main() that reads inputs from in<i>.bin, runs
-    every block (one host thread per GPU thread) and writes out<i>.bin."""
+    every block (one host thread per GPU thread) and writes out<i>.bin. `input_shapes[i]`:
+    (shape or None, rank or None): the `Shape` and `int` parameters that follow that
+    input's pointer (as MLX passes them)."""
     types = [f"const {cuda_type(d)}" for d in input_dtypes] + [cuda_type(d) for d in output_dtypes]
     n_in = len(input_dtypes)
     loads = "\n".join(f'  auto in{i} = emu_read("in{i}.bin");' for i in range(n_in))
     allocs = "\n".join(f"  std::vector<char> out{i}({size});" for i, size in enumerate(output_sizes))
-    ptrs = [f"({types[i]}*)in{i}.data()" for i in range(n_in)]
+    ptrs = []
+    for i in range(n_in):
+        ptrs.append(f"({types[i]}*)in{i}.data()")
+        shape, rank = input_shapes[i] if input_shapes is not None else (None, None)
+        if shape is not None:
+            ptrs.append("Shape{{" + ", ".join(str(d) for d in shape) + "}}")
+        if rank is not None:
+            ptrs.append(str(rank))
     ptrs += [f"({types[n_in + i]}*)out{i}.data()" for i in range(len(output_sizes))]
     saves = "\n".join(
         f'  std::ofstream("out{i}.bin", std::ios::binary).write(out{i}.data(), {size});'
@@ -165,7 +177,13 @@ class Emulated:
         sizes = [int(np.prod(s)) * d.size for s, d in zip(output_shapes, output_dtypes, strict=True)]
         dtypes = [x.dtype for x in inputs]
         unit, function = self.translate(self.kernel, dtypes, output_dtypes, template)
-        src = emulator_source(unit, function, dtypes, output_dtypes, sizes, grid[0] // threads, threads)
+        read, ranks = getattr(self.kernel, "shape_inputs", ()), getattr(self.kernel, "ndim_inputs", ())
+        shapes = [
+            (x.shape if n in read else None, x.ndim if n in ranks else None)
+            for n, x in zip(self.kernel.input_names, inputs, strict=True)
+        ]
+        blocks = grid[0] // threads
+        src = emulator_source(unit, function, dtypes, output_dtypes, sizes, blocks, threads, shapes)
         run = self.workdir / f"run{len(list(self.workdir.iterdir()))}"
         run.mkdir()
         (run / "k.cpp").write_text(src)

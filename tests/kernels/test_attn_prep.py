@@ -84,7 +84,7 @@ NEMOTRON = PrepSpec(heads=32, kv_heads=2, head_dim=128, gated=False, eps=None, r
     "dtype,spec,tokens", [(mx.bfloat16, QWEN_27B, 1), (mx.float16, QWEN_27B, 4), (mx.bfloat16, NEMOTRON, 8)]
 )
 def test_cuda_source_compiles(dtype, spec, tokens) -> None:
-    template = attn_prep._template(dtype, spec, 1, tokens)
+    template = attn_prep._template(dtype, spec)
     assert_compiles(
         attn_prep._KERNEL.render([dtype, dtype, dtype, mx.float32, mx.int32], [dtype] * 4, template)
     )

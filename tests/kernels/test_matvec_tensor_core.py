@@ -109,3 +109,32 @@ def test_gpu_matches_stock(rows, n, k, gs, exact) -> None:
     err = float(mx.abs(got - ref).max() / mx.abs(ref).max())
     assert err < 8e-3, err
     assert np.isfinite(np.array(got)).all()
+
+
+def test_row_counts_share_a_compile_per_block_of_eight() -> None:
+    # a new decode batch size must not compile new kernels (NVRTC: ~1 s each on the H200)
+    templates = {rows: tc.launch_config(rows, 5120, 6144, 64, 2, True)[0] for rows in range(1, 17)}
+    assert len({templates[r] for r in range(1, 9)}) == 1
+    assert len({templates[r] for r in range(9, 17)}) == 1
+    assert templates[8] != templates[9]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+def test_emulated_kernel_reads_rows_from_a_batch_shape(monkeypatch, tmp_path) -> None:
+    # decode passes x as [B, T, K]: the rows are every leading dimension's product
+    n, k, gs = 24, 384, 64
+    q, s, b = _weights(n, k, gs)
+    x = (mx.random.normal((2, 3, k)) * 2).astype(mx.bfloat16)
+    ref = qmv_reference(
+        x.reshape(6, k).astype(mx.float32),
+        q,
+        s.astype(mx.float32),
+        b.astype(mx.float32),
+        group_size=gs,
+        bits=4,
+    )
+    monkeypatch.setattr(tc, "_KERNEL", Emulated(tc._KERNEL, _translate, tmp_path))
+    got = tc.qmv_tensor_core(x, q, s, b, group_size=gs).astype(mx.float32)
+    assert got.shape == (2, 3, n)
+    err = float(mx.abs(got.reshape(6, n) - ref).max() / mx.abs(ref).max())
+    assert err < 8e-3, err

@@ -113,14 +113,13 @@ def probe(spec: PrepSpec = GENERIC, dtype: mx.Dtype = mx.bfloat16) -> bool:
 
 
 @functools.cache
-def _template(dtype, spec: PrepSpec, rows: int, tokens: int) -> tuple:
+def _template(dtype, spec: PrepSpec) -> tuple:
+    """Rows and tokens are not template arguments: the kernel reads them from qkv's shape."""
     return (
         ("T", dtype),
         ("D", spec.head_dim),
         ("HQ", spec.heads),
         ("HKV", spec.kv_heads),
-        ("ROWS", rows),
-        ("TOK", tokens),
         ("R", spec.rotary_dims),
         ("GATED", spec.gated),
         ("NORM", spec.eps is not None),
@@ -160,7 +159,7 @@ def prep(
             unused if inv_freq is None else inv_freq,
             _row_offsets(offsets, B),
         ],
-        template=_template(qkv.dtype, spec, B, T),
+        template=_template(qkv.dtype, spec),
         grid=(-(-tasks // WARPS) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D), (B, T, H * D) if spec.gated else (1,)],

@@ -3,7 +3,11 @@ exact source MLX will JIT-compile for it (so `nvcc` can check it on a machine wi
 
 MLX wraps a kernel body into `__global__ void name(const T0* in0, ..., T* out0, ...)` followed by
 `constexpr int NAME = value;` / `using NAME = type;` lines for the template arguments
-(mlx/backend/cuda/custom_kernel.cpp, `build_kernel`). `render` reproduces that wrapping.
+(mlx/backend/cuda/custom_kernel.cpp, `build_kernel`). `render` reproduces that wrapping. A body
+that names `<input>_shape` (`<input>_ndim`) gets that input's shape (rank) as a kernel parameter
+after its pointer: how a kernel reads a size at run time that would otherwise be a template argument.
+Each distinct template compiles once per process (NVRTC, about a second each on the H200), so a
+size that changes with the decode batch (rows, tokens) is read from a shape, not templated.
 
 Kernel bodies and headers live in `cuda_src/` beside this module (`name.cu` a body, `name.cuh`
 the helpers it needs), read with `read_cuda_source`. A file's text goes to MLX with its comments,
@@ -131,6 +135,16 @@ class CudaKernel:
             init_value=init_value,
         )
 
+    @property
+    def shape_inputs(self) -> tuple[str, ...]:
+        """The inputs whose shape the body reads (`<name>_shape`): MLX passes those as parameters."""
+        return tuple(n for n in self.input_names if f"{n}_shape" in self.source)
+
+    @property
+    def ndim_inputs(self) -> tuple[str, ...]:
+        """The inputs whose rank the body reads (`<name>_ndim`)."""
+        return tuple(n for n in self.input_names if f"{n}_ndim" in self.source)
+
     def render(
         self,
         input_dtypes: Sequence[mx.Dtype],
@@ -138,10 +152,14 @@ class CudaKernel:
         template: Sequence[tuple[str, TemplateValue]],
     ) -> str:
         """The translation unit MLX builds for these dtypes and template values (inputs assumed
-        to have ndim > 0 and no `_shape`/`_strides` use, which our kernels avoid)."""
-        params = [
-            f"    const {cuda_type(d)}* {n}" for n, d in zip(self.input_names, input_dtypes, strict=True)
-        ]
+        to have ndim > 0 and no `_strides` use, which our kernels avoid)."""
+        params = []
+        for name, dtype in zip(self.input_names, input_dtypes, strict=True):
+            params.append(f"    const {cuda_type(dtype)}* {name}")
+            if name in self.shape_inputs:
+                params.append(f"    const __grid_constant__ Shape {name}_shape")
+            if name in self.ndim_inputs:
+                params.append(f"    const __grid_constant__ int {name}_ndim")
         params += [f"    {cuda_type(d)}* {n}" for n, d in zip(self.output_names, output_dtypes, strict=True)]
         consts = [f"  {line}" for line in template_constants(template)]
         return (

@@ -66,7 +66,7 @@ def launch_config(
     spans_per_group = group_size // 64
     blocks_of_x = math.ceil(rows / 8)  # each holds its x loads in flight: fewer groups per round
     template = (
-        ("M", rows),
+        ("MB", 8 * blocks_of_x),  # rows come from x's shape: 1-8 and 9-16 rows share a compile
         ("N", n),
         ("K", k),
         ("GS", group_size),
@@ -111,7 +111,7 @@ def qmv_tensor_core(
     n = w.shape[0]
     template, grid, block = launch_config(rows, n, k, group_size, tiles, exact_q)
     return _KERNEL(
-        [x, w, scales, biases],
+        [x, w, scales, biases],  # the kernel reads its row count from x's shape
         template=template,
         grid=(grid, 1, 1),
         threadgroup=(block, 1, 1),

@@ -15,6 +15,7 @@
   constexpr int HALF = R / 2;
   __shared__ float rowbuf[WARPS][D];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ROWS = qkv_shape[0], TOK = qkv_shape[1];  // at run time: one compile for every batch
   const int task = blockIdx.x * WARPS + warp;
   if (task >= ROWS * TOK * SLOTS) return;
   const int slot = task % SLOTS, rt = task / SLOTS;

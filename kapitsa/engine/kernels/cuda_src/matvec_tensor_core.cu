@@ -14,7 +14,9 @@
   constexpr int GROUPS = K / GS;
   constexpr int ROWS_PER_WARP = 16 * TILES;
   constexpr int TG = (N + ROWS_PER_WARP - 1) / ROWS_PER_WARP;  // warp tiles over N
-  constexpr int NB = (M + 7) / 8;                // 8-row blocks of x (B operands)
+  constexpr int NB = MB / 8;                     // 8-row blocks of x (B operands)
+  int M = 1;                                     // rows at run time (<= MB): one compile per block count
+  for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];
   constexpr uint32_t ONES = 0x3F803F80u;         // bf16 pair (1, 1)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
