@@ -9,12 +9,12 @@ through these, each over the layers its cache holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import mlx.core as mx
 
 from kapitsa.engine.cache.hybrid import HybridCache
-from kapitsa.engine.cache.layers import KVCache, RecurrentCache
+from kapitsa.engine.cache.layers import KVCache, RecurrentCache, _round_up
 from kapitsa.engine.cache.quantized_kv import slot_count
 from kapitsa.engine.cache.window import RotatingKVCache
 
@@ -60,18 +60,23 @@ def fill(
     cache: HybridCache,
     *,
     pos: int,
-    kv: Iterable[mx.array],
+    kv: Iterable[mx.array | Sequence[mx.array]],
     fixed: Iterable[mx.array],
     kv_layers: Iterable[int],
     fixed_layers: Iterable[int],
+    room: int = 0,
 ) -> None:
     """Make an empty batch-1 `cache` hold `pos` tokens: `kv` ([0, pos) per array, in `kv_span`'s
-    order) set as its K/V, `fixed` (in `fixed_state`'s order) as its fixed-size state."""
+    order; an array, or its consecutive spans along the token axis) set as its K/V, `fixed` (in
+    `fixed_state`'s order) as its fixed-size state. `room`: tokens still to come; with room the
+    K/V buffers are made `pos + room` rounded up to the cache's growth step, so the next forwards
+    write into them rather than grow them (`KVCache._reserve`: another copy of all K/V)."""
+    capacity = _round_up(pos + room) if room > 0 else pos
     kv_arrays = iter(kv)
     for i in kv_layers:
         layer = cache.layers[i]
         assert isinstance(layer, KVCache)
-        layer.set_slots([next(kv_arrays) for _ in range(slot_count(layer))])
+        layer.set_slots([with_capacity(next(kv_arrays), capacity) for _ in range(slot_count(layer))])
     fixed_arrays = iter(fixed)
     for i in fixed_layers:
         layer = cache.layers[i]
@@ -80,3 +85,15 @@ def fill(
         else:
             layer.conv, layer.state = next(fixed_arrays), next(fixed_arrays)
     cache.offsets = [pos]
+
+
+def with_capacity(spans: mx.array | Sequence[mx.array], capacity: int) -> mx.array:
+    """The spans joined along the token axis, zero-padded (as `KVCache._reserve` pads: scratch past
+    the offset) to `capacity` positions: one copy, or none for a single span that fits exactly."""
+    parts = [spans] if isinstance(spans, mx.array) else list(spans)
+    have = sum(p.shape[KV_AXIS] for p in parts)
+    if capacity > have:
+        shape = list(parts[0].shape)
+        shape[KV_AXIS] = capacity - have
+        parts.append(mx.zeros(shape, parts[0].dtype))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=KV_AXIS)

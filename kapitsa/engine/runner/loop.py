@@ -269,7 +269,7 @@ class Engine:
         if match is None:
             seq.cache = self.runner.new_cache()
         else:
-            seq.cache = self.runner.restore(match, seq.media)
+            seq.cache = self.runner.restore(match, seq.media, room=seq.num_prompt_tokens - match.pos)
             seq.num_processed = seq.num_cached_tokens = match.pos
             seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
         self.stats.prompt_cached += seq.num_cached_tokens

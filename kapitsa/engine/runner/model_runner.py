@@ -122,19 +122,22 @@ class ModelRunner:
         batch-1 cache, by reference."""
         return snapshot.fixed_state(cache, self.recurrent_layers)
 
-    def restore(self, match: PrefixMatch, media: PromptMedia | None = None) -> HybridCache:
+    def restore(self, match: PrefixMatch, media: PromptMedia | None = None, *, room: int = 0) -> HybridCache:
         """A batch-1 cache holding `match.pos` tokens: KV copied in, recurrent state shared (and the
-        rope delta the prompt's images leave there)."""
+        rope delta the prompt's images leave there). `room`: the prompt's tokens still to prefill;
+        the KV buffers are sized for them, so the K/V is copied here once and not again when the
+        first forward would grow the buffers."""
         cache = self.model.make_cache(1)
         if media is not None:
             cache.rope_deltas = [media.delta_after(match.pos)]
         snapshot.fill(
             cache,
             pos=match.pos,
-            kv=match.kv,
+            kv=match.kv_spans or match.kv,
             fixed=match.recurrent,
             kv_layers=self.kv_layers,
             fixed_layers=self.recurrent_layers,
+            room=room,
         )
         mx.eval(*cache.state_arrays())
         return cache
