@@ -38,7 +38,9 @@ async def test_four_interleaved_conversations_stay_resident_where_lru_thrashes(
     await _interleaved(probe, side_requests=False)
     stats = probe.stats()
     assert (stats.conversations_in_memory, stats.resident_conversations) == (CONVERSATIONS, CONVERSATIONS)
-    budget = int(1.5 * stats.resident_bytes)  # the four conversations' newest state, and some room
+    # the four conversations' newest state, and some room: under what the cache holds unbudgeted
+    # (~1.49x, each turn checkpointing its system prompt, turn and reply ends)
+    budget = int(1.45 * stats.resident_bytes)
     assert budget < stats.checkpoint_bytes_in_memory  # what the cache held without a budget
 
     kept = make_client(qwen_model, prefix_cache_bytes=budget)  # resident_conversations=4 by default

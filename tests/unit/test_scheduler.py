@@ -50,3 +50,45 @@ def test_chunks_end_at_checkpoint_boundaries() -> None:
 def test_max_running_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Scheduler(max_running=0)
+
+
+def _planned(seq: Sequence, *, shared: int, interval: int = 4096) -> list[tuple[int, str]]:
+    """The boundaries `Engine._plan_checkpoints` leaves when the prefix tree holds `shared` tokens
+    of the prompt as K/V (a branch boundary there, past the deepest checkpoint)."""
+    from types import SimpleNamespace
+
+    from kapitsa.engine.runner.loop import Engine
+
+    engine = SimpleNamespace(
+        prefix=SimpleNamespace(match_length=lambda ids: shared), checkpoint_interval=interval
+    )
+    Engine._plan_checkpoints(engine, seq)
+    return [(b.pos, b.kind) for b in seq.boundaries]
+
+
+def test_a_branch_boundary_close_to_the_resume_position_is_not_a_chunk_end() -> None:
+    from kapitsa.engine.runner.loop import MIN_CHECKPOINT_GAP
+
+    # resumed at 3136 with the tree's K/V 7 tokens further (turn N+1 of an agent conversation)
+    seq = _seq(3235, [Boundary(3226, "turn")])
+    seq.num_processed = 3136
+    assert _planned(seq, shared=3143) == [(3226, "turn")]
+    assert seq.next_chunk_end(512) == 3226  # one forward up to the turn, not 7 tokens then 83
+    far = _seq(3235, [Boundary(3226, "turn")])
+    far.num_processed = 3136
+    assert _planned(far, shared=3136 + MIN_CHECKPOINT_GAP) == [(3200, "branch"), (3226, "turn")]
+    assert far.next_chunk_end(512) == 3200
+
+
+def test_periodic_boundaries_keep_the_gap_from_the_last_kept_one_and_message_boundaries_stay() -> None:
+    seq = _seq(400, [Boundary(10, "system"), Boundary(150, "turn"), Boundary(170, "turn")])
+    # periodic every 48: 48 (38 after the system boundary) goes, 96 stays, 144 (48 after 96) goes,
+    # 192 (22 after the turn at 170) goes, 240 stays, 288 goes, 336 stays, 384 goes
+    assert _planned(seq, shared=0, interval=48) == [
+        (10, "system"),
+        (96, "periodic"),
+        (150, "turn"),
+        (170, "turn"),
+        (240, "periodic"),
+        (336, "periodic"),
+    ]

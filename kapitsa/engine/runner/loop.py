@@ -36,6 +36,12 @@ from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
 
 log = logging.getLogger(__name__)
 
+# Fewest tokens from where prefill resumes, or the last boundary kept, to a "branch" or "periodic"
+# boundary: each ends a chunk, one more forward whose fixed cost (attention over every cached key)
+# is worth ~30 chunk tokens on the CPU and more on a GPU, while a checkpoint that close saves a later
+# request at most that many. Message boundaries ("system", "turn") stay: agents resume there.
+MIN_CHECKPOINT_GAP = 64
+
 
 @dataclass(eq=False)
 class _Abort:
@@ -281,7 +287,8 @@ class Engine:
         )
 
     def _plan_checkpoints(self, seq: Sequence) -> None:
-        """Add a branch boundary where the tree's KV runs past its checkpoints, and periodic ones."""
+        """Add a branch boundary where the tree's KV runs past its checkpoints, and periodic ones;
+        drop those of either kind closer than `MIN_CHECKPOINT_GAP` to the one before."""
         extra: list[Boundary] = []
         if self.prefix is not None:
             shared = self.prefix.match_length(seq.key_ids)
@@ -291,9 +298,13 @@ class Engine:
         for pos in range((seq.num_processed // step + 1) * step, seq.num_prompt_tokens, step):
             extra.append(Boundary(pos, "periodic"))
         known = {b.pos for b in seq.boundaries}
-        seq.boundaries = sorted(
-            [*seq.boundaries, *(b for b in extra if b.pos not in known)], key=lambda b: b.pos
-        )
+        planned = sorted([*seq.boundaries, *(b for b in extra if b.pos not in known)], key=lambda b: b.pos)
+        seq.boundaries, last = [], seq.num_processed
+        for b in planned:
+            if b.kind in ("branch", "periodic") and b.pos - last < MIN_CHECKPOINT_GAP:
+                continue  # (those at or before the resume position go too: no chunk ends there)
+            seq.boundaries.append(b)
+            last = max(last, b.pos)
 
     def _maybe_checkpoint(self, seq: Sequence, pos: int, logits: mx.array | None) -> None:
         boundary = seq.boundary_at(pos)
