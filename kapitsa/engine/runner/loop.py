@@ -37,9 +37,8 @@ from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
 log = logging.getLogger(__name__)
 
 # Fewest tokens from where prefill resumes, or the last boundary kept, to a "branch" or "periodic"
-# boundary: each ends a chunk, one more forward whose fixed cost (attention over every cached key)
-# is worth ~30 chunk tokens on the CPU and more on a GPU, while a checkpoint that close saves a later
-# request at most that many. Message boundaries ("system", "turn") stay: agents resume there.
+# boundary: each ends a chunk, one more forward worth ~30 chunk tokens on the CPU (more on a GPU),
+# for a checkpoint that saves a later request at most that many. Message boundaries always stay.
 MIN_CHECKPOINT_GAP = 64
 
 
@@ -236,17 +235,21 @@ class Engine:
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.cache is None:
             self._start_prefill(seq)
-        start = seq.num_processed
-        end = seq.next_chunk_end(self.config.prefill_chunk)
-        t0 = time.perf_counter()
+        start, n = seq.num_processed, self.config.prefill_chunk
+        # K/V is positional: without fixed-size state a chunk checkpoints the boundaries inside it too
+        end = seq.next_chunk_end(n) if self.runner.recurrent_layers else min(start + n, seq.num_prompt_tokens)
+        inside, t0 = [b.pos for b in seq.boundaries if start < b.pos < end], time.perf_counter()
         if end > start:
-            logits = self.runner.prefill(seq.cache, seq.prompt_ids[start:end], media=seq.media, start=start)
+            *marked, logits = self.runner.prefill_at(
+                seq.cache, seq.prompt_ids[start:end], [*inside, end], media=seq.media, start=start
+            )
         else:  # an exact prefix-cache hit that kept the next-token logits
-            logits = seq.pending_logits
+            logits, marked = seq.pending_logits, []
         seq.pending_logits = None
         self.stats.add_prefill(end - start, time.perf_counter() - t0)
         seq.num_processed = end
-        self._maybe_checkpoint(seq, end, logits)
+        for pos, at in [*zip(inside, marked, strict=True), (end, logits)]:
+            self._maybe_checkpoint(seq, pos, at)
         if end < seq.num_prompt_tokens:
             seq.emit(PrefillProgressEvent(seq.request_id, end, seq.num_prompt_tokens))
             return
@@ -287,8 +290,7 @@ class Engine:
         )
 
     def _plan_checkpoints(self, seq: Sequence) -> None:
-        """Add a branch boundary where the tree's KV runs past its checkpoints, and periodic ones;
-        drop those of either kind closer than `MIN_CHECKPOINT_GAP` to the one before."""
+        """Add branch and periodic boundaries, those closer than `MIN_CHECKPOINT_GAP` left out."""
         extra: list[Boundary] = []
         if self.prefix is not None:
             shared = self.prefix.match_length(seq.key_ids)

@@ -86,6 +86,20 @@ class ModelRunner:
     ) -> mx.array:
         """Feed `tokens` to a batch-1 cache; return the logits after the last one ([V]). With
         `media` (the prompt's images), `tokens` are the prompt's tokens from `start` on."""
+        return self.prefill_at(cache, tokens, [start + len(tokens)], media=media, start=start)[0]
+
+    def prefill_at(
+        self,
+        cache: HybridCache,
+        tokens: Sequence[int],
+        ends: Sequence[int],
+        *,
+        media: PromptMedia | None = None,
+        start: int = 0,
+    ) -> list[mx.array]:
+        """`prefill` of the prompt's `tokens` from position `start`, returning the logits ([V])
+        after each of `ends` (prompt positions in (start, start + len(tokens)]): a checkpoint
+        inside the chunk keeps the next-token logits an exact hit resumes from."""
         inputs = mx.array([list(tokens)], dtype=mx.int32)
         if media is None:
             hidden = self.model.forward(inputs, cache).hidden
@@ -94,9 +108,10 @@ class ModelRunner:
             chunk = self.images.chunk(media, start, start + len(tokens))
             hidden = self.model.forward(inputs, cache, media=chunk).hidden
             cache.rope_deltas = [media.delta_after(start + len(tokens))]
-        logits = self.model.logits(hidden[:, -1:, :])[0, -1]
+        rows = mx.array([end - start - 1 for end in ends], dtype=mx.int32)
+        logits = self.model.logits(hidden[:, rows, :])[0]
         mx.eval(logits, *cache.state_arrays())
-        return logits
+        return list(logits)
 
     def decode(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
         """One token per row of the batch cache; returns logits [B, V]."""
