@@ -37,8 +37,8 @@ from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
 log = logging.getLogger(__name__)
 
 # Fewest tokens from where prefill resumes, or the last boundary kept, to a "branch" or "periodic"
-# boundary: each ends a chunk, one more forward worth ~30 chunk tokens on the CPU (more on a GPU),
-# for a checkpoint that saves a later request at most that many. Message boundaries always stay.
+# boundary: with fixed-size state each ends a chunk, a forward worth ~30 chunk tokens on the CPU, for
+# a checkpoint that saves a later request at most that many. Message boundaries always stay.
 MIN_CHECKPOINT_GAP = 64
 
 
