@@ -129,7 +129,7 @@ def _emulated(names: tuple[str, ...], source: tuple[str, str], template: list, t
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    ctype = {"indices": "const uint32_t*", "h": "float*", "y": "float*"}
+    ctype = {"indices": "const uint32_t*", "indices_shape": "const int*", "h": "float*", "y": "float*"}
     params = [
         ctype.get(n, "const uint32_t*" if n.startswith("w") else "const float*") + f" {n}" for n in names
     ]
@@ -165,6 +165,16 @@ def _ptr(a: np.ndarray):
     return a.ctypes.data_as(ctypes.c_void_p)
 
 
+def _with_shapes(names: tuple[str, ...], arrays: list[np.ndarray], source: tuple[str, str]):
+    """(names, arrays) with `indices_shape` after `indices` where the body reads it: MLX passes
+    the shape of an input whose `<name>_shape` the source names (here as an int array)."""
+    if "indices_shape" not in source[1]:
+        return names, arrays
+    at = names.index("indices") + 1
+    shape = np.array(arrays[at - 1].shape, np.int32)
+    return (*names[:at], "indices_shape", *names[at:]), [*arrays[:at], shape, *arrays[at:]]
+
+
 def _run_emulated(
     plan, x, idx, scores, first, second, tmp_path, budget: int, dialect: str = "cuda"
 ) -> np.ndarray:
@@ -176,19 +186,21 @@ def _run_emulated(
     h = np.full((plan.pairs, plan.hidden), np.nan, np.float32)
     kernel = moe.hidden_kernel(plan.kind)
     source = _cuda_as_cpp(kernel) if dialect == "cuda" else _metal_as_cpp(plan.kind, "hidden")
-    launch = _emulated((*kernel.input_names, "h"), source, t1, tmp_path, "hidden")
+    names, arrays = _with_shapes((*kernel.input_names, "h"), [xn, idxn, *weights, h], source)
+    launch = _emulated(names, source, t1, tmp_path, "hidden")
     launch(
-        plan.blocks(plan.hidden, t1), plan.pairs, dict(t1)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t1, plan.tokens) // 4),
-        *(_ptr(a) for a in (xn, idxn, *weights, h)),
+        plan.blocks(plan.hidden, t1), plan.pairs, dict(t1)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t1, plan.rows) // 4),
+        *(_ptr(a) for a in arrays),
     )  # fmt: skip
     t2 = plan.out_template(mx.float32, mx.float32, mx.uint32, mx.float32, budget=budget)
     y = np.full((plan.tokens, plan.n_out), np.nan, np.float32)
     source = _cuda_as_cpp(moe.OUT_KERNEL) if dialect == "cuda" else _metal_as_cpp(plan.kind, "out")
-    launch = _emulated((*moe.OUT_KERNEL.input_names, "y"), source, t2, tmp_path, "out")
     second = [np.ascontiguousarray(np.array(a)) for a in second]
+    names, arrays = _with_shapes((*moe.OUT_KERNEL.input_names, "y"), [h, idxn, scn, *second, y], source)
+    launch = _emulated(names, source, t2, tmp_path, "out")
     launch(
-        plan.blocks(plan.n_out, t2), 1, dict(t2)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t2, plan.pairs) // 4),
-        *(_ptr(a) for a in (h, idxn, scn, *second, y)),
+        plan.blocks(plan.n_out, t2), 1, dict(t2)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t2, plan.rows * plan.k) // 4),
+        *(_ptr(a) for a in arrays),
     )  # fmt: skip
     return y
 
@@ -243,24 +255,48 @@ class _EmulatedKernel:
     def __call__(self, inputs, *, template, grid, threadgroup, output_shapes, output_dtypes, shared_memory):
         import ctypes
 
-        names = (*self.kernel.input_names, *self.kernel.output_names)
         tag = f"{self.kernel.name}_{len(self.calls)}"
-        launch = _emulated(names, _cuda_as_cpp(self.kernel), template, self.tmp_path, tag)
-        arrays = [np.ascontiguousarray(np.array(a)) for a in inputs]
-        assert all(a.dtype in (np.float32, np.uint32) for a in arrays), [a.dtype for a in arrays]
+        inputs = [np.ascontiguousarray(np.array(a)) for a in inputs]
+        assert all(a.dtype in (np.float32, np.uint32) for a in inputs), [a.dtype for a in inputs]
         outs = [np.full(tuple(shape), np.nan, np.float32) for shape in output_shapes]
+        source = _cuda_as_cpp(self.kernel)
+        names = (*self.kernel.input_names, *self.kernel.output_names)
+        names, arrays = _with_shapes(names, [*inputs, *outs], source)
+        launch = _emulated(names, source, template, self.tmp_path, tag)
         assert grid[0] % threadgroup[0] == 0
         launch(grid[0] // threadgroup[0], grid[1], threadgroup[0], ctypes.c_long(shared_memory // 4),
-               *(_ptr(a) for a in (*arrays, *outs)))  # fmt: skip
+               *(_ptr(a) for a in arrays))  # fmt: skip
         self.calls.append(shared_memory)
         return [mx.array(o) for o in outs]
 
 
-@pytest.mark.parametrize("kind", moe.KINDS)
-def test_launcher_runs_the_emulated_kernels(kind: str, monkeypatch, tmp_path) -> None:
-    """experts_decode / routed_experts with the CUDA backend, the kernels emulated on CPU."""
+def test_capacity_is_the_next_power_of_two_within_the_pair_limit() -> None:
+    assert [moe.capacity_for(t, 8) for t in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 9]  # 16 x 8 > 72 pairs
+    assert [moe.capacity_for(t, 3) for t in (3, 9, 16)] == [4, 16, 16]
+
+
+@pytest.mark.parametrize("kind,tokens,capacity", [("swiglu", 3, 4), ("relu2", 5, 8), ("swiglu", 1, 2)])
+def test_cuda_kernels_compiled_for_more_tokens_than_they_get(kind, tokens, capacity, tmp_path) -> None:
+    """Compiled for `capacity` tokens (the template's M), run on fewer: the count comes from the
+    indices' shape, so one compile serves every batch size up to its capacity."""
+    mx.random.seed(7)
+    k, experts, d, hidden, gs, bits = 3, 6, 256, 128, 64, 4
+    module = SwitchGLU(d, hidden, experts) if kind == "swiglu" else SwitchReluSquared(d, hidden, experts)
+    _, first, second, _, _ = _stacks(_quantize_module(module, gs, bits))
+    x = mx.random.normal((tokens, d))
+    idx, scores = _routing(tokens, k, experts, seed=tokens + 10, pool=4)
+    plan = moe.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind, capacity)
+    got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, moe.SHARED_BUDGET)
+    want = experts_decode_reference(x, idx, scores, first, second, kind=kind, group_size=gs, bits=bits)
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,tokens", [("swiglu", 2), ("relu2", 3)])
+def test_launcher_runs_the_emulated_kernels(kind: str, tokens: int, monkeypatch, tmp_path) -> None:
+    """experts_decode / routed_experts with the CUDA backend, the kernels emulated on CPU (3
+    tokens: compiled for a capacity of 4)."""
     mx.random.seed(8)
-    d, hidden, experts, k, tokens = 128, 64, 6, 3, 2
+    d, hidden, experts, k = 128, 64, 6, 3
     module = SwitchGLU(d, hidden, experts) if kind == "swiglu" else SwitchReluSquared(d, hidden, experts)
     module = _quantize_module(module, 64, 8 if kind == "swiglu" else 4)
     x = mx.random.normal((1, tokens, d))

@@ -169,9 +169,11 @@ def _decode(x, indices, scores, stacks, second, dims, kind: str, group_size: int
     n_exp, hidden, n_out = dims
     n_in, k = x.shape[-1], indices.shape[-1]
     tokens = indices.size // k
-    plan = Plan(tokens, k, n_exp, n_in, hidden, n_out, bits, group_size, kind)
+    on_cuda = backend() == "cuda"
+    capacity = capacity_for(tokens, k) if on_cuda else 0
+    plan = Plan(tokens, k, n_exp, n_in, hidden, n_out, bits, group_size, kind, capacity)
     flat = (x.reshape(tokens, n_in), indices.reshape(tokens, k), scores.reshape(tokens, k))
-    run = _run_cuda if backend() == "cuda" else _run_metal
+    run = _run_cuda if on_cuda else _run_metal
     return run(plan, *flat, stacks, second).reshape(*x.shape[:-1], n_out)
 
 
@@ -280,6 +282,15 @@ def tile_for(length: int, staged_rows: int, bits: int, budget: int) -> int:
     return -(-length // tiles // 32) * 32 if tiles > 1 else -(-length // 32) * 32
 
 
+def capacity_for(tokens: int, k: int) -> int:
+    """The compiled token capacity for `tokens` tokens of k slots: the next power of two (a new
+    decode batch size or chain length then rarely compiles anything: NVRTC takes about a second a
+    kernel on the H200, and MLX keeps custom kernels in memory only), `tokens` itself where the
+    power of two's pairs would pass MAX_PAIRS (its shared arrays grow as pairs x tokens)."""
+    power = 1 << (tokens - 1).bit_length()
+    return power if power <= MAX_TOKENS and power * k <= MAX_PAIRS else tokens
+
+
 @dataclass(frozen=True)
 class Plan:
     tokens: int
@@ -291,38 +302,48 @@ class Plan:
     bits: int
     group_size: int
     kind: str
+    # Tokens the compiled kernels hold room for (the template's M); the CUDA kernels read the real
+    # count from the indices' shape, so a capacity serves every count up to it (`capacity_for`).
+    # 0: exactly `tokens` (the Metal port takes the count from its template).
+    capacity: int = 0
 
     @property
     def pairs(self) -> int:
         return self.tokens * self.k
 
     @property
+    def rows(self) -> int:
+        """Tokens the kernels are compiled and their shared memory sized for."""
+        return self.capacity or self.tokens
+
+    @property
     def hidden_static_bytes(self) -> int:
-        return 3 * 4 * self.tokens + 16
+        return 3 * 4 * self.rows + 16
 
     @property
     def out_static_bytes(self) -> int:
-        return 3 * 4 * self.pairs + 2 * 4 * self.pairs * self.tokens + 16
+        pairs = self.rows * self.k
+        return 3 * 4 * pairs + 2 * 4 * pairs * self.rows + 16
 
     def hidden_template(self, x_dtype, s_dtype, i_dtype, budget: int = SHARED_BUDGET) -> list:
-        tile = tile_for(self.n_in, self.tokens, self.bits, budget - self.hidden_static_bytes)
+        tile = tile_for(self.n_in, self.rows, self.bits, budget - self.hidden_static_bytes)
         nw = 2 if self.kind == "swiglu" else 1
         return [
             ("T", x_dtype), ("S", s_dtype), ("I", i_dtype),
-            ("M", self.tokens), ("K", self.k), ("E", self.experts), ("D", self.n_in), ("N", self.hidden),
+            ("M", self.rows), ("K", self.k), ("E", self.experts), ("D", self.n_in), ("N", self.hidden),
             ("GS", self.group_size), ("BITS", self.bits), ("NW", nw), ("KIND", KINDS.index(self.kind)),
             ("LPR", lanes_per_row(tile // values_per_chunk(self.bits))), ("WARPS", WARPS),
             ("TILE", tile), ("U", 4 // nw),
         ]  # fmt: skip
 
     def out_template(self, y_dtype, s_dtype, i_dtype, sc_dtype, budget: int = SHARED_BUDGET) -> list:
-        tile = tile_for(self.hidden, self.pairs, self.bits, budget - self.out_static_bytes)
+        tile = tile_for(self.hidden, self.rows * self.k, self.bits, budget - self.out_static_bytes)
         lanes = lanes_per_row(tile // values_per_chunk(self.bits))
         rows_per_warp = 32 // lanes
         warps = next((w for w in (8, 4) if -(-self.n_out // (w * rows_per_warp)) >= MIN_BLOCKS), 2)
         return [
             ("T", y_dtype), ("S", s_dtype), ("I", i_dtype), ("SC", sc_dtype),
-            ("M", self.tokens), ("K", self.k), ("E", self.experts), ("D", self.hidden), ("N", self.n_out),
+            ("M", self.rows), ("K", self.k), ("E", self.experts), ("D", self.hidden), ("N", self.n_out),
             ("GS", self.group_size), ("BITS", self.bits), ("LPR", lanes), ("WARPS", warps),
             ("TILE", tile), ("U", 4),
         ]  # fmt: skip
@@ -396,11 +417,11 @@ def launch_for(plan: Plan, x_dtype, s1_dtype, s2_dtype, i_dtype, sc_dtype, budge
         t1,
         (plan.blocks(plan.hidden, t1) * threads1, plan.pairs, 1),
         (threads1, 1, 1),
-        plan.shared_bytes(t1, plan.tokens),
+        plan.shared_bytes(t1, plan.rows),
         t2,
         (plan.blocks(plan.n_out, t2) * threads2, 1, 1),
         (threads2, 1, 1),
-        plan.shared_bytes(t2, plan.pairs),
+        plan.shared_bytes(t2, plan.rows * plan.k),
     )
 
 

@@ -6,6 +6,7 @@
   constexpr int ROW_CHUNKS = D / VPC;
   constexpr int GROUPS = D / GS;
   constexpr int RPW = 32 / LPR;                   // rows per warp
+  const int MT = indices_shape[0];                // tokens at run time (<= M, the compiled capacity)
   __shared__ int pair_of_token[M];
   __shared__ int member_token[M];
   __shared__ int member_pair[M];
@@ -16,7 +17,7 @@
   bool seen = false;
   for (int q = threadIdx.x; q < p; q += blockDim.x) seen |= (int)indices[q] == e;
   if (__syncthreads_or(seen)) return;             // an earlier pair's block serves expert e
-  for (int m = threadIdx.x; m < M; m += blockDim.x) {
+  for (int m = threadIdx.x; m < MT; m += blockDim.x) {
     int found = -1;                               // the first slot of token m routed to e
     for (int j = K - 1; j >= 0; --j) if ((int)indices[m * K + j] == e) found = m * K + j;
     pair_of_token[m] = found;
@@ -24,7 +25,7 @@
   __syncthreads();
   if (threadIdx.x == 0) {
     int c = 0;
-    for (int m = 0; m < M; ++m)
+    for (int m = 0; m < MT; ++m)
       if (pair_of_token[m] >= 0) { member_token[c] = m; member_pair[c] = pair_of_token[m]; ++c; }
     n_members = c;
   }

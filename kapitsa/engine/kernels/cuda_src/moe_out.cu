@@ -1,5 +1,6 @@
 
-  constexpr int P = M * K;
+  constexpr int P = M * K;                        // pairs the shared arrays hold (M: the compiled capacity)
+  const int MT = indices_shape[0], PT = MT * K;   // tokens and pairs at run time
   constexpr int VPC = 128 / BITS;
   constexpr int PER_WORD = 32 / BITS;
   constexpr unsigned MASK = (1u << BITS) - 1u;
@@ -14,25 +15,25 @@
   __shared__ float group_score[P][M];             // token m's summed score for this expert
   __shared__ int n_groups;
   extern __shared__ float hs[];                   // [pair][CPT][VPC + 1]
-  for (int q = threadIdx.x; q < P; q += blockDim.x) pidx[q] = (int)indices[q];
+  for (int q = threadIdx.x; q < PT; q += blockDim.x) pidx[q] = (int)indices[q];
   __syncthreads();
-  for (int q = threadIdx.x; q < P; q += blockDim.x) {
+  for (int q = threadIdx.x; q < PT; q += blockDim.x) {
     const int e = pidx[q];
     int lead = e >= 0 && e < E;                   // unknown experts contribute zero
     for (int r = 0; r < q; ++r) lead &= pidx[r] != e;
     leader[q] = lead;
   }
   __syncthreads();
-  for (int q = threadIdx.x; q < P; q += blockDim.x) {
+  for (int q = threadIdx.x; q < PT; q += blockDim.x) {
     if (!leader[q]) continue;
     int g = 0;
     for (int r = 0; r < q; ++r) g += leader[r];
     const int e = pidx[q];
     group_expert[g] = e;
     for (int m = 0; m < M; ++m) {
-      int first = -1;
+      int first = -1;                             // (stays -1 for the capacity's padding tokens)
       float score = 0.f;
-      for (int j = 0; j < K; ++j) {
+      for (int j = 0; j < K && m < MT; ++j) {
         if (pidx[m * K + j] != e) continue;
         if (first < 0) first = m * K + j;         // kernel 1 wrote h for the first such slot
         score += (float)scores[m * K + j];
@@ -43,7 +44,7 @@
   }
   if (threadIdx.x == 0) {
     int c = 0;
-    for (int q = 0; q < P; ++q) c += leader[q];
+    for (int q = 0; q < PT; ++q) c += leader[q];
     n_groups = c;
   }
   __syncthreads();
@@ -60,7 +61,7 @@
     const int tile_chunks = tile_len / VPC;
     const int per_lane = (tile_chunks + LPR - 1) / LPR;   // chunk slots per lane and expert
     __syncthreads();
-    for (int i = threadIdx.x; i < P * tile_len; i += blockDim.x) {
+    for (int i = threadIdx.x; i < PT * tile_len; i += blockDim.x) {
       const int q = i / tile_len, v = i - q * tile_len;
       hs[(q * CPT + v / VPC) * (VPC + 1) + v % VPC] = h[(size_t)q * D + t0 + v];
     }
@@ -114,5 +115,5 @@
     float v = acc[m];
     #pragma unroll
     for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (active && sub == 0) y[(size_t)m * N + row] = (T)v;
+    if (active && sub == 0 && m < MT) y[(size_t)m * N + row] = (T)v;
   }
