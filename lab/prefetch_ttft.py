@@ -54,6 +54,9 @@ SUB_AGENT_TOKENS = 16384  # the sub-agent's max_tokens at least: what its admiss
 # Every layer full attention, 4 KV heads of 64: 8 KiB of float32 K/V per token, so a conversation's
 # checkpoint file is tens of MB and reading it is more than the machine's noise.
 WIDE_KV = {"full_attention_interval": 1, "num_key_value_heads": 4, "head_dim": 64}
+# `--hybrid`: Qwen3.5's own layout (three Gated DeltaNet layers to one attention layer) at the same
+# K/V width: its recurrent state makes every message boundary end a prefill chunk.
+HYBRID = {**WIDE_KV, "full_attention_interval": 4, "num_hidden_layers": 8}
 
 
 def _time_lookups() -> None:
@@ -186,7 +189,7 @@ async def main(args) -> None:
         emit(
             {
                 "phase": "loaded",
-                "shape": args.shape or "tiny-wide-kv",
+                "shape": args.shape or ("tiny-hybrid" if args.hybrid else "tiny-wide-kv"),
                 "sub_agent_tokens": args.sub_agent_tokens,
                 "reserve_mib": round(args.reserve_bytes / MIB, 1),
                 "cache_mib": args.cache_mib,
@@ -221,7 +224,7 @@ async def main(args) -> None:
 def _checkpoint(args, folder: Path) -> Path:
     """The model's folder: the tiny full-attention Qwen3.5, or `--shape`'s random 4-bit checkpoint."""
     if args.shape is None:
-        return write_tiny_checkpoint(folder, "qwen3_5", **WIDE_KV)
+        return write_tiny_checkpoint(folder, "qwen3_5", **(HYBRID if args.hybrid else WIDE_KV))
     write_shape_checkpoint(args.shape, folder, tiny=args.tiny)
     size = sum(p.stat().st_size for p in folder.iterdir())
     emit({"phase": "checkpoint", "shape": args.shape, "tiny": args.tiny, "gb": round(size / 1e9, 2)})
@@ -248,6 +251,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--idle-s", type=float, default=0.5, help="idle time before turn N+1")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a real shape's random 4-bit checkpoint")
+    parser.add_argument("--hybrid", action="store_true", help="the tiny model with Qwen3.5's 3:1 GDN layout")
     parser.add_argument("--cache-mib", type=int, help="prefix cache size (default 64, with --shape 2048)")
     parser.add_argument(
         "--tiny", action="store_true", help="a seconds-long smoke run (--shape: at tiny widths)"
