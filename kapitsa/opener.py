@@ -52,6 +52,7 @@ def open_engine(
         KapitsaError: the reference, the flags or the checkpoint cannot be opened.
     """
     settings = settings or load_settings()
+    keep_jit_cache(settings.state_dir)
     check_speculation(speculative, draft)
     kv_choice = parse_kv_bits(kv_bits)
     config = engine_config(settings)
@@ -66,6 +67,35 @@ def open_engine(
     return start_engine(
         loaded, config, speculative=speculative, draft=draft, draft_tokens=draft_tokens, tree=bool(tree)
     )
+
+
+def keep_jit_cache(state_dir: Path, environ: dict[str, str] | None = None) -> Path | None:
+    """On MLX's CUDA backend, point MLX's cache of JIT-compiled kernels at kapitsa's state folder
+    (unless `MLX_PTX_CACHE_DIR` is set): its default is the temp folder, which a reboot empties, and
+    a fresh cache costs the first request about a minute of NVRTC compiles on an H200 (MLX's own
+    quantized matmuls; lab/runs/batch-compile-4b-h200-s19.log). One folder per MLX version and GPU
+    architecture, as compiled cubins fit only those. Returns the folder, or None where unchanged.
+    Runs before the model loads: MLX reads the variable at its first compile."""
+    environ = os.environ if environ is None else environ
+    if "MLX_PTX_CACHE_DIR" in environ:
+        return None
+    with _engine_required():
+        import mlx.core as mx
+    if not mx.cuda.is_available():
+        return None
+    arch = str(mx.device_info().get("architecture", "cuda"))
+    folder = (
+        state_dir
+        / "jit-cache"
+        / f"mlx-{mx.__version__}"
+        / "".join(c for c in arch if c.isalnum() or c in "._-")
+    )
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        return None  # an unwritable state folder: MLX keeps its default
+    environ["MLX_PTX_CACHE_DIR"] = str(folder)
+    return folder
 
 
 def start_engine(

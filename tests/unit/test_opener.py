@@ -106,3 +106,25 @@ def test_a_catalog_alias_with_small_loads_its_bf16_repo_with_the_recipe(
     assert calls == [
         ("RecursiveSI/flint", {"model_id": "flint:small", "quantize": "small", "memory_budget": 24 << 30})
     ]
+
+
+def test_cuda_keeps_mlx_jit_cache_in_the_state_folder(tmp_path: Path, monkeypatch) -> None:
+    import mlx.core as mx
+
+    from kapitsa.opener import keep_jit_cache
+
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert keep_jit_cache(tmp_path, environ) is None and environ == {}  # Metal and the CPU: unchanged
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "sm_90", "device_name": "NVIDIA H200"})
+    folder = keep_jit_cache(tmp_path, environ)
+    assert folder == tmp_path / "jit-cache" / f"mlx-{mx.__version__}" / "sm_90" and folder.is_dir()
+    assert environ == {"MLX_PTX_CACHE_DIR": str(folder)}
+
+    mine = {"MLX_PTX_CACHE_DIR": "/elsewhere"}
+    assert keep_jit_cache(tmp_path, mine) is None and mine == {"MLX_PTX_CACHE_DIR": "/elsewhere"}
+
+    (tmp_path / "blocked").write_text("a file where the folder would go")
+    assert keep_jit_cache(tmp_path / "blocked", {}) is None
