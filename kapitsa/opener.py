@@ -295,6 +295,7 @@ def open_group_engine(  # noqa: ANN201 - GroupEngine | None
     from kapitsa.catalog import is_alias, load_catalog, resolve_model
 
     settings = settings or load_settings()
+    keep_jit_cache(settings.state_dir)
     ref = ref or settings.default_model
     with _engine_required():
         from kapitsa.engine.distributed.start import start_rank

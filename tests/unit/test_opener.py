@@ -118,7 +118,8 @@ def test_cuda_keeps_mlx_jit_cache_in_the_state_folder(tmp_path: Path, monkeypatc
     assert keep_jit_cache(tmp_path, environ) is None and environ == {}  # Metal and the CPU: unchanged
 
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "sm_90", "device_name": "NVIDIA H200"})
+    info = {"architecture": "sm_90", "device_name": "NVIDIA H200"}
+    monkeypatch.setattr(mx, "device_info", lambda: info, raising=False)
     folder = keep_jit_cache(tmp_path, environ)
     assert folder == tmp_path / "jit-cache" / f"mlx-{mx.__version__}" / "sm_90" and folder.is_dir()
     assert environ == {"MLX_PTX_CACHE_DIR": str(folder)}

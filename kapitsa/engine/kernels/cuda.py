@@ -137,13 +137,14 @@ class CudaKernel:
 
     @property
     def shape_inputs(self) -> tuple[str, ...]:
-        """The inputs whose shape the body reads (`<name>_shape`): MLX passes those as parameters."""
-        return tuple(n for n in self.input_names if f"{n}_shape" in self.source)
+        """The inputs whose shape the body reads (`<name>_shape` in the text MLX gets, comments
+        removed): MLX passes those as parameters."""
+        return tuple(n for n in self.input_names if f"{n}_shape" in compact_source(self.source))
 
     @property
     def ndim_inputs(self) -> tuple[str, ...]:
         """The inputs whose rank the body reads (`<name>_ndim`)."""
-        return tuple(n for n in self.input_names if f"{n}_ndim" in self.source)
+        return tuple(n for n in self.input_names if f"{n}_ndim" in compact_source(self.source))
 
     def render(
         self,
