@@ -52,7 +52,9 @@ def test_max_running_must_be_positive() -> None:
         Scheduler(max_running=0)
 
 
-def _planned(seq: Sequence, *, shared: int, interval: int = 4096) -> list[tuple[int, str]]:
+def _planned(
+    seq: Sequence, *, shared: int, interval: int = 4096, recurrent: bool = True
+) -> list[tuple[int, str]]:
     """The boundaries `Engine._plan_checkpoints` leaves when the prefix tree holds `shared` tokens
     of the prompt as K/V (a branch boundary there, past the deepest checkpoint)."""
     from types import SimpleNamespace
@@ -60,7 +62,9 @@ def _planned(seq: Sequence, *, shared: int, interval: int = 4096) -> list[tuple[
     from kapitsa.engine.runner.loop import Engine
 
     engine = SimpleNamespace(
-        prefix=SimpleNamespace(match_length=lambda ids: shared), checkpoint_interval=interval
+        prefix=SimpleNamespace(match_length=lambda ids: shared),
+        checkpoint_interval=interval,
+        runner=SimpleNamespace(recurrent_layers=[0] if recurrent else []),
     )
     Engine._plan_checkpoints(engine, seq)
     return [(b.pos, b.kind) for b in seq.boundaries]
@@ -80,15 +84,29 @@ def test_a_branch_boundary_close_to_the_resume_position_is_not_a_chunk_end() -> 
     assert far.next_chunk_end(512) == 3200
 
 
-def test_periodic_boundaries_keep_the_gap_from_the_last_kept_one_and_message_boundaries_stay() -> None:
+def test_periodic_boundaries_keep_the_gap_on_both_sides_and_message_boundaries_stay() -> None:
     seq = _seq(400, [Boundary(10, "system"), Boundary(150, "turn"), Boundary(170, "turn")])
-    # periodic every 48: 48 (38 after the system boundary) goes, 96 stays, 144 (48 after 96) goes,
-    # 192 (22 after the turn at 170) goes, 240 stays, 288 goes, 336 stays, 384 goes
+    # periodic every 48: 48 (38 after the system boundary) goes, 96 (54 before the turn at 150)
+    # goes, 144 goes, 192 (22 after the turn at 170) goes, 240 stays, 288 goes, 336 (64 before
+    # the prompt's end) stays, 384 goes
     assert _planned(seq, shared=0, interval=48) == [
         (10, "system"),
-        (96, "periodic"),
         (150, "turn"),
         (170, "turn"),
         (240, "periodic"),
         (336, "periodic"),
+    ]
+
+
+def test_without_fixed_size_state_every_checkpoint_stays() -> None:
+    # attention-only models checkpoint inside a chunk: a close boundary costs no forward
+    seq = _seq(3235, [Boundary(3226, "turn")])
+    seq.num_processed = 3136
+    assert _planned(seq, shared=3143, recurrent=False) == [(3143, "branch"), (3226, "turn")]
+    periodic = _seq(400, [Boundary(150, "turn")])
+    assert _planned(periodic, shared=0, interval=100, recurrent=False) == [
+        (100, "periodic"),
+        (150, "turn"),
+        (200, "periodic"),
+        (300, "periodic"),
     ]

@@ -29,7 +29,7 @@ from kapitsa.engine.runner.output import emit_tokens, usage_of
 from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, read_ahead
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
-from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus
+from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus, plan_boundaries
 from kapitsa.engine.stats import StatsCounter
 from kapitsa.engine.types import ErrorEvent, FinishEvent, FinishReason, PrefillProgressEvent
 from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
@@ -290,7 +290,8 @@ class Engine:
         )
 
     def _plan_checkpoints(self, seq: Sequence) -> None:
-        """Add branch and periodic boundaries, those closer than `MIN_CHECKPOINT_GAP` left out."""
+        """Add a branch boundary where the tree's K/V runs past its checkpoints, and periodic ones
+        (`plan_boundaries`: none closer than `MIN_CHECKPOINT_GAP` where chunks end at them)."""
         extra: list[Boundary] = []
         if self.prefix is not None:
             shared = self.prefix.match_length(seq.key_ids)
@@ -299,14 +300,10 @@ class Engine:
         step = self.checkpoint_interval
         for pos in range((seq.num_processed // step + 1) * step, seq.num_prompt_tokens, step):
             extra.append(Boundary(pos, "periodic"))
-        known = {b.pos for b in seq.boundaries}
-        planned = sorted([*seq.boundaries, *(b for b in extra if b.pos not in known)], key=lambda b: b.pos)
-        seq.boundaries, last = [], seq.num_processed
-        for b in planned:
-            if b.kind in ("branch", "periodic") and b.pos - last < MIN_CHECKPOINT_GAP:
-                continue  # (those at or before the resume position go too: no chunk ends there)
-            seq.boundaries.append(b)
-            last = max(last, b.pos)
+        gap = MIN_CHECKPOINT_GAP if self.runner.recurrent_layers else 1  # else checkpoints cost no chunk
+        seq.boundaries = plan_boundaries(
+            seq.boundaries, extra, resume=seq.num_processed, end=seq.num_prompt_tokens, min_gap=gap
+        )
 
     def _maybe_checkpoint(self, seq: Sequence, pos: int, logits: mx.array | None) -> None:
         boundary = seq.boundary_at(pos)

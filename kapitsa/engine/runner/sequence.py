@@ -38,6 +38,34 @@ class Boundary:
     kind: str  # "system" | "turn" | "periodic" | "branch"
 
 
+MESSAGE_KINDS = ("system", "turn")  # message boundaries: agents resume there, always kept
+
+
+def plan_boundaries(
+    message: list[Boundary], extra: list[Boundary], *, resume: int, end: int, min_gap: int
+) -> list[Boundary]:
+    """The prompt's checkpoint boundaries, sorted: the message boundaries, and the branch and
+    periodic ones (`extra`) that lie at least `min_gap` tokens past the resume position or the last
+    boundary kept, a periodic one also `min_gap` before the next message boundary or the prompt's
+    `end`. Each boundary ends a prefill chunk where the model has fixed-size state, one more forward
+    for a checkpoint that would spare a later request at most that many tokens. (A branch stays
+    close before a message boundary: the next one lies on this prompt's path, not the branch's.)"""
+    known = {b.pos for b in message}
+    planned = sorted([*message, *(b for b in extra if b.pos not in known)], key=lambda b: b.pos)
+    stops = sorted([*(b.pos for b in message if b.pos > resume), end])
+    kept, last = [], resume
+    for b in planned:
+        if b.kind not in MESSAGE_KINDS:
+            if b.pos - last < min_gap:
+                continue  # (those at or before the resume position go too: no chunk ends there)
+            following = next(pos for pos in stops if pos >= b.pos)
+            if b.kind == "periodic" and following - b.pos < min_gap:
+                continue
+        kept.append(b)
+        last = max(last, b.pos)
+    return kept
+
+
 class TokenIds(SequenceABC):
     """A sequence's prompt and output ids as one read-only sequence, without copying either list:
     a decode step reads only its end, and copying a 30k-token agent context costs ~0.1 ms of
