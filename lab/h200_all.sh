@@ -22,6 +22,9 @@
 #                                       kapitsa's engine against mlx-lm's batch_generate, with each
 #                                       batch size's first-burst compile cost ($BATCH_SHAPES, default
 #                                       all four; lab/batch_sweep.py)
+#   bash lab/h200_all.sh table        one shape's row of #32's table ($TABLE_SHAPE, default 4b):
+#                                       decode and 512/8192-token prefill against mlx-lm, aggregate
+#                                       decode at 1/4/8/16 streams (lab/results_table.py)
 #   bash lab/h200_all.sh compile      each decode batch size's first-burst cost and the kernels it
 #                                       compiles, over a fresh and then a warm PTX cache
 #                                       ($COMPILE_SHAPES, default 4b; lab/batch_compile.py)
@@ -142,6 +145,18 @@ case "$part" in
     timeout "${BATCH_TIMEOUT:-560}" $py lab/batch_sweep.py --shapes "${BATCH_SHAPES:-27b,35b-a3b,4b,nemotron-30b-a3b}" \
       --streams "${BATCH_STREAMS:-1,4,8,16}" --tokens "${TOKENS:-64}" --prompt 512 > "$out/batch.log" 2>&1
     grep -E 'aggregate|Error' "$out/batch.log"
+    ;;
+  table)
+    # one shape's row of #32's table ($TABLE_SHAPE, default 4b): decode and prefill at 512 and
+    # 8192 tokens against mlx-lm, aggregate decode at 1/4/8/16 streams with each size's first-burst
+    # cost; the markdown row from lab/results_table.py (give it every shape's table-*.log at the end)
+    shape=${TABLE_SHAPE:-4b}
+    : > "$out/table-$shape.log"
+    timeout "${TABLE_DECODE_TIMEOUT:-300}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
+      --rounds 2 >> "$out/table-$shape.log" 2>&1
+    timeout "${TABLE_BATCH_TIMEOUT:-260}" $py lab/batch_sweep.py --shapes "$shape" --streams 1,4,8,16 --tokens 48 \
+      --prompt 512 >> "$out/table-$shape.log" 2>&1
+    $py lab/results_table.py "$out/table-$shape.log"
     ;;
   compile)
     # each decode batch size's first-burst cost and the kernels it JIT-compiles ($COMPILE_SHAPES,
