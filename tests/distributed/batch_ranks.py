@@ -48,29 +48,26 @@ async def _ask(engine, ids: tuple[int, ...], max_tokens: int, streamed: asyncio.
 
 async def _concurrently(engine) -> tuple[dict, int]:  # noqa: ANN001
     """Every request's answer, and the largest batch the engine's stats showed meanwhile."""
-    streamed, peak, done = asyncio.Event(), 0, False
+    streamed = asyncio.Event()
 
     async def late() -> dict:
         await streamed.wait()
         return await _ask(engine, *REQUESTS["late"])
 
-    async def poll() -> None:
-        nonlocal peak
-        while not done:
-            peak = max(peak, engine.stats().batch_size)
-            await asyncio.sleep(0.001)
-
-    poller = asyncio.create_task(poll())
     first = _ask(engine, *REQUESTS["first"], streamed=streamed)
     others = [_ask(engine, *REQUESTS[name]) for name in ("long", "mid")]
-    answers = await asyncio.gather(first, *others, late())
-    done = True
-    await poller
+    answers, peak = await _with_peak(engine, asyncio.gather(first, *others, late()))
     return dict(zip(("first", "long", "mid", "late"), answers, strict=True)), peak
 
 
 async def ask_all(engine, prompts: list[tuple[tuple[int, ...], int]]) -> tuple[list[list[int]], int]:  # noqa: ANN001
     """Every prompt's tokens, all sent at once, and the largest batch the stats showed meanwhile."""
+    answers, peak = await _with_peak(engine, asyncio.gather(*(_ask(engine, ids, n) for ids, n in prompts)))
+    return [answer["tokens"] for answer in answers], peak
+
+
+async def _with_peak(engine, requests):  # noqa: ANN001, ANN202
+    """`requests`' result, and the largest batch the engine's stats showed while they ran."""
     peak, done = 0, False
 
     async def poll() -> None:
@@ -80,10 +77,12 @@ async def ask_all(engine, prompts: list[tuple[tuple[int, ...], int]]) -> tuple[l
             await asyncio.sleep(0.001)
 
     poller = asyncio.create_task(poll())
-    answers = await asyncio.gather(*(_ask(engine, ids, n) for ids, n in prompts))
-    done = True
-    await poller
-    return [answer["tokens"] for answer in answers], peak
+    try:
+        result = await requests
+    finally:
+        done = True
+        await poller
+    return result, peak
 
 
 def serve(engine) -> dict:  # noqa: ANN001
