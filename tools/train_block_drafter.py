@@ -17,7 +17,6 @@ held-out top-1 accuracy per block position.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -32,66 +31,10 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tinyckpt.corpus import functions_in, read_stdlib, split_files  # noqa: E402
+from drafter_data import add_data_arguments, answer_rows  # noqa: E402
 
-from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
 from kapitsa.engine.loading.loader import LoadedModel, load_model  # noqa: E402
-from kapitsa.engine.options import EngineConfig  # noqa: E402
 from kapitsa.engine.speculative.dflash import DFlashConfig, DFlashModel, load_dflash  # noqa: E402
-from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
-
-ASKS = ("Complete this function:\n\n{header}\n", "Explain what this function does:\n\n{source}")
-ASKS += ("Rewrite this function, keeping its behaviour:\n\n{source}",)
-
-
-def prompts(count: int, held_count: int, seed: int) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(training chats, held-out chats): the held-out ones from the corpus's held-out files."""
-    rng = random.Random(seed)
-    out = []
-    for files, n in zip(split_files(read_stdlib()), (count, held_count), strict=True):
-        functions = [f for source in files for f in functions_in(source, max_lines=16)]
-        rng.shuffle(functions)
-        out.append(
-            [
-                [{"role": "user", "content": ASKS[i % len(ASKS)].format(header=f.header, source=f.source)}]
-                for i, f in enumerate(functions[:n])
-            ]
-        )
-    return out[0], out[1]
-
-
-async def _answer(engine: InProcessEngine, messages: list[dict], tokens: int) -> list[int]:
-    request = GenerationRequest(messages=tuple(messages), sampling=SamplingParams(max_tokens=tokens))
-    ids: list[int] = []
-    async for event in engine.generate(request):
-        if isinstance(event, TokenEvent):
-            ids += event.token_ids
-        elif isinstance(event, FinishEvent):
-            break
-    return ids
-
-
-def answers(loaded: LoadedModel, chats: list[list[dict]], tokens: int) -> list[tuple[list[int], int]]:
-    """(prompt + greedy answer ids, where the answer starts) per chat, through the engine's batching."""
-    engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0, max_running=16))
-
-    async def run() -> list[list[int]]:
-        out: list[list[int]] = []
-        for start in range(0, len(chats), 16):
-            out += await asyncio.gather(*(_answer(engine, c, tokens) for c in chats[start : start + 16]))
-        return out
-
-    try:
-        generated = asyncio.run(run())
-    finally:
-        engine.close()
-    tok = loaded.tokenizer
-    rows = []
-    for chat, ids in zip(chats, generated, strict=True):
-        prompt = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
-        if len(ids) > 8:
-            rows.append((prompt + ids, len(prompt)))
-    return rows
 
 
 def tapped(loaded: LoadedModel, rows: list[tuple[list[int], int]], layers: tuple[int, ...]) -> list[dict]:
@@ -183,8 +126,7 @@ def train(args: argparse.Namespace) -> dict:
     layers = drafter.config.target_layer_ids
     k = args.block_size - 1
     started = time.perf_counter()
-    train_chats, held_chats = prompts(args.prompts, args.held_out, args.seed)
-    train_rows, held_rows = (answers(loaded, c, args.answer_tokens) for c in (train_chats, held_chats))
+    train_rows, held_rows = answer_rows(loaded, args)
     data, held = tapped(loaded, train_rows, layers), tapped(loaded, held_rows, layers)
     print(
         f"data: {len(data)} answers, {len(held)} held out, {time.perf_counter() - started:.0f} s", flush=True
@@ -230,10 +172,7 @@ def main() -> None:
     parser.add_argument(
         "--decay", type=float, default=4.0, help="block position j's loss weight exp(-j/decay)"
     )
-    parser.add_argument("--prompts", type=int, default=512)
-    parser.add_argument("--held-out", type=int, default=48)
-    parser.add_argument("--answer-tokens", type=int, default=96)
-    parser.add_argument("--seed", type=int, default=0)
+    add_data_arguments(parser)
     args = parser.parse_args()
     print(json.dumps(train(args)))
 

@@ -1,8 +1,9 @@
 """Draft acceptance through kapitsa's own speculative decoder (MLX), on the shipped demo model.
 
-    .venv/bin/python tools/tinyckpt/kapitsa_acceptance.py [--prompts 4] [--tokens 48]
+    .venv/bin/python tools/tinyckpt/kapitsa_acceptance.py [--target PATH] [--block PATH] [--prompts 4] [--tokens 48]
 
-Greedy, fixed draft lengths (the adaptive controller off), chat prompts built from held-out
+`--target` is the shipped demo by default (the trained Nemotron-H fixture with its MTP head also
+works); `--block` adds a DFlash block drafter folder (tools/train_block_drafter.py). Greedy, fixed draft lengths (the adaptive controller off), chat prompts built from held-out
 standard-library functions of the Python that runs it. Also checks that every speculative answer is
 identical to plain greedy decoding.
 """
@@ -21,6 +22,7 @@ from kapitsa.engine.inprocess import InProcessEngine  # noqa: E402
 from kapitsa.engine.loading.loader import load_model  # noqa: E402
 from kapitsa.engine.options import EngineConfig  # noqa: E402
 from kapitsa.engine.speculative.decoder import SpeculativeDecode  # noqa: E402
+from kapitsa.engine.speculative.dflash import DFlashDrafter, load_dflash  # noqa: E402
 from kapitsa.engine.speculative.draft_model import DraftModelDrafter  # noqa: E402
 from kapitsa.engine.speculative.mtp import MTPDrafter  # noqa: E402
 from kapitsa.engine.speculative.ngram import NGramDrafter  # noqa: E402
@@ -65,11 +67,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--target", type=Path, default=REPO / "kapitsa" / "demo")
+    parser.add_argument("--block", type=Path, help="a DFlash block drafter folder for the target")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
-    target = load_model(REPO / "kapitsa" / "demo")
-    draft = load_model(REPO / "tests" / "checkpoints" / "trained" / "qwen35-draft")
+    target = load_model(args.target)
+    draft = load_model(REPO / "tests" / "checkpoints" / "trained" / "qwen35-draft")  # the same tokenizer
     prompts = _prompts(args.prompts)
     plain = _run(target, None, prompts, args.tokens)
     modes = {
@@ -77,13 +81,18 @@ def main() -> None:
         "draft_k4": lambda: SpeculativeDecode(
             lambda: DraftModelDrafter(draft.model), name="draft", max_draft=4, adaptive=False
         ),
-        "mtp_k1": lambda: SpeculativeDecode(
-            lambda: MTPDrafter(target.model), name="mtp", max_draft=1, adaptive=False
-        ),
-        "mtp_k2": lambda: SpeculativeDecode(
-            lambda: MTPDrafter(target.model), name="mtp", max_draft=2, adaptive=False
-        ),
     }
+    if getattr(target.model, "mtp", None) is not None:
+        for k in (1, 2, 3):
+            modes[f"mtp_k{k}"] = lambda k=k: SpeculativeDecode(
+                lambda: MTPDrafter(target.model), name="mtp", max_draft=k, adaptive=False
+            )
+    if args.block is not None:
+        block = load_dflash(args.block)
+        for k in (3, 7):
+            modes[f"block_k{k}"] = lambda k=k: SpeculativeDecode(
+                lambda: DFlashDrafter(block, target.model), name="block", max_draft=k, adaptive=False
+            )
     results = {}
     for name, make in modes.items():
         decode = make()
@@ -96,7 +105,8 @@ def main() -> None:
             "same_as_plain_greedy": answers == plain,
         }
         print(name, json.dumps(results[name]), flush=True)
-    print(json.dumps({"prompts": len(prompts), "tokens": args.tokens, "results": results}, indent=1))
+    summary = {"target": str(args.target), "prompts": len(prompts), "tokens": args.tokens, "results": results}
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
