@@ -85,9 +85,8 @@ class Router(nn.Module):
             dropped = dropped[..., : a.n_group - a.topk_group]
             grouped = mx.put_along_axis(grouped, dropped[..., None], mx.array(-mx.inf), axis=-2)
             choice = grouped.flatten(-2)
-        inds = mx.stop_gradient(
-            topk_indices(choice, a.num_experts_per_tok)
-        )  # a training tool trains through it
+        # the choice carries no gradient (tools/train_mtp_head.py trains through this router)
+        inds = mx.stop_gradient(topk_indices(choice, a.num_experts_per_tok))
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if a.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
