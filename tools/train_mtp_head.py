@@ -1,7 +1,7 @@
 """Train the multi-token-prediction head of a trained Nemotron-H checkpoint whose config names its
 MTP step (`mtp_layers_block_type` or `mtp_hybrid_override_pattern`), with MLX on any device.
 
-    python tools/train_mtp_head.py --target tests/checkpoints/trained/nemotron-h --steps 1500
+    python tools/train_mtp_head.py --target tests/checkpoints/trained/nemotron-h --data build/answers.json
 
 The data is the target's own greedy answers to chat prompts (tools/drafter_data.py). The head reads
 the target's final-normed hidden state at t and the embedding of token t+1; its label is the
@@ -206,11 +206,11 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, help=f"where to write the head (default: the target's {MTP_FILE})"
     )
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=30)
     add_data_arguments(parser)
     args = parser.parse_args()
     print(json.dumps(train(args)))
