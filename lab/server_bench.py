@@ -40,7 +40,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iterator[None]:
+def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iterator[subprocess.Popen]:
     """A server process, up once `ready_url` answers 200; stopped (then killed) on exit."""
     env = {
         **os.environ,
@@ -50,7 +50,7 @@ def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iter
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
         _wait_ready(proc, ready_url, log, timeout_s)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:

@@ -2,6 +2,10 @@
 to last token as they arrive at the client) in process and through the server's HTTP stream.
 
     python lab/server_overhead.py --model demo --tokens 128 --rounds 4
+
+Where the time goes on a small machine: CPU milliseconds per token of the client (this process,
+reading the stream) and of each of the server's threads (from /proc, Linux only; the busiest
+first: the engine thread, the event loop, MLX's and BLAS's workers), over the served rounds.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -38,6 +43,23 @@ async def _in_process(client, tokens: int) -> float:  # noqa: ANN001 - an Engine
     raise RuntimeError("no finish event")
 
 
+def _thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_ms_per_token(before: dict[int, float], after: dict[int, float], tokens: int) -> list[float]:
+    """Each thread's CPU milliseconds per token over the interval, busiest first (idle ones left out)."""
+    used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+    return [round(1e3 * s / tokens, 2) for s in used if s > 0]
+
+
 def _over_http(url: str, tokens: int) -> float:
     body = {"messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     first, count = None, 0
@@ -59,16 +81,30 @@ def main() -> None:
     args = parser.parse_args()
     engine = open_engine(args.model, speculative="none")
     with contextlib.closing(engine):
+        asyncio.run(_in_process(engine, 8))  # one-time costs outside the timing, as for the server
+        threads = _thread_cpu_s(os.getpid())
         local = [asyncio.run(_in_process(engine, args.tokens)) for _ in range(args.rounds)]
+        local_ms = _cpu_ms_per_token(threads, _thread_cpu_s(os.getpid()), args.tokens * args.rounds)
     port = free_port()
     argv = [sys.executable, "-m", "kapitsa", "serve", "--model", args.model, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.gettempdir()) / "kapitsa-server-overhead.log"
-    with server([*argv, "--speculative", "none"], f"{url}/health", log, timeout_s=120):
+    with server([*argv, "--speculative", "none"], f"{url}/health", log, timeout_s=120) as proc:
+        _over_http(url, 8)  # the server's first request pays its one-time costs outside the timing
+        threads, client = _thread_cpu_s(proc.pid), time.process_time()
         served = [_over_http(url, args.tokens) for _ in range(args.rounds)]
+        tokens = args.tokens * args.rounds
+        client_ms = 1e3 * (time.process_time() - client) / tokens
+        server_ms = _cpu_ms_per_token(threads, _thread_cpu_s(proc.pid), tokens)
     print(
         json.dumps(
-            dict(in_process_tok_s=[round(x, 1) for x in local], served_tok_s=[round(x, 1) for x in served])
+            dict(
+                in_process_tok_s=[round(x, 1) for x in local],
+                in_process_thread_cpu_ms_per_token=local_ms,
+                served_tok_s=[round(x, 1) for x in served],
+                client_cpu_ms_per_token=round(client_ms, 2),
+                server_thread_cpu_ms_per_token=server_ms,
+            )
         )
     )
 
