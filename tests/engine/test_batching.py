@@ -92,3 +92,27 @@ async def test_custom_decode_strategy_is_used(qwen_model, make_client) -> None:
     got = await asyncio.gather(*(collect(client, _request(p, 6)) for p in PROMPTS[:2]))
     assert [ids for ids, _ in got] == expected
     assert Counting.calls >= 5 and client.stats().speculative == "counting"
+
+
+async def test_an_eos_decayed_answer_decodes_pipelined_and_ends_where_synchronous_steps_end(
+    qwen_model, make_client
+) -> None:
+    """The checkpoint's EOS decay (`exponential_decay_length_penalty`) reads only how many tokens came
+    before a pick, so it stays pipelined; a logprobs request runs the same picks synchronously."""
+    client = make_client(qwen_model, prefix_cache_bytes=0)
+
+    def request(**extra) -> GenerationRequest:
+        return GenerationRequest(
+            prompt=PROMPTS[1], sampling=SamplingParams(max_tokens=64, eos_decay=(2, 3.0), **extra)
+        )
+
+    batch, steps = client.engine.batch, []
+    queue_step = batch.pipelined_step
+    batch.pipelined_step = lambda *args: steps.append(1) or queue_step(*args)
+    pipelined, events = await collect(client, request())
+    assert len(steps) >= len(pipelined) - 1
+    steps.clear()
+    synchronous, _ = await collect(client, request(logprobs=0))
+    assert not steps and pipelined == synchronous
+    finish = next(e for e in events if isinstance(e, FinishEvent))
+    assert finish.finish_reason == "stop" and len(pipelined) < 64  # the decay ended the answer

@@ -96,6 +96,24 @@ def test_eos_decay_ends_a_greedy_answer_past_its_start() -> None:
     assert picks[:6] == [0, 0, 0, 0, 0, 0] and picks[6] == 2
 
 
+def test_lazy_picks_queued_ahead_decay_like_picks_taken_in_turn() -> None:
+    """Pipelined decoding queues a pick before the previous token is read back; the decay still
+    counts every token before the pick."""
+    logits = mx.array([5.0, 1.0, -2.0])
+    params = SamplingParams(eos_decay=(3, 2.0))
+    in_turn = SequenceSampler(params, eos_ids=[2])
+    expected = [in_turn.sample(logits).token_id for _ in range(8)]
+    lazy = SequenceSampler(params, eos_ids=[2])
+    assert lazy.is_stateless
+    queued, got = lazy.lazy_pick(logits), []
+    for _ in range(8):
+        following = lazy.lazy_pick(logits)
+        got.append(int(queued.item()))
+        lazy.observe(got[-1])
+        queued = following
+    assert got == expected
+
+
 def test_eos_decay_needs_end_ids_and_respects_ignore_eos() -> None:
     logits = mx.array([5.0, 1.0, -2.0])
     for sampler in (

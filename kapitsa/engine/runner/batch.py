@@ -104,5 +104,5 @@ def _sample_lazy(samplers: Seq[SequenceSampler], logits: mx.array) -> mx.array:
     """[B] token ids, still lazy: plain greedy rows share one argmax, others sample per row."""
     if all(s.is_greedy_plain for s in samplers):
         return mx.argmax(logits, axis=-1).astype(mx.int32)
-    rows = [s.choose(s.process(logits[i].astype(mx.float32))) for i, s in enumerate(samplers)]
+    rows = [s.lazy_pick(logits[i].astype(mx.float32)) for i, s in enumerate(samplers)]
     return mx.stack(rows).astype(mx.int32)

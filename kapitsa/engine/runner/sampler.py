@@ -56,6 +56,7 @@ class SequenceSampler:
         decays = params.eos_decay is not None and bool(eos_ids) and not params.ignore_eos
         self._eos_ids = mx.array(sorted(eos_ids), dtype=mx.int32) if decays else None
         self._generated = 0
+        self._unobserved = 0  # picks queued lazily (pipelined decoding) whose token is not yet observed
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed % _SEED_RANGE)  # OpenAI takes any integer; MLX a uint64
         self._prompt_ids = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
@@ -72,11 +73,12 @@ class SequenceSampler:
 
     @property
     def is_stateless(self) -> bool:
-        """True when a pick needs nothing but the logits (no output-count penalties, no logprobs),
-        so it can stay lazy on the device (pipelined decoding)."""
+        """True when a pick needs nothing but the logits and how many tokens came before it (no
+        output-count penalties, no logprobs, no grammar), so it can stay lazy on the device
+        (pipelined decoding): the EOS decay reads only that count, which `lazy_pick` keeps."""
         p = self.params
         counts_output = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return not counts_output and p.logprobs is None and self._eos_ids is None and self.constraint is None
+        return not counts_output and p.logprobs is None and self.constraint is None
 
     def _changes_logits(self) -> bool:
         p = self.params
@@ -87,6 +89,7 @@ class SequenceSampler:
         """Record a generated token (penalties count output tokens)."""
         self._output_counts[token_id] += 1
         self._generated += 1
+        self._unobserved = max(0, self._unobserved - 1)
         if self.constraint is not None:
             self.constraint.advance(token_id)
 
@@ -119,9 +122,10 @@ class SequenceSampler:
         if self._eos_ids is None or self.params.eos_decay is None:
             return logits
         start, factor = self.params.eos_decay
-        if self._generated <= start:
+        generated = self._generated + self._unobserved  # tokens before this pick, queued ones too
+        if generated <= start:
             return logits
-        growth = math.exp(min((self._generated - start) * math.log(factor), _MAX_LOG_GROWTH)) - 1.0
+        growth = math.exp(min((generated - start) * math.log(factor), _MAX_LOG_GROWTH)) - 1.0
         eos = logits[self._eos_ids]
         boost = mx.where(mx.isinf(eos), 0.0, mx.abs(eos) * growth)  # a banned EOS stays banned
         return logits.at[self._eos_ids].add(boost)
@@ -138,6 +142,13 @@ class SequenceSampler:
         key = self._next_key()  # drawn even when filters leave one choice, so the stream stays aligned
         logits = filter_logits(logits / p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
         return mx.random.categorical(logits, key=key)
+
+    def lazy_pick(self, logits: mx.array) -> mx.array:
+        """The pick from a processed float32 [V] row, left lazy (pipelined decoding): its token is
+        observed when read back, and the picks queued after it count it already."""
+        token = self.choose(self.process(logits))
+        self._unobserved += 1
+        return token
 
     def sample(self, logits: mx.array) -> SampledToken:
         """Pick from a [V] logits row of any float dtype."""
