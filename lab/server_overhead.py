@@ -1,5 +1,7 @@
 """What `kapitsa serve` costs a stream's decode: the same greedy request timed the same way (first
-to last token as they arrive at the client) in process and through the server's HTTP stream.
+to last token as they arrive at the client) in process and through the server's HTTP stream,
+with the sampling the server uses (the checkpoint's defaults, its EOS decay included: no
+`ignore_eos`, which the OpenAI API does not have).
 
     python lab/server_overhead.py --model demo --tokens 128 --rounds 4
 
@@ -31,15 +33,15 @@ MESSAGES = [
 ]
 
 
-async def _in_process(client, tokens: int) -> float:  # noqa: ANN001 - an EngineClient
-    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+async def _in_process(client, tokens: int) -> tuple[float, int]:  # noqa: ANN001 - an EngineClient
+    sampling = SamplingParams(temperature=0, max_tokens=tokens)  # as the server builds it (no ignore_eos)
     first, count = None, 0
     async for event in client.generate(GenerationRequest(messages=tuple(MESSAGES), sampling=sampling)):
         if isinstance(event, TokenEvent) and event.token_ids:
             count += len(event.token_ids)
             first = first or time.perf_counter()
         elif isinstance(event, FinishEvent):
-            return (count - 1) / (time.perf_counter() - first)
+            return (count - 1) / (time.perf_counter() - first), count
     raise RuntimeError("no finish event")
 
 
@@ -60,15 +62,15 @@ def _cpu_ms_per_token(before: dict[int, float], after: dict[int, float], tokens:
     return [round(1e3 * s / tokens, 2) for s in used if s > 0]
 
 
-def _over_http(url: str, tokens: int) -> float:
-    body = {"messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+def _over_http(url: str, tokens: int) -> tuple[float, int]:
+    body = {"messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True}
     first, count = None, 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
         for line in response.iter_lines():
             if line.startswith("data:") and '"content"' in line and '"content":""' not in line:
                 count += 1  # one text chunk per token
                 first = first or time.perf_counter()
-    return (count - 1) / (time.perf_counter() - first)
+    return (count - 1) / (time.perf_counter() - first), count
 
 
 def main() -> None:
@@ -84,7 +86,7 @@ def main() -> None:
         asyncio.run(_in_process(engine, 8))  # one-time costs outside the timing, as for the server
         threads = _thread_cpu_s(os.getpid())
         local = [asyncio.run(_in_process(engine, args.tokens)) for _ in range(args.rounds)]
-        local_ms = _cpu_ms_per_token(threads, _thread_cpu_s(os.getpid()), args.tokens * args.rounds)
+        local_ms = _cpu_ms_per_token(threads, _thread_cpu_s(os.getpid()), sum(n for _, n in local))
     port = free_port()
     argv = [sys.executable, "-m", "kapitsa", "serve", "--model", args.model, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
@@ -93,15 +95,17 @@ def main() -> None:
         _over_http(url, 8)  # the server's first request pays its one-time costs outside the timing
         threads, client = _thread_cpu_s(proc.pid), time.process_time()
         served = [_over_http(url, args.tokens) for _ in range(args.rounds)]
-        tokens = args.tokens * args.rounds
+        tokens = sum(n for _, n in served)
         client_ms = 1e3 * (time.process_time() - client) / tokens
         server_ms = _cpu_ms_per_token(threads, _thread_cpu_s(proc.pid), tokens)
     print(
         json.dumps(
             dict(
-                in_process_tok_s=[round(x, 1) for x in local],
+                in_process_tok_s=[round(x, 1) for x, _ in local],
+                tokens=[n for _, n in local],
                 in_process_thread_cpu_ms_per_token=local_ms,
-                served_tok_s=[round(x, 1) for x in served],
+                served_tok_s=[round(x, 1) for x, _ in served],
+                served_tokens=[n for _, n in served],
                 client_cpu_ms_per_token=round(client_ms, 2),
                 server_thread_cpu_ms_per_token=server_ms,
             )
