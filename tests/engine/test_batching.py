@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kapitsa.engine.types import (
     FinishEvent,
     GenerationRequest,
@@ -116,3 +118,36 @@ async def test_an_eos_decayed_answer_decodes_pipelined_and_ends_where_synchronou
     assert not steps and pipelined == synchronous
     finish = next(e for e in events if isinstance(e, FinishEvent))
     assert finish.finish_reason == "stop" and len(pipelined) < 64  # the decay ended the answer
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(repetition_penalty=1.5),
+        dict(presence_penalty=1.5, frequency_penalty=0.8),
+        dict(frequency_penalty=2.0),
+    ],
+)
+async def test_penalised_answers_decode_pipelined_and_equal_synchronous_steps(
+    qwen_model, make_client, penalties
+) -> None:
+    """Penalties count the output on the device, a queued pick included: they stay pipelined, and
+    the same picks taken synchronously (a logprobs request) give the same tokens."""
+    client = make_client(qwen_model, prefix_cache_bytes=0)
+
+    def request(**extra) -> GenerationRequest:
+        sampling = SamplingParams(max_tokens=24, ignore_eos=True, **penalties, **extra)
+        return GenerationRequest(prompt=PROMPTS[2], sampling=sampling)
+
+    batch, steps = client.engine.batch, []
+    queue_step = batch.pipelined_step
+    batch.pipelined_step = lambda *args: steps.append(1) or queue_step(*args)
+    pipelined, _ = await collect(client, request())
+    assert len(steps) >= 20
+    steps.clear()
+    synchronous, _ = await collect(client, request(logprobs=0))
+    assert not steps and pipelined == synchronous
+    plain, _ = await collect(
+        client, GenerationRequest(prompt=PROMPTS[2], sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+    )
+    assert pipelined != plain  # the penalties changed the answer

@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from kapitsa.engine.runner.sampler import SequenceSampler, filter_logits, sample_batch
@@ -67,6 +68,31 @@ def test_logit_bias_and_penalties() -> None:
     assert rep.sample(rows).token_id == 1  # 3.0 / 2 < 2.9
     pres = SequenceSampler(SamplingParams(presence_penalty=1.0))
     assert [pres.sample(rows).token_id for _ in range(2)] == [0, 1]
+
+
+def test_penalties_follow_the_reference_formulas() -> None:
+    """Hugging Face's repetition penalty (the prompt counts as seen; ids outside the vocabulary are
+    ignored) and OpenAI's presence / frequency penalties, against NumPy."""
+    from kapitsa.engine.runner.penalties import Penalties
+
+    rng = np.random.default_rng(0)
+    row = rng.normal(size=12).astype(np.float32)
+    prompt, output = [1, 3, 99], [3, 4, 4, 7]
+    params = SamplingParams(repetition_penalty=1.7, presence_penalty=0.4, frequency_penalty=0.3)
+    penalties = Penalties(params, prompt)
+    for token in output[:2]:
+        penalties.count(token)  # before the first apply: host ids
+    penalties.apply(mx.array(row))
+    for token in output[2:]:
+        penalties.count(mx.array(token))  # lazy picks
+    got = np.array(penalties.apply(mx.array(row)))
+
+    expected = row.copy()
+    seen = sorted({1, 3} | set(output))
+    expected[seen] = np.where(expected[seen] > 0, expected[seen] / 1.7, expected[seen] * 1.7)
+    for token in set(output):
+        expected[token] -= 0.4 + 0.3 * output.count(token)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
 def test_logprobs_are_normalised_and_sorted() -> None:

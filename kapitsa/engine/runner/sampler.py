@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from kapitsa.engine.runner.penalties import Penalties
 from kapitsa.engine.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,8 +59,7 @@ class SequenceSampler:
         self._unobserved = 0  # picks queued lazily (pipelined decoding) whose token is not yet observed
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed % _SEED_RANGE)  # OpenAI takes any integer; MLX a uint64
-        self._prompt_ids = sorted(set(prompt_ids)) if params.repetition_penalty != 1.0 else []
-        self._output_counts: Counter[int] = Counter()
+        self._penalties = Penalties(params, prompt_ids)
         bias = params.logit_bias
         self._bias_ids = mx.array([i for i, _ in bias], dtype=mx.int32) if bias else None
         self._bias_values = mx.array([b for _, b in bias], dtype=mx.float32) if bias else None
@@ -73,12 +72,11 @@ class SequenceSampler:
 
     @property
     def is_stateless(self) -> bool:
-        """True when a pick needs nothing but the logits and how many tokens came before it (no
-        output-count penalties, no logprobs, no grammar), so it can stay lazy on the device
-        (pipelined decoding): the EOS decay reads only that count, which `lazy_pick` keeps."""
-        p = self.params
-        counts_output = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return not counts_output and p.logprobs is None and self.constraint is None
+        """True when a pick needs nothing the host must read back first (no logprobs, no grammar),
+        so it can stay lazy on the device (pipelined decoding): the EOS decay reads only how many
+        tokens came before the pick, and the penalties' counts are device arrays that `lazy_pick`
+        updates lazily."""
+        return self.params.logprobs is None and self.constraint is None
 
     def _changes_logits(self) -> bool:
         p = self.params
@@ -87,9 +85,11 @@ class SequenceSampler:
 
     def observe(self, token_id: int) -> None:
         """Record a generated token (penalties count output tokens)."""
-        self._output_counts[token_id] += 1
+        if self._unobserved:  # a lazy pick's token: counted when it was queued
+            self._unobserved -= 1
+        elif self._penalties.active:
+            self._penalties.count(token_id)
         self._generated += 1
-        self._unobserved = max(0, self._unobserved - 1)
         if self.constraint is not None:
             self.constraint.advance(token_id)
 
@@ -103,18 +103,8 @@ class SequenceSampler:
         """Apply bias and penalties to a [V] float32 logits row."""
         if self._bias_ids is not None:
             logits = logits.at[self._bias_ids].add(self._bias_values)
-        p = self.params
-        if p.repetition_penalty != 1.0:
-            seen = sorted(set(self._prompt_ids) | set(self._output_counts))
-            if seen:
-                ids = mx.array(seen, dtype=mx.int32)
-                vals = logits[ids]
-                vals = mx.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-                logits = logits.at[ids].add(vals - logits[ids])
-        if (p.presence_penalty or p.frequency_penalty) and self._output_counts:
-            ids = mx.array(list(self._output_counts), dtype=mx.int32)
-            counts = mx.array(list(self._output_counts.values()), dtype=mx.float32)
-            logits = logits.at[ids].subtract(p.presence_penalty + p.frequency_penalty * counts)
+        if self._penalties.active:
+            logits = self._penalties.apply(logits)
         logits = self._decay_towards_eos(logits)
         return logits if self.constraint is None else self.constraint.apply(logits)
 
@@ -144,9 +134,11 @@ class SequenceSampler:
         return mx.random.categorical(logits, key=key)
 
     def lazy_pick(self, logits: mx.array) -> mx.array:
-        """The pick from a processed float32 [V] row, left lazy (pipelined decoding): its token is
-        observed when read back, and the picks queued after it count it already."""
+        """The pick from a float32 [V] logits row (processed here), left lazy (pipelined decoding):
+        its token is observed when read back, and the picks queued after it count it already."""
         token = self.choose(self.process(logits))
+        if self._penalties.active:
+            self._penalties.count(token)
         self._unobserved += 1
         return token
 
