@@ -1,9 +1,10 @@
-"""The demo's decode with its own sampling defaults (generation_config.json's
-`exponential_decay_length_penalty`, which every request without `ignore_eos` gets), with the EOS
-decay's picks queued lazily (pipelined decoding) against taken synchronously, alternating rounds in
-one process.
+"""Decode speed with picks queued lazily (pipelined decoding) against taken synchronously, for
+sampling that once forced synchronous steps, alternating rounds in one process:
+  decay     the checkpoint's own defaults (the demo's generation_config.json has
+            `exponential_decay_length_penalty`, which every request without `ignore_eos` gets)
+  presence  `presence_penalty` 1.5 (Qwen's advice for its models), output counts on the device
 
-    python lab/decay_pipelining.py [--model demo] [--rounds 6]
+    python lab/pipelined_sampling.py [--model demo] [--sampling decay|presence] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ MESSAGES = (
 )
 
 
-async def _decode_tok_s(engine) -> float:  # noqa: ANN001 - an EngineClient
-    sampling = SamplingParams(temperature=0, max_tokens=128)
+SAMPLING = {"decay": {}, "presence": {"presence_penalty": 1.5, "ignore_eos": True}}
+
+
+async def _decode_tok_s(engine, extra: dict) -> float:  # noqa: ANN001 - an EngineClient
+    sampling = SamplingParams(temperature=0, max_tokens=128, **extra)
     count, first = 0, None
     async for event in engine.generate(GenerationRequest(messages=MESSAGES, sampling=sampling)):
         if isinstance(event, TokenEvent) and event.token_ids:
@@ -38,20 +42,24 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="demo")
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="decay")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     lazy = SequenceSampler.is_stateless
     settings = {
-        "synchronous": property(lambda self: lazy.fget(self) and self._eos_ids is None),
+        "synchronous": property(
+            lambda self: lazy.fget(self) and self._eos_ids is None and not self._penalties.active
+        ),
         "pipelined": lazy,
     }
     engine = open_engine(args.model, speculative="none")
-    asyncio.run(_decode_tok_s(engine))  # one-time costs outside the timing
+    extra = SAMPLING[args.sampling]
+    asyncio.run(_decode_tok_s(engine, extra))  # one-time costs outside the timing
     rates: dict[str, list[float]] = {name: [] for name in settings}
     for _ in range(args.rounds):
         for name, stateless in settings.items():
             SequenceSampler.is_stateless = stateless
-            rates[name].append(round(asyncio.run(_decode_tok_s(engine)), 1))
+            rates[name].append(round(asyncio.run(_decode_tok_s(engine, extra)), 1))
     SequenceSampler.is_stateless = lazy
     engine.close()
     print(json.dumps({name: {"tok_s": r, "median": statistics.median(r)} for name, r in rates.items()}))
