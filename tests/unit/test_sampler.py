@@ -85,6 +85,7 @@ def test_penalties_follow_the_reference_formulas() -> None:
     penalties.apply(mx.array(row))
     for token in output[2:]:
         penalties.count(mx.array(token))  # lazy picks
+    penalties.count(99)  # not a vocabulary id: ignored
     got = np.array(penalties.apply(mx.array(row)))
 
     expected = row.copy()

@@ -3,8 +3,9 @@
 Pipelined decoding (as mlx-lm's generate loop does): step n+1 is queued on the device with the
 sampled tokens of step n still lazy, and only then are step n's tokens read back and streamed, so
 the host's work (detokenizing, stop strings, events) overlaps the device's. That needs sampling that
-depends on nothing but the logits (no penalties that count output tokens, no logprobs); a batch with
-any other sequence runs synchronously (`flush`, then the `DecodeStrategy`).
+the host need not read back first (`SequenceSampler.is_stateless`: no logprobs, no grammar;
+penalties and the EOS decay count queued picks on the device); a batch with any other sequence
+runs synchronously (`flush`, then the `DecodeStrategy`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ class Penalties:
             assert isinstance(token, int), "a lazy pick comes after the first apply()"
             self._early.append(token)
             return
+        if isinstance(token, int) and not 0 <= token < self._counts.shape[0]:
+            return  # not a vocabulary id (a lazy pick always is: it comes from the logits)
         self._counts = self._counts.at[token].add(1.0)
 
     def apply(self, logits: mx.array) -> mx.array:

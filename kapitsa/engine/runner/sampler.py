@@ -135,7 +135,8 @@ class SequenceSampler:
 
     def lazy_pick(self, logits: mx.array) -> mx.array:
         """The pick from a float32 [V] logits row (processed here), left lazy (pipelined decoding):
-        its token is observed when read back, and the picks queued after it count it already."""
+        its token is observed when read back, and the picks queued after it count it already.
+        (An all-greedy batch's shared argmax skips this: plain greedy rows have nothing to count.)"""
         token = self.choose(self.process(logits))
         if self._penalties.active:
             self._penalties.count(token)
