@@ -79,14 +79,19 @@ class PrefixMatch:
     """What to restore: KV for [0, pos) per array, and the recurrent state at pos."""
 
     pos: int
-    kv: tuple[mx.array, ...]  # lazy joins of `kv_spans`: copied only where read
+    # per KV array, its spans along the path's edges, unjoined: a restore writes them once into a
+    # buffer with room for the prompt's remaining tokens (snapshot.fill)
+    kv_spans: tuple[tuple[mx.array, ...], ...]
     recurrent: tuple[mx.array, ...]
     next_logits: mx.array | None
     kind: str
     from_disk: bool = False
-    # per KV array, its spans along the path's edges, unjoined: a restore writes them once into a
-    # buffer with room for the prompt's remaining tokens (snapshot.fill)
-    kv_spans: tuple[tuple[mx.array, ...], ...] = ()
+    kv_axis: int = 2
+
+    @property
+    def kv(self) -> tuple[mx.array, ...]:
+        """Each KV array over [0, pos), its spans joined."""
+        return tuple(mx.concatenate(p, axis=self.kv_axis) if len(p) > 1 else p[0] for p in self.kv_spans)
 
 
 def _common_prefix(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
@@ -206,10 +211,7 @@ class PrefixCache:
         ck.last_used = tick
         path[-1].resumed = path[-1].resumed or ck.kind in RESUMED_KINDS
         spans = tuple(zip(*(node.kv for node in path), strict=True))
-        kv = tuple(
-            mx.concatenate(parts, axis=self.kv_axis) if len(parts) > 1 else parts[0] for parts in spans
-        )
-        return PrefixMatch(ck.pos, kv, ck.recurrent, ck.next_logits, ck.kind, from_disk, spans)
+        return PrefixMatch(ck.pos, spans, ck.recurrent, ck.next_logits, ck.kind, from_disk, self.kv_axis)
 
     # insert
 

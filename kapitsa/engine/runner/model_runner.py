@@ -148,7 +148,7 @@ class ModelRunner:
         snapshot.fill(
             cache,
             pos=match.pos,
-            kv=match.kv_spans or match.kv,
+            kv=match.kv_spans,
             fixed=match.recurrent,
             kv_layers=self.kv_layers,
             fixed_layers=self.recurrent_layers,
