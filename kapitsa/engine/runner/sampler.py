@@ -79,9 +79,8 @@ class SequenceSampler:
         return self.params.logprobs is None and self.constraint is None
 
     def _changes_logits(self) -> bool:
-        p = self.params
-        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return bool(p.logit_bias or penalties or self._eos_ids is not None or self.constraint is not None)
+        changes = self.params.logit_bias or self._penalties.active or self._eos_ids is not None
+        return bool(changes or self.constraint is not None)
 
     def observe(self, token_id: int) -> None:
         """Record a generated token (penalties count output tokens)."""
