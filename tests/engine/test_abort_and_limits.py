@@ -50,8 +50,9 @@ async def _abort_after(client, request, *, when) -> list:
 
 
 async def _settle(client) -> int:
-    for _ in range(200):
-        if client.stats().active_requests == 0 and client.stats().queued_requests == 0:
+    for _ in range(200):  # the stats show no request a moment before the engine thread drops the batch
+        idle = client.stats().active_requests == 0 and client.stats().queued_requests == 0
+        if idle and client.engine.batch.cache is None:
             break
         await asyncio.sleep(0.01)
     gc.collect()
