@@ -32,47 +32,64 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafter_data import add_data_arguments, answer_rows  # noqa: E402
+from host_products import host_head, host_linears  # noqa: E402
 
 from kapitsa.engine.loading.loader import LoadedModel, load_model  # noqa: E402
+from kapitsa.engine.ops.linear import route_quantized_linears  # noqa: E402
+from kapitsa.engine.options import KernelOptions  # noqa: E402
 from kapitsa.engine.speculative.dflash import DFlashConfig, DFlashModel, load_dflash  # noqa: E402
 
 
 def tapped(loaded: LoadedModel, rows: list[tuple[list[int], int]], layers: tuple[int, ...]) -> list[dict]:
-    """Each row's ids and the target's tapped layer outputs `[L, n*H]` (float16, host memory)."""
+    """Each row's ids, the target's tapped layer outputs `[L, n*H]` and its final-normed hidden
+    states `[L, H]` (the teacher: the head over row t is the target's distribution of token t+1),
+    float16 in host memory."""
+    route_quantized_linears(loaded.model, KernelOptions())  # long rows through the CPU's BLAS, as served
     examples = []
     for ids, start in rows:
         out = loaded.model.forward(mx.array([ids]), taps=layers)
         taps = mx.concatenate([out.taps[i] for i in layers], axis=-1)[0].astype(mx.float16)
-        examples.append(dict(ids=ids, start=start, taps=np.array(taps)))
+        final = loaded.model.final_norm(out.hidden)[0].astype(mx.float16)
+        examples.append(dict(ids=ids, start=start, taps=np.array(taps), final=np.array(final)))
     return examples
 
 
-def batch_at(examples: list[dict], offset: int, k: int) -> tuple[mx.array, mx.array, mx.array] | None:
+def batch_at(examples: list[dict], offset: int, k: int) -> tuple[mx.array, ...] | None:
     """The blocks `offset` tokens into each answer long enough for one: (context taps [B, offset,
-    n*H], block ids [B, k+1], labels [B, k]). As in the engine, the context holds the answer's
-    tokens before the block's first (the drafter starts with the answer; the prompt is not in it)."""
+    n*H], block ids [B, 1], labels [B, k], the target's final hidden states that predicted each
+    label [B, k, H]). As in the engine, the context holds the answer's tokens before the block's
+    first (the drafter starts with the answer; the prompt is not in it)."""
     rows = [ex for ex in examples if ex["start"] + offset + k < len(ex["ids"])]
     if not rows:
         return None
     taps = mx.array(np.stack([ex["taps"][ex["start"] : ex["start"] + offset] for ex in rows]))
     starts = [ex["start"] + offset for ex in rows]
     ids = mx.array([ex["ids"][t : t + k + 1] for ex, t in zip(rows, starts, strict=True)], dtype=mx.int32)
-    return taps.astype(mx.float32), ids[:, :1], ids[:, 1:]
+    teacher = mx.array(np.stack([ex["final"][t : t + k] for ex, t in zip(rows, starts, strict=True)]))
+    return taps.astype(mx.float32), ids[:, :1], ids[:, 1:], teacher.astype(mx.float32)
+
+
+def context_kv(drafter: DFlashModel, taps: mx.array, rows: int) -> list[tuple[mx.array, mx.array]]:
+    """Each drafter layer's context K/V for a batch of contexts `[B, S, n*H]`, as the engine folds them."""
+    if taps.shape[1]:
+        return drafter.context_kv(drafter.context(taps), 0)
+    return drafter.empty_kv(rows, taps.dtype)  # the first block of an answer: no context yet
 
 
 def block_logits(drafter: DFlashModel, target, taps: mx.array, first: mx.array, k: int) -> mx.array:  # noqa: ANN001
     """[B, k, V]: the engine's drafting path (DFlashModel.block_logits) for a batch of blocks."""
-    if taps.shape[1]:
-        kv = drafter.context_kv(drafter.context(taps), 0)
-    else:  # the first block of an answer: no context yet, as in the engine
-        kv = drafter.empty_kv(first.shape[0], taps.dtype)
-    return drafter.block_logits(target, first, kv, k)
+    return drafter.block_logits(target, first, context_kv(drafter, taps, first.shape[0]), k)
 
 
-def block_loss(drafter: DFlashModel, target, batch, weights: mx.array) -> mx.array:  # noqa: ANN001
-    taps, first, labels = batch
-    logits = block_logits(drafter, target, taps, first, labels.shape[1]).astype(mx.float32)
-    losses = nn.losses.cross_entropy(logits, labels, reduction="none")  # [B, k]
+def block_loss(drafter: DFlashModel, target, head, batch, weights: mx.array) -> mx.array:  # noqa: ANN001
+    """Soft cross-entropy of each block slot against the target's own distribution there (KL to
+    the target plus a constant), slot j weighted by `weights[j]`. `head`: the target's LM head
+    (tools/drafter_head.py); the hidden states are the engine's `DFlashModel.block_hidden`."""
+    taps, first, labels, teacher_hidden = batch
+    kv = context_kv(drafter, taps, first.shape[0])
+    logits = head(drafter.block_hidden(target, first, kv, labels.shape[1]))
+    teacher = mx.stop_gradient(mx.softmax(head(teacher_hidden), axis=-1))
+    losses = -(teacher * nn.log_softmax(logits, axis=-1)).sum(axis=-1)  # [B, k]
     return (losses * weights).sum(axis=1).mean() / weights.sum()
 
 
@@ -91,7 +108,7 @@ def accuracy(drafter: DFlashModel, target, examples: list[dict], k: int, max_off
         found = batch_at(examples, offset, k)
         if found is None:
             break
-        taps, first, labels = found
+        taps, first, labels, _ = found
         guess = mx.argmax(block_logits(drafter, target, taps, first, k), axis=-1)
         hits += np.array((guess == labels).sum(axis=0))
         n += labels.shape[0]
@@ -123,6 +140,7 @@ def train(args: argparse.Namespace) -> dict:
     loaded = load_model(args.target)
     config = drafter_config(json.loads((Path(loaded.path) / "config.json").read_text()), args)
     drafter = DFlashModel(DFlashConfig.from_dict(config))
+    host_linears(drafter)  # the same parameters; their products through NumPy on a CPU
     layers = drafter.config.target_layer_ids
     k = args.block_size - 1
     started = time.perf_counter()
@@ -131,10 +149,11 @@ def train(args: argparse.Namespace) -> dict:
     print(
         f"data: {len(data)} answers, {len(held)} held out, {time.perf_counter() - started:.0f} s", flush=True
     )
+    head = host_head(loaded.model)
     weights = mx.exp(-mx.arange(k, dtype=mx.float32) / args.decay)
     schedule = optim.cosine_decay(args.lr, args.steps, args.lr * 0.05)
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
-    step_fn = nn.value_and_grad(drafter, lambda m, batch: block_loss(m, loaded.model, batch, weights))
+    step_fn = nn.value_and_grad(drafter, lambda m, batch: block_loss(m, loaded.model, head, batch, weights))
     max_offset = args.answer_tokens - k - 1
     rng = random.Random(args.seed)
     for step in range(1, args.steps + 1):

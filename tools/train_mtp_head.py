@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from drafter_data import add_data_arguments, answer_rows  # noqa: E402
+from host_products import host_head  # noqa: E402
 
 from kapitsa.engine.loading.loader import LoadedModel, load_model  # noqa: E402
 from kapitsa.engine.models.base import use_kernel_options  # noqa: E402
@@ -81,22 +82,6 @@ def batch(examples: list[dict], size: int, length: int, rng: random.Random) -> t
     return mx.array(np.stack([h for h, _ in pairs])).astype(mx.float32), mx.array(
         np.stack([i for _, i in pairs])
     )
-
-
-def host_head(model: nn.Module):  # noqa: ANN201 - an mx.custom_function
-    """The target's frozen LM head as NumPy products (forward and the input's gradient): MLX's CPU
-    build multiplies through the reference BLAS at ~2 GFLOP/s, and the head is most of a step."""
-    weight = np.asarray(model.head()(mx.eye(model.args.hidden_size)).astype(mx.float32)).T  # [V, H]
-
-    @mx.custom_function
-    def head(h: mx.array) -> mx.array:
-        return mx.array(np.asarray(h.astype(mx.float32)) @ weight.T)
-
-    @head.vjp
-    def head_vjp(primals, cotangent, output):  # noqa: ANN001, ANN202
-        return (mx.array(np.asarray(cotangent.astype(mx.float32)) @ weight),)
-
-    return head
 
 
 def distill_loss(model: nn.Module, head, hidden: mx.array, next_ids: mx.array) -> mx.array:  # noqa: ANN001

@@ -144,14 +144,21 @@ class DFlashModel(nn.Module):
         empty = mx.zeros((batch, self.config.num_key_value_heads, 0, self.config.head_dim), dtype=dtype)
         return [(empty, empty) for _ in self.layers]
 
-    def block_logits(
+    def block_hidden(
         self, target, first: mx.array, ctx_kv: list[tuple[mx.array, mx.array]], depth: int
     ) -> mx.array:  # noqa: ANN001 - the served HybridLM
-        """`[B, depth, V]`: the target's LM head over the block `[first, MASK x depth]` per row."""
+        """`[B, depth, H]`: the final hidden states of the MASK slots of the block `[first, MASK x
+        depth]` per row, which the target's LM head reads."""
         embed = target.backbone_parts()[0]
         masks = mx.full((first.shape[0], depth), self.config.mask_token_id, dtype=mx.int32)
         hidden = self.block(embed(mx.concatenate([first.astype(mx.int32), masks], axis=1)), ctx_kv)
-        return target.head()(hidden[:, 1:])
+        return hidden[:, 1:]
+
+    def block_logits(
+        self, target, first: mx.array, ctx_kv: list[tuple[mx.array, mx.array]], depth: int
+    ) -> mx.array:  # noqa: ANN001 - the served HybridLM
+        """`[B, depth, V]`: the target's LM head over `block_hidden`."""
+        return target.head()(self.block_hidden(target, first, ctx_kv, depth))
 
 
 def load_dflash(path: str | Path) -> DFlashModel:
