@@ -1,17 +1,20 @@
 """Train a DFlash-style block drafter (kapitsa/engine/speculative/dflash.py) for a trained checkpoint
-such as the demo, with MLX on any device (the demo's drafter trains in minutes on a CPU).
+such as the demo, with MLX on any device.
 
-    python tools/train_block_drafter.py --target kapitsa/demo --out build/demo-block --steps 1500
+    python tools/train_block_drafter.py --target kapitsa/demo --out build/demo-block --steps 8000 \
+        --prompts 1536 --held-out 64 --data build/demo-answers-1536.json
 
 The data is the target's own greedy answers to chat prompts made from the standard library's
 functions (complete a function from its header, explain or rewrite it; the held-out files are
-left out): drafts are accepted when they equal the target's greedy tokens, so those are the labels.
-Each example is one anchor in an answer: the context is the target's tapped layer outputs for the
-tokens before the anchor, the block is `[token at the anchor, MASK x k]`, and block position j
-learns the answer's token j places on. The drafter is trained through the same functions the
-engine drafts with (`DFlashModel.context`, `context_kv`, `block`; the target's embedding and
-head, frozen), and saved in the layout `load_dflash` reads. Writes `report.json` beside it: the
-held-out top-1 accuracy per block position.
+left out): drafts are accepted when they equal the target's greedy tokens. Each example is one
+anchor in an answer: the context is the target's tapped layer outputs for the tokens before the
+anchor, the block is `[token at the anchor, MASK x k]`, and block slot j learns the target's own
+distribution of the answer's token j places on (soft cross-entropy; its argmax is the answer's
+token). The drafter is trained through the same functions the engine drafts with
+(`DFlashModel.context`, `context_kv`, `block_hidden`; the target's embedding and head, frozen),
+its products and the head's through NumPy on a CPU (tools/host_products.py), and saved in the
+layout `load_dflash` reads. Writes `report.json` beside it: the held-out top-1 accuracy per block
+position, through the engine's drafting path.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument(
