@@ -18,7 +18,10 @@ def _host(x: mx.array) -> np.ndarray:
 
 
 def host_head(model: nn.Module):  # noqa: ANN201 - an mx.custom_function
-    """`model.head()` as an `mx.custom_function` over NumPy products (float32 logits)."""
+    """`model.head()` as an `mx.custom_function` over NumPy products (float32 logits); off the CPU
+    device, the head's own MLX op."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return lambda h: model.head()(h).astype(mx.float32)
     weight = _host(model.head()(mx.eye(model.args.hidden_size))).T  # [V, H]
 
     @mx.custom_function

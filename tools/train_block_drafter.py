@@ -87,7 +87,7 @@ def block_logits(drafter: DFlashModel, target, taps: mx.array, first: mx.array, 
 def block_loss(drafter: DFlashModel, target, head, batch, weights: mx.array) -> mx.array:  # noqa: ANN001
     """Soft cross-entropy of each block slot against the target's own distribution there (KL to
     the target plus a constant), slot j weighted by `weights[j]`. `head`: the target's LM head
-    (tools/drafter_head.py); the hidden states are the engine's `DFlashModel.block_hidden`."""
+    (tools/host_products.py); the hidden states are the engine's `DFlashModel.block_hidden`."""
     taps, first, labels, teacher_hidden = batch
     kv = context_kv(drafter, taps, first.shape[0])
     logits = head(drafter.block_hidden(target, first, kv, labels.shape[1]))

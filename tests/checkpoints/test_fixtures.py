@@ -113,23 +113,19 @@ def test_nemotron_mtp_head_agrees_with_the_target() -> None:
     assert agreement > 0.4  # measured 0.64 on this snippet
 
 
-def test_nemotron_mtp_drafts_are_accepted_and_exact() -> None:
-    """Through the engine: greedy decoding with the head's one-token drafts gives plain decoding's
-    tokens, and the target accepts a good share of the drafts on answers to chat prompts."""
+ASKS = (
+    "Complete this function:\n\ndef read_lines(path, encoding='utf-8'):\n",
+    f"Explain this code:\n\n{SNIPPET}",
+)
+
+
+def _greedy_answers(loaded, decode) -> list[list[int]]:  # noqa: ANN001 - a LoadedModel, a SpeculativeDecode or None
+    """The engine's greedy answers (48 tokens) to `ASKS`, one request at a time."""
     import asyncio
 
     from kapitsa.engine.inprocess import InProcessEngine
-    from kapitsa.engine.loading.loader import load_model
     from kapitsa.engine.options import EngineConfig
-    from kapitsa.engine.speculative.decoder import SpeculativeDecode
-    from kapitsa.engine.speculative.mtp import MTPDrafter
     from kapitsa.engine.types import GenerationRequest, SamplingParams, TokenEvent
-
-    loaded = load_model(TRAINED / "nemotron-h")
-    asks = [
-        "Complete this function:\n\ndef read_lines(path, encoding='utf-8'):\n",
-        f"Explain this code:\n\n{SNIPPET}",
-    ]
 
     async def answer(engine: InProcessEngine, prompt: str) -> list[int]:
         request = GenerationRequest(
@@ -137,16 +133,24 @@ def test_nemotron_mtp_drafts_are_accepted_and_exact() -> None:
         )
         return [i async for e in engine.generate(request) if isinstance(e, TokenEvent) for i in e.token_ids]
 
-    def run(decode: SpeculativeDecode | None) -> list[list[int]]:
-        engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=decode)
-        try:
-            return [asyncio.run(answer(engine, p)) for p in asks]
-        finally:
-            engine.close()
+    engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=decode)
+    try:
+        return [asyncio.run(answer(engine, p)) for p in ASKS]
+    finally:
+        engine.close()
 
-    plain = run(None)
+
+def test_nemotron_mtp_drafts_are_accepted_and_exact() -> None:
+    """Through the engine: greedy decoding with the head's one-token drafts gives plain decoding's
+    tokens, and the target accepts a good share of the drafts on answers to chat prompts."""
+    from kapitsa.engine.loading.loader import load_model
+    from kapitsa.engine.speculative.decoder import SpeculativeDecode
+    from kapitsa.engine.speculative.mtp import MTPDrafter
+
+    loaded = load_model(TRAINED / "nemotron-h")
+    plain = _greedy_answers(loaded, None)
     decode = SpeculativeDecode(lambda: MTPDrafter(loaded.model), name="mtp", max_draft=1, adaptive=False)
-    assert run(decode) == plain
+    assert _greedy_answers(loaded, decode) == plain
     # measured 0.92 (the tiny model's answers repeat themselves); an untrained head's are near 0
     assert decode.stats.acceptance_rate > 0.5
 
@@ -165,40 +169,17 @@ def test_demo_block_drafter_loads_as_a_dflash_drafter() -> None:
 
 def test_demo_block_drafts_are_accepted_and_exact() -> None:
     """Through the engine: greedy decoding with the block drafter's drafts gives plain decoding's
-    tokens, and the demo accepts a share of them on answers to chat prompts far above an untrained
-    drafter's (~0.05)."""
-    import asyncio
-
-    from kapitsa.engine.inprocess import InProcessEngine
+    tokens, and the demo accepts a share of them on answers to chat prompts (an untrained drafter's:
+    none)."""
     from kapitsa.engine.loading.loader import load_model
-    from kapitsa.engine.options import EngineConfig
     from kapitsa.engine.speculative.decoder import SpeculativeDecode
     from kapitsa.engine.speculative.dflash import DFlashDrafter, load_dflash
-    from kapitsa.engine.types import GenerationRequest, SamplingParams, TokenEvent
 
     loaded = load_model(DEMO)
     drafter = load_dflash(TRAINED / "demo-block")
-    asks = [
-        "Complete this function:\n\ndef read_lines(path, encoding='utf-8'):\n",
-        f"Explain this code:\n\n{SNIPPET}",
-    ]
-
-    async def answer(engine: InProcessEngine, prompt: str) -> list[int]:
-        request = GenerationRequest(
-            messages=({"role": "user", "content": prompt},), sampling=SamplingParams(max_tokens=48)
-        )
-        return [i async for e in engine.generate(request) if isinstance(e, TokenEvent) for i in e.token_ids]
-
-    def run(decode: SpeculativeDecode | None) -> list[list[int]]:
-        engine = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=decode)
-        try:
-            return [asyncio.run(answer(engine, p)) for p in asks]
-        finally:
-            engine.close()
-
-    plain = run(None)
+    plain = _greedy_answers(loaded, None)
     decode = SpeculativeDecode(
         lambda: DFlashDrafter(drafter, loaded.model), name="block", max_draft=3, adaptive=False
     )
-    assert run(decode) == plain
+    assert _greedy_answers(loaded, decode) == plain
     assert decode.stats.acceptance_rate > ACCEPTANCE_FLOOR
