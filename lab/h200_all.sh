@@ -24,7 +24,8 @@
 #                                       all four; lab/batch_sweep.py)
 #   bash lab/h200_all.sh table        one shape's row of #32's table ($TABLE_SHAPE, default 4b):
 #                                       decode and 512/8192-token prefill against mlx-lm, aggregate
-#                                       decode at 1/4/8/16 streams (lab/results_table.py)
+#                                       decode at 1/4/8/16 streams (lab/results_table.py); the batch
+#                                       engines $TABLE_ENGINES (default kapitsa,mlx-lm)
 #   bash lab/h200_all.sh compile      each decode batch size's first-burst cost and the kernels it
 #                                       compiles, over a fresh and then a warm PTX cache
 #                                       ($COMPILE_SHAPES, default 4b; lab/batch_compile.py)
@@ -155,7 +156,7 @@ case "$part" in
     timeout "${TABLE_DECODE_TIMEOUT:-300}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
       --rounds 2 >> "$out/table-$shape.log" 2>&1
     timeout "${TABLE_BATCH_TIMEOUT:-260}" $py lab/batch_sweep.py --shapes "$shape" --streams 1,4,8,16 --tokens 48 \
-      --prompt 512 >> "$out/table-$shape.log" 2>&1
+      --prompt 512 --engines "${TABLE_ENGINES:-kapitsa,mlx-lm}" >> "$out/table-$shape.log" 2>&1
     $py lab/results_table.py "$out/table-$shape.log"
     ;;
   compile)
