@@ -8,7 +8,7 @@ The data is the target's own greedy answers to chat prompts made from the standa
 functions (complete a function from its header, explain or rewrite it; the held-out files are
 left out): drafts are accepted when they equal the target's greedy tokens. Each example is one
 anchor in an answer: the context is the target's tapped layer outputs for the tokens before the
-anchor, the block is `[token at the anchor, MASK x k]`, and block slot j learns the target's own
+anchor (the prompt's last ones included, as the engine's prefill keeps them), the block is `[token at the anchor, MASK x k]`, and block slot j learns the target's own
 distribution of the answer's token j places on (soft cross-entropy; its argmax is the answer's
 token). The drafter is trained through the same functions the engine drafts with
 (`DFlashModel.context`, `context_kv`, `block_hidden`; the target's embedding and head, frozen),
@@ -40,6 +40,7 @@ from host_products import host_head, host_linears  # noqa: E402
 from kapitsa.engine.loading.loader import LoadedModel, load_model  # noqa: E402
 from kapitsa.engine.ops.linear import route_quantized_linears  # noqa: E402
 from kapitsa.engine.options import KernelOptions  # noqa: E402
+from kapitsa.engine.runner.prompt_tail import DEFAULT_TAIL_WINDOW  # noqa: E402
 from kapitsa.engine.speculative.dflash import DFlashConfig, DFlashModel, load_dflash  # noqa: E402
 
 
@@ -58,15 +59,17 @@ def tapped(loaded: LoadedModel, rows: list[tuple[list[int], int]], layers: tuple
 
 
 def batch_at(examples: list[dict], offset: int, k: int) -> tuple[mx.array, ...] | None:
-    """The blocks `offset` tokens into each answer long enough for one: (context taps [B, offset,
+    """The blocks `offset` tokens into each answer long enough for one: (context taps [B, S,
     n*H], block ids [B, 1], labels [B, k], the target's final hidden states that predicted each
-    label [B, k, H]). As in the engine, the context holds the answer's tokens before the block's
-    first (the drafter starts with the answer; the prompt is not in it)."""
+    label [B, k, H]). As in the engine, the context holds the tokens before the block's first: the
+    answer's so far and the prompt's last ones (the engine keeps up to DEFAULT_TAIL_WINDOW of
+    them); S is the same for every row, the shortest row's."""
     rows = [ex for ex in examples if ex["start"] + offset + k < len(ex["ids"])]
     if not rows:
         return None
-    taps = mx.array(np.stack([ex["taps"][ex["start"] : ex["start"] + offset] for ex in rows]))
     starts = [ex["start"] + offset for ex in rows]
+    span = min(min(starts), DEFAULT_TAIL_WINDOW + offset)
+    taps = mx.array(np.stack([ex["taps"][t - span : t] for ex, t in zip(rows, starts, strict=True)]))
     ids = mx.array([ex["ids"][t : t + k + 1] for ex, t in zip(rows, starts, strict=True)], dtype=mx.int32)
     teacher = mx.array(np.stack([ex["final"][t : t + k] for ex, t in zip(rows, starts, strict=True)]))
     return taps.astype(mx.float32), ids[:, :1], ids[:, 1:], teacher.astype(mx.float32)

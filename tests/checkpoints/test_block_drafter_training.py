@@ -1,6 +1,6 @@
 """tools/train_block_drafter.py trains through the engine's own drafting path: its batched block
-logits equal `DFlashDrafter`'s for the same answer so far, its context holds the answer's tokens
-before the block (not the prompt), each slot's teacher is the target's own distribution there, its
+logits equal `DFlashDrafter`'s for the same answer so far, its context holds the tokens before the
+block (the prompt's, as the engine's prefill hands them over, and the answer's), each slot's teacher is the target's own distribution there, its
 NumPy products (tools/host_products.py) give MLX's values and gradients, and a few steps halve the KL
 to the target on a fixed batch."""
 
@@ -57,8 +57,8 @@ def test_training_logits_are_the_engines_drafting_logits(target, offset: int) ->
     drafter = _drafter(_config(target))
     example, taps = _example(target, drafter)
     context, first, labels, teacher = tbd.batch_at([example], offset, K)
-    assert context.shape[1] == offset and labels.shape == (1, K)
     t = example["start"] + offset
+    assert context.shape[1] == t and labels.shape == (1, K)  # the prompt is in the context too
     assert first.item() == example["ids"][t] and labels[0].tolist() == example["ids"][t + 1 : t + 1 + K]
     # slot j's teacher is the target's distribution of the label: its logits at the token before it
     expected = target.logits(target.forward(mx.array([example["ids"]])).hidden)[0, t : t + K]
@@ -66,9 +66,12 @@ def test_training_logits_are_the_engines_drafting_logits(target, offset: int) ->
     trained = tbd.block_logits(drafter, target, context, first, K)[0]
 
     engine = DFlashDrafter(drafter, target)
-    if offset:  # the answer's committed positions before the block, as verify steps fold them in
-        rows = {i: taps[i][0, example["start"] : t].astype(mx.float16).astype(mx.float32) for i in taps}
-        engine.after_verify(None, example["ids"][example["start"] : t], rows)
+    # the prompt's positions as the prefill hands them over, then the answer's committed ones
+    # before the block as verify steps fold them in
+    for a, b in [(0, example["start"]), (example["start"], t)]:
+        if b > a:
+            rows = {i: taps[i][0, a:b].astype(mx.float16).astype(mx.float32) for i in taps}
+            engine.after_verify(None, example["ids"][a + 1 : b + 1], rows)
     served = engine._block_logits(example["ids"][: t + 1], K)
     assert mx.allclose(trained, served, atol=1e-4).item()
 

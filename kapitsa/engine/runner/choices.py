@@ -22,4 +22,5 @@ def fork_choices(seq: Sequence) -> list[Sequence]:
         child.num_checkpointed_tokens = seq.num_checkpointed_tokens
         child.prefill_started, child.prefill_done_at = seq.prefill_started, seq.prefill_done_at
         child.last_checkpoint_pos = seq.last_checkpoint_pos
+        child.prompt_tail = seq.prompt_tail  # read, never written, by each choice's drafter
     return forks

@@ -27,6 +27,7 @@ from kapitsa.engine.runner.memory import MemoryBudget, device_memory_limit, peri
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens, usage_of
 from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, read_ahead
+from kapitsa.engine.runner.prompt_tail import tail_for
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
 from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus, plan_boundaries
@@ -241,7 +242,12 @@ class Engine:
         inside, t0 = [b.pos for b in seq.boundaries if start < b.pos < end], time.perf_counter()
         if end > start:
             *marked, logits = self.runner.prefill_at(
-                seq.cache, seq.prompt_ids[start:end], [*inside, end], media=seq.media, start=start
+                seq.cache,
+                seq.prompt_ids[start:end],
+                [*inside, end],
+                media=seq.media,
+                start=start,
+                tail=seq.prompt_tail,
             )
         else:  # an exact prefix-cache hit that kept the next-token logits
             logits, marked = seq.pending_logits, []
@@ -282,6 +288,7 @@ class Engine:
             seq.num_processed = seq.num_cached_tokens = match.pos
             seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
         self.stats.prompt_cached += seq.num_cached_tokens
+        seq.prompt_tail = tail_for(self.decode_strategy)
         self._plan_checkpoints(seq)
         seq.emit(
             PrefillProgressEvent(

@@ -21,10 +21,11 @@ from kapitsa.engine.cache.snapshot import KV_AXIS
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.kernels.probes import probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
-from kapitsa.engine.models.base import use_kernel_options
+from kapitsa.engine.models.base import ForwardOutput, use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears
 from kapitsa.engine.options import EngineConfig, KernelOptions
 from kapitsa.engine.runner.memory import StateSizes
+from kapitsa.engine.runner.prompt_tail import PromptTail
 from kapitsa.engine.runner.vision import ImageFeatures
 from kapitsa.engine.vision.media import PromptMedia
 
@@ -96,22 +97,33 @@ class ModelRunner:
         *,
         media: PromptMedia | None = None,
         start: int = 0,
+        tail: PromptTail | None = None,
     ) -> list[mx.array]:
         """`prefill` of the prompt's `tokens` from position `start`, returning the logits ([V])
         after each of `ends` (prompt positions in (start, start + len(tokens)]): a checkpoint
-        inside the chunk keeps the next-token logits an exact hit resumes from."""
+        inside the chunk keeps the next-token logits an exact hit resumes from. `tail` keeps the
+        chunk's last rows that a drafter reads (prompt_tail.py)."""
         inputs = mx.array([list(tokens)], dtype=mx.int32)
+        taps = () if tail is None else tail.request.taps
         if media is None:
-            hidden = self.model.forward(inputs, cache).hidden
+            out = self.model.forward(inputs, cache, taps=taps)
         else:
             cache.rope_deltas = [media.delta_after(start)]
             chunk = self.images.chunk(media, start, start + len(tokens))
-            hidden = self.model.forward(inputs, cache, media=chunk).hidden
+            out = self.model.forward(inputs, cache, media=chunk, taps=taps)
             cache.rope_deltas = [media.delta_after(start + len(tokens))]
         rows = mx.array([end - start - 1 for end in ends], dtype=mx.int32)
-        logits = self.model.logits(hidden[:, rows, :])[0]
-        mx.eval(logits, *cache.state_arrays())
+        logits = self.model.logits(out.hidden[:, rows, :])[0]
+        if tail is not None:
+            self._keep_tail(tail, out, start + len(tokens))
+        mx.eval(logits, *cache.state_arrays(), *([] if tail is None else tail.arrays()))
         return list(logits)
+
+    def _keep_tail(self, tail: PromptTail, out: ForwardOutput, end: int) -> None:
+        """Hand `tail` the last rows of a batch-1 chunk forward that ends at prompt position `end`."""
+        first = max(0, out.hidden.shape[1] - tail.request.window)
+        normed = self.model.final_norm(out.hidden[0, first:]) if tail.request.normed else None
+        tail.keep(end, normed, {i: out.taps[i][0, first:] for i in tail.request.taps})
 
     def decode(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
         """One token per row of the batch cache; returns logits [B, V]."""

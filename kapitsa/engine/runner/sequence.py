@@ -124,6 +124,7 @@ class Sequence:
     prefill_started: float = 0.0
     prefill_done_at: float = 0.0
     pending_logits: Any = None  # next-token logits of an exact prefix-cache hit
+    prompt_tail: Any = None  # a PromptTail while a drafter that reads the target has not taken it
     first_token_at: float = 0.0
     finished_at: float = 0.0
     finish_reason: FinishReason | None = None

@@ -20,6 +20,7 @@ from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.kernels import backend
 from kapitsa.engine.runner.decode import PlainDecode
 from kapitsa.engine.runner.model_runner import ModelRunner
+from kapitsa.engine.runner.prompt_tail import TailRequest
 from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.speculative.acceptance import accept_chain, accept_tree, is_plain_greedy
@@ -118,6 +119,7 @@ class SpeculativeDecode:
     _states: dict[int, _SequenceState] = field(default_factory=dict)
     _plain: PlainDecode = field(default_factory=PlainDecode)
     _pipelined: bool = False  # the engine's last step ran pipelined (a verify must leave it)
+    _tail_request: TailRequest | None | bool = False  # False: not read off a drafter yet
 
     @property
     def acceptance_rate(self) -> float:
@@ -126,6 +128,17 @@ class SpeculativeDecode:
     @property
     def tokens_per_step(self) -> float:
         return self.stats.tokens_per_step
+
+    @property
+    def prompt_tail_request(self) -> TailRequest | None:
+        """What the prefill keeps of the prompt for this decoder's drafters (their hidden states
+        or taps, prompt_tail.py), read off one drafter; None when they read only tokens."""
+        if self._tail_request is False:
+            probe = self.make_drafter()
+            normed = bool(getattr(probe, "needs_hidden", False))
+            taps = tuple(getattr(probe, "tap_layers", ()))
+            self._tail_request = TailRequest(normed=normed, taps=taps) if normed or taps else None
+        return self._tail_request
 
     def wants_pipeline(self, sequences: Seq[Sequence]) -> bool:
         """True while no sequence would verify a draft now: the engine then runs plain steps
@@ -288,6 +301,7 @@ class SpeculativeDecode:
                 seq, drafter, controller, exit_cost=PIPELINE_EXIT_COST_GPU if backend() else 0.0
             )
             self._states[id(seq)] = state
+            _hand_prompt_tail(seq, drafter)
         return state
 
     def _cost_curve(self) -> list[float]:
@@ -349,6 +363,15 @@ class SpeculativeDecode:
             fill = draft[-1] if draft else seq.output_ids[-1]
             padded.append(draft + [fill] * max(0, min(width - 1, room) - len(draft)))
         return padded
+
+
+def _hand_prompt_tail(seq: Sequence, drafter: Drafter) -> None:
+    """Give a new sequence's drafter the prompt's last positions as if a verify had kept them:
+    their rows, and the token that followed each (the prompt's next, then the first output)."""
+    tail, seq.prompt_tail = seq.prompt_tail, None
+    if tail is None or not tail.length or len(seq.output_ids) != 1:
+        return  # no rows, or the sequence has moved past where they line up
+    drafter.after_verify(tail.normed, tail.next_tokens(seq.prompt_ids, seq.output_ids[0]), tail.taps)
 
 
 def _run(state: _SequenceState) -> int:

@@ -9,8 +9,9 @@ target's own. Weights load from the published checkpoint layout: config.json wit
 tensors `fc.weight`, `hidden_norm.weight`, `layers.N.{self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
 mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}.weight`, `norm.weight`.
 
-The context covers the positions decoded since the drafter was made: the prefill does not keep
-the prompt's layer outputs, which lowers the first drafts' acceptance, never exactness.
+The context covers the prompt's last positions (the prefill keeps their layer outputs:
+runner/prompt_tail.py; positions restored from the prefix cache were never computed and are not in
+it) and every position decoded since.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ it kept and the tokens emitted there; the next proposal folds those pairs into t
 cache (one forward) and reads the first draft off its last row. Deeper drafts feed the head its
 own output (depth <= 3: the head was trained for one step) and are then dropped from its cache.
 
-The head's KV covers the positions decoded since this drafter was made (the prompt's hidden
-states are not kept by the prefill), which costs acceptance on the first tokens, never exactness.
+The head's KV covers the prompt's last positions (the prefill keeps their normed hidden states:
+runner/prompt_tail.py), so the first decode step drafts too, and every position decoded since.
 """
 
 from __future__ import annotations
