@@ -46,11 +46,13 @@ def test_a_chunked_prefill_keeps_the_whole_prompts_last_rows(kind: str) -> None:
     model = tiny_model(kind)
     runner = ModelRunner(model)
     ids = [(7 * i + 3) % 200 + 3 for i in range(20)]
-    tail = PromptTail(TailRequest(normed=True, taps=(0, 2), window=9))
+    tail = PromptTail(TailRequest(normed=True, taps=(0, 2), window=9), prompt_end=20)
     cache = runner.new_cache()
     for start in range(0, 20, 7):
         chunk = ids[start : start + 7]
         runner.prefill_at(cache, chunk, [start + len(chunk)], start=start, tail=tail)
+        if start == 0:  # positions 0-6 all come a window before the prompt's end: nothing kept
+            assert tail.length == 0 and not tail.wants(7) and tail.wants(14)
     whole = model.forward(mx.array([ids]), taps=(0, 2))
     assert (tail.start, tail.length) == (11, 9)
     assert mx.allclose(tail.normed, model.final_norm(whole.hidden)[0, 11:], atol=1e-4).item()

@@ -241,13 +241,9 @@ class Engine:
         end = seq.next_chunk_end(n) if self.runner.recurrent_layers else min(start + n, seq.num_prompt_tokens)
         inside, t0 = [b.pos for b in seq.boundaries if start < b.pos < end], time.perf_counter()
         if end > start:
+            ids, ends = seq.prompt_ids[start:end], [*inside, end]
             *marked, logits = self.runner.prefill_at(
-                seq.cache,
-                seq.prompt_ids[start:end],
-                [*inside, end],
-                media=seq.media,
-                start=start,
-                tail=seq.prompt_tail,
+                seq.cache, ids, ends, media=seq.media, start=start, tail=seq.prompt_tail
             )
         else:  # an exact prefix-cache hit that kept the next-token logits
             logits, marked = seq.pending_logits, []
@@ -288,7 +284,7 @@ class Engine:
             seq.num_processed = seq.num_cached_tokens = match.pos
             seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
         self.stats.prompt_cached += seq.num_cached_tokens
-        seq.prompt_tail = tail_for(self.decode_strategy)
+        seq.prompt_tail = tail_for(self.decode_strategy, seq.num_prompt_tokens)
         self._plan_checkpoints(seq)
         seq.emit(
             PrefillProgressEvent(
@@ -438,7 +434,7 @@ class Engine:
         elif seq.status is SequenceStatus.PREFILLING:
             self.scheduler.prefilling.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.prompt_tail = reason, None  # a tail no drafter took goes with it
         seq.finished_at = time.perf_counter()
         self.memory.release(seq.reserved_bytes)
         seq.reserved_bytes = 0
@@ -449,11 +445,8 @@ class Engine:
             )
         )
         for child in seq.forks:  # choices that never started end with the sequence they would fork from
-            child.status, child.finish_reason, child.finished_at = (
-                SequenceStatus.FINISHED,
-                reason,
-                seq.finished_at,
-            )
+            child.status, child.finish_reason = SequenceStatus.FINISHED, reason
+            child.finished_at = seq.finished_at
             child.emit(FinishEvent(child.request_id, reason, usage_of(child), index=child.choice_index))
         seq.forks = []
 
@@ -470,7 +463,7 @@ class Engine:
         if seq.is_finished:
             return
         self.scheduler.remove(seq)
-        seq.cache = None
+        seq.cache = seq.prompt_tail = None
         seq.status = SequenceStatus.FINISHED
         self.memory.release(seq.reserved_bytes)
         seq.reserved_bytes = 0

@@ -104,6 +104,8 @@ class ModelRunner:
         inside the chunk keeps the next-token logits an exact hit resumes from. `tail` keeps the
         chunk's last rows that a drafter reads (prompt_tail.py)."""
         inputs = mx.array([list(tokens)], dtype=mx.int32)
+        if tail is not None and not tail.wants(start + len(tokens)):
+            tail = None  # a chunk the prompt's last `window` positions are all after
         taps = () if tail is None else tail.request.taps
         if media is None:
             out = self.model.forward(inputs, cache, taps=taps)
@@ -123,7 +125,8 @@ class ModelRunner:
         """Hand `tail` the last rows of a batch-1 chunk forward that ends at prompt position `end`."""
         first = max(0, out.hidden.shape[1] - tail.request.window)
         normed = self.model.final_norm(out.hidden[0, first:]) if tail.request.normed else None
-        tail.keep(end, normed, {i: out.taps[i][0, first:] for i in tail.request.taps})
+        # copies: a slice would keep the whole chunk's layer output alive while the tail waits
+        tail.keep(end, normed, {i: mx.contiguous(out.taps[i][0, first:]) for i in tail.request.taps})
 
     def decode(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
         """One token per row of the batch cache; returns logits [B, V]."""

@@ -39,10 +39,15 @@ class PromptTail:
     (layer index -> `[n, H]`), of a batch-1 prefill."""
 
     request: TailRequest
+    prompt_end: int | None = None  # the prompt's length: chunks that end a window before it keep nothing
     start: int = 0
     normed: mx.array | None = None
     taps: dict[int, mx.array] = field(default_factory=dict)
     length: int = 0
+
+    def wants(self, end: int) -> bool:
+        """Whether a chunk that ends at prompt position `end` has rows the tail will keep."""
+        return self.prompt_end is None or end > self.prompt_end - self.request.window
 
     def keep(self, end: int, normed: mx.array | None, taps: dict[int, mx.array]) -> None:
         """Fold in the rows of a chunk that ends at prompt position `end` (the chunk's last rows,
@@ -64,11 +69,11 @@ class PromptTail:
         return [*prompt_ids[self.start + 1 : self.start + self.length], first_output]
 
 
-def tail_for(strategy: object) -> PromptTail | None:
-    """An empty tail for a prefill when `strategy` (a decode strategy) has drafters that read the
-    target (its `prompt_tail_request`), else None."""
+def tail_for(strategy: object, prompt_end: int) -> PromptTail | None:
+    """An empty tail for the prefill of a `prompt_end`-token prompt when `strategy` (a decode
+    strategy) has drafters that read the target (its `prompt_tail_request`), else None."""
     request = getattr(strategy, "prompt_tail_request", None)
-    return None if request is None else PromptTail(request)
+    return None if request is None else PromptTail(request, prompt_end)
 
 
 def _joined(kept: mx.array | None, new: mx.array | None, drop: int) -> mx.array | None:

@@ -369,8 +369,10 @@ def _hand_prompt_tail(seq: Sequence, drafter: Drafter) -> None:
     """Give a new sequence's drafter the prompt's last positions as if a verify had kept them:
     their rows, and the token that followed each (the prompt's next, then the first output)."""
     tail, seq.prompt_tail = seq.prompt_tail, None
-    if tail is None or not tail.length or len(seq.output_ids) != 1:
-        return  # no rows, or the sequence has moved past where they line up
+    if tail is None or not tail.length or tail.start + tail.length != seq.num_prompt_tokens:
+        return  # no rows, or rows that do not end where the output starts
+    if len(seq.output_ids) != 1:
+        return  # the sequence has moved past where they line up
     drafter.after_verify(tail.normed, tail.next_tokens(seq.prompt_ids, seq.output_ids[0]), tail.taps)
 
 
