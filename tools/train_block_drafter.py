@@ -100,40 +100,27 @@ def block_loss(drafter: DFlashModel, target, head, batch, weights: mx.array) -> 
 
 
 def pick(examples: list[dict], batch: int, k: int, max_offset: int, rng: random.Random):  # noqa: ANN201
-    """A training batch: `batch` answers' blocks at one random offset, the answers neighbours in
-    `examples` (sorted by prompt length), so the shared context length cuts little off any row's."""
+    """A training batch: `batch` random answers' blocks at one random offset (equal context
+    lengths: the shortest row's). Batches of answers with similar prompt lengths, which cut less
+    context, train a drafter the demo accepts less of (1.35 against 1.43 tokens per verify at k=3
+    on 24 held-out prompts through the engine)."""
     while True:
-        first = rng.randrange(max(1, len(examples) - batch + 1))
-        found = batch_at(examples[first : first + batch], rng.randrange(max_offset + 1), k)
+        found = batch_at(rng.sample(examples, min(batch, len(examples))), rng.randrange(max_offset + 1), k)
         if found is not None:
             return found
 
 
-def by_prompt_length(examples: list[dict], rng: random.Random) -> list[dict]:
-    """`examples` sorted by prompt length, ties in random order."""
-    return sorted(examples, key=lambda ex: (ex["start"], rng.random()))
-
-
-def accuracy(
-    drafter: DFlashModel,
-    target,  # noqa: ANN001
-    examples: list[dict],
-    k: int,
-    max_offset: int,
-    group: int = 32,
-) -> list[float]:
-    """Held-out top-1 accuracy at each block position, over every offset (a miss does not stop a
-    row), in groups of `group` answers of similar prompt lengths (`examples` sorted by it)."""
+def accuracy(drafter: DFlashModel, target, examples: list[dict], k: int, max_offset: int) -> list[float]:  # noqa: ANN001
+    """Held-out top-1 accuracy at each block position, over every offset (a miss does not stop a row)."""
     hits, n = np.zeros(k), 0
-    for at in range(0, len(examples), group):
-        for offset in range(max_offset + 1):
-            found = batch_at(examples[at : at + group], offset, k)
-            if found is None:
-                break
-            taps, first, labels, _ = found
-            guess = mx.argmax(block_logits(drafter, target, taps, first, k), axis=-1)
-            hits += np.array((guess == labels).sum(axis=0))
-            n += labels.shape[0]
+    for offset in range(max_offset + 1):
+        found = batch_at(examples, offset, k)
+        if found is None:
+            break
+        taps, first, labels, _ = found
+        guess = mx.argmax(block_logits(drafter, target, taps, first, k), axis=-1)
+        hits += np.array((guess == labels).sum(axis=0))
+        n += labels.shape[0]
     return [round(float(h / max(n, 1)), 3) for h in hits]
 
 
@@ -167,9 +154,7 @@ def train(args: argparse.Namespace) -> dict:
     k = args.block_size - 1
     started = time.perf_counter()
     train_rows, held_rows = answer_rows(loaded, args)
-    rng = random.Random(args.seed)
-    data = by_prompt_length(tapped(loaded, train_rows, layers), rng)
-    held = by_prompt_length(tapped(loaded, held_rows, layers), rng)
+    data, held = tapped(loaded, train_rows, layers), tapped(loaded, held_rows, layers)
     print(
         f"data: {len(data)} answers, {len(held)} held out, {time.perf_counter() - started:.0f} s", flush=True
     )
@@ -179,6 +164,7 @@ def train(args: argparse.Namespace) -> dict:
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
     step_fn = nn.value_and_grad(drafter, lambda m, batch: block_loss(m, loaded.model, head, batch, weights))
     max_offset = args.answer_tokens - k - 1
+    rng = random.Random(args.seed)
     for step in range(1, args.steps + 1):
         loss, grads = step_fn(drafter, pick(data, args.batch, k, max_offset, rng))
         optimizer.update(drafter, grads)

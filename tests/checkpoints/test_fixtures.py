@@ -11,7 +11,7 @@ import pytest
 from tests.checkpoints.conftest import DEMO, SNIPPET, TRAINED, safetensors_header
 
 SIZE_BUDGET = 25_000_000
-ACCEPTANCE_FLOOR = 0.06  # the demo block drafter at 3-token drafts: measured 0.093; an untrained one: 0
+ACCEPTANCE_FLOOR = 0.10  # the demo block drafter at 3-token drafts: measured 0.175; an untrained one: 0
 
 
 def test_fixtures_stay_under_the_size_budget() -> None:
