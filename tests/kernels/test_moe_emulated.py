@@ -1,4 +1,4 @@
-"""The MoE decode kernels' own CUDA sources and Metal ports (kernels/moe.py) run on the CPU under a
+"""The MoE decode kernels' own CUDA sources and Metal ports (kernels/moe.py, moe_launch.py) run on the CPU under a
 host emulation of the GPU, against the reference, and the launcher driving the emulated kernels."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kapitsa.engine.kernels import moe
+from kapitsa.engine.kernels import moe, moe_launch
 from kapitsa.engine.kernels.moe import experts_decode_reference
 from kapitsa.engine.ops.moe import SwitchGLU, SwitchReluSquared
 from kapitsa.errors import KapitsaError
@@ -108,9 +108,9 @@ def _metal_as_cpp(kind: str, which: str) -> tuple[str, str]:
     from kapitsa.engine.kernels.metal import read_source
 
     header, bodies = read_source("moe.metal")
-    hidden, out = bodies.split(moe.OUT_BODY_MARKER, 1)
+    hidden, out = bodies.split(moe_launch.OUT_BODY_MARKER, 1)
     nw = 2 if kind == "swiglu" else 1
-    body = hidden.replace("WEIGHT_POINTERS", moe._METAL_POINTERS[nw]) if which == "hidden" else out
+    body = hidden.replace("WEIGHT_POINTERS", moe_launch._METAL_POINTERS[nw]) if which == "hidden" else out
     body = body.replace("threadgroup_barrier(mem_flags::mem_threadgroup)", "__syncthreads()")
     body = re.sub(r"^(\s*)threadgroup (int|float) ", r"\1static \2 ", body, flags=re.M)
     body = body.replace("threadgroup_position_in_grid", "blockIdx").replace(
@@ -184,7 +184,7 @@ def _run_emulated(
     weights = [np.ascontiguousarray(np.array(a)) for st in first for a in st]
     xn, idxn, scn = (np.ascontiguousarray(np.array(a)) for a in (x, idx, scores))
     h = np.full((plan.pairs, plan.hidden), np.nan, np.float32)
-    kernel = moe.hidden_kernel(plan.kind)
+    kernel = moe_launch.hidden_kernel(plan.kind)
     source = _cuda_as_cpp(kernel) if dialect == "cuda" else _metal_as_cpp(plan.kind, "hidden")
     names, arrays = _with_shapes((*kernel.input_names, "h"), [xn, idxn, *weights, h], source)
     launch = _emulated(names, source, t1, tmp_path, "hidden")
@@ -194,9 +194,11 @@ def _run_emulated(
     )  # fmt: skip
     t2 = plan.out_template(mx.float32, mx.float32, mx.uint32, mx.float32, budget=budget)
     y = np.full((plan.tokens, plan.n_out), np.nan, np.float32)
-    source = _cuda_as_cpp(moe.OUT_KERNEL) if dialect == "cuda" else _metal_as_cpp(plan.kind, "out")
+    source = _cuda_as_cpp(moe_launch.OUT_KERNEL) if dialect == "cuda" else _metal_as_cpp(plan.kind, "out")
     second = [np.ascontiguousarray(np.array(a)) for a in second]
-    names, arrays = _with_shapes((*moe.OUT_KERNEL.input_names, "y"), [h, idxn, scn, *second, y], source)
+    names, arrays = _with_shapes(
+        (*moe_launch.OUT_KERNEL.input_names, "y"), [h, idxn, scn, *second, y], source
+    )
     launch = _emulated(names, source, t2, tmp_path, "out")
     launch(
         plan.blocks(plan.n_out, t2), 1, dict(t2)["WARPS"] * 32, ctypes.c_long(plan.shared_bytes(t2, plan.rows * plan.k) // 4),
@@ -206,9 +208,9 @@ def _run_emulated(
 
 
 _EMULATION_CASES = [  # (kind, bits, group, tokens, shared budget), slow?
-    (("swiglu", 4, 32, 1, moe.SHARED_BUDGET), True),
+    (("swiglu", 4, 32, 1, moe_launch.SHARED_BUDGET), True),
     (("swiglu", 4, 64, 4, 3 * 1024), False),  # small budget: several tiles; short rows: lanes split rows
-    (("relu2", 8, 64, 3, moe.SHARED_BUDGET), False),
+    (("relu2", 8, 64, 3, moe_launch.SHARED_BUDGET), False),
     (("relu2", 4, 128, 5, 4 * 1024), True),
 ]
 
@@ -237,7 +239,7 @@ def test_kernel_sources_run_on_cpu_emulation(dialect, kind, bits, gs, tokens, bu
     if tokens > 1:  # a repeated expert within a token, and one the model does not have
         idx = mx.array(np.array(idx)[:, [0, 0, 2]] if tokens == 4 else np.array(idx))
         idx[tokens - 1, 2] = experts + 1
-    plan = moe.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind)
+    plan = moe_launch.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind)
     got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, budget, dialect)
     known = mx.array(np.where(np.array(idx) < experts, np.array(scores), 0.0))
     safe_idx = mx.minimum(idx, experts - 1)  # the reference cannot take the unknown expert
@@ -271,8 +273,15 @@ class _EmulatedKernel:
 
 
 def test_capacity_is_the_next_power_of_two_within_the_pair_limit() -> None:
-    assert [moe.capacity_for(t, 8) for t in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 9]  # 16 x 8 > 72 pairs
-    assert [moe.capacity_for(t, 3) for t in (3, 9, 16)] == [4, 16, 16]
+    assert [moe_launch.capacity_for(t, 8) for t in (1, 2, 3, 5, 8, 9)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        9,
+    ]  # 16 x 8 > 72 pairs
+    assert [moe_launch.capacity_for(t, 3) for t in (3, 9, 16)] == [4, 16, 16]
 
 
 @pytest.mark.parametrize("kind,tokens,capacity", [("swiglu", 3, 4), ("relu2", 5, 8), ("swiglu", 1, 2)])
@@ -285,8 +294,8 @@ def test_cuda_kernels_compiled_for_more_tokens_than_they_get(kind, tokens, capac
     _, first, second, _, _ = _stacks(_quantize_module(module, gs, bits))
     x = mx.random.normal((tokens, d))
     idx, scores = _routing(tokens, k, experts, seed=tokens + 10, pool=4)
-    plan = moe.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind, capacity)
-    got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, moe.SHARED_BUDGET)
+    plan = moe_launch.Plan(tokens, k, experts, d, hidden, d, bits, gs, kind, capacity)
+    got = _run_emulated(plan, x, idx, scores, first, second, tmp_path, moe_launch.SHARED_BUDGET)
     want = experts_decode_reference(x, idx, scores, first, second, kind=kind, group_size=gs, bits=bits)
     np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
 
@@ -302,11 +311,11 @@ def test_launcher_runs_the_emulated_kernels(kind: str, tokens: int, monkeypatch,
     x = mx.random.normal((1, tokens, d))
     idx, scores = _routing(tokens, k, experts, seed=8, pool=4)
     want = _module_path(module, x, idx[None], scores[None])
-    hidden_k = _EmulatedKernel(moe.hidden_kernel(kind), tmp_path)
-    out_k = _EmulatedKernel(moe.OUT_KERNEL, tmp_path)
+    hidden_k = _EmulatedKernel(moe_launch.hidden_kernel(kind), tmp_path)
+    out_k = _EmulatedKernel(moe_launch.OUT_KERNEL, tmp_path)
     monkeypatch.setattr(moe, "backend", lambda: "cuda")
-    monkeypatch.setattr(moe, "hidden_kernel", lambda _kind: hidden_k)
-    monkeypatch.setattr(moe, "OUT_KERNEL", out_k)
+    monkeypatch.setattr(moe_launch, "hidden_kernel", lambda _kind: hidden_k)
+    monkeypatch.setattr(moe_launch, "OUT_KERNEL", out_k)
     got = moe.routed_experts(module, x, idx[None], scores[None])
     assert got.shape == (1, tokens, d) and got.dtype == mx.float32
     assert hidden_k.calls and out_k.calls  # the kernels ran, not the fallback

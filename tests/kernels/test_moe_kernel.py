@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from nvcc_check import assert_compiles, nvcc
 
-from kapitsa.engine.kernels import backend, moe
+from kapitsa.engine.kernels import backend, moe, moe_launch
 from kapitsa.engine.kernels.moe import QuantStack, experts_decode, experts_decode_reference
 from kapitsa.engine.ops.moe import QuantizedSwitchLinear, SwitchGLU, SwitchReluSquared
 from kapitsa.errors import KapitsaError
@@ -289,13 +289,13 @@ def _variants(kind: str, which: str, full: bool) -> str:
     nw = 2 if kind == "swiglu" else 1
     parts = []
     for n, (dt, bits, idt, sct, tokens) in enumerate(_cases(kind, full)):
-        plan = moe.Plan(tokens, k, experts, d, hidden, d_out, bits, 64, kind)
+        plan = moe_launch.Plan(tokens, k, experts, d, hidden, d_out, bits, 64, kind)
         if which == "hidden":
-            kernel = moe.hidden_kernel(kind)
+            kernel = moe_launch.hidden_kernel(kind)
             ins = [dt, idt] + [mx.uint32, dt, dt] * nw
             template, out = plan.hidden_template(dt, dt, idt), [mx.float32]
         else:
-            kernel = moe.OUT_KERNEL
+            kernel = moe_launch.OUT_KERNEL
             ins = [mx.float32, idt, sct, mx.uint32, dt, dt]
             template, out = plan.out_template(dt, dt, idt, sct), [dt]
         parts.append(dataclasses.replace(kernel, name=f"{kernel.name}_{n}").render(ins, out, template))
@@ -326,7 +326,9 @@ def test_cuda_all_variants_compile(kind: str, which: str) -> None:
 def test_launch_geometry_fits_shared_memory(kind: str, tokens: int) -> None:
     experts, k, d, hidden, d_out = REAL_SHAPES[kind]
     for bits in moe.BITS:
-        plan = moe.Plan(tokens, min(k, moe.MAX_PAIRS // tokens), experts, d, hidden, d_out, bits, 64, kind)
+        plan = moe_launch.Plan(
+            tokens, min(k, moe.MAX_PAIRS // tokens), experts, d, hidden, d_out, bits, 64, kind
+        )
         for template, staged, static in (
             (
                 plan.hidden_template(mx.bfloat16, mx.bfloat16, mx.uint32),

@@ -12,7 +12,7 @@ size that changes with the decode batch (rows, tokens) is read from a shape, not
 Kernel bodies and headers live in `cuda_src/` beside this module (`name.cu` a body, `name.cuh`
 the helpers it needs), read with `read_cuda_source`. A file's text goes to MLX with its comments,
 indentation and blank lines removed (`compact_source`; modules may substitute a placeholder line,
-e.g. moe.py's WEIGHT_POINTERS), and `render` shows exactly that.
+e.g. moe_launch.py's WEIGHT_POINTERS), and `render` shows exactly that.
 
 Why compact: MLX hashes a custom kernel's whole source string at every launch to find its
 compiled module (mlx/backend/cuda/custom_kernel.cpp, `CustomKernel::eval_gpu`). On the H200 a
