@@ -11,6 +11,7 @@ import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from kapitsa.engine.models import get_model_module
 
@@ -103,7 +104,9 @@ def quantizable(path: str, module: nn.Module) -> bool:
 
 
 def materialize(model: nn.Module) -> nn.Module:
-    """bf16 + 4-bit, one layer at a time so random fp32 init never holds the whole model."""
+    """bf16 + 4-bit, one layer at a time so random fp32 init never holds the whole model; routers
+    the model classes start at zero get random weights (`random_routers`)."""
+    random_routers(model)
     model.set_dtype(DTYPE["value"])
     for layer in model.layers:
         nn.quantize(layer, group_size=64, bits=4, class_predicate=quantizable)
@@ -111,6 +114,24 @@ def materialize(model: nn.Module) -> nn.Module:
     nn.quantize(model, group_size=64, bits=4, class_predicate=quantizable)
     mx.eval(model.parameters())
     return model
+
+
+def random_routers(model: nn.Module) -> int:
+    """Give random weights to MoE routers (`...gate.weight`, 2-D) that the model class initialises
+    to zeros, as kapitsa's and mlx-lm's Nemotron-H do (a checkpoint fills them). A zero router
+    scores every expert alike, so every token of every step picks the same experts (the lowest
+    indices): one fixed set of weights read, batches that never spread over more experts, and ties
+    that real routing never has. Returns how many routers were filled."""
+    zero = [
+        (path, value)
+        for path, value in tree_flatten(model.parameters())
+        if path.endswith("gate.weight") and value.ndim == 2 and not mx.any(value).item()
+    ]
+    model.load_weights(
+        [(path, mx.random.normal(v.shape, dtype=v.dtype) * v.shape[-1] ** -0.5) for path, v in zero],
+        strict=False,
+    )
+    return len(zero)
 
 
 def kapitsa_model(config: dict) -> nn.Module:

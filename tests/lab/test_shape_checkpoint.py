@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlxlm_load
 from mlx_lm.generate import generate_step
 
@@ -42,3 +43,19 @@ def test_both_engines_load_it_and_write_text(tmp_path, shape: str) -> None:
     assert ours == _mlxlm_tokens(folder, 8)
     allowed = set(text_ids(family_of("nemotron_h" if "nemotron" in shape else "qwen3_5")).tolist())
     assert set(ours) <= allowed
+
+
+@pytest.mark.parametrize("build", ["kapitsa", "mlx-lm"])
+def test_nemotron_routers_are_random_so_tokens_spread_over_experts(build: str) -> None:
+    from kapitsa.testing.tiny import tiny_config
+    from lab.models_under_test import TINY, kapitsa_model, mlxlm_model, random_routers
+
+    kind, dims = TINY["nemotron-30b-a3b"]
+    config = tiny_config(kind, **dims)
+    model = (kapitsa_model if build == "kapitsa" else mlxlm_model)(config)
+    gates = [v for k, v in tree_flatten(model.parameters()) if k.endswith("mixer.gate.weight")]
+    assert gates and all(mx.any(g).item() for g in gates)  # the classes start them at zero
+    assert random_routers(model) == 0  # nothing left to fill
+    scores = mx.random.normal((64, gates[0].shape[1])) @ gates[0].T.astype(mx.float32)
+    picks = mx.argmax(scores, axis=-1)
+    assert len(set(picks.tolist())) > 1  # 64 different inputs do not all pick one expert
