@@ -118,10 +118,10 @@ def materialize(model: nn.Module) -> nn.Module:
 
 def random_routers(model: nn.Module) -> int:
     """Give random weights to MoE routers (`...gate.weight`, 2-D) that the model class initialises
-    to zeros, as kapitsa's and mlx-lm's Nemotron-H do (a checkpoint fills them). A zero router
-    scores every expert alike, so every token of every step picks the same experts (the lowest
-    indices): one fixed set of weights read, batches that never spread over more experts, and ties
-    that real routing never has. Returns how many routers were filled."""
+    to zeros, as mlx-lm's Nemotron-H does (a checkpoint fills them; kapitsa's starts random). A
+    zero router scores every expert alike, so every token of every step picks the same experts
+    (the lowest indices): one fixed set of weights read, batches that never spread over more
+    experts, and ties that real routing never has. Returns how many routers were filled."""
     zero = [
         (path, value)
         for path, value in tree_flatten(model.parameters())

@@ -54,7 +54,7 @@ def test_nemotron_routers_are_random_so_tokens_spread_over_experts(build: str) -
     config = tiny_config(kind, **dims)
     model = (kapitsa_model if build == "kapitsa" else mlxlm_model)(config)
     gates = [v for k, v in tree_flatten(model.parameters()) if k.endswith("mixer.gate.weight")]
-    assert gates and all(mx.any(g).item() for g in gates)  # the classes start them at zero
+    assert gates and all(mx.any(g).item() for g in gates)  # mlx-lm's class starts them at zero
     assert random_routers(model) == 0  # nothing left to fill
     scores = mx.random.normal((64, gates[0].shape[1])) @ gates[0].T.astype(mx.float32)
     picks = mx.argmax(scores, axis=-1)

@@ -65,7 +65,10 @@ class Router(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.a = a
-        self.weight = mx.zeros((a.n_routed_experts, a.hidden_size))
+        # random until a checkpoint fills it, like nn.Linear: a zero router ties every expert, and
+        # a model built without a checkpoint (tests, benchmarks) would route every token alike
+        scale = a.hidden_size**-0.5
+        self.weight = mx.random.uniform(-scale, scale, (a.n_routed_experts, a.hidden_size))
         self.e_score_correction_bias = mx.zeros((a.n_routed_experts,))
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
