@@ -38,7 +38,7 @@
 #                                       mlx-vlm's Flint at the published shape
 #   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPE (default
 #                                       4b) as a streaming client sees them, beside the in-process
-#                                       engine (lab/server_bench.py); needs .gpu/s4 carried
+#                                       engine (lab/server_bench.py); needs .gpu/serve carried
 #                                       (lab/stage_server_wheels.sh)
 #   bash lab/h200_all.sh cache        the memory estimate against the engine's measured peak on the
 #                                       4b and 27b shapes (an 8k prompt in 2048-token chunks, K/V bf16
@@ -63,7 +63,7 @@
 # Getting there: `bash lab/stage_mlx_cuda.sh` stages MLX's CUDA wheel and mlx-lm in three parts
 # (lab/README.md); the machine stays warm 30 s between calls: have the next command ready.
 # Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
-# the "summary" lines last. Run after .gpu/ is staged: source .gpu/s3/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
+# the "summary" lines last. Run after .gpu/ is staged: source .gpu/mlx/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
 # same machine compile less. KNOB_SETTINGS overrides the settings the knobs part tries; the
 # *_TIMEOUT variables the limits (seconds).
 set -u
@@ -189,13 +189,13 @@ case "$part" in
     ;;
   flint)
     # Flint at its published shape: :small at a 24 GB and a 16 GB Mac's budgets, plain 4-bit, and
-    # mlx-vlm's own Flint at 4 bits (needs .gpu/s4's mlx-vlm wheel installed)
+    # mlx-vlm's own Flint at 4 bits (needs .gpu/serve's mlx-vlm wheel installed)
     timeout "${FLINT_TIMEOUT:-400}" $py lab/small_flint.py --tokens "${TOKENS:-128}" --prompt 512 \
       > "$out/flint.log" 2>&1
     grep -E '"shape"|Error|mlx-vlm' "$out/flint.log"
     ;;
   server)
-    [ -f "$root/.gpu/s4/install.sh" ] && bash "$root/.gpu/s4/install.sh"
+    [ -f "$root/.gpu/serve/install.sh" ] && bash "$root/.gpu/serve/install.sh"
     timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "${SERVER_SHAPE:-4b}" \
       --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench > "$out/server.log" 2>&1
     tail -1 "$out/server.log"

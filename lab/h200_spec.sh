@@ -2,7 +2,7 @@
 # Speculation measurements on the H200 in one device call (about 7 minutes): the compiled
 # decode/verify tests on the GPU, then the 27B's decode, verify/rollback cost per T and n-gram
 # speculation on the edit workload (spec_shapes.py), against mlx-lm. Results in ${OUT:-.}/.
-# Run after .gpu/ is staged (lab/stage_mlx_cuda.sh): source .gpu/s3/activate.sh first.
+# Run after .gpu/ is staged (lab/stage_mlx_cuda.sh): source .gpu/mlx/activate.sh first.
 set -u
 out=${OUT:-.}
 py=python3
