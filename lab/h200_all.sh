@@ -33,6 +33,9 @@
 #                                       $SPEC_SHAPES (default all four; lab/spec_default.py): own
 #                                       text, a scripted essay, the edit workload (chain and n-gram
 #                                       tree) beside mlx-lm; $ROUNDS rounds (default 3)
+#   bash lab/h200_all.sh repeat       whether plain greedy decoding repeats itself on $REPEAT_SHAPE (default
+#                                       nemotron-30b-a3b): kernel families and compiled steps off in one
+#                                       process, then MLX's cuDNN attention off in a second (lab/repeat_decode.py)
 #   bash lab/h200_all.sh bf16         tests/engine/test_speculation_bf16.py on the GPU
 #   bash lab/h200_all.sh flint        lab/small_flint.py: Flint's :small recipe, plain 4-bit and
 #                                       mlx-vlm's Flint at the published shape
@@ -180,6 +183,16 @@ case "$part" in
     timeout "${SPEC_TIMEOUT:-560}" $py lab/spec_default.py --shapes ${SPEC_SHAPES:-27b 35b-a3b 4b nemotron-30b-a3b} \
       --rounds "${ROUNDS:-3}" --edit-rounds "${EDIT_ROUNDS:-${ROUNDS:-3}}" --tokens "${TOKENS:-256}" > "$out/spec.log" 2>&1
     grep -E 'summary|Error' "$out/spec.log"
+    ;;
+  repeat)
+    # plain greedy decoding of one prompt, repeated, under kernel settings that name a suspect
+    : > "$out/repeat.log"
+    timeout "${REPEAT_TIMEOUT:-270}" $py lab/repeat_decode.py --shape "${REPEAT_SHAPE:-nemotron-30b-a3b}" \
+      --variants default KAPITSA_KERNELS=none KAPITSA_COMPILE_DECODE=0 KAPITSA_QLINEAR=stock >> "$out/repeat.log" 2>&1
+    # MLX has spelled this variable both ways
+    MLX_CUDA_USE_CUDNN_SDPA=0 MLX_CUDA_USE_CUDNN_SPDA=0 timeout "${REPEAT_TIMEOUT:-270}" $py lab/repeat_decode.py \
+      --shape "${REPEAT_SHAPE:-nemotron-30b-a3b}" --variants default >> "$out/repeat.log" 2>&1
+    grep -E 'variant|summary|Error' "$out/repeat.log"
     ;;
   bf16)
     # greedy speculation == plain in bf16 on the GPU's kernels (both families, 256 tokens)

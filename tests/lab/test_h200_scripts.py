@@ -257,3 +257,29 @@ def test_batch_sweep_times_both_engines_per_stream_count() -> None:
         ("mlx-lm", 2),
     ]
     assert all(r["aggregate_tok_s"] > 0 and r["wall_s"] > 0 and "first_burst_extra_s" in r for r in rows)
+
+
+def test_repeat_decode_reports_each_variant_against_its_first_run() -> None:
+    """Greedy decoding on the CPU repeats itself under every setting; the summary compares each
+    variant's tokens with the default's."""
+    done = subprocess.run(
+        [
+            sys.executable, "lab/repeat_decode.py", "--tiny", "--shape", "nemotron-30b-a3b", "--tokens", "6",
+            "--prompt", "12", "--repeats", "2", "--variants", "default", "KAPITSA_COMPILE_DECODE=0+KAPITSA_KERNELS=none",
+        ],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    variants = [r for r in rows if "variant" in r]
+    assert [r["variant"] for r in variants] == ["default", "KAPITSA_COMPILE_DECODE=0+KAPITSA_KERNELS=none"]
+    assert all(r["identical"] and r["first_divergence"] == [None] for r in variants)
+    assert rows[-1]["same_as_default"]["default"] is None
+
+
+def test_first_divergence_finds_the_first_differing_position() -> None:
+    sys.path.insert(0, str(ROOT))
+    from lab.repeat_decode import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
