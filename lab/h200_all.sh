@@ -63,7 +63,7 @@
 #                                       speculation (1 round); also with other kernel families (without the attention kernels
 #                                       "attn"; on Nemotron without the fused MoE router "route"), on the MoE
 #                                       shapes folded shared experts when FOLD_AB=1
-# Getting there: `bash lab/stage_mlx_cuda.sh` stages MLX's CUDA wheel and mlx-lm in three parts
+# Getting there: `bash lab/stage_mlx_cuda.sh` stages MLX's CUDA wheel and mlx-lm in parts
 # (lab/README.md); the machine stays warm 30 s between calls: have the next command ready.
 # Shapes: 27b, 35b-a3b, 4b, nemotron-30b-a3b. Results go to ${OUT:-.}/<part>.log: JSON lines,
 # the "summary" lines last. Run after .gpu/ is staged: source .gpu/mlx/activate.sh first. MLX keeps JIT-compiled kernels in /tmp/mlx, so later parts on the
