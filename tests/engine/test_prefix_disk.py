@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_prefix_reuse import SYSTEM, chat
 
-from kapitsa.engine.cache.file import read_prefix_file
+from kapitsa.engine.cache.file import TMP_PREFIX, read_prefix_file
 from kapitsa.engine.inprocess import InProcessEngine
 from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.options import EngineConfig
@@ -67,6 +67,8 @@ def _tiny_engine(folder: Path, kind: str, cache: Path):
 
 def _has_turn_on_disk(cache: Path, pos: int) -> bool:
     for path in cache.rglob("*.safetensors"):
+        if path.name.startswith(TMP_PREFIX):
+            continue  # a write in progress: a restart's scan skips it too
         try:
             header = path.read_bytes()[8 : 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]]
             meta = json.loads(header)["__metadata__"]
