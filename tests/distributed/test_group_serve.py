@@ -105,7 +105,7 @@ def check_served_group(kind: str, parallel: str, ranks: int, checkpoints, hostfi
         streamed = client.chat.completions.create(model=kind, messages=MESSAGES, stream=True, **GREEDY)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
         assert_killed_rank_ends_stream_and_group(client, kind, proc.pid, ranks)
-        assert proc.wait(10) != 0, "a group that lost a rank exited 0"
+        assert proc.wait(30) != 0, "a group that lost a rank exited 0"
 
 
 @pytest.mark.parametrize(("kind", "parallel", "ranks"), SERVED)
@@ -141,6 +141,6 @@ def assert_killed_rank_ends_stream_and_group(
     with pytest.raises(openai.APIError, match="a rank of the group stopped"):  # a row of the same batch
         for _chunk in other:
             pass
-    while session_pids(session) and time.monotonic() - killed_at < 10:
+    while session_pids(session) and time.monotonic() - killed_at < 30:  # a loaded 2-core CI machine
         time.sleep(0.1)
-    assert session_pids(session) == [], "ranks still running 10 s after one was killed"
+    assert session_pids(session) == [], "ranks still running 30 s after one was killed"

@@ -151,7 +151,8 @@ async def test_memory_short_now_waits_then_reports_busy(qwen_model, make_client)
         prefix_cache_bytes=0,
     )
     first = asyncio.create_task(collect(client, _req("first", 200)))
-    await asyncio.sleep(0.01)
+    while client.stats().active_requests == 0:  # "first" holds the memory before "other" asks
+        await asyncio.sleep(0.005)
     _, events = await collect(client, _req("other", 200))
     assert isinstance(events[-1], ErrorEvent) and isinstance(events[-1].error, EngineBusy)
     ids, events = await first

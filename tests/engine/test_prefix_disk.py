@@ -96,9 +96,9 @@ async def test_restart_resumes_at_the_last_turn(kind, stop, tmp_path) -> None:
         first.close()
     else:  # no flush: only what the background writer put on disk within seconds survives
         deadline = time.monotonic() + 5.0
-        while (
-            not _has_turn_on_disk(tmp_path / "cache", int(0.9 * last_prompt)) and time.monotonic() < deadline
-        ):
+        while not _has_turn_on_disk(tmp_path / "cache", int(0.9 * last_prompt)):
+            if time.monotonic() > deadline:
+                pytest.fail("the background writer put no checkpoint of the last turn on disk in 5 s")
             time.sleep(0.05)
     restarted = InProcessEngine.from_loaded(loaded, config=config)
     try:
@@ -122,15 +122,21 @@ def _start_child(folder: Path, run: int, kind: str) -> tuple[subprocess.Popen, d
     return child, json.loads(line)
 
 
-def _kill_mid_write(child: subprocess.Popen, folder: Path, rng: random.Random) -> bool:
-    """kill -9 at a random moment once a checkpoint's temporary file exists; whether one did."""
+def _tmp_files(folder: Path) -> set[Path]:
+    return set(folder.glob("*/tmp-*"))
+
+
+def _kill_mid_write(child: subprocess.Popen, folder: Path, earlier: set[Path], rng: random.Random) -> bool:
+    """kill -9 at a random moment once this run's first temporary file exists; whether one was left.
+    Earlier runs' torn files stay (a restart keeps recent ones: they may be another process's live
+    write), so only names not in `earlier` count."""
     time.sleep(rng.uniform(0.05, 0.4))
     deadline = time.monotonic() + 0.5
-    while time.monotonic() < deadline and not any(folder.glob("*/tmp-*")):
+    while time.monotonic() < deadline and not _tmp_files(folder) - earlier:
         time.sleep(0.001)
     child.kill()
     child.wait()
-    return any(folder.glob("*/tmp-*"))
+    return bool(_tmp_files(folder) - earlier)
 
 
 def _assert_every_file_intact(folder: Path) -> None:
@@ -146,8 +152,9 @@ def test_kill_during_checkpoint_writes_never_leaves_a_corrupt_file(tmp_path) -> 
     for run in range(KILLS):
         kind = ("qwen3_5", "nemotron_h")[run % 2]
         folder = tmp_path / kind
+        earlier = _tmp_files(folder)
         child, report = _start_child(folder, run, kind)
-        torn_writes += _kill_mid_write(child, folder, rng)
+        torn_writes += _kill_mid_write(child, folder, earlier, rng)
         reference.setdefault(kind, report["probe"])  # each family's first run starts from nothing
         assert report["probe"] == reference[kind], f"run {run}: greedy output changed after a kill"
         assert report["corrupt"] == 0, f"run {run} met a corrupt checkpoint"

@@ -116,10 +116,10 @@ def test_a_corrupt_file_is_deleted_and_counted_at_lookup(tmp_path: Path) -> None
 
 
 def test_write_behind_reaches_disk_after_its_delay(tmp_path: Path) -> None:
-    disk = DiskTier(tmp_path, model_key="m", budget_bytes=1 << 20, write_delay_s=0.3)
+    disk = DiskTier(tmp_path, model_key="m", budget_bytes=1 << 20, write_delay_s=2.0)
     disk.save_later(_stored(list(range(10))))
     assert len(disk) == 0 and disk.lookup(list(range(12))) is not None  # served from memory meanwhile
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 10.0
     while len(disk) == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(disk) == 1
