@@ -17,6 +17,11 @@ from kapitsa.private_files import atomic_write
 STATE_FILE = "server.json"
 
 
+def http_url(host: str, port: int) -> str:
+    """The base URL of a server on host:port; an IPv6 address goes in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @dataclass(frozen=True)
 class ServerRecord:
     host: str
@@ -25,7 +30,7 @@ class ServerRecord:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
 
 def record_server(state_dir: Path, *, host: str, port: int) -> ServerRecord:

@@ -15,6 +15,7 @@ import httpx
 
 from kapitsa.errors import KapitsaError
 from kapitsa.private_files import PRIVATE_FILE, make_private_dir
+from kapitsa.server_state import http_url
 
 PORTS_TO_TRY = 20
 
@@ -72,7 +73,7 @@ def ensure_server(
     """Reuse a server already serving the model, else start `kapitsa serve` on the first free port."""
     wanted = tuple(wanted_ids)
     for port in range(first_port, first_port + PORTS_TO_TRY):
-        base_url = f"http://{host}:{port}"
+        base_url = http_url(host, port)
         found = probe(base_url, api_key)
         if found.state == "server" and (model_id := matching_id(found.model_ids, wanted)):
             return ServerHandle(base_url=base_url, model_id=model_id, started=False)
@@ -137,7 +138,7 @@ def start_server(
             env=env,
             start_new_session=True,
         )
-    base_url = f"http://{host}:{port}"
+    base_url = http_url(host, port)
     model_id = _wait_ready(process, base_url, api_key, wanted, log_path, timeout_s)
     return ServerHandle(
         base_url=base_url, model_id=model_id, started=True, pid=process.pid, log_path=log_path

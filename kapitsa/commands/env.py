@@ -7,7 +7,7 @@ from kapitsa.settings import load_settings
 
 
 def cmd_env(shell: str | None) -> None:
-    from kapitsa.server_state import running_server
+    from kapitsa.server_state import http_url, running_server
     from kapitsa.shell_env import env_lines
     from kapitsa.token import get_token
 
@@ -18,5 +18,5 @@ def cmd_env(shell: str | None) -> None:
     server = running_server(
         settings.state_dir
     )  # the port a running server really got, else the configured one
-    url = server.url if server is not None else f"http://{settings.host}:{settings.port}"
+    url = server.url if server is not None else http_url(settings.host, settings.port)
     print(env_lines(url, token.token, shell).text)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from kapitsa.commands.group import join_as_rank, launched_rank, leave, relaunch, wants_group
-from kapitsa.server.runner import check_bind, check_port_free, serve_forever
+from kapitsa.server.runner import bound_port, check_bind, check_port_free, reserve_port, serve_forever
 from kapitsa.server.settings import ServerSettings
 
 
@@ -56,17 +57,18 @@ def cmd_serve(
     check_bind(settings)
     check_speculation(settings.speculative, draft)
     parse_kv_bits(kv_bits)  # a bad flag fails before the port check and the weights
-    check_port_free(settings)
-    engine = open_engine(
-        settings.model,
-        speculative=settings.speculative,
-        draft=draft,
-        draft_tokens=draft_tokens,
-        tree=tree,
-        kv_bits=kv_bits,
-    )
-    with contextlib.closing(engine) as client:
-        _serve_recorded(client, settings)
+    with contextlib.closing(reserve_port(settings)) as sock:
+        settings = settings.model_copy(update={"port": bound_port(sock)})  # port 0: the one it got
+        engine = open_engine(
+            settings.model,
+            speculative=settings.speculative,
+            draft=draft,
+            draft_tokens=draft_tokens,
+            tree=tree,
+            kv_bits=kv_bits,
+        )
+        with contextlib.closing(engine) as client:
+            _serve_recorded(client, settings, sock)
 
 
 def _serve_group(
@@ -88,9 +90,12 @@ def _serve_group(
     rank = launched_rank()
     if rank in (None, 0):  # the port is rank 0's: check it before any rank loads
         check_bind(settings)
-        check_port_free(settings)
     if rank is None:
+        check_port_free(settings)
         relaunch(hostfile, sys.argv[1:])
+    sock = reserve_port(settings) if rank == 0 else None
+    if sock is not None:
+        settings = settings.model_copy(update={"port": bound_port(sock)})
     join_as_rank()
     engine = open_group_engine(
         settings.model,
@@ -101,12 +106,12 @@ def _serve_group(
     if engine is None:
         leave(0)
     with contextlib.closing(engine) as client:
-        _serve_recorded(client, settings)
+        _serve_recorded(client, settings, sock)
         healthy = client.stats().alive  # a lost rank fails the group: the command does not exit 0
     leave(0 if healthy else 1)
 
 
-def _serve_recorded(client: object, settings: ServerSettings) -> None:
+def _serve_recorded(client: object, settings: ServerSettings, sock: socket.socket | None) -> None:
     """Serve, with `server.json` naming the port while it runs (what `kapitsa env` prints)."""
     from kapitsa.server_state import forget_server, record_server
     from kapitsa.settings import load_settings
@@ -114,6 +119,6 @@ def _serve_recorded(client: object, settings: ServerSettings) -> None:
     state_dir = load_settings().state_dir
     record_server(state_dir, host=settings.host, port=settings.port)
     try:
-        serve_forever(client, settings)  # type: ignore[arg-type]
+        serve_forever(client, settings, sock)  # type: ignore[arg-type]
     finally:
         forget_server(state_dir)

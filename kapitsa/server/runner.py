@@ -16,6 +16,7 @@ from kapitsa.errors import InvalidRequest, KapitsaError
 from kapitsa.server.app import create_app
 from kapitsa.server.security import is_loopback_host
 from kapitsa.server.settings import ServerSettings
+from kapitsa.server_state import http_url
 
 _HEADER_LIMIT = 64 * 1024  # uvicorn's h11 header cap, in bytes (431 above it)
 
@@ -30,19 +31,32 @@ def check_bind(settings: ServerSettings) -> None:
         )
 
 
-def check_port_free(settings: ServerSettings) -> None:
-    """Fail before loading the model (which can take minutes) when the port is already taken."""
-    if settings.port == 0:
-        return
+def reserve_port(settings: ServerSettings) -> socket.socket:
+    """Bind the server's address now, before the model loads (which can take minutes): a taken port fails
+    at once, nothing can take it meanwhile, and port 0 learns the port it got. The socket listens only
+    once `serve_forever` starts, so until then a client is refused as if no server ran."""
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((settings.host, settings.port))
-        except OSError as exc:
-            raise KapitsaError(
-                f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}); pass --port or set KAPITSA_PORT"
-            ) from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(
+        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+    )  # as uvicorn binds: TIME_WAIT does not block it
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        raise KapitsaError(
+            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}); pass --port or set KAPITSA_PORT"
+        ) from None
+    return sock
+
+
+def check_port_free(settings: ServerSettings) -> None:
+    """Fail early when the port is taken, for a process that does not serve it itself (a group's launcher)."""
+    reserve_port(settings).close()
+
+
+def bound_port(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
 
 
 def make_server(client: EngineClient, settings: ServerSettings) -> uvicorn.Server:
@@ -61,8 +75,9 @@ def make_server(client: EngineClient, settings: ServerSettings) -> uvicorn.Serve
     return uvicorn.Server(config)
 
 
-def serve_forever(client: EngineClient, settings: ServerSettings) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight streams get `drain_s` to finish."""
+def serve_forever(client: EngineClient, settings: ServerSettings, sock: socket.socket | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight streams get `drain_s` to finish. `sock`: the address
+    `reserve_port` bound (`settings.port` then names its port); without it uvicorn binds its own."""
     server = make_server(client, settings)
     if not is_loopback_host(settings.host):
         print(
@@ -71,11 +86,11 @@ def serve_forever(client: EngineClient, settings: ServerSettings) -> None:
             file=sys.stderr,
         )
     print(
-        f"kapitsa serving {', '.join(m.id for m in client.models())} on http://{settings.host}:{settings.port}",
+        f"kapitsa serving {', '.join(m.id for m in client.models())} on {http_url(settings.host, settings.port)}",
         file=sys.stderr,
     )
     with _signals_end_serving():
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
 
 
 @contextlib.contextmanager

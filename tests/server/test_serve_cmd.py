@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import pytest
 
 from kapitsa.commands.serve import cmd_serve, make_settings
 from kapitsa.errors import KapitsaError
+from kapitsa.server.runner import bound_port, reserve_port
 from kapitsa.server.settings import DEFAULT_PORT
 
 
@@ -67,24 +69,35 @@ def test_cli_prints_the_refusal_and_exits_1() -> None:
     assert done.returncode == 1 and "without a token" in done.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _served_port(proc: subprocess.Popen[str]) -> int:
+    """The port `kapitsa serve --port 0` reports once it serves (it prints the address it bound)."""
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("kapitsa serving "):
+            return int(line.rsplit(":", 1)[1])
+    pytest.fail(f"kapitsa serve exited with {proc.wait()} before serving")
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
     tiny = pytest.importorskip("kapitsa.testing.tiny")
     folder = tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "qwen3_5")
-    port = _free_port()
-    env = {**os.environ, "KAPITSA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kapitsa", "serve", "--model", str(folder), "--port", str(port)],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+    state = tmp_path_factory.mktemp("state")
+    env = {
+        **os.environ,
+        "KAPITSA_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+        "KAPITSA_STATE_DIR": str(state),
+    }
+    proc = (
+        subprocess.Popen(  # port 0: the server binds a free port itself, so no other test can take it first
+            [sys.executable, "-m", "kapitsa", "serve", "--model", str(folder), "--port", "0"],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
     )
+    port = _served_port(proc)
+    assert json.loads((state / "server.json").read_text())["port"] == port  # what `kapitsa env` reads
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -169,3 +182,12 @@ def test_a_taken_port_fails_before_loading(monkeypatch: pytest.MonkeyPatch) -> N
         port = taken.getsockname()[1]
         with pytest.raises(KapitsaError, match=f"cannot listen on 127.0.0.1:{port}"):
             cmd_serve(model="/nonexistent", host="127.0.0.1", port=port, speculative="none")
+
+
+def test_port_0_binds_a_free_port_before_loading_and_keeps_it() -> None:
+    settings = make_settings(model=None, host="127.0.0.1", port=0, speculative="none")
+    with reserve_port(settings) as sock:
+        port = bound_port(sock)
+        assert port > 0
+        with socket.socket() as other, pytest.raises(OSError):  # held while the model loads
+            other.bind(("127.0.0.1", port))

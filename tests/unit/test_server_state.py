@@ -54,3 +54,8 @@ def test_record_is_private_and_forgotten_on_stop(state_dir) -> None:
     assert running_server(state_dir).port == 9000
     forget_server(state_dir)
     assert not (state_dir / STATE_FILE).exists()
+
+
+def test_an_ipv6_server_gets_a_bracketed_url(state_dir) -> None:
+    assert record_server(state_dir, host="::1", port=8485).url == "http://[::1]:8485"
+    assert record_server(state_dir, host="127.0.0.1", port=8485).url == "http://127.0.0.1:8485"
