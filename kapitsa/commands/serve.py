@@ -57,7 +57,7 @@ def cmd_serve(
     check_bind(settings)
     check_speculation(settings.speculative, draft)
     parse_kv_bits(kv_bits)  # a bad flag fails before the port check and the weights
-    with contextlib.closing(reserve_port(settings)) as sock:
+    with contextlib.closing(reserve_port(settings.host, settings.port)) as sock:
         settings = settings.model_copy(update={"port": bound_port(sock)})  # port 0: the one it got
         engine = open_engine(
             settings.model,
@@ -93,7 +93,7 @@ def _serve_group(
     if rank is None:
         check_port_free(settings)
         relaunch(hostfile, sys.argv[1:])
-    sock = reserve_port(settings) if rank == 0 else None
+    sock = reserve_port(settings.host, settings.port) if rank == 0 else None
     if sock is not None:
         settings = settings.model_copy(update={"port": bound_port(sock)})
     join_as_rank()

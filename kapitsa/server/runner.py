@@ -31,28 +31,28 @@ def check_bind(settings: ServerSettings) -> None:
         )
 
 
-def reserve_port(settings: ServerSettings) -> socket.socket:
+def reserve_port(host: str, port: int) -> socket.socket:
     """Bind the server's address now, before the model loads (which can take minutes): a taken port fails
     at once, nothing can take it meanwhile, and port 0 learns the port it got. The socket listens only
     once `serve_forever` starts, so until then a client is refused as if no server ran."""
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(
         socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
     )  # as uvicorn binds: TIME_WAIT does not block it
     try:
-        sock.bind((settings.host, settings.port))
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise KapitsaError(
-            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}); pass --port or set KAPITSA_PORT"
+            f"cannot listen on {host}:{port} ({exc.strerror}); pass --port or set KAPITSA_PORT"
         ) from None
     return sock
 
 
 def check_port_free(settings: ServerSettings) -> None:
     """Fail early when the port is taken, for a process that does not serve it itself (a group's launcher)."""
-    reserve_port(settings).close()
+    reserve_port(settings.host, settings.port).close()
 
 
 def bound_port(sock: socket.socket) -> int:

@@ -139,20 +139,24 @@ class TuiServices:
     def start_engine(self, ref: str) -> EngineHandle:
         """Load `ref` in an engine thread and serve it on 127.0.0.1 (blocking: call from a worker)."""
         with needs("the HTTP server"):
-            from kapitsa.server.runner import make_server
+            from kapitsa.server.runner import bound_port, make_server
             from kapitsa.server.settings import ServerSettings
         try:
             client = self._engine_factory(ref)
         except NotDownloaded as err:  # the CLI's `kapitsa pull` hint, in the TUI's own terms
             raise NotDownloaded(f"{ref} is not downloaded yet: press d to download it", ref=err.ref) from None
+        sock = None
         try:
-            settings = ServerSettings(host="127.0.0.1", port=_free_port(self.settings.port), model=ref)
+            sock = _reserve_free_port(self.settings.port)
+            settings = ServerSettings(host="127.0.0.1", port=bound_port(sock), model=ref)
             server, thread = _serve_in_thread(
                 make_server(client, settings),
-                settings.port,
+                sock,
                 log_dir=Path(self.settings.state_dir) / "logs",
             )
         except BaseException:
+            if sock is not None:
+                sock.close()
             EngineHandle(ref, client, "").stop()
             raise
         from kapitsa.server_state import record_server
@@ -221,22 +225,24 @@ def _default_engine_factory(ref: str) -> EngineClient:
     return open_engine(ref)
 
 
-def _free_port(preferred: int, tries: int = 20) -> int:
+def _reserve_free_port(preferred: int, tries: int = 20) -> socket.socket:
+    """The first free port from `preferred` on, bound (the server then serves that very socket)."""
+    from kapitsa.server.runner import reserve_port
+
     for port in range(preferred, preferred + tries):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
+        with contextlib.suppress(KapitsaError):
+            return reserve_port("127.0.0.1", port)
     raise KapitsaError(f"ports {preferred}-{preferred + tries - 1} on 127.0.0.1 are all taken")
 
 
 def _serve_in_thread(
-    server: Any, port: int, *, log_dir: Path, timeout_s: float = 30.0
+    server: Any, sock: socket.socket, *, log_dir: Path, timeout_s: float = 30.0
 ) -> tuple[Any, threading.Thread]:
     _log_server_to_file(log_dir / "tui-server.log")
-    thread = threading.Thread(target=server.run, name="kapitsa-server", daemon=True)
+    port = sock.getsockname()[1]
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="kapitsa-server", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + timeout_s
     while not server.started:

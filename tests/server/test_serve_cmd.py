@@ -185,8 +185,7 @@ def test_a_taken_port_fails_before_loading(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_port_0_binds_a_free_port_before_loading_and_keeps_it() -> None:
-    settings = make_settings(model=None, host="127.0.0.1", port=0, speculative="none")
-    with reserve_port(settings) as sock:
+    with reserve_port("127.0.0.1", 0) as sock:
         port = bound_port(sock)
         assert port > 0
         with socket.socket() as other, pytest.raises(OSError):  # held while the model loads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -33,6 +34,23 @@ def test_the_server_listens_on_loopback_and_stops(running) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{handle.url}/health", timeout=2)
     handle.stop()  # twice is harmless
+
+
+def test_a_taken_port_moves_the_server_to_the_next_one(tmp_path) -> None:
+    services = FakeServices(
+        tmp_path, engine_factory=lambda ref: FakeEngine(model=ModelInfo(ref, "fake", 32768, 8192))
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        services.settings.port = taken.getsockname()[1]
+        handle = services.start_engine("4b")
+        try:
+            port = int(handle.url.rsplit(":", 1)[1])
+            assert port != services.settings.port
+            assert httpx.get(f"{handle.url}/health").json()["status"] == "ok"
+        finally:
+            handle.stop()
 
 
 def test_env_lines_point_at_the_server(running) -> None:
