@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -361,20 +361,30 @@ def main() -> None:
         if _state["debug"]:
             raise
         _fail(str(err), 1)
-    except _click_errors().ClickException as err:
+    except _click_exception() as err:
         _fail(_usage_line(err), err.exit_code)  # type: ignore[attr-defined]
-    except _click_errors().Abort:
+    except _abort():  # stdin closed at a prompt (Ctrl-C is Typer's exit 130)
         _fail("aborted", 1)
     sys.exit(exit_code if isinstance(exit_code, int) else 0)
 
 
-def _click_errors() -> Any:
-    """Click's exception classes: Typer vendors its own copy of click (`typer._click`) since 0.20."""
+def _click_exception() -> type[Exception]:
+    """Click's usage-error base: Typer vendors its own copy of click (`typer._click`) since 0.20."""
     try:
-        from typer._click import exceptions
+        from typer._click.exceptions import ClickException
     except ImportError:
-        from click import exceptions
-    return exceptions
+        from click.exceptions import ClickException
+    return ClickException
+
+
+def _abort() -> type[BaseException]:
+    """What Typer raises when input ends at a prompt: its own class since it vendors click, click's before."""
+    try:
+        from typer._click import exceptions as _  # noqa: F401 - only to tell the vendored layout apart
+        from typer.exceptions import Abort
+    except ImportError:
+        from click.exceptions import Abort
+    return Abort
 
 
 def _usage_line(err: Exception) -> str:

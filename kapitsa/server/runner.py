@@ -79,6 +79,8 @@ def serve_forever(client: EngineClient, settings: ServerSettings, sock: socket.s
     """Serve until SIGINT/SIGTERM; in-flight streams get `drain_s` to finish. `sock`: the address
     `reserve_port` bound (`settings.port` then names its port); without it uvicorn binds its own."""
     server = make_server(client, settings)
+    if sock is not None:
+        _listen(sock, settings, server.config.backlog)
     if not is_loopback_host(settings.host):
         print(
             f"WARNING: kapitsa is listening on {settings.host}:{settings.port}, reachable from the network "
@@ -91,6 +93,18 @@ def serve_forever(client: EngineClient, settings: ServerSettings, sock: socket.s
     )
     with _signals_end_serving():
         server.run(sockets=None if sock is None else [sock])
+
+
+def _listen(sock: socket.socket, settings: ServerSettings, backlog: int) -> None:
+    """Start listening; fails when another server began listening on the port while this one loaded
+    (a reserved port only stops others from binding it, not from listening first)."""
+    try:
+        sock.listen(backlog)
+    except OSError as exc:
+        raise KapitsaError(
+            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}): another server took it while "
+            "the model loaded; pass --port or set KAPITSA_PORT"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import pytest
 
 from kapitsa.commands.serve import cmd_serve, make_settings
 from kapitsa.errors import KapitsaError
-from kapitsa.server.runner import bound_port, reserve_port
+from kapitsa.server.runner import bound_port, reserve_port, serve_forever
 from kapitsa.server.settings import DEFAULT_PORT
 
 
@@ -190,3 +190,19 @@ def test_port_0_binds_a_free_port_before_loading_and_keeps_it() -> None:
         assert port > 0
         with socket.socket() as other, pytest.raises(OSError):  # held while the model loads
             other.bind(("127.0.0.1", port))
+
+
+def test_a_port_another_server_listens_on_first_is_a_clear_error() -> None:
+    from kapitsa.engine.types import ModelInfo
+    from kapitsa.server.settings import ServerSettings
+    from kapitsa.testing.fake_engine import FakeEngine
+
+    with reserve_port("127.0.0.1", 0) as ours:
+        port = bound_port(ours)
+        with reserve_port("127.0.0.1", port) as theirs:  # both bound it while loading; theirs serves first
+            theirs.listen()
+            engine = FakeEngine(model=ModelInfo("m", "fake", 4096, 1024))
+            with pytest.raises(
+                KapitsaError, match=f"cannot listen on 127.0.0.1:{port} .*while the model loaded"
+            ):
+                serve_forever(engine, ServerSettings(port=port), ours)

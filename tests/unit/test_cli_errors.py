@@ -85,3 +85,22 @@ def test_unknown_alias_lists_the_catalog_like_pull() -> None:
     message = str(raised.value)
     assert "not a catalog alias" in message
     assert "27b" in message and "demo" in message
+
+
+def test_input_ending_at_a_prompt_is_one_line(monkeypatch, capsys) -> None:
+    def closed_stdin(shell):  # noqa: ANN001, ANN202
+        raise EOFError
+
+    monkeypatch.setattr("kapitsa.commands.env.cmd_env", closed_stdin)
+    code, err = run_main(monkeypatch, capsys, "env")
+    assert code == 1 and assert_one_error_line(err) == "error: aborted"
+
+
+def test_an_unexpected_error_surfaces_as_itself(monkeypatch) -> None:
+    def bug(shell):  # noqa: ANN001, ANN202
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("kapitsa.commands.env.cmd_env", bug)
+    monkeypatch.setattr(sys, "argv", ["kapitsa", "env"])
+    with pytest.raises(RuntimeError, match="a bug"):  # not masked by the error handlers' own failure
+        cli.main()
