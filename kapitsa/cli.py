@@ -18,7 +18,7 @@ from kapitsa.errors import KapitsaError, NotBuilt
 app = typer.Typer(
     name="kapitsa",
     help=(
-        "Local inference for hybrid Qwen3.5 / Nemotron-H models on MLX, and a launcher for coding agents."
+        "Local inference for hybrid Qwen3.5 / Nemotron-H / Flint models on MLX, and a launcher for coding agents."
         "\n\nRun `kapitsa` with no command to open the TUI (models, chat, bench, agents)."
     ),
     no_args_is_help=False,
