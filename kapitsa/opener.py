@@ -65,8 +65,29 @@ def open_engine(
             if speculative == "auto" and not tuned.pays:
                 speculative = "none"  # the bench measured every draft shape slower than plain here
     return start_engine(
-        loaded, config, speculative=speculative, draft=draft, draft_tokens=draft_tokens, tree=bool(tree)
+        loaded,
+        config,
+        speculative=speculative,
+        draft=draft_source(draft, settings),
+        draft_tokens=draft_tokens,
+        tree=bool(tree),
     )
+
+
+def draft_source(draft: str | None, settings: KapitsaSettings) -> str | None:
+    """`--draft` as the loader takes it: a catalog alias (`4b`, `demo`) becomes its folder or repo id;
+    a folder, file or repo id stays as given."""
+    from kapitsa.catalog import is_alias, load_catalog, resolve_model
+
+    catalog = load_catalog(settings.catalog)
+    if draft is None or Path(draft).exists() or not is_alias(draft, catalog):
+        return draft
+    resolved = resolve_model(draft, catalog)
+    if resolved.quantize is not None:
+        raise KapitsaError(
+            f"--draft {draft} is quantized on load, which a drafter does not do: pass a ready-quantized alias or a folder"
+        )
+    return str(resolved.path if resolved.kind == "path" else resolved.repo_id)
 
 
 def keep_jit_cache(state_dir: Path, environ: dict[str, str] | None = None) -> Path | None:

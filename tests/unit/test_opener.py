@@ -129,3 +129,17 @@ def test_cuda_keeps_mlx_jit_cache_in_the_state_folder(tmp_path: Path, monkeypatc
 
     (tmp_path / "blocked").write_text("a file where the folder would go")
     assert keep_jit_cache(tmp_path / "blocked", {}) is None
+
+
+def test_draft_takes_a_catalog_alias(state_dir: Path) -> None:
+    with contextlib.closing(open_engine("demo", speculative="draft", draft="demo")) as engine:
+        assert engine.stats().speculative == "draft"
+
+
+def test_draft_alias_and_folder_resolve_to_what_the_loader_reads(tiny_qwen: Path, state_dir: Path) -> None:
+    from kapitsa.opener import draft_source
+
+    settings = load_settings()
+    assert Path(draft_source("demo", settings)).is_dir()  # the embedded demo's folder
+    assert draft_source(str(tiny_qwen), settings) == str(tiny_qwen)
+    assert draft_source(None, settings) is None
