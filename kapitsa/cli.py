@@ -19,7 +19,7 @@ app = typer.Typer(
     name="kapitsa",
     help=(
         "Local inference for hybrid Qwen3.5 / Nemotron-H / Flint models on MLX, and a launcher for coding agents."
-        "\n\nRun `kapitsa` with no command to open the TUI (models, chat, bench, agents)."
+        "\n\nRun `kapitsa` with no command to open the TUI (models, live stats, bench, agents)."
     ),
     no_args_is_help=False,
     add_completion=False,
