@@ -267,10 +267,17 @@ def _resolve_entry(ref: str, entry: CatalogEntry, quant_name: str | None) -> Res
 
 def _resolve_small(ref: str, entry: CatalogEntry) -> ResolvedModel:
     """`alias:small`: the entry's `small_source` weights with the recipe applied on load."""
+    quants = ", ".join(q.name for q in entry.quants)
+    if entry.arch is not None and not entry.arch.is_moe and entry.arch.active_params_b < entry.arch.params_b:
+        raise NoRoutedExperts(  # a MoE entry whose routed experts' size the catalog does not give
+            f"{entry.alias!r} ({entry.name}) has no ':small' in the catalog: the recipe's fit needs the size "
+            f"of its routed experts, which is not listed; pick a uniform quant ({quants}), or load its bf16 "
+            "folder or repo id with ':small'"
+        )
     if entry.arch is None or not entry.arch.is_moe:
         raise NoRoutedExperts(
             f"{entry.alias!r} ({entry.name}) is a dense model: ':small' keeps routed experts at 2 bits "
-            f"and it has none; pick a uniform quant ({', '.join(q.name for q in entry.quants)})"
+            f"and it has none; pick a uniform quant ({quants})"
         )
     source = entry.quant(entry.small_source)
     return ResolvedModel(

@@ -163,6 +163,13 @@ def test_small_on_a_dense_alias_says_why(alias: str) -> None:
         resolve_model(f"{alias}:small", load_catalog())
 
 
+@pytest.mark.parametrize("alias", ["bolt", "flash-next", "super-vl"])
+def test_small_on_a_moe_alias_without_its_expert_size_says_so(alias: str) -> None:
+    with pytest.raises(NoRoutedExperts, match="size of its routed experts") as refused:
+        resolve_model(f"{alias}:small", load_catalog())
+    assert "dense" not in str(refused.value)
+
+
 def test_every_moe_entry_counts_its_routed_experts_below_its_total() -> None:
     for entry in load_catalog():
         if entry.model_type in ("qwen3_5_moe", "flint") or entry.alias == "lightning":
