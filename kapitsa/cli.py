@@ -45,7 +45,8 @@ SpecOpt = Annotated[
 DraftOpt = Annotated[
     str | None,
     typer.Option(
-        "--draft", help="Drafter: a small model of the same tokenizer, or a DFlash block drafter folder."
+        "--draft",
+        help="Drafter: a small model of the same tokenizer (catalog alias, folder or repo id), or a DFlash block drafter folder.",
     ),
 ]
 DraftTokensOpt = Annotated[

@@ -229,7 +229,9 @@ def check_speculation(mode: str, draft: str | None) -> None:
     if mode not in MODES:
         raise KapitsaError(f"unknown speculative mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode in ("draft", "block") and not draft:
-        raise KapitsaError(f"--speculative {mode} needs --draft PATH (a drafter checkpoint)")
+        raise KapitsaError(
+            f"--speculative {mode} needs --draft (a catalog alias, folder or repo id of a drafter)"
+        )
 
 
 @contextlib.contextmanager
