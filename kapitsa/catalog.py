@@ -156,6 +156,11 @@ class ResolvedModel:
     allow_patterns: tuple[str, ...] | None = None
     quantize: str | None = None  # a recipe the loader applies to these weights ("small")
 
+    @property
+    def source(self) -> str:
+        """What the loader reads: the folder, else the repo id."""
+        return str(self.path if self.kind == "path" else self.repo_id)
+
 
 @dataclass(slots=True, frozen=True)
 class Catalog:

@@ -364,7 +364,7 @@ def main() -> None:
         _fail(str(err), 1)
     except _click_exception() as err:
         _fail(_usage_line(err), err.exit_code)  # type: ignore[attr-defined]
-    except _abort():  # stdin closed at a prompt (Ctrl-C is Typer's exit 130)
+    except typer.Abort:  # stdin closed at a prompt (Ctrl-C is Typer's exit 130)
         _fail("aborted", 1)
     sys.exit(exit_code if isinstance(exit_code, int) else 0)
 
@@ -376,16 +376,6 @@ def _click_exception() -> type[Exception]:
     except ImportError:
         from click.exceptions import ClickException
     return ClickException
-
-
-def _abort() -> type[BaseException]:
-    """What Typer raises when input ends at a prompt: its own class since it vendors click, click's before."""
-    try:
-        from typer._click import exceptions as _  # noqa: F401 - only to tell the vendored layout apart
-        from typer.exceptions import Abort
-    except ImportError:
-        from click.exceptions import Abort
-    return Abort
 
 
 def _usage_line(err: Exception) -> str:

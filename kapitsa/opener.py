@@ -80,14 +80,16 @@ def draft_source(draft: str | None, settings: KapitsaSettings) -> str | None:
     from kapitsa.catalog import is_alias, load_catalog, resolve_model
 
     catalog = load_catalog(settings.catalog)
-    if draft is None or Path(draft).exists() or not is_alias(draft, catalog):
+    if draft is None or not is_alias(
+        draft, catalog
+    ):  # an alias wins over a folder of its name, as for --model
         return draft
     resolved = resolve_model(draft, catalog)
     if resolved.quantize is not None:
         raise KapitsaError(
             f"--draft {draft} is quantized on load, which a drafter does not do: pass a ready-quantized alias or a folder"
         )
-    return str(resolved.path if resolved.kind == "path" else resolved.repo_id)
+    return resolved.source
 
 
 def keep_jit_cache(state_dir: Path, environ: dict[str, str] | None = None) -> Path | None:
@@ -196,7 +198,7 @@ def load_for_ref(ref: str | None, *, settings: KapitsaSettings | None = None) ->
             )  # neither a path nor a repo id: the catalog's message, naming its aliases
             raise
     resolved = resolve_model(ref, catalog)
-    source = resolved.path if resolved.kind == "path" else resolved.repo_id
+    source = resolved.source
     try:
         return load_model(
             str(source),
@@ -326,7 +328,7 @@ def open_group_engine(  # noqa: ANN201 - GroupEngine | None
     source, model_id = ref, None
     if is_alias(ref, catalog):
         resolved = resolve_model(ref, catalog)
-        source = str(resolved.path if resolved.kind == "path" else resolved.repo_id)
+        source = resolved.source
         model_id = resolved.display_name
         if resolved.quantize is not None:  # a recipe on load (':small'): not split across ranks yet
             raise InvalidRequest(f"{ref}: the ':{resolved.quantize}' recipe does not run across a group yet")

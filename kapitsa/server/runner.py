@@ -32,14 +32,14 @@ def check_bind(settings: ServerSettings) -> None:
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
-    """Bind the server's address now, before the model loads (which can take minutes): a taken port fails
-    at once, nothing can take it meanwhile, and port 0 learns the port it got. The socket listens only
-    once `serve_forever` starts, so until then a client is refused as if no server ran."""
+    """Bind the server's address now, before the model loads (which can take minutes): a port another
+    server listens on fails at once, and port 0 learns the port it got. The socket listens only once
+    `serve_forever` starts, so until then a client is refused as if no server ran. Like uvicorn's bind
+    it sets SO_REUSEADDR (a restart is not blocked by the last run's TIME_WAIT connections), so another
+    such bind can still share the port until one listens: `serve_forever` reports that case."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(
-        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-    )  # as uvicorn binds: TIME_WAIT does not block it
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

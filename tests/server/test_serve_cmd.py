@@ -88,13 +88,12 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subp
         "KAPITSA_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
         "KAPITSA_STATE_DIR": str(state),
     }
-    proc = (
-        subprocess.Popen(  # port 0: the server binds a free port itself, so no other test can take it first
-            [sys.executable, "-m", "kapitsa", "serve", "--model", str(folder), "--port", "0"],
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+    # port 0: the server binds a free port itself, so no other test can take it first
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kapitsa", "serve", "--model", str(folder), "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     port = _served_port(proc)
     assert json.loads((state / "server.json").read_text())["port"] == port  # what `kapitsa env` reads
