@@ -26,6 +26,12 @@
 #                                       decode and 512/8192-token prefill against mlx-lm, aggregate
 #                                       decode at 1/4/8/16 streams (lab/results_table.py); the batch
 #                                       engines $TABLE_ENGINES (default kapitsa,mlx-lm)
+#   bash lab/h200_all.sh moe-pairs    where the MoE expert kernels stop paying: each kernel against
+#                                       gather_qmm at 1-8 tokens of random routing on both MoE shapes
+#                                       (lab/kernels_moe.py), then aggregate decode at $PAIRS_STREAMS
+#                                       (default 4,6,8) streams with KAPITSA_MOE_MAX_PAIRS at
+#                                       $PAIRS_LIMITS (default 32 72) on $PAIRS_SHAPES (default
+#                                       nemotron-30b-a3b; 35b-a3b is a second call), one process each
 #   bash lab/h200_all.sh compile      each decode batch size's first-burst cost and the kernels it
 #                                       compiles, over a fresh and then a warm PTX cache
 #                                       ($COMPILE_SHAPES, default 4b; lab/batch_compile.py)
@@ -161,6 +167,20 @@ case "$part" in
     timeout "${TABLE_BATCH_TIMEOUT:-260}" $py lab/batch_sweep.py --shapes "$shape" --streams 1,4,8,16 --tokens 48 \
       --prompt 512 --engines "${TABLE_ENGINES:-kapitsa,mlx-lm}" >> "$out/table-$shape.log" 2>&1
     $py lab/results_table.py "$out/table-$shape.log"
+    ;;
+  moe-pairs)
+    : > "$out/moe-pairs.log"
+    timeout "${PAIRS_KERNEL_TIMEOUT:-150}" $py lab/kernels_moe.py --tokens 1 2 3 4 5 6 8 --iters 100 \
+      >> "$out/moe-pairs.log" 2>&1
+    grep -E '"tokens"|Error' "$out/moe-pairs.log" | cut -c1-220
+    for shape in ${PAIRS_SHAPES:-nemotron-30b-a3b}; do
+      for limit in ${PAIRS_LIMITS:-32 72}; do
+        KAPITSA_MOE_MAX_PAIRS=$limit timeout "${PAIRS_BATCH_TIMEOUT:-200}" $py lab/batch_sweep.py --shapes "$shape" \
+          --streams "${PAIRS_STREAMS:-4,6,8}" --tokens 48 --prompt 512 --engines kapitsa 2>&1 \
+          | sed "s/^{/{\"moe_max_pairs\": $limit, /" >> "$out/moe-pairs.log"
+        grep '"aggregate_tok_s"' "$out/moe-pairs.log" | tail -3
+      done
+    done
     ;;
   compile)
     # each decode batch size's first-burst cost and the kernels it JIT-compiles ($COMPILE_SHAPES,

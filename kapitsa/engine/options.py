@@ -32,6 +32,11 @@ KERNEL_FAMILIES = ("gdn", "moe", "qmv", "mamba", "route", "attn")
 FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED_PARTS = frozenset({"norm", "residual"})
 DEFAULT_SSD_CHUNK = 256  # Mamba-2 prefill chunk: the fastest of 64/128/256 for the Nemotron shapes
+# (token, expert) pairs up to which a model's MoE layers take the expert decode kernels (kernels/moe.py)
+# rather than gather_qmm's sorted matmul. The kernels hold up to 72 (MOE_KERNEL_PAIRS); past 32 pairs
+# of random routing their step costs more than gather_qmm's at twice the rows (docs/results.md).
+DEFAULT_MOE_MAX_PAIRS = 32
+MOE_KERNEL_PAIRS = 72
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +50,7 @@ class KernelOptions:
     ssd_chunk: int = DEFAULT_SSD_CHUNK  # tokens per chunk of the Mamba-2 chunked scan at prefill
     fold_shared_experts: bool = False  # shared experts folded into the routed stack as extra experts
     compile_decode: bool = True  # plain decode steps run as mx.compile'd layer functions
+    moe_max_pairs: int = DEFAULT_MOE_MAX_PAIRS  # (token, expert) pairs the MoE decode kernels take, at most
 
     def __post_init__(self) -> None:
         if self.families is not None and not self.families <= set(KERNEL_FAMILIES):
@@ -53,6 +59,8 @@ class KernelOptions:
             raise ValueError(f"unknown fused parts {sorted(self.fused_parts - set(FUSED_PARTS))}")
         if self.ssd_chunk < 1:
             raise ValueError("ssd_chunk must be >= 1")
+        if not 0 <= self.moe_max_pairs <= MOE_KERNEL_PAIRS:
+            raise ValueError(f"moe_max_pairs must be between 0 and {MOE_KERNEL_PAIRS}")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> KernelOptions:
@@ -60,7 +68,8 @@ class KernelOptions:
 
         KAPITSA_KERNELS: "all", "none" or a comma list of KERNEL_FAMILIES; KAPITSA_FUSED_NORMS: "0",
         "all" or a comma list of FUSED_PARTS; KAPITSA_QLINEAR=stock; KAPITSA_MOE_DEQUANT=0;
-        KAPITSA_SSD_CHUNK=N; KAPITSA_FOLD_SHARED_EXPERTS=1; KAPITSA_COMPILE_DECODE=0."""
+        KAPITSA_SSD_CHUNK=N; KAPITSA_FOLD_SHARED_EXPERTS=1; KAPITSA_COMPILE_DECODE=0;
+        KAPITSA_MOE_MAX_PAIRS=N (0-72)."""
         values: dict = {}
         if kernels := environ.get("KAPITSA_KERNELS", "").strip().lower():
             values["families"] = _names(kernels, KERNEL_FAMILIES, "KAPITSA_KERNELS")
@@ -74,6 +83,12 @@ class KernelOptions:
             if not chunk.isdigit():
                 raise ValueError(f"KAPITSA_SSD_CHUNK={chunk!r} is not a positive integer")
             values["ssd_chunk"] = int(chunk)
+        if pairs := environ.get("KAPITSA_MOE_MAX_PAIRS", "").strip():
+            if not pairs.isdigit():
+                raise ValueError(
+                    f"KAPITSA_MOE_MAX_PAIRS={pairs!r} is not an integer from 0 to {MOE_KERNEL_PAIRS}"
+                )
+            values["moe_max_pairs"] = int(pairs)
         if _switch(environ, "KAPITSA_FOLD_SHARED_EXPERTS"):
             values["fold_shared_experts"] = True
         if _switch(environ, "KAPITSA_COMPILE_DECODE") is False:

@@ -282,6 +282,8 @@ def test_capacity_is_the_next_power_of_two_within_the_pair_limit() -> None:
         9,
     ]  # 16 x 8 > 72 pairs
     assert [moe_launch.capacity_for(t, 3) for t in (3, 9, 16)] == [4, 16, 16]
+    # a lower routing limit caps the capacity too: 5 tokens of 6 slots under 32 pairs compile for 5
+    assert [moe_launch.capacity_for(t, 6, 32) for t in (1, 3, 4, 5)] == [1, 4, 4, 5]
 
 
 @pytest.mark.parametrize("kind,tokens,capacity", [("swiglu", 3, 4), ("relu2", 5, 8), ("swiglu", 1, 2)])
@@ -322,3 +324,23 @@ def test_launcher_runs_the_emulated_kernels(kind: str, tokens: int, monkeypatch,
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
     with pytest.raises(KapitsaError, match="same leading shape"):
         moe.routed_experts(module, x, idx[None], scores[None][..., :2])
+
+
+def test_routed_experts_past_max_pairs_takes_the_module_path(monkeypatch, tmp_path) -> None:
+    """A model's limit (KernelOptions.moe_max_pairs) below the call's pairs: no kernel runs and the
+    result is the module's; at the limit the kernels run."""
+    mx.random.seed(9)
+    d, hidden, experts, k, tokens = 128, 64, 6, 3, 3
+    module = _quantize_module(SwitchGLU(d, hidden, experts), 64, 4)
+    x = mx.random.normal((1, tokens, d))
+    idx, scores = _routing(tokens, k, experts, seed=9, pool=4)
+    hidden_k = _EmulatedKernel(moe_launch.hidden_kernel("swiglu"), tmp_path)
+    out_k = _EmulatedKernel(moe_launch.OUT_KERNEL, tmp_path)
+    monkeypatch.setattr(moe, "backend", lambda: "cuda")
+    monkeypatch.setattr(moe_launch, "hidden_kernel", lambda _kind: hidden_k)
+    monkeypatch.setattr(moe_launch, "OUT_KERNEL", out_k)
+    got = moe.routed_experts(module, x, idx[None], scores[None], max_pairs=tokens * k - 1)
+    assert not hidden_k.calls and not out_k.calls
+    assert mx.array_equal(got, _module_path(module, x, idx[None], scores[None]))
+    moe.routed_experts(module, x, idx[None], scores[None], max_pairs=tokens * k)
+    assert hidden_k.calls and out_k.calls

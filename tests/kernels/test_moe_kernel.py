@@ -205,6 +205,9 @@ def test_supports_routes_only_small_affine_batches(monkeypatch) -> None:
     assert moe.supports(x1, idx[1], group_size=64, bits=4)
     assert moe.supports(x8, idx[8], group_size=128, bits=8)  # 72 pairs: the limit
     assert not moe.supports(x9, idx[9], group_size=64, bits=4)  # 81 pairs: gather_qmm
+    assert not moe.supports(x8, idx[8], group_size=64, bits=4, max_pairs=71)  # a model's lower limit
+    assert not moe.supports(x9, idx[9], group_size=64, bits=4, max_pairs=200)  # never past the kernels'
+    assert moe.supports(x1, idx[1], group_size=64, bits=4, max_pairs=9)
     assert not moe.supports(x1, idx[1], group_size=64, bits=6)
     assert not moe.supports(x1, idx[1], group_size=16, bits=4)
     assert not moe.supports(x1, idx[1].astype(mx.int64), group_size=64, bits=4)

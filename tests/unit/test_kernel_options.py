@@ -52,6 +52,8 @@ def test_fused_norms_names_the_parts(value, parts) -> None:
         ("KAPITSA_MOE_DEQUANT", "maybe", "use 1 or 0"),
         ("KAPITSA_FOLD_SHARED_EXPERTS", "2", "use 1 or 0"),
         ("KAPITSA_COMPILE_DECODE", "yes please", "use 1 or 0"),
+        ("KAPITSA_MOE_MAX_PAIRS", "-1", "not an integer from 0 to 72"),
+        ("KAPITSA_MOE_MAX_PAIRS", "73", "moe_max_pairs must be between 0 and 72"),
     ],
 )
 def test_unknown_values_are_errors(variable, value, message) -> None:
@@ -72,6 +74,8 @@ def test_unknown_values_are_errors(variable, value, message) -> None:
         ({"KAPITSA_FOLD_SHARED_EXPERTS": "off"}, "fold_shared_experts", False),
         ({"KAPITSA_COMPILE_DECODE": "0"}, "compile_decode", False),
         ({"KAPITSA_COMPILE_DECODE": "on"}, "compile_decode", True),
+        ({"KAPITSA_MOE_MAX_PAIRS": " 72 "}, "moe_max_pairs", 72),
+        ({"KAPITSA_MOE_MAX_PAIRS": "0"}, "moe_max_pairs", 0),
     ],
 )
 def test_each_variable_sets_its_field(environ, field, value) -> None:

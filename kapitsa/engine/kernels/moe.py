@@ -118,9 +118,18 @@ def experts_decode_reference(x, indices, scores, first, second, *, kind, group_s
     return (y * scores[..., None]).sum(axis=-2).astype(x.dtype)
 
 
-def supports(x: mx.array, indices: mx.array, *, group_size: int, bits: int, scales_dtype=None) -> bool:
+def supports(
+    x: mx.array,
+    indices: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+    scales_dtype=None,
+    max_pairs: int = MAX_PAIRS,
+) -> bool:
     """Whether the decode kernels run this call: a GPU backend, affine 4/8-bit, and few tokens and
-    (token, expert) pairs (<= MAX_TOKENS, <= MAX_PAIRS); anything else keeps the reference path."""
+    (token, expert) pairs (<= MAX_TOKENS, <= min(max_pairs, MAX_PAIRS)); anything else keeps the
+    reference path."""
     if backend() not in ("cuda", "metal") or x.ndim < 1 or indices.ndim < 1:
         return False
     k = indices.shape[-1]
@@ -132,7 +141,7 @@ def supports(x: mx.array, indices: mx.array, *, group_size: int, bits: int, scal
         and bits in BITS
         and group_size in GROUP_SIZES
         and 1 <= tokens <= MAX_TOKENS
-        and 1 <= tokens * k <= MAX_PAIRS
+        and 1 <= tokens * k <= min(max_pairs, MAX_PAIRS)
     )
 
 
@@ -155,13 +164,24 @@ def experts_decode(x, indices, scores, first, second, *, kind, group_size, bits)
     return _decode(x, indices, scores, stacks, second, (n_exp, hidden, n_out), kind, group_size, bits)
 
 
-def _decode(x, indices, scores, stacks, second, dims, kind: str, group_size: int, bits: int) -> mx.array:
+def _decode(
+    x,
+    indices,
+    scores,
+    stacks,
+    second,
+    dims,
+    kind: str,
+    group_size: int,
+    bits: int,
+    max_pairs: int = MAX_PAIRS,
+) -> mx.array:
     """The kernel path for arguments already checked."""
     n_exp, hidden, n_out = dims
     n_in, k = x.shape[-1], indices.shape[-1]
     tokens = indices.size // k
     on_cuda = backend() == "cuda"
-    capacity = capacity_for(tokens, k) if on_cuda else 0
+    capacity = capacity_for(tokens, k, max_pairs) if on_cuda else 0
     plan = Plan(tokens, k, n_exp, n_in, hidden, n_out, bits, group_size, kind, capacity)
     flat = (x.reshape(tokens, n_in), indices.reshape(tokens, k), scores.reshape(tokens, k))
     run = run_cuda if on_cuda else run_metal
@@ -229,14 +249,21 @@ def _module_info(switch_mlp):
     return cached[1]
 
 
-def routed_experts(switch_mlp, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
+def routed_experts(
+    switch_mlp, x: mx.array, indices: mx.array, scores: mx.array, max_pairs: int = MAX_PAIRS
+) -> mx.array:
     """Drop-in for `(switch_mlp(x, indices) * scores[..., None]).sum(axis=-2).astype(x.dtype)`:
-    the decode kernels when the module's format and the call's size allow, else exactly that."""
+    the decode kernels when the module's format and the call's size allow (at most `max_pairs`
+    token-expert pairs: KernelOptions.moe_max_pairs), else exactly that."""
     found = _module_info(switch_mlp)
     if found is not None:
         kind, first, second, group_size, bits, (n_exp, hidden, n_in, n_out) = found
-        if supports(x, indices, group_size=group_size, bits=bits, scales_dtype=second.scales.dtype):
+        scales_dtype = second.scales.dtype
+        if supports(
+            x, indices, group_size=group_size, bits=bits, scales_dtype=scales_dtype, max_pairs=max_pairs
+        ):
             if x.shape[-1] != n_in or indices.shape[:-1] != x.shape[:-1] or scores.shape != indices.shape:
                 check_shapes(x, indices, scores, first, second, kind=kind, group_size=group_size, bits=bits)
-            return _decode(x, indices, scores, first, second, (n_exp, hidden, n_out), kind, group_size, bits)
+            dims = (n_exp, hidden, n_out)
+            return _decode(x, indices, scores, first, second, dims, kind, group_size, bits, max_pairs)
     return (switch_mlp(x, indices) * scores[..., None]).sum(axis=-2).astype(x.dtype)

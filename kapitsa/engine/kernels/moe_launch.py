@@ -12,13 +12,13 @@ import mlx.core as mx
 
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 from kapitsa.engine.kernels.metal import read_source
+from kapitsa.engine.options import MOE_KERNEL_PAIRS
 
 KINDS = ("swiglu", "relu2")
 MAX_TOKENS = 16
-# Token-expert pairs above which gather_qmm's sorted matmul is the better path: an 8-token verify
-# of a top-8 MoE with its shared expert folded in (moe_fold.py) is 72 pairs but only 65 distinct
-# experts at most, each still read once.
-MAX_PAIRS = 72
+# Token-expert pairs the kernels hold at most (an 8-token verify of a top-8 MoE with its shared
+# expert folded in, moe_fold.py); a model's layers take them up to KernelOptions.moe_max_pairs.
+MAX_PAIRS = MOE_KERNEL_PAIRS
 
 
 class QuantStack(NamedTuple):
@@ -60,13 +60,14 @@ def tile_for(length: int, staged_rows: int, bits: int, budget: int) -> int:
     return -(-length // tiles // 32) * 32 if tiles > 1 else -(-length // 32) * 32
 
 
-def capacity_for(tokens: int, k: int) -> int:
+def capacity_for(tokens: int, k: int, max_pairs: int = MAX_PAIRS) -> int:
     """The compiled token capacity for `tokens` tokens of k slots: the next power of two (a new
     decode batch size or chain length then rarely compiles anything: NVRTC takes about a second a
     kernel on the H200, and MLX keeps custom kernels in memory only), `tokens` itself where the
-    power of two's pairs would pass MAX_PAIRS (its shared arrays grow as pairs x tokens)."""
+    power of two's pairs would pass `max_pairs`, the most the caller routes here (the shared
+    arrays grow as pairs x tokens and shrink the staged tiles)."""
     power = 1 << (tokens - 1).bit_length()
-    return power if power <= MAX_TOKENS and power * k <= MAX_PAIRS else tokens
+    return power if power <= MAX_TOKENS and power * k <= max_pairs else tokens
 
 
 @dataclass(frozen=True)
