@@ -169,16 +169,20 @@ case "$part" in
     $py lab/results_table.py "$out/table-$shape.log"
     ;;
   moe-pairs)
+    # the kernels against gather_qmm per call (also a T-token verify's MoE cost at batch 1), then
+    # whole decode steps under each limit
     : > "$out/moe-pairs.log"
-    timeout "${PAIRS_KERNEL_TIMEOUT:-150}" $py lab/kernels_moe.py --tokens 1 2 3 4 5 6 8 --iters 100 \
-      >> "$out/moe-pairs.log" 2>&1
+    timeout "${PAIRS_KERNEL_TIMEOUT:-150}" $py lab/kernels_moe.py --tokens 1 2 3 4 5 6 7 8 --iters 100 \
+      >> "$out/moe-pairs.log" 2>&1 || echo "kernels_moe.py: exit $?"
     grep -E '"tokens"|Error' "$out/moe-pairs.log" | cut -c1-220
     for shape in ${PAIRS_SHAPES:-nemotron-30b-a3b}; do
       for limit in ${PAIRS_LIMITS:-32 72}; do
         KAPITSA_MOE_MAX_PAIRS=$limit timeout "${PAIRS_BATCH_TIMEOUT:-200}" $py lab/batch_sweep.py --shapes "$shape" \
           --streams "${PAIRS_STREAMS:-4,6,8}" --tokens 48 --prompt 512 --engines kapitsa 2>&1 \
           | sed "s/^{/{\"moe_max_pairs\": $limit, /" >> "$out/moe-pairs.log"
-        grep '"aggregate_tok_s"' "$out/moe-pairs.log" | tail -3
+        status=${PIPESTATUS[0]}
+        [ "$status" = 0 ] || echo "batch_sweep.py at limit $limit: exit $status (124: cut by its timeout)"
+        grep "\"moe_max_pairs\": $limit, .*\"shape\": \"$shape\".*aggregate_tok_s" "$out/moe-pairs.log"
       done
     done
     ;;

@@ -33,10 +33,11 @@ FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED_PARTS = frozenset({"norm", "residual"})
 DEFAULT_SSD_CHUNK = 256  # Mamba-2 prefill chunk: the fastest of 64/128/256 for the Nemotron shapes
 # (token, expert) pairs up to which a model's MoE layers take the expert decode kernels (kernels/moe.py)
-# rather than gather_qmm's sorted matmul. The kernels hold up to 72 (MOE_KERNEL_PAIRS); past 32 pairs
-# of random routing their step costs more than gather_qmm's at twice the rows (docs/results.md).
-DEFAULT_MOE_MAX_PAIRS = 32
+# rather than gather_qmm's sorted matmul: all the kernels hold. Batches of 8 streams (48-64 pairs of
+# random routing) have stepped slower than 16 on gather_qmm (docs/results.md); the limit that fixes
+# that without slowing shorter calls is what `lab/h200_all.sh moe-pairs` measures.
 MOE_KERNEL_PAIRS = 72
+DEFAULT_MOE_MAX_PAIRS = MOE_KERNEL_PAIRS
 
 
 @dataclass(slots=True, frozen=True)

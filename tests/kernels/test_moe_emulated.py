@@ -252,7 +252,7 @@ class _EmulatedKernel:
     the launcher's own input order, grid and shared memory size are what gets exercised."""
 
     def __init__(self, kernel, tmp_path) -> None:
-        self.kernel, self.tmp_path, self.calls = kernel, tmp_path, []
+        self.kernel, self.tmp_path, self.calls, self.templates = kernel, tmp_path, [], []
 
     def __call__(self, inputs, *, template, grid, threadgroup, output_shapes, output_dtypes, shared_memory):
         import ctypes
@@ -269,6 +269,7 @@ class _EmulatedKernel:
         launch(grid[0] // threadgroup[0], grid[1], threadgroup[0], ctypes.c_long(shared_memory // 4),
                *(_ptr(a) for a in arrays))  # fmt: skip
         self.calls.append(shared_memory)
+        self.templates.append(dict(template))
         return [mx.array(o) for o in outs]
 
 
@@ -284,6 +285,7 @@ def test_capacity_is_the_next_power_of_two_within_the_pair_limit() -> None:
     assert [moe_launch.capacity_for(t, 3) for t in (3, 9, 16)] == [4, 16, 16]
     # a lower routing limit caps the capacity too: 5 tokens of 6 slots under 32 pairs compile for 5
     assert [moe_launch.capacity_for(t, 6, 32) for t in (1, 3, 4, 5)] == [1, 4, 4, 5]
+    assert moe_launch.capacity_for(9, 8, 200) == 9  # never past what the kernels hold
 
 
 @pytest.mark.parametrize("kind,tokens,capacity", [("swiglu", 3, 4), ("relu2", 5, 8), ("swiglu", 1, 2)])
@@ -328,7 +330,8 @@ def test_launcher_runs_the_emulated_kernels(kind: str, tokens: int, monkeypatch,
 
 def test_routed_experts_past_max_pairs_takes_the_module_path(monkeypatch, tmp_path) -> None:
     """A model's limit (KernelOptions.moe_max_pairs) below the call's pairs: no kernel runs and the
-    result is the module's; at the limit the kernels run."""
+    result is the module's; at the limit the kernels run, compiled for no more pairs than it allows
+    (3 tokens of 3 slots: M = 3 under 9 pairs, the power of two 4 under 12); 0 turns them off."""
     mx.random.seed(9)
     d, hidden, experts, k, tokens = 128, 64, 6, 3, 3
     module = _quantize_module(SwitchGLU(d, hidden, experts), 64, 4)
@@ -339,8 +342,10 @@ def test_routed_experts_past_max_pairs_takes_the_module_path(monkeypatch, tmp_pa
     monkeypatch.setattr(moe, "backend", lambda: "cuda")
     monkeypatch.setattr(moe_launch, "hidden_kernel", lambda _kind: hidden_k)
     monkeypatch.setattr(moe_launch, "OUT_KERNEL", out_k)
-    got = moe.routed_experts(module, x, idx[None], scores[None], max_pairs=tokens * k - 1)
-    assert not hidden_k.calls and not out_k.calls
-    assert mx.array_equal(got, _module_path(module, x, idx[None], scores[None]))
-    moe.routed_experts(module, x, idx[None], scores[None], max_pairs=tokens * k)
-    assert hidden_k.calls and out_k.calls
+    for off in (tokens * k - 1, 0):
+        got = moe.routed_experts(module, x, idx[None], scores[None], max_pairs=off)
+        assert not hidden_k.calls and not out_k.calls
+        assert mx.array_equal(got, _module_path(module, x, idx[None], scores[None]))
+    for limit, capacity in ((tokens * k, 3), (12, 4)):
+        moe.routed_experts(module, x, idx[None], scores[None], max_pairs=limit)
+        assert hidden_k.templates[-1]["M"] == out_k.templates[-1]["M"] == capacity

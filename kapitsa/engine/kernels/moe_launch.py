@@ -67,7 +67,7 @@ def capacity_for(tokens: int, k: int, max_pairs: int = MAX_PAIRS) -> int:
     power of two's pairs would pass `max_pairs`, the most the caller routes here (the shared
     arrays grow as pairs x tokens and shrink the staged tiles)."""
     power = 1 << (tokens - 1).bit_length()
-    return power if power <= MAX_TOKENS and power * k <= max_pairs else tokens
+    return power if power <= MAX_TOKENS and power * k <= min(max_pairs, MAX_PAIRS) else tokens
 
 
 @dataclass(frozen=True)
