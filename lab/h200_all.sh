@@ -162,9 +162,9 @@ case "$part" in
     # cost; the markdown row from lab/results_table.py (give it every shape's table-*.log at the end)
     shape=${TABLE_SHAPE:-4b}
     : > "$out/table-$shape.log"
-    timeout "${TABLE_DECODE_TIMEOUT:-300}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
+    timeout "${TABLE_DECODE_TIMEOUT:-330}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
       --rounds 2 >> "$out/table-$shape.log" 2>&1
-    timeout "${TABLE_BATCH_TIMEOUT:-260}" $py lab/batch_sweep.py --shapes "$shape" --streams 1,4,8,16 --tokens 48 \
+    timeout "${TABLE_BATCH_TIMEOUT:-250}" $py lab/batch_sweep.py --shapes "$shape" --streams 1,4,8,16 --tokens 48 \
       --prompt 512 --engines "${TABLE_ENGINES:-kapitsa,mlx-lm}" >> "$out/table-$shape.log" 2>&1
     $py lab/results_table.py "$out/table-$shape.log"
     ;;
