@@ -68,6 +68,7 @@ def openai_sampling(
         max_tokens=max_tokens,
         logprobs=logprobs,
         logit_bias=logit_bias_pairs(body.logit_bias, model) or None,
+        ignore_eos=body.ignore_eos,
     )
 
 

@@ -78,6 +78,7 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices from one prefill
+    ignore_eos: bool | None = None  # vLLM's extension: decode past the end-of-sequence tokens (benchmarks)
 
 
 class ChatRequest(SamplingFields):

@@ -83,6 +83,7 @@ JSON_CASES = [  # (path, body, status, param or None)
     (CHAT, chat(top_p=1.5), 400, "top_p"),
     (CHAT, chat(n=9), 400, "n"),
     (CHAT, chat(top_k=-1), 400, "top_k"),
+    (CHAT, chat(ignore_eos="sometimes"), 400, "ignore_eos"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(seed="x"), 400, "seed"),
     (

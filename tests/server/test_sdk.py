@@ -121,6 +121,21 @@ def test_chat_logprobs_and_json_mode(live: LiveServer, oai: openai.OpenAI) -> No
     assert "JSON" in live.engine.requests[-1].messages[0]["content"]
 
 
+def test_ignore_eos_reaches_the_engine_on_both_apis(live: LiveServer, oai: openai.OpenAI) -> None:
+    """vLLM's `ignore_eos` extension (benchmark clients send it) goes through; absent, EOS stops."""
+    live.engine.enqueue("a")
+    oai.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "go"}], extra_body={"ignore_eos": True}
+    )
+    assert live.engine.requests[-1].sampling.ignore_eos is True
+    live.engine.enqueue("b")
+    oai.completions.create(model="fake", prompt="Say", max_tokens=5, extra_body={"ignore_eos": True})
+    assert live.engine.requests[-1].sampling.ignore_eos is True
+    live.engine.enqueue("c")
+    oai.chat.completions.create(model="fake", messages=[{"role": "user", "content": "go"}])
+    assert live.engine.requests[-1].sampling.ignore_eos is False
+
+
 def test_completions_stream_and_not(live: LiveServer, oai: openai.OpenAI) -> None:
     live.engine.enqueue("one two")
     out = oai.completions.create(model="fake", prompt="Say", max_tokens=20)
