@@ -79,10 +79,10 @@ def draft_source(draft: str | None, settings: KapitsaSettings) -> str | None:
     a folder, file or repo id stays as given."""
     from kapitsa.catalog import is_alias, load_catalog, resolve_model
 
+    if draft is None:
+        return None
     catalog = load_catalog(settings.catalog)
-    if draft is None or not is_alias(
-        draft, catalog
-    ):  # an alias wins over a folder of its name, as for --model
+    if not is_alias(draft, catalog):  # an alias wins over a folder of its name, as for --model
         return draft
     resolved = resolve_model(draft, catalog)
     if resolved.quantize is not None:

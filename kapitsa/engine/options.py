@@ -33,9 +33,9 @@ FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED_PARTS = frozenset({"norm", "residual"})
 DEFAULT_SSD_CHUNK = 256  # Mamba-2 prefill chunk: the fastest of 64/128/256 for the Nemotron shapes
 # (token, expert) pairs up to which a model's MoE layers take the expert decode kernels (kernels/moe.py)
-# rather than gather_qmm's sorted matmul: all the kernels hold. Batches of 8 streams (48-64 pairs of
-# random routing) have stepped slower than 16 on gather_qmm (docs/results.md); the limit that fixes
-# that without slowing shorter calls is what `lab/h200_all.sh moe-pairs` measures.
+# rather than gather_qmm's sorted matmul: by default all the kernels hold. A batch of 8 streams (48-64
+# pairs of random routing) steps slower on the kernels than 16 streams on gather_qmm (docs/results.md);
+# `lab/h200_all.sh moe-pairs` measures which lower limit pays without slowing shorter calls.
 MOE_KERNEL_PAIRS = 72
 DEFAULT_MOE_MAX_PAIRS = MOE_KERNEL_PAIRS
 
