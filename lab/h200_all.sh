@@ -30,7 +30,7 @@
 #                                       gather_qmm at 1-8 tokens of random routing on both MoE shapes
 #                                       (lab/kernels_moe.py), then aggregate decode at $PAIRS_STREAMS
 #                                       (default 4,6,8) streams with KAPITSA_MOE_MAX_PAIRS at
-#                                       $PAIRS_LIMITS (default 32 72) on $PAIRS_SHAPES (default
+#                                       $PAIRS_LIMITS (default 16 72) on $PAIRS_SHAPES (default
 #                                       nemotron-30b-a3b; 35b-a3b is a second call), one process each
 #   bash lab/h200_all.sh compile      each decode batch size's first-burst cost and the kernels it
 #                                       compiles, over a fresh and then a warm PTX cache
@@ -176,7 +176,7 @@ case "$part" in
       >> "$out/moe-pairs.log" 2>&1 || echo "kernels_moe.py: exit $?"
     grep -E '"tokens"|Error' "$out/moe-pairs.log" | cut -c1-220
     for shape in ${PAIRS_SHAPES:-nemotron-30b-a3b}; do
-      for limit in ${PAIRS_LIMITS:-32 72}; do
+      for limit in ${PAIRS_LIMITS:-16 72}; do
         KAPITSA_MOE_MAX_PAIRS=$limit timeout "${PAIRS_BATCH_TIMEOUT:-200}" $py lab/batch_sweep.py --shapes "$shape" \
           --streams "${PAIRS_STREAMS:-4,6,8}" --tokens 48 --prompt 512 --engines kapitsa 2>&1 \
           | sed "s/^{/{\"moe_max_pairs\": $limit, /" >> "$out/moe-pairs.log"

@@ -32,12 +32,13 @@ KERNEL_FAMILIES = ("gdn", "moe", "qmv", "mamba", "route", "attn")
 FUSED_PARTS = ("norm", "residual", "act", "glu")
 DEFAULT_FUSED_PARTS = frozenset({"norm", "residual"})
 DEFAULT_SSD_CHUNK = 256  # Mamba-2 prefill chunk: the fastest of 64/128/256 for the Nemotron shapes
-# (token, expert) pairs up to which a model's MoE layers take the expert decode kernels (kernels/moe.py)
-# rather than gather_qmm's sorted matmul: by default all the kernels hold. A batch of 8 streams (48-64
-# pairs of random routing) steps slower on the kernels than 16 streams on gather_qmm (docs/results.md);
-# `lab/h200_all.sh moe-pairs` measures which lower limit pays without slowing shorter calls.
+# (token, expert) pairs the MoE expert decode kernels (kernels/moe.py) hold at most, and the limit up
+# to which a model's MoE layers take them rather than gather_qmm's sorted matmul. The kernels beat
+# gather_qmm at 1-2 tokens of top-6/8 routing (6-16 pairs) and lose from 3 tokens on (18-24 pairs:
+# 0.66-0.9x, 48-64 pairs: 0.28-0.52x; docs/results.md), which covers a decode batch of 3+ streams and
+# a 3+-token speculative verify alike.
 MOE_KERNEL_PAIRS = 72
-DEFAULT_MOE_MAX_PAIRS = MOE_KERNEL_PAIRS
+DEFAULT_MOE_MAX_PAIRS = 16
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,6 +10,7 @@ import pytest
 from kapitsa.engine.kernels import moe, moe_launch
 from kapitsa.engine.kernels.moe import experts_decode_reference
 from kapitsa.engine.ops.moe import SwitchGLU, SwitchReluSquared
+from kapitsa.engine.options import KernelOptions
 from kapitsa.errors import KapitsaError
 from tests.kernels.test_moe_kernel import _module_path, _quantize_module, _routing, _stacks
 
@@ -349,3 +350,25 @@ def test_routed_experts_past_max_pairs_takes_the_module_path(monkeypatch, tmp_pa
     for limit, capacity in ((tokens * k, 3), (12, 4)):
         moe.routed_experts(module, x, idx[None], scores[None], max_pairs=limit)
         assert hidden_k.templates[-1]["M"] == out_k.templates[-1]["M"] == capacity
+
+
+def test_default_limit_keeps_the_kernels_to_two_tokens_of_top_8(monkeypatch, tmp_path) -> None:
+    """Under the default options (KernelOptions().moe_max_pairs), 2 tokens of top-8 routing take
+    the expert kernels and 3 tokens take gather_qmm, where the kernels measure slower (options.py)."""
+    mx.random.seed(10)
+    d, hidden, experts, k = 128, 64, 8, 8
+    module = _quantize_module(SwitchGLU(d, hidden, experts), 64, 4)
+    hidden_k = _EmulatedKernel(moe_launch.hidden_kernel("swiglu"), tmp_path)
+    out_k = _EmulatedKernel(moe_launch.OUT_KERNEL, tmp_path)
+    monkeypatch.setattr(moe, "backend", lambda: "cuda")
+    monkeypatch.setattr(moe_launch, "hidden_kernel", lambda _kind: hidden_k)
+    monkeypatch.setattr(moe_launch, "OUT_KERNEL", out_k)
+    limit = KernelOptions().moe_max_pairs
+    for tokens, kernels_run in ((2, True), (3, False)):
+        launched = len(hidden_k.calls)
+        x = mx.random.normal((1, tokens, d))
+        idx, scores = _routing(tokens, k, experts, seed=tokens, pool=experts)
+        got = moe.routed_experts(module, x, idx[None], scores[None], max_pairs=limit)
+        assert (len(hidden_k.calls) > launched) is kernels_run
+        want = _module_path(module, x, idx[None], scores[None])
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
