@@ -172,7 +172,7 @@ case "$part" in
     # the kernels against gather_qmm per call (also a T-token verify's MoE cost at batch 1), then
     # whole decode steps under each limit
     : > "$out/moe-pairs.log"
-    timeout "${PAIRS_KERNEL_TIMEOUT:-150}" $py lab/kernels_moe.py --tokens 1 2 3 4 5 6 7 8 --iters 100 \
+    timeout "${PAIRS_KERNEL_TIMEOUT:-200}" $py lab/kernels_moe.py --tokens 1 2 3 4 5 6 7 8 --iters 100 \
       >> "$out/moe-pairs.log" 2>&1 || echo "kernels_moe.py: exit $?"
     grep -E '"tokens"|Error' "$out/moe-pairs.log" | cut -c1-220
     for shape in ${PAIRS_SHAPES:-nemotron-30b-a3b}; do
