@@ -67,28 +67,36 @@ def sweep(
     from kapitsa.testing.tiny import tiny_config
 
     config = tiny_config(kind, **dims)
-    vocab = (config.get("text_config") or config)["vocab_size"]
-    prompts = [prompt_ids(prompt_len, vocab, stride=7919 + 2 * i) for i in range(max(streams))]
     if "kapitsa" in engines:
-        client = engine(kapitsa_model(config), prompt_len, tokens, max(streams))
-        try:
-            burst(client, prompts[:1], 8)  # the one-stream path's compiles, before anything is timed
-            for n in streams:
-                cold, warm = burst(client, prompts[:n], tokens), burst(client, prompts[:n], tokens)
-                extra = round(cold["wall_s"] - warm["wall_s"], 3)
-                emit(dict(shape=shape, engine="kapitsa", streams=n, **warm, first_burst_extra_s=extra))
-        finally:
-            client.close()
+        sweep_model(shape, "kapitsa", kapitsa_model(config), config, streams, tokens, prompt_len)
         mx.clear_cache()
     if "mlx-lm" in engines:
-        model = mlxlm_model(config)
-        mlxlm_burst(model, prompts[:1], 8)
-        for n in streams:
-            cold, warm = mlxlm_burst(model, prompts[:n], tokens), mlxlm_burst(model, prompts[:n], tokens)
-            extra = round(cold["wall_s"] - warm["wall_s"], 3)
-            emit(dict(shape=shape, engine="mlx-lm", streams=n, **warm, first_burst_extra_s=extra))
-        del model
+        sweep_model(shape, "mlx-lm", mlxlm_model(config), config, streams, tokens, prompt_len)
         mx.clear_cache()
+
+
+def sweep_model(
+    shape: str, engine_name: str, model, config: dict, streams: list[int], tokens: int, prompt_len: int
+) -> None:
+    """One engine's bursts at each stream count on an already built model ("kapitsa" wraps it in an
+    engine for the sweep; "mlx-lm" runs `batch_generate` on it), one line per count."""
+    vocab = (config.get("text_config") or config)["vocab_size"]
+    prompts = [prompt_ids(prompt_len, vocab, stride=7919 + 2 * i) for i in range(max(streams))]
+    if engine_name == "kapitsa":
+        client = engine(model, prompt_len, tokens, max(streams))
+        run = lambda ps, n: burst(client, ps, n)  # noqa: E731
+    else:
+        client = None
+        run = lambda ps, n: mlxlm_burst(model, ps, n)  # noqa: E731
+    try:
+        run(prompts[:1], 8)  # the one-stream path's compiles, before anything is timed
+        for n in streams:
+            cold, warm = run(prompts[:n], tokens), run(prompts[:n], tokens)
+            extra = round(cold["wall_s"] - warm["wall_s"], 3)
+            emit(dict(shape=shape, engine=engine_name, streams=n, **warm, first_burst_extra_s=extra))
+    finally:
+        if client is not None:
+            client.close()
 
 
 def main() -> None:

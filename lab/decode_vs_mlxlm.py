@@ -7,6 +7,10 @@ path `kapitsa run` and `kapitsa serve` use); mlx-lm through `generate_step`.
 
     python lab/decode_vs_mlxlm.py [--shapes 4b 27b 35b-a3b nemotron-30b-a3b] [--tokens 128]
     python lab/decode_vs_mlxlm.py --tiny       # a seconds-long smoke run on any machine
+
+`--streams 1,4,8,16` adds batch_sweep.py's aggregate decode on the same two models, after the
+batch-1 rounds (one process per shape for #32's whole table row: the models are built and
+kapitsa's kernels compiled once).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import mlx.core as mx
 
 from kapitsa.engine.speculative.factory import DEFAULT_MAX_DRAFT
 from kapitsa.testing.tiny import tiny_config
+from lab.batch_sweep import sweep_model
 from lab.engine_timing import emit, time_kapitsa, time_mlxlm
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model, prompt_ids
 from lab.spec_shapes import spec_rounds
@@ -178,6 +183,9 @@ def main() -> None:
         default=[],
         help="also time prefill alone at these prompt lengths (one round per engine, 2 tokens)",
     )
+    ap.add_argument("--streams", default="", help="also aggregate decode at these stream counts (1,4,8,16)")
+    ap.add_argument("--stream-tokens", type=int, default=48)
+    ap.add_argument("--stream-prompt", type=int, default=512)
     args = ap.parse_args()
     table = TINY if args.tiny else SHAPES
     if args.tiny:
@@ -222,6 +230,12 @@ def main() -> None:
             )
             emit(verify)
             extra.append(verify)
+        if args.streams:
+            counts = [int(n) for n in args.streams.split(",")]
+            for engine in ("kapitsa", "mlx-lm"):
+                sweep_model(
+                    name, engine, models[engine], config, counts, args.stream_tokens, args.stream_prompt
+                )
         if name in args.spec_shapes:  # last: it scripts the kapitsa model (spec_shapes.py)
             spec += spec_rounds(
                 name,

@@ -22,10 +22,11 @@
 #                                       kapitsa's engine against mlx-lm's batch_generate, with each
 #                                       batch size's first-burst compile cost ($BATCH_SHAPES, default
 #                                       all four; lab/batch_sweep.py)
-#   bash lab/h200_all.sh table        one shape's row of #32's table ($TABLE_SHAPE, default 4b):
-#                                       decode and 512/8192-token prefill against mlx-lm, aggregate
-#                                       decode at 1/4/8/16 streams (lab/results_table.py); the batch
-#                                       engines $TABLE_ENGINES (default kapitsa,mlx-lm)
+#   bash lab/h200_all.sh table        #32's table rows, one process per shape ($TABLE_SHAPES, default
+#                                       4b; each shape's process under $TABLE_TIMEOUT, default 540):
+#                                       decode and 512/8192-token prefill against mlx-lm, then aggregate
+#                                       decode at 1/4/8/16 streams on the same two models
+#                                       (lab/decode_vs_mlxlm.py --streams; rows: lab/results_table.py)
 #   bash lab/h200_all.sh moe-pairs    where the MoE expert kernels stop paying: each kernel against
 #                                       gather_qmm at 1-8 tokens of random routing on both MoE shapes
 #                                       (lab/kernels_moe.py), then aggregate decode at $PAIRS_STREAMS
@@ -157,16 +158,15 @@ case "$part" in
     grep -E 'aggregate|Error' "$out/batch.log"
     ;;
   table)
-    # one shape's row of #32's table ($TABLE_SHAPE, default 4b): decode and prefill at 512 and
-    # 8192 tokens against mlx-lm, aggregate decode at 1/4/8/16 streams with each size's first-burst
-    # cost; the markdown row from lab/results_table.py (give it every shape's table-*.log at the end)
-    shape=${TABLE_SHAPE:-4b}
-    : > "$out/table-$shape.log"
-    timeout "${TABLE_DECODE_TIMEOUT:-330}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
-      --rounds 2 >> "$out/table-$shape.log" 2>&1
-    timeout "${TABLE_BATCH_TIMEOUT:-250}" $py lab/batch_sweep.py --shapes "$shape" --streams 1,4,8,16 --tokens 48 \
-      --prompt 512 --engines "${TABLE_ENGINES:-kapitsa,mlx-lm}" >> "$out/table-$shape.log" 2>&1
-    $py lab/results_table.py "$out/table-$shape.log"
+    # #32's table rows: one process per shape builds both models once and compiles kapitsa's kernels
+    # once for the batch-1 rounds and the stream counts; give lab/results_table.py every table-*.log
+    for shape in ${TABLE_SHAPES:-${TABLE_SHAPE:-4b}}; do
+      : > "$out/table-$shape.log"
+      timeout "${TABLE_TIMEOUT:-540}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
+        --rounds 2 --streams 1,4,8,16 --stream-tokens 48 >> "$out/table-$shape.log" 2>&1 \
+        || echo "table $shape: exit $? (124: cut by its timeout)"
+      $py lab/results_table.py "$out/table-$shape.log"
+    done
     ;;
   moe-pairs)
     # the kernels against gather_qmm per call (also a T-token verify's MoE cost at batch 1), then
