@@ -33,6 +33,7 @@ def open_engine(
     tree: bool | None = None,
     settings: KapitsaSettings | None = None,
     kv_bits: str | int | None = None,
+    warm_batches: bool = False,
 ) -> InProcessEngine:
     """Load a model and start its engine thread; the caller closes it (`contextlib.closing`).
 
@@ -46,6 +47,8 @@ def open_engine(
         settings: the user settings (default: read them); the disk tier lives in their state folder.
         kv_bits: the `--kv-bits` flag: 8 or 4 (quantized attention K/V), "auto" (doctor's fit
             picks for this machine) or None (the activation dtype).
+        warm_batches: have the idle engine make every decode batch size ready on a GPU before a
+            burst of concurrent requests first forms it (a server; runner/warmup.py).
     Returns:
         The running engine, an `EngineClient` with a `close()`.
     Raises:
@@ -57,7 +60,9 @@ def open_engine(
     kv_choice = parse_kv_bits(kv_bits)
     config = engine_config(settings)
     loaded = load_for_ref(ref, settings=settings)
-    config = dataclasses.replace(config, kv_bits=resolve_kv_bits(kv_choice, loaded.path))
+    config = dataclasses.replace(
+        config, kv_bits=resolve_kv_bits(kv_choice, loaded.path), warm_batches=None if warm_batches else ()
+    )
     if tree is None and draft_tokens is None and speculative != "none":
         tuned = read_tuned(loaded, settings)
         if tuned is not None:

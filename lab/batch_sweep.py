@@ -29,12 +29,27 @@ from lab.engine_timing import DEFAULTS, _Tokenizer, emit, stream
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model, prompt_ids
 
 
-def engine(model, prompt_len: int, tokens: int, streams: int) -> InProcessEngine:
+def engine(model, prompt_len: int, tokens: int, streams: int, warm: bool = False) -> InProcessEngine:
+    """`warm`: the engine readies every batch size up to `streams` while idle, as `kapitsa serve`'s
+    does on a GPU (runner/warmup.py)."""
     info = ModelInfo(
         id="bench", family="bench", context_length=prompt_len + tokens + 16, max_output_tokens=tokens
     )
-    config = EngineConfig(prefix_cache_bytes=0, prefill_chunk=2048, max_running=streams, kernels=DEFAULTS)
+    config = EngineConfig(
+        prefix_cache_bytes=0,
+        prefill_chunk=2048,
+        max_running=streams,
+        kernels=DEFAULTS,
+        warm_batches=tuple(range(1, streams + 1)) if warm else (),
+    )
     return InProcessEngine(model, _Tokenizer(), info, eos_token_ids=set(), config=config)
+
+
+def wait_warm(client: InProcessEngine) -> float:
+    """Wait until the engine's idle warm-up is done; its seconds."""
+    while client.stats().warm_batches_pending:
+        time.sleep(0.05)
+    return client.stats().warmup_seconds
 
 
 def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dict:
@@ -61,14 +76,20 @@ def mlxlm_burst(model, prompts: list[list[int]], tokens: int) -> dict:
 
 
 def sweep(
-    shape: str, dims_of: dict, streams: list[int], tokens: int, prompt_len: int, engines: set[str]
+    shape: str,
+    dims_of: dict,
+    streams: list[int],
+    tokens: int,
+    prompt_len: int,
+    engines: set[str],
+    warm: bool = False,
 ) -> None:
     kind, dims = dims_of[shape]
     from kapitsa.testing.tiny import tiny_config
 
     config = tiny_config(kind, **dims)
     if "kapitsa" in engines:
-        sweep_model(shape, "kapitsa", kapitsa_model(config), config, streams, tokens, prompt_len)
+        sweep_model(shape, "kapitsa", kapitsa_model(config), config, streams, tokens, prompt_len, warm)
         mx.clear_cache()
     if "mlx-lm" in engines:
         sweep_model(shape, "mlx-lm", mlxlm_model(config), config, streams, tokens, prompt_len)
@@ -76,14 +97,24 @@ def sweep(
 
 
 def sweep_model(
-    shape: str, engine_name: str, model, config: dict, streams: list[int], tokens: int, prompt_len: int
+    shape: str,
+    engine_name: str,
+    model,
+    config: dict,
+    streams: list[int],
+    tokens: int,
+    prompt_len: int,
+    warm: bool = False,
 ) -> None:
     """One engine's bursts at each stream count on an already built model ("kapitsa" wraps it in an
-    engine for the sweep; "mlx-lm" runs `batch_generate` on it), one line per count."""
+    engine for the sweep, `warm`: one that readies its batch sizes first and reports the seconds;
+    "mlx-lm" runs `batch_generate` on it), one line per count."""
     vocab = (config.get("text_config") or config)["vocab_size"]
     prompts = [prompt_ids(prompt_len, vocab, stride=7919 + 2 * i) for i in range(max(streams))]
     if engine_name == "kapitsa":
-        client = engine(model, prompt_len, tokens, max(streams))
+        client = engine(model, prompt_len, tokens, max(streams), warm)
+        if warm:
+            emit(dict(shape=shape, engine=engine_name, warmup_s=round(wait_warm(client), 2)))
         run = lambda ps, n: burst(client, ps, n)  # noqa: E731
     else:
         client = None
@@ -109,6 +140,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--engines", default="kapitsa,mlx-lm")
     parser.add_argument("--tiny", action="store_true", help="small widths, float32 (any machine)")
+    parser.add_argument(
+        "--warm", action="store_true", help="kapitsa readies its batch sizes first (serve's way)"
+    )
     args = parser.parse_args()
     if args.tiny:
         DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
@@ -121,6 +155,7 @@ def main() -> None:
             args.tokens,
             args.prompt,
             set(args.engines.split(",")),
+            args.warm,
         )
 
 

@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--streams", default="", help="also aggregate decode at these stream counts (1,4,8,16)")
     ap.add_argument("--stream-tokens", type=int, default=48)
     ap.add_argument("--stream-prompt", type=int, default=512)
+    ap.add_argument(
+        "--stream-warm", action="store_true", help="kapitsa's sweep engine readies its batch sizes first"
+    )
     args = ap.parse_args()
     table = TINY if args.tiny else SHAPES
     if args.tiny:
@@ -234,8 +237,9 @@ def main() -> None:
             counts = [int(n) for n in args.streams.split(",")]
             for engine in ("kapitsa", "mlx-lm"):
                 sweep_model(
-                    name, engine, models[engine], config, counts, args.stream_tokens, args.stream_prompt
-                )
+                    name, engine, models[engine], config, counts, args.stream_tokens, args.stream_prompt,
+                    warm=args.stream_warm,
+                )  # fmt: skip
         if name in args.spec_shapes:  # last: it scripts the kapitsa model (spec_shapes.py)
             spec += spec_rounds(
                 name,

@@ -25,8 +25,10 @@
 #   bash lab/h200_all.sh table        #32's table rows, one process per shape ($TABLE_SHAPES, default
 #                                       4b; each shape's process under $TABLE_TIMEOUT, default 540):
 #                                       decode and 512/8192-token prefill against mlx-lm, then aggregate
-#                                       decode at 1/4/8/16 streams on the same two models
-#                                       (lab/decode_vs_mlxlm.py --streams; rows: lab/results_table.py)
+#                                       decode at 1/4/8/16 streams on the same two models, kapitsa's
+#                                       engine warming its batch sizes first as serve's does (its
+#                                       seconds reported; lab/decode_vs_mlxlm.py --streams; rows:
+#                                       lab/results_table.py)
 #   bash lab/h200_all.sh moe-pairs    where the MoE expert kernels stop paying: each kernel against
 #                                       gather_qmm at 1-8 tokens of random routing on both MoE shapes
 #                                       (lab/kernels_moe.py), then aggregate decode at $PAIRS_STREAMS
@@ -163,7 +165,7 @@ case "$part" in
     for shape in ${TABLE_SHAPES:-${TABLE_SHAPE:-4b}}; do
       : > "$out/table-$shape.log"
       timeout "${TABLE_TIMEOUT:-540}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
-        --rounds 2 --streams 1,4,8,16 --stream-tokens 48 >> "$out/table-$shape.log" 2>&1 \
+        --rounds 2 --streams 1,4,8,16 --stream-tokens 48 --stream-warm >> "$out/table-$shape.log" 2>&1 \
         || echo "table $shape: exit $? (124: cut by its timeout)"
       $py lab/results_table.py "$out/table-$shape.log"
     done

@@ -29,17 +29,20 @@ def rows(path: Path) -> list[dict]:
 def table(records: list[dict]) -> str:
     decode: dict[str, dict[int, dict]] = defaultdict(dict)
     batch: dict[str, dict[tuple[str, int], dict]] = defaultdict(dict)
+    warmup: dict[str, float] = {}  # the idle warm-up's seconds, where the sweep's engine ran one
     for r in records:
         if "summary" in r and "prompt" in r:
             decode[r["summary"]][r["prompt"]] = r
         elif "streams" in r and "engine" in r and "aggregate_tok_s" in r:
             batch[r["shape"]][(r["engine"], r["streams"])] = r
+        elif "warmup_s" in r:
+            warmup[r["shape"]] = r["warmup_s"]
     shapes = list(dict.fromkeys([*decode, *batch]))
     streams = sorted({n for b in batch.values() for _, n in b})
     prompts = sorted({p for d in decode.values() for p in d})
     head = ["shape", "decode tok/s (mlx-lm, x)", f"prefill tok/s at {' / '.join(map(str, prompts))} (mlx-lm)"]
     head += [f"{n} streams (mlx-lm)" for n in streams]
-    head += [f"first-burst compile s at {' / '.join(map(str, streams))} streams"]
+    head += [f"first-burst compile s at {' / '.join(map(str, streams))} streams", "idle warm-up s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for shape in shapes:
         d = decode.get(shape, {})
@@ -51,6 +54,7 @@ def table(records: list[dict]) -> str:
             cells.append(f"{_num(k, 'aggregate_tok_s')} ({_num(m, 'aggregate_tok_s')})")
         extras = [_num(b.get(("kapitsa", n)), "first_burst_extra_s") for n in streams]
         cells.append(" / ".join(extras))
+        cells.append(f"{warmup[shape]:.1f}" if shape in warmup else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -66,6 +66,7 @@ def cmd_serve(
             draft_tokens=draft_tokens,
             tree=tree,
             kv_bits=kv_bits,
+            warm_batches=True,  # concurrent agents' requests form batches: ready them while idle
         )
         with contextlib.closing(engine) as client:
             _serve_recorded(client, settings, sock)

@@ -173,6 +173,8 @@ class InProcessEngine:
             tokens_per_step=getattr(e.decode_strategy, "tokens_per_step", s.tokens_per_step),
             requests_finished=s.finished,
             requests_failed=s.failed,
+            warm_batches_pending=len(e.warmup.pending),
+            warmup_seconds=round(e.warmup.seconds, 3),
         )
 
     def models(self) -> list[ModelInfo]:

@@ -205,3 +205,22 @@ def test_a_port_another_server_listens_on_first_is_a_clear_error() -> None:
                 KapitsaError, match=f"cannot listen on 127.0.0.1:{port} .*while the model loaded"
             ):
                 serve_forever(engine, ServerSettings(port=port), ours)
+
+
+def test_serve_opens_an_engine_that_warms_its_batch_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Concurrent agents form decode batches: the server's engine readies them while idle."""
+    import kapitsa.opener
+
+    seen: dict = {}
+
+    class Opened(Exception):
+        pass
+
+    def fake_open(ref, **kwargs):
+        seen.update(kwargs)
+        raise Opened
+
+    monkeypatch.setattr(kapitsa.opener, "open_engine", fake_open)
+    with pytest.raises(Opened):
+        cmd_serve(model="/any", host="127.0.0.1", port=0, speculative="none")
+    assert seen["warm_batches"] is True

@@ -39,6 +39,15 @@ def test_the_engine_has_the_disk_tier_kernels_and_speculation(
         assert engine.stats().speculative == "ngram"
 
 
+def test_only_an_engine_asked_to_warms_its_batch_sizes(tiny_qwen: Path, state_dir: Path) -> None:
+    """`warm_batches=True` (serve) leaves the sizes to the device (every size on a GPU); a plain
+    open (run, the TUI: one user, no batches) warms none."""
+    with contextlib.closing(open_engine(str(tiny_qwen), speculative="none", warm_batches=True)) as engine:
+        assert engine.engine.config.warm_batches is None
+    with contextlib.closing(open_engine(str(tiny_qwen), speculative="none")) as engine:
+        assert engine.engine.config.warm_batches == () and engine.stats().warm_batches_pending == 0
+
+
 def test_every_surface_speculates_by_default(tiny_qwen: Path, state_dir: Path) -> None:
     """No flag: `auto`, which drafts by n-gram lookup on a checkpoint without a drafter or MTP head
     (serve's settings, run's options and the TUI's plain `open_engine(ref)` all land here)."""

@@ -31,6 +31,7 @@ from kapitsa.engine.runner.prompt_tail import tail_for
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
 from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus, plan_boundaries
+from kapitsa.engine.runner.warmup import BatchWarmup
 from kapitsa.engine.stats import StatsCounter
 from kapitsa.engine.types import ErrorEvent, FinishEvent, FinishReason, PrefillProgressEvent
 from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
@@ -89,6 +90,7 @@ class Engine:
             sizes.recurrent_bytes, sizes.kv_bytes_per_token
         )
         self.scheduler = Scheduler(max_running=self.config.max_running)
+        self.warmup = BatchWarmup.for_config(self.config, self.memory, self.prefix)
         self.stats = StatsCounter()
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
         self._inbox: queue.SimpleQueue[Sequence | _Abort | _Prefetch | _Stop] = queue.SimpleQueue()
@@ -127,10 +129,12 @@ class Engine:
     # --- the thread ----------------------------------------------------------------------
 
     def _nothing_to_do(self) -> bool:
-        """Idle, once an idle preload of spilled conversations (runner/prefix_tier.py) has none left."""
+        """Idle, once an idle preload of spilled conversations (runner/prefix_tier.py) and the decode
+        batch sizes still to warm (runner/warmup.py) have none left."""
         if self.scheduler.has_running or self.scheduler.waiting:
             return False
-        return not (self.config.prefetch and preload_one(self.prefix, self.memory))
+        preloaded = self.config.prefetch and preload_one(self.prefix, self.memory)
+        return not (preloaded or self.warmup.run_one(self.runner))
 
     def _run(self) -> None:
         try:
