@@ -45,9 +45,12 @@ def engine(model, prompt_len: int, tokens: int, streams: int, warm: bool = False
     return InProcessEngine(model, _Tokenizer(), info, eos_token_ids=set(), config=config)
 
 
-def wait_warm(client: InProcessEngine) -> float:
+def wait_warm(client: InProcessEngine, limit_s: float = 600.0) -> float:
     """Wait until the engine's idle warm-up is done; its seconds."""
+    deadline = time.perf_counter() + limit_s
     while client.stats().warm_batches_pending:
+        if not client.stats().alive or time.perf_counter() > deadline:
+            raise RuntimeError(f"the warm-up did not finish (alive: {client.stats().alive})")
         time.sleep(0.05)
     return client.stats().warmup_seconds
 

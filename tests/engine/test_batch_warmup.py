@@ -5,6 +5,7 @@ overfills the engine."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import mlx.core as mx
 import pytest
@@ -12,6 +13,7 @@ from engine_standins import tiny_model
 
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner import warmup
+from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.warmup import default_warm_batches
 from kapitsa.engine.types import GenerationRequest, SamplingParams, TokenEvent
 
@@ -74,18 +76,49 @@ async def test_a_warmed_burst_traces_nothing_new(kind, make_client, monkeypatch)
     assert traced[0] == before
 
 
-async def test_a_request_during_the_warm_up_is_served(qwen_model, make_client) -> None:
+async def test_a_request_during_the_warm_up_waits_for_one_step_only(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    """Each size's step takes 0.5 s here; a request arriving meanwhile is served after the step
+    in progress, long before the 4 s of warm-up are over, which resumes afterwards."""
+
+    def slow_step(runner, rows, bases, busy) -> bool:
+        time.sleep(0.5)
+        return True
+
+    monkeypatch.setattr(warmup, "warm_decode_step", slow_step)
+    monkeypatch.setattr(warmup.BatchWarmup, "_base_caches", lambda self, runner: [])
     client = make_client(qwen_model, max_running=8, warm_batches=tuple(range(1, 9)))
     request = GenerationRequest(prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    started = time.perf_counter()
     events = [event async for event in client.generate(request)]
+    assert time.perf_counter() - started < 2.5
     assert sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent)) == 4
+    assert client.stats().warm_batches_pending > 0
     await _until_warm(client)
+
+
+def test_arriving_work_interrupts_a_size_which_is_warmed_later() -> None:
+    """`busy()` between the throwaway steps: the size stays pending and the next idle turn redoes it."""
+    runner = ModelRunner(tiny_model("qwen3_5"))
+    asked = [0]
+
+    def busy() -> bool:  # asked once per run_one and once per layout: work arrives just before the
+        asked[0] += 1  # 3-row size's second layout (equal lengths), the 8th question
+        return asked[0] == 8
+
+    warm = warmup.BatchWarmup((1, 2, 3), busy=busy)
+    assert warm.run_one(runner) and warm.run_one(runner)  # 1 row; 2 rows (both layouts)
+    assert warm.pending == [3]
+    assert warm.run_one(runner) and warm.pending == [3]  # the first layout ran; then busy
+    assert warm.run_one(runner) and warm.pending == []
+    assert not warm.run_one(runner)
 
 
 async def test_a_failing_warm_up_is_skipped_and_the_engine_serves(
     qwen_model, make_client, monkeypatch
 ) -> None:
-    def broken(runner, rows):
+    def broken(runner, rows, bases, busy):
         raise RuntimeError("no kernel for this size")
 
     monkeypatch.setattr(warmup, "warm_decode_step", broken)
@@ -98,22 +131,26 @@ async def test_a_failing_warm_up_is_skipped_and_the_engine_serves(
 
 async def test_sizes_whose_state_does_not_fit_are_not_warmed(qwen_model, make_client, monkeypatch) -> None:
     warmed: list[int] = []
-    monkeypatch.setattr(warmup, "warm_decode_step", lambda runner, rows: warmed.append(rows))
+    monkeypatch.setattr(
+        warmup, "warm_decode_step", lambda runner, rows, bases, busy: warmed.append(rows) or True
+    )
+    monkeypatch.setattr(warmup.BatchWarmup, "_base_caches", lambda self, runner: [])
     client = make_client(qwen_model, max_running=8, warm_batches=(1, 2, 8))
     budget = client.engine.memory
     room = budget.available_bytes - budget.reserved_bytes
     await _until_warm(client)
     assert warmed == [1, 2, 8]  # the control: all fit
     per_row = budget.sequence_bytes(warmup.KV_STEP)
+    held = room - (2 + warmup.WARM_LENGTHS) * per_row  # room for 2 rows beside the base caches
     tight = warmup.BatchWarmup((1, 2, 8), budget, prefix=None)
-    budget.reserve(room - 2 * per_row)  # room for two rows only
+    budget.reserve(held)
     try:
         warmed.clear()
         while tight.run_one(client.engine.runner):
             pass
     finally:
-        budget.release(room - 2 * per_row)
-    assert warmed == [1, 2]
+        budget.release(held)
+    assert warmed == [1, 2] and tight.pending == []
 
 
 def test_default_sizes_are_every_batch_on_a_gpu_and_none_on_the_cpu() -> None:

@@ -90,10 +90,10 @@ class Engine:
             sizes.recurrent_bytes, sizes.kv_bytes_per_token
         )
         self.scheduler = Scheduler(max_running=self.config.max_running)
-        self.warmup = BatchWarmup.for_config(self.config, self.memory, self.prefix)
         self.stats = StatsCounter()
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
         self._inbox: queue.SimpleQueue[Sequence | _Abort | _Prefetch | _Stop] = queue.SimpleQueue()
+        self.warmup = BatchWarmup.for_config(self.config, self.memory, self.prefix, self._inbox)
         self._thread = threading.Thread(
             target=_thread_main, args=(weakref.ref(self),), name="kapitsa-engine", daemon=True
         )
@@ -129,8 +129,7 @@ class Engine:
     # --- the thread ----------------------------------------------------------------------
 
     def _nothing_to_do(self) -> bool:
-        """Idle, once an idle preload of spilled conversations (runner/prefix_tier.py) and the decode
-        batch sizes still to warm (runner/warmup.py) have none left."""
+        """Idle, once idle preloads (runner/prefix_tier.py) and warm-ups (runner/warmup.py) are done."""
         if self.scheduler.has_running or self.scheduler.waiting:
             return False
         preloaded = self.config.prefetch and preload_one(self.prefix, self.memory)
