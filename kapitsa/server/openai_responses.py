@@ -87,7 +87,10 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         client_limit=body.max_output_tokens is not None,
     )
     builder.response.update(
-        store=body.store, previous_response_id=body.previous_response_id, instructions=body.instructions
+        store=body.store,
+        previous_response_id=body.previous_response_id,
+        instructions=body.instructions,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
     )
     keep = _keeper(state.responses, [*history, *input_items(body)]) if body.store else _keep_nothing
     run = await start_run(request, gen)

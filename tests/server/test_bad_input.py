@@ -125,6 +125,7 @@ JSON_CASES = [  # (path, body, status, param or None)
     (RESP, {"model": "fake", "input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     (RESP, {"model": "fake", "input": [{"type": "message", "role": "wizard", "content": "x"}]}, 400, None),
     (RESP, {"model": "fake", "input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    (RESP, {"model": "fake", "input": "hi", "parallel_tool_calls": "sometimes"}, 400, "parallel_tool_calls"),
     ("/v1/completions", {"model": "fake", "prompt": "x", "suffix": "y"}, 400, None),
     ("/v1/completions", {"model": "fake", "prompt": ["a", "b"]}, 400, None),
     ("/v1/completions", {"model": "fake", "prompt": ""}, 400, None),

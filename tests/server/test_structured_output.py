@@ -183,7 +183,8 @@ def test_required_tool_call_in_responses(http) -> None:
     ]
     for body in _post_all(http, "/v1/responses", bodies):
         calls = [item for item in body["output"] if item["type"] == "function_call"]
-        assert calls, body
+        assert len(calls) == 1, body  # parallel_tool_calls false: exactly one call
+        assert body["parallel_tool_calls"] is False
         for call in calls:
             assert schema_errors(json.loads(call["arguments"]), WEATHER) == [], call
 
