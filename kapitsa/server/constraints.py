@@ -190,6 +190,18 @@ def _embedded_json(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps(schema)}"
 
 
+def requires_call(choice: Any) -> bool:
+    """Whether `tool_choice` makes the model call a tool: required, a named function or custom
+    tool, or `allowed_tools` in required mode."""
+    if choice == "required":
+        return True
+    if not isinstance(choice, dict):
+        return False
+    return choice.get("type") in ("function", "custom") or (
+        choice.get("type") == "allowed_tools" and choice.get("mode") == "required"
+    )
+
+
 def responses_constraint(
     body: Any, model: ModelInfo, tools: list[dict[str, Any]], thinking: bool | None
 ) -> Constraint | None:
@@ -202,7 +214,7 @@ def responses_constraint(
         json_schema=fmt.get("schema") if fmt.get("type") == "json_schema" else None,
         json_mode=fmt.get("type") == "json_object",
         tools=tools,
-        tool_required=choice == "required" or isinstance(choice, dict) and choice.get("type") == "function",
+        tool_required=requires_call(choice),
         strict_tools=any(isinstance(t, dict) and t.get("strict") is True for t in body.tools or []),
         parallel_calls=getattr(body, "parallel_tool_calls", None) is not False,
     )

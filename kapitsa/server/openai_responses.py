@@ -46,6 +46,7 @@ from kapitsa.server.responses_events import ResponseBuilder
 from kapitsa.server.responses_input import (
     ResponsesRequest,
     build_messages,
+    check_hosted_state,
     function_tools,
     input_items,
     thinking_choice,
@@ -57,6 +58,7 @@ router = APIRouter(route_class=WellFormedJsonRoute)
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Any:
+    check_hosted_state(body)
     state = state_of(request)
     model = resolve_model(state.client, body.model)
     history = previous_conversation(state.responses, body.previous_response_id)

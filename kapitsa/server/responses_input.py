@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import flatten_text
+from kapitsa.server.errors import param_error
 from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 from kapitsa.server.settings import MAX_MESSAGES
@@ -53,6 +54,9 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool = True  # OpenAI's default
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # OpenAI-hosted state this server does not keep: refused rather than answered without it
+    conversation: Any = None
+    prompt: Any = None
 
 
 def _text(content: Any) -> str:
@@ -197,14 +201,40 @@ def _function(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _apply_choice(choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools `tool_choice` leaves the model: none, the one it names, or an `allowed_tools` subset."""
     if choice == "none":
         return []
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        named = [t for t in tools if t["function"]["name"] == choice.get("name")]
-        if not named:
-            raise InvalidRequest(f"tool_choice names `{choice.get('name')}`, which is not among the tools.")
-        return named
+        return _named(tools, [choice.get("name")])
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        allowed = choice.get("tools")
+        if choice.get("mode", "auto") not in ("auto", "required") or not isinstance(allowed, list):
+            raise param_error(
+                "tool_choice", "tool_choice allowed_tools needs `mode` auto or required and a `tools` list."
+            )
+        return _named(tools, [t.get("name") for t in allowed if isinstance(t, dict)])
     return tools
+
+
+def _named(tools: list[dict[str, Any]], names: list[Any]) -> list[dict[str, Any]]:
+    for name in names:
+        if not any(t["function"]["name"] == name for t in tools):
+            raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
+    return [t for t in tools if t["function"]["name"] in names]
+
+
+def check_hosted_state(body: ResponsesRequest) -> None:
+    """Refuse what needs state kept at OpenAI: answering without it would drop context silently."""
+    if body.conversation is not None:
+        raise param_error(
+            "conversation",
+            "`conversation` (OpenAI's Conversations API) is not supported here: continue with "
+            "`previous_response_id`, or send the earlier items in `input`.",
+        )
+    if body.prompt is not None:
+        raise param_error(
+            "prompt", "`prompt` (a stored prompt template) is not supported here: send `instructions`."
+        )
 
 
 def thinking_choice(body: ResponsesRequest) -> bool | None:

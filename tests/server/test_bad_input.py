@@ -126,6 +126,33 @@ JSON_CASES = [  # (path, body, status, param or None)
     (RESP, {"model": "fake", "input": [{"type": "message", "role": "wizard", "content": "x"}]}, 400, None),
     (RESP, {"model": "fake", "input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     (RESP, {"model": "fake", "input": "hi", "parallel_tool_calls": "sometimes"}, 400, "parallel_tool_calls"),
+    (RESP, {"model": "fake", "input": "hi", "conversation": "conv_1"}, 400, "conversation"),
+    (RESP, {"model": "fake", "input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt"),
+    (
+        RESP,
+        {
+            "model": "fake",
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": "g"}],
+            },
+        },
+        400,
+        "tool_choice",
+    ),
+    (
+        RESP,
+        {
+            "model": "fake",
+            "input": "hi",
+            "tool_choice": {"type": "allowed_tools", "mode": "often", "tools": []},
+        },
+        400,
+        "tool_choice",
+    ),
     ("/v1/completions", {"model": "fake", "prompt": "x", "suffix": "y"}, 400, None),
     ("/v1/completions", {"model": "fake", "prompt": ["a", "b"]}, 400, None),
     ("/v1/completions", {"model": "fake", "prompt": ""}, 400, None),

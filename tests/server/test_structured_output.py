@@ -231,3 +231,54 @@ def test_invalid_schema_is_a_clear_400(http, path, body) -> None:
     response = http.post(path, json={**body, "model": http.model_id})
     error = assert_error_shape(path, response, 400)
     assert "grammar is invalid" in json.dumps(error), error
+
+
+RESPONSES_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": WEATHER},
+    {"type": "function", "name": "ping", "parameters": {"type": "object", "additionalProperties": False}},
+    {"type": "custom", "name": "apply_patch", "description": "edit files"},
+]
+
+
+def test_responses_allowed_tools_in_required_mode_force_a_call_of_one_of_them(http) -> None:
+    choice = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_weather"}],
+    }
+    bodies = [
+        {
+            "input": f"do something {seed}",
+            "temperature": 1.0,
+            "max_output_tokens": 400,
+            "reasoning": {"effort": "none"},
+            "tools": RESPONSES_TOOLS,
+            "tool_choice": choice,
+            "parallel_tool_calls": False,
+            "store": False,
+        }
+        for seed in range(8)
+    ]
+    for body in _post_all(http, "/v1/responses", bodies):
+        calls = [item for item in body["output"] if item["type"].endswith("call")]
+        assert [(c["type"], c["name"]) for c in calls] == [("function_call", "get_weather")], body
+
+
+def test_responses_named_custom_tool_is_a_required_call() -> None:
+    """A custom tool named in `tool_choice` is held to a call grammar like a named function (its
+    free-text input is unbounded, so a random model's call is checked at the grammar, not by
+    sampling one)."""
+    from kapitsa.engine.types import ModelInfo
+    from kapitsa.server.constraints import responses_constraint
+    from kapitsa.server.responses_input import ResponsesRequest, function_tools
+
+    info = ModelInfo(id="m", family="qwen3_5", context_length=4096, max_output_tokens=512)
+    for choice in ({"type": "custom", "name": "apply_patch"}, "auto"):
+        body = ResponsesRequest(input="x", tools=RESPONSES_TOOLS, tool_choice=choice)
+        tools = function_tools(body)[0]
+        constraint = responses_constraint(body, info, tools, thinking=None)
+        if choice == "auto":
+            assert constraint is None  # no strict tool, no required call: free output
+        else:
+            assert [t["function"]["name"] for t in tools] == ["apply_patch"]
+            assert constraint is not None and constraint.value.startswith("start: call")
