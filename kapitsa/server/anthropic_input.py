@@ -8,8 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.errors import InvalidRequest
+from kapitsa.server.errors import param_error
 from kapitsa.server.images import content_parts, is_image_part
-from kapitsa.server.prompt import fold_system_messages, strip_attribution
+from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, strip_attribution
 from kapitsa.server.settings import MAX_MESSAGES
 from kapitsa.server.tool_schema import check_tool_schema
 
@@ -40,6 +41,10 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # `format`: structured output (`effort` has no local effect)
+    output_format: dict[str, Any] | None = (
+        None  # the structured-outputs beta's spelling of `output_config.format`
+    )
 
 
 class CountTokensRequest(MessagesRequest):
@@ -154,9 +159,28 @@ def _assistant_message(blocks: list[dict[str, Any]]) -> dict[str, Any]:
     return message
 
 
+def output_schema(body: MessagesRequest) -> dict[str, Any] | None:
+    """The JSON schema the answer must match (`output_config.format`, or the beta `output_format`), or None."""
+    fmt = (body.output_config or {}).get("format") or body.output_format
+    if fmt is None:
+        return None
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise param_error(
+            "output_config", "`output_config.format` must be {type: json_schema, schema: {...}}."
+        )
+    return fmt["schema"]
+
+
 def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     system = system_text(body.system)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    schema = output_schema(body)
+    if schema is not None:  # the grammar holds the answer to it; the instruction says what it is for
+        messages.insert(0, {"role": "system", "content": json_mode_instruction(schema)})
     for m in body.messages:
         if isinstance(m.content, str):
             content = strip_attribution(m.content) if m.role == "system" else m.content

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from kapitsa.engine.types import Constraint, ModelInfo
+from kapitsa.server.anthropic_input import output_schema
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_PARALLEL_CALLS = 8  # calls one required turn may hold: a grammar always ends, even a weak model's
@@ -228,6 +229,7 @@ def anthropic_constraint(
     return output_constraint(
         model,
         thinking=thinking,
+        json_schema=output_schema(body),
         tools=tools,
         tool_required=choice in ("any", "tool"),
         strict_tools=any(isinstance(t, dict) and t.get("strict") is True for t in body.tools or []),

@@ -112,6 +112,28 @@ def test_json_schema_in_responses(http) -> None:
         _valid("".join(texts), SCHEMA)
 
 
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_anthropic_structured_output_matches_the_schema(http, field) -> None:
+    """`output_config.format` (and the beta's top-level `output_format`): the answer's text is JSON
+    that matches the schema."""
+    fmt = {"type": "json_schema", "schema": WEATHER}
+    bodies = [
+        {
+            "model": "tiny",
+            "max_tokens": 400,
+            "temperature": 1.0,
+            "messages": [{"role": "user", "content": f"weather as JSON {seed}"}],
+            "thinking": {"type": "disabled"},
+            field: {"format": fmt} if field == "output_config" else fmt,
+        }
+        for seed in range(RUNS // 5)
+    ]
+    for body in _post_all(http, "/v1/messages", bodies):
+        text = "".join(b["text"] for b in body["content"] if b["type"] == "text")
+        assert body["stop_reason"] == "end_turn", body
+        assert schema_errors(json.loads(text), WEATHER) == [], text
+
+
 def _anthropic_choice(seed: int) -> dict[str, Any]:
     choice = {"type": "any"} if seed % 2 else {"type": "tool", "name": "get_weather"}
     return {**choice, "disable_parallel_tool_use": seed % 3 != 0}
