@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kapitsa.server.settings import MAX_CHOICES, MAX_MESSAGES
 
@@ -93,6 +93,18 @@ class ChatRequest(SamplingFields):
     reasoning_effort: str | None = None
     enable_thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # The deprecated function-calling fields: refused with the current spelling rather than dropped
+    # (dropped, the model would answer as if it had no tools).
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            current = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"`{info.field_name}` is deprecated and not supported: send `{current}`")
+        return value
 
 
 class CompletionRequest(SamplingFields):

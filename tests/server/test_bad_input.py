@@ -121,6 +121,8 @@ JSON_CASES = [  # (path, body, status, param or None)
     (MSGS, msgs(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, None),
     (MSGS, msgs(tool_choice={"type": "tool", "name": "nope"}), 400, None),
     (MSGS, msgs(system=7), 400, "system"),
+    (CHAT, chat(functions=[{"name": "f", "parameters": {"type": "object"}}]), 400, "functions"),
+    (CHAT, chat(function_call="auto"), 400, "function_call"),
     (MSGS, msgs(output_config={"format": {"type": "json_schema"}}), 400, "output_config"),
     (MSGS, msgs(output_config={"format": {"type": "yaml", "schema": {}}}), 400, "output_config"),
     (RESP, {"model": "fake", "input": [{"content": "neither type nor role"}]}, 400, None),
