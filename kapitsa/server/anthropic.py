@@ -244,7 +244,9 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     model = resolve_model(state_of(request).client, body.model, anthropic=True)
     gen = to_generation_request(body, model)
     parser = OutputParser(
-        thinking=thinking_active(model, thinking_choice(body)), tools=list(gen.tools or []) or None
+        thinking=thinking_active(model, thinking_choice(body)),
+        tools=list(gen.tools or []) or None,
+        one_call=bool((body.tool_choice or {}).get("disable_parallel_tool_use")),
     )
     builder = MessageBuilder(message_id=gen.request_id, model=body.model or model.id)
     run = await start_run(request, gen)

@@ -213,7 +213,9 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     gen = to_generation_request(body, model)
     parsers = [
         OutputParser(
-            thinking=thinking_active(model, chat_thinking(body)), tools=list(gen.tools or []) or None
+            thinking=thinking_active(model, chat_thinking(body)),
+            tools=list(gen.tools or []) or None,
+            one_call=body.parallel_tool_calls is False,
         )
         for _ in range(gen.n)
     ]

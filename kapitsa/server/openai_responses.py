@@ -80,7 +80,11 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         chat_template_kwargs=thinking_kwargs(thinking),
         request_id=f"resp_{uuid.uuid4().hex[:24]}",
     )
-    parser = OutputParser(thinking=thinking_active(model, thinking), tools=tools or None)
+    parser = OutputParser(
+        thinking=thinking_active(model, thinking),
+        tools=tools or None,
+        one_call=body.parallel_tool_calls is False,
+    )
     builder = ResponseBuilder(
         response_id=gen.request_id,
         model=model.id,

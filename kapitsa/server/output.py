@@ -25,9 +25,12 @@ Part = TextPart | ReasoningPart | ToolCall
 class OutputParser:
     """Splits `<think>` first, then finds tool calls in the answer (only when the request declared tools)."""
 
-    def __init__(self, *, thinking: bool, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(self, *, thinking: bool, tools: list[dict[str, Any]] | None, one_call: bool = False) -> None:
+        """`one_call`: the request turned parallel tool calls off; a call after the first is dropped
+        (a required turn's grammar already holds one; an `auto` turn's output is free)."""
         self._think = ThinkSplitter(starts_in_reasoning=thinking)
         self._tools = ToolCallParser(tools) if tools else None
+        self._one_call = one_call
         self.tool_calls: list[ToolCall] = []
         self._truncated = False
         self.reasoning_tokens = 0
@@ -68,6 +71,8 @@ class OutputParser:
 
     def _wrap(self, item: str | ToolCall) -> Part:
         if isinstance(item, ToolCall):
+            if self._one_call and self.tool_calls:
+                return TextPart("")  # (empty parts are merged away)
             self.tool_calls.append(item)
             return item
         return TextPart(item)

@@ -194,3 +194,14 @@ def test_system_and_developer_messages_fold_into_one_leading_system() -> None:
         {"role": "user", "content": "u"},
         {"role": "assistant", "content": "x"},
     ]
+
+
+def test_one_call_keeps_the_first_call_only() -> None:
+    """Parallel calls turned off (`parallel_tool_calls: false`, `disable_parallel_tool_use`): in an
+    `auto` turn, which no grammar holds, a second call is dropped, text and all."""
+    two = HERMES + "\n" + HERMES.replace("ls -la", "pwd")
+    parser = OutputParser(thinking=False, tools=TOOLS, one_call=True)
+    parts = merge(parser.feed(two) + parser.finish())
+    assert shape(parts) == [("Bash", EXPECTED)]
+    assert len(parser.tool_calls) == 1
+    assert len(shape(parse(two))) == 2  # the default keeps both

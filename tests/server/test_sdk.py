@@ -345,3 +345,47 @@ def test_responses_freeform_custom_tool_round_trip(live: LiveServer, oai: openai
     sent = live.engine.requests[-1].messages
     assert sent[1]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": {"input": patch}}
     assert sent[2] == {"role": "tool", "content": "Done", "tool_call_id": call.call_id}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_calls_off_keeps_the_first_call_on_every_api(live: LiveServer, parallel: bool) -> None:
+    """An `auto` turn that writes two calls: all three APIs return both, or only the first when the
+    request turns parallel calls off (`parallel_tool_calls`, `disable_parallel_tool_use`)."""
+    import httpx
+
+    second = XML_CALL.replace("echo hi > out.txt", "pwd")
+    bash = {"name": "Bash", "description": "run", "parameters": BASH}
+    asks = [
+        (
+            "/v1/chat/completions",
+            {
+                "tools": CHAT_TOOLS,
+                "parallel_tool_calls": parallel,
+                "messages": [{"role": "user", "content": "go"}],
+            },
+        ),
+        (
+            "/v1/responses",
+            {"tools": [{"type": "function", **bash}], "parallel_tool_calls": parallel, "input": "go"},
+        ),
+        (
+            "/v1/messages",
+            {
+                "max_tokens": 1000,
+                "messages": [{"role": "user", "content": "go"}],
+                "tools": [{"name": "Bash", "input_schema": BASH}],
+                "tool_choice": {"type": "auto", "disable_parallel_tool_use": not parallel},
+            },
+        ),
+    ]
+    with httpx.Client(base_url=live.url, timeout=10) as http:
+        for path, body in asks:
+            live.engine.enqueue([XML_CALL, "\n", second])
+            reply = http.post(path, json={"model": "fake", **body}).json()
+            if path == "/v1/chat/completions":
+                calls = reply["choices"][0]["message"]["tool_calls"]
+            elif path == "/v1/responses":
+                calls = [i for i in reply["output"] if i["type"] == "function_call"]
+            else:
+                calls = [b for b in reply["content"] if b["type"] == "tool_use"]
+            assert len(calls) == (2 if parallel else 1), (path, reply)
