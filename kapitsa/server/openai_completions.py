@@ -25,6 +25,7 @@ from kapitsa.server.common import (
     state_of,
     steps,
 )
+from kapitsa.server.errors import param_error
 from kapitsa.server.input_checks import check_prompt_ids
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.openai_chat import failure_frames, openai_usage
@@ -50,6 +51,10 @@ class RawParser:
 def to_generation_request(body: CompletionRequest, model: ModelInfo) -> GenerationRequest:
     if body.suffix:
         raise InvalidRequest("`suffix` (fill-in-the-middle) is not supported.")
+    if body.best_of is not None and body.best_of > body.n:
+        raise param_error(
+            "best_of", "`best_of` larger than `n` (ranking candidates on the server) is not supported."
+        )
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -64,6 +69,8 @@ def to_generation_request(body: CompletionRequest, model: ModelInfo) -> Generati
             prompt=prompt, sampling=sampling, model=model.id, request_id=request_id, n=body.n
         )
     check_prompt_ids(prompt, model)
+    if body.echo:
+        raise param_error("echo", "`echo` needs a text prompt (this one is token ids).")
     return GenerationRequest(
         prompt_token_ids=tuple(prompt), sampling=sampling, model=model.id, request_id=request_id, n=body.n
     )  # type: ignore[arg-type]

@@ -97,6 +97,22 @@ class ChatRequest(SamplingFields):
     # (dropped, the model would answer as if it had no tools).
     functions: Any = None
     function_call: Any = None
+    modalities: list[str] | None = None  # "text" only: no audio output here
+    audio: Any = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError("only the `text` output modality is supported")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("audio output is not supported")
+        return value
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -112,3 +128,4 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)  # only as many as `n`: no server-side ranking of candidates
