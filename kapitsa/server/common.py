@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from kapitsa.engine.client import EngineClient
-from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams, Usage
+from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams, TokenLogprob, Usage
 from kapitsa.errors import ContextOverflow, InvalidRequest, ModelNotFound
 from kapitsa.server.errors import param_error
 from kapitsa.server.input_checks import check_prompt_size, logit_bias_pairs
@@ -224,3 +224,16 @@ async def collect_steps(run: GenerationRun, parser: Any) -> list[Step] | None:
 
 
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads the body
+
+
+def logprob_entries(items: tuple[TokenLogprob, ...] | None) -> list[dict[str, Any]]:
+    """Token logprobs in OpenAI's shape (chat `logprobs.content`, Responses `output_text.logprobs`)."""
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": list(lp.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for _, t, p in lp.top],
+        }
+        for lp in items or ()
+    ]

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kapitsa.engine.types import ErrorEvent, FinishEvent, TokenLogprob, Usage
+from kapitsa.engine.types import ErrorEvent, FinishEvent, Usage
 from kapitsa.errors import KapitsaError
 from kapitsa.server.chat_input import chat_thinking, to_generation_request
 from kapitsa.server.common import (
@@ -18,6 +18,7 @@ from kapitsa.server.common import (
     Step,
     choice_usage,
     collect_steps,
+    logprob_entries,
     now,
     resolve_model,
     sse,
@@ -54,18 +55,6 @@ def finish_reason(finish: FinishEvent, has_tool_calls: bool) -> str:
     if has_tool_calls and finish.finish_reason in ("stop", "tool_calls"):
         return "tool_calls"
     return "length" if finish.finish_reason == "length" else "stop"
-
-
-def logprob_entries(items: tuple[TokenLogprob, ...] | None) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": lp.token,
-            "logprob": lp.logprob,
-            "bytes": list(lp.token.encode()),
-            "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for _, t, p in lp.top],
-        }
-        for lp in items or ()
-    ]
 
 
 def tool_call_dict(call: ToolCall, index: int | None = None) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from kapitsa.server.responses_input import (
     check_hosted_state,
     function_tools,
     input_items,
+    logprobs_wanted,
     thinking_choice,
 )
 from kapitsa.server.streaming import ClientGone, GenerationRun
@@ -75,6 +76,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
             temperature=body.temperature,
             top_p=body.top_p,
             max_tokens=body.max_output_tokens,
+            logprobs=logprobs_wanted(body),
             constraint=responses_constraint(body, model, tools, thinking),
         ),
         chat_template_kwargs=thinking_kwargs(thinking),
@@ -143,7 +145,7 @@ async def _collect(
     if done is None:
         return JSONResponse({}, status_code=CLIENT_GONE_STATUS)
     for step in done:
-        builder.parts(step.parts)
+        builder.parts(step.parts, step.logprobs)
     response = builder.finish(done[-1].final, done[-1].reasoning_tokens)
     keep(response)
     return JSONResponse(response)
@@ -158,7 +160,7 @@ async def _stream(
         async for step in steps(run, parser):
             if step.keepalive:
                 yield SSE_COMMENT
-            for frame in builder.parts(step.parts):
+            for frame in builder.parts(step.parts, step.logprobs):
                 yield frame
             if isinstance(step.final, FinishEvent):
                 closing = builder.closing(step.final, step.reasoning_tokens)

@@ -6,9 +6,9 @@ import json
 import uuid
 from typing import Any
 
-from kapitsa.engine.types import FinishEvent, Usage
+from kapitsa.engine.types import FinishEvent, TokenLogprob, Usage
 from kapitsa.errors import ContextOverflow, EngineBusy, EngineDead, KapitsaError
-from kapitsa.server.common import now, sse, usage_cached
+from kapitsa.server.common import logprob_entries, now, sse, usage_cached
 from kapitsa.server.output import ReasoningPart, TextPart
 from kapitsa.server.tool_calls import ToolCall
 
@@ -73,16 +73,21 @@ class ResponseBuilder:
             self.event("response.in_progress", response=dict(self.response)),
         ]
 
-    def parts(self, parts: list[Any]) -> list[bytes]:
+    def parts(self, parts: list[Any], logprobs: tuple[TokenLogprob, ...] | None = None) -> list[bytes]:
+        """Frames for one step's parts; the step's token `logprobs` (when asked for) ride on its
+        first answer-text delta and gather in that output_text part."""
         frames: list[bytes] = []
+        entries = logprob_entries(logprobs)
         for part in parts:
             if isinstance(part, ToolCall):
                 frames += self._close_open() + self._tool_call(part)
             else:
-                frames += self._text_delta(part)
+                frames += self._text_delta(part, entries)
+                if not isinstance(part, ReasoningPart):
+                    entries = []
         return frames
 
-    def _text_delta(self, part: TextPart | ReasoningPart) -> list[bytes]:
+    def _text_delta(self, part: TextPart | ReasoningPart, logprobs: list[dict[str, Any]]) -> list[bytes]:
         kind = "reasoning" if isinstance(part, ReasoningPart) else "message"
         frames = (
             [] if self.open_item and self.open_item["type"] == kind else self._close_open() + self._open(kind)
@@ -91,7 +96,9 @@ class ResponseBuilder:
         assert item is not None
         item["_text"] += part.text
         delta_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": logprobs}
+        if kind == "message":
+            item["_logprobs"] += logprobs
         return frames + [
             self.event(
                 delta_event, item_id=item["id"], output_index=index, content_index=0, delta=part.text, **extra
@@ -117,6 +124,7 @@ class ResponseBuilder:
             "role": "assistant",
             "content": [],
             "_text": "",
+            "_logprobs": [],
         }
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
@@ -147,7 +155,8 @@ class ResponseBuilder:
                 )
             ]
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            logprobs = item.pop("_logprobs")
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
             item.update(status="completed", content=[part])
             frames = [
                 self.event(
@@ -156,7 +165,7 @@ class ResponseBuilder:
                     output_index=index,
                     content_index=0,
                     text=text,
-                    logprobs=[],
+                    logprobs=logprobs,
                 ),
                 self.event(
                     "response.content_part.done",

@@ -54,6 +54,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool = True  # OpenAI's default
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs too
     # OpenAI-hosted state this server does not keep: refused rather than answered without it
     conversation: Any = None
     prompt: Any = None
@@ -235,6 +236,12 @@ def check_hosted_state(body: ResponsesRequest) -> None:
         raise param_error(
             "prompt", "`prompt` (a stored prompt template) is not supported here: send `instructions`."
         )
+
+
+def logprobs_wanted(body: ResponsesRequest) -> int | None:
+    """Top alternatives per output token to report (0: the chosen token's only), or None for none."""
+    asked = body.top_logprobs is not None or "message.output_text.logprobs" in (body.include or [])
+    return (body.top_logprobs or 0) if asked else None
 
 
 def thinking_choice(body: ResponsesRequest) -> bool | None:

@@ -389,3 +389,23 @@ def test_parallel_calls_off_keeps_the_first_call_on_every_api(live: LiveServer, 
             else:
                 calls = [b for b in reply["content"] if b["type"] == "tool_use"]
             assert len(calls) == (2 if parallel else 1), (path, reply)
+
+
+def test_responses_logprobs_are_reported_stream_and_not(live: LiveServer, oai: openai.OpenAI) -> None:
+    """`top_logprobs` (or `include: message.output_text.logprobs`) fills output_text's logprobs and
+    the stream's text deltas; without either they stay empty."""
+    live.engine.enqueue("ab")
+    out = oai.responses.create(model="fake", input="x", top_logprobs=2)
+    logprobs = out.output[0].content[0].logprobs
+    assert [t.token for t in logprobs] == ["a", "b"] and logprobs[0].logprob == -0.5
+    assert [alt.token for alt in logprobs[0].top_logprobs] == ["b", "c"]
+    live.engine.enqueue("ab")
+    events = list(
+        oai.responses.create(model="fake", input="x", include=["message.output_text.logprobs"], stream=True)
+    )
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == ["a", "b"]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == ["a", "b"]
+    live.engine.enqueue("ab")
+    assert oai.responses.create(model="fake", input="x").output[0].content[0].logprobs == []
