@@ -229,6 +229,10 @@ def chat_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
 
 
 def thinking_choice(body: MessagesRequest) -> bool | None:
-    """`enabled`/`disabled` ask; `adaptive` (what Claude Code sends) leaves it to the model's template."""
-    kind = (body.thinking or {}).get("type")
+    """`enabled`/`disabled` ask; `adaptive` (what Claude Code sends) leaves it to the model's template;
+    no `thinking` at all is no thinking, as the Messages API defines it (a client's quick side calls,
+    titles and summaries, leave it out)."""
+    if body.thinking is None:
+        return False
+    kind = body.thinking.get("type")
     return None if kind in (None, "adaptive") else kind != "disabled"

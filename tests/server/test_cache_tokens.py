@@ -51,6 +51,8 @@ def test_a_repeated_prompt_reads_what_the_first_wrote(tmp_path) -> None:  # noqa
                 model=engine.info.id,
                 messages=[{"role": "system", "content": SYSTEM}, *messages],
                 max_tokens=3,
+                # the Messages requests leave out `thinking`, which is no thinking: the same prompt
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
             ).usage
     finally:
         engine.close()

@@ -409,3 +409,24 @@ def test_responses_logprobs_are_reported_stream_and_not(live: LiveServer, oai: o
     assert [lp.token for lp in done.logprobs] == ["a", "b"]
     live.engine.enqueue("ab")
     assert oai.responses.create(model="fake", input="x").output[0].content[0].logprobs == []
+
+
+@pytest.mark.parametrize(
+    "thinking,kwargs",
+    [
+        (None, (("enable_thinking", False),)),
+        ({"type": "adaptive"}, ()),
+        ({"type": "enabled", "budget_tokens": 1024}, (("enable_thinking", True),)),
+    ],
+)
+def test_messages_without_thinking_do_not_think(live: LiveServer, thinking, kwargs) -> None:
+    """The Messages API's default is no thinking; `adaptive` leaves the template's default."""
+    import httpx
+
+    live.engine.enqueue("hi")
+    body = {"model": "fake", "max_tokens": 50, "messages": [{"role": "user", "content": "x"}]}
+    if thinking is not None:
+        body["thinking"] = thinking
+    with httpx.Client(base_url=live.url, timeout=10) as http:
+        assert http.post("/v1/messages", json=body).status_code == 200
+    assert live.engine.requests[-1].chat_template_kwargs == kwargs
