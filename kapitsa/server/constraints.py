@@ -45,8 +45,9 @@ def output_constraint(
 ) -> Constraint | None:
     """The grammar a request's structured modes ask for (None: free output).
 
-    A required call wins over a JSON format (the answer is then the call); strict tools without a
-    required call give the triggered grammar unless a JSON format is asked for.
+    A required call wins over a JSON format (the answer is then the call); a JSON format holds the
+    answer to its grammar only without tools (with tools a call may come first, so the format is
+    the instruction's); strict tools without a required call give the triggered grammar.
 
     Args:
         model: the model (its tool-call format and whether its output starts inside reasoning).
@@ -62,7 +63,9 @@ def output_constraint(
     if tools and tool_required:
         max_calls = MAX_PARALLEL_CALLS if parallel_calls else 1
         return tool_call_constraint(tools, tool_format=tool_format, reasoning=reasoning, max_calls=max_calls)
-    if json_schema is not None or json_mode:
+    if (json_schema is not None or json_mode) and not tools:
+        # with tools the model may still call one first (the JSON is the final answer's), so the
+        # format is the prompt's instruction only; strict tools keep their triggered grammar
         return json_constraint(json_schema, reasoning=reasoning)
     if tools and strict_tools:
         return tool_call_constraint(tools, tool_format=tool_format, reasoning=reasoning, required=False)

@@ -117,7 +117,7 @@ class ChatRequest(SamplingFields):
     @field_validator("functions", "function_call")
     @classmethod
     def _deprecated_functions(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
+        if value not in (None, [], "none", "auto"):  # (those change nothing without functions)
             current = "tools" if info.field_name == "functions" else "tool_choice"
             raise ValueError(f"`{info.field_name}` is deprecated and not supported: send `{current}`")
         return value

@@ -61,6 +61,9 @@ class ResponseBuilder:
         self.client_limit = client_limit  # the request set `max_output_tokens`
         self.seq = 0
         self.open_item: dict[str, Any] | None = None
+        # token logprobs not yet given to answer text (a step whose text the parser still holds:
+        # a split UTF-8 character, a possible stop string or tool tag)
+        self._pending_logprobs: list[dict[str, Any]] = []
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -74,17 +77,20 @@ class ResponseBuilder:
         ]
 
     def parts(self, parts: list[Any], logprobs: tuple[TokenLogprob, ...] | None = None) -> list[bytes]:
-        """Frames for one step's parts; the step's token `logprobs` (when asked for) ride on its
-        first answer-text delta and gather in that output_text part."""
+        """Frames for one step's parts; token `logprobs` (when asked for) ride on the next
+        answer-text delta and gather in that output_text part."""
         frames: list[bytes] = []
-        entries = logprob_entries(logprobs)
+        self._pending_logprobs += logprob_entries(logprobs)
         for part in parts:
             if isinstance(part, ToolCall):
+                self._pending_logprobs = []  # the call's own tokens
                 frames += self._close_open() + self._tool_call(part)
+            elif isinstance(part, ReasoningPart):
+                self._pending_logprobs = []  # reasoning tokens are not the answer's
+                frames += self._text_delta(part, [])
             else:
+                entries, self._pending_logprobs = self._pending_logprobs, []
                 frames += self._text_delta(part, entries)
-                if not isinstance(part, ReasoningPart):
-                    entries = []
         return frames
 
     def _text_delta(self, part: TextPart | ReasoningPart, logprobs: list[dict[str, Any]]) -> list[bytes]:

@@ -213,8 +213,27 @@ def _apply_choice(choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, An
             raise param_error(
                 "tool_choice", "tool_choice allowed_tools needs `mode` auto or required and a `tools` list."
             )
-        return _named(tools, [t.get("name") for t in allowed if isinstance(t, dict)])
+        subset = _named(tools, _callable_names(allowed))
+        if not subset and choice.get("mode") == "required":
+            raise param_error(
+                "tool_choice", "tool_choice allowed_tools requires a call but allows no function."
+            )
+        return subset
     return tools
+
+
+def _callable_names(entries: list[Any]) -> list[Any]:
+    """The function and custom tool names an `allowed_tools` list holds (a namespace's functions
+    included); hosted tools (mcp, web search, ...) are not run here and drop out."""
+    names: list[Any] = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("type") in ("function", "custom"):
+            names.append(entry.get("name"))
+        elif entry.get("type") == "namespace":
+            names += [t.get("name") for t in entry.get("tools") or [] if isinstance(t, dict)]
+    return names
 
 
 def _named(tools: list[dict[str, Any]], names: list[Any]) -> list[dict[str, Any]]:
@@ -239,8 +258,9 @@ def check_hosted_state(body: ResponsesRequest) -> None:
 
 
 def logprobs_wanted(body: ResponsesRequest) -> int | None:
-    """Top alternatives per output token to report (0: the chosen token's only), or None for none."""
-    asked = body.top_logprobs is not None or "message.output_text.logprobs" in (body.include or [])
+    """Top alternatives per output token to report (0: the chosen token's only), or None: logprobs
+    come back when `include` asks for them; `top_logprobs` only sets how many alternatives."""
+    asked = "message.output_text.logprobs" in (body.include or [])
     return (body.top_logprobs or 0) if asked else None
 
 

@@ -122,7 +122,22 @@ JSON_CASES = [  # (path, body, status, param or None)
     (MSGS, msgs(tool_choice={"type": "tool", "name": "nope"}), 400, None),
     (MSGS, msgs(system=7), 400, "system"),
     (CHAT, chat(functions=[{"name": "f", "parameters": {"type": "object"}}]), 400, "functions"),
-    (CHAT, chat(function_call="auto"), 400, "function_call"),
+    (CHAT, chat(function_call={"name": "f"}), 400, "function_call"),
+    (
+        RESP,
+        {
+            "model": "fake",
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "mcp", "server_label": "x"}],
+            },
+        },
+        400,
+        "tool_choice",
+    ),
     (CHAT, chat(modalities=["text", "audio"]), 400, "modalities"),
     (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
     ("/v1/completions", {"model": "fake", "prompt": "x", "best_of": 3}, 400, "best_of"),

@@ -392,10 +392,12 @@ def test_parallel_calls_off_keeps_the_first_call_on_every_api(live: LiveServer, 
 
 
 def test_responses_logprobs_are_reported_stream_and_not(live: LiveServer, oai: openai.OpenAI) -> None:
-    """`top_logprobs` (or `include: message.output_text.logprobs`) fills output_text's logprobs and
-    the stream's text deltas; without either they stay empty."""
+    """`include: message.output_text.logprobs` fills output_text's logprobs and the stream's text
+    deltas (`top_logprobs` alternatives each); without it they stay empty."""
     live.engine.enqueue("ab")
-    out = oai.responses.create(model="fake", input="x", top_logprobs=2)
+    out = oai.responses.create(
+        model="fake", input="x", top_logprobs=2, include=["message.output_text.logprobs"]
+    )
     logprobs = out.output[0].content[0].logprobs
     assert [t.token for t in logprobs] == ["a", "b"] and logprobs[0].logprob == -0.5
     assert [alt.token for alt in logprobs[0].top_logprobs] == ["b", "c"]
@@ -409,6 +411,8 @@ def test_responses_logprobs_are_reported_stream_and_not(live: LiveServer, oai: o
     assert [lp.token for lp in done.logprobs] == ["a", "b"]
     live.engine.enqueue("ab")
     assert oai.responses.create(model="fake", input="x").output[0].content[0].logprobs == []
+    live.engine.enqueue("ab")  # top_logprobs alone sets a count; `include` asks for them
+    assert oai.responses.create(model="fake", input="x", top_logprobs=2).output[0].content[0].logprobs == []
 
 
 @pytest.mark.parametrize(
@@ -430,3 +434,55 @@ def test_messages_without_thinking_do_not_think(live: LiveServer, thinking, kwar
     with httpx.Client(base_url=live.url, timeout=10) as http:
         assert http.post("/v1/messages", json=body).status_code == 200
     assert live.engine.requests[-1].chat_template_kwargs == kwargs
+
+
+def test_responses_allowed_tools_skip_hosted_and_namespace_entries(live: LiveServer) -> None:
+    """OpenAI's own example lists hosted tools beside functions; a namespace allows its functions."""
+    import httpx
+
+    tools = [
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+        {
+            "type": "namespace",
+            "name": "agents",
+            "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}],
+        },
+        {"type": "function", "name": "other", "parameters": {"type": "object"}},
+    ]
+    allowed = [
+        {"type": "function", "name": "get_weather"},
+        {"type": "mcp", "server_label": "deepwiki"},
+        {"type": "image_generation"},
+        {"type": "namespace", "name": "agents", "tools": [{"type": "function", "name": "spawn"}]},
+    ]
+    live.engine.enqueue("hi")
+    with httpx.Client(base_url=live.url, timeout=10) as http:
+        body = {
+            "model": "fake",
+            "input": "x",
+            "tools": tools,
+            "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": allowed},
+        }
+        assert http.post("/v1/responses", json=body).status_code == 200
+    sent = [t["function"]["name"] for t in live.engine.requests[-1].tools]
+    assert sorted(sent) == ["get_weather", "spawn"]
+
+
+def test_responses_logprobs_of_held_back_text_reach_the_text_that_follows() -> None:
+    """A step whose text the parser holds (a split UTF-8 character) gives its logprobs to the next
+    answer text; reasoning tokens' logprobs are not the answer's."""
+    from kapitsa.engine.types import FinishEvent, TokenLogprob, Usage
+    from kapitsa.server.output import ReasoningPart, TextPart
+    from kapitsa.server.responses_events import ResponseBuilder
+
+    def lp(token: str) -> tuple[TokenLogprob, ...]:
+        return (TokenLogprob(token_id=0, token=token, logprob=-1.0),)
+
+    builder = ResponseBuilder(response_id="r", model="m", namespaces={}, custom=set())
+    builder.parts([ReasoningPart("hm")], lp("hm"))
+    builder.parts([TextPart("a")], lp("a"))
+    builder.parts([], lp("\xe2"))  # held: half a character
+    builder.parts([TextPart("€b")], lp("b"))
+    response = builder.finish(FinishEvent(request_id="r", finish_reason="stop", usage=Usage(1, 3)), 1)
+    text = next(i for i in response["output"] if i["type"] == "message")["content"][0]
+    assert text["text"] == "a€b" and [e["token"] for e in text["logprobs"]] == ["a", "\xe2", "b"]

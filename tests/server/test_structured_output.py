@@ -304,3 +304,19 @@ def test_responses_named_custom_tool_is_a_required_call() -> None:
         else:
             assert [t["function"]["name"] for t in tools] == ["apply_patch"]
             assert constraint is not None and constraint.value.startswith("start: call")
+
+
+def test_a_json_format_beside_tools_leaves_room_for_a_call() -> None:
+    """With tools (no call required) the model may call one before its JSON answer: the format is
+    the prompt's instruction, not the grammar; without tools the grammar holds the answer."""
+    from kapitsa.engine.types import ModelInfo
+    from kapitsa.server.constraints import output_constraint
+
+    info = ModelInfo(id="m", family="qwen3_5", context_length=4096, max_output_tokens=512)
+    assert output_constraint(info, thinking=None, json_schema=WEATHER, tools=OPENAI_TOOLS) is None
+    alone = output_constraint(info, thinking=None, json_schema=WEATHER)
+    assert alone is not None and alone.kind == "json_schema"
+    required = output_constraint(
+        info, thinking=None, json_schema=WEATHER, tools=OPENAI_TOOLS, tool_required=True
+    )
+    assert required is not None and required.value.startswith("start: call")
