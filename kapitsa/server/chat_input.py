@@ -63,12 +63,44 @@ def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
     ]
     if body.tool_choice == "none" or not tools:
         return None
+    if isinstance(body.tool_choice, dict) and body.tool_choice.get("type") == "allowed_tools":
+        return _allowed(tools, body.tool_choice.get("allowed_tools"))
     if isinstance(body.tool_choice, dict):
         name = (body.tool_choice.get("function") or {}).get("name") or body.tool_choice.get("name")
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
     return tools
+
+
+def _allowed(tools: list[dict[str, Any]], allowed: Any) -> list[dict[str, Any]]:
+    """`{"type": "allowed_tools", "allowed_tools": {"mode", "tools": [{"type": "function",
+    "function": {"name"}}]}}`: the listed functions (other tool types are not run here)."""
+    if not isinstance(allowed, dict) or allowed.get("mode", "auto") not in ("auto", "required"):
+        raise param_error(
+            "tool_choice", "tool_choice allowed_tools needs `allowed_tools` with mode auto or required."
+        )
+    names = [
+        (t.get("function") or {}).get("name")
+        for t in allowed.get("tools") or []
+        if isinstance(t, dict) and t.get("type") == "function"
+    ]
+    for name in names:
+        if not any(t["function"]["name"] == name for t in tools):
+            raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
+    subset = [t for t in tools if t["function"]["name"] in names]
+    if not subset and allowed.get("mode") == "required":
+        raise param_error("tool_choice", "tool_choice allowed_tools requires a call but allows no function.")
+    return subset
+
+
+def _requires_call(choice: Any) -> bool:
+    """required, a named function, or allowed_tools in required mode."""
+    if not isinstance(choice, dict):
+        return choice == "required"
+    if choice.get("type") == "allowed_tools":
+        return (choice.get("allowed_tools") or {}).get("mode") == "required"
+    return True
 
 
 def _checked(index: int, tool: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +146,7 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         json_schema=schema,
         json_mode=fmt is not None and fmt.type == "json_object",
         tools=tools,
-        tool_required=body.tool_choice == "required" or isinstance(body.tool_choice, dict),
+        tool_required=_requires_call(body.tool_choice),
         strict_tools=any(t.function and t.function.strict for t in body.tools or []),
         parallel_calls=getattr(body, "parallel_tool_calls", None) is not False,
     )

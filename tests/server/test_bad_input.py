@@ -124,6 +124,21 @@ JSON_CASES = [  # (path, body, status, param or None)
     (CHAT, chat(functions=[{"name": "f", "parameters": {"type": "object"}}]), 400, "functions"),
     (CHAT, chat(function_call={"name": "f"}), 400, "function_call"),
     (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            tool_choice={
+                "type": "allowed_tools",
+                "allowed_tools": {
+                    "mode": "required",
+                    "tools": [{"type": "function", "function": {"name": "g"}}],
+                },
+            },
+        ),
+        400,
+        "tool_choice",
+    ),
+    (
         RESP,
         {
             "model": "fake",

@@ -320,3 +320,20 @@ def test_a_json_format_beside_tools_leaves_room_for_a_call() -> None:
         info, thinking=None, json_schema=WEATHER, tools=OPENAI_TOOLS, tool_required=True
     )
     assert required is not None and required.value.startswith("start: call")
+
+
+def test_chat_allowed_tools_in_required_mode_force_a_call_of_one_of_them(http) -> None:
+    choice = {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        },
+    }
+    bodies = [
+        {**_chat(seed, tools=OPENAI_TOOLS, tool_choice=choice, parallel_tool_calls=False), "max_tokens": 400}
+        for seed in range(8)
+    ]
+    for body in _post_all(http, "/v1/chat/completions", bodies):
+        calls = body["choices"][0]["message"].get("tool_calls") or []
+        assert [c["function"]["name"] for c in calls] == ["get_weather"], body
