@@ -30,8 +30,8 @@ from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_mode
 
 
 def engine(model, prompt_len: int, tokens: int, streams: int, warm: bool = False) -> InProcessEngine:
-    """`warm`: the engine readies every batch size up to `streams` while idle, as `kapitsa serve`'s
-    does on a GPU (runner/warmup.py)."""
+    """`warm`: the engine readies its batch sizes while idle as `kapitsa serve`'s does (every size up
+    to `streams` on a GPU, none on the CPU: runner/warmup.py)."""
     info = ModelInfo(
         id="bench", family="bench", context_length=prompt_len + tokens + 16, max_output_tokens=tokens
     )
@@ -40,7 +40,7 @@ def engine(model, prompt_len: int, tokens: int, streams: int, warm: bool = False
         prefill_chunk=2048,
         max_running=streams,
         kernels=DEFAULTS,
-        warm_batches=tuple(range(1, streams + 1)) if warm else (),
+        warm_batches=None if warm else (),  # None: the device's default, as serve asks for
     )
     return InProcessEngine(model, _Tokenizer(), info, eos_token_ids=set(), config=config)
 

@@ -42,9 +42,8 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # `format`: structured output (`effort` has no local effect)
-    output_format: dict[str, Any] | None = (
-        None  # the structured-outputs beta's spelling of `output_config.format`
-    )
+    # the structured-outputs beta's spelling of `output_config.format`
+    output_format: dict[str, Any] | None = None
 
 
 class CountTokensRequest(MessagesRequest):

@@ -8,7 +8,7 @@ from typing import Any
 
 from kapitsa.engine.types import GenerationRequest, ModelInfo
 from kapitsa.server.common import flatten_text, openai_sampling, param_error, thinking_kwargs
-from kapitsa.server.constraints import output_constraint
+from kapitsa.server.constraints import narrow_tools, output_constraint
 from kapitsa.server.images import IMAGE_PART_TYPES, content_parts, take_images
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
@@ -67,9 +67,7 @@ def chat_tools(body: ChatRequest) -> list[dict[str, Any]] | None:
         return _allowed(tools, body.tool_choice.get("allowed_tools"))
     if isinstance(body.tool_choice, dict):
         name = (body.tool_choice.get("function") or {}).get("name") or body.tool_choice.get("name")
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
+        return narrow_tools(tools, [name])
     return tools
 
 
@@ -85,13 +83,7 @@ def _allowed(tools: list[dict[str, Any]], allowed: Any) -> list[dict[str, Any]]:
         for t in allowed.get("tools") or []
         if isinstance(t, dict) and t.get("type") == "function"
     ]
-    for name in names:
-        if not any(t["function"]["name"] == name for t in tools):
-            raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
-    subset = [t for t in tools if t["function"]["name"] in names]
-    if not subset and allowed.get("mode") == "required":
-        raise param_error("tool_choice", "tool_choice allowed_tools requires a call but allows no function.")
-    return subset
+    return narrow_tools(tools, names, mode=allowed.get("mode", "auto"))
 
 
 def _requires_call(choice: Any) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kapitsa.engine.types import Constraint, ModelInfo
 from kapitsa.server.anthropic_input import output_schema
+from kapitsa.server.errors import param_error
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_PARALLEL_CALLS = 8  # calls one required turn may hold: a grammar always ends, even a weak model's
@@ -192,6 +193,20 @@ def _embedded_json(schema: dict[str, Any]) -> str:
     if "x-guidance" not in schema:
         schema = {**schema, "x-guidance": _JSON_WHITESPACE}
     return f"%json {json.dumps(schema)}"
+
+
+def narrow_tools(
+    tools: list[dict[str, Any]], names: list[Any], *, mode: str = "auto"
+) -> list[dict[str, Any]]:
+    """The function tools a `tool_choice` names (a named tool, or `allowed_tools`' list), each of
+    them among `tools`; `mode` "required" with none left is refused (no call could be made)."""
+    for name in names:
+        if not any(t["function"]["name"] == name for t in tools):
+            raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
+    subset = [t for t in tools if t["function"]["name"] in names]
+    if not subset and mode == "required":
+        raise param_error("tool_choice", "tool_choice allowed_tools requires a call but allows no function.")
+    return subset
 
 
 def requires_call(choice: Any) -> bool:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import flatten_text
+from kapitsa.server.constraints import narrow_tools
 from kapitsa.server.errors import param_error
 from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
@@ -206,19 +207,14 @@ def _apply_choice(choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, An
     if choice == "none":
         return []
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        return _named(tools, [choice.get("name")])
+        return narrow_tools(tools, [choice.get("name")])
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         allowed = choice.get("tools")
         if choice.get("mode", "auto") not in ("auto", "required") or not isinstance(allowed, list):
             raise param_error(
                 "tool_choice", "tool_choice allowed_tools needs `mode` auto or required and a `tools` list."
             )
-        subset = _named(tools, _callable_names(allowed))
-        if not subset and choice.get("mode") == "required":
-            raise param_error(
-                "tool_choice", "tool_choice allowed_tools requires a call but allows no function."
-            )
-        return subset
+        return narrow_tools(tools, _callable_names(allowed), mode=choice.get("mode", "auto"))
     return tools
 
 
@@ -234,13 +230,6 @@ def _callable_names(entries: list[Any]) -> list[Any]:
         elif entry.get("type") == "namespace":
             names += [t.get("name") for t in entry.get("tools") or [] if isinstance(t, dict)]
     return names
-
-
-def _named(tools: list[dict[str, Any]], names: list[Any]) -> list[dict[str, Any]]:
-    for name in names:
-        if not any(t["function"]["name"] == name for t in tools):
-            raise param_error("tool_choice", f"tool_choice names `{name}`, which is not among the tools.")
-    return [t for t in tools if t["function"]["name"] in names]
 
 
 def check_hosted_state(body: ResponsesRequest) -> None:

@@ -40,6 +40,16 @@ def msgs(**fields: Any) -> dict[str, Any]:
     return {"model": "fake", "max_tokens": 50, "messages": USER, **fields}
 
 
+def _allowed_required(entry: dict[str, Any]) -> dict[str, Any]:
+    """A Responses body whose one function tool is `f` and whose allowed_tools (required) list `entry`."""
+    return {
+        "model": "fake",
+        "input": "hi",
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [entry]},
+    }
+
+
 RAW_CASES = [  # (path, raw body, content type, status)
     (CHAT, b"{not json", "application/json", 400),
     (CHAT, b'{"model": "fake", "messages": [', "application/json", 400),
@@ -138,21 +148,7 @@ JSON_CASES = [  # (path, body, status, param or None)
         400,
         "tool_choice",
     ),
-    (
-        RESP,
-        {
-            "model": "fake",
-            "input": "hi",
-            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
-            "tool_choice": {
-                "type": "allowed_tools",
-                "mode": "required",
-                "tools": [{"type": "mcp", "server_label": "x"}],
-            },
-        },
-        400,
-        "tool_choice",
-    ),
+    (RESP, _allowed_required({"type": "mcp", "server_label": "x"}), 400, "tool_choice"),  # none callable
     (CHAT, chat(modalities=["text", "audio"]), 400, "modalities"),
     (CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
     ("/v1/completions", {"model": "fake", "prompt": "x", "best_of": 3}, 400, "best_of"),
@@ -166,21 +162,7 @@ JSON_CASES = [  # (path, body, status, param or None)
     (RESP, {"model": "fake", "input": "hi", "parallel_tool_calls": "sometimes"}, 400, "parallel_tool_calls"),
     (RESP, {"model": "fake", "input": "hi", "conversation": "conv_1"}, 400, "conversation"),
     (RESP, {"model": "fake", "input": "hi", "prompt": {"id": "pmpt_1"}}, 400, "prompt"),
-    (
-        RESP,
-        {
-            "model": "fake",
-            "input": "hi",
-            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
-            "tool_choice": {
-                "type": "allowed_tools",
-                "mode": "required",
-                "tools": [{"type": "function", "name": "g"}],
-            },
-        },
-        400,
-        "tool_choice",
-    ),
+    (RESP, _allowed_required({"type": "function", "name": "g"}), 400, "tool_choice"),  # not a tool
     (
         RESP,
         {

@@ -72,9 +72,10 @@ class BatchWarmup:
         """Warm (some of) the next size; False when none is left or work has arrived. A size whose
         state does not fit now, or a failure (logged), ends the warm-up: the engine serves as it
         would have without it. A size leaves `pending` once it is ready."""
-        if not self.pending or self.busy():
-            if not self.pending:
-                self._bases = []
+        if not self.pending:
+            self._bases = []
+            return False
+        if self.busy():
             return False
         rows = self.pending[0]
         if not self._fits(rows):
