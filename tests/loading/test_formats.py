@@ -118,6 +118,34 @@ def test_mlx_4bit_checkpoint_from_mlx_lm_convert(tiny, tmp_path, kind):
         assert mx.array_equal(quantized, logits_of(load_model(source, quantize="4bit"))).item()
 
 
+def test_mixed_bit_mlx_checkpoint_with_its_table_in_checkpoint_names(tiny, tmp_path):
+    """Intel's AutoRound MLX builds of Qwen3.5/3.6 store tensors and key the per-module table by the
+    checkpoint's names (`model.language_model.layers...`); each module takes its stored width."""
+    from mlx_lm import convert
+
+    converted = tmp_path / "mixed"
+    convert(str(tiny("qwen3_5")), str(converted), quantize=True, q_group_size=32, quant_predicate="mixed_4_6")
+    reference = logits_of(load_model(converted))
+
+    def hf_name(key: str) -> str:
+        return "model.language_model." + key.removeprefix("language_model.model.")
+
+    for path in converted.glob("*.safetensors"):
+        stored = mx.load(str(path))
+        renamed = {hf_name(k) if k.startswith("language_model.model.") else k: v for k, v in stored.items()}
+        mx.save_safetensors(str(path), renamed, metadata={"format": "mlx"})
+    config = json.loads((converted / "config.json").read_text())
+    table = {
+        hf_name(k) if k.startswith("language_model.model.") else k: v
+        for k, v in config["quantization"].items()
+    }
+    assert {v["bits"] for v in table.values() if isinstance(v, dict)} == {4, 6}
+    config["quantization"] = config["quantization_config"] = table
+    (converted / "config.json").write_text(json.dumps(config))
+    loaded = load_model(converted)
+    assert mx.array_equal(logits_of(loaded), reference).item()
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "nemotron_h_dense"])
 def test_8bit_is_within_quantization_error_and_4bit_is_coarser(tiny, kind):
     # dense kinds: in tiny random MoE models a small error can flip a near-tied top-k routing

@@ -2,7 +2,8 @@
 
 MLX checkpoints (as mlx-lm / the mlx-community publish them) carry
 `"quantization": {"group_size": 64, "bits": 4, "mode": "affine", "<module path>": {...} | false}`;
-per-module entries override the default for that module (or keep it in full precision).
+per-module entries override the default for that module (or keep it in full precision). On load,
+each module's stored tensors give its width (`stored_quantization`), whatever names the table uses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kapitsa.errors import InvalidRequest
+from kapitsa.errors import CheckpointError, InvalidRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +79,40 @@ def describe_quantization(block: Mapping[str, Any]) -> str:
     return f"{block['bits']}bit" if mode == "affine" else str(mode)
 
 
+# Modes other than affine store uint8 scales and allow one (bits, group size) each.
+_PACKED_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
+
+
+def stored_quantization(path: str, module: nn.Module, weights: Mapping[str, mx.array]) -> dict[str, Any]:
+    """The group size, bits and mode `path`'s stored tensors were packed with, read from their shapes.
+
+    The packed shapes decide, not the config's per-module table: mixed-precision exports (Intel's
+    AutoRound MLX builds of Qwen3.5/3.6) key that table by checkpoint tensor names
+    (`model.language_model.layers.0...`), not by module paths, so a lookup misses and the top-level
+    default would build the module at the wrong width."""
+    scales, packed = weights[f"{path}.scales"], weights[f"{path}.weight"]
+    in_dims = module.weight.shape[-1]
+    group_size, bits = in_dims // scales.shape[-1], packed.shape[-1] * 32 // in_dims
+    if scales.dtype != mx.uint8:
+        return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    mode = _PACKED_MODES.get((bits, group_size))
+    if mode is None:
+        raise CheckpointError(
+            f"{path} is stored quantized at {bits} bits in groups of {group_size}: no MLX mode"
+        )
+    return {"group_size": group_size, "bits": bits, "mode": mode}
+
+
 def restore_checkpoint_quantization(
     model: nn.Module, block: Mapping[str, Any], weights: Mapping[str, mx.array]
 ) -> None:
-    """Turn the modules the checkpoint stores quantized into quantized modules (before loading)."""
+    """Turn the modules the checkpoint stores quantized into quantized modules (before loading),
+    each at the width its stored tensors have; the others stay float (a per-module `False`)."""
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
-        if path in block:  # a per-module override: its own bits/group size, or False
-            return block[path]
-        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+        if hasattr(module, "to_quantized") and f"{path}.scales" in weights and f"{path}.weight" in weights:
+            return stored_quantization(path, module, weights)
+        return False
 
     nn.quantize(
         model,
