@@ -47,7 +47,7 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_shared_expert_intermediate_size: int = 0
-    n_shared_experts: int | None = None
+    n_shared_experts: int | None = 1  # transformers' default: every MoE block has its shared expert
     moe_latent_size: int | None = None
     n_group: int = 1
     topk_group: int = 1

@@ -9,6 +9,7 @@ from kapitsa.engine.models.base import (
     known_fields,
     require,
 )
+from kapitsa.engine.ops.rope import complete_yarn
 
 WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language checkpoints
 
@@ -47,7 +48,7 @@ class ModelArgs:
     rope_parameters: dict[str, Any] | None = None
     mtp_num_hidden_layers: int = 0
     mrope_section: list[int] | None = None  # rope frequencies per (time, height, width) axis, images
-    max_position_embeddings: int = 262144
+    max_position_embeddings: int = 32768  # transformers' default; YaRN's pre-training window when unset
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
@@ -67,6 +68,7 @@ class ModelArgs:
             self.mrope_section = [int(n) for n in rope["mrope_section"]]
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             self.rope_scaling = rope
+        self.rope_scaling = complete_yarn(self.rope_scaling, self.max_position_embeddings)
         if self.layer_types is None:
             every = self.full_attention_interval
             self.layer_types = [

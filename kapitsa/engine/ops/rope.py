@@ -27,27 +27,54 @@ def rope_frequencies(dims: int, base: float, scaling: dict[str, Any] | None) -> 
     raise UnsupportedModel(f"rope scaling {kind!r} is not supported (default, linear, yarn are)")
 
 
+def complete_yarn(scaling: dict[str, Any] | None, max_position_embeddings: int) -> dict[str, Any] | None:
+    """A YaRN block with transformers' defaults filled in from the config: the pre-training window
+    (`original_max_position_embeddings`) is the config's `max_position_embeddings` when absent, and a
+    missing `factor` is the ratio of the two. Other rope blocks come back unchanged."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return scaling
+    done = dict(scaling)
+    if done.get("original_max_position_embeddings") is None:
+        done["original_max_position_embeddings"] = max_position_embeddings
+    if done.get("factor") is None:
+        done["factor"] = max_position_embeddings / float(done["original_max_position_embeddings"])
+    return done
+
+
 def _yarn_frequencies(inv: mx.array, dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
     factor = float(scaling["factor"])
-    original = float(scaling.get("original_max_position_embeddings", 4096))
-    beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+    original = float(scaling.get("original_max_position_embeddings") or 4096)
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
 
     def correction_dim(rotations: float) -> float:
         return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):  # gpt-oss-style blocks set false: the ramp's ends stay fractional
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
     ramp = (mx.arange(dims // 2, dtype=mx.float32) - low) / max(high - low, 1e-3)
     extrapolate = 1.0 - mx.clip(ramp, 0.0, 1.0)
     return inv / factor * (1 - extrapolate) + inv * extrapolate
 
 
+def _yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def yarn_mscale(scaling: dict[str, Any] | None) -> float:
-    """YaRN scales cos/sin (so q·k by its square) by `0.1 ln(factor) + 1`, as transformers does."""
+    """YaRN scales cos/sin (so q·k by its square) as transformers does: by the block's
+    `attention_factor` when it sets one, else `0.1 ln(factor) + 1`, or with both `mscale` and
+    `mscale_all_dim` set, the ratio of those two scales."""
     if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
         return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_get_mscale(factor, float(mscale)) / _yarn_get_mscale(factor, float(mscale_all_dim))
+    return _yarn_get_mscale(factor)
 
 
 def rope_reference(x: mx.array, dims: int, inv_freq: mx.array, offsets: mx.array | int) -> mx.array:
@@ -124,5 +151,7 @@ class MRope(Rope):
 
     def at_axes(self, x: mx.array, positions: mx.array) -> mx.array:
         """x `[B, H, T, D]` rotated at per-token multi-axis positions `[3, B, T]`."""
+        if self.mscale != 1.0:  # YaRN's magnitude scale, as every other path of `Rope` applies it
+            x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], axis=-1)
         per_freq = mx.take(positions, self.selector, axis=0).transpose(1, 2, 0)  # [B, T, dims/2]
         return rotate_at_angles(x, self.dims, per_freq.astype(mx.float32) * self.inv_freq)
