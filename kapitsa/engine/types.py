@@ -81,6 +81,8 @@ class GenerationRequest:
     `messages`/`tools` are rendered by the model's own chat template (Hugging Face semantics);
     `chat_template_kwargs` carries extras such as `enable_thinking`. `images` are encoded image
     files (PNG, JPEG...), one per `{"type": "image"}` content part of `messages`, in order.
+    `continue_final_message` leaves the final assistant message open, so the output continues its text
+    (Hugging Face's `continue_final_message`: a prefilled answer); `add_generation_prompt` then has no say.
     """
 
     prompt: str | None = None
@@ -88,6 +90,7 @@ class GenerationRequest:
     messages: tuple[dict[str, Any], ...] | None = None
     tools: tuple[dict[str, Any], ...] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
     model: str | None = None  # None = the engine's default model
@@ -104,6 +107,8 @@ class GenerationRequest:
             raise ValueError("exactly one of prompt, prompt_token_ids or messages must be given")
         if self.images and self.messages is None:
             raise ValueError("images go with messages (their content parts place them)")
+        if self.continue_final_message and self.messages is None:
+            raise ValueError("continue_final_message goes with messages (it continues the last one)")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be between 1 and {MAX_CHOICES}")
 

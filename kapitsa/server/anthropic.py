@@ -26,8 +26,10 @@ from kapitsa.errors import KapitsaError
 from kapitsa.server.anthropic_input import (
     CountTokensRequest,
     MessagesRequest,
+    assistant_prefill,
     chat_messages,
     chat_tools,
+    output_schema,
     thinking_choice,
 )
 from kapitsa.server.common import (
@@ -40,7 +42,6 @@ from kapitsa.server.common import (
     start_run,
     state_of,
     steps,
-    thinking_active,
     thinking_kwargs,
     usage_cached,
 )
@@ -50,6 +51,7 @@ from kapitsa.server.images import take_images
 from kapitsa.server.input_checks import check_prompt_size
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
+from kapitsa.server.prefill import check_unforced, starts_in_reasoning
 from kapitsa.server.streaming import ClientGone, GenerationRun
 from kapitsa.server.tool_calls import ToolCall
 
@@ -219,6 +221,10 @@ class MessageBuilder:
 def to_generation_request(body: MessagesRequest, model: ModelInfo) -> GenerationRequest:
     thinking = thinking_choice(body)
     tools = chat_tools(body)
+    prefill = assistant_prefill(body)
+    if prefill:
+        forced = (body.tool_choice or {}).get("type") in ("any", "tool") or output_schema(body) is not None
+        check_unforced(prefill, forced=forced, field="messages")
     messages, images = take_images(chat_messages(body), model)
     return GenerationRequest(
         messages=tuple(messages),
@@ -232,8 +238,11 @@ def to_generation_request(body: MessagesRequest, model: ModelInfo) -> Generation
             top_k=body.top_k,
             stop=body.stop_sequences,
             max_tokens=body.max_tokens,
-            constraint=anthropic_constraint(body, model, tools, thinking),
+            constraint=anthropic_constraint(
+                body, model, tools, thinking, starts_in_reasoning(model, thinking, prefill)
+            ),
         ),
+        continue_final_message=prefill is not None,
         chat_template_kwargs=thinking_kwargs(thinking),
         request_id=f"msg_{uuid.uuid4().hex[:24]}",
     )
@@ -244,7 +253,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     model = resolve_model(state_of(request).client, body.model, anthropic=True)
     gen = to_generation_request(body, model)
     parser = OutputParser(
-        thinking=thinking_active(model, thinking_choice(body)),
+        thinking=starts_in_reasoning(model, thinking_choice(body), assistant_prefill(body)),
         tools=list(gen.tools or []) or None,
         one_call=bool((body.tool_choice or {}).get("disable_parallel_tool_use")),
     )

@@ -230,8 +230,38 @@ def chat_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
 def thinking_choice(body: MessagesRequest) -> bool | None:
     """`enabled`/`disabled` ask; `adaptive` (what Claude Code sends) leaves it to the model's template;
     no `thinking` at all is no thinking, as the Messages API defines it (a client's quick side calls,
-    titles and summaries, leave it out)."""
+    titles and summaries, leave it out). A prefilled answer is no thinking: the API refuses a prefill
+    with extended thinking, and `adaptive` decides against it."""
     if body.thinking is None:
         return False
     kind = body.thinking.get("type")
-    return None if kind in (None, "adaptive") else kind != "disabled"
+    choice = None if kind in (None, "adaptive") else kind != "disabled"
+    if choice is not False and assistant_prefill(body):
+        if choice:
+            raise param_error(
+                "thinking", "Prefilling the assistant message is not supported with extended thinking."
+            )
+        return False
+    return choice
+
+
+def assistant_prefill(body: MessagesRequest) -> str | None:
+    """The text the answer continues: the final message's, when an assistant wrote it (None when the
+    conversation ends with a user turn). As the Messages API defines it, that text cannot end in
+    whitespace, and a final assistant message cannot hold a `tool_use` (its result must follow it)."""
+    last = body.messages[-1]
+    if last.role != "assistant":
+        return None
+    if isinstance(last.content, str):
+        text = last.content
+    else:
+        if any(b.get("type") == "tool_use" for b in last.content):
+            raise param_error(
+                "messages",
+                "The final assistant message cannot hold `tool_use` blocks: each needs its "
+                "`tool_result` in a user message after it.",
+            )
+        text = _texts([b for b in last.content if b.get("type") == "text"])
+    if text != text.rstrip():
+        raise param_error("messages", "final assistant content cannot end with trailing whitespace")
+    return text

@@ -11,6 +11,7 @@ from kapitsa.server.common import flatten_text, openai_sampling, param_error, th
 from kapitsa.server.constraints import narrow_tools, output_constraint
 from kapitsa.server.images import IMAGE_PART_TYPES, content_parts, take_images
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
+from kapitsa.server.prefill import check_unforced, starts_in_reasoning
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 from kapitsa.server.tool_schema import check_tool_schema
 
@@ -112,7 +113,42 @@ def chat_thinking(body: ChatRequest) -> bool | None:
     return None
 
 
+# the names the renderer sets itself: a request's template variables may not replace them
+_RENDERER_NAMES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
+
+
+def template_kwargs(body: ChatRequest) -> tuple[tuple[str, Any], ...]:
+    """The chat template's variables: `chat_template_kwargs` as given (e.g. Qwen3.6's
+    `preserve_thinking`), with `enable_thinking` from whichever of its spellings the request used."""
+    given = dict(body.chat_template_kwargs or {})
+    for name in given:
+        if name in _RENDERER_NAMES or not name.isidentifier():
+            raise param_error("chat_template_kwargs", f"`{name}` cannot be set through chat_template_kwargs.")
+    given.pop("enable_thinking", None)
+    return tuple(sorted(given.items())) + thinking_kwargs(chat_thinking(body))
+
+
+def chat_prefill(body: ChatRequest) -> str | None:
+    """The text the answer continues under `continue_final_message` (None: a new assistant turn)."""
+    if not body.continue_final_message:
+        return None
+    if body.add_generation_prompt:
+        raise param_error(
+            "continue_final_message",
+            "`continue_final_message` and `add_generation_prompt` cannot both be set.",
+        )
+    last = body.messages[-1]
+    if last.role != "assistant":
+        raise param_error(
+            "messages", "`continue_final_message` needs the conversation to end with an assistant message."
+        )
+    return flatten_text(last.content)
+
+
 def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequest:
+    prefill = chat_prefill(body)
     messages = chat_messages(body.messages)
     fmt = body.response_format
     schema = None
@@ -132,13 +168,18 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     tools = chat_tools(body)
+    tool_required = _requires_call(body.tool_choice)
+    if prefill is not None:
+        forced = fmt is not None and fmt.type != "text" or bool(tools) and tool_required
+        check_unforced(prefill, forced=forced, field="continue_final_message")
     constraint = output_constraint(
         model,
         thinking=chat_thinking(body),
+        reasoning=starts_in_reasoning(model, chat_thinking(body), prefill),
         json_schema=schema,
         json_mode=fmt is not None and fmt.type == "json_object",
         tools=tools,
-        tool_required=_requires_call(body.tool_choice),
+        tool_required=tool_required,
         strict_tools=any(t.function and t.function.strict for t in body.tools or []),
         parallel_calls=getattr(body, "parallel_tool_calls", None) is not False,
     )
@@ -147,7 +188,9 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         tools=tuple(tools or ()) or None,
         sampling=dataclasses.replace(sampling, constraint=constraint),
         model=model.id,
-        chat_template_kwargs=thinking_kwargs(chat_thinking(body)),
+        add_generation_prompt=body.add_generation_prompt is not False,
+        continue_final_message=prefill is not None,
+        chat_template_kwargs=template_kwargs(body),
         request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
         n=body.n,
         images=images,

@@ -87,12 +87,6 @@ def thinking_kwargs(enabled: bool | None) -> tuple[tuple[str, Any], ...]:
     return () if enabled is None else (("enable_thinking", enabled),)
 
 
-def thinking_active(model: ModelInfo, enabled: bool | None) -> bool:
-    """Whether the output starts inside reasoning: the template's generation prompt, rendered with this
-    `enable_thinking`, ends inside an open `<think>` (probed at load time)."""
-    return model.thinking_prompt.starts_in_reasoning(enabled)
-
-
 async def start_run(request: Request, gen: GenerationRequest) -> GenerationRun:
     """Start generating. A `max_tokens` larger than the room the prompt leaves is clamped to that room
     (the answer then ends with a length stop): agents ask for fixed budgets (Claude Code: 32000) whatever

@@ -43,6 +43,7 @@ def output_constraint(
     tool_required: bool = False,
     strict_tools: bool = False,
     parallel_calls: bool = True,
+    reasoning: bool | None = None,
 ) -> Constraint | None:
     """The grammar a request's structured modes ask for (None: free output).
 
@@ -58,8 +59,11 @@ def output_constraint(
         tool_required: `tool_choice` requires a call (required / any / a named tool).
         strict_tools: some tool is `strict`: a call the model opens must be valid.
         parallel_calls: a required turn may hold several calls (else exactly one).
+        reasoning: the output starts inside reasoning (None: as the template's generation prompt
+            leaves it with this `thinking`; a continued answer says for itself).
     """
-    reasoning = model.thinking_prompt.starts_in_reasoning(thinking)
+    if reasoning is None:
+        reasoning = model.thinking_prompt.starts_in_reasoning(thinking)
     tool_format = model.tool_call_format
     if tools and tool_required:
         max_calls = MAX_PARALLEL_CALLS if parallel_calls else 1
@@ -240,13 +244,18 @@ def responses_constraint(
 
 
 def anthropic_constraint(
-    body: Any, model: ModelInfo, tools: list[dict[str, Any]] | None, thinking: bool | None
+    body: Any,
+    model: ModelInfo,
+    tools: list[dict[str, Any]] | None,
+    thinking: bool | None,
+    reasoning: bool | None = None,
 ) -> Constraint | None:
     """`output_constraint` for a Messages body: `tool_choice` any / tool, and `strict` tools."""
     choice = (body.tool_choice or {}).get("type")
     return output_constraint(
         model,
         thinking=thinking,
+        reasoning=reasoning,
         json_schema=output_schema(body),
         tools=tools,
         tool_required=choice in ("any", "tool"),

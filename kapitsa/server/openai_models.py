@@ -92,7 +92,10 @@ class ChatRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None
     enable_thinking: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the model's chat template
+    # vLLM's prefill: the output continues the final assistant message (not with add_generation_prompt)
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
     # The deprecated function-calling fields: refused with the current spelling rather than dropped
     # (dropped, the model would answer as if it had no tools).
     functions: Any = None

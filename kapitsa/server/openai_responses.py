@@ -29,13 +29,13 @@ from kapitsa.server.common import (
     start_run,
     state_of,
     steps,
-    thinking_active,
     thinking_kwargs,
 )
 from kapitsa.server.constraints import responses_constraint
 from kapitsa.server.images import take_images
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.output import OutputParser
+from kapitsa.server.prefill import starts_in_reasoning
 from kapitsa.server.response_store import (
     ResponseStore,
     deletion_body,
@@ -83,7 +83,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         request_id=f"resp_{uuid.uuid4().hex[:24]}",
     )
     parser = OutputParser(
-        thinking=thinking_active(model, thinking),
+        thinking=starts_in_reasoning(model, thinking, None),
         tools=tools or None,
         one_call=body.parallel_tool_calls is False,
     )

@@ -81,3 +81,16 @@ def test_message_boundaries_are_prefixes_of_the_prompt(tokenizer) -> None:
 def test_raw_prompts_have_no_boundaries(tokenizer) -> None:
     prepared = prepare_prompt(tokenizer, GenerationRequest(prompt="just text"))
     assert prepared.ids == tokenizer.encode("just text") and prepared.boundaries == []
+
+
+def test_a_continued_message_ends_the_prompt_and_its_turn_is_the_checkpoint(tokenizer) -> None:
+    messages = (
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": "The files are"},
+    )
+    prepared = prepare_prompt(tokenizer, GenerationRequest(messages=messages, continue_final_message=True))
+    assert tokenizer.decode(prepared.ids).endswith("The files are")
+    closed = tokenizer.encode(tokenizer.apply_chat_template(list(messages[:2]), add_generation_prompt=False))
+    assert [b.kind for b in prepared.boundaries] == ["system", "turn"]
+    assert prepared.boundaries[1].pos == len(closed) and prepared.ids[: len(closed)] == closed

@@ -69,17 +69,17 @@ def prepare_prompt(
         return PreparedPrompt(list(request.prompt_token_ids), [])
     if request.prompt is not None:
         return PreparedPrompt(encode(request.prompt), [])
-    messages = [dict(m) for m in request.messages or ()]
-    ids = encode(_render(tokenizer, request, messages, request.add_generation_prompt))
-    return PreparedPrompt(ids, message_boundaries(tokenizer, request, messages, ids, encode=encode))
+    chat = conversation(request)
+    ids = encode(chat.text(tokenizer, request))
+    return PreparedPrompt(ids, message_boundaries(tokenizer, request, chat, ids, encode=encode))
 
 
 def _prepare_with_images(
     tokenizer: PromptTokenizer, request: GenerationRequest, encode: Encode, images: ImagePrompter
 ) -> PreparedPrompt:
-    messages = [dict(m) for m in request.messages or ()]
-    rendered = encode(_render(tokenizer, request, messages, request.add_generation_prompt))
-    boundaries = message_boundaries(tokenizer, request, messages, rendered, encode=encode)
+    chat = conversation(request)
+    rendered = encode(chat.text(tokenizer, request))
+    boundaries = message_boundaries(tokenizer, request, chat, rendered, encode=encode)
     ids, media = images.expand(rendered, request.images)
     moved = [Boundary(media.expanded(b.pos), b.kind) for b in boundaries]
     return PreparedPrompt(ids, moved, media)
@@ -104,16 +104,78 @@ def _render(
         raise InvalidRequest(f"the chat template could not render these messages: {err}") from err
 
 
+@dataclass(slots=True, frozen=True)
+class Conversation:
+    """The messages a request renders, and how its prompt ends: with the template's generation prompt
+    (`add_generation_prompt`), after the last message, or inside the last one (`open_final`: a
+    continued assistant message, cut right after its text as Hugging Face's `continue_final_message`
+    cuts it)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    open_final: bool = False
+
+    def text(self, tokenizer: PromptTokenizer, request: GenerationRequest) -> str:
+        rendered = _render(tokenizer, request, self.messages, self.add_generation_prompt)
+        if not self.open_final:
+            return rendered
+        return rendered[: _end_of_final_text(rendered, final_text(self.messages[-1]))]
+
+    @property
+    def closed_part(self) -> list[dict[str, Any]]:
+        """The messages whose turns are complete (what the next turn shares)."""
+        return self.messages[:-1] if self.open_final else self.messages
+
+
+def conversation(request: GenerationRequest) -> Conversation:
+    """What `request` renders. Raises `InvalidRequest` for a continuation the conversation can't make."""
+    messages = [dict(m) for m in request.messages or ()]
+    if not request.continue_final_message:
+        return Conversation(messages, request.add_generation_prompt)
+    if not messages or messages[-1].get("role") != "assistant":
+        raise InvalidRequest("only an assistant message can be continued: the conversation must end with one")
+    if messages[-1].get("tool_calls"):
+        raise InvalidRequest("a final assistant message with tool calls cannot be continued")
+    if not final_text(messages[-1]).strip():
+        # nothing to continue from: the model writes the turn afresh
+        return Conversation(messages[:-1], add_generation_prompt=True)
+    return Conversation(messages, add_generation_prompt=False, open_final=True)
+
+
+def final_text(message: dict[str, Any]) -> str:
+    """A message's text: its string content, or its last text part's."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    texts = [p.get("text") for p in content or () if isinstance(p, dict) and p.get("type") == "text"]
+    return texts[-1] if texts and isinstance(texts[-1], str) else ""
+
+
+def _end_of_final_text(rendered: str, text: str) -> int:
+    """Where the final message's text ends in the rendered conversation. Templates may trim it, so
+    the trimmed text is found and the given spacing kept where the template kept it."""
+    at = rendered.rfind(text.strip())
+    if at < 0:
+        raise InvalidRequest(
+            "the model's chat template changes the final assistant message's text, so it cannot be continued"
+        )
+    lead_trimmed = text.lstrip()
+    if rendered[at : at + len(lead_trimmed)] == lead_trimmed:
+        return at + len(lead_trimmed)
+    return at + len(text.strip())
+
+
 def message_boundaries(
     tokenizer: PromptTokenizer,
     request: GenerationRequest,
-    messages: list[dict[str, Any]],
+    chat: Conversation,
     ids: list[int],
     *,
     encode: Encode | None = None,
 ) -> list[Boundary]:
-    """Checkpoint positions: the end of the system part and the end of the last message."""
+    """Checkpoint positions: the end of the system part and the end of the last complete message."""
     encode = encode or tokenizer.encode
+    messages = chat.closed_part
     out: list[Boundary] = []
     if messages and messages[0].get("role") in ("system", "developer"):
         # Templates may refuse a conversation without a user turn: render an empty one and keep the
@@ -121,7 +183,7 @@ def message_boundaries(
         probe = _try_ids(tokenizer, request, [messages[0], {"role": "user", "content": ""}], encode)
         if probe is not None:
             out.append(Boundary(_common_prefix(ids, probe), "system"))
-    if request.add_generation_prompt:
+    if (chat.add_generation_prompt or chat.open_final) and messages:
         probe = _try_ids(tokenizer, request, messages, encode, add_generation_prompt=False)
         if probe is not None and ids[: len(probe)] == probe:
             out.append(Boundary(len(probe), "turn"))
