@@ -233,6 +233,13 @@ def _qwen_metadata(writer: gguf.GGUFWriter, t: dict, *, mtp_layers: int) -> None
     writer.add_rope_dimension_count(int(t["head_dim"] * t.get("partial_rotary_factor", 0.25)))
     if "mrope_section" in rope:
         writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    scaling = rope if rope.get("rope_type") == "yarn" else t.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "yarn":  # as convert_hf_to_gguf.py writes a YaRN block
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        if "attention_factor" in scaling:
+            writer.add_rope_scaling_yarn_attn_factor(scaling["attention_factor"])
 
 
 def _nemotron_metadata(writer: gguf.GGUFWriter, c: dict) -> None:
@@ -262,6 +269,7 @@ def _nemotron_metadata(writer: gguf.GGUFWriter, c: dict) -> None:
         writer.add_expert_weights_norm(c["norm_topk_prob"])
         writer.add_expert_weights_scale(c["routed_scaling_factor"])
         writer.add_expert_group_count(c["n_group"])
+        writer.add_expert_group_used_count(c["topk_group"])
 
 
 RawTensor = tuple[np.ndarray, QT]  # bytes as gguf stores them, and their type

@@ -198,3 +198,23 @@ def test_k_quant_gguf_loads_the_values_gguf_reference_decodes(tiny, tmp_path):
     from_reference = load_model(decoded, quantize="bf16")
     assert load_model(quantized).info.quantization in ("4bit", "6bit")
     np.testing.assert_array_equal(np.array(logits_of(from_k)), np.array(logits_of(from_reference)))
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        # a Qwen3.5 checkpoint converted with the YaRN block its model card gives for long context
+        ("qwen3_5", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65536,
+                                         "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                         "mrope_interleaved": True, "mrope_section": [2, 1, 1]}}),
+        ("qwen3_next", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.25,
+                                         "original_max_position_embeddings": 65536}}),
+        # grouped routing: the best 2 of 4 expert groups
+        ("nemotron_h", {"n_group": 4, "topk_group": 2}),
+    ],
+)  # fmt: skip
+def test_gguf_keeps_rope_scaling_and_expert_groups(tiny, tmp_path, kind, overrides):
+    source = tiny(kind, **overrides)
+    loaded = load_model(export_gguf(source, tmp_path / "m.gguf", QT.F32))
+    reference = logits_of(load_model(source))
+    np.testing.assert_allclose(np.array(logits_of(loaded)), np.array(reference), atol=1e-4)

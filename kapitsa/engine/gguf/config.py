@@ -10,7 +10,7 @@ from typing import Any
 
 from gguf import GGUFReader
 
-from kapitsa.errors import CheckpointError
+from kapitsa.errors import CheckpointError, UnsupportedModel
 
 Shapes = dict[str, tuple[int, ...]]  # GGUF tensor name -> numpy-order shape
 
@@ -105,7 +105,7 @@ def _qwen_config(arch: str, meta: dict[str, Any], shapes: Shapes) -> dict[str, A
     }
     if (sections := _get(meta, arch, "rope.dimension_sections")) is not None:
         rope.update(mrope_section=[int(s) for s in sections[:3]], mrope_interleaved=True)
-    config["rope_parameters"] = rope
+    config["rope_parameters"] = rope | _rope_scaling(meta, arch)
     if "blk.0.ffn_gate_inp.weight" in shapes or int(_get(meta, arch, "expert_count", 0) or 0) > 0:
         config.update(
             num_experts=int(_get(meta, arch, "expert_count", required=True)),
@@ -119,6 +119,34 @@ def _qwen_config(arch: str, meta: dict[str, Any], shapes: Shapes) -> dict[str, A
             mlp_only_layers=[],
         )
     return config
+
+
+# `rope.scaling.yarn_*` keys convert_hf_to_gguf.py writes from a YaRN block's fields
+_YARN_KEYS = {
+    "yarn_attn_factor": "attention_factor",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The rope block's scaling fields from the `rope.scaling.*` keys (a Qwen checkpoint converted
+    with YaRN enabled keeps it there); {} for plain rope."""
+    kind = _get(meta, arch, "rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    factor = float(_get(meta, arch, "rope.scaling.factor", required=True))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        raise UnsupportedModel(f"GGUF rope scaling {kind!r} is not supported (linear and yarn are)")
+    scaling = {"rope_type": "yarn", "factor": factor}
+    if (original := _get(meta, arch, "rope.scaling.original_context_length")) is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    for key, field in _YARN_KEYS.items():
+        if (value := _get(meta, arch, f"rope.scaling.{key}")) is not None:
+            scaling[field] = float(value)
+    return scaling
 
 
 def _nemotron_layer_symbol(tensors: set[str]) -> str:
@@ -184,7 +212,7 @@ def _nemotron_moe_sizes(meta: dict[str, Any], arch: str, shapes: Shapes, index: 
         "norm_topk_prob": bool(_get(meta, arch, "expert_weights_norm", True)),
         "routed_scaling_factor": float(_get(meta, arch, "expert_weights_scale", 1.0)),
         "n_group": int(_get(meta, arch, "expert_group_count", 1) or 1),
-        "topk_group": 1,
+        "topk_group": int(_get(meta, arch, "expert_group_used_count", 1) or 1),
     }
     if f"blk.{index}.ffn_latent_down.weight" in shapes:
         sizes["moe_latent_size"] = latent
