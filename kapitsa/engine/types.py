@@ -47,6 +47,9 @@ class SamplingParams:
     # the end-of-sequence logits grow by |logit| * (factor ** (n - start) - 1), so answers end
     eos_decay: tuple[int, float] | None = None
     constraint: Constraint | None = None  # the grammar the output follows (None: free text)
+    # (most tokens, the token that ends reasoning): an output that starts in reasoning and is still
+    # there after that many tokens gets the closing token next (Anthropic's `thinking.budget_tokens`)
+    reasoning_budget: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -65,6 +68,8 @@ class SamplingParams:
             raise ValueError("logprobs must be between 0 and 20")
         if self.eos_decay is not None and (self.eos_decay[0] < 0 or self.eos_decay[1] < 1.0):
             raise ValueError("eos_decay needs a start >= 0 and a factor >= 1")
+        if self.reasoning_budget is not None and min(self.reasoning_budget) < 0:
+            raise ValueError("reasoning_budget needs a token count and a token id, both >= 0")
 
 
 MAX_CHOICES = 16  # most choices (`n`) one request may ask for
@@ -190,6 +195,7 @@ class ThinkingPrompt:
     by_default: bool = False
     when_enabled: bool = False
     when_disabled: bool = False
+    close_token: int | None = None  # `</think>`'s id, when it is one token (what a reasoning budget forces)
 
     def starts_in_reasoning(self, enable_thinking: bool | None) -> bool:
         if enable_thinking is None:

@@ -30,6 +30,7 @@ from kapitsa.server.anthropic_input import (
     chat_messages,
     chat_tools,
     output_schema,
+    thinking_budget,
     thinking_choice,
 )
 from kapitsa.server.common import (
@@ -225,6 +226,7 @@ def to_generation_request(body: MessagesRequest, model: ModelInfo) -> Generation
     if prefill:
         forced = (body.tool_choice or {}).get("type") in ("any", "tool") or output_schema(body) is not None
         check_unforced(prefill, forced=forced, field="messages")
+    reasoning = starts_in_reasoning(model, thinking, prefill)
     messages, images = take_images(chat_messages(body), model)
     return GenerationRequest(
         messages=tuple(messages),
@@ -238,9 +240,8 @@ def to_generation_request(body: MessagesRequest, model: ModelInfo) -> Generation
             top_k=body.top_k,
             stop=body.stop_sequences,
             max_tokens=body.max_tokens,
-            constraint=anthropic_constraint(
-                body, model, tools, thinking, starts_in_reasoning(model, thinking, prefill)
-            ),
+            constraint=anthropic_constraint(body, model, tools, thinking, reasoning),
+            reasoning_budget=thinking_budget(body, model, reasoning),
         ),
         continue_final_message=prefill is not None,
         chat_template_kwargs=thinking_kwargs(thinking),

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kapitsa.engine.types import ModelInfo
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.errors import param_error
 from kapitsa.server.images import content_parts, is_image_part
@@ -243,6 +244,21 @@ def thinking_choice(body: MessagesRequest) -> bool | None:
             )
         return False
     return choice
+
+
+def thinking_budget(body: MessagesRequest, model: ModelInfo, reasoning: bool) -> tuple[int, int] | None:
+    """`thinking.budget_tokens` as the sampler's reasoning budget (most tokens, `</think>`'s id): only
+    when the answer starts in reasoning and the model's `</think>` is one token. Anthropic asks for
+    at least 1024 tokens; a smaller budget is honoured here, as a local model may want one."""
+    budget = (body.thinking or {}).get("budget_tokens")
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise param_error("thinking.budget_tokens", "`thinking.budget_tokens` must be a positive integer.")
+    close = model.thinking_prompt.close_token
+    if not reasoning or (body.thinking or {}).get("type") != "enabled" or close is None:
+        return None
+    return (budget, close)
 
 
 def assistant_prefill(body: MessagesRequest) -> str | None:

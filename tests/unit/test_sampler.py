@@ -162,3 +162,46 @@ def test_eos_decay_never_overflows_and_keeps_a_banned_eos_banned() -> None:
     sampler._generated = 20_000  # far past where 1.05 ** n overflows a float
     row = sampler.process(mx.array([5.0, 1.0, float("-inf")]))
     assert mx.isfinite(row[:2]).all().item() and row[2].item() == float("-inf")
+
+
+CLOSE = 3  # the token that ends reasoning in the budget tests
+
+
+def _budget_rows(close_at: int | None, steps: int = 10) -> list[mx.array]:
+    """Logits rows whose argmax is token 0, except at `close_at`, where it is CLOSE."""
+    rows = []
+    for i in range(steps):
+        row = [5.0, 1.0, -2.0, -4.0]
+        if i == close_at:
+            row[CLOSE] = 9.0
+        rows.append(mx.array(row))
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("close_at", "expected_closes"), [(None, [4]), (2, [2]), (7, [4, 7])], ids=["never", "early", "late"]
+)
+def test_a_reasoning_budget_forces_the_close_once_it_is_spent(close_at, expected_closes) -> None:
+    """Four tokens of budget: the fifth pick is the close unless the model closed reasoning earlier;
+    after the close nothing is forced. Taken in turn and queued ahead (pipelined) alike."""
+    params = SamplingParams(reasoning_budget=(4, CLOSE))
+    rows = _budget_rows(close_at)
+    in_turn = SequenceSampler(params)
+    taken = [in_turn.sample(r).token_id for r in rows]
+    lazy = SequenceSampler(params)
+    assert lazy.is_stateless and not lazy.is_greedy_plain
+    queued, piped = lazy.lazy_pick(rows[0]), []
+    for row in rows[1:]:
+        following = lazy.lazy_pick(row)
+        piped.append(int(queued.item()))
+        lazy.observe(piped[-1])
+        queued = following
+    piped.append(int(queued.item()))
+    assert taken == piped
+    assert [i for i, t in enumerate(taken) if t == CLOSE] == expected_closes
+    assert in_turn.is_greedy_plain  # once reasoning is closed the row takes the shared argmax again
+
+
+def test_a_reasoning_budget_needs_non_negative_values() -> None:
+    with pytest.raises(ValueError, match="reasoning_budget"):
+        SamplingParams(reasoning_budget=(-1, CLOSE))

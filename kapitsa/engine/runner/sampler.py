@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -60,6 +61,10 @@ class SequenceSampler:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed % _SEED_RANGE)  # OpenAI takes any integer; MLX a uint64
         self._penalties = Penalties(params, prompt_ids)
+        # a reasoning budget: open until its closing token is observed; the picks queued but not yet
+        # observed (at most the pipeline's depth) are read on the device, where one may have closed it
+        self._reasoning_open = params.reasoning_budget is not None
+        self._queued_picks: deque[mx.array] = deque()
         bias = params.logit_bias
         self._bias_ids = mx.array([i for i, _ in bias], dtype=mx.int32) if bias else None
         self._bias_values = mx.array([b for _, b in bias], dtype=mx.float32) if bias else None
@@ -80,15 +85,20 @@ class SequenceSampler:
 
     def _changes_logits(self) -> bool:
         changes = self.params.logit_bias or self._penalties.active or self._eos_ids is not None
-        return bool(changes or self.constraint is not None)
+        return bool(changes or self.constraint is not None or self._reasoning_open)
 
     def observe(self, token_id: int) -> None:
         """Record a generated token (penalties count output tokens)."""
         if self._unobserved:  # a lazy pick's token: counted when it was queued
             self._unobserved -= 1
+            if self._queued_picks:
+                self._queued_picks.popleft()
         elif self._penalties.active:
             self._penalties.count(token_id)
         self._generated += 1
+        if self._reasoning_open and token_id == self.params.reasoning_budget[1]:  # type: ignore[index]
+            self._reasoning_open = False
+            self._queued_picks.clear()
         if self.constraint is not None:
             self.constraint.advance(token_id)
 
@@ -105,7 +115,21 @@ class SequenceSampler:
         if self._penalties.active:
             logits = self._penalties.apply(logits)
         logits = self._decay_towards_eos(logits)
+        logits = self._hold_to_budget(logits)
         return logits if self.constraint is None else self.constraint.apply(logits)
+
+    def _hold_to_budget(self, logits: mx.array) -> mx.array:
+        """Past the reasoning budget, reasoning that is still open gets only its closing token."""
+        if not self._reasoning_open:
+            return logits
+        budget, close = self.params.reasoning_budget  # type: ignore[misc]
+        if self._generated + self._unobserved < budget:
+            return logits
+        only_close = mx.where(mx.arange(logits.shape[-1]) == close, logits, _NEG_INF)
+        if not self._queued_picks:
+            return only_close
+        closed = mx.any(mx.stack(list(self._queued_picks)) == close)
+        return mx.where(closed, logits, only_close)
 
     def _decay_towards_eos(self, logits: mx.array) -> mx.array:
         if self._eos_ids is None or self.params.eos_decay is None:
@@ -139,6 +163,8 @@ class SequenceSampler:
         token = self.choose(self.process(logits))
         if self._penalties.active:
             self._penalties.count(token)
+        if self._reasoning_open:
+            self._queued_picks.append(token)
         self._unobserved += 1
         return token
 

@@ -29,7 +29,13 @@ def probe_thinking(tokenizer: Tokenizer) -> ThinkingPrompt:
         by_default=_ends_inside_think(tokenizer, {}),
         when_enabled=_ends_inside_think(tokenizer, {"enable_thinking": True}),
         when_disabled=_ends_inside_think(tokenizer, {"enable_thinking": False}),
+        close_token=_one_token(tokenizer, CLOSE_TAG),
     )
+
+
+def _one_token(tokenizer: Tokenizer, text: str) -> int | None:
+    ids = tokenizer.encode(text)
+    return ids[0] if len(ids) == 1 else None
 
 
 def _ends_inside_think(tokenizer: Tokenizer, kwargs: dict[str, Any]) -> bool:
