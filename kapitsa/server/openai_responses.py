@@ -53,6 +53,7 @@ from kapitsa.server.responses_input import (
     thinking_choice,
 )
 from kapitsa.server.streaming import ClientGone, GenerationRun
+from kapitsa.server.truncation import fit_window
 
 router = APIRouter(route_class=WellFormedJsonRoute)
 
@@ -82,6 +83,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         chat_template_kwargs=thinking_kwargs(thinking),
         request_id=f"resp_{uuid.uuid4().hex[:24]}",
     )
+    if body.truncation == "auto":
+        gen = await fit_window(state.client, gen, model)
     parser = OutputParser(
         thinking=starts_in_reasoning(model, thinking, None),
         tools=tools or None,
@@ -99,6 +102,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         previous_response_id=body.previous_response_id,
         instructions=body.instructions,
         parallel_tool_calls=body.parallel_tool_calls is not False,
+        truncation=body.truncation or "disabled",
     )
     keep = _keeper(state.responses, [*history, *input_items(body)]) if body.store else _keep_nothing
     run = await start_run(request, gen)

@@ -9,7 +9,7 @@ conversation (response_store.py) comes before the new input items, and only the 
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +56,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True  # OpenAI's default
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs too
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns go when it won't fit
     # OpenAI-hosted state this server does not keep: refused rather than answered without it
     conversation: Any = None
     prompt: Any = None
