@@ -78,6 +78,19 @@ def test_the_continued_prompt_matches_transformers(template_name, name, with_too
     assert text.endswith(messages[-1]["content"].strip() if name != "parts" else "colour is")
 
 
+@pytest.mark.parametrize("template_name", sorted(TEMPLATES))
+@pytest.mark.parametrize("prefill", ["<", "end", ">", "|"])
+def test_a_prefill_that_the_turn_end_repeats_is_cut_where_it_ends(template_name, prefill) -> None:
+    """Short text that `<|im_end|>` also holds: the cut is after the message's own text, not inside
+    the end-of-turn marker the template writes after it."""
+    source = TEMPLATES[template_name]
+    messages = [{"role": "user", "content": "Answer in XML."}, {"role": "assistant", "content": prefill}]
+    request = GenerationRequest(messages=tuple(messages), continue_final_message=True)
+    text = conversation(request).text(TemplateOnly(source), request)
+    assert text == _reference(source, messages, None)
+    assert "<|im_end|>" not in text.rsplit("<|im_start|>", 1)[-1] and text.endswith(prefill)
+
+
 def test_an_empty_final_message_is_answered_afresh() -> None:
     messages = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": ""})
     request = GenerationRequest(messages=messages, continue_final_message=True)

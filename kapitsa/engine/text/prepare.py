@@ -116,10 +116,11 @@ class Conversation:
     open_final: bool = False
 
     def text(self, tokenizer: PromptTokenizer, request: GenerationRequest) -> str:
-        rendered = _render(tokenizer, request, self.messages, self.add_generation_prompt)
         if not self.open_final:
-            return rendered
-        return rendered[: _end_of_final_text(rendered, final_text(self.messages[-1]))]
+            return _render(tokenizer, request, self.messages, self.add_generation_prompt)
+        tagged = [*self.messages[:-1], _tagged(self.messages[-1])]
+        rendered = _render(tokenizer, request, tagged, self.add_generation_prompt)
+        return _cut_at_tag(rendered, final_text(self.messages[-1]))
 
     @property
     def closed_part(self) -> list[dict[str, Any]]:
@@ -147,22 +148,48 @@ def final_text(message: dict[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
-    texts = [p.get("text") for p in content or () if isinstance(p, dict) and p.get("type") == "text"]
-    return texts[-1] if texts and isinstance(texts[-1], str) else ""
+    at = _last_text_part(content)
+    return "" if at is None else content[at]["text"]
 
 
-def _end_of_final_text(rendered: str, text: str) -> int:
-    """Where the final message's text ends in the rendered conversation. Templates may trim it, so
-    the trimmed text is found and the given spacing kept where the template kept it."""
-    at = rendered.rfind(text.strip())
-    if at < 0:
+def _last_text_part(content: Any) -> int | None:
+    parts = list(content or ())
+    return next((i for i in reversed(range(len(parts))) if _is_text_part(parts[i])), None)
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+# Marks where the final message's text ends, as transformers marks it: the template renders the text
+# where it likes (after reasoning it re-renders, around tags it adds), and the prompt is cut at the
+# mark. Searching the rendered text for the message's own text instead finds a later copy of short
+# text: a prefill "<" or "end" matched inside the `<|im_end|>` the template closes the turn with.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    parts = list(content or ())
+    at = _last_text_part(parts)
+    if at is not None:
+        parts[at] = {**parts[at], "text": parts[at]["text"] + _CONTINUE_TAG}
+    return {**message, "content": parts}
+
+
+def _cut_at_tag(rendered: str, text: str) -> str:
+    """The rendered conversation cut where the final message's text ends. A template that trims the
+    text trims the mark's space too: the cut then drops the spacing the template dropped."""
+    at = rendered.rfind(_CONTINUE_TAG.strip())
+    if at < 0 or text.strip() not in rendered:
         raise InvalidRequest(
             "the model's chat template changes the final assistant message's text, so it cannot be continued"
         )
-    lead_trimmed = text.lstrip()
-    if rendered[at : at + len(lead_trimmed)] == lead_trimmed:
-        return at + len(lead_trimmed)
-    return at + len(text.strip())
+    if rendered.startswith(_CONTINUE_TAG, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def message_boundaries(
