@@ -147,6 +147,14 @@ def chat_prefill(body: ChatRequest) -> str | None:
     return flatten_text(last.content)
 
 
+def chat_reasoning(body: ChatRequest, model: ModelInfo) -> bool:
+    """Whether the output starts inside reasoning: where the prefill leaves it, or the generation prompt
+    (none with `add_generation_prompt: false`, unless a blank prefill is answered afresh)."""
+    prefill = chat_prefill(body)
+    with_prompt = body.add_generation_prompt is not False or prefill is not None
+    return starts_in_reasoning(model, chat_thinking(body), prefill, generation_prompt=with_prompt)
+
+
 def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequest:
     prefill = chat_prefill(body)
     messages = chat_messages(body.messages)
@@ -175,7 +183,7 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
     constraint = output_constraint(
         model,
         thinking=chat_thinking(body),
-        reasoning=starts_in_reasoning(model, chat_thinking(body), prefill),
+        reasoning=chat_reasoning(body, model),
         json_schema=schema,
         json_mode=fmt is not None and fmt.type == "json_object",
         tools=tools,

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, Usage
 from kapitsa.errors import KapitsaError
-from kapitsa.server.chat_input import chat_prefill, chat_thinking, to_generation_request
+from kapitsa.server.chat_input import chat_reasoning, to_generation_request
 from kapitsa.server.common import (
     CLIENT_GONE_STATUS,
     SSE_COMMENT,
@@ -31,7 +31,6 @@ from kapitsa.server.errors import api_error_from_kapitsa, openai_error_body
 from kapitsa.server.json_body import WellFormedJsonRoute
 from kapitsa.server.openai_models import ChatRequest
 from kapitsa.server.output import OutputParser, ReasoningPart, TextPart
-from kapitsa.server.prefill import starts_in_reasoning
 from kapitsa.server.streaming import ClientGone, GenerationRun
 from kapitsa.server.tool_calls import ToolCall
 
@@ -202,7 +201,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     gen = to_generation_request(body, model)
     parsers = [
         OutputParser(
-            thinking=starts_in_reasoning(model, chat_thinking(body), chat_prefill(body)),
+            thinking=chat_reasoning(body, model),
             tools=list(gen.tools or []) or None,
             one_call=body.parallel_tool_calls is False,
         )

@@ -13,18 +13,29 @@ def opens_reasoning(prefill: str) -> bool:
     return prefill.rfind(OPEN_TAG) > prefill.rfind(CLOSE_TAG)
 
 
-def starts_in_reasoning(model: ModelInfo, thinking: bool | None, prefill: str | None) -> bool:
-    """Where the output starts: after a prefill, where the prefill left it; else where the template's
-    generation prompt, rendered with this `enable_thinking`, leaves it (probed at load time)."""
-    if prefill:
+def continues(prefill: str | None) -> bool:
+    """Whether a prefill leaves text to continue: a blank one is answered afresh, after the generation
+    prompt (as the engine's `conversation` renders it)."""
+    return bool(prefill and prefill.strip())
+
+
+def starts_in_reasoning(
+    model: ModelInfo, thinking: bool | None, prefill: str | None, *, generation_prompt: bool = True
+) -> bool:
+    """Where the output starts: after a prefill, where the prefill left it; after a closed message (no
+    generation prompt, chat's `add_generation_prompt: false`), outside reasoning; else where the
+    template's generation prompt, rendered with this `enable_thinking`, leaves it (probed at load time)."""
+    if prefill is not None and continues(prefill):
         return opens_reasoning(prefill)
+    if not generation_prompt:
+        return False
     return model.thinking_prompt.starts_in_reasoning(thinking)
 
 
 def check_unforced(prefill: str, *, forced: bool, field: str) -> None:
     """A grammar that holds the whole answer (a required call, a JSON format) starts at the answer's
     first token, so it cannot follow text the client already wrote."""
-    if prefill and forced:
+    if continues(prefill) and forced:
         raise param_error(
             field,
             "A prefilled assistant message cannot be continued under a required tool call or a JSON "

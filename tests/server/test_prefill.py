@@ -14,6 +14,12 @@ import pytest
 from server_harness import LiveServer
 from test_demo_answers import DEMO, oai, serve
 
+from kapitsa.engine.types import ModelInfo, ThinkingPrompt
+from kapitsa.errors import InvalidRequest
+from kapitsa.server.chat_input import chat_reasoning
+from kapitsa.server.openai_models import ChatRequest
+from kapitsa.server.prefill import check_unforced
+
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 
 ASK = {"role": "user", "content": "Write a Python function that adds two numbers."}
@@ -195,3 +201,36 @@ def test_chat_template_kwargs_cannot_replace_what_the_renderer_sets(demo: LiveSe
     body = {"model": "demo", "max_tokens": 1, "messages": [ASK], "chat_template_kwargs": {name: 1}}
     reply = httpx.post(demo.v1 + "/chat/completions", json=body, timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def _opening_model() -> ModelInfo:
+    """A model whose generation prompt opens `<think>` when thinking is on (Qwen3.6's, Nemotron 3's)."""
+    prompt = ThinkingPrompt(by_default=True, when_enabled=True, when_disabled=False)
+    return ModelInfo(
+        id="m", family="test", context_length=4096, max_output_tokens=512, thinking_prompt=prompt
+    )
+
+
+@pytest.mark.parametrize(
+    ("final", "extra", "in_reasoning"),
+    [
+        (None, {}, True),  # the generation prompt opens reasoning
+        (PREFILL, {"continue_final_message": True}, False),  # the prefill is answer text
+        ("<think>\nFirst", {"continue_final_message": True}, True),  # the prefill left reasoning open
+        ("  ", {"continue_final_message": True}, True),  # blank: answered afresh, after the generation prompt
+        ("  ", {"continue_final_message": True, "add_generation_prompt": False}, True),
+        (None, {"add_generation_prompt": False}, False),  # no generation prompt: nothing is open
+    ],
+    ids=["fresh", "prefill", "open-think", "blank", "blank-no-prompt", "no-prompt"],
+)
+def test_the_output_starts_where_the_prompt_leaves_it(final, extra: dict, in_reasoning: bool) -> None:
+    """The parser's (and a grammar's) first channel follows the prompt the engine renders."""
+    messages = [ASK] if final is None else [ASK, {"role": "assistant", "content": final}]
+    body = ChatRequest.model_validate({"model": "m", "messages": messages, **extra})
+    assert chat_reasoning(body, _opening_model()) is in_reasoning
+
+
+def test_a_blank_prefill_under_a_json_format_is_answered_afresh() -> None:
+    check_unforced("  \n", forced=True, field="continue_final_message")  # no 400: nothing to continue
+    with pytest.raises(InvalidRequest, match="prefilled"):
+        check_unforced("{", forced=True, field="continue_final_message")
