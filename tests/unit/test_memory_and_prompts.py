@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 
 from kapitsa.engine.runner.memory import MemoryBudget, StateSizes, check_context
+from kapitsa.engine.runner.sequence import Sequence
+from kapitsa.engine.runner.stop import StopMatcher
 from kapitsa.engine.text.prepare import prepare_prompt
 from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.engine.types import GenerationRequest
@@ -94,3 +96,23 @@ def test_a_continued_message_ends_the_prompt_and_its_turn_is_the_checkpoint(toke
     closed = tokenizer.encode(tokenizer.apply_chat_template(list(messages[:2]), add_generation_prompt=False))
     assert [b.kind for b in prepared.boundaries] == ["system", "turn"]
     assert prepared.boundaries[1].pos == len(closed) and prepared.ids[: len(closed)] == closed
+
+
+@pytest.mark.parametrize(
+    ("final", "continued", "returning"),
+    [
+        ({"role": "assistant", "content": "{"}, True, False),  # a one-shot prefill: no earlier reply
+        ({"role": "assistant", "content": "It is"}, False, True),  # a closed reply the answer follows
+        ({"role": "user", "content": "and then?"}, False, True),  # the earlier reply is in the middle
+    ],
+    ids=["prefill", "closed-reply", "earlier-reply"],
+)
+def test_a_prefill_is_not_an_earlier_reply(final: dict, continued: bool, returning: bool) -> None:
+    """A conversation that came back ranks above one-shot requests in the prefix cache: a prefilled
+    one-shot request (Anthropic's `{` before a JSON answer) is not one."""
+    messages = [{"role": "user", "content": "Rate this."}]
+    if final["role"] == "user":
+        messages.append({"role": "assistant", "content": "Fine."})
+    request = GenerationRequest(messages=(*messages, final), continue_final_message=continued)
+    seq = Sequence(request, [1, 2], lambda _e: None, None, None, StopMatcher(()), max_tokens=4)  # type: ignore[arg-type]
+    assert seq.continues_conversation is returning

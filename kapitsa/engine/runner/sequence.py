@@ -141,8 +141,11 @@ class Sequence:
 
     @property
     def continues_conversation(self) -> bool:
-        """The request carries an earlier reply: a conversation that came back (cache/resident.py)."""
-        return any(m.get("role") == "assistant" for m in self.request.messages or ())
+        """The request carries an earlier reply: a conversation that came back (cache/resident.py). A
+        continued final message is this answer's own start (a prefill), not an earlier reply."""
+        messages = self.request.messages or ()
+        earlier = messages[:-1] if self.request.continue_final_message else messages
+        return any(m.get("role") == "assistant" for m in earlier)
 
     @property
     def num_prompt_tokens(self) -> int:
