@@ -14,7 +14,16 @@ from kapitsa.engine.text.chat_template import ChatTemplate, pick_template
 from kapitsa.engine.text.detokenizer import IncrementalDetokenizer
 from kapitsa.errors import CheckpointError, InvalidRequest
 
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# the named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES)
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -43,22 +52,50 @@ def _as_ids(value: Any) -> list[int]:
 
 
 def _templates_in(folder: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
-    """Named chat templates: chat_template.jinja, then chat_template.json, then tokenizer_config."""
+    """Named chat templates: `additional_chat_templates/<name>.jinja` (transformers saves every template
+    but the default there), plus the default from chat_template.jinja, else chat_template.json, else
+    tokenizer_config (a string, or a list of {name, template})."""
+    extra = folder / "additional_chat_templates"
+    named = (
+        {p.stem: p.read_text(encoding="utf-8") for p in sorted(extra.glob("*.jinja"))}
+        if extra.is_dir()
+        else {}
+    )
     if (folder / "chat_template.jinja").is_file():
-        return {"default": (folder / "chat_template.jinja").read_text(encoding="utf-8")}
+        return {**named, "default": (folder / "chat_template.jinja").read_text(encoding="utf-8")}
     if (folder / "chat_template.json").is_file():
         source = _read_json(folder / "chat_template.json").get("chat_template")
     else:
         source = tokenizer_config.get("chat_template")
     if isinstance(source, str):
-        return {"default": source}
+        return {**named, "default": source}
     if isinstance(source, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
-        return {
+        listed = {
             t["name"]: t["template"]
             for t in source
             if isinstance(t, dict) and "name" in t and "template" in t
         }
-    return {}
+        return {**listed, **named}
+    return named
+
+
+def _special_tokens(folder: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, str | None]:
+    """The named special tokens. A tokenizer_config.json without `added_tokens_decoder` predates
+    transformers 4.34, and its special_tokens_map.json names them (transformers reads it only then)."""
+    names = {k: _token_text(tokenizer_config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+    legacy = folder / "special_tokens_map.json"
+    if "added_tokens_decoder" not in tokenizer_config and legacy.is_file():
+        mapped = _read_json(legacy)
+        names.update({k: text for k in _SPECIAL_TOKEN_KEYS if (text := _token_text(mapped.get(k)))})
+    return names
+
+
+def _config_eos_ids(config: Mapping[str, Any]) -> list[int]:
+    """config.json's `eos_token_id`, and its text model's (`text_config`, which may be null)."""
+    nested = config.get("text_config")
+    return _as_ids(config.get("eos_token_id")) + (
+        _as_ids(nested.get("eos_token_id")) if isinstance(nested, dict) else []
+    )
 
 
 class Tokenizer:
@@ -113,13 +150,10 @@ class Tokenizer:
             if (folder / "generation_config.json").is_file()
             else {}
         )
-        config = dict(config or {})
-        eos = _as_ids(config.get("eos_token_id")) + _as_ids(config.get("text_config", {}).get("eos_token_id"))
-        eos += _as_ids(gen_config.get("eos_token_id"))
-        special = {k: _token_text(tok_config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        eos = _config_eos_ids(config or {}) + _as_ids(gen_config.get("eos_token_id"))
         return cls(
             backend,
-            special_tokens=special,
+            special_tokens=_special_tokens(folder, tok_config),
             eos_token_ids=eos,
             chat_templates=_templates_in(folder, tok_config),
         )
