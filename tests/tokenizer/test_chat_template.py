@@ -157,3 +157,23 @@ def test_sandbox_blocks_attribute_escapes():
         ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}").render(
             [{"role": "user", "content": "x"}]
         )
+
+
+def test_message_keys_set_to_none_count_as_missing_like_transformers(tmp_path):
+    # OpenAI clients send `content: null` beside tool calls and `name: null`; transformers drops
+    # such keys, so `is defined` and `default` see them as absent
+    from kapitsa.testing.tiny import write_tiny_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    source = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content | default('-') }}"
+        "{% if m.name is defined %}({{ m.name }}){% endif %}{{ m.pair }};{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "hi", "name": None, "pair": (1, 2)},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+    ]
+    reference = transformers.AutoTokenizer.from_pretrained(str(write_tiny_checkpoint(tmp_path, "qwen3_5")))
+    expected = reference.apply_chat_template(messages, chat_template=source, tokenize=False)
+    assert expected == "user:hi(1, 2);assistant:-;"
+    assert ChatTemplate(source).render(messages, add_generation_prompt=False) == expected

@@ -75,7 +75,9 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
         return [_plain(v) for v in value]
     for kind in (bool, int, float, str):
         if isinstance(value, kind):
@@ -122,9 +124,11 @@ class ChatTemplate:
             InvalidRequest: the template rejected the conversation (its `raise_exception`), or the
                 conversation is not a list of message objects.
         """
-        chat = [_alias_reasoning(m) for m in _plain(list(messages))]
+        chat = _plain(list(messages))
         if not all(isinstance(m, dict) for m in chat):
             raise InvalidRequest("chat messages must be objects with a role and content")
+        # a key set to None counts as absent (transformers drops them): templates test `is defined`
+        chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in chat]
         context = {**self.special_tokens, **_plain(template_kwargs)}
         context.update(
             messages=chat, tools=_plain(list(tools)) if tools is not None else None, documents=None
