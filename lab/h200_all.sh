@@ -52,6 +52,10 @@
 #                                       4b) as a streaming client sees them, beside the in-process
 #                                       engine (lab/server_bench.py); needs .gpu/serve carried
 #                                       (lab/stage_server_wheels.sh)
+#   bash lab/h200_all.sh prediction   Predicted Outputs on $PREDICTION_SHAPE (default 4b, a random-weight
+#                                       folder from lab/shape_checkpoint.py): the edit request without a
+#                                       prediction, with the file and with its own answer as one
+#                                       (lab/prediction_bench.py, the engine as serve builds it)
 #   bash lab/h200_all.sh cache        the memory estimate against the engine's measured peak on the
 #                                       4b and 27b shapes (an 8k prompt in 2048-token chunks, K/V bf16
 #                                       and 8-bit; lab/memory_fit.py), then turn N+1's time to first
@@ -238,6 +242,13 @@ case "$part" in
     timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "${SERVER_SHAPE:-4b}" \
       --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench > "$out/server.log" 2>&1
     tail -1 "$out/server.log"
+    ;;
+  prediction)
+    shape=${PREDICTION_SHAPE:-4b}
+    $py lab/shape_checkpoint.py "$shape" "/tmp/kapitsa-shape-$shape" > "$out/prediction.log" 2>&1
+    timeout "${PREDICTION_TIMEOUT:-400}" $py lab/prediction_bench.py --model "/tmp/kapitsa-shape-$shape" \
+      --tokens "${TOKENS:-256}" --rounds "${ROUNDS:-3}" >> "$out/prediction.log" 2>&1
+    grep -E 'summary|Error' "$out/prediction.log"
     ;;
   cache)
     : > "$out/cache.log"

@@ -209,6 +209,8 @@ class InProcessEngine:
             )
         seq = self._new_sequence(request, prepared.ids, max_tokens=max_tokens, reserve=reserve)
         seq.boundaries = prepared.boundaries
+        if request.prediction:
+            seq.prediction_ids = tuple(self.tokenizer.encode(request.prediction))
         if prepared.media is not None:
             seq.media, seq.prompt_key_ids = prepared.media, key_ids
         seq.forks = [self._choice(seq, index) for index in range(1, request.n)]
@@ -244,6 +246,7 @@ class InProcessEngine:
         )
         seq.choice_index = index
         seq.media, seq.prompt_key_ids = first.media, first.prompt_key_ids
+        seq.prediction_ids = first.prediction_ids
         return seq
 
     def _output_limit(self, prompt_tokens: int, wanted: int | None) -> tuple[int, int]:

@@ -88,6 +88,8 @@ class GenerationRequest:
     files (PNG, JPEG...), one per `{"type": "image"}` content part of `messages`, in order.
     `continue_final_message` leaves the final assistant message open, so the output continues its text
     (Hugging Face's `continue_final_message`: a prefilled answer); `add_generation_prompt` then has no say.
+    `prediction` is text the output is expected to repeat much of (OpenAI's Predicted Outputs, e.g. a
+    file being edited): a speculating engine drafts from it as well as from the context.
     """
 
     prompt: str | None = None
@@ -105,6 +107,7 @@ class GenerationRequest:
     # (seeded requests use seed + index); events carry the choice's `index`.
     n: int = 1
     images: tuple[bytes, ...] = ()
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]

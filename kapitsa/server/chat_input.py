@@ -197,6 +197,7 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         sampling=dataclasses.replace(sampling, constraint=constraint),
         model=model.id,
         add_generation_prompt=body.add_generation_prompt is not False,
+        prediction=flatten_text(body.prediction.content) if body.prediction else None,
         continue_final_message=prefill is not None,
         chat_template_kwargs=template_kwargs(body),
         request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",

@@ -167,6 +167,8 @@ def choice_usage(finishes: list[Any]) -> Usage:
         first,
         completion_tokens=sum(f.usage.completion_tokens for f in finishes),
         decode_seconds=max(f.usage.decode_seconds for f in finishes),
+        draft_tokens_proposed=sum(f.usage.draft_tokens_proposed for f in finishes),
+        draft_tokens_accepted=sum(f.usage.draft_tokens_accepted for f in finishes),
     )
 
 

@@ -41,12 +41,19 @@ router = APIRouter(route_class=WellFormedJsonRoute)
 
 
 def openai_usage(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage. The prediction counts are speculative decoding's drafts, kept and thrown away:
+    a request's `prediction` is drafted from beside its context, so they are what Predicted Outputs
+    reports."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage_cached(usage)},
-        "completion_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
+        "completion_tokens_details": {
+            "reasoning_tokens": min(reasoning_tokens, usage.completion_tokens),
+            "accepted_prediction_tokens": usage.draft_tokens_accepted,
+            "rejected_prediction_tokens": usage.draft_tokens_proposed - usage.draft_tokens_accepted,
+        },
     }
 
 

@@ -81,6 +81,13 @@ class SamplingFields(_Lenient):
     ignore_eos: bool | None = None  # vLLM's extension: decode past the end-of-sequence tokens (benchmarks)
 
 
+class Prediction(_Lenient):
+    """Predicted Outputs: text the answer is expected to repeat much of (drafted from, never forced)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -96,6 +103,7 @@ class ChatRequest(SamplingFields):
     # vLLM's prefill: the output continues the final assistant message (not with add_generation_prompt)
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    prediction: Prediction | None = None
     # The deprecated function-calling fields: refused with the current spelling rather than dropped
     # (dropped, the model would answer as if it had no tools).
     functions: Any = None

@@ -234,3 +234,35 @@ def test_a_blank_prefill_under_a_json_format_is_answered_afresh() -> None:
     check_unforced("  \n", forced=True, field="continue_final_message")  # no 400: nothing to continue
     with pytest.raises(InvalidRequest, match="prefilled"):
         check_unforced("{", forced=True, field="continue_final_message")
+
+
+def test_a_chat_prediction_changes_no_token(demo: LiveServer) -> None:
+    """Predicted Outputs: the prediction reaches the engine (whose drafters copy from it,
+    tests/engine/test_prediction.py) and is never forced: the same greedy answer."""
+    from kapitsa.server.chat_input import to_generation_request
+    from kapitsa.server.openai_models import ChatRequest
+
+    body = {
+        "messages": [ASK],
+        "prediction": {"type": "content", "content": [{"type": "text", "text": "x = 1"}]},
+    }
+    assert to_generation_request(ChatRequest(**body), demo.engine.models()[0]).prediction == "x = 1"
+
+    def answer(extra: dict) -> str:
+        out = oai(demo).chat.completions.create(
+            model="demo", messages=[ASK], max_tokens=TOKENS, temperature=0, **extra
+        )  # type: ignore[arg-type]
+        return out.choices[0].message.content or ""
+
+    plain = answer({})
+    assert answer({"extra_body": {"prediction": {"type": "content", "content": plain}}}) == plain
+    parts = [{"type": "text", "text": "def add(a, b):\n    return a + b\n"}]
+    assert answer({"extra_body": {"prediction": {"type": "content", "content": parts}}}) == plain
+    bad = {
+        "model": "demo",
+        "max_tokens": 4,
+        "messages": [ASK],
+        "prediction": {"type": "diff", "content": "x"},
+    }
+    reply = httpx.post(demo.v1 + "/chat/completions", json=bad, timeout=30)
+    assert reply.status_code == 400 and "prediction" in reply.text

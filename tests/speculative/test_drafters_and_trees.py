@@ -128,3 +128,22 @@ def test_a_draft_models_best_first_tree_holds_its_greedy_chain_and_leaves_the_ca
     assert greedy and tuple(greedy) == chain[: len(greedy)]
     assert drafter.propose(context, 3).tokens == chain  # the cache is back at the committed point
     assert mx.array(tree.depths()).max().item() >= 1
+
+
+def test_a_reference_is_drafted_from_in_order_and_wins_ties() -> None:
+    """A predicted output: its continuation of the context's suffix is the draft; of several
+    occurrences of that suffix, the one after where the last match left off."""
+    d = NGramDrafter(min_n=2, max_n=3)
+    d.add_reference([1, 2, 7, 8, 1, 2, 5, 6])
+    assert d.propose([9, 1, 2], 2).tokens == (7, 8)  # the context saw no [1, 2] before: the reference
+    assert d.propose([9, 1, 2, 7, 8, 1, 2], 2).tokens == (5, 6)  # the later [1, 2]: read in order
+    # a longer match in the context itself beats a shorter one in the reference
+    d2 = NGramDrafter(min_n=2, max_n=3)
+    d2.add_reference([4, 5, 1])
+    assert d2.propose([3, 4, 5, 6, 3, 4, 5], 1).tokens == (6,)
+    # an equal length: the reference
+    d3 = NGramDrafter(min_n=2, max_n=3)
+    d3.add_reference([9, 3, 4, 5, 1])
+    assert d3.propose([3, 4, 5, 6, 3, 4, 5], 1).tokens == (1,)
+    tree = d3.propose_tree([3, 4, 5, 6, 3, 4, 5], 4)
+    assert 1 in tree.tokens and 6 in tree.tokens  # both continuations are branches

@@ -78,4 +78,6 @@ def usage_of(seq: Sequence) -> Usage:
         cache_write_tokens=max(0, seq.num_checkpointed_tokens - seq.num_cached_tokens),
         prefill_seconds=max(0.0, prefill_end - seq.prefill_started) if seq.prefill_started else 0.0,
         decode_seconds=max(0.0, seq.finished_at - prefill_end) if seq.prefill_done_at else 0.0,
+        draft_tokens_proposed=seq.draft_proposed,
+        draft_tokens_accepted=seq.draft_accepted,
     )

@@ -134,6 +134,9 @@ class Sequence:
     constraint: Any = None  # a TokenConstraint for a constrained request, built before it is queued
     media: Any = None  # the prompt's images (a vision.media.PromptMedia), None for text
     prompt_key_ids: list[int] | None = None  # prefix-cache keys: images' tokens keyed by their pixels
+    prediction_ids: tuple[int, ...] = ()  # the request's predicted output, for drafters to copy from
+    draft_proposed: int = 0  # speculative decoding: the drafters' tokens verified for this sequence
+    draft_accepted: int = 0  # ...and how many of them it kept
 
     @property
     def request_id(self) -> str:

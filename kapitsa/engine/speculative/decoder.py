@@ -185,7 +185,7 @@ class SpeculativeDecode:
         taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
         if not any(drafts) and not needs_hidden and not taps:
             picks = self._plain.step(runner, cache, sequences)
-            self._count(picks, [0] * len(picks))
+            self._count(picks, [0] * len(picks), sequences)
             return picks
         proposed = [len(d) for d in drafts]  # the drafters' own tokens, before padding
         drafts = self._pad_drafts(sequences, drafts)
@@ -219,7 +219,7 @@ class SpeculativeDecode:
                     {i: out.taps[i][b, :kept] for i in taps},
                 )
         cache.rollback(drops)
-        self._count(picks, proposed)
+        self._count(picks, proposed, sequences)
         return picks
 
     def _step_tree(
@@ -258,7 +258,7 @@ class SpeculativeDecode:
                     {i: out.taps[i][b][index] for i in taps},
                 )
         cache.commit_path(paths)
-        self._count(picks, [len(t) - 1 for t in trees])
+        self._count(picks, [len(t) - 1 for t in trees], [st.seq for st in states])
         return picks
 
     def _propose_tree(self, state: _SequenceState) -> DraftTree:
@@ -275,15 +275,19 @@ class SpeculativeDecode:
             seq.output_ids[-1], state.drafter.propose(seq.token_ids, max(budget, 0)).tokens
         )
 
-    def _count(self, picks: list[list[SampledToken]], proposed: list[int]) -> None:
+    def _count(self, picks: list[list[SampledToken]], proposed: list[int], sequences: Seq[Sequence]) -> None:
         """`proposed`: each row's drafted tokens (padding excluded; an accepted pad counts as
-        an emitted token, not as an accepted draft)."""
+        an emitted token, not as an accepted draft). Each sequence keeps its own counts for its usage."""
+        accepted = [min(len(p) - 1, n) for p, n in zip(picks, proposed, strict=True)]
         s = self.stats
         s.steps += 1
         s.rows += len(picks)
         s.emitted += sum(len(p) for p in picks)
         s.proposed += sum(proposed)
-        s.accepted += sum(min(len(p) - 1, n) for p, n in zip(picks, proposed, strict=True))
+        s.accepted += sum(accepted)
+        for seq, n, kept in zip(sequences, proposed, accepted, strict=True):
+            seq.draft_proposed += n
+            seq.draft_accepted += kept
 
     def _state(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(id(seq))
@@ -301,6 +305,8 @@ class SpeculativeDecode:
                 seq, drafter, controller, exit_cost=PIPELINE_EXIT_COST_GPU if backend() else 0.0
             )
             self._states[id(seq)] = state
+            if seq.prediction_ids and hasattr(drafter, "add_reference"):
+                drafter.add_reference(seq.prediction_ids)
             _hand_prompt_tail(seq, drafter)
         return state
 

@@ -28,6 +28,11 @@ class NGramDrafter:
         # n-gram -> positions just after each of its occurrences, oldest first
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._suffix: list[list[int]] = []  # the lists of the context's last n-grams, longest first
+        self._reference = Reference(())
+
+    def add_reference(self, tokens: Sequence[int]) -> None:
+        """Draft also from `tokens`, text the output is expected to repeat (a predicted output)."""
+        self._reference = Reference(tokens, min_n=self.min_n, max_n=self.max_n)
 
     def reset(self, context: Sequence[int]) -> None:
         self._tokens = []
@@ -67,15 +72,33 @@ class NGramDrafter:
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
         self._sync(context)
+        if max_tokens <= 0:
+            return Draft(())
+        own = self._matched_length()
+        if self._reference.tokens:
+            follows = self._reference.follow(self._tokens, longer_than=own - 1, limit=max_tokens)
+            if follows:  # the reference wins ties: it is what the output is expected to be
+                return Draft(follows)
         starts = self._earlier_matches(1)
-        if max_tokens <= 0 or not starts:
+        if not starts:
             return Draft(())
         return Draft(tuple(self._tokens[starts[0] : starts[0] + max_tokens]))
+
+    def _matched_length(self) -> int:
+        """The n of the longest suffix n-gram the context saw before (0: none)."""
+        end = len(self._tokens)
+        for n, ends in zip(range(min(self.max_n, end), self.min_n - 1, -1), self._suffix, strict=False):
+            if len(ends) > 1:
+                return n
+        return 0
 
     def propose_tree(self, context: Sequence[int], budget: int, *, branches: int = 3) -> DraftTree:
         """A trie of what followed the latest `branches` earlier matches, `budget` draft nodes at most."""
         self._sync(context)
         paths: list[tuple[int, ...]] = []
+        follows = self._reference.follow(self._tokens, longer_than=self._matched_length() - 1, limit=budget)
+        if follows:
+            paths.append(follows)
         for start in self._earlier_matches(4 * branches):
             path = tuple(self._tokens[start : start + budget])
             if path and all(p[: len(path)] != path for p in paths):
@@ -83,3 +106,29 @@ class NGramDrafter:
             if len(paths) == branches:
                 break
         return tree_from_paths(int(context[-1]), paths, budget=budget)
+
+
+class Reference:
+    """A fixed token sequence indexed by n-gram, read in order: of several occurrences of a suffix,
+    the first at or after where the last match left off (the output walks through a predicted file
+    from top to bottom, and code repeats its short n-grams)."""
+
+    def __init__(self, tokens: Sequence[int], *, min_n: int = 2, max_n: int = 4) -> None:
+        self.tokens = tuple(int(t) for t in tokens)
+        self.min_n, self.max_n = min_n, max_n
+        self._cursor = 0  # where the latest match's continuation starts
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(self.tokens) + 1):
+            for n in range(min_n, min(max_n, end) + 1):
+                self._ends.setdefault(self.tokens[end - n : end], []).append(end)
+
+    def follow(self, context: Sequence[int], *, longer_than: int = 0, limit: int) -> tuple[int, ...]:
+        """Up to `limit` tokens of what followed the context's longest suffix (of more than
+        `longer_than` tokens) in the reference; () when no such suffix occurs there."""
+        for n in range(min(self.max_n, len(context)), max(self.min_n, longer_than + 1) - 1, -1):
+            ends = self._ends.get(tuple(context[len(context) - n :]))
+            if ends:
+                start = next((e for e in ends if e >= self._cursor), ends[-1])
+                self._cursor = start
+                return self.tokens[start : start + limit]
+        return ()

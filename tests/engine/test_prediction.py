@@ -1,0 +1,98 @@
+"""A predicted output (OpenAI's Predicted Outputs) in the engine, on the trained demo: the n-gram
+drafter copies from it, so a prediction of the answer is accepted in long drafts, and the answer is
+the model's own greedy one whatever the prediction says, for every choice of the request."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from kapitsa.engine.inprocess import InProcessEngine
+from kapitsa.engine.loading.loader import load_model
+from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.speculative.decoder import SpeculativeDecode
+from kapitsa.engine.speculative.factory import make_decode_strategy
+from kapitsa.engine.speculative.ngram import NGramDrafter
+from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent, Usage
+
+DEMO = Path(str(resources.files("kapitsa").joinpath("demo")))
+PROMPT = "<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n<|im_start|>assistant\n"
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model(DEMO)
+
+
+def _client(loaded, decode=None) -> InProcessEngine:
+    return InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0), decode=decode)
+
+
+async def _texts(client, prediction: str | None = None, n: int = 1, usages: list | None = None) -> list[str]:
+    params = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
+    request = GenerationRequest(prompt=PROMPT, sampling=params, prediction=prediction, n=n)
+    texts = [""] * n
+    async for event in client.generate(request):
+        if isinstance(event, TokenEvent):
+            texts[event.index] += event.text
+        elif isinstance(event, FinishEvent) and usages is not None:
+            usages.append(event.usage)
+    return texts
+
+
+def _forced() -> SpeculativeDecode:
+    return SpeculativeDecode(NGramDrafter, name="ngram", max_draft=8, adaptive=False)
+
+
+async def _plain(demo) -> str:
+    client = _client(demo)
+    try:
+        return (await _texts(client))[0]
+    finally:
+        client.close()
+
+
+async def test_a_prediction_is_drafted_from_and_changes_no_token(demo) -> None:
+    expected = await _plain(demo)
+    edited = expected[:20] + "# an edit\n" + expected[20:]  # the answer with an insertion
+    for strategy, prediction in [
+        (_forced(), edited),
+        (_forced(), "nothing like it"),
+        (make_decode_strategy("ngram"), edited),  # the adaptive default
+    ]:
+        client = _client(demo, strategy)
+        try:
+            assert await _texts(client, prediction) == [expected], prediction
+        finally:
+            client.close()
+    with_it, without = _forced(), _forced()
+    for strategy, prediction in [(with_it, expected), (without, None)]:
+        client = _client(demo, strategy)
+        try:
+            assert await _texts(client, prediction) == [expected]
+        finally:
+            client.close()
+    # the answer itself as the prediction is accepted in long drafts, beyond what the context gives
+    assert (
+        with_it.stats.tokens_per_step > 4
+        and with_it.stats.tokens_per_step > 2 * without.stats.tokens_per_step
+    )
+
+
+async def test_every_choice_drafts_from_the_prediction(demo) -> None:
+    expected = await _plain(demo)
+    forced = _forced()
+    client = _client(demo, forced)
+    usages: list[Usage] = []
+    try:
+        assert await _texts(client, expected, n=2, usages=usages) == [expected, expected]
+    finally:
+        client.close()
+    assert forced.stats.tokens_per_step > 4
+    # each choice's usage counts its own drafts, and together they are the decoder's
+    assert all(u.draft_tokens_accepted > N_TOKENS // 2 for u in usages) and len(usages) == 2
+    assert sum(u.draft_tokens_accepted for u in usages) == forced.stats.accepted
+    assert sum(u.draft_tokens_proposed for u in usages) == forced.stats.proposed
