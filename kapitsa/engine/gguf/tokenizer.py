@@ -3,6 +3,7 @@ llama.cpp stores Qwen and Nemotron-H vocabularies: tokens, merges, token types).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.errors import CheckpointError, UnsupportedModel
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+log = logging.getLogger("kapitsa.gguf")
 
 # pre-tokenizer split patterns by `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp uses them
 _QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -51,6 +53,21 @@ def _field_list(meta: dict[str, Any], key: str) -> list[Any]:
     if field is None:
         return []
     return list(field.contents()) if hasattr(field, "contents") else list(field)
+
+
+# what a file of these architectures splits with when it names no pre-tokenizer (older converters)
+_ARCHITECTURE_PRE = {"qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3next": "qwen2", "nemotron_h": "pixtral",
+                     "nemotron_h_moe": "pixtral"}  # fmt: skip
+
+
+def _pre_name(meta: dict[str, Any]) -> str:
+    named = meta.get("tokenizer.ggml.pre")
+    if named:
+        return str(named)
+    architecture = str(meta.get("general.architecture", ""))
+    fallback = _ARCHITECTURE_PRE.get(architecture, "default")
+    log.warning("the GGUF file names no pre-tokenizer; splitting as %s files do (%s)", architecture, fallback)
+    return fallback
 
 
 def _backend(tokens: list[str], merges: list[str], pre_name: str) -> BackendTokenizer:
@@ -101,7 +118,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], config: dict[str, Any]) -> Tokeniz
     types = [int(t) for t in _field_list(meta, "tokenizer.ggml.token_type")] or [1] * len(tokens)
     if not tokens or len(types) != len(tokens):
         raise CheckpointError("the GGUF file has no usable token list")
-    backend = _backend(tokens, merges, str(meta.get("tokenizer.ggml.pre", "default")))
+    backend = _backend(tokens, merges, _pre_name(meta))
     backend.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
