@@ -26,7 +26,7 @@ from kapitsa.engine.runner.memory import check_context
 from kapitsa.engine.runner.output import threadsafe_put
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.runner.stop import StopMatcher
-from kapitsa.engine.text.prepare import prepare_prompt
+from kapitsa.engine.text.prepare import prediction_ids, prepare_prompt
 from kapitsa.engine.text.prompt_encoder import PromptEncoder
 from kapitsa.engine.text.token_checks import check_request_token_ids, model_vocab_size
 from kapitsa.engine.types import (
@@ -210,7 +210,13 @@ class InProcessEngine:
         seq = self._new_sequence(request, prepared.ids, max_tokens=max_tokens, reserve=reserve)
         seq.boundaries = prepared.boundaries
         if request.prediction:
-            seq.prediction_ids = tuple(self.tokenizer.encode(request.prediction))
+            info = self.info
+            seq.prediction_ids = prediction_ids(
+                self.tokenizer.encode,
+                request.prediction,
+                window=info.context_length,
+                longest=info.max_token_bytes,
+            )
         if prepared.media is not None:
             seq.media, seq.prompt_key_ids = prepared.media, key_ids
         seq.forks = [self._choice(seq, index) for index in range(1, request.n)]

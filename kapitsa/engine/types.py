@@ -141,6 +141,10 @@ class Usage:
     decode_seconds: float = 0.0
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    # of those drafts, the ones copied from the request's `prediction` (OpenAI's accepted and
+    # rejected prediction tokens): 0 without a prediction, or where no drafter reads it
+    prediction_tokens_proposed: int = 0
+    prediction_tokens_accepted: int = 0
 
     @property
     def total_tokens(self) -> int:

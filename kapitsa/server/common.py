@@ -169,6 +169,8 @@ def choice_usage(finishes: list[Any]) -> Usage:
         decode_seconds=max(f.usage.decode_seconds for f in finishes),
         draft_tokens_proposed=sum(f.usage.draft_tokens_proposed for f in finishes),
         draft_tokens_accepted=sum(f.usage.draft_tokens_accepted for f in finishes),
+        prediction_tokens_proposed=sum(f.usage.prediction_tokens_proposed for f in finishes),
+        prediction_tokens_accepted=sum(f.usage.prediction_tokens_accepted for f in finishes),
     )
 
 

@@ -41,9 +41,9 @@ router = APIRouter(route_class=WellFormedJsonRoute)
 
 
 def openai_usage(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage. The prediction counts are speculative decoding's drafts, kept and thrown away:
-    a request's `prediction` is drafted from beside its context, so they are what Predicted Outputs
-    reports."""
+    """OpenAI's usage. The prediction counts are speculative decoding's drafts copied from the
+    request's `prediction`, kept and thrown away (drafts copied from the context are not the
+    prediction's: without a prediction both are 0)."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -51,8 +51,8 @@ def openai_usage(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": usage_cached(usage)},
         "completion_tokens_details": {
             "reasoning_tokens": min(reasoning_tokens, usage.completion_tokens),
-            "accepted_prediction_tokens": usage.draft_tokens_accepted,
-            "rejected_prediction_tokens": usage.draft_tokens_proposed - usage.draft_tokens_accepted,
+            "accepted_prediction_tokens": usage.prediction_tokens_accepted,
+            "rejected_prediction_tokens": usage.prediction_tokens_proposed - usage.prediction_tokens_accepted,
         },
     }
 

@@ -4,6 +4,7 @@ the model's own greedy one whatever the prediction says, for every choice of the
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import resources
 from pathlib import Path
 
@@ -96,3 +97,86 @@ async def test_every_choice_drafts_from_the_prediction(demo) -> None:
     assert all(u.draft_tokens_accepted > N_TOKENS // 2 for u in usages) and len(usages) == 2
     assert sum(u.draft_tokens_accepted for u in usages) == forced.stats.accepted
     assert sum(u.draft_tokens_proposed for u in usages) == forced.stats.proposed
+
+
+async def _usage(demo, strategy: SpeculativeDecode, prediction: str | None) -> Usage:
+    client = _client(demo, strategy)
+    usages: list[Usage] = []
+    try:
+        await _texts(client, prediction, usages=usages)
+    finally:
+        client.close()
+    return usages[0]
+
+
+async def test_only_drafts_copied_from_the_prediction_count_as_prediction_tokens(demo) -> None:
+    """OpenAI's accepted/rejected prediction tokens are the prediction's: drafts copied from the
+    context are speculative decoding's own, and a request without a prediction has none."""
+    expected = await _plain(demo)
+    without = await _usage(demo, _forced(), None)
+    assert without.draft_tokens_proposed > 0  # the context's drafts were verified
+    assert without.prediction_tokens_proposed == without.prediction_tokens_accepted == 0
+    unrelated = await _usage(demo, _forced(), "nothing like it")
+    assert unrelated.prediction_tokens_accepted == 0
+    answer = await _usage(demo, _forced(), expected)
+    assert N_TOKENS // 2 < answer.prediction_tokens_accepted <= answer.draft_tokens_accepted
+    assert answer.prediction_tokens_accepted <= answer.prediction_tokens_proposed
+
+
+async def test_a_tree_counts_the_prediction_path_it_kept(demo) -> None:
+    expected = await _plain(demo)
+    tree = SpeculativeDecode(NGramDrafter, name="ngram", max_draft=8, adaptive=False, tree=True)
+    client = _client(demo, tree)
+    usages: list[Usage] = []
+    try:
+        assert await _texts(client, expected, usages=usages) == [expected]
+    finally:
+        client.close()
+    (usage,) = usages
+    assert N_TOKENS // 2 < usage.prediction_tokens_accepted <= usage.draft_tokens_accepted
+    assert usage.prediction_tokens_proposed <= usage.draft_tokens_proposed
+
+
+async def test_the_choices_of_a_request_share_one_prediction_index(demo) -> None:
+    expected = await _plain(demo)
+    forced = _forced()
+    client = _client(demo, forced)
+    try:
+        assert await _texts(client, expected, n=3) == [expected] * 3
+    finally:
+        client.close()
+    indexes = {id(st.drafter._reference.index) for st in forced._states.values()}
+    assert len(forced._states) == 3 and len(indexes) == 1
+
+
+class _Spy:
+    """The demo's tokenizer, noting the length of every text it encodes."""
+
+    def __init__(self, tokenizer) -> None:  # noqa: ANN001
+        self._tokenizer, self.encoded = tokenizer, []
+
+    def encode(self, text: str, **kwargs) -> list[int]:  # noqa: ANN003
+        self.encoded.append(len(text))
+        return self._tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._tokenizer, name)
+
+
+def test_a_huge_prediction_is_read_only_as_far_as_an_answer_could_repeat_it(demo) -> None:
+    """No answer is longer than the window: a prediction is tokenized at most as far as a prompt
+    could be (the window's worth of its longest tokens) and kept to the window's tokens, not
+    tokenized whole and indexed on the engine thread (a 30 MB one took seconds and gigabytes)."""
+    window, longest = 256, 8
+    spy = _Spy(demo.tokenizer)
+    info = dataclasses.replace(demo.info, context_length=window, max_token_bytes=longest)
+    client = InProcessEngine(demo.model, spy, info, config=EngineConfig(prefix_cache_bytes=0))
+    try:
+        request = GenerationRequest(
+            prompt=PROMPT, sampling=SamplingParams(max_tokens=8), prediction="x = 1\n" * 200_000
+        )
+        seq = client._make_sequence(request)
+    finally:
+        client.close()
+    assert 0 < len(seq.prediction_ids) <= window
+    assert max(spy.encoded) <= window * longest

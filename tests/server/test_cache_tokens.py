@@ -1,8 +1,11 @@
 """Cache token counts mean what Anthropic's mean: `cache_read_input_tokens` were served from the prefix
 cache, `cache_creation_input_tokens` are the prompt tokens this request made cached (they were not
-before), `input_tokens` the rest; OpenAI's `cached_tokens` agrees. Unit tests, then a tiny real engine."""
+before), `input_tokens` the rest; OpenAI's `cached_tokens` agrees (and its prediction tokens are only
+the drafts copied from a `prediction`). Unit tests, then a tiny real engine."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import anthropic
 import openai
@@ -10,6 +13,7 @@ from server_harness import live_server, open_tiny_engine
 
 from kapitsa.engine.types import Usage
 from kapitsa.server.anthropic import anthropic_usage
+from kapitsa.server.common import choice_usage
 from kapitsa.server.openai_chat import openai_usage
 
 SYSTEM = "You are a careful assistant who answers every question in one short sentence. " * 3
@@ -64,3 +68,21 @@ def test_a_repeated_prompt_reads_what_the_first_wrote(tmp_path) -> None:  # noqa
     assert second.input_tokens == first.input_tokens
     assert chat.prompt_tokens == prompt
     assert chat.prompt_tokens_details.cached_tokens == second.cache_read_input_tokens
+
+
+def test_prediction_tokens_are_the_drafts_copied_from_the_prediction() -> None:
+    """Drafts copied from the context are speculative decoding's own: a request without a
+    `prediction` reports no accepted or rejected prediction tokens; every choice's are summed."""
+    drafts = Usage(prompt_tokens=10, completion_tokens=20, draft_tokens_proposed=12, draft_tokens_accepted=7)
+    details = openai_usage(drafts)["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] == details["rejected_prediction_tokens"] == 0
+    predicted = replace(drafts, prediction_tokens_proposed=9, prediction_tokens_accepted=5)
+    details = openai_usage(choice_usage([_Finish(predicted), _Finish(predicted)]))[
+        "completion_tokens_details"
+    ]
+    assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]) == (10, 8)
+
+
+@dataclass
+class _Finish:
+    usage: Usage

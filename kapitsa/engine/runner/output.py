@@ -80,4 +80,6 @@ def usage_of(seq: Sequence) -> Usage:
         decode_seconds=max(0.0, seq.finished_at - prefill_end) if seq.prefill_done_at else 0.0,
         draft_tokens_proposed=seq.draft_proposed,
         draft_tokens_accepted=seq.draft_accepted,
+        prediction_tokens_proposed=seq.prediction_proposed,
+        prediction_tokens_accepted=seq.prediction_accepted,
     )

@@ -137,6 +137,8 @@ class Sequence:
     prediction_ids: tuple[int, ...] = ()  # the request's predicted output, for drafters to copy from
     draft_proposed: int = 0  # speculative decoding: the drafters' tokens verified for this sequence
     draft_accepted: int = 0  # ...and how many of them it kept
+    prediction_proposed: int = 0  # of those drafts, the tokens copied from `prediction_ids`
+    prediction_accepted: int = 0  # ...and how many of them it kept
 
     @property
     def request_id(self) -> str:

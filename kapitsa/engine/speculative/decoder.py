@@ -67,6 +67,8 @@ class _SequenceState:
     # decode time
     on_host: bool = False  # drafts on the host alone (n-gram): guesses are scored while resting
     needs_target: bool = False  # reads the target's hidden states or taps: never pipelines
+    # the draft being verified: its tokens copied from the request's predicted output (usage counts them)
+    from_prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         drafter = self.drafter
@@ -185,7 +187,7 @@ class SpeculativeDecode:
         taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
         if not any(drafts) and not needs_hidden and not taps:
             picks = self._plain.step(runner, cache, sequences)
-            self._count(picks, [0] * len(picks), sequences)
+            self._count(picks, [0] * len(picks), states)
             return picks
         proposed = [len(d) for d in drafts]  # the drafters' own tokens, before padding
         drafts = self._pad_drafts(sequences, drafts)
@@ -219,7 +221,7 @@ class SpeculativeDecode:
                     {i: out.taps[i][b, :kept] for i in taps},
                 )
         cache.rollback(drops)
-        self._count(picks, proposed, sequences)
+        self._count(picks, proposed, states)
         return picks
 
     def _step_tree(
@@ -258,7 +260,7 @@ class SpeculativeDecode:
                     {i: out.taps[i][b][index] for i in taps},
                 )
         cache.commit_path(paths)
-        self._count(picks, [len(t) - 1 for t in trees], [st.seq for st in states])
+        self._count(picks, [len(t) - 1 for t in trees], states)
         return picks
 
     def _propose_tree(self, state: _SequenceState) -> DraftTree:
@@ -270,14 +272,20 @@ class SpeculativeDecode:
         )
         propose = getattr(state.drafter, "propose_tree", None)
         if propose is not None:
-            return propose(seq.token_ids, max(budget, 0))
-        return DraftTree.chain(
-            seq.output_ids[-1], state.drafter.propose(seq.token_ids, max(budget, 0)).tokens
-        )
+            tree = propose(seq.token_ids, max(budget, 0))
+        else:
+            tree = DraftTree.chain(
+                seq.output_ids[-1], state.drafter.propose(seq.token_ids, max(budget, 0)).tokens
+            )
+        state.from_prediction = tuple(getattr(state.drafter, "drafted_from_reference", ()))
+        return tree
 
-    def _count(self, picks: list[list[SampledToken]], proposed: list[int], sequences: Seq[Sequence]) -> None:
+    def _count(
+        self, picks: list[list[SampledToken]], proposed: list[int], states: Seq[_SequenceState]
+    ) -> None:
         """`proposed`: each row's drafted tokens (padding excluded; an accepted pad counts as
-        an emitted token, not as an accepted draft). Each sequence keeps its own counts for its usage."""
+        an emitted token, not as an accepted draft). Each sequence keeps its own counts for its usage,
+        and apart from them those of its drafts copied from its predicted output."""
         accepted = [min(len(p) - 1, n) for p, n in zip(picks, proposed, strict=True)]
         s = self.stats
         s.steps += 1
@@ -285,9 +293,14 @@ class SpeculativeDecode:
         s.emitted += sum(len(p) for p in picks)
         s.proposed += sum(proposed)
         s.accepted += sum(accepted)
-        for seq, n, kept in zip(sequences, proposed, accepted, strict=True):
+        for state, tokens, n, kept in zip(states, picks, proposed, accepted, strict=True):
+            seq = state.seq
             seq.draft_proposed += n
             seq.draft_accepted += kept
+            predicted, state.from_prediction = state.from_prediction, ()
+            if predicted:  # a chain's draft, or a tree's path: kept as far as the kept tokens follow it
+                seq.prediction_proposed += len(predicted)
+                seq.prediction_accepted += _shared_prefix(predicted, [t.token_id for t in tokens[:kept]])
 
     def _state(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(id(seq))
@@ -306,7 +319,16 @@ class SpeculativeDecode:
             )
             self._states[id(seq)] = state
             if seq.prediction_ids and hasattr(drafter, "add_reference"):
-                drafter.add_reference(seq.prediction_ids)
+                # the request's other choices read the same prediction: its index is built once
+                like = next(
+                    (
+                        st.drafter
+                        for st in self._states.values()
+                        if st is not state and st.seq.prediction_ids is seq.prediction_ids
+                    ),
+                    None,
+                )
+                drafter.add_reference(seq.prediction_ids, like=like)
             _hand_prompt_tail(seq, drafter)
         return state
 
@@ -327,6 +349,7 @@ class SpeculativeDecode:
         seq = state.seq
         if not seq.output_ids:
             return []
+        state.from_prediction = ()
         room = seq.max_tokens - len(seq.output_ids) - 1  # the target adds one token of its own
         depth = _run(state)
         k = min(
@@ -336,7 +359,9 @@ class SpeculativeDecode:
             return []
         if k > 0 and getattr(state.drafter, "extends_free", False):
             k = min(self._width_for(1 + k) - 1, room)  # the padding's places, filled by real drafts
-        return list(state.drafter.propose(seq.token_ids, max(k, 0)).tokens)
+        draft = list(state.drafter.propose(seq.token_ids, max(k, 0)).tokens)
+        state.from_prediction = tuple(getattr(state.drafter, "drafted_from_reference", ()))
+        return draft
 
     @property
     def padded_widths(self) -> tuple[int, ...]:
@@ -380,6 +405,11 @@ def _hand_prompt_tail(seq: Sequence, drafter: Drafter) -> None:
     if len(seq.output_ids) != 1:
         return  # the sequence has moved past where they line up
     drafter.after_verify(tail.normed, tail.next_tokens(seq.prompt_ids, seq.output_ids[0]), tail.taps)
+
+
+def _shared_prefix(a: Seq[int], b: Seq[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _run(state: _SequenceState) -> int:

@@ -29,10 +29,19 @@ class NGramDrafter:
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._suffix: list[list[int]] = []  # the lists of the context's last n-grams, longest first
         self._reference = Reference(())
+        # the last proposal's tokens copied from the reference (a chain's whole draft, a tree's
+        # first path): what a predicted output's usage counts
+        self.drafted_from_reference: tuple[int, ...] = ()
 
-    def add_reference(self, tokens: Sequence[int]) -> None:
-        """Draft also from `tokens`, text the output is expected to repeat (a predicted output)."""
-        self._reference = Reference(tokens, min_n=self.min_n, max_n=self.max_n)
+    def add_reference(self, tokens: Sequence[int], *, like: NGramDrafter | None = None) -> None:
+        """Draft also from `tokens`, text the output is expected to repeat (a predicted output).
+        `like`: a drafter given the same tokens (another choice of the request), whose index is
+        shared instead of built again."""
+        index = like._reference.index if like is not None else None
+        same = index is not None and index.tokens and index.source is tokens
+        if not same or (index.min_n, index.max_n) != (self.min_n, self.max_n):
+            index = ReferenceIndex(tokens, min_n=self.min_n, max_n=self.max_n)
+        self._reference = Reference(index)
 
     def reset(self, context: Sequence[int]) -> None:
         self._tokens = []
@@ -72,12 +81,14 @@ class NGramDrafter:
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
         self._sync(context)
+        self.drafted_from_reference = ()
         if max_tokens <= 0:
             return Draft(())
         own = self._matched_length()
         if self._reference.tokens:
             follows = self._reference.follow(self._tokens, longer_than=own - 1, limit=max_tokens)
             if follows:  # the reference wins ties: it is what the output is expected to be
+                self.drafted_from_reference = follows
                 return Draft(follows)
         starts = self._earlier_matches(1)
         if not starts:
@@ -97,6 +108,7 @@ class NGramDrafter:
         self._sync(context)
         paths: list[tuple[int, ...]] = []
         follows = self._reference.follow(self._tokens, longer_than=self._matched_length() - 1, limit=budget)
+        self.drafted_from_reference = follows  # the first path: the budget keeps all of it
         if follows:
             paths.append(follows)
         for start in self._earlier_matches(4 * branches):
@@ -108,19 +120,31 @@ class NGramDrafter:
         return tree_from_paths(int(context[-1]), paths, budget=budget)
 
 
+class ReferenceIndex:
+    """A fixed token sequence's n-grams (`min_n` to `max_n` tokens) -> the positions just after
+    each occurrence, in order. Read-only once built, so the choices of a request share one."""
+
+    def __init__(self, tokens: Sequence[int], *, min_n: int = 2, max_n: int = 4) -> None:
+        self.source = tokens  # what it was built from (identity tells a sharer it is the same)
+        self.tokens = tuple(int(t) for t in tokens)
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(self.tokens) + 1):
+            for n in range(min_n, min(max_n, end) + 1):
+                self.ends.setdefault(self.tokens[end - n : end], []).append(end)
+
+
 class Reference:
     """A fixed token sequence indexed by n-gram, read in order: of several occurrences of a suffix,
     the first at or after where the last match left off (the output walks through a predicted file
     from top to bottom, and code repeats its short n-grams)."""
 
-    def __init__(self, tokens: Sequence[int], *, min_n: int = 2, max_n: int = 4) -> None:
-        self.tokens = tuple(int(t) for t in tokens)
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, index: ReferenceIndex | Sequence[int], *, min_n: int = 2, max_n: int = 4) -> None:
+        if not isinstance(index, ReferenceIndex):
+            index = ReferenceIndex(index, min_n=min_n, max_n=max_n)
+        self.index = index
+        self.tokens, self.min_n, self.max_n, self._ends = index.tokens, index.min_n, index.max_n, index.ends
         self._cursor = 0  # where the latest match's continuation starts
-        self._ends: dict[tuple[int, ...], list[int]] = {}
-        for end in range(1, len(self.tokens) + 1):
-            for n in range(min_n, min(max_n, end) + 1):
-                self._ends.setdefault(self.tokens[end - n : end], []).append(end)
 
     def follow(self, context: Sequence[int], *, longer_than: int = 0, limit: int) -> tuple[int, ...]:
         """Up to `limit` tokens of what followed the context's longest suffix (of more than
