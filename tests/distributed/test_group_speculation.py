@@ -188,3 +188,35 @@ def test_ngram_and_none_run_in_a_group(mode: str | None) -> None:
 
     check_group_flags(parallel="tensor", speculative=mode, draft=None, kv_bits=None)
     assert group_speculates(mode) == (mode != "none")
+
+
+def test_one_rank_drafts_from_a_prediction_and_counts_its_drafts(checkpoints, untied_reference) -> None:
+    """A request's `prediction` reaches rank 0's drafter (the single engine's Predicted Outputs),
+    changes no token, and the usage counts the sequence's drafts and those copied from it."""
+    import dataclasses
+
+    from kapitsa.engine.types import FinishEvent, TokenEvent
+
+    async def run(engine, request) -> tuple[list[int], object]:  # noqa: ANN001
+        ids, usage = [], None
+        async for event in engine.generate(request):
+            if isinstance(event, TokenEvent):
+                ids.extend(event.token_ids)
+            elif isinstance(event, FinishEvent):
+                usage = event.usage
+        return ids, usage
+
+    expected = untied_reference["qwen3_5"]
+    engine = _one_rank_engine(checkpoints["qwen3_5"])
+    try:
+        prediction = engine.tokenizer.decode(expected)
+        request = dataclasses.replace(_request(), prediction=prediction)
+        ids, usage = asyncio.run(run(engine, request))
+        plain_ids, plain = asyncio.run(run(engine, _request()))
+    finally:
+        engine.close()
+    assert ids == plain_ids == expected
+    assert usage.prediction_tokens_accepted > TOKENS // 2
+    assert usage.draft_tokens_accepted >= usage.prediction_tokens_accepted
+    assert usage.draft_tokens_accepted == engine.speculation.stats.accepted - plain.draft_tokens_accepted
+    assert plain.prediction_tokens_proposed == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kapitsa.engine.runner.memory import check_context
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.runner.stop import StopMatcher
-from kapitsa.engine.text.prepare import prepare_prompt
+from kapitsa.engine.text.prepare import prediction_ids, prepare_prompt
 from kapitsa.engine.text.prompt_encoder import PromptEncoder
 from kapitsa.engine.text.token_checks import check_request_token_ids
 from kapitsa.engine.text.tokenizer import Tokenizer
@@ -32,7 +32,12 @@ def make_sequence(
     room = info.context_length - len(prepared.ids)
     wanted = request.sampling.max_tokens
     max_tokens = min(room, info.max_output_tokens if wanted is None else wanted)
+    predicted = ()
+    if request.prediction:  # a predicted output: rank 0's drafter copies from it
+        window, longest = info.context_length, info.max_token_bytes
+        predicted = prediction_ids(tokenizer.encode, request.prediction, window=window, longest=longest)
     return Sequence(
+        prediction_ids=predicted,
         request=request,
         prompt_ids=prepared.ids,
         boundaries=prepared.boundaries,

@@ -50,6 +50,7 @@ class _Drafting:
     drafter: NGramDrafter
     controller: DraftLengthController
     shadow: ShadowGuess = field(default_factory=ShadowGuess)
+    from_reference: bool = False  # the draft being verified was copied from the predicted output
 
 
 class GroupSpeculation:
@@ -83,7 +84,10 @@ class GroupSpeculation:
             prior=HOST_DRAFTER_PRIOR,
             decay=HOST_DRAFTER_DECAY,
         )
-        self._states[id(seq)] = _Drafting(NGramDrafter(), controller)
+        drafter = NGramDrafter()
+        if seq.prediction_ids:  # a predicted output: drafted from beside the context
+            drafter.add_reference(seq.prediction_ids)
+        self._states[id(seq)] = _Drafting(drafter, controller)
 
     def finish(self, seq: Sequence) -> None:
         self._states.pop(id(seq), None)
@@ -101,6 +105,7 @@ class GroupSpeculation:
             return []
         k = state.controller.best_length(shadow.current_run)
         draft = list(state.drafter.propose(context, min(k, room)).tokens) if k > 0 else []
+        state.from_reference = bool(draft) and state.drafter.drafted_from_reference == tuple(draft)
         if draft:
             shadow.clear()  # the verify scores this draft
         elif not shadow.live:
@@ -116,6 +121,11 @@ class GroupSpeculation:
         state.controller.update(len(draft), accepted, state.shadow.run)
         state.shadow.verified(len(draft), accepted)
         self.count(len(tokens), len(draft), accepted)
+        seq.draft_proposed += len(draft)  # the sequence's usage counts its own drafts
+        seq.draft_accepted += accepted
+        if state.from_reference:  # the draft was copied from the predicted output
+            seq.prediction_proposed += len(draft)
+            seq.prediction_accepted += accepted
         return tokens, len(draft) - accepted
 
     def count(self, emitted: int, proposed: int = 0, accepted: int = 0, *, rows: int = 1) -> None:
