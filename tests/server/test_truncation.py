@@ -13,6 +13,7 @@ import pytest
 from server_harness import LiveServer, assert_error_shape, live_server, open_tiny_engine
 
 from kapitsa.engine.types import GenerationRequest, ModelInfo, SamplingParams
+from kapitsa.server.input_checks import MAX_CHARS_PER_TOKEN
 from kapitsa.server.truncation import fit_window
 
 WINDOW = 1000
@@ -22,11 +23,11 @@ class CountingClient:
     """Counts a prompt as its messages' text lengths, 10 per image."""
 
     def __init__(self) -> None:
-        self.counted = 0
+        self.counted: list[int] = []  # the size of each prompt counted
 
     async def count_tokens(self, gen: GenerationRequest) -> int:
-        self.counted += 1
-        return sum(_length(m) for m in gen.messages or ())
+        self.counted.append(sum(_length(m) for m in gen.messages or ()))
+        return self.counted[-1]
 
 
 def _length(message: dict[str, Any]) -> int:
@@ -88,6 +89,21 @@ def test_tool_results_keep_their_calls_and_dropped_images_go_with_their_turns() 
 def test_a_last_turn_that_cannot_fit_is_left_for_the_engine_to_refuse() -> None:
     messages = [*_turns(2), {"role": "user", "content": "z" * 2000}]
     assert _fit(messages).messages == (messages[0], messages[-1])
+
+
+def test_a_turn_too_long_to_fit_is_dropped_without_being_tokenized() -> None:
+    """More characters than the window's worth of the longest tokens cannot fit (input_checks.py):
+    a conversation holding a huge old turn is neither counted whole nor with that turn (tokenizing
+    a 30 MB input takes seconds of a core, once per step of the search)."""
+    most = WINDOW * MAX_CHARS_PER_TOKEN
+    huge = [{"role": "user", "content": "h" * (most + 1)}, {"role": "assistant", "content": "ok"}]
+    system, *rest = _turns(2)
+    messages = [system, *huge, *rest]
+    client = CountingClient()
+    gen = GenerationRequest(messages=tuple(messages), sampling=SamplingParams(max_tokens=100))
+    out = asyncio.run(fit_window(client, gen, _model()))
+    assert out.messages == (system, *rest)
+    assert client.counted and max(client.counted) <= most
 
 
 @pytest.fixture(scope="module")
