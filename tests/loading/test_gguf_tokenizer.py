@@ -70,13 +70,18 @@ def test_qwen_vocabularies_build_words_from_merges() -> None:
     assert len(tok.encode("hello")) == 5
 
 
-@pytest.mark.parametrize(("architecture", "like"), [("qwen35", "qwen35"), ("nemotron_h", "pixtral")])
+@pytest.mark.parametrize(
+    ("architecture", "like"), [("qwen35", "qwen35"), ("qwen3next", "qwen2"), ("nemotron_h", "pixtral")]
+)
 def test_a_file_that_names_no_pre_tokenizer_splits_as_its_architecture(architecture: str, like: str) -> None:
     unnamed = _meta("", extra_tokens=("hello",), **{"general.architecture": architecture})
     del unnamed["tokenizer.ggml.pre"]
     named = tokenizer_from_gguf(_meta(like, extra_tokens=("hello",)), {})
+    guessed = tokenizer_from_gguf(unnamed, {})
     text = "hello नमस्ते world"
-    assert tokenizer_from_gguf(unnamed, {}).encode(text) == named.encode(text)
+    assert guessed.encode(text) == named.encode(text)
+    # the split itself: with no merges, every byte-level split encodes Devanagari to the same bytes
+    assert _pieces(guessed.backend.pre_tokenizer, text) == _pieces(named.backend.pre_tokenizer, text)
 
 
 def test_an_unknown_pre_tokenizer_is_refused() -> None:
