@@ -185,6 +185,13 @@ def serve(
     kv_bits: KvBitsOpt = None,
     hostfile: HostfileOpt = None,
     parallel: ParallelOpt = "pipeline",
+    reasoning_budget: Annotated[
+        int | None,
+        typer.Option(
+            "--reasoning-budget",
+            help="Force </think> after this many thinking tokens (requests without a budget of their own).",
+        ),
+    ] = None,
 ) -> None:
     """Serve OpenAI (chat completions, Responses) and Anthropic Messages APIs on 127.0.0.1."""
     from kapitsa.commands.serve import cmd_serve
@@ -200,6 +207,7 @@ def serve(
         kv_bits=kv_bits,
         hostfile=hostfile,
         parallel=parallel,
+        reasoning_budget=reasoning_budget,
     )
 
 

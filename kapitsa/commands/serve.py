@@ -14,7 +14,12 @@ from kapitsa.server.settings import ServerSettings
 
 
 def make_settings(
-    *, model: str | None, host: str | None, port: int | None, speculative: str | None
+    *,
+    model: str | None,
+    host: str | None,
+    port: int | None,
+    speculative: str | None,
+    reasoning_budget: int | None = None,
 ) -> ServerSettings:
     """Flags override `KAPITSA_*` variables, which override the user's config file, then defaults."""
     from pydantic import ValidationError
@@ -27,11 +32,13 @@ def make_settings(
         "host": host or user.host,
         "port": user.port if port is None else port,
         "speculative": speculative,
+        "reasoning_budget": reasoning_budget,
     }
     try:
         return ServerSettings(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as err:
-        raise settings_error(err, flag_names={"port": "port", "host": "host", "model": "model"}) from None
+        names = {"port": "port", "host": "host", "model": "model", "reasoning_budget": "reasoning-budget"}
+        raise settings_error(err, flag_names=names) from None
 
 
 def cmd_serve(
@@ -46,11 +53,14 @@ def cmd_serve(
     kv_bits: str | None = None,
     hostfile: Path | None = None,
     parallel: str = "pipeline",
+    reasoning_budget: int | None = None,
 ) -> None:
     from kapitsa.kv_fit import parse_kv_bits
     from kapitsa.opener import check_speculation, open_engine
 
-    settings = make_settings(model=model, host=host, port=port, speculative=speculative)
+    settings = make_settings(
+        model=model, host=host, port=port, speculative=speculative, reasoning_budget=reasoning_budget
+    )
     if wants_group(hostfile):
         flags = {"draft": draft, "draft_tokens": draft_tokens, "tree": tree, "kv_bits": kv_bits}
         return _serve_group(settings, hostfile, parallel=parallel, flags=flags)

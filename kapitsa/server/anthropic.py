@@ -33,6 +33,7 @@ from kapitsa.server.anthropic_input import (
     thinking_budget,
     thinking_choice,
 )
+from kapitsa.server.budget import with_reasoning_budget
 from kapitsa.server.common import (
     CLIENT_GONE_STATUS,
     SSE_HEADERS,
@@ -251,10 +252,14 @@ def to_generation_request(body: MessagesRequest, model: ModelInfo) -> Generation
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request) -> Any:
-    model = resolve_model(state_of(request).client, body.model, anthropic=True)
-    gen = to_generation_request(body, model)
+    state = state_of(request)
+    model = resolve_model(state.client, body.model, anthropic=True)
+    reasoning = starts_in_reasoning(model, thinking_choice(body), assistant_prefill(body))
+    gen = with_reasoning_budget(
+        to_generation_request(body, model), model, reasoning=reasoning, budget=state.settings.reasoning_budget
+    )
     parser = OutputParser(
-        thinking=starts_in_reasoning(model, thinking_choice(body), assistant_prefill(body)),
+        thinking=reasoning,
         tools=list(gen.tools or []) or None,
         one_call=bool((body.tool_choice or {}).get("disable_parallel_tool_use")),
     )

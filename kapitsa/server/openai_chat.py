@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, Usage
 from kapitsa.errors import KapitsaError
+from kapitsa.server.budget import with_reasoning_budget
 from kapitsa.server.chat_input import chat_reasoning, to_generation_request
 from kapitsa.server.common import (
     CLIENT_GONE_STATUS,
@@ -203,12 +204,15 @@ def completion_body(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
-    client = state_of(request).client
-    model = resolve_model(client, body.model)
-    gen = to_generation_request(body, model)
+    state = state_of(request)
+    model = resolve_model(state.client, body.model)
+    reasoning = chat_reasoning(body, model)
+    gen = with_reasoning_budget(
+        to_generation_request(body, model), model, reasoning=reasoning, budget=state.settings.reasoning_budget
+    )
     parsers = [
         OutputParser(
-            thinking=chat_reasoning(body, model),
+            thinking=reasoning,
             tools=list(gen.tools or []) or None,
             one_call=body.parallel_tool_calls is False,
         )

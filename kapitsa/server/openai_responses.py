@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest
+from kapitsa.server.budget import with_reasoning_budget
 from kapitsa.server.common import (
     CLIENT_GONE_STATUS,
     SSE_COMMENT,
@@ -85,8 +86,10 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     )
     if body.truncation == "auto":
         gen = await fit_window(state.client, gen, model)
+    reasoning = starts_in_reasoning(model, thinking, None)
+    gen = with_reasoning_budget(gen, model, reasoning=reasoning, budget=state.settings.reasoning_budget)
     parser = OutputParser(
-        thinking=starts_in_reasoning(model, thinking, None),
+        thinking=reasoning,
         tools=tools or None,
         one_call=body.parallel_tool_calls is False,
     )

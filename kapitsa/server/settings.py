@@ -67,3 +67,7 @@ class ServerSettings(BaseSettings):
 
     speculative: str = DEFAULT_SPECULATIVE
     """Speculative decoding mode handed to the engine."""
+
+    reasoning_budget: int | None = Field(None, ge=1)
+    """Most tokens an answer thinks before `</think>` is forced, for requests that set no budget of
+    their own (Anthropic's `thinking.budget_tokens`); None: thinking runs as long as the model likes."""

@@ -36,6 +36,19 @@ def test_flags_override_environment_which_overrides_defaults(
     assert make_settings(model=None, host="127.0.0.1", port=9002, speculative="none").port == 9002
 
 
+def test_the_reasoning_budget_comes_from_the_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "none.toml"))
+    assert make_settings(model=None, host=None, port=None, speculative=None).reasoning_budget is None
+    monkeypatch.setenv("KAPITSA_REASONING_BUDGET", "2048")
+    assert make_settings(model=None, host=None, port=None, speculative=None).reasoning_budget == 2048
+    flagged = make_settings(model=None, host=None, port=None, speculative=None, reasoning_budget=512)
+    assert flagged.reasoning_budget == 512
+    with pytest.raises(KapitsaError, match="reasoning-budget"):
+        make_settings(model=None, host=None, port=None, speculative=None, reasoning_budget=0)
+
+
 def test_config_file_port_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text("port = 9100\n")
     monkeypatch.setenv("KAPITSA_CONFIG", str(tmp_path / "config.toml"))

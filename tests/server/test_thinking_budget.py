@@ -55,3 +55,45 @@ def test_a_budget_that_is_not_a_positive_integer_is_a_400(demo: LiveServer, budg
     }
     reply = httpx.post(demo.url + "/v1/messages", json=body, timeout=30)
     assert reply.status_code == 400 and "budget_tokens" in reply.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def capped() -> Iterator[LiveServer]:
+    """The demo behind a server whose settings cap thinking (`--reasoning-budget`)."""
+    from server_harness import live_server
+
+    from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.engine.loading.loader import load_model
+    from kapitsa.engine.options import EngineConfig
+
+    client = InProcessEngine.from_loaded(load_model(DEMO), config=EngineConfig(prefix_cache_bytes=0))
+    try:
+        with live_server(client, reasoning_budget=BUDGET) as live:  # type: ignore[arg-type]
+            yield live
+    finally:
+        client.close()
+
+
+def test_the_servers_budget_caps_thinking_on_every_api(capped: LiveServer, demo: LiveServer) -> None:
+    tokenizer = Tokenizer.from_folder(DEMO)
+    free = _message(demo, {"type": "enabled"})["content"][0]["thinking"]
+    assert len(tokenizer.encode(free)) > BUDGET
+    held = _message(capped, {"type": "enabled"})
+    assert len(tokenizer.encode(held["content"][0]["thinking"])) <= BUDGET and held["content"][1]["text"]
+    # a request's own budget wins over the server's
+    own = _message(capped, {"type": "enabled", "budget_tokens": 1024})["content"][0]["thinking"]
+    assert own == free
+    body = {
+        "model": "demo",
+        "max_tokens": 48,
+        "temperature": 0,
+        "messages": ASK,
+        "chat_template_kwargs": {"enable_thinking": True},
+    }
+    chat = httpx.post(capped.v1 + "/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert len(tokenizer.encode(chat["reasoning_content"])) <= BUDGET and chat["content"]
+    body = {"model": "demo", "input": ASK[0]["content"], "max_output_tokens": 48, "temperature": 0}
+    body["reasoning"] = {"effort": "medium"}
+    output = httpx.post(capped.v1 + "/responses", json=body, timeout=60).json()["output"]
+    thought = "".join(c["text"] for item in output if item["type"] == "reasoning" for c in item["content"])
+    assert 0 < len(tokenizer.encode(thought)) <= BUDGET
