@@ -180,3 +180,25 @@ def test_a_huge_prediction_is_read_only_as_far_as_an_answer_could_repeat_it(demo
         client.close()
     assert 0 < len(seq.prediction_ids) <= window
     assert max(spy.encoded) <= window * longest
+
+
+async def test_drafts_past_a_stop_are_not_counted_as_kept(demo) -> None:
+    """A verify that keeps drafts past a stop string emits only the tokens before it: the drafts
+    after it did not appear in the answer, so they are not accepted prediction tokens (they were
+    counted, and the usage said more prediction tokens were kept than the answer had)."""
+    expected = await _plain(demo)
+    words = [w for w in expected.replace("(", " ").replace(",", " ").split() if w.isidentifier()][2:12]
+    for stop in words:
+        client = _client(demo, _forced())
+        usages: list[Usage] = []
+        try:
+            params = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True, stop=(stop,))
+            request = GenerationRequest(prompt=PROMPT, sampling=params, prediction=expected)
+            async for event in client.generate(request):
+                if isinstance(event, FinishEvent):
+                    usages.append(event.usage)
+        finally:
+            client.close()
+        (usage,) = usages
+        # the first token comes from the prefill, never from a draft
+        assert usage.prediction_tokens_accepted <= usage.draft_tokens_accepted < usage.completion_tokens, stop

@@ -123,9 +123,10 @@ class GroupSpeculation:
         self.count(len(tokens), len(draft), accepted)
         seq.draft_proposed += len(draft)  # the sequence's usage counts its own drafts
         seq.draft_accepted += accepted
-        if state.from_reference:  # the draft was copied from the predicted output
-            seq.prediction_proposed += len(draft)
-            seq.prediction_accepted += accepted
+        predicted = accepted if state.from_reference else 0  # copied from the predicted output
+        seq.prediction_proposed += len(draft) if state.from_reference else 0
+        seq.prediction_accepted += predicted
+        seq.step_drafts = (accepted, predicted)  # emit_tokens takes back what a stop cuts off
         return tokens, len(draft) - accepted
 
     def count(self, emitted: int, proposed: int = 0, accepted: int = 0, *, rows: int = 1) -> None:

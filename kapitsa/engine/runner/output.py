@@ -46,6 +46,10 @@ def emit_tokens(seq: Sequence, tokens: list[SampledToken]) -> FinishReason | Non
             if seq.stop_sequence is None:
                 text.append(seq.stop.feed(seq.detokenizer.flush()).text + seq.stop.flush())
             break
+    if len(ids) < len(tokens):  # a verify's tokens past the end: its drafts there were not kept
+        drafts, predicted = seq.step_drafts
+        seq.draft_accepted -= drafts - min(drafts, len(ids))
+        seq.prediction_accepted -= predicted - min(predicted, len(ids))
     event_logprobs = tuple(logprobs) if seq.request.sampling.logprobs is not None else None
     seq.emit(TokenEvent(seq.request_id, tuple(ids), "".join(text), event_logprobs, index=seq.choice_index))
     return reason

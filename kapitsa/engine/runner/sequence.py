@@ -139,6 +139,9 @@ class Sequence:
     draft_accepted: int = 0  # ...and how many of them it kept
     prediction_proposed: int = 0  # of those drafts, the tokens copied from `prediction_ids`
     prediction_accepted: int = 0  # ...and how many of them it kept
+    # the latest verify's kept drafts, and of them the prediction's: the first tokens it returned
+    # (a stop among its tokens leaves those after it out of the output, and out of the counts)
+    step_drafts: tuple[int, int] = (0, 0)
 
     @property
     def request_id(self) -> str:

@@ -295,12 +295,14 @@ class SpeculativeDecode:
         s.accepted += sum(accepted)
         for state, tokens, n, kept in zip(states, picks, proposed, accepted, strict=True):
             seq = state.seq
+            predicted, state.from_prediction = state.from_prediction, ()
+            # a chain's draft, or a tree's path: kept as far as the kept tokens follow it
+            from_prediction = _shared_prefix(predicted, [t.token_id for t in tokens[:kept]])
             seq.draft_proposed += n
             seq.draft_accepted += kept
-            predicted, state.from_prediction = state.from_prediction, ()
-            if predicted:  # a chain's draft, or a tree's path: kept as far as the kept tokens follow it
-                seq.prediction_proposed += len(predicted)
-                seq.prediction_accepted += _shared_prefix(predicted, [t.token_id for t in tokens[:kept]])
+            seq.prediction_proposed += len(predicted)
+            seq.prediction_accepted += from_prediction
+            seq.step_drafts = (kept, from_prediction)  # emit_tokens takes back what a stop cuts off
 
     def _state(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(id(seq))
