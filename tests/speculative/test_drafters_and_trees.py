@@ -4,6 +4,7 @@ import random
 
 from kapitsa.engine.speculative import NGramDrafter
 from kapitsa.engine.speculative.controller import DraftLengthController
+from kapitsa.engine.speculative.ngram import Reference
 from kapitsa.engine.speculative.tree import DraftTree, build_best_first
 
 
@@ -147,3 +148,29 @@ def test_a_reference_is_drafted_from_in_order_and_wins_ties() -> None:
     assert d3.propose([3, 4, 5, 6, 3, 4, 5], 1).tokens == (1,)
     tree = d3.propose_tree([3, 4, 5, 6, 3, 4, 5], 4)
     assert 1 in tree.tokens and 6 in tree.tokens  # both continuations are branches
+
+
+class _CountedReads(list):
+    """A list that counts the entries read from it."""
+
+    reads = 0
+
+    def __iter__(self):  # noqa: ANN204
+        _CountedReads.reads += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204
+        _CountedReads.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_long_reference_finds_its_next_occurrence_without_a_scan() -> None:
+    """The drafter asks the reference every decode step (shadow guesses too): of a common n-gram's
+    thousands of occurrences in a long prediction, the one after the cursor is found by bisection."""
+    reference = Reference([1, 2] * 20_000 + [7, 8])
+    reference._cursor = len(reference.tokens) - 4  # read far into the reference
+    ends = reference._ends[(1, 2)]
+    reference._ends[(1, 2)] = _CountedReads(ends)
+    _CountedReads.reads = 0
+    assert reference.follow([5, 1, 2], limit=4) == (1, 2, 7, 8)
+    assert _CountedReads.reads < 64

@@ -3,6 +3,7 @@ followed it. No model, and very strong for agents that rewrite code they just re
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 from kapitsa.engine.speculative.drafter import Draft, new_tokens
@@ -151,8 +152,9 @@ class Reference:
         `longer_than` tokens) in the reference; () when no such suffix occurs there."""
         for n in range(min(self.max_n, len(context)), max(self.min_n, longer_than + 1) - 1, -1):
             ends = self._ends.get(tuple(context[len(context) - n :]))
-            if ends:
-                start = next((e for e in ends if e >= self._cursor), ends[-1])
+            if ends:  # a common n-gram of a long reference has thousands: found by bisection
+                at = bisect_left(ends, self._cursor)
+                start = ends[at] if at < len(ends) else ends[-1]
                 self._cursor = start
                 return self.tokens[start : start + limit]
         return ()
