@@ -1,7 +1,9 @@
-"""Responses' `truncation: "auto"`: a conversation that does not fit the model's window loses its
-oldest turns, whole, until it fits with room for an answer. The system prompt and the last user turn
-always stay; a shorter conversation always starts at a user message, so no tool result is left
-without its call."""
+"""Responses' `truncation: "auto"`: a conversation that leaves the answer too little room in the
+model's window loses its oldest parts, whole, until it fits with room for an answer. First the
+oldest turns go (a shorter conversation starts at a user message); then, within the last user turn,
+the oldest tool rounds after its message (an agent's long turn: one task, many calls), each round
+an assistant message with the tool results that answer it, so no result loses its call. The system
+prompt, the last user message and the latest round always stay."""
 
 from __future__ import annotations
 
@@ -17,45 +19,55 @@ ANSWER_SHARE = 4  # the room kept for the answer: at most a quarter of the windo
 
 
 async def fit_window(client: EngineClient, gen: GenerationRequest, model: ModelInfo) -> GenerationRequest:
-    """`gen` as it is when its prompt fits the window; else without its oldest turns, as few dropped
-    as leave room for `max_tokens` (or the model's own limit), at most a quarter of the window. When
-    even the last user turn does not fit, that turn alone, for the engine to refuse.
+    """`gen` as it is when its prompt leaves room for `max_tokens` (or the model's own limit, at most
+    a quarter of the window: the room an answer gets); else with as little dropped as leaves that
+    room. When even the shortest cut does not fit, that cut, for the engine to refuse.
 
     A conversation of more characters than the window's worth of the longest tokens cannot fit
     (input_checks.py): it is not tokenized, so a huge input costs no more counting than one that
     may fit."""
     window = model.context_length
+    room = min(gen.sampling.max_tokens or model.max_output_tokens, window // ANSWER_SHARE)
     most_chars = window * (model.max_token_bytes or MAX_CHARS_PER_TOKEN)
     messages = list(gen.messages or ())
-    head = 1 if messages and messages[0].get("role") == "system" else 0
-    # the characters the prompt holds at least from each message on: their text
-    after = [*accumulate((_chars(m) for m in reversed(messages)), initial=0)][::-1]
-    if after[0] <= most_chars and await client.count_tokens(gen) < window:
+    chars = [_chars(m) for m in messages]
+    if sum(chars) <= most_chars and await client.count_tokens(gen) + room <= window:
         return gen
-    room = min(gen.sampling.max_tokens or model.max_output_tokens, window // ANSWER_SHARE)
-    starts = [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
-    if not starts:
+    cuts = _cuts(messages)  # each keeps less than the one before
+    if not cuts:
         return gen
-    system = after[0] - after[head]
-    # the earliest start that may fit: starts before it hold more characters than any fitting prompt
-    low = next((k for k, i in enumerate(starts) if system + after[i] <= most_chars), len(starts))
-    high, best = len(starts) - 1, None
-    while low <= high:  # the earliest start that fits keeps the most history
+    # the first cut that may fit: those before it hold more characters than any fitting prompt
+    low = next((n for n, keep in enumerate(cuts) if sum(chars[i] for i in keep) <= most_chars), len(cuts))
+    high, best = len(cuts) - 1, None
+    while low <= high:  # the earliest cut that fits keeps the most
         middle = (low + high) // 2
-        shorter = _from(gen, messages, head, starts[middle])
+        shorter = _keeping(gen, messages, cuts[middle])
         if await client.count_tokens(shorter) + room <= window:
             best, high = shorter, middle - 1
         else:
             low = middle + 1
-    return best if best is not None else _from(gen, messages, head, starts[-1])
+    return best if best is not None else _keeping(gen, messages, cuts[-1])
 
 
-def _from(gen: GenerationRequest, messages: list[dict[str, Any]], head: int, start: int) -> GenerationRequest:
-    """`gen` with the messages between its system prompt and `start` dropped, and their images."""
-    dropped = sum(_images_in(m) for m in messages[head:start])
-    return dataclasses.replace(
-        gen, messages=(*messages[:head], *messages[start:]), images=gen.images[dropped:]
-    )
+def _cuts(messages: list[dict[str, Any]]) -> list[list[int]]:
+    """The messages each shorter conversation keeps, longest first: from each later user message on,
+    then the last user message with each later tool round on."""
+    head = [0] if messages and messages[0].get("role") == "system" else []
+    users = [i for i in range(len(head), len(messages)) if messages[i].get("role") == "user"]
+    if not users:
+        return []
+    last = users[-1]
+    cuts = [[*head, *range(start, len(messages))] for start in users if start > len(head)]
+    rounds = [i for i in range(last + 1, len(messages)) if messages[i].get("role") == "assistant"]
+    cuts += [[*head, last, *range(start, len(messages))] for start in rounds[1:]]
+    return cuts
+
+
+def _keeping(gen: GenerationRequest, messages: list[dict[str, Any]], keep: list[int]) -> GenerationRequest:
+    """`gen` with only the messages at `keep`, and only their images."""
+    firsts = [0, *accumulate(_images_in(m) for m in messages)]  # each message's first image
+    images = tuple(image for i in keep for image in gen.images[firsts[i] : firsts[i + 1]])
+    return dataclasses.replace(gen, messages=tuple(messages[i] for i in keep), images=images)
 
 
 def _chars(message: dict[str, Any]) -> int:

@@ -137,3 +137,28 @@ def test_the_server_answers_a_long_conversation_with_auto_truncation(small: Live
     response = answered.json()
     assert response["truncation"] == "auto" and response["output"]
     assert response["usage"]["input_tokens"] + 16 <= 512
+
+
+def test_a_long_agent_turn_loses_its_oldest_tool_rounds() -> None:
+    """One task, many calls: the task and the latest rounds stay, each round whole."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "s" * 50},
+        {"role": "user", "content": "task"},
+    ]
+    for i in range(10):
+        call = {"function": {"name": "read", "arguments": {"n": i}}}
+        messages += [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "r" * 150},
+        ]
+    kept = _fit(messages, max_tokens=100).messages
+    assert kept[:2] == tuple(messages[:2]) and kept[2]["role"] == "assistant" and kept[-1] == messages[-1]
+    assert sum(_length(m) for m in kept) + 100 <= WINDOW  # 5 rounds of 150: 54 + 750 + 100
+    assert len(kept) == 2 + 2 * 5
+
+
+def test_a_prompt_that_leaves_the_answer_too_little_room_is_cut() -> None:
+    messages = _turns(4)  # 50 + 800 + 40 = 890: it fits, with 110 left
+    assert _fit(messages, max_tokens=100).messages == tuple(messages)
+    kept = _fit(messages, max_tokens=200).messages  # the answer wants 200
+    assert len(kept) < len(messages) and sum(_length(m) for m in kept) + 200 <= WINDOW
