@@ -84,8 +84,12 @@ def test_a_file_that_names_no_pre_tokenizer_splits_as_its_architecture(architect
     assert _pieces(guessed.backend.pre_tokenizer, text) == _pieces(named.backend.pre_tokenizer, text)
 
 
-def test_an_unknown_pre_tokenizer_is_refused() -> None:
-    with pytest.raises(UnsupportedModel, match="gpt-4o"):
+def test_an_unknown_pre_tokenizer_splits_as_its_architecture_or_is_refused() -> None:
+    text = "hello नमस्ते world"
+    guessed = tokenizer_from_gguf(_meta("gpt-4o", **{"general.architecture": "qwen35"}), {})
+    named = tokenizer_from_gguf(_meta("qwen35"), {})
+    assert _pieces(guessed.backend.pre_tokenizer, text) == _pieces(named.backend.pre_tokenizer, text)
+    with pytest.raises(UnsupportedModel, match="gpt-4o"):  # no architecture to go by
         tokenizer_from_gguf(_meta("gpt-4o"), {})
 
 

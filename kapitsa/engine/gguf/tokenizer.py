@@ -55,18 +55,26 @@ def _field_list(meta: dict[str, Any], key: str) -> list[Any]:
     return list(field.contents()) if hasattr(field, "contents") else list(field)
 
 
-# what a file of these architectures splits with when it names no pre-tokenizer (older converters)
+# what a file of these architectures splits with when it names no pre-tokenizer kapitsa knows (older
+# or other converters): its family's published files' split, with a warning, rather than no model
 _ARCHITECTURE_PRE = {"qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3next": "qwen2", "nemotron_h": "pixtral",
                      "nemotron_h_moe": "pixtral"}  # fmt: skip
 
 
 def _pre_name(meta: dict[str, Any]) -> str:
-    named = meta.get("tokenizer.ggml.pre")
-    if named:
-        return str(named)
+    named = str(meta.get("tokenizer.ggml.pre") or "")
+    if named in _PRE_TOKENIZERS:
+        return named
     architecture = str(meta.get("general.architecture", ""))
-    fallback = _ARCHITECTURE_PRE.get(architecture, "default")
-    log.warning("the GGUF file names no pre-tokenizer; splitting as %s files do (%s)", architecture, fallback)
+    fallback = _ARCHITECTURE_PRE.get(architecture)
+    if fallback is None:
+        return named or "default"  # refused by _backend, naming what it reads
+    log.warning(
+        "the GGUF file's pre-tokenizer %r is not one kapitsa knows; splitting as %s files do (%s)",
+        named or None,
+        architecture,
+        fallback,
+    )
     return fallback
 
 
