@@ -74,6 +74,12 @@ class SamplingParams:
 
 MAX_CHOICES = 16  # most choices (`n`) one request may ask for
 
+MAX_CHARS_PER_TOKEN = 64
+"""The longest token's size where the model does not report its own (`ModelInfo.max_token_bytes`). A
+token decodes to at most that many bytes, and a character is at least one byte, so a text of more
+than `context_length * longest` characters cannot fit a window: the server refuses such a prompt
+without tokenizing it, and the engine tokenizes no more of a prediction."""
+
 
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"

@@ -8,14 +8,9 @@ import re
 from collections.abc import Sequence
 
 from kapitsa.engine import check_token_ids
-from kapitsa.engine.types import GenerationRequest, ModelInfo
+from kapitsa.engine.types import MAX_CHARS_PER_TOKEN, GenerationRequest, ModelInfo
 from kapitsa.errors import ContextOverflow, InvalidRequest
 from kapitsa.server.errors import param_error
-
-MAX_CHARS_PER_TOKEN = 64
-"""The longest token's size where the model does not report its own (`ModelInfo.max_token_bytes`). A
-token decodes to at most that many bytes, and a character is at least one byte, so a prompt of more
-than `context_length * longest` characters cannot fit: it is refused without tokenizing it."""
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
 

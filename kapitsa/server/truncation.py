@@ -12,8 +12,7 @@ from itertools import accumulate
 from typing import Any
 
 from kapitsa.engine.client import EngineClient
-from kapitsa.engine.types import GenerationRequest, ModelInfo
-from kapitsa.server.input_checks import MAX_CHARS_PER_TOKEN
+from kapitsa.engine.types import MAX_CHARS_PER_TOKEN, GenerationRequest, ModelInfo
 
 ANSWER_SHARE = 4  # the room kept for the answer: at most a quarter of the window
 

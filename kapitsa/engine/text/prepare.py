@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kapitsa.engine.runner.sequence import Boundary
-from kapitsa.engine.types import GenerationRequest
+from kapitsa.engine.types import MAX_CHARS_PER_TOKEN, GenerationRequest
 from kapitsa.engine.vision.media import PromptMedia
 from kapitsa.errors import InvalidRequest, KapitsaError
 
@@ -74,15 +74,12 @@ def prepare_prompt(
     return PreparedPrompt(ids, message_boundaries(tokenizer, request, chat, ids, encode=encode))
 
 
-LONGEST_TOKEN_CHARS = 64  # a token's characters at most where the model does not say (input_checks.py)
-
-
 def prediction_ids(encode: Encode, text: str, *, window: int, longest: int | None) -> tuple[int, ...]:
     """A predicted output's tokens, as far as an answer could repeat them: no answer is longer than
     the `window`, so no more of the prediction is kept, and no more text is tokenized than the
     window's worth of the longest tokens (`longest` characters; a 30 MB prediction is not tokenized
     whole, as a prompt that long is refused before it is)."""
-    return tuple(encode(text[: window * (longest or LONGEST_TOKEN_CHARS)])[:window])
+    return tuple(encode(text[: window * (longest or MAX_CHARS_PER_TOKEN)])[:window])
 
 
 def _prepare_with_images(
