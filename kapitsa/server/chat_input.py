@@ -8,7 +8,7 @@ from typing import Any
 
 from kapitsa.engine.types import GenerationRequest, ModelInfo
 from kapitsa.server.common import flatten_text, openai_sampling, param_error, thinking_kwargs
-from kapitsa.server.constraints import narrow_tools, output_constraint
+from kapitsa.server.constraints import narrow_tools, output_constraint, requires_call
 from kapitsa.server.images import IMAGE_PART_TYPES, content_parts, take_images
 from kapitsa.server.openai_models import ChatMessage, ChatRequest
 from kapitsa.server.prefill import check_unforced, starts_in_reasoning
@@ -85,15 +85,6 @@ def _allowed(tools: list[dict[str, Any]], allowed: Any) -> list[dict[str, Any]]:
         if isinstance(t, dict) and t.get("type") == "function"
     ]
     return narrow_tools(tools, names, mode=allowed.get("mode", "auto"))
-
-
-def _requires_call(choice: Any) -> bool:
-    """required, a named function, or allowed_tools in required mode."""
-    if not isinstance(choice, dict):
-        return choice == "required"
-    if choice.get("type") == "allowed_tools":
-        return (choice.get("allowed_tools") or {}).get("mode") == "required"
-    return True
 
 
 def _checked(index: int, tool: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +167,7 @@ def to_generation_request(body: ChatRequest, model: ModelInfo) -> GenerationRequ
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     tools = chat_tools(body)
-    tool_required = _requires_call(body.tool_choice)
+    tool_required = requires_call(body.tool_choice)
     if prefill is not None:
         forced = fmt is not None and fmt.type != "text" or bool(tools) and tool_required
         check_unforced(prefill, forced=forced, field="continue_final_message")

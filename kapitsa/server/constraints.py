@@ -215,14 +215,15 @@ def narrow_tools(
 
 def requires_call(choice: Any) -> bool:
     """Whether `tool_choice` makes the model call a tool: required, a named function or custom
-    tool, or `allowed_tools` in required mode."""
+    tool, or `allowed_tools` in required mode (its `mode` at the top, as Responses puts it, or
+    inside `allowed_tools`, as chat does)."""
     if choice == "required":
         return True
     if not isinstance(choice, dict):
         return False
-    return choice.get("type") in ("function", "custom") or (
-        choice.get("type") == "allowed_tools" and choice.get("mode") == "required"
-    )
+    if choice.get("type") == "allowed_tools":
+        return (choice.get("mode") or (choice.get("allowed_tools") or {}).get("mode")) == "required"
+    return choice.get("type") in ("function", "custom")
 
 
 def responses_constraint(
