@@ -4,7 +4,7 @@ import random
 
 from kapitsa.engine.speculative import NGramDrafter
 from kapitsa.engine.speculative.controller import DraftLengthController
-from kapitsa.engine.speculative.ngram import Reference
+from kapitsa.engine.speculative.ngram import Reference, ReferenceIndex
 from kapitsa.engine.speculative.tree import DraftTree, build_best_first
 
 
@@ -167,7 +167,7 @@ class _CountedReads(list):
 def test_a_long_reference_finds_its_next_occurrence_without_a_scan() -> None:
     """The drafter asks the reference every decode step (shadow guesses too): of a common n-gram's
     thousands of occurrences in a long prediction, the one after the cursor is found by bisection."""
-    reference = Reference([1, 2] * 20_000 + [7, 8])
+    reference = Reference(ReferenceIndex([1, 2] * 20_000 + [7, 8]))
     reference._cursor = len(reference.tokens) - 4  # read far into the reference
     ends = reference._ends[(1, 2)]
     reference._ends[(1, 2)] = _CountedReads(ends)

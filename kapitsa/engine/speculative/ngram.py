@@ -29,7 +29,7 @@ class NGramDrafter:
         # n-gram -> positions just after each of its occurrences, oldest first
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._suffix: list[list[int]] = []  # the lists of the context's last n-grams, longest first
-        self._reference = Reference(())
+        self._reference = Reference(ReferenceIndex(()))
         # the last proposal's tokens copied from the reference (a chain's whole draft, a tree's
         # first path): what a predicted output's usage counts
         self.drafted_from_reference: tuple[int, ...] = ()
@@ -140,9 +140,7 @@ class Reference:
     the first at or after where the last match left off (the output walks through a predicted file
     from top to bottom, and code repeats its short n-grams)."""
 
-    def __init__(self, index: ReferenceIndex | Sequence[int], *, min_n: int = 2, max_n: int = 4) -> None:
-        if not isinstance(index, ReferenceIndex):
-            index = ReferenceIndex(index, min_n=min_n, max_n=max_n)
+    def __init__(self, index: ReferenceIndex) -> None:
         self.index = index
         self.tokens, self.min_n, self.max_n, self._ends = index.tokens, index.min_n, index.max_n, index.ends
         self._cursor = 0  # where the latest match's continuation starts
