@@ -25,7 +25,7 @@ def starts_in_reasoning(
     """Where the output starts: after a prefill, where the prefill left it; after a closed message (no
     generation prompt, chat's `add_generation_prompt: false`), outside reasoning; else where the
     template's generation prompt, rendered with this `enable_thinking`, leaves it (probed at load time)."""
-    if prefill is not None and continues(prefill):
+    if continues(prefill):
         return opens_reasoning(prefill)
     if not generation_prompt:
         return False
