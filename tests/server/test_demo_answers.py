@@ -27,11 +27,12 @@ OPENS_THINK = (
 )
 
 
-def serve(folder: Path, model_id: str) -> Iterator[LiveServer]:
+def serve(folder: Path, model_id: str, **settings: object) -> Iterator[LiveServer]:
+    """The checkpoint in `folder` behind a live server (`settings`: ServerSettings fields)."""
     loaded = load_model(folder, model_id=model_id)
     client = InProcessEngine.from_loaded(loaded, config=EngineConfig(prefix_cache_bytes=0))
     try:
-        with live_server(client) as live:  # type: ignore[arg-type]
+        with live_server(client, **settings) as live:  # type: ignore[arg-type]
             yield live
     finally:
         client.close()
@@ -42,13 +43,20 @@ def demo() -> Iterator[LiveServer]:
     yield from serve(DEMO, "demo")
 
 
-@pytest.fixture(scope="module")
-def thinking_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    folder = tmp_path_factory.mktemp("thinking-demo")
+def serve_with_template(
+    tmp_path_factory: pytest.TempPathFactory, model_id: str, template: str
+) -> Iterator[LiveServer]:
+    """The demo with `template` as its chat template, behind a live server."""
+    folder = tmp_path_factory.mktemp(model_id)
     for path in DEMO.iterdir():
         shutil.copy(path, folder / path.name)
-    (folder / "chat_template.jinja").write_text(OPENS_THINK)
-    yield from serve(folder, "thinking-demo")
+    (folder / "chat_template.jinja").write_text(template)
+    yield from serve(folder, model_id)
+
+
+@pytest.fixture(scope="module")
+def thinking_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    yield from serve_with_template(tmp_path_factory, "thinking-demo", OPENS_THINK)
 
 
 def oai(live: LiveServer) -> openai.OpenAI:

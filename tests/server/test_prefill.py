@@ -5,14 +5,13 @@ refuse with a prefill is a 400 that says why; chat's other template variables re
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 
 import anthropic
 import httpx
 import pytest
 from server_harness import LiveServer
-from test_demo_answers import DEMO, oai, serve
+from test_demo_answers import DEMO, oai, serve, serve_with_template
 
 from kapitsa.engine.types import ModelInfo, ThinkingPrompt
 from kapitsa.errors import InvalidRequest
@@ -37,12 +36,8 @@ def demo() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def styled_demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    folder = tmp_path_factory.mktemp("styled-demo")
-    for path in DEMO.iterdir():
-        shutil.copy(path, folder / path.name)
-    template = (DEMO / "chat_template.jinja").read_text()
-    (folder / "chat_template.jinja").write_text(SAYS_STYLE + template)
-    yield from serve(folder, "styled-demo")
+    template = SAYS_STYLE + (DEMO / "chat_template.jinja").read_text()
+    yield from serve_with_template(tmp_path_factory, "styled-demo", template)
 
 
 def _continued_prompt(messages: list[dict]) -> str:

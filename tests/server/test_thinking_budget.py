@@ -60,18 +60,7 @@ def test_a_budget_that_is_not_a_positive_integer_is_a_400(demo: LiveServer, budg
 @pytest.fixture(scope="module")
 def capped() -> Iterator[LiveServer]:
     """The demo behind a server whose settings cap thinking (`--reasoning-budget`)."""
-    from server_harness import live_server
-
-    from kapitsa.engine.inprocess import InProcessEngine
-    from kapitsa.engine.loading.loader import load_model
-    from kapitsa.engine.options import EngineConfig
-
-    client = InProcessEngine.from_loaded(load_model(DEMO), config=EngineConfig(prefix_cache_bytes=0))
-    try:
-        with live_server(client, reasoning_budget=BUDGET) as live:  # type: ignore[arg-type]
-            yield live
-    finally:
-        client.close()
+    yield from serve(DEMO, "demo", reasoning_budget=BUDGET)
 
 
 def test_the_servers_budget_caps_thinking_on_every_api(capped: LiveServer, demo: LiveServer) -> None:
