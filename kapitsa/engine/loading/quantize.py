@@ -80,7 +80,9 @@ def describe_quantization(block: Mapping[str, Any]) -> str:
 
 
 # Modes other than affine store uint8 scales and allow one (bits, group size) each.
-_PACKED_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
+_PACKED_MODES = {
+    (s.bits, s.group_size): s.mode for s in QUANT_SPECS.values() if s.is_quantized and s.mode != "affine"
+}
 
 
 def stored_quantization(path: str, module: nn.Module, weights: Mapping[str, mx.array]) -> dict[str, Any]:
