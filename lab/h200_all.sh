@@ -22,6 +22,9 @@
 #                                       kapitsa's engine against mlx-lm's batch_generate, with each
 #                                       batch size's first-burst compile cost ($BATCH_SHAPES, default
 #                                       all four; lab/batch_sweep.py)
+#   bash lab/h200_all.sh prime        MLX's own JIT modules for the table's shapes ($PRIME_SHAPES, default
+#                                       all four): short untimed runs side by side, merged into MLX's
+#                                       cache, so a fresh machine's timed parts skip those compiles
 #   bash lab/h200_all.sh table        #32's table rows, one process per shape ($TABLE_SHAPES, default
 #                                       4b; each shape's process under $TABLE_TIMEOUT, default 540):
 #                                       decode and 512/8192-token prefill against mlx-lm, then aggregate
@@ -162,6 +165,30 @@ case "$part" in
     timeout "${BATCH_TIMEOUT:-560}" $py lab/batch_sweep.py --shapes "${BATCH_SHAPES:-27b,35b-a3b,4b,nemotron-30b-a3b}" \
       --streams "${BATCH_STREAMS:-1,4,8,16}" --tokens "${TOKENS:-64}" --prompt 512 > "$out/batch.log" 2>&1
     grep -E 'aggregate|Error' "$out/batch.log"
+    ;;
+  prime)
+    # MLX's own JIT modules for the table's shapes, ahead of the timed parts: a short untimed run of
+    # every shape, side by side (NVRTC compiles on one host thread per process), each into its own
+    # cache folder seeded from MLX's default one, merged back into it at the end (no two processes
+    # write one folder). Two at a time where the GPU has under 100 GB (both models of a shape stay loaded).
+    cache="/tmp/mlx/$($py -c 'import mlx.core as mx; print(mx.__version__)')/ptx" && mkdir -p "$cache"
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+    jobs=${PRIME_JOBS:-$([ "${gpu_mib:-0}" -ge 100000 ] && echo 4 || echo 2)}
+    started=$(date +%s) running=0
+    for shape in ${PRIME_SHAPES:-4b 27b 35b-a3b nemotron-30b-a3b}; do
+      folder="/tmp/kapitsa-prime-$shape" && mkdir -p "$folder" && cp -rn "$cache/." "$folder/"
+      (
+        MLX_PTX_CACHE_DIR="$folder" timeout "${PRIME_TIMEOUT:-420}" $py lab/decode_vs_mlxlm.py --shapes "$shape" \
+          --tokens 4 --prompts 512 8192 --rounds 1 --streams 1,4,8,16 --stream-tokens 4 --stream-warm \
+          ${PRIME_ARGS:-} > "$out/prime-$shape.log" 2>&1
+        echo "prime $shape: exit $? after $(($(date +%s) - started)) s (124: cut by its timeout)"
+      ) &
+      running=$((running + 1))
+      [ "$running" -ge "$jobs" ] && wait -n && running=$((running - 1))
+    done
+    wait
+    for folder in /tmp/kapitsa-prime-*; do cp -rn "$folder/." "$cache/"; done
+    echo "MLX's cache: $(ls "$cache" | wc -l) files in $cache, primed in $(($(date +%s) - started)) s ($jobs at a time)"
     ;;
   table)
     # #32's table rows: one process per shape builds both models once and compiles kapitsa's kernels
