@@ -143,6 +143,17 @@ def bench_shape(
     return rows
 
 
+def _paired_ratio(rows: list[dict]) -> float | None:
+    """The median of each round's auto / plain: the two runs of a round sit side by side in time,
+    so a drift of the machine's speed between rounds (which moves the 4B and Nemotron shapes by more
+    than the 3% measured here) falls on both of a pair alike."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in rows:
+        by_round.setdefault(r["round"], {})[r["engine"]] = r["decode_tok_s"]
+    ratios = [p["auto"] / p["plain"] for p in by_round.values() if "auto" in p and "plain" in p]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
 def summary(rows: list[dict]) -> None:
     for shape, workload in dict.fromkeys((r["shape"], r["workload"]) for r in rows):
         mine = [r for r in rows if (r["shape"], r["workload"]) == (shape, workload)]
@@ -154,6 +165,7 @@ def summary(rows: list[dict]) -> None:
             summary=f"{shape} {workload}",
             **{f"{e}_tok_s": round(v, 1) for e, v in med.items()},
             auto_vs_plain=round(med["auto"] / med["plain"], 3),
+            auto_vs_plain_paired=_paired_ratio(mine),
             all_same_as_plain=all(r.get("same_as_plain", True) for r in mine if r["engine"] != "mlx-lm"),
         )
         for e in ("auto", "auto-7", "auto-tree"):
