@@ -253,7 +253,7 @@ class _EmulatedKernel:
     the launcher's own input order, grid and shared memory size are what gets exercised."""
 
     def __init__(self, kernel, tmp_path) -> None:
-        self.kernel, self.tmp_path, self.calls, self.templates = kernel, tmp_path, [], []
+        self.kernel, self.tmp_path, self.calls, self.templates, self.shapes = kernel, tmp_path, [], [], []
 
     def __call__(self, inputs, *, template, grid, threadgroup, output_shapes, output_dtypes, shared_memory):
         import ctypes
@@ -271,6 +271,7 @@ class _EmulatedKernel:
                *(_ptr(a) for a in arrays))  # fmt: skip
         self.calls.append(shared_memory)
         self.templates.append(dict(template))
+        self.shapes.append(([a.shape for a in inputs], [tuple(shape) for shape in output_shapes]))
         return [mx.array(o) for o in outs]
 
 
@@ -372,3 +373,32 @@ def test_default_limit_keeps_the_kernels_to_two_tokens_of_top_8(monkeypatch, tmp
         assert (len(hidden_k.calls) > launched) is kernels_run
         want = _module_path(module, x, idx[None], scores[None])
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lead", [(3, 1), (1, 2)])  # a decode step of 3 streams; a 2-token verify
+def test_launcher_takes_the_step_shapes_without_reshapes(
+    lead: tuple[int, int], monkeypatch, tmp_path
+) -> None:
+    """x and the scores reach the kernels as the step holds them and the output comes back in the
+    step's shape (each reshape around them is a primitive the host pays every layer of every step);
+    only a verify's indices, whose first axis is not the token count the kernels read, are reshaped."""
+    mx.random.seed(11)
+    d, hidden, experts, k = 128, 64, 6, 3
+    tokens = lead[0] * lead[1]
+    module = _quantize_module(SwitchGLU(d, hidden, experts), 64, 4)
+    x = mx.random.normal((*lead, d))
+    idx, scores = _routing(tokens, k, experts, seed=11, pool=4)
+    idx, scores = idx.reshape(*lead, k), scores.reshape(*lead, k)
+    hidden_k = _EmulatedKernel(moe_launch.hidden_kernel("swiglu"), tmp_path)
+    out_k = _EmulatedKernel(moe_launch.OUT_KERNEL, tmp_path)
+    monkeypatch.setattr(moe, "backend", lambda: "cuda")
+    monkeypatch.setattr(moe_launch, "hidden_kernel", lambda _kind: hidden_k)
+    monkeypatch.setattr(moe_launch, "OUT_KERNEL", out_k)
+    got = moe.routed_experts(module, x, idx, scores)
+    (hidden_in, _), (out_in, out_shapes) = hidden_k.shapes[-1], out_k.shapes[-1]
+    index_shape = (*lead, k) if lead[1] == 1 else (tokens, k)
+    assert hidden_in[:2] == [(*lead, d), index_shape]
+    assert out_in[1:3] == [index_shape, (*lead, k)] and out_shapes == [(*lead, d)]
+    want = _module_path(module, x, idx, scores)
+    assert got.shape == want.shape == (*lead, d)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)

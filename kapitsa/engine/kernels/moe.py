@@ -183,9 +183,19 @@ def _decode(
     on_cuda = backend() == "cuda"
     capacity = capacity_for(tokens, k, max_pairs) if on_cuda else 0
     plan = Plan(tokens, k, n_exp, n_in, hidden, n_out, bits, group_size, kind, capacity)
+    if on_cuda:
+        return run_cuda(plan, x, _token_rows(indices, tokens), scores, stacks, second)
     flat = (x.reshape(tokens, n_in), indices.reshape(tokens, k), scores.reshape(tokens, k))
-    run = run_cuda if on_cuda else run_metal
-    return run(plan, *flat, stacks, second).reshape(*x.shape[:-1], n_out)
+    return run_metal(plan, *flat, stacks, second).reshape(*x.shape[:-1], n_out)
+
+
+def _token_rows(indices: mx.array, tokens: int) -> mx.array:
+    """`indices` with one row per token, as the CUDA kernels count tokens (`indices_shape[0]`):
+    a decode step's [streams, 1, k] already is one (each primitive costs the host a few us a
+    step, a reshape included); a verify's [1, T, k] is reshaped."""
+    if indices.ndim >= 2 and indices.shape[0] == tokens:
+        return indices
+    return indices.reshape(tokens, indices.shape[-1])
 
 
 def _layers(switch_mlp) -> tuple[str, tuple] | None:

@@ -216,6 +216,8 @@ def _kernel_inputs(stacks: tuple[QuantStack, ...], second: QuantStack) -> tuple[
 
 
 def run_cuda(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], second: QuantStack):
+    """The two kernels on x `[..., n_in]` and scores `[..., k]` as they come (the kernels read
+    them as contiguous rows of tokens), indices with one row per token; y `[..., n_out]`."""
     geo = launch_for(
         plan, x.dtype, stacks[0].scales.dtype, second.scales.dtype, indices.dtype, scores.dtype, SHARED_BUDGET
     )
@@ -234,7 +236,7 @@ def run_cuda(plan: Plan, x, indices, scores, stacks: tuple[QuantStack, ...], sec
         template=geo.out_template,
         grid=geo.out_grid,
         threadgroup=geo.out_threads,
-        output_shapes=[(plan.tokens, plan.n_out)],
+        output_shapes=[(*x.shape[:-1], plan.n_out)],
         output_dtypes=[x.dtype],
         shared_memory=geo.out_shared,
     )[0]
