@@ -100,8 +100,9 @@ def test_bad_mode_is_a_clear_error() -> None:
 def test_cuda_source_compiles(dtype, k, experts, rows, top_k, mode) -> None:
     template = router._logits_template(dtype, dtype, k, rows, router.BLOCK)
     sources = [router._LOGITS.render([dtype, dtype], [mx.float32], template)]
-    template = router._select_template(dtype, experts, rows, top_k, mode, True, 2.5)
-    sources.append(router._SELECT.render([mx.float32, mx.float32], [mx.uint32, mx.float32, dtype], template))
+    for wd in {mx.float32, dtype}:  # weights as float32, or in the model's dtype (Qwen's SparseMoe)
+        template = router._select_template(dtype, experts, rows, top_k, mode, True, 2.5, wd)
+        sources.append(router._SELECT.render([mx.float32, mx.float32], [mx.uint32, wd, dtype], template))
     for source in sources:
         assert_compiles(source)
 
@@ -134,6 +135,25 @@ def test_emulated_kernel_matches_reference(
         got = router.route_kernel(x, w, block=64, **kw)
         ref = router.route_reference(x, w, **kw)
     _same(got, ref)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize("mode", ["softmax", "sigmoid"])
+def test_emulated_kernel_writes_weights_in_the_asked_dtype(monkeypatch, tmp_path, mode: str) -> None:
+    """Weights asked in bfloat16 are the float32 weights rounded as `astype` rounds them, bit for
+    bit: a model that multiplies in bfloat16 skips the cast and gets the same numbers."""
+    monkeypatch.setattr(router, "_LOGITS", Emulated(router._LOGITS, cuda_host_translation, tmp_path))
+    monkeypatch.setattr(router, "_SELECT", Emulated(router._SELECT, cuda_host_translation, tmp_path))
+    x, w, bias = _case(2, 64, 40, 1, mx.bfloat16, seed=5)
+    kw = dict(experts=40, top_k=4, mode=mode, bias=bias if mode == "sigmoid" else None, scale=1.5)
+    with mx.stream(mx.cpu):
+        wide = router.route_kernel(x, w, block=64, **kw)
+        narrow = router.route_kernel(x, w, block=64, weights_dtype=mx.bfloat16, **kw)
+        ref = router.route_reference(x, w, weights_dtype=mx.bfloat16, **kw)
+    assert narrow[1].dtype == ref[1].dtype == mx.bfloat16 and wide[1].dtype == mx.float32
+    assert mx.array_equal(narrow[0], wide[0])
+    assert mx.array_equal(narrow[1], wide[1].astype(mx.bfloat16))
+    _same(narrow, ref, rtol=1e-2)
 
 
 @pytest.mark.gpu

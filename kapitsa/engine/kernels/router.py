@@ -70,9 +70,15 @@ def route_reference(
     bias: mx.array | None = None,
     normalize: bool = True,
     scale: float = 1.0,
+    weights_dtype: mx.Dtype = mx.float32,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
-    """(indices [..., k] uint32, weights [..., k] float32, extra logits [..., EW - E] or None) in
-    MLX ops: what Qwen's SparseMoe and Nemotron's Router compute."""
+    """(indices [..., k] uint32, weights [..., k] in `weights_dtype`, extra logits [..., EW - E] or
+    None) in MLX ops: what Qwen's SparseMoe and Nemotron's Router compute."""
+    inds, weights, extra = _reference(x, weight, experts, top_k, mode, bias, normalize, scale)
+    return inds, weights.astype(weights_dtype), extra
+
+
+def _reference(x, weight, experts, top_k, mode, bias, normalize, scale):  # noqa: ANN001, ANN202
     if mode == "softmax":
         logits = x @ weight.T
         extra = logits[..., experts:] if weight.shape[0] > experts else None
@@ -120,10 +126,11 @@ def _logits_template(xd, wd, k: int, rows_w: int, block: int) -> tuple:
 
 @functools.cache
 def _select_template(
-    xd, experts: int, rows_w: int, top_k: int, mode: str, normalize: bool, scale: float
+    xd, experts: int, rows_w: int, top_k: int, mode: str, normalize: bool, scale: float, wd=mx.float32
 ) -> tuple:
     return (
         ("T", xd),
+        ("WD", wd),
         ("E", experts),
         ("EW", rows_w),
         ("TOPK", top_k),
@@ -143,9 +150,12 @@ def route_kernel(
     bias: mx.array | None = None,
     normalize: bool = True,
     scale: float = 1.0,
+    weights_dtype: mx.Dtype = mx.float32,
     block: int = BLOCK,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
-    """The kernel itself (callers check `supports`); the same results as `route_reference`."""
+    """The kernel itself (callers check `supports`); the same results as `route_reference`. The
+    weights come out in `weights_dtype` (rounded as `astype` rounds), so a model that multiplies
+    in its activations' dtype needs no cast after the kernel."""
     lead = x.shape[:-1]
     tokens, rows_w = math.prod(lead), weight.shape[0]
     extra_rows = rows_w - experts
@@ -160,11 +170,13 @@ def route_kernel(
     )
     inds, weights, extra = _SELECT(
         [logits, logits if bias is None else bias],  # the bias is unread in softmax mode
-        template=_select_template(x.dtype, experts, rows_w, top_k, mode, normalize, float(scale)),
+        template=_select_template(
+            x.dtype, experts, rows_w, top_k, mode, normalize, float(scale), weights_dtype
+        ),
         grid=(tokens * 32, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(*lead, top_k), (*lead, top_k), (*lead, max(extra_rows, 1))],
-        output_dtypes=[mx.uint32, mx.float32, x.dtype],
+        output_dtypes=[mx.uint32, weights_dtype, x.dtype],
     )
     return inds, weights, (extra if extra_rows > 0 else None)
 

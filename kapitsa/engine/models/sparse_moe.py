@@ -103,9 +103,8 @@ class SparseMoe(nn.Module):
         if weight is not None and kernels.enabled("route", self.kernel_options):
             kw = dict(
                 experts=self.num_experts, top_k=self.top_k, mode="softmax", normalize=self.norm_topk_prob
-            )
-            inds, scores, shared_logit = route(x, weight, **kw)
-            return inds, scores.astype(x.dtype), shared_logit
+            )  # the weights in x's dtype from the kernel itself: no cast after it (a primitive a layer)
+            return route(x, weight, **kw, weights_dtype=x.dtype)
         logits, shared_logit = projections(self, x, self.ROUTER, "router_proj")
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         inds = topk_indices(probs, self.top_k)

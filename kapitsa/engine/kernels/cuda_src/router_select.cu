@@ -5,6 +5,7 @@
   //   weight = prob, divided by the chosen probs' sum when NORM.
   // MODE 1 (Nemotron-H): fp32 logits, score = sigmoid, choice = score + bias, weight = score,
   //   divided by (sum + 1e-20) when NORM, times the float whose bits are SCALE_BITS.
+  // The weights are written as WD (float32, or the model's dtype: rounded as a cast rounds).
   constexpr int PER = (E + 31) / 32;  // experts per lane
   const float NEG_INF = __int_as_float(-8388608);  // 0xff800000
   const int token = blockIdx.x;
@@ -82,6 +83,6 @@
   const float scale = __int_as_float(SCALE_BITS);
   if (lane == 0) {
     #pragma unroll
-    for (int k = 0; k < TOPK; ++k) weights[(size_t)token * TOPK + k] = picked[k] / denom * scale;
+    for (int k = 0; k < TOPK; ++k) weights[(size_t)token * TOPK + k] = (WD)(picked[k] / denom * scale);
   }
   for (int e = E + lane; e < EW; e += 32) extra[(size_t)token * (EW - E > 0 ? EW - E : 1) + e - E] = (T)kr_logit[e];
