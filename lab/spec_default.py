@@ -145,8 +145,8 @@ def bench_shape(
 
 def _paired_ratio(rows: list[dict]) -> float | None:
     """The median of each round's auto / plain: the two runs of a round sit side by side in time,
-    so a drift of the machine's speed between rounds (which moves the 4B and Nemotron shapes by more
-    than the 3% measured here) falls on both of a pair alike."""
+    so a drift of the machine's speed between rounds (on the 4B and Nemotron shapes, more than the
+    3% this ratio is read against) falls on both of a pair alike."""
     by_round: dict[int, dict[str, float]] = {}
     for r in rows:
         by_round.setdefault(r["round"], {})[r["engine"]] = r["decode_tok_s"]

@@ -74,11 +74,6 @@ def route_reference(
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """(indices [..., k] uint32, weights [..., k] in `weights_dtype`, extra logits [..., EW - E] or
     None) in MLX ops: what Qwen's SparseMoe and Nemotron's Router compute."""
-    inds, weights, extra = _reference(x, weight, experts, top_k, mode, bias, normalize, scale)
-    return inds, weights.astype(weights_dtype), extra
-
-
-def _reference(x, weight, experts, top_k, mode, bias, normalize, scale):  # noqa: ANN001, ANN202
     if mode == "softmax":
         logits = x @ weight.T
         extra = logits[..., experts:] if weight.shape[0] > experts else None
@@ -87,7 +82,7 @@ def _reference(x, weight, experts, top_k, mode, bias, normalize, scale):  # noqa
         picked = mx.take_along_axis(probs, inds, axis=-1)
         if normalize:
             picked = picked / picked.sum(axis=-1, keepdims=True)
-        return inds, picked * scale, extra
+        return inds, (picked * scale).astype(weights_dtype), extra
     if mode != "sigmoid":
         raise ValueError(f"unknown router mode {mode!r}; one of {MODES}")
     logits = x.astype(mx.float32) @ weight.astype(mx.float32).T
@@ -98,7 +93,7 @@ def _reference(x, weight, experts, top_k, mode, bias, normalize, scale):  # noqa
     picked = mx.take_along_axis(scores, inds, axis=-1)
     if normalize:
         picked = picked / (picked.sum(axis=-1, keepdims=True) + 1e-20)
-    return inds, picked * scale, extra
+    return inds, (picked * scale).astype(weights_dtype), extra
 
 
 def supports(x: mx.array, weight: mx.array, *, experts: int, top_k: int, bias: mx.array | None) -> bool:
