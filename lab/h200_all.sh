@@ -49,6 +49,9 @@
 #                                       nemotron-30b-a3b): kernel families and compiled steps off in one
 #                                       process, then MLX's cuDNN attention off in a second (lab/repeat_decode.py)
 #   bash lab/h200_all.sh bf16         tests/engine/test_speculation_bf16.py on the GPU
+#   bash lab/h200_all.sh verify-diff  the first layer where a verify's rows leave the decode steps' bit
+#                                       for bit, per kernel setting (lab/verify_vs_decode.py): the bf16
+#                                       test's tiny models, then 4-bit at widths the kernels take
 #   bash lab/h200_all.sh flint        lab/small_flint.py: Flint's :small recipe, plain 4-bit and
 #                                       mlx-vlm's Flint at the published shape
 #   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPE (default
@@ -238,7 +241,7 @@ case "$part" in
     # own output, a scripted essay, the edit workload with the n-gram tree and mlx-lm
     # shellcheck disable=SC2086
     timeout "${SPEC_TIMEOUT:-560}" $py lab/spec_default.py --shapes ${SPEC_SHAPES:-27b 35b-a3b 4b nemotron-30b-a3b} \
-      --rounds "${ROUNDS:-3}" --edit-rounds "${EDIT_ROUNDS:-${ROUNDS:-3}}" --tokens "${TOKENS:-256}" > "$out/spec.log" 2>&1
+      --rounds "${ROUNDS:-3}" --workloads ${SPEC_WORKLOADS:-own essay edit} --edit-rounds "${EDIT_ROUNDS:-${ROUNDS:-3}}" --tokens "${TOKENS:-256}" > "$out/spec.log" 2>&1
     grep -E 'summary|Error' "$out/spec.log"
     ;;
   repeat)
@@ -256,6 +259,14 @@ case "$part" in
     timeout "${BF16_TIMEOUT:-240}" $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=short \
       tests/engine/test_speculation_bf16.py > "$out/bf16.log" 2>&1
     tail -3 "$out/bf16.log"
+    ;;
+  verify-diff)
+    : > "$out/verify-diff.log"
+    timeout "${DIFF_TIMEOUT:-150}" $py lab/verify_vs_decode.py --dtypes bfloat16 \
+      --variants default KAPITSA_KERNELS=none KAPITSA_COMPILE_DECODE=0 >> "$out/verify-diff.log" 2>&1
+    timeout "${DIFF_TIMEOUT:-150}" $py lab/verify_vs_decode.py --dtypes bfloat16 --small --quantize \
+      --variants default KAPITSA_KERNELS=none KAPITSA_QLINEAR=stock >> "$out/verify-diff.log" 2>&1
+    grep -oE '"kind[^}]*first_kind": [^,]*|"after_rollback": [^}]*}|Error.*' "$out/verify-diff.log"
     ;;
   flint)
     # Flint at its published shape: :small at a 24 GB and a 16 GB Mac's budgets, plain 4-bit, and

@@ -68,6 +68,7 @@ def _timed(
         result.update(
             max_draft=strategy.max_draft,
             verifies=stats.steps,
+            pipeline_exits=stats.pipeline_exits,
             tokens_per_verify=round(stats.tokens_per_step, 3),
             acceptance=round(stats.acceptance_rate, 3),
         )

@@ -144,25 +144,10 @@ class Mamba2Mixer(nn.Module):
         proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
         gate, xbc, dt = mx.split(proj, [self.inner, self.inner + self.conv_dim], axis=-1)
         conv_in = mx.concatenate([conv_state, xbc], axis=1)
-        step = mamba_step if kernels.enabled("mamba", self.kernel_options) else mamba_step_reference
-        out, state = step(
-            conv_in,
-            self.conv1d.weight,
-            self.conv1d.get("bias"),
-            dt,
-            self.dt_bias,
-            self.A_log,
-            self.D,
-            gate,
-            self.norm.weight,
-            s0,
-            heads=self.heads,
-            head_dim=self.head_dim,
-            groups=self.groups,
-            state_size=self.state_size,
-            time_step_limit=self.limit,
-            norm_eps=self.norm.eps,
-        )
+        out, state = self._step_fn()(
+            conv_in, self.conv1d.weight, self.conv1d.get("bias"), dt, self.dt_bias, self.A_log, self.D,
+            gate, self.norm.weight, s0, **self._dims,
+        )  # fmt: skip
         y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
         return y, conv_in, state, dt
 
@@ -177,16 +162,24 @@ class Mamba2Mixer(nn.Module):
         return ReplayRecord(conv_in, self.kernel, replay, fn=self.chain_replay, args=(conv_in, s0, dt))
 
     def chain_replay(self, mask: mx.array, conv_in: mx.array, s0: mx.array, dt: mx.array) -> mx.array:
-        """The state after the masked tokens of a `chain` call, from its conv rows, s0 and dt."""
+        """The state after the masked tokens of a `chain` call, from its conv rows, s0 and dt: the
+        chain's own step function under the mask (dt = 0 on dropped tokens), so the state equals
+        decoding only the kept tokens bit for bit, as a chunked scan would not."""
         B, T = dt.shape[:2]
-        conv_out = causal_conv(conv_in, self.conv1d.weight, self.conv1d.get("bias"))
-        xs, Bm, Cm = mx.split(
-            nn.silu(conv_out), [self.inner, self.inner + self.groups * self.state_size], axis=-1
-        )
-        xs = xs.reshape(B, T, self.heads, self.head_dim)
-        Bm = Bm.reshape(B, T, self.groups, self.state_size)
-        Cm = Cm.reshape(B, T, self.groups, self.state_size)
-        step = ssm_dt(dt, self.dt_bias, self.limit, None)
-        return ssm_scan(
-            xs, step * mask[..., None], self.A_log, Bm, Cm, self.D, s0, chunk=self.kernel_options.ssd_chunk
-        )[1]
+        gate = mx.zeros((B, T, self.inner), conv_in.dtype)  # the output is not read, only the state
+        return self._step_fn()(
+            conv_in, self.conv1d.weight, self.conv1d.get("bias"), dt, self.dt_bias, self.A_log, self.D,
+            gate, self.norm.weight, s0, **self._dims, mask=mask,
+        )[1]  # fmt: skip
+
+    def _step_fn(self):
+        """The fused kernel where the `mamba` family is on (it falls back itself where none runs),
+        else the op-by-op step: one choice for decode steps, chains and their replays."""
+        return mamba_step if kernels.enabled("mamba", self.kernel_options) else mamba_step_reference
+
+    @property
+    def _dims(self) -> dict:
+        return dict(
+            heads=self.heads, head_dim=self.head_dim, groups=self.groups, state_size=self.state_size,
+            time_step_limit=self.limit, norm_eps=self.norm.eps,
+        )  # fmt: skip

@@ -18,12 +18,17 @@ def causal_conv_reference(conv_in: mx.array, weight: mx.array, bias: mx.array | 
 
 
 def causal_conv(conv_in: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """Same as `causal_conv_reference`; one multiply-add for a decode step, `mx.conv1d` otherwise."""
+    """`causal_conv_reference`, each output row summed in float32 over the K taps in order and
+    rounded once to the input's dtype: a row's value does not depend on how many rows the call
+    computes, so a verify's rows equal decode steps' bit for bit (greedy speculation writes what
+    plain decoding writes in bf16 too). K shifted multiply-adds; under `mx.compile` one kernel."""
     K = weight.shape[1]
-    if conv_in.shape[1] == K:  # T == 1: a dot product per channel beats a conv dispatch
-        out = (conv_in * weight[:, :, 0].T).sum(axis=1, keepdims=True)
-    else:
-        out = mx.conv1d(conv_in, weight, groups=conv_in.shape[-1])
+    T = conv_in.shape[1] - (K - 1)
+    w = weight[:, :, 0].T.astype(mx.float32)  # [K, C]
+    out = conv_in[:, :T].astype(mx.float32) * w[0]
+    for j in range(1, K):
+        out = out + conv_in[:, j : j + T].astype(mx.float32) * w[j]
+    out = out.astype(conv_in.dtype)
     return out if bias is None else out + bias
 
 

@@ -85,6 +85,7 @@ class SpeculativeStats:
     accepted: int = 0
     emitted: int = 0  # tokens returned (accepted drafts + one from the target per row)
     rows: int = 0  # sequence-steps
+    pipeline_exits: int = 0  # times a sequence's draft took the engine out of pipelined plain steps
 
     @property
     def acceptance_rate(self) -> float:
@@ -153,7 +154,9 @@ class SpeculativeDecode:
         if not sequences:
             return False
         self._forget_finished(sequences)
+        was_pipelined = self._pipelined
         self._pipelined = not any(self._would_verify(self._state(seq)) for seq in sequences)
+        self.stats.pipeline_exits += was_pipelined and not self._pipelined
         return self._pipelined
 
     def _would_verify(self, state: _SequenceState) -> bool:
