@@ -263,9 +263,9 @@ case "$part" in
   verify-diff)
     : > "$out/verify-diff.log"
     timeout "${DIFF_TIMEOUT:-150}" $py lab/verify_vs_decode.py --dtypes bfloat16 \
-      --variants default KAPITSA_KERNELS=none KAPITSA_COMPILE_DECODE=0 >> "$out/verify-diff.log" 2>&1
+      --variants default KAPITSA_EXACT_VERIFY=1 KAPITSA_KERNELS=none >> "$out/verify-diff.log" 2>&1
     timeout "${DIFF_TIMEOUT:-150}" $py lab/verify_vs_decode.py --dtypes bfloat16 --small --quantize \
-      --variants default KAPITSA_KERNELS=none KAPITSA_QLINEAR=stock >> "$out/verify-diff.log" 2>&1
+      --variants default KAPITSA_EXACT_VERIFY=1 KAPITSA_QLINEAR=stock >> "$out/verify-diff.log" 2>&1
     grep -oE '"kind[^}]*first_kind": [^,]*|"after_rollback": [^}]*}|Error.*' "$out/verify-diff.log"
     ;;
   flint)

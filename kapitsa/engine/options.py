@@ -53,6 +53,11 @@ class KernelOptions:
     fold_shared_experts: bool = False  # shared experts folded into the routed stack as extra experts
     compile_decode: bool = True  # plain decode steps run as mx.compile'd layer functions
     moe_max_pairs: int = DEFAULT_MOE_MAX_PAIRS  # (token, expert) pairs the MoE decode kernels take, at most
+    # a speculative verify's quantized linears (up to MAX_ROWS rows, their fused norm and residual
+    # included) through the one-row kernel a decode step uses, whose rows do not depend on how many
+    # it computes: greedy speculation then writes plain decoding's tokens in bf16 on CUDA too, where
+    # the tensor-core kernel's verify rows round differently (ops/linear.py)
+    exact_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.families is not None and not self.families <= set(KERNEL_FAMILIES):
@@ -64,6 +69,12 @@ class KernelOptions:
         if not 0 <= self.moe_max_pairs <= MOE_KERNEL_PAIRS:
             raise ValueError(f"moe_max_pairs must be between 0 and {MOE_KERNEL_PAIRS}")
 
+    @property
+    def moe_pairs(self) -> int:
+        """The pair limit a model's MoE layers give the expert decode kernels: with exact_verify all
+        they take, so a verify's tokens go through the kernels a decode step's token does."""
+        return MOE_KERNEL_PAIRS if self.exact_verify else self.moe_max_pairs
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> KernelOptions:
         """The options the `KAPITSA_*` lab variables name; unset ones keep their defaults.
@@ -71,7 +82,7 @@ class KernelOptions:
         KAPITSA_KERNELS: "all", "none" or a comma list of KERNEL_FAMILIES; KAPITSA_FUSED_NORMS: "0",
         "all" or a comma list of FUSED_PARTS; KAPITSA_QLINEAR=stock; KAPITSA_MOE_DEQUANT=0;
         KAPITSA_SSD_CHUNK=N; KAPITSA_FOLD_SHARED_EXPERTS=1; KAPITSA_COMPILE_DECODE=0;
-        KAPITSA_MOE_MAX_PAIRS=N (0-72)."""
+        KAPITSA_MOE_MAX_PAIRS=N (0-72); KAPITSA_EXACT_VERIFY=1."""
         values: dict = {}
         if kernels := environ.get("KAPITSA_KERNELS", "").strip().lower():
             values["families"] = _names(kernels, KERNEL_FAMILIES, "KAPITSA_KERNELS")
@@ -95,6 +106,8 @@ class KernelOptions:
             values["fold_shared_experts"] = True
         if _switch(environ, "KAPITSA_COMPILE_DECODE") is False:
             values["compile_decode"] = False
+        if _switch(environ, "KAPITSA_EXACT_VERIFY"):
+            values["exact_verify"] = True
         return cls(**values)
 
 

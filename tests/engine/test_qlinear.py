@@ -332,3 +332,50 @@ def test_glu_linear_fuses_only_with_its_part(fused_route, monkeypatch, parts) ->
         ("fused", 1, ("glu", "norm") if "norm" in parts else ("glu",))
     ]
     assert qlinear.glu_linear(linear, mx.random.normal((1, 2, 128)), norm) is None  # two rows: the ops
+
+
+def test_exact_verify_takes_the_one_row_routes_up_to_eight_rows(fused_route) -> None:
+    """With exact_verify a verify's rows (2-8) take the decode step's one-row kernel, its fused norm
+    and residual included; past eight rows, and without the option, they do not."""
+    model = _model()
+    qlinear.route_quantized_linears(model, KernelOptions(exact_verify=True))
+    linear = model.layers[0]
+    norm = nn.RMSNorm(128, eps=1e-5)
+    for rows, fused in ((4, True), (8, True), (9, False)):
+        fused_route.clear()
+        x = mx.random.normal((1, rows, 128))
+        got = qlinear.normed_linear(norm, linear, x)
+        assert mx.allclose(got, linear(norm(x)), atol=1e-4).item()
+        qlinear.linear_plus(linear, x, mx.zeros((1, rows, 64)))
+        assert (("fused", rows, ("norm",)) in fused_route) is fused
+        assert (("fused", rows, ("residual",)) in fused_route) is fused
+    assert qlinear.route_for(5, linear, mx.zeros((5, 128))) == "one_row"
+    qlinear.route_quantized_linears(model, DEFAULTS)
+    assert qlinear.route_for(5, linear, mx.zeros((5, 128))) != "one_row"
+
+
+def test_rows_apart_gives_each_row_a_product_of_its_own(monkeypatch, on_cpu) -> None:
+    """On CUDA a verify's 2-16 rows reach MLX as a batch of one-row products (its matrix-vector
+    kernel, as a decode step's row); one row, and 17+, go as they are."""
+    seen = []
+    w = mx.random.normal((32, 128))
+
+    def product(x):
+        seen.append(x.shape)
+        return x @ w.T
+
+    monkeypatch.setattr(qlinear, "backend", lambda: "cuda")
+    for shape, passed in (
+        ((1, 5, 128), (1, 5, 1, 128)),
+        ((1, 1, 128), (1, 1, 128)),
+        ((1, 17, 128), (1, 17, 128)),
+    ):
+        seen.clear()
+        x = mx.random.normal(shape)
+        got = qlinear.rows_apart(product, x)
+        assert seen == [passed] and got.shape == (*shape[:-1], 32)
+        assert mx.allclose(got, x @ w.T, atol=1e-5).item()
+    monkeypatch.setattr(qlinear, "backend", lambda: None)
+    seen.clear()
+    qlinear.rows_apart(product, mx.zeros((1, 5, 128)))
+    assert seen == [(1, 5, 128)]  # off CUDA: as it is

@@ -19,6 +19,7 @@ from engine_standins import ByteTokenizer, tiny_model  # noqa: I001
 from mlx.utils import tree_flatten
 from test_speculative_engine import PROMPTS, OracleDrafter, _client, _run
 
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.speculative.decoder import SpeculativeDecode
 
 N = 256
@@ -27,7 +28,8 @@ N = 256
 async def _outputs(model, strategy=None, *, together: int = 0, n: int = N) -> list[list[int]]:  # noqa: ANN001
     """Each prompt's greedy ids, one request after another (`together`: that many at once)."""
     # no float32 copy of the weights on the CPU (the engine's default there): bf16 arithmetic
-    client = _client(model, strategy, cpu_float32_bytes=0)
+    # (exact_verify: on CUDA a verify's linears take the decode step's one-row routes)
+    client = _client(model, strategy, cpu_float32_bytes=0, kernels=KernelOptions(exact_verify=True))
     try:
         if together:
             runs = await asyncio.gather(*(_run(client, p, n=n) for p in PROMPTS[:together]))

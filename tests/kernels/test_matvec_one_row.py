@@ -264,3 +264,26 @@ def test_gpu_glu_matches_reference(n, k) -> None:
     kw = dict(group_size=64, bits=4, norm=(nw, 1e-6), glu=True)
     ref = one_row.qmv_one_row_reference(x, q, s, b, **kw).astype(mx.float32)
     assert _rel_err(one_row.qmv_one_row(x, q, s, b, **kw), ref) < 1e-2
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize("rows,fused", [(2, False), (5, True), (8, True)])
+def test_emulated_rows_equal_one_row_calls_bit_for_bit(on_cpu, monkeypatch, tmp_path, rows, fused) -> None:
+    """A call of several rows (a verify's, KernelOptions.exact_verify) computes each row exactly as
+    a one-row call (a decode step's) does, at its own launch shape, fused norm and residual too:
+    what makes greedy speculation write plain decoding's tokens in bf16."""
+    n, k, gs, bits = 20, 1152, 64, 4
+    q, s, b = _weights(n, k, gs, bits)
+    x = (mx.random.normal((rows, k)) * 3).astype(mx.bfloat16)
+    nw = (1 + 0.3 * mx.random.normal((k,))).astype(mx.bfloat16)
+    res = mx.random.normal((rows, n)).astype(mx.bfloat16)
+    monkeypatch.setattr(one_row, "_KERNEL", Emulated(one_row._KERNEL, cuda_host_translation, tmp_path))
+
+    def call(i: slice):
+        kw = dict(norm=(nw, 1e-6), residual=res[i]) if fused else {}
+        return one_row.qmv_one_row(x[i], q, s, b, group_size=gs, bits=bits, **kw)
+
+    together = call(slice(0, rows))
+    alone = mx.concatenate([call(slice(i, i + 1)) for i in range(rows)])
+    assert one_row.SHAPE_BY_ROWS[rows] != one_row.SHAPE_BY_ROWS[1]  # other launch shapes, same rows
+    assert mx.array_equal(together, alone).item()

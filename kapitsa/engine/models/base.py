@@ -43,7 +43,7 @@ from kapitsa.engine.kernels.attention import usable as attention_usable
 from kapitsa.engine.loading.fuse import fuse_into, normed_projections, projections
 from kapitsa.engine.models.media import MediaChunk
 from kapitsa.engine.ops import device_queue, prefill_attention
-from kapitsa.engine.ops.linear import linear_plus, normed_linear
+from kapitsa.engine.ops.linear import linear_plus, normed_linear, rows_apart
 from kapitsa.engine.ops.rope import Rope
 from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.traces import compiled
@@ -193,16 +193,41 @@ class Attention(nn.Module):
         keys, values = cache.update(k, v, info)
         if isinstance(cache, QuantizedKVCache):
             return cache.attention(q, keys, values, info, scale=self.scale), (() if gate is None else (gate,))
-        if (
+        decode_kernel = (
             kernels.enabled("attn", self.kernel_options)
-            and info.T == 1
             and info.parents is None
             and info.uniform_offsets
             and attention_usable(q, cache.keys, cache.values)
-        ):
+        )
+        if self.kernel_options.exact_verify and info.T > 1 and info.parents is None and info.uniform_offsets:
+            return self._attend_as_decode_steps(q, keys, values, info, cache, gate, decode_kernel)
+        if decode_kernel and info.T == 1:
             out = decode_attention(q, cache.keys, cache.values, info.kv_len, scale=self.scale, gate=gate)
             return out, ()
         return self._sdpa(q, keys, values, info), (() if gate is None else (gate,))
+
+    def _attend_as_decode_steps(
+        self, q, keys, values, info: StepInfo, cache: KVCache, gate, decode_kernel: bool
+    ) -> tuple[mx.array, tuple[mx.array, ...]]:
+        """A verify's query rows one at a time, each over the keys a decode step at its position
+        sees and through the call that step makes (KernelOptions.exact_verify): the same kernel on
+        the same inputs, so the same bits. One attention call per row."""
+        T, before = info.T, info.kv_len - info.T
+        rows = []
+        for t in range(T):
+            length = before + t + 1
+            if decode_kernel:
+                rows.append(
+                    decode_attention(
+                        q[:, :, t : t + 1], cache.keys, cache.values, length, scale=self.scale,
+                        gate=None if gate is None else gate[:, t : t + 1],
+                    )
+                )  # fmt: skip
+            else:
+                one = full_step(q.shape[0], 1)
+                rows.append(self._sdpa(q[:, :, t : t + 1], keys[:, :, :length], values[:, :, :length], one))
+        out = mx.concatenate(rows, axis=1)
+        return out, (() if decode_kernel or gate is None else (gate,))
 
     def finish(self, out: mx.array, gate: mx.array | None, residual: mx.array | None = None) -> mx.array:
         """The output projection of the gated attention output (+ `residual`, fused at decode)."""
@@ -328,6 +353,7 @@ class HybridLM(nn.Module):
     `make_layer_cache(layer)`; each layer is called as `layer(h, info, layer_cache)`."""
 
     kv_bits: int | None = None  # attention K/V stored at 8 or 4 bits (use_kv_bits); None: as computed
+    kernel_options = KernelOptions()  # the engine's, given by use_kernel_options (exact_verify: logits)
 
     def __call__(
         self,
@@ -396,8 +422,12 @@ class HybridLM(nn.Module):
         return self.backbone_parts()[2](hidden)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """Pre-norm hidden states `[..., hidden]` -> logits `[..., vocab]`."""
-        return self.head()(self.final_norm(hidden))
+        """Pre-norm hidden states `[..., hidden]` -> logits `[..., vocab]`; with exact_verify a
+        verify's rows through the head one row per product (rows_apart), as decode steps' are."""
+        normed = self.final_norm(hidden)
+        if self.kernel_options.exact_verify:
+            return rows_apart(self.head(), normed)
+        return self.head()(normed)
 
     def make_cache(self, batch_size: int = 1) -> HybridCache:
         layers = [self.make_layer_cache(layer) for layer in self.layers]

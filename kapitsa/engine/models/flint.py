@@ -133,7 +133,7 @@ class FlintMoe(nn.Module):
         if folded is not None:  # the shared expert rides along as expert(s) at score 1
             inds, weights = shared_slots(inds, weights, *folded, 1.0)
         if kernels.enabled("moe", self.kernel_options):  # routed experts' weights read once per step
-            out = routed_experts(self.switch_mlp, x, inds, weights, self.kernel_options.moe_max_pairs)
+            out = routed_experts(self.switch_mlp, x, inds, weights, self.kernel_options.moe_pairs)
         else:
             out = (self.switch_mlp(x, inds) * weights[..., None]).sum(axis=-2).astype(x.dtype)
         if "shared_expert" in self:

@@ -212,22 +212,34 @@ class GatedDeltaNet(nn.Module):
         model's op-by-op math: one choice for decode, chains and their replays."""
         return gdn_step if kernels.enabled("gdn", self.kernel_options) else gdn_step_reference
 
-    def chain(self, x: mx.array, conv_state: mx.array, s0: mx.array) -> tuple[mx.array, ...]:
+    def chain(
+        self,
+        x: mx.array,
+        conv_state: mx.array,
+        s0: mx.array,
+        *,
+        norm: nn.Module | None = None,
+        residual: mx.array | None = None,
+    ) -> tuple[mx.array, ...]:
         """T tokens of a chain (no padding) through the fused kernel, as a pure function:
-        (out, conv_in, state, *replay inputs) — the fused projection, or z, b, a (`chain_record`)."""
+        (out, conv_in, state, *replay inputs) — the fused projection, or z, b, a (`chain_record`).
+        Of norm(x) when `norm` is given, residual + out when `residual` is: the calls `decode`
+        makes, so a verify's rows take the decode step's routes where they are exact
+        (KernelOptions.exact_verify)."""
         if "in_proj" in self and not self.packed:
-            proj = self.in_proj(x)
+            proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
             qkv, extra = proj[..., : self.conv_dim], (proj,)
             z, b, a = projection_views(proj, packed=False, **self._heads)
         else:
-            qkv, z, b, a = self._project(x)
+            qkv, z, b, a = self._project(x if norm is None else norm(x))
             extra = (z, b, a)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
         out, state = self._step()(
             conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
             **self._heads, norm_eps=self.norm.eps,
         )  # fmt: skip
-        return (self.out_proj(out), conv_in, state, *extra)  # out: [B, T, Hv*Dv]
+        y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
+        return (y, conv_in, state, *extra)  # out: [B, T, Hv*Dv]
 
     def chain_record(self, conv_in: mx.array, s0: mx.array, extra: list[mx.array]) -> ReplayRecord:
         """The rollback record of a `chain` call: the kernel again from s0 under the kept mask."""

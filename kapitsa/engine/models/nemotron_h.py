@@ -139,7 +139,7 @@ class MoE(nn.Module):
         if kernels.enabled(
             "moe", self.kernel_options
         ):  # routed experts' weights read once per step (kernels/moe.py)
-            y = routed_experts(self.switch_mlp, routed_in, inds, weights, self.kernel_options.moe_max_pairs)
+            y = routed_experts(self.switch_mlp, routed_in, inds, weights, self.kernel_options.moe_pairs)
         else:
             y = self.switch_mlp(routed_in, inds)
             y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)

@@ -101,8 +101,11 @@ class DecoderLayer(nn.Module):
         return out
 
     def _linear_chain(self, x: mx.array, conv: mx.array, state: mx.array):
-        y, conv_in, state, *extra = self.linear_attn.chain(self.input_layernorm(x), conv, state)
-        return (self._mlp_residual(x + y), conv_in, state, *extra)
+        # the decode step's calls (input norm and residual add in the projections), for T tokens
+        h, conv_in, state, *extra = self.linear_attn.chain(
+            x, conv, state, norm=self.input_layernorm, residual=x
+        )
+        return (self._mlp_residual(h), conv_in, state, *extra)
 
     def _linear_step(self, x: mx.array, conv: mx.array, state: mx.array):
         # the input norm and the residual add go into the projections (one kernel each at decode)

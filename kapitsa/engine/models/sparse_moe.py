@@ -121,7 +121,7 @@ class SparseMoe(nn.Module):
         if kernels.enabled(
             "moe", self.kernel_options
         ):  # routed experts' weights read once per step (kernels/moe.py)
-            routed = routed_experts(self.switch_mlp, x, inds, scores, self.kernel_options.moe_max_pairs)
+            routed = routed_experts(self.switch_mlp, x, inds, scores, self.kernel_options.moe_pairs)
         else:
             routed = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
         if folded is not None:

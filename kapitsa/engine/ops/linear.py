@@ -9,6 +9,8 @@ docs/results.md):
   bf16, 4-bit, group 64/128; 10.1 ms against stock's 53.9 at 4 rows), its two-block variant past
   8 rows;
 - other 1-8 row calls (8-bit, fp16/fp32 activations): the general kernel (kernels/matvec.py);
+- with `KernelOptions.exact_verify`, 2-8 rows take the one-row kernel too (fused parts included):
+  its rows come out bit for bit as one-row calls would, which the tensor-core kernel's do not;
 - prefill (from DEQUANT_MIN_ROWS rows): the weights dequantized to the activation dtype and a
   dense mat-mul, which outruns stock `quantized_matmul` there (the dense copy is transient);
 - anything else: MLX's stock layer.
@@ -114,7 +116,8 @@ def route_for(rows: int, layer: RoutedQuantizedLinear, x: mx.array) -> str:
             return "stock"
         args = (x, layer["weight"], layer["scales"], layer.get("biases"))
         quant = dict(group_size=layer.group_size, bits=layer.bits)
-        if rows == 1 and WORKING.get("one_row") and supports_one_row(*args, **quant):
+        one_row = rows == 1 or layer.kernel_options.exact_verify
+        if one_row and WORKING.get("one_row") and supports_one_row(*args, **quant):
             return "one_row"
         if WORKING.get("tensor_core") and supports_tensor_core(*args, **quant):
             return "tensor_core"
@@ -161,16 +164,19 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
 
 def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
     """The fused kernel ("fused": the one-row kernel with prologue / epilogue) that may take the
-    one-row call `linear(x)` with `part` (one of FUSED_PARTS) switched on, or None."""
+    call `linear(x)` with `part` (one of FUSED_PARTS) switched on, or None: one-row calls, and
+    with `exact_verify` calls of up to MAX_ROWS rows (a verify computes what decode steps do)."""
     if not (
         isinstance(linear, RoutedQuantizedLinear)
         and part in linear.kernel_options.fused_parts
         and "bias" not in linear
         and routes_enabled(linear.kernel_options)
-        and math.prod(x.shape[:-1]) == 1
     ):
         return None
-    if route_for(1, linear, x) != "one_row" or not WORKING.get("fused", False):
+    rows = math.prod(x.shape[:-1])
+    if rows > (MAX_ROWS if linear.kernel_options.exact_verify else 1):
+        return None
+    if route_for(rows, linear, x) != "one_row" or not WORKING.get("fused", False):
         return None
     return "fused"
 
@@ -245,15 +251,33 @@ def act_linear_plus(
 
 
 class RoutedLinear(nn.Linear):
-    """`nn.Linear` whose many-row products take the CPU BLAS route (kernels/cpu_blas.py); dense
-    linears are re-classed on the CPU device only."""
+    """`nn.Linear` whose many-row products take the CPU BLAS route (kernels/cpu_blas.py), and with
+    `exact_verify` on CUDA whose 2-16 row products run one row per matrix-vector product, as a
+    decode step's do (a many-row product is a GEMM there, whose rows round differently). Dense
+    linears are re-classed on the CPU device, and on CUDA with exact_verify."""
 
     keeps_dense_copy = False
+    kernel_options = KernelOptions()  # set per layer by route_quantized_linears
 
     def __call__(self, x: mx.array) -> mx.array:
         if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
             return y
+        if self.kernel_options.exact_verify:
+            return self.row_by_row(x)
         return super().__call__(x)
+
+    def row_by_row(self, x: mx.array) -> mx.array:
+        return rows_apart(super().__call__, x)
+
+
+def rows_apart(product: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+    """`product(x)` with each of x's 2-16 rows a one-row product of its own (`[..., 1, K]`, a batch
+    of matrix-vector products), on CUDA: MLX computes a one-row product (a decode step's) with a
+    matrix-vector kernel and a many-row one with a GEMM, whose rows round differently; elsewhere,
+    or past 16 rows, `product(x)` as it is. The weights are read once per row."""
+    if backend() != "cuda" or not 1 < math.prod(x.shape[:-1]) <= TENSOR_CORE_MAX_ROWS:
+        return product(x)
+    return product(x[..., None, :])[..., 0, :]
 
 
 ROUTED = {nn.QuantizedLinear: RoutedQuantizedLinear, nn.Linear: RoutedLinear}
@@ -267,7 +291,9 @@ def route_quantized_linears(model: nn.Module, options: KernelOptions, *, dense_c
     if routes_enabled(options):
         probe_kernels(options)
     count, kept = 0, 0
-    routes = ROUTED if cpu_blas.on_cpu() else {nn.QuantizedLinear: RoutedQuantizedLinear}
+    routes = (
+        ROUTED if cpu_blas.on_cpu() or options.exact_verify else {nn.QuantizedLinear: RoutedQuantizedLinear}
+    )
     for _, sub in model.named_modules():
         routed = routes.get(type(sub))
         if routed is None and not isinstance(sub, tuple(ROUTED.values())):
@@ -275,7 +301,7 @@ def route_quantized_linears(model: nn.Module, options: KernelOptions, *, dense_c
         if routed is not None:
             sub.__class__ = routed
             count += 1
-        if isinstance(sub, RoutedQuantizedLinear):
+        if isinstance(sub, (RoutedQuantizedLinear, RoutedLinear)):
             sub.kernel_options = options
         copy_bytes = cpu_blas.dense_bytes(sub)
         sub.keeps_dense_copy = kept + copy_bytes <= dense_copy_bytes

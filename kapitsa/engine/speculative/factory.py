@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kapitsa.engine.kernels import backend
+from kapitsa.engine.kernels.matvec import MAX_ROWS
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.options import SPECULATIVE_MODES, KernelOptions
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
@@ -20,6 +21,9 @@ from kapitsa.engine.speculative.draft_model import DraftModelDrafter
 from kapitsa.engine.speculative.mtp import MTPDrafter
 from kapitsa.engine.speculative.ngram import NGramDrafter
 from kapitsa.errors import InvalidRequest
+
+# With KernelOptions.exact_verify a verify's rows take the one-row kernel, which takes MAX_ROWS rows.
+EXACT_MAX_DRAFT = MAX_ROWS - 1
 
 MODES = SPECULATIVE_MODES
 
@@ -47,6 +51,8 @@ def make_decode_strategy(
     if mode == "none":
         return PlainDecode()
     max_draft = draft_tokens or DEFAULT_MAX_DRAFT
+    if kernels is not None and kernels.exact_verify:  # verifies of at most MAX_ROWS rows stay exact
+        max_draft = min(max_draft, EXACT_MAX_DRAFT)
     for drafter in (draft_model, block_drafter):
         if kernels is not None and drafter is not None:
             use_kernel_options(drafter, kernels)
@@ -131,7 +137,8 @@ def strategy_for(
         kernels=kernels,
     )
     if isinstance(strategy, SpeculativeDecode) and strategy.adaptive:
-        strategy.cost_curve = _served_cost_curve(target_model, strategy, may_lengthen=draft_tokens is None)
+        may_lengthen = draft_tokens is None and not (kernels is not None and kernels.exact_verify)
+        strategy.cost_curve = _served_cost_curve(target_model, strategy, may_lengthen=may_lengthen)
     return strategy
 
 
