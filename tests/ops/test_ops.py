@@ -90,7 +90,7 @@ def test_ssm_zero_dt_is_identity_and_limits_clip():
     assert padded[0, 1].sum().item() == 0.0
 
 
-@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("T", [1, 6, 40])
 def test_causal_conv_paths_equal_reference(T):
     mx.random.seed(2)
     conv_in = mx.random.normal((2, 3 + T, 12))
@@ -99,6 +99,19 @@ def test_causal_conv_paths_equal_reference(T):
     assert _close(
         causal_conv(conv_in, w), nn.Conv1d(12, 12, 4, groups=12, bias=False).update({"weight": w})(conv_in)
     )
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_causal_conv_rows_do_not_depend_on_the_row_count(dtype):
+    """Each decode step's conv row equals the verify's (and a prefill's) row at that position, bit
+    for bit: greedy speculation writes plain decoding's tokens only if they do."""
+    mx.random.seed(3)
+    conv_in = (mx.random.normal((2, 3 + 40, 64)) * 2).astype(dtype)
+    w = mx.random.normal((64, 4, 1)).astype(dtype)
+    for T in (8, 40):  # a verify's short form and a prefill's long one
+        many = causal_conv(conv_in[:, : 3 + T], w)
+        for t in range(T):
+            assert mx.array_equal(causal_conv(conv_in[:, t : t + 4], w)[:, 0], many[:, t]).item(), (T, t)
 
 
 def test_conv_state_after_takes_each_rows_window():
