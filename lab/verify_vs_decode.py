@@ -25,14 +25,15 @@ from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.testing.tiny import tiny_config
 from lab.models_under_test import prompt_ids, quantizable, random_routers
 
-# widths the CUDA mat-vec kernels take (K a multiple of 256), with the tiny models' layer pattern
+# widths the CUDA mat-vec kernels take (K a multiple of 256), with the tiny models' layer pattern;
+# Qwen's head size is its checkpoints' 256, which takes kapitsa's attention decode kernel on CUDA
 SMALL = {
     "qwen3_5": dict(
         hidden_size=512,
         intermediate_size=1024,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=128,
+        head_dim=256,
         linear_num_key_heads=4,
         linear_num_value_heads=8,
         linear_key_head_dim=64,

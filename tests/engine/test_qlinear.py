@@ -354,9 +354,10 @@ def test_exact_verify_takes_the_one_row_routes_up_to_eight_rows(fused_route) -> 
     assert qlinear.route_for(5, linear, mx.zeros((5, 128))) != "one_row"
 
 
-def test_rows_apart_gives_each_row_a_product_of_its_own(monkeypatch, on_cpu) -> None:
-    """On CUDA a verify's 2-16 rows reach MLX as a batch of one-row products (its matrix-vector
-    kernel, as a decode step's row); one row, and 17+, go as they are."""
+def test_rows_apart_gives_each_token_a_call_of_its_own(monkeypatch, on_cpu) -> None:
+    """On CUDA a verify's 2-16 tokens reach the product as one call per token, `[..., 1, K]` (MLX
+    folds leading axes into a GEMM's rows, so a batch axis would not do); one token, and 17+, go
+    as they are."""
     seen = []
     w = mx.random.normal((32, 128))
 
@@ -365,17 +366,34 @@ def test_rows_apart_gives_each_row_a_product_of_its_own(monkeypatch, on_cpu) -> 
         return x @ w.T
 
     monkeypatch.setattr(qlinear, "backend", lambda: "cuda")
-    for shape, passed in (
-        ((1, 5, 128), (1, 5, 1, 128)),
-        ((1, 1, 128), (1, 1, 128)),
-        ((1, 17, 128), (1, 17, 128)),
+    for shape, calls in (
+        ((2, 5, 128), [(2, 1, 128)] * 5),
+        ((1, 1, 128), [(1, 1, 128)]),
+        ((1, 17, 128), [(1, 17, 128)]),
     ):
         seen.clear()
         x = mx.random.normal(shape)
         got = qlinear.rows_apart(product, x)
-        assert seen == [passed] and got.shape == (*shape[:-1], 32)
+        assert seen == calls and got.shape == (*shape[:-1], 32)
         assert mx.allclose(got, x @ w.T, atol=1e-5).item()
     monkeypatch.setattr(qlinear, "backend", lambda: None)
     seen.clear()
     qlinear.rows_apart(product, mx.zeros((1, 5, 128)))
     assert seen == [(1, 5, 128)]  # off CUDA: as it is
+
+
+def test_exact_verify_of_a_batch_calls_each_token_as_its_decode_step(fused_route, monkeypatch) -> None:
+    """Several sequences' verify (B > 1): each token's B rows as one call, the batch's decode step;
+    one sequence: one fused call of its T rows."""
+    monkeypatch.setattr(qlinear, "backend", lambda: "cuda")
+    model = _model()
+    qlinear.route_quantized_linears(model, KernelOptions(exact_verify=True))
+    linear, norm = model.layers[0], nn.RMSNorm(128, eps=1e-5)
+    x = mx.random.normal((3, 4, 128))
+    got = qlinear.normed_linear(norm, linear, x)
+    assert mx.allclose(got, linear(norm(x)), atol=1e-4).item()
+    assert [c for c in fused_route if c[0] != "fused"][:4] == [("one_row", 3, ())] * 4
+    assert all(c[0] != "fused" for c in fused_route)
+    fused_route.clear()
+    qlinear.normed_linear(norm, linear, x[:1])
+    assert fused_route == [("fused", 4, ("norm",))]

@@ -193,13 +193,13 @@ class Attention(nn.Module):
         keys, values = cache.update(k, v, info)
         if isinstance(cache, QuantizedKVCache):
             return cache.attention(q, keys, values, info, scale=self.scale), (() if gate is None else (gate,))
-        decode_kernel = (
+        decode_kernel = (  # (checked on one query row: the kernel's, at decode and per verify row)
             kernels.enabled("attn", self.kernel_options)
             and info.parents is None
             and info.uniform_offsets
-            and attention_usable(q, cache.keys, cache.values)
+            and attention_usable(q[:, :, :1], cache.keys, cache.values)
         )
-        if self.kernel_options.exact_verify and info.T > 1 and info.parents is None and info.uniform_offsets:
+        if self.kernel_options.exact_verify and info.T > 1 and info.parents is None:
             return self._attend_as_decode_steps(q, keys, values, info, cache, gate, decode_kernel)
         if decode_kernel and info.T == 1:
             out = decode_attention(q, cache.keys, cache.values, info.kv_len, scale=self.scale, gate=gate)
@@ -210,12 +210,14 @@ class Attention(nn.Module):
         self, q, keys, values, info: StepInfo, cache: KVCache, gate, decode_kernel: bool
     ) -> tuple[mx.array, tuple[mx.array, ...]]:
         """A verify's query rows one at a time, each over the keys a decode step at its position
-        sees and through the call that step makes (KernelOptions.exact_verify): the same kernel on
-        the same inputs, so the same bits. One attention call per row."""
+        sees (the batch's step t: every row's offset + t, its mask where offsets differ) and
+        through the call that step makes (KernelOptions.exact_verify): the same kernel on the same
+        inputs, so the same bits. One attention call per token."""
         T, before = info.T, info.kv_len - info.T
         rows = []
         for t in range(T):
             length = before + t + 1
+            step = StepInfo(1, [1] * q.shape[0], [offset + t for offset in info.offsets])
             if decode_kernel:
                 rows.append(
                     decode_attention(
@@ -224,8 +226,7 @@ class Attention(nn.Module):
                     )
                 )  # fmt: skip
             else:
-                one = full_step(q.shape[0], 1)
-                rows.append(self._sdpa(q[:, :, t : t + 1], keys[:, :, :length], values[:, :, :length], one))
+                rows.append(self._sdpa(q[:, :, t : t + 1], keys[:, :, :length], values[:, :, :length], step))
         out = mx.concatenate(rows, axis=1)
         return out, (() if decode_kernel or gate is None else (gate,))
 

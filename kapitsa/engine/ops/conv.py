@@ -19,20 +19,23 @@ def causal_conv_reference(conv_in: mx.array, weight: mx.array, bias: mx.array | 
 
 # Up to this many tokens (decode steps and speculative verifies) the rows are one reduction over
 # the K taps of a strided window view: a primitive whose per-row arithmetic does not depend on the
-# row count, so a verify's rows equal decode steps' bit for bit. Longer calls (prefill) add the K
-# shifted products in float32, which one compiled kernel fuses (~6x faster than the reduction at
-# 2048 tokens on the CPU); on the CPU both give the same bits (a sequential float32 sum from tap 0).
+# row count, so a verify's rows equal decode steps' bit for bit. Longer calls (prefill) need not
+# match them: on the CPU they add the K shifted products in float32 (the same bits as the reduction
+# there, a sequential float32 sum from tap 0; 3-4x faster than `mx.conv1d`, whose CPU depthwise
+# kernel is slow), on a GPU they keep `mx.conv1d`, one kernel.
 SHORT_CONV_TOKENS = 16
 
 
 def causal_conv(conv_in: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """`causal_conv_reference`, each output row summed in float32 over the K taps in order and
-    rounded once to the input's dtype; a row's value does not depend on how many rows the call
-    computes (SHORT_CONV_TOKENS). `mx.conv1d`'s rows would: its depthwise kernel is also 3-16x
-    slower than either form here on the CPU."""
+    """`causal_conv_reference`. Up to SHORT_CONV_TOKENS rows (and any count on the CPU), each row
+    summed in float32 over the K taps in order and rounded once to the input's dtype, so a row's
+    value does not depend on how many rows the call computes."""
     K = weight.shape[1]
     B, L, C = conv_in.shape
     T = L - (K - 1)
+    if T > SHORT_CONV_TOKENS and mx.default_device().type != mx.cpu:
+        out = mx.conv1d(conv_in, weight, groups=C)
+        return out if bias is None else out + bias
     w = weight[:, :, 0].T.astype(mx.float32)  # [K, C]
     if T <= SHORT_CONV_TOKENS:
         windows = mx.as_strided(mx.contiguous(conv_in), (B, T, K, C), (L * C, C, C, 1))

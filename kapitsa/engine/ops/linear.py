@@ -146,6 +146,8 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         rows = math.prod(x.shape[:-1])
         if not routes_enabled(self.kernel_options):
             return super().__call__(x)
+        if self.kernel_options.exact_verify and splits_tokens(x) and not one_call_is_exact(x):
+            return rows_apart(self, x)  # each token's rows as a decode step's call
         route = route_for(rows, self, x)
         if route == "stock":
             return super().__call__(x)
@@ -162,6 +164,13 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         return y
 
 
+def one_call_is_exact(x: mx.array) -> bool:
+    """With exact_verify: whether one kernel call on x `[..., T, K]` computes each row as a decode
+    step's call would: one sequence of up to MAX_ROWS tokens through the one-row kernel, whose rows
+    do not depend on how many it takes. A batch of sequences goes token by token (rows_apart)."""
+    return x.ndim < 2 or (math.prod(x.shape[:-2]) == 1 and x.shape[-2] <= MAX_ROWS)
+
+
 def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
     """The fused kernel ("fused": the one-row kernel with prologue / epilogue) that may take the
     call `linear(x)` with `part` (one of FUSED_PARTS) switched on, or None: one-row calls, and
@@ -174,7 +183,7 @@ def _fused_kernel(linear: nn.Module, x: mx.array, part: str) -> str | None:
     ):
         return None
     rows = math.prod(x.shape[:-1])
-    if rows > (MAX_ROWS if linear.kernel_options.exact_verify else 1):
+    if rows > 1 and not (linear.kernel_options.exact_verify and one_call_is_exact(x)):
         return None
     if route_for(rows, linear, x) != "one_row" or not WORKING.get("fused", False):
         return None
@@ -270,14 +279,20 @@ class RoutedLinear(nn.Linear):
         return rows_apart(super().__call__, x)
 
 
+def splits_tokens(x: mx.array) -> bool:
+    """Whether `rows_apart` makes x `[..., T, K]` one call per token: 2-16 tokens, on CUDA."""
+    return backend() == "cuda" and x.ndim >= 2 and 1 < x.shape[-2] <= TENSOR_CORE_MAX_ROWS
+
+
 def rows_apart(product: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
-    """`product(x)` with each of x's 2-16 rows a one-row product of its own (`[..., 1, K]`, a batch
-    of matrix-vector products), on CUDA: MLX computes a one-row product (a decode step's) with a
-    matrix-vector kernel and a many-row one with a GEMM, whose rows round differently; elsewhere,
-    or past 16 rows, `product(x)` as it is. The weights are read once per row."""
-    if backend() != "cuda" or not 1 < math.prod(x.shape[:-1]) <= TENSOR_CORE_MAX_ROWS:
+    """`product(x)` for x `[..., T, K]` as T calls on `[..., 1, K]`, on CUDA for 2-16 tokens: the
+    calls a decode step makes. MLX computes a product of one row per sequence with a matrix-vector
+    kernel and one of many rows with a GEMM (it folds every leading axis into the rows), whose rows
+    round differently. Elsewhere, or past 16 tokens, `product(x)` as it is. T launches, and the
+    weights read once per token."""
+    if not splits_tokens(x):
         return product(x)
-    return product(x[..., None, :])[..., 0, :]
+    return mx.concatenate([product(x[..., t : t + 1, :]) for t in range(x.shape[-2])], axis=-2)
 
 
 ROUTED = {nn.QuantizedLinear: RoutedQuantizedLinear, nn.Linear: RoutedLinear}
