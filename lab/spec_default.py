@@ -175,6 +175,7 @@ def summary(rows: list[dict]) -> None:
                 line[f"{e}_max_draft"] = last[-1].get("max_draft")
                 line[f"{e}_tokens_per_verify"] = last[-1]["tokens_per_verify"]
                 line[f"{e}_verifies"] = last[-1]["verifies"]
+                line[f"{e}_pipeline_exits"] = last[-1].get("pipeline_exits")
         if "mlx-lm" in med:
             line["auto_vs_mlxlm"] = round(med["auto"] / med["mlx-lm"], 2)
             if "auto-tree" in med:
