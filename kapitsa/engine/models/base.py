@@ -193,18 +193,22 @@ class Attention(nn.Module):
         keys, values = cache.update(k, v, info)
         if isinstance(cache, QuantizedKVCache):
             return cache.attention(q, keys, values, info, scale=self.scale), (() if gate is None else (gate,))
-        decode_kernel = (  # (checked on one query row: the kernel's, at decode and per verify row)
-            kernels.enabled("attn", self.kernel_options)
-            and info.parents is None
-            and info.uniform_offsets
-            and attention_usable(q[:, :, :1], cache.keys, cache.values)
-        )
         if self.kernel_options.exact_verify and info.T > 1 and info.parents is None:
-            return self._attend_as_decode_steps(q, keys, values, info, cache, gate, decode_kernel)
-        if decode_kernel and info.T == 1:
+            kernel = self._decode_kernel_takes(q[:, :, :1], info, cache)  # a verify row's decode step
+            return self._attend_as_decode_steps(q, keys, values, info, cache, gate, kernel)
+        if info.T == 1 and self._decode_kernel_takes(q, info, cache):
             out = decode_attention(q, cache.keys, cache.values, info.kv_len, scale=self.scale, gate=gate)
             return out, ()
         return self._sdpa(q, keys, values, info), (() if gate is None else (gate,))
+
+    def _decode_kernel_takes(self, q_row: mx.array, info: StepInfo, cache: KVCache) -> bool:
+        """Whether a decode step of query `q_row` `[B, Hq, 1, D]` runs kapitsa's attention kernel."""
+        return (
+            kernels.enabled("attn", self.kernel_options)
+            and info.parents is None
+            and info.uniform_offsets
+            and attention_usable(q_row, cache.keys, cache.values)
+        )
 
     def _attend_as_decode_steps(
         self, q, keys, values, info: StepInfo, cache: KVCache, gate, decode_kernel: bool
@@ -217,7 +221,6 @@ class Attention(nn.Module):
         rows = []
         for t in range(T):
             length = before + t + 1
-            step = StepInfo(1, [1] * q.shape[0], [offset + t for offset in info.offsets])
             if decode_kernel:
                 rows.append(
                     decode_attention(
@@ -226,6 +229,7 @@ class Attention(nn.Module):
                     )
                 )  # fmt: skip
             else:
+                step = StepInfo(1, [1] * q.shape[0], [offset + t for offset in info.offsets])
                 rows.append(self._sdpa(q[:, :, t : t + 1], keys[:, :, :length], values[:, :, :length], step))
         out = mx.concatenate(rows, axis=1)
         return out, (() if decode_kernel or gate is None else (gate,))

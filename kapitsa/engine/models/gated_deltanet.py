@@ -195,17 +195,27 @@ class GatedDeltaNet(nn.Module):
         where the backend has it, the same math in MLX ops elsewhere. With the fused
         in-projection, z/b/a are read in place from its output, and the input norm and the
         residual add can run inside the projections' one-row mat-vecs (ops/linear.py)."""
-        if "in_proj" in self and not self.packed:  # conv rows: the projection's first C columns
-            rows = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
-            z, b, a = projection_views(rows, packed=False, **self._heads)
-        else:
-            rows, z, b, a = self._project(x if norm is None else norm(x))
+        rows, z, b, a = self._step_projection(x, norm)
         out, conv_state, state = gdn_decode(
             conv_state, rows, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,
             **self._heads, norm_eps=self.norm.eps, fused=kernels.enabled("gdn", self.kernel_options),
         )  # fmt: skip
         y = self.out_proj(out) if residual is None else linear_plus(self.out_proj, out, residual)
         return y, conv_state, state
+
+    @property
+    def _fused_in_proj(self) -> bool:
+        return "in_proj" in self and not self.packed
+
+    def _step_projection(self, x: mx.array, norm: nn.Module | None) -> tuple[mx.array, ...]:
+        """(rows, z, b, a) of a decode step or chain, of norm(x) when `norm` is given. With the
+        fused in-projection (Qwen3.5) rows is its whole output, the conv rows its first C columns
+        and z/b/a views into it, the norm inside its one-row mat-vec where the route takes it;
+        otherwise rows is the conv rows alone."""
+        if self._fused_in_proj:
+            rows = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
+            return rows, *projection_views(rows, packed=False, **self._heads)
+        return self._project(x if norm is None else norm(x))
 
     def _step(self):
         """The fused kernel where the `gdn` family is on (it falls back itself off-GPU), else the
@@ -226,13 +236,11 @@ class GatedDeltaNet(nn.Module):
         Of norm(x) when `norm` is given, residual + out when `residual` is: the calls `decode`
         makes, so a verify's rows take the decode step's routes where they are exact
         (KernelOptions.exact_verify)."""
-        if "in_proj" in self and not self.packed:
-            proj = self.in_proj(x) if norm is None else normed_linear(norm, self.in_proj, x)
-            qkv, extra = proj[..., : self.conv_dim], (proj,)
-            z, b, a = projection_views(proj, packed=False, **self._heads)
+        rows, z, b, a = self._step_projection(x, norm)
+        if self._fused_in_proj:  # the replay reads z, b, a from the projection again
+            qkv, extra = rows[..., : self.conv_dim], (rows,)
         else:
-            qkv, z, b, a = self._project(x if norm is None else norm(x))
-            extra = (z, b, a)
+            qkv, extra = rows, (z, b, a)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
         out, state = self._step()(
             conv_in, self.conv1d.weight, a, b, self.A_log, self.dt_bias, z, self.norm.weight, s0,

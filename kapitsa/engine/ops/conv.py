@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from kapitsa.engine.kernels import cpu_blas
+
 
 def causal_conv_reference(conv_in: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """conv_in `[B, K-1+T, C]` -> `[B, T, C]`: out[t] = sum_j conv_in[t+j] * w[:, j] (+ bias)."""
@@ -33,7 +35,7 @@ def causal_conv(conv_in: mx.array, weight: mx.array, bias: mx.array | None = Non
     K = weight.shape[1]
     B, L, C = conv_in.shape
     T = L - (K - 1)
-    if T > SHORT_CONV_TOKENS and mx.default_device().type != mx.cpu:
+    if T > SHORT_CONV_TOKENS and not cpu_blas.on_cpu():
         out = mx.conv1d(conv_in, weight, groups=C)
         return out if bias is None else out + bias
     w = weight[:, :, 0].T.astype(mx.float32)  # [K, C]
