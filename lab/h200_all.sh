@@ -57,7 +57,8 @@
 #                                       mlx-vlm's Flint at the published shape
 #   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPE (default
 #                                       4b) as a streaming client sees them, beside the in-process
-#                                       engine (lab/server_bench.py); needs .gpu/serve carried
+#                                       engine (lab/server_bench.py; $SERVER_ARGS more of its
+#                                       options, e.g. --long-words 1500); needs .gpu/serve carried
 #                                       (lab/stage_server_wheels.sh)
 #   bash lab/h200_all.sh prediction   Predicted Outputs on $PREDICTION_SHAPE (default 4b, a random-weight
 #                                       folder from lab/shape_checkpoint.py): the edit request without a
@@ -280,8 +281,9 @@ case "$part" in
     ;;
   server)
     [ -f "$root/.gpu/serve/install.sh" ] && bash "$root/.gpu/serve/install.sh"
+    # shellcheck disable=SC2086
     timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "${SERVER_SHAPE:-4b}" \
-      --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench > "$out/server.log" 2>&1
+      --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench ${SERVER_ARGS:-} > "$out/server.log" 2>&1
     tail -1 "$out/server.log"
     ;;
   prediction)

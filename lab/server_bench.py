@@ -8,7 +8,8 @@ beside kapitsa's engine in process (what the server adds), with `kapitsa bench`'
 Each server runs as its own process, started as a user starts it (`python -m kapitsa serve`,
 `python -m mlx_lm.server`), on the same folder (lab/shape_checkpoint.py writes one both load).
 The engines are benched one after another, so they never share the machine while timed.
-Greedy decoding; `--speculative` (default none) is kapitsa's mode in process and in its server.
+Greedy decoding; `--speculative` (default: serve's own, `auto`) is kapitsa's mode in process and in
+its server.
 Prints the bench report's JSON, then one `summary` line: decode tok/s and time to first token per
 engine, kapitsa server / mlx_lm.server, and the server's overhead against the in-process engine.
 """
@@ -145,10 +146,14 @@ def main() -> None:
     parser.add_argument("--long-words", type=int, default=3000)
     parser.add_argument("--replay-turns", type=int, default=6)
     parser.add_argument("--replay-words", type=int, default=1500)
-    parser.add_argument("--speculative", default="none")
+    parser.add_argument("--speculative", default=None, help="kapitsa's mode (default: what serve runs)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kapitsa-server-bench")
     args = parser.parse_args()
+    if args.speculative is None:
+        from kapitsa.engine.options import DEFAULT_SPECULATIVE
+
+        args.speculative = DEFAULT_SPECULATIVE
     args.work.mkdir(parents=True, exist_ok=True)
     folder = Path(args.model) if args.model and args.model != "demo" else None
     if args.shape:
