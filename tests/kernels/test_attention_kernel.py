@@ -56,23 +56,43 @@ def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
         assert_compiles(source)
 
 
+def test_splits_grow_with_the_context_within_bounds() -> None:
+    """More splits for a longer context, up to enough warps for the GPU; never a warp with fewer
+    than MIN_KEYS_PER_WARP keys where there are splits to spare; always 1..MAX_SPLITS."""
+    per_warp = attention.WARPS * attention.MIN_KEYS_PER_WARP
+    assert attention.splits_for(4, 1) == 1
+    assert attention.splits_for(4, 512) == 512 // per_warp
+    long = attention.splits_for(4, 8192)
+    assert long > attention.splits_for(4, 2048) > attention.splits_for(4, 512)
+    assert long * 4 * attention.WARPS >= attention.TARGET_WARPS
+    assert attention.splits_for(64, 8192) < long  # a batch's blocks already fill the GPU
+    for heads in (1, 4, 16, 64, 512):
+        for length in (1, 7, 64, 300, 4097, 65536, 10**6):
+            assert 1 <= attention.splits_for(heads, length) <= attention.MAX_SPLITS
+    with pytest.raises(ValueError, match="splits"):
+        attention.decode_attention(*_case(1, 8, 2, 256, 16, mx.bfloat16)[:3], 5, scale=1.0, splits=0)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
 @pytest.mark.parametrize(
-    "dtype,B,hq,hkv,D,cap,length,gated",
+    "dtype,B,hq,hkv,D,cap,length,gated,splits",
     [
-        (mx.float32, 1, 4, 2, 64, 64, 37, False),  # several keys per warp
-        (mx.bfloat16, 2, 8, 2, 256, 32, 5, True),  # most splits and warps see no key
-        (mx.float32, 1, 3, 1, 32, 16, 16, True),  # the whole buffer
+        (mx.float32, 1, 4, 2, 64, 64, 37, False, None),  # several keys per warp
+        (mx.bfloat16, 2, 8, 2, 256, 32, 5, True, 16),  # most splits and warps see no key
+        (mx.float32, 1, 3, 1, 32, 16, 16, True, None),  # the whole buffer
+        (mx.float32, 1, 4, 2, 64, 160, 150, False, 3),  # uneven splits, a warp prefetching its next key
+        (mx.float32, 2, 4, 1, 32, 96, 90, True, 1),  # one split: every partial of a query in one block
     ],
 )
 def test_emulated_kernels_match_reference(
-    monkeypatch, tmp_path, dtype, B, hq, hkv, D, cap, length, gated
+    monkeypatch, tmp_path, dtype, B, hq, hkv, D, cap, length, gated, splits
 ) -> None:
     monkeypatch.setattr(attention, "_PARTIAL", Emulated(attention._PARTIAL, cuda_host_translation, tmp_path))
     monkeypatch.setattr(attention, "_COMBINE", Emulated(attention._COMBINE, cuda_host_translation, tmp_path))
     q, k, v, gate = _case(B, hq, hkv, D, cap, dtype, seed=length, gated=gated)
     with mx.stream(mx.cpu):
-        got = attention.decode_attention(q, k, v, length, scale=D**-0.5, gate=gate).astype(mx.float32)
+        got = attention.decode_attention(q, k, v, length, scale=D**-0.5, gate=gate, splits=splits)
+        got = got.astype(mx.float32)
         ref = attention.decode_attention_reference(q, k, v, length, scale=D**-0.5, gate=gate).astype(
             mx.float32
         )
@@ -83,10 +103,14 @@ def test_emulated_kernels_match_reference(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("length", [1, 300, 4097])
-def test_gpu_matches_reference(length) -> None:
-    q, k, v, gate = _case(1, 16, 4, 256, 4352, mx.bfloat16, gated=True)
-    got = attention.decode_attention(q, k, v, length, scale=1 / 16, gate=gate).astype(mx.float32)
+@pytest.mark.parametrize(
+    "length,splits", [(1, None), (300, None), (4097, None), (8192, None), (8192, 16), (8192, 128)]
+)
+def test_gpu_matches_reference(length, splits) -> None:
+    q, k, v, gate = _case(1, 16, 4, 256, 8448, mx.bfloat16, gated=True)
+    got = attention.decode_attention(q, k, v, length, scale=1 / 16, gate=gate, splits=splits).astype(
+        mx.float32
+    )
     ref = attention.decode_attention_reference(q, k, v, length, scale=1 / 16, gate=gate).astype(mx.float32)
     assert mx.allclose(got, ref, atol=2e-2, rtol=2e-2).item(), float(mx.abs(got - ref).max())
 

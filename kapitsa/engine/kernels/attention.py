@@ -9,8 +9,10 @@ about ten primitives per attention layer, each ~3-5 us of host time on that back
    the query heads sharing that kv head; each warp leaves one partial (max, sum, weighted values).
 2. cuda_src/attn_combine.cu: block (row, query head) merges the partials and writes the output as
    `[B, 1, Hq * D]`, times sigmoid(gate) for gated attention, ready for the output projection.
-The number of valid keys and the buffer's capacity are runtime inputs, so a growing KV cache
-never recompiles. `decode_attention_reference` is the same computation in MLX ops.
+The number of valid keys, the buffer's capacity and the split count are runtime inputs, so
+neither a growing KV cache nor a longer context recompiles. The split count grows with the
+context (`splits_for`): a warp walks its keys one after another, so a long context needs more
+warps in flight, not longer walks. `decode_attention_reference` is the same computation in MLX ops.
 
 Opt-in (kernel family "attn") until timed on the H200, and used only after `probe()` passed
 (the engine's ModelRunner runs it when the family is on): a kernel's errors surface only when a
@@ -30,8 +32,13 @@ from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
 MLX_FAST_HEAD_DIMS = (64, 96, 128)  # MLX's own CUDA kernels take these: nothing to gain
 MAX_REPEATS = 8  # query heads per kv head (registers: NREP * D / 16 floats per lane)
 MAX_HEAD_DIM = 256
-SPLITS = 16  # key splits per (row, kv head): enough blocks for the SMs at batch 1
 WARPS = 4
+# Key splits per (row, kv head): enough warps in flight to hide a key's load behind the others
+# (~8 a streaming multiprocessor on a 132-SM H100/H200), while each warp keeps at least
+# MIN_KEYS_PER_WARP keys (fewer, and the combine's partials cost more than the walk they save).
+TARGET_WARPS = 1024
+MIN_KEYS_PER_WARP = 16
+MAX_SPLITS = 128
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 WORKING: dict[str, bool] = {}  # "attn" -> whether the kernels passed their probe in this process
 _log = logging.getLogger(__name__)
@@ -97,14 +104,21 @@ def probe() -> bool:
     return WORKING["attn"]
 
 
+def splits_for(heads: int, length: int) -> int:
+    """Key splits for `heads` (rows x kv heads) blocks' worth of work over `length` keys."""
+    wanted = -(-TARGET_WARPS // (heads * WARPS))
+    most = max(1, length // (WARPS * MIN_KEYS_PER_WARP))
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
 @functools.cache
 def _templates(dtype, D: int, nrep: int, hq: int, scale: float, gated: bool) -> tuple[tuple, tuple]:
-    partial = (("T", dtype), ("D", D), ("NREP", nrep), ("S", SPLITS), ("SCALE_BITS", float_bits(scale)))
+    partial = (("T", dtype), ("D", D), ("NREP", nrep), ("SCALE_BITS", float_bits(scale)))
     combine = (
         ("T", dtype),
         ("D", D),
         ("HQ", hq),
-        ("P", SPLITS * WARPS),
+        ("MAX_P", MAX_SPLITS * WARPS),
         ("GATE", gated),
         ("THREADS", min(D, 256)),
     )
@@ -112,21 +126,32 @@ def _templates(dtype, D: int, nrep: int, hq: int, scale: float, gated: bool) -> 
 
 
 def decode_attention(
-    q: mx.array, keys: mx.array, values: mx.array, length: int, *, scale: float, gate: mx.array | None = None
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    length: int,
+    *,
+    scale: float,
+    gate: mx.array | None = None,
+    splits: int | None = None,
 ) -> mx.array:
     """softmax(q K^T * scale) V over the first `length` positions of the buffers, for one query
     token per row -> `[B, 1, Hq * D]` in q's dtype (times sigmoid(gate), gate `[B, 1, Hq * D]`).
-    Callers check `supports`."""
+    `splits`: the key splits per (row, kv head), 1 to MAX_SPLITS (default: `splits_for`). Callers
+    check `supports`."""
     B, hq, _, D = q.shape
     hkv, cap = keys.shape[1], keys.shape[2]
+    splits = splits_for(B * hkv, length) if splits is None else splits
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
-    meta = mx.array([length, cap], dtype=mx.int32)
+    meta = mx.array([length, cap, splits], dtype=mx.int32)
     part_o, part_ml = _PARTIAL(
         [q, keys, values, meta],
         template=partial,
-        grid=(B * hkv * SPLITS * WARPS * 32, 1, 1),
+        grid=(B * hkv * splits * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(B * hq, SPLITS * WARPS, D), (B * hq, SPLITS * WARPS, 2)],
+        output_shapes=[(B * hq, splits * WARPS, D), (B * hq, splits * WARPS, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
     threads = min(D, 256)  # the template's THREADS
