@@ -1,6 +1,6 @@
 """Time kapitsa's decode attention kernel (kernels/attention.py) on Qwen3.5's attention shapes at
-growing context lengths: the split count `splits_for` picks against a fixed one, and MLX's own
-attention over the same keys (the path without the kernel).
+growing context lengths: the split count `splits_for` picks against another one (`--splits`),
+and MLX's own attention over the same keys (the path without the kernel).
 
     python lab/kernels_attn.py [--lengths 512 2048 8192 32768] [--batch 1 8] [--calls 24]
 
@@ -32,7 +32,7 @@ def per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def bench(name: str, B: int, length: int, calls: int, fixed: int) -> dict:
+def bench(name: str, B: int, length: int, calls: int, other: int) -> dict:
     hq, hkv, D = SHAPES[name]
     cap = length + 256
     keys = mx.random.split(mx.random.key(length), 4)
@@ -43,9 +43,9 @@ def bench(name: str, B: int, length: int, calls: int, fixed: int) -> dict:
     mx.eval(q, k, v, gate)
     scale = D**-0.5
     ref = attention.decode_attention_reference(q, k, v, length, scale=scale, gate=gate).astype(mx.float32)
-    chosen = attention.splits_for(B * hkv, length)
+    chosen = attention.splits_for(length)
     row = dict(shape=name, batch=B, length=length, splits=chosen)
-    for label, splits in (("kernel_us", None), (f"splits_{fixed}_us", fixed)):
+    for label, splits in (("kernel_us", None), (f"splits_{other}_us", other)):
         got = attention.decode_attention(q, k, v, length, scale=scale, gate=gate, splits=splits)
         row[label.replace("_us", "_max_diff")] = round(float(mx.abs(got.astype(mx.float32) - ref).max()), 5)
         row[label] = round(
@@ -85,7 +85,7 @@ def main() -> None:
     for name in args.shapes:
         for B in args.batch:
             for length in args.lengths:
-                print(json.dumps(bench(name, B, length, args.calls, args.fixed)), flush=True)
+                print(json.dumps(bench(name, B, length, args.calls, args.splits)), flush=True)
 
 
 if __name__ == "__main__":

@@ -56,21 +56,21 @@ def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
         assert_compiles(source)
 
 
-def test_splits_grow_with_the_context_within_bounds() -> None:
-    """More splits for a longer context, up to enough warps for the GPU; never a warp with fewer
-    than MIN_KEYS_PER_WARP keys where there are splits to spare; always 1..MAX_SPLITS."""
-    per_warp = attention.WARPS * attention.MIN_KEYS_PER_WARP
-    assert attention.splits_for(4, 1) == 1
-    assert attention.splits_for(4, 512) == 512 // per_warp
-    long = attention.splits_for(4, 8192)
-    assert long > attention.splits_for(4, 2048) > attention.splits_for(4, 512)
-    assert long * 4 * attention.WARPS >= attention.TARGET_WARPS
-    assert attention.splits_for(64, 8192) < long  # a batch's blocks already fill the GPU
-    for heads in (1, 4, 16, 64, 512):
-        for length in (1, 7, 64, 300, 4097, 65536, 10**6):
-            assert 1 <= attention.splits_for(heads, length) <= attention.MAX_SPLITS
-    with pytest.raises(ValueError, match="splits"):
-        attention.decode_attention(*_case(1, 8, 2, 256, 16, mx.bfloat16)[:3], 5, scale=1.0, splits=0)
+def test_splits_cover_the_context_within_bounds() -> None:
+    """SPLITS on a long context, fewer on a short one (no split without keys); 1..MAX_SPLITS asked
+    for explicitly, anything else refused."""
+    assert attention.splits_for(1) == 1
+    assert attention.splits_for(100) == 100 // attention.MIN_KEYS_PER_SPLIT
+    assert attention.splits_for(8192) == attention.splits_for(10**6) == attention.SPLITS
+    for length in (1, 7, 64, 300, 4097, 65536):
+        splits = attention.splits_for(length)
+        assert 1 <= splits <= attention.SPLITS and (
+            splits == 1 or length // splits >= attention.MIN_KEYS_PER_SPLIT
+        )
+    q, k, v, _ = _case(1, 8, 2, 256, 16, mx.bfloat16)
+    for bad in (0, attention.MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match="splits"):
+            attention.decode_attention(q, k, v, 5, scale=1.0, splits=bad)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")

@@ -10,9 +10,8 @@ about ten primitives per attention layer, each ~3-5 us of host time on that back
 2. cuda_src/attn_combine.cu: block (row, query head) merges the partials and writes the output as
    `[B, 1, Hq * D]`, times sigmoid(gate) for gated attention, ready for the output projection.
 The number of valid keys, the buffer's capacity and the split count are runtime inputs, so
-neither a growing KV cache nor a longer context recompiles. The split count grows with the
-context (`splits_for`): a warp walks its keys one after another, so a long context needs more
-warps in flight, not longer walks. `decode_attention_reference` is the same computation in MLX ops.
+neither a growing KV cache nor another split count recompiles (`splits_for` picks the count;
+a caller may name one). `decode_attention_reference` is the same computation in MLX ops.
 
 Opt-in (kernel family "attn") until timed on the H200, and used only after `probe()` passed
 (the engine's ModelRunner runs it when the family is on): a kernel's errors surface only when a
@@ -33,11 +32,13 @@ MLX_FAST_HEAD_DIMS = (64, 96, 128)  # MLX's own CUDA kernels take these: nothing
 MAX_REPEATS = 8  # query heads per kv head (registers: NREP * D / 16 floats per lane)
 MAX_HEAD_DIM = 256
 WARPS = 4
-# Key splits per (row, kv head): enough warps in flight to hide a key's load behind the others
-# (~8 a streaming multiprocessor on a 132-SM H100/H200), while each warp keeps at least
-# MIN_KEYS_PER_WARP keys (fewer, and the combine's partials cost more than the walk they save).
-TARGET_WARPS = 1024
-MIN_KEYS_PER_WARP = 16
+# Key splits per (row, kv head). On an H100 (lab/kernels_attn.py, bf16, head size 256, batch 1 and
+# 8, 512-32k keys) 16 splits were the fastest or within noise of it everywhere but batch 1 at 8k
+# keys, where 64 took 0.76-0.91x the time; 64 lost at 32k keys (up to 1.3x, where 64 splits x 4
+# warps of partials make the combine's 16 blocks the slow part), and 8 lost at batch 8 over 32k.
+# A short context gets fewer, so no split is left without keys.
+SPLITS = 16
+MIN_KEYS_PER_SPLIT = 32
 MAX_SPLITS = 128
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 WORKING: dict[str, bool] = {}  # "attn" -> whether the kernels passed their probe in this process
@@ -104,11 +105,9 @@ def probe() -> bool:
     return WORKING["attn"]
 
 
-def splits_for(heads: int, length: int) -> int:
-    """Key splits for `heads` (rows x kv heads) blocks' worth of work over `length` keys."""
-    wanted = -(-TARGET_WARPS // (heads * WARPS))
-    most = max(1, length // (WARPS * MIN_KEYS_PER_WARP))
-    return max(1, min(wanted, most, MAX_SPLITS))
+def splits_for(length: int) -> int:
+    """Key splits for a decode step over `length` keys."""
+    return max(1, min(SPLITS, length // MIN_KEYS_PER_SPLIT))
 
 
 @functools.cache
@@ -141,7 +140,7 @@ def decode_attention(
     check `supports`."""
     B, hq, _, D = q.shape
     hkv, cap = keys.shape[1], keys.shape[2]
-    splits = splits_for(B * hkv, length) if splits is None else splits
+    splits = splits_for(length) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)

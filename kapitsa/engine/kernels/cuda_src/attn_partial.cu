@@ -2,8 +2,8 @@
   // the NREP query heads that share kv head h over its split of the L valid keys. Each warp takes
   // every WARPS-th key of the split and keeps, per query, the running max m, the sum l and the
   // weighted sum of values (DL = D / 32 values per lane); it writes them as one partial.
-  // meta = (L, capacity, S): runtime values, so neither a growing cache nor the split count
-  // (chosen per call from L: more splits, more warps in flight on a long context) recompiles.
+  // meta = (L, capacity, S): runtime values, so neither a growing cache nor another split count
+  // recompiles.
   // The next key's row is loaded before the current one is used: a warp's loop is a chain of
   // dependent shuffles, and the load's latency hides behind it instead of adding to it.
   constexpr int WARPS = 4;
