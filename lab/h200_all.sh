@@ -8,7 +8,8 @@
 #                                       the dequantized grouped GEMM, its Mamba layers at SSD chunk
 #                                       lengths $SSD_CHUNKS
 #   bash lab/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
-#                                       default 27b) under Nsight Systems (lab/decode_kernels.py)
+#                                       default 27b; after a $TIMELINE_PROMPT-token prompt, default
+#                                       512) under Nsight Systems (lab/decode_kernels.py)
 #   bash lab/h200_all.sh tests        every gpu-marked test, sharded over parallel processes
 #                                       (lab/gpu_tests.py; ~6 minutes on a fresh machine)
 #   bash lab/h200_all.sh compiled     the compiled decode/verify paths against op by op, sharded
@@ -144,7 +145,7 @@ case "$part" in
     : > "$out/timeline.log"
     for shape in ${TIMELINE_SHAPES:-27b}; do
       timeout "${TIMELINE_TIMEOUT:-240}" "$nsys" profile -t cuda --cuda-graph-trace=node --capture-range=cudaProfilerApi -f true \
-        -o "/tmp/steps-$shape" $py lab/decode_kernels.py --shape "$shape" --steps 16 >> "$out/timeline.log" 2>&1
+        -o "/tmp/steps-$shape" $py lab/decode_kernels.py --shape "$shape" --steps 16 --prompt "${TIMELINE_PROMPT:-512}" >> "$out/timeline.log" 2>&1
       "$nsys" export --type sqlite -f true -o "/tmp/steps-$shape.sqlite" "/tmp/steps-$shape.nsys-rep" >> "$out/timeline.log" 2>&1
       $py lab/decode_kernels.py --summarize "/tmp/steps-$shape.sqlite" --steps 16 | sed "s/^{/{\"shape\": \"$shape\", /" \
         >> "$out/timeline.log"
