@@ -75,9 +75,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--calls", type=int, default=24)
-    ap.add_argument(
-        "--fixed", type=int, default=16, help="the fixed split count to compare (the kernel's before)"
-    )
+    ap.add_argument("--splits", type=int, default=64, help="the split count to compare with the default")
     args = ap.parse_args()
     if backend() != "cuda" or not attention.probe():
         raise SystemExit("needs CUDA and a working attention kernel")

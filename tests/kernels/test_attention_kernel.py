@@ -71,6 +71,9 @@ def test_splits_cover_the_context_within_bounds() -> None:
     for bad in (0, attention.MAX_SPLITS + 1):
         with pytest.raises(ValueError, match="splits"):
             attention.decode_attention(q, k, v, 5, scale=1.0, splits=bad)
+    for bad in (0, 17):  # no key, or more keys than the buffer holds
+        with pytest.raises(ValueError, match="length"):
+            attention.decode_attention(q, k, v, bad, scale=1.0)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
@@ -82,6 +85,7 @@ def test_splits_cover_the_context_within_bounds() -> None:
         (mx.float32, 1, 3, 1, 32, 16, 16, True, None),  # the whole buffer
         (mx.float32, 1, 4, 2, 64, 160, 150, False, 3),  # uneven splits, a warp prefetching its next key
         (mx.float32, 2, 4, 1, 32, 96, 90, True, 1),  # one split: every partial of a query in one block
+        (mx.float32, 1, 2, 1, 32, 200, 190, False, 32),  # more partials than the combine's threads
     ],
 )
 def test_emulated_kernels_match_reference(
@@ -125,7 +129,7 @@ def test_models_attend_through_the_kernel_when_on(monkeypatch, arch) -> None:
 
     calls = []
 
-    def kernel(q, keys, values, length, *, scale, gate=None):
+    def kernel(q, keys, values, length, *, scale, gate=None, splits=None):
         calls.append(gate is not None)
         return attention.decode_attention_reference(q, keys, values, length, scale=scale, gate=gate)
 

@@ -140,6 +140,8 @@ def decode_attention(
     check `supports`."""
     B, hq, _, D = q.shape
     hkv, cap = keys.shape[1], keys.shape[2]
+    if not 1 <= length <= cap:
+        raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
     splits = splits_for(length) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
