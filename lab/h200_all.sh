@@ -49,6 +49,10 @@
 #   bash lab/h200_all.sh repeat       whether plain greedy decoding repeats itself on $REPEAT_SHAPE (default
 #                                       nemotron-30b-a3b): kernel families and compiled steps off in one
 #                                       process, then MLX's cuDNN attention off in a second (lab/repeat_decode.py)
+#   bash lab/h200_all.sh gaps         the table's two open gaps on $GAPS_SHAPES (default 4b
+#                                       nemotron-30b-a3b; lab/decode_gaps.py): decode after 512 and
+#                                       8192 prompt tokens at 64 and 256 tokens, and batch-1 decode
+#                                       through engines built as the batch sweep's
 #   bash lab/h200_all.sh bf16         tests/engine/test_speculation_bf16.py on the GPU ($BF16_SELECT, default
 #                                       its exact_verify variants)
 #   bash lab/h200_all.sh verify-diff  the first layer where a verify's rows leave the decode steps' bit
@@ -256,6 +260,12 @@ case "$part" in
     MLX_CUDA_USE_CUDNN_SDPA=0 MLX_CUDA_USE_CUDNN_SPDA=0 timeout "${REPEAT_TIMEOUT:-270}" $py lab/repeat_decode.py \
       --shape "${REPEAT_SHAPE:-nemotron-30b-a3b}" --variants default >> "$out/repeat.log" 2>&1
     grep -E 'variant|summary|Error' "$out/repeat.log"
+    ;;
+  gaps)
+    # shellcheck disable=SC2086
+    timeout "${GAPS_TIMEOUT:-400}" $py lab/decode_gaps.py --shapes ${GAPS_SHAPES:-4b nemotron-30b-a3b} \
+      > "$out/gaps.log" 2>&1
+    grep -E 'summary|Error' "$out/gaps.log"
     ;;
   bf16)
     # greedy speculation == plain in bf16 on the GPU's kernels (both families, 256 tokens)
