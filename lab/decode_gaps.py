@@ -17,46 +17,32 @@ One JSON line per run (`case`, `decode_tok_s`), then per shape a summary of medi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import statistics
 
 import mlx.core as mx
 
-from kapitsa.engine.inprocess import InProcessEngine
-from kapitsa.engine.options import EngineConfig
-from kapitsa.engine.types import ModelInfo
 from kapitsa.testing.tiny import tiny_config
+from lab.batch_sweep import engine as sweep_engine
 from lab.batch_sweep import wait_warm
-from lab.engine_timing import DEFAULTS, _Tokenizer, emit, stream
+from lab.engine_timing import emit, generate, kapitsa_engine
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, prompt_ids
 
 STREAMS = 16  # the sweep's largest batch
 
 
-def engine(model, context: int, tokens: int, *, running: int = 1, warm: bool = False) -> InProcessEngine:
-    info = ModelInfo(id="gaps", family="gaps", context_length=context + tokens + 16, max_output_tokens=tokens)
-    config = EngineConfig(
-        prefix_cache_bytes=0,
-        prefill_chunk=2048,
-        max_running=running,
-        kernels=DEFAULTS,
-        warm_batches=tuple(range(1, running + 1)) if warm else (),
-    )
-    return InProcessEngine(model, _Tokenizer(), info, eos_token_ids=set(), config=config)
-
-
-def decode_rate(client: InProcessEngine, prompt: list[int], tokens: int) -> float:
-    _, first, end, ids = asyncio.run(stream(client, prompt, tokens))
-    return (len(ids) - 1) / max(end - first, 1e-9)
-
-
-def timed(model, prompt: list[int], tokens: int, **kind) -> dict:
-    client = engine(model, len(prompt), tokens, **kind)
+def timed(model, prompt: list[int], tokens: int, *, room: int = 0, warm: bool = False) -> dict:
+    """Decode tok/s through the decode benchmark's engine (`room` 0) or the batch sweep's, with
+    room for `room` streams (`warm`: its batch sizes readied first, on a GPU as serve's are)."""
+    if room:
+        client = sweep_engine(model, len(prompt), tokens, room, warm)
+    else:
+        client = kapitsa_engine(model, len(prompt), tokens)
     try:
-        warm_s = wait_warm(client) if kind.get("warm") else 0.0
-        decode_rate(client, prompt, 8)  # compiles what the timed run meets
-        return dict(decode_tok_s=round(decode_rate(client, prompt, tokens), 1), warmup_s=round(warm_s, 1))
+        warm_s = wait_warm(client) if warm else 0.0
+        generate(client, prompt, 8)  # compiles what the timed run meets
+        rate = generate(client, prompt, tokens)["decode_tok_s"]
+        return dict(decode_tok_s=round(rate, 1), warmup_s=round(warm_s, 1))
     finally:
         client.close()
 
@@ -68,8 +54,8 @@ def cases(tokens: int, long_prompt: int) -> dict:
         f"512x{4 * tokens}": (512, 4 * tokens, {}),
         f"{long_prompt}": (long_prompt, tokens, {}),
         f"{long_prompt}x{4 * tokens}": (long_prompt, 4 * tokens, {}),
-        "512 room16": (512, tokens, {"running": STREAMS}),
-        "512 room16 warmed": (512, tokens, {"running": STREAMS, "warm": True}),
+        "512 room16": (512, tokens, {"room": STREAMS}),
+        "512 room16 warmed": (512, tokens, {"room": STREAMS, "warm": True}),
     }
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from kapitsa.engine.options import DEFAULT_SPECULATIVE
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -146,14 +148,12 @@ def main() -> None:
     parser.add_argument("--long-words", type=int, default=3000)
     parser.add_argument("--replay-turns", type=int, default=6)
     parser.add_argument("--replay-words", type=int, default=1500)
-    parser.add_argument("--speculative", default=None, help="kapitsa's mode (default: what serve runs)")
+    parser.add_argument(
+        "--speculative", default=DEFAULT_SPECULATIVE, help="kapitsa's mode (default: serve's)"
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kapitsa-server-bench")
     args = parser.parse_args()
-    if args.speculative is None:
-        from kapitsa.engine.options import DEFAULT_SPECULATIVE
-
-        args.speculative = DEFAULT_SPECULATIVE
     args.work.mkdir(parents=True, exist_ok=True)
     folder = Path(args.model) if args.model and args.model != "demo" else None
     if args.shape:

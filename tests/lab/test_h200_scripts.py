@@ -240,16 +240,20 @@ def test_a_failing_variant_is_reported_not_fatal() -> None:
 
 
 def test_batch_sweep_times_both_engines_per_stream_count() -> None:
-    done = subprocess.run(
-        [sys.executable, "lab/batch_sweep.py", "--tiny", "--shapes", "4b", "--streams", "1,2"]
-        + ["--tokens", "4", "--prompt", "8"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    rows = _json_lines(
+        [
+            "lab/batch_sweep.py",
+            "--tiny",
+            "--shapes",
+            "4b",
+            "--streams",
+            "1,2",
+            "--tokens",
+            "4",
+            "--prompt",
+            "8",
+        ]
     )
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [(r["engine"], r["streams"]) for r in rows] == [
         ("kapitsa", 1),
         ("kapitsa", 2),
@@ -262,16 +266,20 @@ def test_batch_sweep_times_both_engines_per_stream_count() -> None:
 
 
 def test_decode_gaps_times_every_case_and_sums_them_up() -> None:
-    done = subprocess.run(
-        [sys.executable, "lab/decode_gaps.py", "--tiny", "--shapes", "4b", "--tokens", "3"]
-        + ["--long-prompt", "40", "--rounds", "1"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    rows = _json_lines(
+        [
+            "lab/decode_gaps.py",
+            "--tiny",
+            "--shapes",
+            "4b",
+            "--tokens",
+            "3",
+            "--long-prompt",
+            "40",
+            "--rounds",
+            "1",
+        ]
     )
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     cases = ["512", "512x12", "40", "40x12", "512 room16", "512 room16 warmed"]
     assert [r["case"] for r in rows[:-1]] == cases
     assert all(r["decode_tok_s"] > 0 for r in rows[:-1])
