@@ -133,7 +133,7 @@ def sweep_model(
                 emit(dict(shape=shape, engine=engine_name, streams=n, **warm, first_burst_extra_s=extra))
                 continue
             # mlx-lm's first burst of a size warms up on short prompts: its decode compiles, not
-            # a second batch prefill of n x 512 tokens (minutes on the Qwen shapes, at 200-500
+            # a second batch prefill of n x 512 tokens (up to ~45 s a burst on the Qwen shapes, at 180-500
             # tok/s); its generation rate leaves the prefill out
             run([p[:WARMUP_PROMPT] for p in prompts[:n]], 4)
             emit(dict(shape=shape, engine=engine_name, streams=n, **run(prompts[:n], tokens)))
