@@ -42,6 +42,10 @@
 #   bash lab/h200_all.sh compile      each decode batch size's first-burst cost and the kernels it
 #                                       compiles, over a fresh and then a warm PTX cache
 #                                       ($COMPILE_SHAPES, default 4b; lab/batch_compile.py)
+#   bash lab/h200_all.sh startup      a process's warm-up and first request on $STARTUP_SHAPES (default 4b
+#                                       nemotron-30b-a3b; lab/startup_compile.py): custom kernels
+#                                       compiled by MLX in-process, then over one fresh PTX cache
+#                                       twice (the disk cache filling it, then reading it)
 #   bash lab/h200_all.sh spec         --speculative auto (the default) against plain decoding on
 #                                       $SPEC_SHAPES (default all four; lab/spec_default.py): own
 #                                       text, a scripted essay, the edit workload (chain and n-gram
@@ -242,6 +246,21 @@ case "$part" in
     echo "modules on disk: $(ls "$MLX_PTX_CACHE_DIR" | grep -c '\.ptx$'), of them custom kernels:" \
       "$(ls "$MLX_PTX_CACHE_DIR" | grep '\.ptx$' | grep -c custom_kernel)" | tee -a "$out/compile.log"
     grep -E 'streams|first-request|Error' "$out/compile.log"
+    ;;
+  startup)
+    # three processes per shape, each with MLX's other kernels already on disk (a first pass
+    # fills their cache): custom kernels by MLX alone, then written by the disk cache, then read
+    : > "$out/startup.log"
+    for shape in ${STARTUP_SHAPES:-4b nemotron-30b-a3b}; do
+      fresh=/tmp/kapitsa-ptx-startup-$shape && rm -rf "$fresh" "$fresh-off"
+      cp -r "/tmp/mlx/$($py -c 'import mlx.core as mx; print(mx.__version__)')/ptx" "$fresh" 2>/dev/null || mkdir -p "$fresh"
+      find "$fresh" -name 'custom_kernel_*' -delete && cp -r "$fresh" "$fresh-off"
+      for pass in off cold warm; do
+        dir=$fresh && flag=() && [ $pass = off ] && dir=$fresh-off && flag=(--no-disk-cache)
+        MLX_PTX_CACHE_DIR=$dir timeout "${STARTUP_TIMEOUT:-240}" $py lab/startup_compile.py --shapes "$shape" \
+          "${flag[@]}" 2>&1 | sed "s/^{/{\"pass\": \"$pass\", /" | tee -a "$out/startup.log" | grep -E '^\{|Error'
+      done
+    done
     ;;
   spec)
     # the default speculation against plain decoding per shape ($SPEC_SHAPES, default all four):

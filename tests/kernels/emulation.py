@@ -92,10 +92,11 @@ static std::vector<char> emu_read(const char* path) {
 def cuda_translation(kernel, input_dtypes, output_dtypes, template) -> tuple[str, str]:
     """(source, function name): the rendered CUDA unit without MLX's includes."""
     body = kernel.render(input_dtypes, output_dtypes, template)
-    body = body.split("\n", 3)[3]  # drop MLX's includes and `#define inf`
+    for line in ('#include "mlx/backend/cuda/device/utils.cuh"\n', "#include <cooperative_groups.h>\n"):
+        body = body.replace(line, "", 1)  # MLX's includes: the prelude stands in for them
     return body.replace(
         "namespace cg = cooperative_groups;\n", ""
-    ), f"mlx::core::cu::custom_kernel_{kernel.name}"
+    ), f"mlx::core::cu::{kernel.jit_name(template)}"
 
 
 def metal_translation(kernel, input_dtypes, output_dtypes, template) -> tuple[str, str]:

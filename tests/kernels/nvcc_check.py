@@ -1,5 +1,9 @@
 """Compile a rendered kernel with nvcc for sm_90 (H200) without running it: catches syntax and
-type errors before spending device time. Used by tests/kernels/test_cuda_compile.py."""
+type errors before spending device time. Used by tests/kernels/test_cuda_compile.py.
+
+The kernel's `#include "mlx/backend/cuda/device/utils.cuh"` resolves to the stand-in the disk
+cache compiles against (cuda_disk_cache.UTILS_STAND_IN), so every kernel checked here also builds
+against it; `cuda_stub/` supplies MLX's device/config.h."""
 
 from __future__ import annotations
 
@@ -8,11 +12,21 @@ import shutil
 import subprocess
 import tempfile
 
+from kapitsa.engine.kernels.cuda_disk_cache import UTILS_STAND_IN
+
 STUB = pathlib.Path(__file__).parent / "cuda_stub"
 
 
 def nvcc() -> str | None:
     return shutil.which("nvcc")
+
+
+def include_args(tmp: str) -> list[str]:
+    """nvcc's -I options for a rendered kernel, writing the stand-in utils.cuh under `tmp`."""
+    utils = pathlib.Path(tmp) / "include" / "mlx" / "backend" / "cuda" / "device" / "utils.cuh"
+    utils.parent.mkdir(parents=True, exist_ok=True)
+    utils.write_text(UTILS_STAND_IN)
+    return ["-I", str(pathlib.Path(tmp) / "include"), "-I", str(STUB)]
 
 
 def compile_source(source: str) -> tuple[bool, str]:
@@ -25,8 +39,7 @@ def compile_source(source: str) -> tuple[bool, str]:
                 "-arch=sm_90",
                 "-std=c++17",
                 "--ptx",
-                "-I",
-                str(STUB),
+                *include_args(tmp),
                 "-o",
                 str(path.with_suffix(".ptx")),
                 str(path),

@@ -14,7 +14,7 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 import pytest
-from nvcc_check import STUB, compile_source, nvcc
+from nvcc_check import compile_source, include_args, nvcc
 
 from kapitsa.engine.kernels import backend, gdn, gdn_plan, gdn_reference
 from tests.kernels.test_gdn_reference import make_inputs
@@ -299,7 +299,7 @@ def compile_with_resources(source: str) -> tuple[bool, str, dict[int, dict[str, 
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "kernel.cu"
         path.write_text(source)
-        cmd = [nvcc(), "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-I", str(STUB)]
+        cmd = [nvcc(), "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", *include_args(tmp)]
         proc = subprocess.run(
             [*cmd, "-o", str(path.with_suffix(".cubin")), str(path)],
             capture_output=True,

@@ -4,6 +4,7 @@ script is found here rather than after spending device time."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,9 +146,15 @@ def test_pick_knobs_keeps_a_setting_only_when_it_beats_the_default() -> None:
     assert pick([line("MLX_USE_CUDA_GRAPHS=0", 150.0)]) is None  # the default's run timed out
 
 
-def _json_lines(args: list[str]) -> list[dict]:
+def _json_lines(args: list[str], env: dict[str, str] | None = None) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, check=True, capture_output=True, text=True, timeout=600
+        [sys.executable, *args],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env} if env else None,
     )
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -310,3 +317,22 @@ def test_first_divergence_finds_the_first_differing_position() -> None:
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_startup_compile_reports_each_phase_and_the_cache_folder(tmp_path) -> None:
+    rows = _json_lines(
+        [
+            "lab/startup_compile.py",
+            "--tiny",
+            "--shapes",
+            "4b,nemotron-30b-a3b",
+            "--prompt",
+            "24",
+            "--tokens",
+            "3",
+        ],
+        env={"MLX_PTX_CACHE_DIR": str(tmp_path)},
+    )
+    assert [r["shape"] for r in rows] == ["4b", "nemotron-30b-a3b"]
+    assert all(r["first_request_s"] >= r["first_ttft_s"] > 0 and r["build_s"] > 0 for r in rows)
+    assert all(r["disk_cache"] == "on" and r["added"] == 0 for r in rows)  # no CUDA here: nothing compiled

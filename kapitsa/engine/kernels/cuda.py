@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kapitsa.engine.kernels import backend, cuda_disk_cache
+
 TemplateValue = int | bool | mx.Dtype
 SOURCE_DIR = pathlib.Path(__file__).parent / "cuda_src"  # inside the package: the wheel carries it
 
@@ -45,6 +47,23 @@ _CUDA_TYPES = {
     mx.int32: "int32_t",
     mx.int64: "int64_t",
     mx.bool_: "bool",
+}
+
+
+# mlx/backend/common/compiled.cpp, `get_type_string`: how a dtype template argument names a kernel
+_MLX_TYPE_NAMES = {
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
 }
 
 
@@ -125,6 +144,8 @@ class CudaKernel:
         init_value: float | None = None,
     ) -> list[mx.array]:
         kernel = _compiled(self, shared_memory)
+        if backend() == "cuda":
+            self._prepare_module(inputs, template, output_dtypes)
         return kernel(
             inputs=list(inputs),
             template=list(template),
@@ -134,6 +155,16 @@ class CudaKernel:
             output_dtypes=list(output_dtypes),
             init_value=init_value,
         )
+
+    def _prepare_module(self, inputs, template, output_dtypes) -> None:
+        """The first launch of each instantiation in this process puts its compiled module where
+        MLX's JIT will find it (cuda_disk_cache.py); later launches cost one set lookup."""
+        key = (self, tuple(template), tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes))
+        if key in _PREPARED:
+            return
+        source = self.render([x.dtype for x in inputs], output_dtypes, template, [x.ndim for x in inputs])
+        cuda_disk_cache.prepare(self.jit_name(template), source)
+        _PREPARED.add(key)
 
     @property
     def shape_inputs(self) -> tuple[str, ...]:
@@ -151,28 +182,50 @@ class CudaKernel:
         input_dtypes: Sequence[mx.Dtype],
         output_dtypes: Sequence[mx.Dtype],
         template: Sequence[tuple[str, TemplateValue]],
+        input_ndims: Sequence[int] | None = None,
     ) -> str:
-        """The translation unit MLX builds for these dtypes and template values (inputs assumed
-        to have ndim > 0 and no `_strides` use, which our kernels avoid)."""
+        """The translation unit MLX builds for these inputs and template values, byte for byte
+        (`build_kernel`; inputs of rank 0 get no shape parameters, `input_ndims` None means none
+        is). The disk cache (cuda_disk_cache.py) finds MLX's compiled module by its hash."""
+        source = compact_source(self.source)
+        ndims = input_ndims or [1] * len(self.input_names)
         params = []
-        for name, dtype in zip(self.input_names, input_dtypes, strict=True):
-            params.append(f"    const {cuda_type(dtype)}* {name}")
-            if name in self.shape_inputs:
-                params.append(f"    const __grid_constant__ Shape {name}_shape")
-            if name in self.ndim_inputs:
-                params.append(f"    const __grid_constant__ int {name}_ndim")
-        params += [f"    {cuda_type(d)}* {n}" for n, d in zip(self.output_names, output_dtypes, strict=True)]
-        consts = [f"  {line}" for line in template_constants(template)]
+        for name, dtype, ndim in zip(self.input_names, input_dtypes, ndims, strict=True):
+            params.append(f"    const {cuda_type(dtype)}* {name},\n")
+            for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+                if ndim > 0 and name + suffix in source:
+                    params.append(f"    const __grid_constant__ {kind} {name}{suffix},\n")
+        outputs = [f"    {cuda_type(d)}* {n}" for n, d in zip(self.output_names, output_dtypes, strict=True)]
+        consts = "".join(f"  {line}\n" for line in template_constants(template))
         return (
-            '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
-            "#define inf cuda::std::numeric_limits<float>::infinity()\n"
-            f"{compact_source(self.header)}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void custom_kernel_{self.name}(\n"
-            + ",\n".join(params)
+            '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+            + compact_source(self.header)
+            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void {self.jit_name(template)}(\n"
+            + "".join(params)
+            + ",\n".join(outputs)
             + ") {\n"
-            + "\n".join(consts)
-            + f"\n{compact_source(self.source)}\n}}\n}} // namespace mlx::core::cu\n"
+            + (consts + "\n" if consts else "")
+            + source
+            + "\n}\n\n} // namespace mlx::core::cu\n"
         )
+
+    def jit_name(self, template: Sequence[tuple[str, TemplateValue]]) -> str:
+        """The kernel's name in MLX's JIT module for these template values (`custom_kernel_`,
+        the name, then `_value` per argument: `_t`/`_f` for bools, MLX's type names for dtypes)."""
+        suffix = "".join(f"_{_template_tag(value)}" for _, value in template)
+        return f"custom_kernel_{self.name}{suffix}"
+
+
+def _template_tag(value: TemplateValue) -> str:
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, int):
+        return str(value)
+    return _MLX_TYPE_NAMES[value]
+
+
+_PREPARED: set[tuple] = set()  # instantiations whose module is on disk (or left to MLX) this process
 
 
 @functools.cache

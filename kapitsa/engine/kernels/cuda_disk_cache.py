@@ -1,0 +1,199 @@
+"""Custom kernels compiled once per machine instead of once per process, through MLX's PTX cache.
+
+MLX compiles every `mx.fast.cuda_kernel` instantiation with NVRTC in each process (about a second
+each; a model's decode path has 20-30 of them) and never stores the result: custom kernels pass
+`use_disk_cache=false` (mlx/backend/cuda/custom_kernel.cpp). Its JIT does read the disk cache
+first for every module, custom ones included (jit_module.cpp, `JitModule::JitModule`): a module
+found there as `<module>.ptx` (a cubin or PTX) plus `<module>.txt` (name, tab, lowered name) is
+loaded, not compiled. So before an instantiation's first launch in a process, `prepare` works out
+the module name MLX will look for (`<jit name>_<std::hash of the generated source, hex>`), and
+when the file is missing it compiles that same source with NVRTC and writes it there.
+
+The source is MLX's, byte for byte (`CudaKernel.render`). The header it includes,
+`mlx/backend/cuda/device/utils.cuh`, is embedded in libmlx and not shipped, so NVRTC gets a
+stand-in with what kernel bodies may use from it: the CUDA half and bfloat16 types, libcu++'s
+array and limits, and the `Shape`/`Strides` parameter types, sized by MLX's own
+`device/config.h`. MLX finds the kernel by the lowered name the `.txt` records, so what must
+match is the parameter layout. Anything that fails (no NVRTC, a body that needs more of MLX's
+header, a cache MLX does not read) leaves that instantiation to MLX's own compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pathlib
+import tempfile
+import threading
+
+import mlx.core as mx
+
+from kapitsa.engine.kernels import nvrtc
+
+log = logging.getLogger(__name__)
+
+UTILS_STAND_IN = """#pragma once
+#include "mlx/backend/cuda/device/config.h"
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+"""
+_HEADERS = {"mlx/backend/cuda/device/utils.cuh": UTILS_STAND_IN}
+_MASK = (1 << 64) - 1
+_MUL = 0xC6A4A7935BD1E995
+_SEED = 0xC70F6907
+_MAX_FILE_NAME = 245  # jit_module.cpp, `get_ptx_path`
+
+
+def std_hash(data: bytes) -> int:
+    """libstdc++'s `std::hash<std::string>` on 64-bit (`_Hash_bytes`, seed 0xc70f6907), the hash
+    MLX puts in a custom kernel's module name."""
+    length = len(data)
+    value = (_SEED ^ (length * _MUL)) & _MASK
+    aligned = length & ~7
+    for i in range(0, aligned, 8):
+        word = int.from_bytes(data[i : i + 8], "little")
+        value = ((value ^ (_shift_mix((word * _MUL) & _MASK) * _MUL)) * _MUL) & _MASK
+    if length & 7:
+        tail = int.from_bytes(data[aligned:], "little")
+        value = ((value ^ tail) * _MUL) & _MASK
+    return _shift_mix((_shift_mix(value) * _MUL) & _MASK)
+
+
+def _shift_mix(value: int) -> int:
+    return value ^ (value >> 47)
+
+
+def module_name(jit_name: str, source: str) -> str:
+    return f"{jit_name}_{std_hash(source.encode()):x}"
+
+
+def mlx_cache_dir() -> pathlib.Path:
+    """Where MLX's JIT looks for compiled modules: $MLX_PTX_CACHE_DIR, else
+    <temp dir>/mlx/<version>/ptx (jit_module.cpp, `ptx_cache_dir`)."""
+    configured = os.environ.get("MLX_PTX_CACHE_DIR")
+    if configured:
+        return pathlib.Path(configured)
+    return pathlib.Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+
+
+def module_path(directory: pathlib.Path, name: str) -> pathlib.Path:
+    """`<directory>/<name>.ptx`; a name over 245 characters is cut into folders as MLX cuts it."""
+    path = directory
+    while len(name) > _MAX_FILE_NAME:
+        path, name = path / name[:_MAX_FILE_NAME], name[_MAX_FILE_NAME:]
+    return path / f"{name}.ptx"
+
+
+class DiskCache:
+    """Compiles missing modules into `directory` with `compiler` for one GPU architecture."""
+
+    def __init__(self, directory: pathlib.Path, compiler: nvrtc.Nvrtc, options: list[str]) -> None:
+        self.directory = directory
+        self._compiler = compiler
+        self._options = options
+        self._lock = threading.Lock()
+
+    def ensure(self, jit_name: str, source: str) -> bool:
+        """Make MLX find `jit_name`'s module for `source` on disk; True when this call compiled it."""
+        name = module_name(jit_name, source)
+        path = module_path(self.directory, name)
+        if path.exists():
+            return False
+        with self._lock:
+            if path.exists():
+                return False
+            symbol = f"mlx::core::cu::{jit_name}"
+            compiled = self._compiler.compile(
+                source,
+                filename=f"{name}.cu",
+                name_expressions=[symbol],
+                options=self._options,
+                headers=_HEADERS,
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path.with_suffix(".txt"), f"{symbol}\t{compiled.lowered_names[symbol]}\n".encode())
+            _write_atomic(path, compiled.binary)  # last: MLX takes a module as present once its .ptx is
+            return True
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def compile_options(
+    compiler: nvrtc.Nvrtc, capability: tuple[int, int], include_dirs: list[pathlib.Path]
+) -> list[str]:
+    """MLX's NVRTC options for this GPU: SASS (`sm_XY`, `a` from compute capability 9 on) when
+    this NVRTC can emit it, else PTX (`compute_XY`)."""
+    major, minor = capability
+    kind = "sm" if major * 10 + minor in compiler.supported_archs() else "compute"
+    suffix = "a" if major >= 9 else ""
+    return [
+        "--device-as-default-execution-space",
+        f"--gpu-architecture={kind}_{major}{minor}{suffix}",
+        *(f"--include-path={d}" for d in include_dirs),
+    ]
+
+
+def include_dirs(mlx_root: pathlib.Path, nvrtc_major: int) -> list[pathlib.Path]:
+    """MLX's NVRTC include path (jit_module.cpp, `include_path_args`): its bundled headers, CCCL,
+    then the CUDA headers of the `nvidia` Python package beside it, else $CUDA_HOME/$CUDA_PATH,
+    else /usr/local/cuda. Without a bundled CCCL, the toolkit's (`include/cccl` from CUDA 13 on)."""
+    bundled = [d for d in (mlx_root / "include", mlx_root / "include" / "cccl") if d.is_dir()]
+    cuda = mlx_root.parent / "nvidia" / ("cu13" if nvrtc_major >= 13 else "cuda_runtime") / "include"
+    if not cuda.is_dir():
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        cuda = pathlib.Path(home) / "include"
+    toolkit_cccl = (
+        [cuda / "cccl"] if (cuda / "cccl").is_dir() and mlx_root / "include" / "cccl" not in bundled else []
+    )
+    return [*bundled, *toolkit_cccl, cuda]
+
+
+@functools.cache
+def default_cache() -> DiskCache | None:
+    """The cache for this process's GPU, or None when there is none to fill (no CUDA, no NVRTC
+    loaded, a cache folder that cannot be made)."""
+    if not mx.cuda.is_available():
+        return None
+    try:
+        library = nvrtc.loaded_library("libnvrtc.so")
+        if library is None:
+            return None
+        compiler = nvrtc.Nvrtc(library)
+        libmlx = nvrtc.loaded_library("libmlx.so")
+        mlx_root = pathlib.Path(libmlx).parent.parent if libmlx else pathlib.Path(mx.__file__).parent
+        directory = mlx_cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        dirs = include_dirs(mlx_root, compiler.version()[0])
+        return DiskCache(directory, compiler, compile_options(compiler, nvrtc.compute_capability(), dirs))
+    except (OSError, nvrtc.NvrtcError) as error:
+        log.warning("custom kernels compile in every process: %s", error)
+        return None
+
+
+def prepare(jit_name: str, source: str) -> None:
+    """Before a first launch in this process: put the module on disk if it can be (see module
+    doc); a failure is logged once per kernel and leaves the compile to MLX."""
+    cache = default_cache()
+    if cache is None:
+        return
+    try:
+        cache.ensure(jit_name, source)
+    except (OSError, nvrtc.NvrtcError) as error:
+        log.warning("kernel %s compiles in-process (MLX's JIT): %s", jit_name, str(error)[:2000])

@@ -1,0 +1,223 @@
+"""The custom-kernel disk cache: MLX's exact JIT source and module name, the files MLX reads, and a
+real NVRTC compile where a libnvrtc is found (the GPU machine; $KAPITSA_TEST_NVRTC elsewhere).
+tests/kernels/test_cuda_disk_cache_gpu.py checks on the GPU that MLX loads what this writes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from kapitsa.engine.kernels import cuda, cuda_disk_cache, nvrtc
+from kapitsa.engine.kernels.cuda import CudaKernel
+
+# std::hash<std::string> from g++ 13 (libstdc++) on x86-64, printed with std::hex
+LIBSTDCXX_HASHES = {
+    b"": 0x553E93901E462A6E,
+    b"a": 0x454DDEE488C1ED6B,
+    b"abcdefg": 0xDEEE6830A3AF82AF,
+    b"abcdefgh": 0x783DB3E38DB898BB,
+    b"abcdefghi": 0xB4EC9257851C8AAF,
+    bytes(range(256)) + bytes(range(44)): 0x5F4918EF1B28F196,
+}
+
+KERNEL = CudaKernel(
+    "probe",
+    ("x", "meta"),
+    ("y",),
+    "// a comment MLX never sees\n  const int n = x_shape[0];\n  y[0] = x[0] * N + meta[x_ndim];\n",
+)
+
+
+def test_std_hash_matches_libstdcxx() -> None:
+    for data, want in LIBSTDCXX_HASHES.items():
+        assert cuda_disk_cache.std_hash(data) == want, data[:16]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_std_hash_matches_this_machines_compiler(tmp_path: pathlib.Path) -> None:
+    """Every tail length (0-7 bytes past a word) and a kernel-sized text, against g++ here."""
+    program = tmp_path / "h.cpp"
+    program.write_text(
+        "#include <iostream>\n#include <iterator>\n#include <string>\n"
+        "int main() { std::string s((std::istreambuf_iterator<char>(std::cin)), {});"
+        " std::cout << std::hex << std::hash<std::string>{}(s); }\n"
+    )
+    subprocess.run(["g++", "-O1", "-o", str(tmp_path / "h"), str(program)], check=True)
+    for data in [os.urandom(n) for n in (*range(17), 1000, 6133)]:
+        out = subprocess.run([str(tmp_path / "h")], input=data, capture_output=True, check=True).stdout
+        assert cuda_disk_cache.std_hash(data) == int(out, 16)
+
+
+def test_render_is_mlx_build_kernel_byte_for_byte() -> None:
+    """custom_kernel.cpp's `build_kernel`: the default header, the compacted body, shape and rank
+    parameters for inputs whose names the body reads (none for rank 0), template constants."""
+    template = [("T", mx.bfloat16), ("N", 3), ("GATE", True)]
+    want = (
+        '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+        "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        "__global__ void custom_kernel_probe_bfloat16_t_3_t(\n"
+        "    const float* x,\n"
+        "    const __grid_constant__ Shape x_shape,\n"
+        "    const __grid_constant__ int x_ndim,\n"
+        "    const int32_t* meta,\n"
+        "    __nv_bfloat16* y) {\n"
+        "  using T = __nv_bfloat16;\n  constexpr int N = 3;\n  constexpr bool GATE = true;\n\n"
+        "const int n = x_shape[0];\ny[0] = x[0] * N + meta[x_ndim];\n"
+        "\n}\n\n} // namespace mlx::core::cu\n"
+    )
+    assert KERNEL.render([mx.float32, mx.int32], [mx.bfloat16], template, [2, 1]) == want
+    scalar = KERNEL.render([mx.float32, mx.int32], [mx.bfloat16], template, [0, 1])
+    assert "x_shape," not in scalar and "x_ndim," not in scalar
+
+
+def test_jit_name_tags_each_template_value_as_mlx_does() -> None:
+    template = [("A", 7), ("B", False), ("C", mx.float16), ("D", mx.uint32), ("E", mx.float32)]
+    assert KERNEL.jit_name(template) == "custom_kernel_probe_7_f_float16_t_uint32_t_float"
+    assert KERNEL.jit_name([]) == "custom_kernel_probe"
+
+
+def test_module_path_cuts_long_names_into_folders_as_mlx_does(tmp_path: pathlib.Path) -> None:
+    assert cuda_disk_cache.module_path(tmp_path, "k_1f") == tmp_path / "k_1f.ptx"
+    name = "a" * 245 + "b" * 245 + "c" * 10
+    assert cuda_disk_cache.module_path(tmp_path, name) == tmp_path / ("a" * 245) / ("b" * 245) / (
+        "c" * 10 + ".ptx"
+    )
+
+
+def test_cache_dir_follows_mlx(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    assert cuda_disk_cache.mlx_cache_dir() == tmp_path
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    assert cuda_disk_cache.mlx_cache_dir() == tmp_path / "mlx" / mx.__version__ / "ptx"
+
+
+class FakeCompiler:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls, self.fail = [], fail
+
+    def compile(self, source, *, filename, name_expressions, options, headers):
+        self.calls.append((source, filename, tuple(name_expressions), tuple(options), dict(headers)))
+        if self.fail:
+            raise nvrtc.NvrtcError("NVRTC_ERROR_COMPILATION: boom")
+        return nvrtc.Compiled(b"\x7fELF cubin", {n: f"_Z{len(n)}mangled" for n in name_expressions})
+
+
+def test_ensure_writes_the_module_once_with_its_lowered_name(tmp_path: pathlib.Path) -> None:
+    compiler = FakeCompiler()
+    cache = cuda_disk_cache.DiskCache(tmp_path, compiler, ["--gpu-architecture=sm_90a"])
+    source = KERNEL.render([mx.float32, mx.int32], [mx.float32], [("N", 2)], [1, 1])
+    assert cache.ensure("custom_kernel_probe_2", source) is True
+    assert cache.ensure("custom_kernel_probe_2", source) is False
+    assert len(compiler.calls) == 1
+    _, _, names, options, headers = compiler.calls[0]
+    assert names == ("mlx::core::cu::custom_kernel_probe_2",)
+    assert options == ("--gpu-architecture=sm_90a",)
+    assert headers == {"mlx/backend/cuda/device/utils.cuh": cuda_disk_cache.UTILS_STAND_IN}
+    stem = f"custom_kernel_probe_2_{cuda_disk_cache.std_hash(source.encode()):x}"
+    assert (tmp_path / f"{stem}.ptx").read_bytes() == b"\x7fELF cubin"
+    txt = (tmp_path / f"{stem}.txt").read_text()
+    assert txt == "mlx::core::cu::custom_kernel_probe_2\t_Z36mangled\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.ptx", f"{stem}.txt"]  # no temp files left
+
+
+def test_a_failed_compile_writes_nothing_and_prepare_logs_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = cuda_disk_cache.DiskCache(tmp_path, FakeCompiler(fail=True), [])
+    with pytest.raises(nvrtc.NvrtcError):
+        cache.ensure("custom_kernel_probe", "src")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(cuda_disk_cache, "default_cache", lambda: cache)
+    with caplog.at_level(logging.WARNING):
+        cuda_disk_cache.prepare("custom_kernel_probe", "src")  # logged, not raised: MLX compiles it
+    assert "custom_kernel_probe compiles in-process" in caplog.text and "boom" in caplog.text
+
+
+def test_each_instantiation_is_prepared_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the first launch of each (template, input dtypes/ranks, output dtypes) goes through
+    the disk cache with MLX's source; repeats cost a set lookup."""
+    prepared, launched = [], []
+    monkeypatch.setattr(cuda, "backend", lambda: "cuda")
+    monkeypatch.setattr(cuda, "_PREPARED", set())
+    monkeypatch.setattr(cuda_disk_cache, "prepare", lambda name, source: prepared.append((name, source)))
+    monkeypatch.setattr(cuda, "_compiled", lambda kernel, smem: lambda **kw: launched.append(kw) or [])
+    x, meta = mx.zeros((4, 2)), mx.zeros((3,), dtype=mx.int32)
+    call = dict(grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
+    for n in (2, 2, 3, 2):
+        KERNEL([x, meta], template=[("N", n)], **call)
+    KERNEL([x.astype(mx.float16), meta], template=[("N", 2)], **call)
+    assert [name for name, _ in prepared] == [
+        "custom_kernel_probe_2",
+        "custom_kernel_probe_3",
+        "custom_kernel_probe_2",
+    ]
+    assert prepared[0][1] == KERNEL.render([mx.float32, mx.int32], [mx.float32], [("N", 2)], [2, 1])
+    assert "const __half* x" in prepared[2][1]
+    assert len(launched) == 5
+
+
+def _nvrtc_library() -> str | None:
+    if path := os.environ.get("KAPITSA_TEST_NVRTC") or nvrtc.loaded_library("libnvrtc.so"):
+        return path
+    try:
+        import nvidia  # the CUDA wheels' namespace package
+
+        found = sorted(pathlib.Path(list(nvidia.__path__)[0]).glob("*/lib/libnvrtc.so*"))
+    except ImportError:
+        return None
+    return str(found[0]) if found else None
+
+
+def _include_dirs() -> list[pathlib.Path] | None:
+    """MLX's include path, with this repository's stand-in for device/config.h when the CPU wheel
+    (which ships no CUDA headers) is installed; None without CUDA's own headers."""
+    libmlx = nvrtc.loaded_library("libmlx.so")
+    root = pathlib.Path(libmlx).parent.parent if libmlx else pathlib.Path(mx.__file__).parent
+    dirs = cuda_disk_cache.include_dirs(root, 13)
+    if not (dirs[-1] / "cuda_bf16.h").exists():
+        return None
+    if (root / "include" / "mlx" / "backend" / "cuda" / "device" / "config.h").exists():
+        return dirs
+    return [pathlib.Path(__file__).parent / "cuda_stub", *dirs]
+
+
+@pytest.mark.skipif(_nvrtc_library() is None or _include_dirs() is None, reason="no libnvrtc or CUDA headers")
+def test_nvrtc_builds_real_kernels_against_the_stand_in(tmp_path: pathlib.Path) -> None:
+    """The attention kernels (shape parameters, bfloat16, cooperative groups) compile to a sm_90a
+    cubin whose .txt names the symbol NVRTC lowered: what MLX's loader asks the module for."""
+    from kapitsa.engine.kernels import attention
+
+    compiler = nvrtc.Nvrtc(_nvrtc_library())
+    options = cuda_disk_cache.compile_options(compiler, (9, 0), _include_dirs())
+    assert "--gpu-architecture=sm_90a" in options
+    cache = cuda_disk_cache.DiskCache(tmp_path, compiler, options)
+    partial, combine = attention._templates(mx.bfloat16, 256, 4, 16, 256**-0.5, True)
+    dtype = mx.bfloat16
+    for kernel, inputs, outputs, template in (
+        (attention._PARTIAL, [dtype, dtype, dtype, mx.int32], [mx.float32, mx.float32], partial),
+        (attention._COMBINE, [mx.float32, mx.float32, dtype], [dtype], combine),
+    ):
+        source = kernel.render(inputs, outputs, template, [4] * len(inputs))
+        assert cache.ensure(kernel.jit_name(template), source)
+        path = cuda_disk_cache.module_path(
+            tmp_path, cuda_disk_cache.module_name(kernel.jit_name(template), source)
+        )
+        assert path.read_bytes()[:4] == b"\x7fELF"
+        name, mangled = path.with_suffix(".txt").read_text().rstrip("\n").split("\t")
+        assert name == f"mlx::core::cu::{kernel.jit_name(template)}"
+        assert mangled.startswith("_ZN3mlx4core2cu") and kernel.jit_name(template) in mangled
+    with pytest.raises(nvrtc.NvrtcError, match="undefined_symbol"):
+        cache.ensure(
+            "custom_kernel_broken",
+            CudaKernel("broken", ("x",), ("y",), "y[0] = undefined_symbol;").render(
+                [mx.float32], [mx.float32], []
+            ),
+        )
