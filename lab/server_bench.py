@@ -52,7 +52,9 @@ def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iter
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
+        start = time.monotonic()
         _wait_ready(proc, ready_url, log, timeout_s)
+        _progress(f"{argv[1:4]} ready after {time.monotonic() - start:.1f} s")
         yield proc
     finally:
         proc.terminate()
@@ -60,6 +62,11 @@ def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iter
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _progress(line: str) -> None:
+    """Where the time went, printed as it goes: a run cut by its limit still says how far it got."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
@@ -164,7 +171,9 @@ def main() -> None:
             import mlx.core as mx
 
             DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
+        start = time.monotonic()
         folder = write_shape_checkpoint(args.shape, args.work / f"shape-{args.shape}", tiny=args.tiny)
+        _progress(f"checkpoint {folder} written in {time.monotonic() - start:.1f} s")
     if folder is None:  # the embedded demo checkpoint (the package's demo/ folder), which mlx-lm also loads
         import kapitsa
 

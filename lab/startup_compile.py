@@ -43,7 +43,7 @@ def measure(shape: str, dims_of: dict, prompt_len: int, tokens: int, streams: in
     warmup = wait_warm(client)
     vocab = (config.get("text_config") or config)["vocab_size"]
     request_start = time.perf_counter()
-    first, _, end, _ = asyncio.run(stream(client, prompt_ids(prompt_len, vocab), tokens))
+    _, first, end, _ = asyncio.run(stream(client, prompt_ids(prompt_len, vocab), tokens))
     return dict(
         build_s=round(built, 2),
         warmup_s=round(warmup, 2),

@@ -125,7 +125,25 @@ def test_ensure_writes_the_module_once_with_its_lowered_name(tmp_path: pathlib.P
     assert (tmp_path / f"{stem}.ptx").read_bytes() == b"\x7fELF cubin"
     txt = (tmp_path / f"{stem}.txt").read_text()
     assert txt == "mlx::core::cu::custom_kernel_probe_2\t_Z36mangled\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.ptx", f"{stem}.txt"]  # no temp files left
+    assert (tmp_path / f"{stem}.kapitsa").read_text() == cuda_disk_cache.build_tag(
+        ["--gpu-architecture=sm_90a"]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.kapitsa", f"{stem}.ptx", f"{stem}.txt"]
+
+
+def test_a_module_not_built_for_this_mlx_and_gpu_is_rebuilt(tmp_path: pathlib.Path) -> None:
+    """A .ptx with no tag (left by something else) or another architecture's tag is compiled again;
+    MLX would otherwise load it as it is."""
+    compiler = FakeCompiler()
+    source = KERNEL.render([mx.float32, mx.int32], [mx.float32], [("N", 2)], [1, 1])
+    path = cuda_disk_cache.module_path(tmp_path, cuda_disk_cache.module_name("custom_kernel_probe_2", source))
+    path.write_bytes(b"foreign")
+    sm90 = cuda_disk_cache.DiskCache(tmp_path, compiler, ["--gpu-architecture=sm_90a"])
+    assert sm90.ensure("custom_kernel_probe_2", source) and path.read_bytes() == b"\x7fELF cubin"
+    sm80 = cuda_disk_cache.DiskCache(tmp_path, compiler, ["--gpu-architecture=sm_80"])
+    assert sm80.ensure("custom_kernel_probe_2", source)
+    assert not sm80.ensure("custom_kernel_probe_2", source)
+    assert len(compiler.calls) == 2
 
 
 def test_a_failed_compile_writes_nothing_and_prepare_logs_it(

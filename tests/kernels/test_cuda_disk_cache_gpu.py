@@ -81,7 +81,8 @@ def test_render_is_what_mlx_compiles(tmp_path: pathlib.Path) -> None:
 
 
 def test_mlx_reads_the_module_the_cache_names(tmp_path: pathlib.Path) -> None:
-    """A garbage module at the predicted path makes MLX's loader fail: MLX looked exactly there."""
+    """A garbage module at the predicted path (tagged as built here, so the cache keeps it) makes
+    MLX's loader fail: MLX looked exactly there."""
     code = """
     import mlx.core as mx
     from kapitsa.engine.kernels import cuda_disk_cache
@@ -94,6 +95,7 @@ def test_mlx_reads_the_module_the_cache_names(tmp_path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".txt").write_text(f"mlx::core::cu::{kernel.jit_name([('N', 5)])}\\tnot_a_symbol\\n")
     path.write_bytes(b"not a cubin")
+    path.with_suffix(".kapitsa").write_text(cuda_disk_cache.default_cache().tag)  # as if built here
     y = kernel([x], template=[("N", 5)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
     try:

@@ -7,7 +7,8 @@ first for every module, custom ones included (jit_module.cpp, `JitModule::JitMod
 found there as `<module>.ptx` (a cubin or PTX) plus `<module>.txt` (name, tab, lowered name) is
 loaded, not compiled. So before an instantiation's first launch in a process, `prepare` works out
 the module name MLX will look for (`<jit name>_<std::hash of the generated source, hex>`), and
-when the file is missing it compiles that same source with NVRTC and writes it there.
+when the file is missing (or was not built for this MLX and GPU: `build_tag`) it compiles that
+same source with NVRTC and writes it there.
 
 The source is MLX's, byte for byte (`CudaKernel.render`). The header it includes,
 `mlx/backend/cuda/device/utils.cuh`, is embedded in libmlx and not shipped, so NVRTC gets a
@@ -21,6 +22,7 @@ header, a cache MLX does not read) leaves that instantiation to MLX's own compil
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import pathlib
@@ -92,6 +94,16 @@ def module_path(directory: pathlib.Path, name: str) -> pathlib.Path:
     return path / f"{name}.ptx"
 
 
+def build_tag(options: list[str]) -> str:
+    """What a module written here was built for: the MLX version (the parameter layout its loader
+    passes), the target architecture and the stand-in header. A module's name covers only its
+    source, so a `.ptx` without this tag beside it (`<module>.kapitsa`) is rebuilt: one left by
+    another MLX or GPU in a shared $MLX_PTX_CACHE_DIR would otherwise load and run wrong."""
+    arch = [o for o in options if o.startswith("--gpu-architecture=")]
+    digest = hashlib.sha256(UTILS_STAND_IN.encode()).hexdigest()[:12]
+    return f"mlx {mx.__version__} {' '.join(arch)} stand-in {digest}\n"
+
+
 class DiskCache:
     """Compiles missing modules into `directory` with `compiler` for one GPU architecture."""
 
@@ -99,16 +111,17 @@ class DiskCache:
         self.directory = directory
         self._compiler = compiler
         self._options = options
+        self.tag = build_tag(options)
         self._lock = threading.Lock()
 
     def ensure(self, jit_name: str, source: str) -> bool:
         """Make MLX find `jit_name`'s module for `source` on disk; True when this call compiled it."""
         name = module_name(jit_name, source)
         path = module_path(self.directory, name)
-        if path.exists():
+        if self._current(path):
             return False
         with self._lock:
-            if path.exists():
+            if self._current(path):
                 return False
             symbol = f"mlx::core::cu::{jit_name}"
             compiled = self._compiler.compile(
@@ -120,8 +133,17 @@ class DiskCache:
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(path.with_suffix(".txt"), f"{symbol}\t{compiled.lowered_names[symbol]}\n".encode())
-            _write_atomic(path, compiled.binary)  # last: MLX takes a module as present once its .ptx is
+            _write_atomic(
+                path, compiled.binary
+            )  # after the .txt: MLX takes a module as present once its .ptx is
+            _write_atomic(path.with_suffix(".kapitsa"), self.tag.encode())
             return True
+
+    def _current(self, path: pathlib.Path) -> bool:
+        try:
+            return path.exists() and path.with_suffix(".kapitsa").read_text() == self.tag
+        except OSError:
+            return False
 
 
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:
