@@ -4,6 +4,7 @@ tests/kernels/test_cuda_disk_cache_gpu.py checks on the GPU that MLX loads what 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
@@ -125,9 +126,9 @@ def test_ensure_writes_the_module_once_with_its_lowered_name(tmp_path: pathlib.P
     assert (tmp_path / f"{stem}.ptx").read_bytes() == b"\x7fELF cubin"
     txt = (tmp_path / f"{stem}.txt").read_text()
     assert txt == "mlx::core::cu::custom_kernel_probe_2\t_Z36mangled\n"
-    assert (tmp_path / f"{stem}.kapitsa").read_text() == cuda_disk_cache.build_tag(
-        ["--gpu-architecture=sm_90a"]
-    )
+    digest = hashlib.sha256(b"\x7fELF cubin").hexdigest()
+    tag = cuda_disk_cache.build_tag(["--gpu-architecture=sm_90a"])
+    assert (tmp_path / f"{stem}.kapitsa").read_text() == f"{tag}sha256 {digest}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.kapitsa", f"{stem}.ptx", f"{stem}.txt"]
 
 
@@ -144,19 +145,78 @@ def test_a_module_not_built_for_this_mlx_and_gpu_is_rebuilt(tmp_path: pathlib.Pa
     assert sm80.ensure("custom_kernel_probe_2", source)
     assert not sm80.ensure("custom_kernel_probe_2", source)
     assert len(compiler.calls) == 2
+    path.write_bytes(path.read_bytes()[:-3])  # cut short (a crash, a full disk): MLX could not load it
+    assert sm80.ensure("custom_kernel_probe_2", source) and path.read_bytes() == b"\x7fELF cubin"
 
 
-def test_a_failed_compile_writes_nothing_and_prepare_logs_it(
+def test_mlx_disk_cache_turned_off_means_no_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX_PTX_CACHE_DIR set empty: MLX reads no modules, so none is written."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "")
+    assert cuda_disk_cache.mlx_cache_dir() is None
+    monkeypatch.setattr(cuda_disk_cache.mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nvrtc, "loaded_library", lambda stem: "/lib/libnvrtc.so.13")
+    monkeypatch.setattr(nvrtc, "Nvrtc", lambda path: FakeCompiler())
+    cuda_disk_cache.default_cache.cache_clear()
+    try:
+        assert cuda_disk_cache.default_cache() is None
+    finally:
+        cuda_disk_cache.default_cache.cache_clear()
+
+
+def test_a_failed_write_leaves_no_file_and_the_next_process_rebuilds(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The .ptx's rename fails (a full disk, a kill): no temp file stays, nothing passes for a
+    module, and a later `ensure` compiles it again."""
+    compiler = FakeCompiler()
+    cache = cuda_disk_cache.DiskCache(tmp_path, compiler, [])
+    replace, calls = os.replace, []
+
+    def failing_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(cuda_disk_cache.os, "replace", failing_second)
+    with pytest.raises(OSError, match="No space"):
+        cache.ensure("custom_kernel_probe", "src")
+    assert [p.suffix for p in tmp_path.iterdir()] == [".txt"]
+    monkeypatch.setattr(cuda_disk_cache.os, "replace", replace)
+    assert cache.ensure("custom_kernel_probe", "src") and len(compiler.calls) == 2
+    assert not cache.ensure("custom_kernel_probe", "src")
+
+
+def test_a_failed_compile_is_logged_and_left_to_mlx(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = cuda_disk_cache.DiskCache(tmp_path, FakeCompiler(fail=True), [])
-    with pytest.raises(nvrtc.NvrtcError):
-        cache.ensure("custom_kernel_probe", "src")
-    assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(cuda_disk_cache, "default_cache", lambda: cache)
     with caplog.at_level(logging.WARNING):
         cuda_disk_cache.prepare("custom_kernel_probe", "src")  # logged, not raised: MLX compiles it
     assert "custom_kernel_probe compiles in-process" in caplog.text and "boom" in caplog.text
+
+
+def test_any_failure_to_set_the_cache_up_leaves_the_compile_to_mlx(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No NVRTC of the expected API (a missing symbol is an AttributeError) must not stop a model."""
+    monkeypatch.setattr(cuda_disk_cache.mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(nvrtc, "loaded_library", lambda stem: "/lib/libnvrtc.so.13")
+
+    class Broken:
+        def __init__(self, path: str) -> None:
+            raise AttributeError("nvrtcGetSupportedArchs")
+
+    monkeypatch.setattr(nvrtc, "Nvrtc", Broken)
+    cuda_disk_cache.default_cache.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cuda_disk_cache.default_cache() is None
+            cuda_disk_cache.prepare("custom_kernel_probe", "src")
+    finally:
+        cuda_disk_cache.default_cache.cache_clear()
+    assert "custom kernels compile in every process: nvrtcGetSupportedArchs" in caplog.text
 
 
 def test_each_instantiation_is_prepared_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,6 +240,8 @@ def test_each_instantiation_is_prepared_once_per_process(monkeypatch: pytest.Mon
     assert prepared[0][1] == KERNEL.render([mx.float32, mx.int32], [mx.float32], [("N", 2)], [2, 1])
     assert "const __half* x" in prepared[2][1]
     assert len(launched) == 5
+    KERNEL([1.5, meta], template=[("N", 2)], **call)  # a Python scalar MLX takes: MLX compiles it
+    assert len(prepared) == 3 and len(launched) == 6
 
 
 def _nvrtc_library() -> str | None:

@@ -59,25 +59,35 @@ def _custom_modules(cache: pathlib.Path) -> list[str]:
 
 
 def test_render_is_what_mlx_compiles(tmp_path: pathlib.Path) -> None:
+    """MLX's verbose output against `render` for kernels with and without a header, with int, bool
+    and dtype template values, a shape parameter and a rank-0 input: nothing runs, MLX prints the
+    source while it builds the graph."""
     code = """
     import mlx.core as mx
-    from kapitsa.engine.kernels import attention, cuda
-    q = mx.zeros((1, 8, 1, 256), dtype=mx.bfloat16)
-    kv = mx.zeros((1, 2, 64, 256), dtype=mx.bfloat16)
-    meta = mx.array([64, 64, 2], dtype=mx.int32)
-    partial, _ = attention._templates(mx.bfloat16, 256, 4, 8, 0.0625, True)
-    launch = cuda._compiled(attention._PARTIAL, 0)
-    outs = launch(inputs=[q, kv, kv, meta], template=list(partial), grid=(2 * 2 * 4 * 32, 1, 1),
-                  threadgroup=(128, 1, 1), output_shapes=[(8, 8, 256), (8, 8, 2)],
-                  output_dtypes=[mx.float32, mx.float32], verbose=True)
-    print("@@RENDER@@" + attention._PARTIAL.render(
-        [mx.bfloat16, mx.bfloat16, mx.bfloat16, mx.int32], [mx.float32, mx.float32], partial, [4, 4, 4, 1]))
+    from kapitsa.engine.kernels import attention, cuda, matvec_tensor_core as tc
+    partial, combine = attention._templates(mx.bfloat16, 256, 4, 8, 0.0625, True)
+    cases = [
+        (attention._PARTIAL, [mx.bfloat16, mx.bfloat16, mx.bfloat16, mx.int32], [4, 4, 4, 1],
+         [mx.float32, mx.float32], partial),
+        (attention._COMBINE, [mx.float32, mx.float32, mx.bfloat16], [3, 3, 0], [mx.bfloat16], combine),
+        (tc._KERNEL, [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16], [2, 2, 2, 2], [mx.bfloat16],
+         tc.launch_config(8, 5120, 6144, 64, 2, True)[0]),
+    ]
+    for kernel, dtypes, ndims, out_dtypes, template in cases:
+        inputs = [mx.zeros((2,) * n, dtype=d) for d, n in zip(dtypes, ndims)]
+        cuda._compiled(kernel, 0)(inputs=inputs, template=list(template), grid=(32, 1, 1),
+                                  threadgroup=(32, 1, 1), output_shapes=[(4,)] * len(out_dtypes),
+                                  output_dtypes=out_dtypes, verbose=True)
+        print("@@RENDER@@" + kernel.render(dtypes, out_dtypes, template, ndims) + "@@END@@", flush=True)
     """
     proc = _run(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    printed, predicted = proc.stdout.split("@@RENDER@@")
-    generated = printed.split("```\n", 1)[1].rsplit("\n```", 1)[0]
-    assert generated == predicted.removesuffix("\n")
+    chunks = proc.stdout.split("@@END@@")[:-1]
+    assert len(chunks) == 3, proc.stdout[-2000:]
+    for chunk in chunks:
+        printed, predicted = chunk.split("@@RENDER@@")
+        generated = printed.split("```\n", 1)[1].rsplit("\n```", 1)[0]
+        assert generated == predicted
 
 
 def test_mlx_reads_the_module_the_cache_names(tmp_path: pathlib.Path) -> None:
@@ -95,7 +105,7 @@ def test_mlx_reads_the_module_the_cache_names(tmp_path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".txt").write_text(f"mlx::core::cu::{kernel.jit_name([('N', 5)])}\\tnot_a_symbol\\n")
     path.write_bytes(b"not a cubin")
-    path.with_suffix(".kapitsa").write_text(cuda_disk_cache.default_cache().tag)  # as if built here
+    path.with_suffix(".kapitsa").write_text(cuda_disk_cache.default_cache()._sidecar(b"not a cubin"))  # as if built here
     y = kernel([x], template=[("N", 5)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
     try:

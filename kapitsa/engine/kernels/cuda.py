@@ -36,6 +36,8 @@ SOURCE_DIR = pathlib.Path(__file__).parent / "cuda_src"  # inside the package: t
 
 _CUDA_TYPES = {
     mx.float32: "float",
+    mx.float64: "double",
+    mx.complex64: "mlx::core::cu::complex64_t",
     mx.float16: "__half",
     mx.bfloat16: "__nv_bfloat16",
     mx.uint8: "uint8_t",
@@ -53,6 +55,8 @@ _CUDA_TYPES = {
 # mlx/backend/common/compiled.cpp, `get_type_string`: how a dtype template argument names a kernel
 _MLX_TYPE_NAMES = {
     mx.float32: "float",
+    mx.float64: "double",
+    mx.complex64: "complex64_t",
     mx.float16: "float16_t",
     mx.bfloat16: "bfloat16_t",
     mx.bool_: "bool",
@@ -158,13 +162,18 @@ class CudaKernel:
 
     def _prepare_module(self, inputs, template, output_dtypes) -> None:
         """The first launch of each instantiation in this process puts its compiled module where
-        MLX's JIT will find it (cuda_disk_cache.py); later launches cost one set lookup."""
-        key = (self, tuple(template), tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes))
-        if key in _PREPARED:
+        MLX's JIT will find it (cuda_disk_cache.py); later launches cost one set lookup (~2 us of
+        host time, paid only by launches outside compiled traces). Inputs MLX takes that this
+        cannot render (Python scalars) leave the compile to MLX."""
+        try:
+            key = (self, tuple(template), tuple((x.dtype, x.ndim > 0) for x in inputs), tuple(output_dtypes))
+            if key in _PREPARED:
+                return
+            _PREPARED.add(key)
+            source = self.render([x.dtype for x in inputs], output_dtypes, template, [x.ndim for x in inputs])
+        except (AttributeError, KeyError):
             return
-        source = self.render([x.dtype for x in inputs], output_dtypes, template, [x.ndim for x in inputs])
         cuda_disk_cache.prepare(self.jit_name(template), source)
-        _PREPARED.add(key)
 
     @property
     def shape_inputs(self) -> tuple[str, ...]:

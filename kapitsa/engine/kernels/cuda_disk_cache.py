@@ -77,12 +77,13 @@ def module_name(jit_name: str, source: str) -> str:
     return f"{jit_name}_{std_hash(source.encode()):x}"
 
 
-def mlx_cache_dir() -> pathlib.Path:
+def mlx_cache_dir() -> pathlib.Path | None:
     """Where MLX's JIT looks for compiled modules: $MLX_PTX_CACHE_DIR, else
-    <temp dir>/mlx/<version>/ptx (jit_module.cpp, `ptx_cache_dir`)."""
+    <temp dir>/mlx/<version>/ptx (jit_module.cpp, `ptx_cache_dir`); None when the variable is set
+    empty, which turns MLX's disk cache off."""
     configured = os.environ.get("MLX_PTX_CACHE_DIR")
-    if configured:
-        return pathlib.Path(configured)
+    if configured is not None:
+        return pathlib.Path(configured) if configured else None
     return pathlib.Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
 
 
@@ -97,8 +98,10 @@ def module_path(directory: pathlib.Path, name: str) -> pathlib.Path:
 def build_tag(options: list[str]) -> str:
     """What a module written here was built for: the MLX version (the parameter layout its loader
     passes), the target architecture and the stand-in header. A module's name covers only its
-    source, so a `.ptx` without this tag beside it (`<module>.kapitsa`) is rebuilt: one left by
-    another MLX or GPU in a shared $MLX_PTX_CACHE_DIR would otherwise load and run wrong."""
+    source, so a `.ptx` whose sidecar (`<module>.kapitsa`: this tag and the binary's digest) does
+    not match is rebuilt: one left by another MLX or GPU, or cut short, would load and run wrong
+    or not load at all. MLX reads the folder without looking at the sidecar, so one folder serves
+    one MLX version and GPU architecture (the opener's `keep_jit_cache` makes it so)."""
     arch = [o for o in options if o.startswith("--gpu-architecture=")]
     digest = hashlib.sha256(UTILS_STAND_IN.encode()).hexdigest()[:12]
     return f"mlx {mx.__version__} {' '.join(arch)} stand-in {digest}\n"
@@ -133,24 +136,30 @@ class DiskCache:
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(path.with_suffix(".txt"), f"{symbol}\t{compiled.lowered_names[symbol]}\n".encode())
-            _write_atomic(
-                path, compiled.binary
-            )  # after the .txt: MLX takes a module as present once its .ptx is
-            _write_atomic(path.with_suffix(".kapitsa"), self.tag.encode())
+            _write_atomic(path, compiled.binary)  # after the .txt: MLX takes a module once its .ptx is there
+            _write_atomic(path.with_suffix(".kapitsa"), self._sidecar(compiled.binary).encode())
             return True
 
+    def _sidecar(self, binary: bytes) -> str:
+        return f"{self.tag}sha256 {hashlib.sha256(binary).hexdigest()}\n"
+
     def _current(self, path: pathlib.Path) -> bool:
+        """Whether `path` holds a whole module built for this tag (read once per process)."""
         try:
-            return path.exists() and path.with_suffix(".kapitsa").read_text() == self.tag
+            return path.with_suffix(".kapitsa").read_text() == self._sidecar(path.read_bytes())
         except OSError:
             return False
 
 
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    """Write, flush to disk, then rename: a reader sees the whole file or none (a short temp name:
+    a module's own name may take most of the 255 bytes a file name may have)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
@@ -201,10 +210,12 @@ def default_cache() -> DiskCache | None:
         libmlx = nvrtc.loaded_library("libmlx.so")
         mlx_root = pathlib.Path(libmlx).parent.parent if libmlx else pathlib.Path(mx.__file__).parent
         directory = mlx_cache_dir()
+        if directory is None:
+            return None
         directory.mkdir(parents=True, exist_ok=True)
         dirs = include_dirs(mlx_root, compiler.version()[0])
         return DiskCache(directory, compiler, compile_options(compiler, nvrtc.compute_capability(), dirs))
-    except (OSError, nvrtc.NvrtcError) as error:
+    except Exception as error:  # noqa: BLE001 - the cache only saves time; inference goes on without it
         log.warning("custom kernels compile in every process: %s", error)
         return None
 
@@ -217,5 +228,5 @@ def prepare(jit_name: str, source: str) -> None:
         return
     try:
         cache.ensure(jit_name, source)
-    except (OSError, nvrtc.NvrtcError) as error:
+    except Exception as error:  # noqa: BLE001 - as above: MLX compiles this one itself
         log.warning("kernel %s compiles in-process (MLX's JIT): %s", jit_name, str(error)[:2000])
