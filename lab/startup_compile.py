@@ -73,6 +73,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         before = _custom_modules(folder)
         row = measure(shape, TINY if args.tiny else SHAPES, args.prompt, args.tokens, args.streams)
+        cuda_disk_cache.drain()  # modules still compiling on its worker threads
         after = _custom_modules(folder)
         disk = "off" if args.no_disk_cache else "on"
         emit(dict(shape=shape, disk_cache=disk, **row, custom_modules_before=before, added=after - before))

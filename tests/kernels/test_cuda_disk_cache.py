@@ -4,6 +4,7 @@ tests/kernels/test_cuda_disk_cache_gpu.py checks on the GPU that MLX loads what 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -194,6 +195,7 @@ def test_a_failed_compile_is_logged_and_left_to_mlx(
     monkeypatch.setattr(cuda_disk_cache, "default_cache", lambda: cache)
     with caplog.at_level(logging.WARNING):
         cuda_disk_cache.prepare("custom_kernel_probe", "src")  # logged, not raised: MLX compiles it
+        cuda_disk_cache.drain()
     assert "custom_kernel_probe compiles in-process" in caplog.text and "boom" in caplog.text
 
 
@@ -217,6 +219,35 @@ def test_any_failure_to_set_the_cache_up_leaves_the_compile_to_mlx(
     finally:
         cuda_disk_cache.default_cache.cache_clear()
     assert "custom kernels compile in every process: nvrtcGetSupportedArchs" in caplog.text
+
+
+def test_prepare_compiles_missing_modules_side_by_side(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New kernels of one graph compile at once on worker threads (at least two); `prepare` returns
+    at once, and a module already on disk is not compiled again."""
+    import threading
+
+    started = threading.Barrier(2, timeout=10)
+
+    class SlowCompiler(FakeCompiler):
+        def compile(self, source, **kwargs):
+            started.wait()  # two compile at the same time, or this times out
+            return super().compile(source, **kwargs)
+
+    compiler = SlowCompiler()
+    cache = cuda_disk_cache.DiskCache(tmp_path, compiler, [])
+    monkeypatch.setattr(cuda_disk_cache, "default_cache", lambda: cache)
+    monkeypatch.setattr(
+        cuda_disk_cache, "_compilers", functools.cache(cuda_disk_cache._compilers.__wrapped__)
+    )
+    for n in range(2):
+        cuda_disk_cache.prepare(f"custom_kernel_probe_{n}", f"src {n}")
+    cuda_disk_cache.drain()
+    assert sorted(c[1].split("_")[3] for c in compiler.calls) == ["0", "1"]
+    cuda_disk_cache.prepare("custom_kernel_probe_1", "src 1")
+    cuda_disk_cache.drain()
+    assert len(compiler.calls) == 2
 
 
 def test_each_instantiation_is_prepared_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,8 @@ found there as `<module>.ptx` (a cubin or PTX) plus `<module>.txt` (name, tab, l
 loaded, not compiled. So before an instantiation's first launch in a process, `prepare` works out
 the module name MLX will look for (`<jit name>_<std::hash of the generated source, hex>`), and
 when the file is missing (or was not built for this MLX and GPU: `build_tag`) it compiles that
-same source with NVRTC and writes it there.
+same source with NVRTC on worker threads and writes it there: several at once, where MLX would
+compile one after another.
 
 The source is MLX's, byte for byte (`CudaKernel.render`). The header it includes,
 `mlx/backend/cuda/device/utils.cuh`, is embedded in libmlx and not shipped, so NVRTC gets a
@@ -21,6 +22,7 @@ header, a cache MLX does not read) leaves that instantiation to MLX's own compil
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -115,30 +117,32 @@ class DiskCache:
         self._compiler = compiler
         self._options = options
         self.tag = build_tag(options)
-        self._lock = threading.Lock()
+
+    def has(self, jit_name: str, source: str) -> bool:
+        """Whether MLX will find a whole module built for this MLX and GPU (`build_tag`)."""
+        return self._current(module_path(self.directory, module_name(jit_name, source)))
 
     def ensure(self, jit_name: str, source: str) -> bool:
-        """Make MLX find `jit_name`'s module for `source` on disk; True when this call compiled it."""
+        """Make MLX find `jit_name`'s module for `source` on disk; True when this call compiled it.
+        Callers may race on one module (threads, processes): each writes whole files, the last
+        rename wins, and the files are the same."""
         name = module_name(jit_name, source)
         path = module_path(self.directory, name)
         if self._current(path):
             return False
-        with self._lock:
-            if self._current(path):
-                return False
-            symbol = f"mlx::core::cu::{jit_name}"
-            compiled = self._compiler.compile(
-                source,
-                filename=f"{name}.cu",
-                name_expressions=[symbol],
-                options=self._options,
-                headers=_HEADERS,
-            )
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(path.with_suffix(".txt"), f"{symbol}\t{compiled.lowered_names[symbol]}\n".encode())
-            _write_atomic(path, compiled.binary)  # after the .txt: MLX takes a module once its .ptx is there
-            _write_atomic(path.with_suffix(".kapitsa"), self._sidecar(compiled.binary).encode())
-            return True
+        symbol = f"mlx::core::cu::{jit_name}"
+        compiled = self._compiler.compile(
+            source,
+            filename=f"{name}.cu",
+            name_expressions=[symbol],
+            options=self._options,
+            headers=_HEADERS,
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path.with_suffix(".txt"), f"{symbol}\t{compiled.lowered_names[symbol]}\n".encode())
+        _write_atomic(path, compiled.binary)  # after the .txt: MLX takes a module once its .ptx is there
+        _write_atomic(path.with_suffix(".kapitsa"), self._sidecar(compiled.binary).encode())
+        return True
 
     def _sidecar(self, binary: bytes) -> str:
         return f"{self.tag}sha256 {hashlib.sha256(binary).hexdigest()}\n"
@@ -221,12 +225,47 @@ def default_cache() -> DiskCache | None:
 
 
 def prepare(jit_name: str, source: str) -> None:
-    """Before a first launch in this process: put the module on disk if it can be (see module
-    doc); a failure is logged once per kernel and leaves the compile to MLX."""
+    """Before a first launch in this process: a module already on disk is left to MLX to load; a
+    missing one is compiled on a worker thread (`_COMPILERS`), so the new kernels of one graph
+    compile side by side while MLX's JIT, which compiles one module at a time, works down the
+    graph and loads each that is ready when it gets there (one it reaches first, it compiles
+    itself). A failure is logged once per kernel and leaves the compile to MLX."""
     cache = default_cache()
     if cache is None:
         return
     try:
+        if cache.has(jit_name, source):
+            return
+    except Exception as error:  # noqa: BLE001 - as above: MLX compiles this one itself
+        log.warning("kernel %s compiles in-process (MLX's JIT): %s", jit_name, str(error)[:2000])
+        return
+    with _PENDING_LOCK:
+        _PENDING.append(_compilers().submit(_ensure, cache, jit_name, source))
+
+
+def drain() -> None:
+    """Wait for the compiles `prepare` started (tests and benchmarks that count modules)."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+        _PENDING.clear()
+    for future in pending:
+        future.result()
+
+
+def _ensure(cache: DiskCache, jit_name: str, source: str) -> None:
+    try:
         cache.ensure(jit_name, source)
     except Exception as error:  # noqa: BLE001 - as above: MLX compiles this one itself
         log.warning("kernel %s compiles in-process (MLX's JIT): %s", jit_name, str(error)[:2000])
+
+
+_PENDING: list[concurrent.futures.Future] = []
+_PENDING_LOCK = threading.Lock()
+
+
+@functools.cache
+def _compilers() -> concurrent.futures.ThreadPoolExecutor:
+    """NVRTC compiles distinct programs concurrently and ctypes lets go of the GIL during a call;
+    2 to 8 at once by the cores (each holds a few hundred MB while it compiles)."""
+    workers = max(2, min(8, os.cpu_count() or 1))
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="nvrtc")
