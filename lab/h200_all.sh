@@ -42,6 +42,10 @@
 #   bash lab/h200_all.sh compile      each decode batch size's first-burst cost and the kernels it
 #                                       compiles, over a fresh and then a warm PTX cache
 #                                       ($COMPILE_SHAPES, default 4b; lab/batch_compile.py)
+#   bash lab/h200_all.sh attn-gap     decode after 512 and 8192 prompt tokens on $ATTN_GAP_SHAPES (default 4b),
+#                                       kapitsa with and without its attention kernels ("attn")
+#                                       beside mlx-lm (lab/decode_vs_mlxlm.py --kernels-ab): whether
+#                                       the 8k loss per attention layer is the kernel path's
 #   bash lab/h200_all.sh startup      a process's warm-up and first request on $STARTUP_SHAPES (default 4b
 #                                       nemotron-30b-a3b; lab/startup_compile.py): custom kernels
 #                                       compiled by MLX in-process, then over one fresh PTX cache
@@ -246,6 +250,16 @@ case "$part" in
     echo "modules on disk: $(ls "$MLX_PTX_CACHE_DIR" | grep -c '\.ptx$'), of them custom kernels:" \
       "$(ls "$MLX_PTX_CACHE_DIR" | grep '\.ptx$' | grep -c custom_kernel)" | tee -a "$out/compile.log"
     grep -E 'streams|first-request|Error' "$out/compile.log"
+    ;;
+  attn-gap)
+    # the table's 8k-decode loss per attention layer (docs/results.md): the same decode with the
+    # attention kernels off (MLX's sdpa over the cache instead), interleaved, one process per shape
+    : > "$out/attn-gap.log"
+    for shape in ${ATTN_GAP_SHAPES:-4b}; do
+      timeout "${ATTN_GAP_TIMEOUT:-240}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --prompts 512 8192 \
+        --tokens 64 --rounds 2 --kernels-ab gdn,moe,qmv,mamba,route >> "$out/attn-gap.log" 2>&1
+    done
+    grep -E '"summary"|kapitsa-kernels|Error' "$out/attn-gap.log" | cut -c1-220
     ;;
   startup)
     # three processes per shape, each with MLX's other kernels already on disk (a first pass
