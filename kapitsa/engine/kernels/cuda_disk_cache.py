@@ -226,7 +226,7 @@ def default_cache() -> DiskCache | None:
 
 def prepare(jit_name: str, source: str) -> None:
     """Before a first launch in this process: a module already on disk is left to MLX to load; a
-    missing one is compiled on a worker thread (`_COMPILERS`), so the new kernels of one graph
+    missing one is compiled on a worker thread (`_compilers`), so the new kernels of one graph
     compile side by side while MLX's JIT, which compiles one module at a time, works down the
     graph and loads each that is ready when it gets there (one it reaches first, it compiles
     itself). A failure is logged once per kernel and leaves the compile to MLX."""
@@ -240,6 +240,7 @@ def prepare(jit_name: str, source: str) -> None:
         log.warning("kernel %s compiles in-process (MLX's JIT): %s", jit_name, str(error)[:2000])
         return
     with _PENDING_LOCK:
+        _PENDING[:] = [f for f in _PENDING if not f.done()]  # a server runs for days: keep only live ones
         _PENDING.append(_compilers().submit(_ensure, cache, jit_name, source))
 
 
