@@ -189,15 +189,14 @@ def include_dirs(mlx_root: pathlib.Path, nvrtc_major: int) -> list[pathlib.Path]
     """MLX's NVRTC include path (jit_module.cpp, `include_path_args`): its bundled headers, CCCL,
     then the CUDA headers of the `nvidia` Python package beside it, else $CUDA_HOME/$CUDA_PATH,
     else /usr/local/cuda. Without a bundled CCCL, the toolkit's (`include/cccl` from CUDA 13 on)."""
-    bundled = [d for d in (mlx_root / "include", mlx_root / "include" / "cccl") if d.is_dir()]
     cuda = mlx_root.parent / "nvidia" / ("cu13" if nvrtc_major >= 13 else "cuda_runtime") / "include"
     if not cuda.is_dir():
         home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
         cuda = pathlib.Path(home) / "include"
-    toolkit_cccl = (
-        [cuda / "cccl"] if (cuda / "cccl").is_dir() and mlx_root / "include" / "cccl" not in bundled else []
-    )
-    return [*bundled, *toolkit_cccl, cuda]
+    cccl = mlx_root / "include" / "cccl"
+    if not cccl.is_dir():
+        cccl = cuda / "cccl"
+    return [d for d in (mlx_root / "include", cccl) if d.is_dir()] + [cuda]
 
 
 @functools.cache

@@ -135,16 +135,16 @@ def compute_capability(device: int = 0) -> tuple[int, int]:
     """(major, minor) of CUDA device `device`, from the driver MLX loaded."""
     driver = ctypes.CDLL(loaded_library("libcuda.so") or "libcuda.so.1")
     handle, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    calls = (
-        ("cuInit", lambda: driver.cuInit(0)),
-        ("cuDeviceGet", lambda: driver.cuDeviceGet(ctypes.byref(handle), device)),
-        ("cuDeviceGetAttribute", lambda: driver.cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, handle)),
-        ("cuDeviceGetAttribute", lambda: driver.cuDeviceGetAttribute(ctypes.byref(minor), _CC_MINOR, handle)),
-    )
-    for call, run in calls:
-        if (result := run()) != _SUCCESS:
-            raise NvrtcError(f"{call} failed with CUDA error {result}")
+    _driver_ok(driver.cuInit(0), "cuInit")
+    _driver_ok(driver.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+    _driver_ok(driver.cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, handle), "cuDeviceGetAttribute")
+    _driver_ok(driver.cuDeviceGetAttribute(ctypes.byref(minor), _CC_MINOR, handle), "cuDeviceGetAttribute")
     return major.value, minor.value
+
+
+def _driver_ok(result: int, call: str) -> None:
+    if result != _SUCCESS:
+        raise NvrtcError(f"{call} failed with CUDA error {result}")
 
 
 def _strings(values) -> ctypes.Array:
