@@ -111,6 +111,12 @@ def _decode_summary(rows: list[dict], shape: str, plen: int) -> dict:
         kapitsa_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="kapitsa"), 1),
         mlxlm_prefill=round(_median(rows, "prefill_tok_s", shape=shape, prompt=plen, engine="mlx-lm"), 1),
     )
+    for engine, key in (("kapitsa", "kapitsa_tail"), ("mlx-lm", "mlxlm_tail")):  # the second half's rate
+        tail = [
+            r["tail_tok_s"] for r in rows if (r["shape"], r["prompt"], r["engine"]) == (shape, plen, engine)
+        ]
+        if tail and None not in tail:
+            out[key] = round(statistics.median(tail), 1)
     variants = sorted(
         {r["engine"] for r in rows if r["shape"] == shape and r["engine"].startswith("kapitsa-")}
     )

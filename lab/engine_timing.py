@@ -80,10 +80,21 @@ def kapitsa_engine(
     )
 
 
+def step_times(arrivals: list[tuple[float, int]]) -> dict:
+    """From (time, tokens) per arrival after the first token: the first three decode steps in ms
+    (a delay that decoding pays once shows here) and tok/s over the run's second half (what every
+    step costs)."""
+    gaps = [(t1 - t0) / n for (t0, _), (t1, n) in zip(arrivals, arrivals[1:], strict=False)]
+    half = arrivals[len(arrivals) // 2 :]
+    tail = sum(n for _, n in half[1:]) / max(half[-1][0] - half[0][0], 1e-9) if len(half) > 1 else None
+    return dict(first_steps_ms=[round(g * 1e3, 2) for g in gaps[:3]], tail_tok_s=tail and round(tail, 1))
+
+
 async def stream(
-    client: InProcessEngine, prompt: list[int], tokens: int
+    client: InProcessEngine, prompt: list[int], tokens: int, arrivals: list | None = None
 ) -> tuple[float, float, float, list[int]]:
-    """One greedy request of `tokens` tokens: (start, first token, end) perf_counter times and its ids."""
+    """One greedy request of `tokens` tokens: (start, first token, end) perf_counter times and its
+    ids; `arrivals` gets (time, tokens) of each token event."""
     start = time.perf_counter()
     ids: list[int] = []
     first = end = None
@@ -94,6 +105,8 @@ async def stream(
         if isinstance(event, TokenEvent):
             ids += event.token_ids
             first = first or time.perf_counter()
+            if arrivals is not None:
+                arrivals.append((time.perf_counter(), len(event.token_ids)))
         elif isinstance(event, FinishEvent):
             end = time.perf_counter()
         elif isinstance(event, ErrorEvent):
@@ -102,13 +115,16 @@ async def stream(
 
 
 def generate(client: InProcessEngine, prompt: list[int], tokens: int) -> dict:
-    """One greedy request of `tokens` tokens: its ids, time to first token, decode and prefill tok/s."""
-    start, first, end, ids = asyncio.run(stream(client, prompt, tokens))
+    """One greedy request of `tokens` tokens: its ids, time to first token, decode and prefill
+    tok/s, and `step_times`."""
+    arrivals: list[tuple[float, int]] = []
+    start, first, end, ids = asyncio.run(stream(client, prompt, tokens, arrivals))
     return dict(
         ids=ids,
         ttft_s=first - start,
         decode_tok_s=(len(ids) - 1) / max(end - first, 1e-9),
         prefill_tok_s=len(prompt) / (first - start),
+        **step_times(arrivals),
     )
 
 
@@ -136,19 +152,17 @@ def time_mlxlm(model, prompt: list[int], tokens: int, warmup: list[int] | None =
 
     def run(tokens: int = tokens, prompt: list[int] = prompt) -> dict:
         start = time.perf_counter()
-        first = None
-        n = 0
+        arrivals = []
         for (_token, _), _ in zip(
             generate_step(mx.array(prompt), model, max_tokens=tokens), range(tokens), strict=False
         ):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-        end = time.perf_counter()
+            arrivals.append((time.perf_counter(), 1))
+        end, first = time.perf_counter(), arrivals[0][0]
         return dict(
             ttft_s=first - start,
-            decode_tok_s=(n - 1) / (end - first),
+            decode_tok_s=(len(arrivals) - 1) / (end - first),
             prefill_tok_s=len(prompt) / (first - start),
+            **step_times(arrivals),
         )
 
     run(8, warmup or prompt)

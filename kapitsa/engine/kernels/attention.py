@@ -6,16 +6,18 @@ Qwen3.5 decode step's attention falls back to matmul + softmax + matmul with the
 about ten primitives per attention layer, each ~3-5 us of host time on that backend
 (lab/host_costs.py). Here it is two kernels, flash-decoding style, for one query token per row:
 1. cuda_src/attn_partial.cu: block (row, kv head, split of the keys) runs an online softmax for
-   the query heads sharing that kv head; each warp leaves one partial (max, sum, weighted values).
-2. cuda_src/attn_combine.cu: block (row, query head) merges the partials and writes the output as
-   `[B, 1, Hq * D]`, times sigmoid(gate) for gated attention, ready for the output projection.
+   the query heads sharing that kv head, its warps' results merged into one partial (max, sum,
+   weighted values) per query head and split.
+2. cuda_src/attn_combine.cu: block (row, query head, 32-wide slice of the head) merges the
+   partials and writes the output as `[B, 1, Hq * D]`, times sigmoid(gate) for gated attention,
+   ready for the output projection.
 The number of valid keys, the buffer's capacity and the split count are runtime inputs, so
 neither a growing KV cache nor another split count recompiles (`splits_for` picks the count;
 a caller may name one). `decode_attention_reference` is the same computation in MLX ops.
 
-Opt-in (kernel family "attn") until timed on the H200, and used only after `probe()` passed
-(the engine's ModelRunner runs it when the family is on): a kernel's errors surface only when a
-graph is evaluated, in the middle of a forward.
+Kernel family "attn" (on by default on CUDA); used only after `probe()` passed (the layers run it
+before their first compiled decode step): a kernel's errors surface only when a graph is
+evaluated, in the middle of a forward.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ MLX_FAST_HEAD_DIMS = (64, 96, 128)  # MLX's own CUDA kernels take these: nothing
 MAX_REPEATS = 8  # query heads per kv head (registers: NREP * D / 16 floats per lane)
 MAX_HEAD_DIM = 256
 WARPS = 4
-# Key splits per (row, kv head). On an H100 (lab/kernels_attn.py, bf16, head size 256, batch 1 and
-# 8, 512-32k keys) 16 splits were the fastest or within noise of it everywhere but batch 1 at 8k
-# keys, where 64 took 0.76-0.91x the time; 64 lost at 32k keys (up to 1.3x, where 64 splits x 4
-# warps of partials make the combine's 16 blocks the slow part), and 8 lost at batch 8 over 32k.
-# A short context gets fewer, so no split is left without keys.
-SPLITS = 16
+# Key splits per (row, kv head): enough blocks of the partial kernel to keep every SM streaming
+# keys (TARGET_BLOCKS over the step's rows x kv heads: a batch-1 step has 2-4 of those, and 16
+# splits left 64 blocks of 4 warps on an H100's 132 SMs), never fewer than MIN_KEYS_PER_SPLIT keys
+# a split, so a short context gets fewer and no split is left without keys. Each split adds one
+# partial per query head to the combine's reads: D floats against its keys' 2 * D values per key.
+TARGET_BLOCKS = 512
 MIN_KEYS_PER_SPLIT = 32
 MAX_SPLITS = 128
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -105,22 +107,16 @@ def probe() -> bool:
     return WORKING["attn"]
 
 
-def splits_for(length: int) -> int:
-    """Key splits for a decode step over `length` keys."""
-    return max(1, min(SPLITS, length // MIN_KEYS_PER_SPLIT))
+def splits_for(length: int, rows: int = 1) -> int:
+    """Key splits for a decode step over `length` keys of `rows` (batch rows x kv heads) heads."""
+    wanted = min(MAX_SPLITS, -(-TARGET_BLOCKS // max(rows, 1)))
+    return max(1, min(wanted, length // MIN_KEYS_PER_SPLIT))
 
 
 @functools.cache
 def _templates(dtype, D: int, nrep: int, hq: int, scale: float, gated: bool) -> tuple[tuple, tuple]:
     partial = (("T", dtype), ("D", D), ("NREP", nrep), ("SCALE_BITS", float_bits(scale)))
-    combine = (
-        ("T", dtype),
-        ("D", D),
-        ("HQ", hq),
-        ("MAX_P", MAX_SPLITS * WARPS),
-        ("GATE", gated),
-        ("THREADS", min(D, 256)),
-    )
+    combine = (("T", dtype), ("D", D), ("HQ", hq), ("MAX_P", MAX_SPLITS), ("GATE", gated))
     return partial, combine
 
 
@@ -142,7 +138,7 @@ def decode_attention(
     hkv, cap = keys.shape[1], keys.shape[2]
     if not 1 <= length <= cap:
         raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
-    splits = splits_for(length) if splits is None else splits
+    splits = splits_for(length, B * hkv) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
@@ -152,15 +148,14 @@ def decode_attention(
         template=partial,
         grid=(B * hkv * splits * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(B * hq, splits * WARPS, D), (B * hq, splits * WARPS, 2)],
+        output_shapes=[(B * hq, splits, D), (B * hq, splits, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    threads = min(D, 256)  # the template's THREADS
     return _COMBINE(
         [part_o, part_ml, part_o if gate is None else gate],  # the gate is unread without GATE
         template=combine,
-        grid=(B * hq * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
+        grid=(B * hq * D, 1, 1),  # a warp per (row, query head, 32 values of the head)
+        threadgroup=(32, 1, 1),
         output_shapes=[(B, 1, hq * D)],
         output_dtypes=[q.dtype],
     )[0]

@@ -1,13 +1,17 @@
   // Decode attention, part 1 (flash decoding): block (b, kv head, split) runs an online softmax of
   // the NREP query heads that share kv head h over its split of the L valid keys. Each warp takes
   // every WARPS-th key of the split and keeps, per query, the running max m, the sum l and the
-  // weighted sum of values (DL = D / 32 values per lane); it writes them as one partial.
+  // weighted sum of values (DL = D / 32 values per lane); the block then merges its warps' through
+  // shared memory and writes one partial per query, so the combine reads S partials, not S * WARPS.
   // meta = (L, capacity, S): runtime values, so neither a growing cache nor another split count
   // recompiles.
   // The next key's row is loaded before the current one is used: a warp's loop is a chain of
-  // dependent shuffles, and the load's latency hides behind it instead of adding to it.
+  // dependent shuffles, and the load's latency hides behind it instead of adding to it. A lane's
+  // slice of a row is loaded as 16-byte words where its size and the buffers' alignment allow.
   constexpr int WARPS = 4;
   constexpr int DL = D / 32;
+  constexpr bool VEC = (DL * sizeof(T)) % 16 == 0;
+  constexpr int WORDS = VEC ? DL * sizeof(T) / 16 : 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int L = meta[0], cap = meta[1], S = meta[2];
   const int split = blockIdx.x % S;
@@ -30,14 +34,27 @@
   }
   const T* kb = k + (size_t)bh * cap * D + lane * DL;
   const T* vb = v + (size_t)bh * cap * D + lane * DL;
+  const bool words = VEC && (((size_t)kb | (size_t)vb) % 16 == 0);
+  auto load = [&](const T* src, float* dst) {
+    if constexpr (VEC) {
+      if (words) {
+        uint4 raw[WORDS];
+        #pragma unroll
+        for (int w = 0; w < WORDS; ++w) raw[w] = reinterpret_cast<const uint4*>(src)[w];
+        const T* vals = reinterpret_cast<const T*>(raw);
+        #pragma unroll
+        for (int i = 0; i < DL; ++i) dst[i] = (float)vals[i];
+        return;
+      }
+    }
+    #pragma unroll
+    for (int i = 0; i < DL; ++i) dst[i] = (float)src[i];
+  };
   float kn[DL], vn[DL];  // the next key's row
   int j = start + warp;
   if (j < stop) {
-    #pragma unroll
-    for (int i = 0; i < DL; ++i) {
-      kn[i] = (float)kb[(size_t)j * D + i];
-      vn[i] = (float)vb[(size_t)j * D + i];
-    }
+    load(kb + (size_t)j * D, kn);
+    load(vb + (size_t)j * D, vn);
   }
   for (; j < stop; j += WARPS) {
     float kv[DL], vv[DL];
@@ -47,11 +64,8 @@
       vv[i] = vn[i];
     }
     if (j + WARPS < stop) {
-      #pragma unroll
-      for (int i = 0; i < DL; ++i) {
-        kn[i] = (float)kb[(size_t)(j + WARPS) * D + i];
-        vn[i] = (float)vb[(size_t)(j + WARPS) * D + i];
-      }
+      load(kb + (size_t)(j + WARPS) * D, kn);
+      load(vb + (size_t)(j + WARPS) * D, vn);
     }
     #pragma unroll
     for (int r = 0; r < NREP; ++r) {
@@ -68,15 +82,38 @@
       m[r] = mn;
     }
   }
-  const int parts = S * WARPS;  // partials per query
-  const int part = split * WARPS + warp;
+  // The block's merge: per (query, value index) the warps' sums rescaled to the block's max. A
+  // warp that saw no key has m = -inf and weighs 0; a split that saw none writes m = -inf, l = 0.
+  __shared__ float warp_acc[WARPS][NREP][D];
+  __shared__ float warp_m[WARPS][NREP], warp_l[WARPS][NREP];
   #pragma unroll
   for (int r = 0; r < NREP; ++r) {
-    const size_t row = ((size_t)bh * NREP + r) * parts + part;
     #pragma unroll
-    for (int i = 0; i < DL; ++i) part_o[row * D + lane * DL + i] = acc[r][i];
+    for (int i = 0; i < DL; ++i) warp_acc[warp][r][lane * DL + i] = acc[r][i];
     if (lane == 0) {
-      part_ml[row * 2] = m[r];
-      part_ml[row * 2 + 1] = l[r];
+      warp_m[warp][r] = m[r];
+      warp_l[warp][r] = l[r];
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < NREP * D; e += WARPS * 32) {
+    const int r = e / D, d = e % D;
+    float M = warp_m[0][r];
+    #pragma unroll
+    for (int w = 1; w < WARPS; ++w) M = fmaxf(M, warp_m[w][r]);
+    float o = 0.f, sum = 0.f;
+    if (M != NEG_INF) {
+      #pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float c = expf(warp_m[w][r] - M);
+        o = fmaf(c, warp_acc[w][r][d], o);
+        sum = fmaf(c, warp_l[w][r], sum);
+      }
+    }
+    const size_t row = ((size_t)bh * NREP + r) * S + split;
+    part_o[row * D + d] = o;
+    if (d == 0) {
+      part_ml[row * 2] = M;
+      part_ml[row * 2 + 1] = sum;
     }
   }
