@@ -51,7 +51,7 @@ def bench(name: str, B: int, length: int, calls: int, other: int) -> dict:
     mx.eval(q, k, v, gate, caches)
     scale = D**-0.5
     ref = attention.decode_attention_reference(q, k, v, length, scale=scale, gate=gate).astype(mx.float32)
-    chosen = attention.splits_for(length, B * hkv)
+    chosen = attention.splits_for(length)
     row = dict(shape=name, batch=B, length=length, splits=chosen)
     for label, splits in (("kernel_us", None), (f"splits_{other}_us", other)):
         got = attention.decode_attention(q, k, v, length, scale=scale, gate=gate, splits=splits)
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--calls", type=int, default=24)
-    ap.add_argument("--splits", type=int, default=16, help="the split count to compare with the default")
+    ap.add_argument("--splits", type=int, default=128, help="the split count to compare with the default")
     args = ap.parse_args()
     if backend() != "cuda" or not attention.probe():
         raise SystemExit("needs CUDA and a working attention kernel")
