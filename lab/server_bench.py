@@ -45,9 +45,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iterator[subprocess.Popen]:
     """A server process, up once `ready_url` answers 200; stopped (then killed) on exit."""
+    # mlx_lm.server's /v1/models scans the Hugging Face cache and fails when it doesn't exist
+    hub = Path(os.environ.get("HF_HUB_CACHE") or log.parent / "hf-hub")
+    hub.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
+        "HF_HUB_CACHE": str(hub),
     }
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
