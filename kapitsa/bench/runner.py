@@ -171,9 +171,9 @@ async def _speculative(target: BenchTarget, seen: list[StreamResult]) -> Workloa
 
 
 def decode_rate(r: StreamResult) -> Metric:
-    """Generated tokens per second after the first token (the engine's own timer when it has one)."""
-    if r.decode_s:
-        return _round(r.completion_tokens / r.decode_s)
+    """Generated tokens per second after the first, by the client's clock: an in-process engine and
+    a server are timed alike (the engine's own timer starts at its prefill's end, before the first
+    token reaches anyone, and counts that token too)."""
     span = r.total_s - r.ttft_s
     return _round((r.completion_tokens - 1) / span) if r.completion_tokens > 1 and span > 0 else None
 

@@ -81,12 +81,12 @@ async def test_speculative_is_skipped_when_off_and_measured_when_on() -> None:
     assert spec.metrics["draft_tokens_proposed"] == 0 and spec.metrics["acceptance_pct"] is None
 
 
-def test_rates_prefer_engine_timers_and_exclude_cached_tokens() -> None:
+def test_rates_exclude_cached_tokens_and_time_decode_by_the_clients_clock() -> None:
     r = StreamResult(prompt_tokens=1000, completion_tokens=101, cached_tokens=600, ttft_s=0.5, total_s=1.5)
     assert decode_rate(r) == 100.0  # (101 - 1) tokens over the 1 s after the first
     assert prefill_rate(r) == 800.0  # 400 computed tokens in 0.5 s
-    timed = replace(r, prefill_s=0.25, decode_s=2.0)
-    assert decode_rate(timed) == 50.5 and prefill_rate(timed) == 1600.0
+    timed = replace(r, prefill_s=0.25, decode_s=2.0)  # the engine's timers: prefill's is used
+    assert decode_rate(timed) == 100.0 and prefill_rate(timed) == 1600.0
     assert decode_rate(replace(r, completion_tokens=1)) is None
     assert prefill_rate(replace(r, prompt_tokens=None)) is None
 
