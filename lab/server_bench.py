@@ -7,7 +7,9 @@ beside kapitsa's engine in process (what the server adds), with `kapitsa bench`'
 
 Each server runs as its own process, started as a user starts it (`python -m kapitsa serve`,
 `python -m mlx_lm.server`), on the same folder (lab/shape_checkpoint.py writes one both load).
-The engines are benched one after another, so they never share the machine while timed.
+The engines run one after another, each alone on the machine: the in-process engine, then
+`kapitsa serve` (timed from start to listening, then to the end of its idle warm-up of decode
+batch sizes, read from its /metrics, before its first request), then mlx_lm.server.
 Greedy decoding; `--speculative` (default: serve's own, `auto`) is kapitsa's mode in process and in
 its server.
 Prints the bench report's JSON, then one `summary` line: decode tok/s and time to first token per
@@ -58,7 +60,8 @@ def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iter
     try:
         start = time.monotonic()
         _wait_ready(proc, ready_url, log, timeout_s)
-        _progress(f"{argv[1:4]} ready after {time.monotonic() - start:.1f} s")
+        proc.ready_s = time.monotonic() - start  # from start to answering
+        _progress(f"{argv[1:4]} ready after {proc.ready_s:.1f} s")
         yield proc
     finally:
         proc.terminate()
@@ -85,6 +88,22 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+def _metric(url: str, name: str) -> float | None:
+    """One gauge of a kapitsa server's /metrics (Prometheus text)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
+
+
+def wait_warm(url: str, timeout_s: float) -> float | None:
+    """Wait until a kapitsa server has readied its decode batch sizes; the seconds it spent on them."""
+    deadline = time.monotonic() + timeout_s
+    while (_metric(url, "kapitsa_warm_batches_pending") or 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _metric(url, "kapitsa_warmup_seconds")
+
+
 def bench_config(args: argparse.Namespace):  # noqa: ANN201 - BenchConfig
     from kapitsa.bench.workloads import BenchConfig
 
@@ -99,11 +118,14 @@ def bench_config(args: argparse.Namespace):  # noqa: ANN201 - BenchConfig
     )
 
 
-def run_bench(model: str, urls: list[str], args: argparse.Namespace) -> dict:
+def run_bench(model: str | None, urls: list[str], args: argparse.Namespace) -> dict:
+    """The bench's report on the in-process engine of `model` (None: none) and on `urls`."""
     from kapitsa.bench.command import BenchOptions, collect_report
     from kapitsa.bench.submit import report_json
 
-    options = BenchOptions(model=model, compare=tuple(urls), speculative=args.speculative)
+    options = BenchOptions(
+        model=model, compare=tuple(urls), local=model is not None, speculative=args.speculative
+    )
     report = asyncio.run(collect_report(options, bench_config(args)))
     return json.loads(report_json(report))
 
@@ -190,16 +212,18 @@ def main() -> None:
 
     mlx_folder = _mlxlm_folder(folder, Path(tempfile.mkdtemp(dir=args.work)))
     mlx_argv = [py, "-m", "mlx_lm.server", "--model", str(mlx_folder), "--port", str(theirs)]
-    with (
-        server(
-            kapitsa_argv, f"http://127.0.0.1:{ours}/health", args.work / "kapitsa.log", args.ready_timeout
-        ),
-        server(
-            mlx_argv, f"http://127.0.0.1:{theirs}/v1/models", args.work / "mlx_lm.log", args.ready_timeout
-        ),
-    ):
-        report = run_bench(str(folder), [f"http://127.0.0.1:{ours}", f"http://127.0.0.1:{theirs}"], args)
-    totals = summary(report)
+    report = run_bench(str(folder), [], args)  # the in-process engine, alone
+    kapitsa_url, mlx_url = f"http://127.0.0.1:{ours}", f"http://127.0.0.1:{theirs}"
+    start = {}
+    with server(kapitsa_argv, f"{kapitsa_url}/health", args.work / "kapitsa.log", args.ready_timeout) as proc:
+        start["kapitsa_serve_ready_s"] = round(proc.ready_s, 1)
+        start["kapitsa_serve_warmup_s"] = wait_warm(kapitsa_url, args.ready_timeout)
+        _progress(f"kapitsa serve warmed its batch sizes in {start['kapitsa_serve_warmup_s']} s")
+        report["engines"] += run_bench(None, [kapitsa_url], args)["engines"]
+    with server(mlx_argv, f"{mlx_url}/v1/models", args.work / "mlx_lm.log", args.ready_timeout) as proc:
+        start["mlx_lm_server_ready_s"] = round(proc.ready_s, 1)
+        report["engines"] += run_bench(None, [mlx_url], args)["engines"]
+    totals = summary(report) | start
     print(json.dumps(report))
     print(json.dumps(totals))
 

@@ -33,8 +33,9 @@ MESSAGES = [
 ]
 
 
-async def _in_process(client, tokens: int) -> tuple[float, int]:  # noqa: ANN001 - an EngineClient
-    sampling = SamplingParams(temperature=0, max_tokens=tokens)  # as the server builds it (no ignore_eos)
+async def _in_process(client, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:  # noqa: ANN001
+    # as the server builds it; ignore_eos only where asked (vLLM's extension, which the server takes)
+    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=ignore_eos)
     first, count = None, 0
     async for event in client.generate(GenerationRequest(messages=tuple(MESSAGES), sampling=sampling)):
         if isinstance(event, TokenEvent) and event.token_ids:
@@ -62,14 +63,21 @@ def _cpu_ms_per_token(before: dict[int, float], after: dict[int, float], tokens:
     return [round(1e3 * s / tokens, 2) for s in used if s > 0]
 
 
-def _over_http(url: str, tokens: int) -> tuple[float, int]:
+def _over_http(url: str, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:
+    """(tok/s after the first text chunk, completion tokens by the final usage chunk)."""
     body = {"messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True}
+    body |= {"stream_options": {"include_usage": True}} | ({"ignore_eos": True} if ignore_eos else {})
     first, count = None, 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
         for line in response.iter_lines():
-            if line.startswith("data:") and '"content"' in line and '"content":""' not in line:
-                count += 1  # one text chunk per token
-                first = first or time.perf_counter()
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                count = chunk["usage"]["completion_tokens"]
+            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+            if first is None and any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")):
+                first = time.perf_counter()
     return (count - 1) / (time.perf_counter() - first), count
 
 
@@ -80,21 +88,23 @@ def main() -> None:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--speculative", default="none", help="both sides' mode (serve's default: auto)")
+    parser.add_argument("--ignore-eos", action="store_true", help="decode all --tokens (a random-weight model)")
     args = parser.parse_args()
-    engine = open_engine(args.model, speculative="none")
+    engine = open_engine(args.model, speculative=args.speculative)
     with contextlib.closing(engine):
         asyncio.run(_in_process(engine, 8))  # one-time costs outside the timing, as for the server
         threads = _thread_cpu_s(os.getpid())
-        local = [asyncio.run(_in_process(engine, args.tokens)) for _ in range(args.rounds)]
+        local = [asyncio.run(_in_process(engine, args.tokens, args.ignore_eos)) for _ in range(args.rounds)]
         local_ms = _cpu_ms_per_token(threads, _thread_cpu_s(os.getpid()), sum(n for _, n in local))
     port = free_port()
     argv = [sys.executable, "-m", "kapitsa", "serve", "--model", args.model, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.gettempdir()) / "kapitsa-server-overhead.log"
-    with server([*argv, "--speculative", "none"], f"{url}/health", log, timeout_s=120) as proc:
+    with server([*argv, "--speculative", args.speculative], f"{url}/health", log, timeout_s=120) as proc:
         _over_http(url, 8)  # the server's first request pays its one-time costs outside the timing
         threads, client = _thread_cpu_s(proc.pid), time.process_time()
-        served = [_over_http(url, args.tokens) for _ in range(args.rounds)]
+        served = [_over_http(url, args.tokens, args.ignore_eos) for _ in range(args.rounds)]
         tokens = sum(n for _, n in served)
         client_ms = 1e3 * (time.process_time() - client) / tokens
         server_ms = _cpu_ms_per_token(threads, _thread_cpu_s(proc.pid), tokens)
