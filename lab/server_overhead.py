@@ -89,7 +89,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--speculative", default="none", help="both sides' mode (serve's default: auto)")
-    parser.add_argument("--ignore-eos", action="store_true", help="decode all --tokens (a random-weight model)")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="decode all --tokens (a random-weight model)"
+    )
     args = parser.parse_args()
     engine = open_engine(args.model, speculative=args.speculative)
     with contextlib.closing(engine):
