@@ -4,11 +4,14 @@ and MLX's own attention over the same keys (the path without the kernel).
 
     python lab/kernels_attn.py [--lengths 512 2048 8192 32768] [--batch 1 8] [--calls 24]
 
-One JSON line per (shape, batch, length): microseconds per layer call of each, `--calls` calls
-queued as one graph (a decode step queues one per attention layer) after a warm-up, and the
-largest difference from the reference. The calls take turns over BUFFERS caches of their own, as
-a step's layers read theirs: one cache read again and again would sit in L2 (50 MB on an H100)
-at short contexts. Needs CUDA (the kernel's only backend).
+One JSON line per (shape, batch, length): microseconds per layer call of each over `--calls`
+calls after a warm-up, and the largest difference from the reference. Each call is evaluated
+alone, as a decode step's attention calls run one after another (each layer waits for the one
+before): calls queued together are independent and the GPU overlaps them, which hides how long
+one call takes. The time includes one evaluation's fixed cost (lab/kv_step_cost.py's
+`empty_eval_us`, ~25 us on an H100). The calls take turns over BUFFERS caches of their own, as a
+step's layers read theirs: one cache read again and again would sit in L2 (50 MB on an H100) at
+short contexts. Needs CUDA (the kernel's only backend).
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ BUFFERS = 8  # distinct caches the timed calls cycle through: 8 x 33.5 MB at 8k 
 
 
 def per_call_us(fn, calls: int) -> float:
-    """`fn(i)` is call i's work."""
+    """`fn(i)` is call i's work, evaluated alone."""
     mx.eval(fn(0))  # compiles, allocates
+    mx.synchronize()
     start = time.perf_counter()
-    mx.eval([fn(i) for i in range(calls)])
+    for i in range(calls):
+        mx.eval(fn(i))
+    mx.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
 
 
@@ -51,7 +57,7 @@ def bench(name: str, B: int, length: int, calls: int, other: int) -> dict:
     mx.eval(q, k, v, gate, caches)
     scale = D**-0.5
     ref = attention.decode_attention_reference(q, k, v, length, scale=scale, gate=gate).astype(mx.float32)
-    chosen = attention.splits_for(length)
+    chosen = attention.splits_for(length, B * hkv)
     row = dict(shape=name, batch=B, length=length, splits=chosen)
     for label, splits in (("kernel_us", None), (f"splits_{other}_us", other)):
         got = attention.decode_attention(q, k, v, length, scale=scale, gate=gate, splits=splits)
@@ -86,7 +92,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--calls", type=int, default=24)
-    ap.add_argument("--splits", type=int, default=128, help="the split count to compare with the default")
+    ap.add_argument("--splits", type=int, default=16, help="the split count to compare with the default")
     args = ap.parse_args()
     if backend() != "cuda" or not attention.probe():
         raise SystemExit("needs CUDA and a working attention kernel")

@@ -57,16 +57,21 @@ def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
 
 
 def test_splits_cover_the_context_within_bounds() -> None:
-    """SPLITS on a long context, fewer on a short one (no split without keys); 1..MAX_SPLITS asked
-    for explicitly, anything else refused."""
-    assert attention.splits_for(1) == 1
-    assert attention.splits_for(100) == 100 // attention.MIN_KEYS_PER_SPLIT
-    assert attention.splits_for(8192) == attention.splits_for(10**6) == attention.SPLITS
-    for length in (1, 7, 64, 300, 4097, 65536):
-        splits = attention.splits_for(length)
-        assert 1 <= splits <= attention.SPLITS and (
-            splits == 1 or length // splits >= attention.MIN_KEYS_PER_SPLIT
-        )
+    """Enough splits for TARGET_BLOCKS partial blocks over the step's heads, at most MAX_SPLITS, and
+    fewer on a short context (no split without keys); 1..MAX_SPLITS asked for explicitly,
+    anything else refused."""
+    assert attention.splits_for(1) == attention.splits_for(1, 4) == 1
+    assert attention.splits_for(100, 4) == 100 // attention.MIN_KEYS_PER_SPLIT
+    assert attention.splits_for(8192, 4) == attention.splits_for(10**6, 4) == attention.TARGET_BLOCKS // 4
+    assert attention.splits_for(10**6, 1) == attention.MAX_SPLITS
+    assert attention.splits_for(10**6, 8 * 4) * 8 * 4 == attention.TARGET_BLOCKS  # batch 8, 4 kv heads
+    assert attention.splits_for(10**6, 10**4) == 1  # more heads than blocks wanted: one split each
+    for rows in (1, 2, 4, 32, 64, 1000):
+        for length in (1, 7, 64, 300, 4097, 65536):
+            splits = attention.splits_for(length, rows)
+            assert 1 <= splits <= attention.MAX_SPLITS and (
+                splits == 1 or length // splits >= attention.MIN_KEYS_PER_SPLIT
+            )
     q, k, v, _ = _case(1, 8, 2, 256, 16, mx.bfloat16)
     for bad in (0, attention.MAX_SPLITS + 1):
         with pytest.raises(ValueError, match="splits"):

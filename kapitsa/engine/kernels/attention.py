@@ -34,11 +34,14 @@ MLX_FAST_HEAD_DIMS = (64, 96, 128)  # MLX's own CUDA kernels take these: nothing
 MAX_REPEATS = 8  # query heads per kv head (registers: NREP * D / 16 floats per lane)
 MAX_HEAD_DIM = 256
 WARPS = 4
-# Key splits per (row, kv head). On an H100 (lab/kernels_attn.py, bf16, head size 256, batch 1 and
-# 8, 512-32k keys) 16 splits were the fastest or within noise of it: filling the SMs with 128
-# splits at batch 1 took 1.1-1.25x the time over 8k-32k keys. A short context gets fewer, so no
-# split is left without keys.
-SPLITS = 16
+# Key splits per (row, kv head): enough partial blocks (TARGET_BLOCKS over the step's rows x kv
+# heads) to keep every SM streaming keys, since a decode step's attention calls run one after
+# another (each layer waits for the one before). A warp walks its keys one after another, each a
+# dependent chain of loads and shuffles, so few blocks leave the call latency-bound: alone on an
+# H100 (lab/kv_step_cost.py), the 4B's batch-1 call over 8k keys took 193-205 us at 16 splits and
+# 145 at 128, over 32k keys 632 against 203-221. Never fewer than MIN_KEYS_PER_SPLIT keys a split,
+# so a short context gets fewer and no split is left without keys.
+TARGET_BLOCKS = 512
 MIN_KEYS_PER_SPLIT = 32
 MAX_SPLITS = 128
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -106,9 +109,10 @@ def probe() -> bool:
     return WORKING["attn"]
 
 
-def splits_for(length: int) -> int:
-    """Key splits for a decode step over `length` keys."""
-    return max(1, min(SPLITS, length // MIN_KEYS_PER_SPLIT))
+def splits_for(length: int, rows: int = 1) -> int:
+    """Key splits for a decode step over `length` keys of `rows` (batch rows x kv heads) heads."""
+    wanted = min(MAX_SPLITS, -(-TARGET_BLOCKS // max(rows, 1)))
+    return max(1, min(wanted, length // MIN_KEYS_PER_SPLIT))
 
 
 @functools.cache
@@ -136,7 +140,7 @@ def decode_attention(
     hkv, cap = keys.shape[1], keys.shape[2]
     if not 1 <= length <= cap:
         raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
-    splits = splits_for(length) if splits is None else splits
+    splits = splits_for(length, B * hkv) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
