@@ -57,7 +57,7 @@ def bench(name: str, B: int, length: int, calls: int, other: int) -> dict:
     mx.eval(q, k, v, gate, caches)
     scale = D**-0.5
     ref = attention.decode_attention_reference(q, k, v, length, scale=scale, gate=gate).astype(mx.float32)
-    chosen = attention.splits_for(length, B * hkv)
+    chosen = attention.splits_for(length, hkv)
     row = dict(shape=name, batch=B, length=length, splits=chosen)
     for label, splits in (("kernel_us", None), (f"splits_{other}_us", other)):
         got = attention.decode_attention(q, k, v, length, scale=scale, gate=gate, splits=splits)

@@ -57,14 +57,14 @@ def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
 
 
 def test_splits_cover_the_context_within_bounds() -> None:
-    """Enough splits for TARGET_BLOCKS partial blocks over the step's heads, at most MAX_SPLITS, and
-    fewer on a short context (no split without keys); 1..MAX_SPLITS asked for explicitly,
-    anything else refused."""
+    """Enough splits for TARGET_BLOCKS partial blocks over the kv heads at batch 1, at most
+    MAX_SPLITS, and fewer on a short context (no split without keys); 1..MAX_SPLITS asked for
+    explicitly, anything else refused."""
     assert attention.splits_for(1) == attention.splits_for(1, 4) == 1
     assert attention.splits_for(100, 4) == 100 // attention.MIN_KEYS_PER_SPLIT
     assert attention.splits_for(8192, 4) == attention.splits_for(10**6, 4) == attention.TARGET_BLOCKS // 4
     assert attention.splits_for(10**6, 1) == attention.MAX_SPLITS
-    assert attention.splits_for(10**6, 8 * 4) * 8 * 4 == attention.TARGET_BLOCKS  # batch 8, 4 kv heads
+    assert attention.splits_for(10**6, 32) * 32 == attention.TARGET_BLOCKS
     assert attention.splits_for(10**6, 10**4) == 1  # more heads than blocks wanted: one split each
     for rows in (1, 2, 4, 32, 64, 1000):
         for length in (1, 7, 64, 300, 4097, 65536):
@@ -73,6 +73,8 @@ def test_splits_cover_the_context_within_bounds() -> None:
                 splits == 1 or length // splits >= attention.MIN_KEYS_PER_SPLIT
             )
     q, k, v, _ = _case(1, 8, 2, 256, 16, mx.bfloat16)
+    q8, k8, v8, _ = _case(8, 8, 2, 256, 16, mx.bfloat16)
+    assert attention.splits_for(9000, k8.shape[1]) == attention.splits_for(9000, k.shape[1])  # any batch
     for bad in (0, attention.MAX_SPLITS + 1):
         with pytest.raises(ValueError, match="splits"):
             attention.decode_attention(q, k, v, 5, scale=1.0, splits=bad)

@@ -34,9 +34,10 @@ MLX_FAST_HEAD_DIMS = (64, 96, 128)  # MLX's own CUDA kernels take these: nothing
 MAX_REPEATS = 8  # query heads per kv head (registers: NREP * D / 16 floats per lane)
 MAX_HEAD_DIM = 256
 WARPS = 4
-# Key splits per (row, kv head): enough partial blocks (TARGET_BLOCKS over the step's rows x kv
-# heads) to keep every SM streaming keys, since a decode step's attention calls run one after
-# another (each layer waits for the one before). A warp walks its keys one after another, each a
+# Key splits per (row, kv head): enough partial blocks at batch 1 (TARGET_BLOCKS over the kv heads)
+# to keep every SM streaming keys, since a decode step's attention calls run one after another
+# (each layer waits for the one before). The count does not depend on the batch size, so a row's
+# attention sums in the same order alone and in any batch (larger batches only get more blocks). A warp walks its keys one after another, each a
 # dependent chain of loads and shuffles, so few blocks leave the call latency-bound: alone on an
 # H100 (lab/kv_step_cost.py), the 4B's batch-1 call over 8k keys took 193-205 us at 16 splits and
 # 145 at 128, over 32k keys 632 against 203-221. Never fewer than MIN_KEYS_PER_SPLIT keys a split,
@@ -109,9 +110,9 @@ def probe() -> bool:
     return WORKING["attn"]
 
 
-def splits_for(length: int, rows: int = 1) -> int:
-    """Key splits for a decode step over `length` keys of `rows` (batch rows x kv heads) heads."""
-    wanted = min(MAX_SPLITS, -(-TARGET_BLOCKS // max(rows, 1)))
+def splits_for(length: int, kv_heads: int = 1) -> int:
+    """Key splits for a decode step over `length` keys with `kv_heads` kv heads (any batch size)."""
+    wanted = min(MAX_SPLITS, -(-TARGET_BLOCKS // max(kv_heads, 1)))
     return max(1, min(wanted, length // MIN_KEYS_PER_SPLIT))
 
 
@@ -140,7 +141,7 @@ def decode_attention(
     hkv, cap = keys.shape[1], keys.shape[2]
     if not 1 <= length <= cap:
         raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
-    splits = splits_for(length, B * hkv) if splits is None else splits
+    splits = splits_for(length, hkv) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
