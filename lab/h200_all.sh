@@ -328,6 +328,7 @@ case "$part" in
     # shellcheck disable=SC2086
     timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "${SERVER_SHAPE:-4b}" \
       --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench ${SERVER_ARGS:-} > "$out/server.log" 2>&1
+    cp /tmp/kapitsa-server-bench/*.log "$out/" 2>/dev/null  # each server's own log (kapitsa's at INFO)
     tail -1 "$out/server.log"
     ;;
   prediction)

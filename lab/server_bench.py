@@ -141,6 +141,14 @@ def metric(report: dict, engine: str, workload: str, name: str) -> float | None:
     return None
 
 
+# `python -m kapitsa` with the engine's INFO lines (its warm-up per batch size, each kernel compiled
+# into the disk cache, with times) in the server's log, where a slow start shows what it spent on.
+LOGGED_KAPITSA = (
+    "import logging, runpy, sys; sys.argv[0] = 'kapitsa'; "
+    "logging.basicConfig(level=logging.INFO, format='%(asctime)s %(name)s %(message)s'); "
+    "runpy.run_module('kapitsa', run_name='__main__')"
+)
+
 ENGINE_NAMES = ("kapitsa engine", "kapitsa serve", "mlx_lm.server")  # in process, then the two URLs
 
 
@@ -206,7 +214,7 @@ def main() -> None:
         folder = Path(kapitsa.__file__).parent / "demo"
     ours, theirs = free_port(), free_port()
     py = sys.executable
-    kapitsa_argv = [py, "-m", "kapitsa", "serve", "--model", str(folder), "--port", str(ours)]
+    kapitsa_argv = [py, "-c", LOGGED_KAPITSA, "serve", "--model", str(folder), "--port", str(ours)]
     kapitsa_argv += ["--speculative", args.speculative]
     from lab.cpu_vs_mlxlm import _mlxlm_folder  # the demo's model_type as mlx-lm names it
 

@@ -199,6 +199,23 @@ def test_a_failed_compile_is_logged_and_left_to_mlx(
     assert "custom_kernel_probe compiles in-process" in caplog.text and "boom" in caplog.text
 
 
+def test_each_compile_is_logged_with_its_time(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slow first start says which kernels it compiled; a module found on disk says nothing."""
+    cache = cuda_disk_cache.DiskCache(tmp_path, FakeCompiler(), [])
+    monkeypatch.setattr(cuda_disk_cache, "default_cache", lambda: cache)
+    source = KERNEL.render([mx.float32, mx.int32], [mx.float32], [("N", 3)], [1, 1])
+    with caplog.at_level(logging.INFO, logger=cuda_disk_cache.__name__):
+        cuda_disk_cache.prepare("custom_kernel_probe_3", source)
+        cuda_disk_cache.drain()
+        cuda_disk_cache._ensure(cache, "custom_kernel_probe_3", source)  # on disk now: not compiled again
+    lines = [r.getMessage() for r in caplog.records if "compiled into the disk cache" in r.getMessage()]
+    assert (
+        len(lines) == 1 and lines[0].startswith("kernel custom_kernel_probe_3 compiled") and " s)" in lines[0]
+    )
+
+
 def test_any_failure_to_set_the_cache_up_leaves_the_compile_to_mlx(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

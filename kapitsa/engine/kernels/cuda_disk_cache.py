@@ -30,6 +30,7 @@ import os
 import pathlib
 import tempfile
 import threading
+import time
 
 import mlx.core as mx
 
@@ -253,10 +254,14 @@ def drain() -> None:
 
 
 def _ensure(cache: DiskCache, jit_name: str, source: str) -> None:
+    started = time.perf_counter()
     try:
-        cache.ensure(jit_name, source)
+        compiled = cache.ensure(jit_name, source)
     except Exception as error:  # noqa: BLE001 - as above: MLX compiles this one itself
         log.warning("kernel %s compiles in-process (MLX's JIT): %s", jit_name, str(error)[:2000])
+        return
+    if compiled:  # what a first start on a machine spends its time on
+        log.info("kernel %s compiled into the disk cache (%.1f s)", jit_name, time.perf_counter() - started)
 
 
 _PENDING: list[concurrent.futures.Future] = []
