@@ -49,7 +49,7 @@ def test_reference_is_the_models_attention() -> None:
 def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
     partial, combine = attention._templates(dtype, D, nrep, 4 * nrep, D**-0.5, gated)
     sources = [
-        attention._PARTIAL.render([dtype, dtype, dtype, mx.int32], [mx.float32, mx.float32], partial),
+        attention._PARTIAL.render([dtype] * 5 + [mx.int32], [mx.float32, mx.float32], partial),
         attention._COMBINE.render([mx.float32, mx.float32, dtype], [dtype], combine),
     ]
     for source in sources:
@@ -81,6 +81,34 @@ def test_splits_cover_the_context_within_bounds() -> None:
     for bad in (0, 17):  # no key, or more keys than the buffer holds
         with pytest.raises(ValueError, match="length"):
             attention.decode_attention(q, k, v, bad, scale=1.0)
+
+
+def test_a_tail_is_checked_against_the_buffers() -> None:
+    q, k, v, _ = _case(1, 8, 2, 64, 16, mx.float32)
+    tail = (k[:, :, :8], v[:, :, :8])
+    with pytest.raises(ValueError, match="committed"):
+        attention.decode_attention(q, k, v, 5, scale=1.0, tail=tail)  # where the tail starts is unsaid
+    with pytest.raises(ValueError, match="committed"):
+        attention.decode_attention(q, k, v, 20, scale=1.0, tail=tail, committed=17)  # past the buffers
+    with pytest.raises(ValueError, match="length"):
+        attention.decode_attention(q, k, v, 21, scale=1.0, tail=tail, committed=12)  # past the tail
+    with pytest.raises(ValueError, match="does not match"):
+        attention.decode_attention(
+            q, k, v, 14, scale=1.0, tail=(tail[0].astype(mx.float16), tail[1]), committed=12
+        )
+
+
+def test_reference_with_a_tail_attends_over_both_parts() -> None:
+    q, k, v, gate = _case(1, 8, 2, 64, 24, mx.float32, gated=True)
+    tk, tv = k[:, :, 10:] * 2, v[:, :, 10:] * 3
+    got = attention.decode_attention_reference(
+        q, k, v, 19, scale=0.125, gate=gate, tail=(tk, tv), committed=12
+    )
+    keys = mx.concatenate([k[:, :, :12], tk[:, :, :7]], axis=2)
+    values = mx.concatenate([v[:, :, :12], tv[:, :, :7]], axis=2)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125)
+    want = want.transpose(0, 2, 1, 3).reshape(1, 1, -1) * mx.sigmoid(gate)
+    assert mx.allclose(got, want, atol=1e-6).item()
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
@@ -115,6 +143,32 @@ def test_emulated_kernels_match_reference(
     assert mx.allclose(got, ref, atol=tol, rtol=tol).item(), float(mx.abs(got - ref).max())
 
 
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,B,hq,hkv,D,cap,tail_cap,length,committed,splits",
+    [
+        (mx.float32, 1, 4, 2, 64, 48, 32, 60, 40, 3),  # a split across the seam
+        (mx.bfloat16, 2, 8, 2, 256, 32, 16, 40, 30, None),  # 16-byte loads from both buffers
+        (mx.float32, 1, 4, 1, 32, 16, 32, 20, 0, 2),  # every key from the tail
+        (mx.float32, 1, 4, 1, 32, 64, 8, 50, 50, 4),  # a tail with nothing in it yet
+    ],
+)
+def test_emulated_kernels_with_a_tail_match_reference(
+    monkeypatch, tmp_path, dtype, B, hq, hkv, D, cap, tail_cap, length, committed, splits
+) -> None:
+    monkeypatch.setattr(attention, "_PARTIAL", Emulated(attention._PARTIAL, cuda_host_translation, tmp_path))
+    monkeypatch.setattr(attention, "_COMBINE", Emulated(attention._COMBINE, cuda_host_translation, tmp_path))
+    q, k, v, gate = _case(B, hq, hkv, D, cap, dtype, seed=length, gated=True)
+    _, tk, tv, _ = _case(B, hq, hkv, D, tail_cap, dtype, seed=length + 1)
+    tail = {"tail": (tk, tv), "committed": committed}
+    with mx.stream(mx.cpu):
+        got = attention.decode_attention(q, k, v, length, scale=D**-0.5, gate=gate, splits=splits, **tail)
+        ref = attention.decode_attention_reference(q, k, v, length, scale=D**-0.5, gate=gate, **tail)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    assert mx.allclose(got, ref, atol=tol, rtol=tol).item(), float(mx.abs(got - ref).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize(
@@ -127,6 +181,18 @@ def test_gpu_matches_reference(length, splits) -> None:
     )
     ref = attention.decode_attention_reference(q, k, v, length, scale=1 / 16, gate=gate).astype(mx.float32)
     assert mx.allclose(got, ref, atol=2e-2, rtol=2e-2).item(), float(mx.abs(got - ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("length,committed", [(8300, 8192), (8192, 8192), (200, 0)])
+def test_gpu_with_a_tail_matches_reference(length, committed) -> None:
+    q, k, v, gate = _case(1, 16, 4, 256, 8192, mx.bfloat16, gated=True)
+    _, tk, tv, _ = _case(1, 16, 4, 256, 256, mx.bfloat16, seed=1)
+    tail = {"tail": (tk, tv), "committed": committed}
+    got = attention.decode_attention(q, k, v, length, scale=1 / 16, gate=gate, **tail).astype(mx.float32)
+    ref = attention.decode_attention_reference(q, k, v, length, scale=1 / 16, gate=gate, **tail)
+    assert mx.allclose(got, ref.astype(mx.float32), atol=2e-2, rtol=2e-2).item()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_dense", "qwen3_5_moe"])

@@ -11,9 +11,12 @@ about ten primitives per attention layer, each ~3-5 us of host time on that back
 2. cuda_src/attn_combine.cu: block (row, query head, 32-wide slice of the head) merges the
    partials and writes the output as `[B, 1, Hq * D]`, times sigmoid(gate) for gated attention,
    ready for the output projection.
-The number of valid keys, the buffer's capacity and the split count are runtime inputs, so
-neither a growing KV cache nor another split count recompiles (`splits_for` picks the count;
-a caller may name one). `decode_attention_reference` is the same computation in MLX ops.
+The keys come from two buffers: the cache's (its first `committed` rows) and a tail of the rows
+written since (cache/layers.py keeps one so that a decode step's write copies a few hundred rows,
+not the whole cache). The number of valid keys, the split point, the buffers' capacities and the
+split count are runtime inputs, so neither a growing KV cache nor another split count recompiles
+(`splits_for` picks the count; a caller may name one). `decode_attention_reference` is the same
+computation in MLX ops.
 
 Kernel family "attn" (on by default on CUDA); used only after `probe()` passed (the layers run it
 before their first compiled decode step): a kernel's errors surface only when a graph is
@@ -51,7 +54,7 @@ _log = logging.getLogger(__name__)
 
 _PARTIAL = CudaKernel(
     name="kapitsa_attn_partial",
-    input_names=("q", "k", "v", "meta"),
+    input_names=("q", "k", "v", "tk", "tv", "meta"),
     output_names=("part_o", "part_ml"),
     source=read_cuda_source("attn_partial.cu"),
 )
@@ -98,10 +101,14 @@ def probe() -> bool:
     k = mx.random.normal((1, 2, 64, 256), key=keys[1]).astype(mx.bfloat16)
     v = mx.random.normal((1, 2, 64, 256), key=keys[2]).astype(mx.bfloat16)
     gate = mx.random.normal((1, 1, 8 * 256), key=keys[3]).astype(mx.bfloat16)
+    tail = (k[:, :, 32:] + 1, v[:, :, 32:] - 1)  # keys 20..36 from a tail of its own
     try:
-        got = decode_attention(q, k, v, 37, scale=1 / 16, gate=gate).astype(mx.float32)
-        ref = decode_attention_reference(q, k, v, 37, scale=1 / 16, gate=gate).astype(mx.float32)
-        WORKING["attn"] = bool(mx.allclose(got, ref, atol=3e-2, rtol=3e-2).item())
+        ok = True
+        for extra in ({}, {"tail": tail, "committed": 20}):
+            got = decode_attention(q, k, v, 37, scale=1 / 16, gate=gate, **extra).astype(mx.float32)
+            ref = decode_attention_reference(q, k, v, 37, scale=1 / 16, gate=gate, **extra)
+            ok = ok and bool(mx.allclose(got, ref.astype(mx.float32), atol=3e-2, rtol=3e-2).item())
+        WORKING["attn"] = ok
     except (RuntimeError, ValueError) as exc:
         _log.warning("decode attention kernel unavailable, using MLX's attention: %s", exc)
         WORKING["attn"] = False
@@ -132,22 +139,27 @@ def decode_attention(
     scale: float,
     gate: mx.array | None = None,
     splits: int | None = None,
+    tail: tuple[mx.array, mx.array] | None = None,
+    committed: int | None = None,
 ) -> mx.array:
-    """softmax(q K^T * scale) V over the first `length` positions of the buffers, for one query
-    token per row -> `[B, 1, Hq * D]` in q's dtype (times sigmoid(gate), gate `[B, 1, Hq * D]`).
+    """softmax(q K^T * scale) V over `length` keys, for one query token per row -> `[B, 1, Hq * D]`
+    in q's dtype (times sigmoid(gate), gate `[B, 1, Hq * D]`). The keys are the first `length`
+    positions of the buffers, or with `tail` (its keys and values, `[B, Hkv, capacity, D]`) the
+    buffers' first `committed` positions, then the tail's first `length - committed`.
     `splits`: the key splits per (row, kv head), 1 to MAX_SPLITS (default: `splits_for`). Callers
     check `supports`."""
     B, hq, _, D = q.shape
     hkv, cap = keys.shape[1], keys.shape[2]
-    if not 1 <= length <= cap:
-        raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
+    _check_span(length, committed, keys, tail)
+    tail_keys, tail_values = (keys, values) if tail is None else tail  # without one: unread
+    split_at = length if tail is None else committed
     splits = splits_for(length, hkv) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
-    meta = mx.array([length, cap, splits], dtype=mx.int32)
+    meta = mx.array([length, cap, splits, split_at, tail_keys.shape[2]], dtype=mx.int32)
     part_o, part_ml = _PARTIAL(
-        [q, keys, values, meta],
+        [q, keys, values, tail_keys, tail_values, meta],
         template=partial,
         grid=(B * hkv * splits * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -164,13 +176,48 @@ def decode_attention(
     )[0]
 
 
+def _check_span(
+    length: int, committed: int | None, keys: mx.array, tail: tuple[mx.array, mx.array] | None
+) -> None:
+    cap = keys.shape[2]
+    if tail is None:
+        if not 1 <= length <= cap:
+            raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
+        return
+    if committed is None:
+        raise ValueError("a tail needs `committed`, the buffers' rows before it")
+    if not 0 <= committed <= min(length, cap):
+        raise ValueError(f"committed must lie between 0 and {min(length, cap)}, got {committed}")
+    tail_keys = tail[0]
+    if not 1 <= length <= committed + tail_keys.shape[2]:
+        room = committed + tail_keys.shape[2]
+        raise ValueError(f"length must lie between 1 and the buffers' {room} positions, got {length}")
+    same = tail_keys.shape[:2] == keys.shape[:2] and tail_keys.shape[3] == keys.shape[3]
+    if not same or tail_keys.dtype != keys.dtype or tail[1].shape != tail_keys.shape:
+        raise ValueError(
+            f"the tail {tail_keys.shape} {tail_keys.dtype} does not match the buffers {keys.shape}"
+        )
+
+
 def decode_attention_reference(
-    q: mx.array, keys: mx.array, values: mx.array, length: int, *, scale: float, gate: mx.array | None = None
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    length: int,
+    *,
+    scale: float,
+    gate: mx.array | None = None,
+    tail: tuple[mx.array, mx.array] | None = None,
+    committed: int | None = None,
 ) -> mx.array:
     """What `decode_attention` computes, in MLX ops (the model's own path)."""
     B, hq, T, _ = q.shape
-    out = mx.fast.scaled_dot_product_attention(
-        q, keys[:, :, :length], values[:, :, :length], scale=scale, mask=None
-    )
+    if tail is None:
+        keys, values = keys[:, :, :length], values[:, :, :length]
+    else:
+        rest = length - committed
+        keys = mx.concatenate([keys[:, :, :committed], tail[0][:, :, :rest]], axis=2)
+        values = mx.concatenate([values[:, :, :committed], tail[1][:, :, :rest]], axis=2)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=None)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
     return out if gate is None else out * mx.sigmoid(gate)

@@ -3,8 +3,10 @@
   // every WARPS-th key of the split and keeps, per query, the running max m, the sum l and the
   // weighted sum of values (DL = D / 32 values per lane); the block then merges its warps' through
   // shared memory and writes one partial per query, so the combine reads S partials, not S * WARPS.
-  // meta = (L, capacity, S): runtime values, so neither a growing cache nor another split count
-  // recompiles.
+  // Keys 0..P-1 are rows of k/v (capacity cap), keys P..L-1 rows 0..L-P-1 of tk/tv (capacity
+  // tcap): the cache's buffer and the tail of rows written since it was last folded in.
+  // meta = (L, cap, S, P, tcap): runtime values, so neither a growing cache nor another split
+  // count recompiles.
   // The next key's row is loaded before the current one is used: a warp's loop is a chain of
   // dependent shuffles, and the load's latency hides behind it instead of adding to it. A lane's
   // slice of a row is loaded as 16-byte words where its size and the buffers' alignment allow.
@@ -13,7 +15,7 @@
   constexpr bool VEC = (DL * sizeof(T)) % 16 == 0;
   constexpr int WORDS = VEC ? DL * sizeof(T) / 16 : 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int L = meta[0], cap = meta[1], S = meta[2];
+  const int L = meta[0], cap = meta[1], S = meta[2], P = meta[3], tcap = meta[4];
   const int split = blockIdx.x % S;
   const int bh = blockIdx.x / S;  // b * HKV + h
   const int chunk = (L + S - 1) / S;
@@ -34,7 +36,11 @@
   }
   const T* kb = k + (size_t)bh * cap * D + lane * DL;
   const T* vb = v + (size_t)bh * cap * D + lane * DL;
-  const bool words = VEC && (((size_t)kb | (size_t)vb) % 16 == 0);
+  const T* tkb = tk + (size_t)bh * tcap * D + lane * DL;
+  const T* tvb = tv + (size_t)bh * tcap * D + lane * DL;
+  const bool words = VEC && (((size_t)kb | (size_t)vb | (size_t)tkb | (size_t)tvb) % 16 == 0);
+  auto key_row = [&](int j) { return j < P ? kb + (size_t)j * D : tkb + (size_t)(j - P) * D; };
+  auto value_row = [&](int j) { return j < P ? vb + (size_t)j * D : tvb + (size_t)(j - P) * D; };
   auto load = [&](const T* src, float* dst) {
     if constexpr (VEC) {
       if (words) {
@@ -53,8 +59,8 @@
   float kn[DL], vn[DL];  // the next key's row
   int j = start + warp;
   if (j < stop) {
-    load(kb + (size_t)j * D, kn);
-    load(vb + (size_t)j * D, vn);
+    load(key_row(j), kn);
+    load(value_row(j), vn);
   }
   for (; j < stop; j += WARPS) {
     float kv[DL], vv[DL];
@@ -64,8 +70,8 @@
       vv[i] = vn[i];
     }
     if (j + WARPS < stop) {
-      load(kb + (size_t)(j + WARPS) * D, kn);
-      load(vb + (size_t)(j + WARPS) * D, vn);
+      load(key_row(j + WARPS), kn);
+      load(value_row(j + WARPS), vn);
     }
     #pragma unroll
     for (int r = 0; r < NREP; ++r) {
