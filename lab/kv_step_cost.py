@@ -1,7 +1,9 @@
 """One attention layer's decode-step pieces after a short and a long context, each timed alone on
 the device: the KV cache write (`KVCache.update`, whose `slice_update` is in place only when MLX can
-donate the buffer; otherwise it copies the whole cache), kapitsa's decode attention kernel, and
-MLX's attention over the same keys. Each call evaluated on its own, as a decode step evaluates.
+donate the buffer; otherwise it copies the whole cache; the same with a static position; and
+`KVCache.append_row`, the decode kernel's write into the cache's tail), kapitsa's decode attention
+kernel, and MLX's attention over the same keys. Each call evaluated on its own, as a decode step
+evaluates.
 
     python lab/kv_step_cost.py [--lengths 512 8192] [--steps 32]     # Qwen3.5-4B's attention shape
 """
@@ -49,9 +51,14 @@ def bench(length: int, steps: int) -> dict:
         cache.values[:, :, at : at + 1] = row
         return cache.keys, cache.values
 
+    def write_tail(i):  # the decode kernel's write: a row into the tail, the cache untouched
+        at = length + 2 * steps + 2 + i
+        return cache.append_row(row, row, StepInfo(1, [1], [at]))[3:]
+
     out = dict(length=length, write_us=per_call_us(write, steps))
     out["write_static_us"] = per_call_us(write_static, steps)
-    held = length + 2 * steps + 2  # every key written above
+    out["write_tail_us"] = per_call_us(write_tail, steps)
+    held = length + 3 * steps + 3  # every key written above (reading `keys` folds the tail)
     if attention.supports(q, cache.keys, cache.values) and attention.probe():
         for splits in (None, 64, 128):  # `splits_for`'s count, then more blocks for one call alone
             out[f"kernel_{splits or 'default'}_us"] = per_call_us(

@@ -113,49 +113,113 @@ def full_step(batch: int, T: int, lengths: Sequence[int] | None = None) -> StepI
 
 
 class KVCache:
-    """K/V of one attention layer: `[B, Hkv, capacity, D]`, positions >= offsets[b] are scratch."""
+    """K/V of one attention layer: `[B, Hkv, capacity, D]`, positions >= offsets[b] are scratch.
+
+    A decode step through kapitsa's CUDA attention kernel writes its row into a tail instead
+    (`append_row`): a buffer of KV_STEP rows that the kernel reads after the cache's own. Writing a
+    row into an array costs a copy of the whole array wherever MLX cannot update it in place, and on
+    CUDA it cannot while an earlier step that reads the array is still queued (the backend holds
+    every input of queued work): a copy of the whole cache per layer and step, against a copy of
+    the tail. The tail is folded into the cache when it is full, when another position comes, and
+    before anything else reads `keys` or `values`, so every other reader sees one buffer."""
+
+    has_tail = True  # `append_row` applies (a quantized cache has none)
 
     def __init__(self, n_kv_heads: int, head_dim: int):
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self._keys: mx.array | None = None
+        self._values: mx.array | None = None
+        self._tail: _Tail | None = None
+
+    @property
+    def keys(self) -> mx.array | None:
+        self._fold()
+        return self._keys
+
+    @keys.setter
+    def keys(self, array: mx.array | None) -> None:
+        self._tail, self._keys = None, array  # new contents replace whatever the tail held
+
+    @property
+    def values(self) -> mx.array | None:
+        self._fold()
+        return self._values
+
+    @values.setter
+    def values(self, array: mx.array | None) -> None:
+        self._tail, self._values = None, array
 
     def update(self, k: mx.array, v: mx.array, info: StepInfo) -> tuple[mx.array, mx.array]:
         """Write `k, v [B, Hkv, T, D]` at each row's offset; return the keys/values to attend."""
         B, _, T, _ = k.shape
+        self._fold()
         self._reserve(B, info.kv_len, k.dtype)
         if info.uniform_offsets:
             start = info.offsets[0]
-            self.keys = mx.slice_update(self.keys, k, mx.array([start]), (2,))
-            self.values = mx.slice_update(self.values, v, mx.array([start]), (2,))
+            self._keys = mx.slice_update(self._keys, k, mx.array([start]), (2,))
+            self._values = mx.slice_update(self._values, v, mx.array([start]), (2,))
         else:
             pos = (mx.array(info.offsets)[:, None] + mx.arange(T))[:, None, :, None]
-            self.keys = mx.put_along_axis(self.keys, pos, k, axis=2)
-            self.values = mx.put_along_axis(self.values, pos, v, axis=2)
-        return self.keys[:, :, : info.kv_len], self.values[:, :, : info.kv_len]
+            self._keys = mx.put_along_axis(self._keys, pos, k, axis=2)
+            self._values = mx.put_along_axis(self._values, pos, v, axis=2)
+        return self._keys[:, :, : info.kv_len], self._values[:, :, : info.kv_len]
+
+    def append_row(self, k: mx.array, v: mx.array, info: StepInfo) -> tuple[mx.array, ...]:
+        """A decode step's write (`k, v [B, Hkv, 1, D]`, one position for every row) into the tail
+        -> (keys, values, committed, tail keys, tail values): the cache's buffers, the rows of them
+        before the tail, and the tail's buffers, whose first `info.kv_len - committed` rows follow."""
+        B = k.shape[0]
+        position = info.offsets[0]
+        tail = self._tail
+        if tail is None or position != tail.start + tail.count or tail.count == KV_STEP:
+            self._fold()
+            self._reserve(B, max(position, 1), k.dtype)
+            shape = (B, self.n_kv_heads, KV_STEP, self.head_dim)
+            tail = self._tail = _Tail(mx.zeros(shape, k.dtype), mx.zeros(shape, v.dtype), position)
+        at = mx.array([tail.count])
+        tail.keys = mx.slice_update(tail.keys, k, at, (2,))
+        tail.values = mx.slice_update(tail.values, v, at, (2,))
+        tail.count += 1
+        return self._keys, self._values, tail.start, tail.keys, tail.values
+
+    def buffers(self) -> tuple[mx.array | None, mx.array | None]:
+        """The cache's own buffers as they are (without the tail's rows): their shape and dtype."""
+        return self._keys, self._values
+
+    def _fold(self) -> None:
+        """Write the tail's rows into the cache's buffers (one copy of each) and drop the tail."""
+        tail, self._tail = self._tail, None
+        if tail is None or tail.count == 0:
+            return
+        self._reserve(tail.keys.shape[0], tail.start + tail.count, tail.keys.dtype)
+        at = mx.array([tail.start])
+        self._keys = mx.slice_update(self._keys, tail.keys[:, :, : tail.count], at, (2,))
+        self._values = mx.slice_update(self._values, tail.values[:, :, : tail.count], at, (2,))
 
     def _reserve(self, batch: int, needed: int, dtype: mx.Dtype) -> None:
-        have = 0 if self.keys is None else self.keys.shape[2]
+        have = 0 if self._keys is None else self._keys.shape[2]
         if needed <= have:
             return
         grow = -(-(needed - have) // KV_STEP) * KV_STEP
         shape = (batch, self.n_kv_heads, grow, self.head_dim)
         pad_k, pad_v = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
-        if self.keys is None:
-            self.keys, self.values = pad_k, pad_v
+        if self._keys is None:
+            self._keys, self._values = pad_k, pad_v
         else:
-            self.keys = mx.concatenate([self.keys, pad_k], axis=2)
-            self.values = mx.concatenate([self.values, pad_v], axis=2)
+            self._keys = mx.concatenate([self._keys, pad_k], axis=2)
+            self._values = mx.concatenate([self._values, pad_v], axis=2)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        own = 0 if self._keys is None else self._keys.nbytes + self._values.nbytes
+        return own + (0 if self._tail is None else self._tail.keys.nbytes + self._tail.values.nbytes)
 
     # The layer's arrays with the token axis at 2, for code that moves rows or positions without
     # knowing the storage (batching, tree commits, the prefix cache): (K, V) here; a quantized
     # cache has six (cache/quantized_kv.py).
     def slots(self) -> tuple[mx.array, ...]:
-        return () if self.keys is None or self.values is None else (self.keys, self.values)
+        keys, values = self.keys, self.values
+        return () if keys is None or values is None else (keys, values)
 
     def set_slots(self, arrays: Sequence[mx.array]) -> None:
         self.keys, self.values = tuple(arrays) if arrays else (None, None)
@@ -165,6 +229,16 @@ class KVCache:
 
     def bytes_per_token(self, dtype: mx.Dtype) -> int:
         return 2 * self.n_kv_heads * self.head_dim * dtype.size
+
+
+@dataclass
+class _Tail:
+    """Rows `start .. start + count - 1` of a KVCache, written since its buffers were last folded."""
+
+    keys: mx.array  # [B, Hkv, KV_STEP, D]
+    values: mx.array
+    start: int
+    count: int = 0
 
 
 @dataclass

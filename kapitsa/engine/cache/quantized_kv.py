@@ -49,6 +49,8 @@ class QuantizedKVCache(KVCache):
         bits: 8 or 4.
     """
 
+    has_tail = False  # rows are quantized as written; the decode kernel reads none of these
+
     def __init__(self, n_kv_heads: int, head_dim: int, *, bits: int):
         if bits not in KV_BITS:
             raise ValueError(f"KV bits must be one of {KV_BITS}, not {bits}")

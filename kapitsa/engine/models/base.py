@@ -189,25 +189,32 @@ class Attention(nn.Module):
         """`attend` for a compiled decode step -> (output, the gate still to apply, if any). With
         kernel family "attn", one query token per row and a head size MLX's CUDA backend has no
         fast kernel for, attention is kapitsa's decode kernel (kernels/attention.py), which also
-        applies the output gate."""
+        applies the output gate, and the step's K/V row goes to the cache's tail (`append_row`)."""
+        if info.T == 1 and cache.has_tail and self._decode_kernel_takes(q, info, cache):
+            keys, values, committed, tail_keys, tail_values = cache.append_row(k, v, info)
+            out = decode_attention(
+                q, keys, values, info.kv_len, scale=self.scale, gate=gate,
+                tail=(tail_keys, tail_values), committed=committed,
+            )  # fmt: skip
+            return out, ()
         keys, values = cache.update(k, v, info)
         if isinstance(cache, QuantizedKVCache):
             return cache.attention(q, keys, values, info, scale=self.scale), (() if gate is None else (gate,))
         if self.kernel_options.exact_verify and info.T > 1 and info.parents is None:
             kernel = self._decode_kernel_takes(q[:, :, :1], info, cache)  # a verify row's decode step
             return self._attend_as_decode_steps(q, keys, values, info, cache, gate, kernel)
-        if info.T == 1 and self._decode_kernel_takes(q, info, cache):
-            out = decode_attention(q, cache.keys, cache.values, info.kv_len, scale=self.scale, gate=gate)
-            return out, ()
         return self._sdpa(q, keys, values, info), (() if gate is None else (gate,))
 
     def _decode_kernel_takes(self, q_row: mx.array, info: StepInfo, cache: KVCache) -> bool:
-        """Whether a decode step of query `q_row` `[B, Hq, 1, D]` runs kapitsa's attention kernel."""
+        """Whether a decode step of query `q_row` `[B, Hq, 1, D]` runs kapitsa's attention kernel
+        (asked before the step's write: the cache's buffers as they are say the shape and dtype)."""
+        keys, values = cache.buffers()
         return (
             kernels.enabled("attn", self.kernel_options)
             and info.parents is None
             and info.uniform_offsets
-            and attention_usable(q_row, cache.keys, cache.values)
+            and keys is not None
+            and attention_usable(q_row, keys, values)
         )
 
     def _attend_as_decode_steps(

@@ -1,0 +1,127 @@
+"""A decode step's K/V row written to the cache's tail (`KVCache.append_row`, the CUDA decode
+kernel's path) holds what `KVCache.update` writes: the same keys for attention at every step, the
+same buffers once folded, whatever reads the cache in between; and a model decoding through it
+gives the plain path's logits (the kernel stood in for by its reference, which takes a tail too)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import kapitsa.engine.models.base as base
+from kapitsa.engine.cache.layers import KV_STEP, KVCache, StepInfo
+from kapitsa.engine.kernels import attention
+from kapitsa.engine.models.base import use_kernel_options
+from kapitsa.engine.options import KernelOptions
+from tests.models.builders import build_ours
+
+HEADS, DIM = 2, 16
+
+
+def _rows(batch: int, seed: int) -> tuple[mx.array, mx.array]:
+    k = mx.random.normal((batch, HEADS, 1, DIM), key=mx.random.key(seed))
+    return k, -k + seed
+
+
+def _prefilled(batch: int, length: int) -> tuple[KVCache, KVCache]:
+    k = mx.random.normal((batch, HEADS, length, DIM), key=mx.random.key(99))
+    caches = KVCache(HEADS, DIM), KVCache(HEADS, DIM)
+    for cache in caches:
+        cache.update(k, k * 2, StepInfo(length, [length] * batch, [0] * batch))
+    return caches
+
+
+def _attended(keys, values, committed, tail_keys, tail_values, length) -> tuple[mx.array, mx.array]:
+    """The keys and values the decode kernel reads: the buffers' first rows, then the tail's."""
+    rest = length - committed
+    return (
+        mx.concatenate([keys[:, :, :committed], tail_keys[:, :, :rest]], axis=2),
+        mx.concatenate([values[:, :, :committed], tail_values[:, :, :rest]], axis=2),
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tail_rows_are_the_rows_update_writes(batch: int) -> None:
+    plain, tailed = _prefilled(batch, 40)
+    steps = KV_STEP + 60  # one full tail folded on the way, a second one pending at the end
+    for i in range(steps):
+        k, v = _rows(batch, i)
+        info = StepInfo(1, [1] * batch, [40 + i] * batch)
+        want_k, want_v = plain.update(k, v, info)
+        got_k, got_v = _attended(*tailed.append_row(k, v, info), info.kv_len)
+        assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()
+    assert tailed._tail is not None and tailed._tail.count == steps - KV_STEP
+    length = 40 + steps
+    assert mx.array_equal(tailed.keys[:, :, :length], plain.keys[:, :, :length]).item()  # reading folds
+    assert tailed._tail is None
+    assert mx.array_equal(tailed.values[:, :, :length], plain.values[:, :, :length]).item()
+
+
+def test_a_rewound_position_starts_a_new_tail() -> None:
+    """After a rollback (offsets back by a rejected draft's rows), the next row lands where
+    `update` puts it; positions past it are scratch."""
+    plain, tailed = _prefilled(1, 30)
+    positions = [30, 31, 32, 33, 31, 32, 33, 34, 20]
+    for i, position in enumerate(positions):
+        k, v = _rows(1, i)
+        info = StepInfo(1, [1], [position])
+        want_k, want_v = plain.update(k, v, info)
+        got_k, got_v = _attended(*tailed.append_row(k, v, info), info.kv_len)
+        assert mx.array_equal(got_k, want_k).item() and mx.array_equal(got_v, want_v).item()
+
+
+def test_readers_see_the_tail_and_writers_replace_it() -> None:
+    plain, tailed = _prefilled(1, 10)
+    k, v = _rows(1, 0)
+    info = StepInfo(1, [1], [10])
+    plain.update(k, v, info)
+    tailed.append_row(k, v, info)
+    tail_bytes = 2 * HEADS * KV_STEP * DIM * 4
+    assert tailed.nbytes == plain.nbytes + tail_bytes and tailed._tail is not None  # counting folds nothing
+    assert all(mx.array_equal(a, b).item() for a, b in zip(tailed.slots(), plain.slots(), strict=True))
+    assert tailed._tail is None and tailed.nbytes == plain.nbytes
+    tailed.append_row(*_rows(1, 1), StepInfo(1, [1], [11]))
+    tailed.set_slots(plain.slots())  # new contents: the pending row goes with the old ones
+    assert tailed._tail is None
+    assert mx.array_equal(tailed.keys, plain.keys).item()
+
+
+def test_a_row_into_an_empty_cache() -> None:
+    cache = KVCache(HEADS, DIM)
+    k, v = _rows(1, 3)
+    keys, values, committed, tail_keys, tail_values = cache.append_row(k, v, StepInfo(1, [1], [0]))
+    assert committed == 0 and keys.shape[2] == KV_STEP
+    assert mx.array_equal(tail_keys[:, :, :1], k).item()
+    assert mx.array_equal(cache.keys[:, :, :1], k).item()
+
+
+def test_decoding_through_the_tail_gives_the_plain_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled decode step's tail path (taken on CUDA with the attention kernel), run on the
+    CPU with the kernel's reference standing in for it, against the plain path, over more steps
+    than one tail holds."""
+    model = build_ours("qwen3_5_dense", kernels=KernelOptions())
+    prompts = [[3, 17, 5, 9], [7, 8, 9, 10]]  # two rows at one offset, as the kernel takes them
+    steps = KV_STEP + 8
+
+    def run() -> tuple[list[mx.array], object]:
+        cache = model.make_cache(len(prompts))
+        logits = model(mx.array(prompts), cache)[:, -1]
+        out = [logits]
+        for _ in range(steps):
+            logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
+            out.append(logits)
+        mx.eval(out)
+        return out, cache
+
+    plain, plain_cache = run()
+    use_kernel_options(model, KernelOptions())
+    monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
+    monkeypatch.setattr(base, "decode_attention", attention.decode_attention_reference)
+    tailed, tailed_cache = run()
+    kv = [c for c in tailed_cache.layers if isinstance(c, KVCache)]
+    assert kv and all(c._tail is not None for c in kv)  # the tail path ran
+    for a, b in zip(plain, tailed, strict=True):
+        assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item(), float(mx.abs(a - b).max())
+    for c, p in zip(kv, [c for c in plain_cache.layers if isinstance(c, KVCache)], strict=True):
+        length = len(prompts[0]) + steps
+        assert mx.allclose(c.keys[:, :, :length], p.keys[:, :, :length]).item()
