@@ -164,6 +164,15 @@ def test_emulated_kernels_with_a_tail_match_reference(
     with mx.stream(mx.cpu):
         got = attention.decode_attention(q, k, v, length, scale=D**-0.5, gate=gate, splits=splits, **tail)
         ref = attention.decode_attention_reference(q, k, v, length, scale=D**-0.5, gate=gate, **tail)
+        # the same keys in one buffer: the same bits (a verify reads them so, the decode step
+        # that wrote them through the tail so: KernelOptions.exact_verify's token-for-token rule)
+        rest = length - committed
+        joined_k = mx.concatenate([k[:, :, :committed], tk[:, :, :rest]], axis=2)
+        joined_v = mx.concatenate([v[:, :, :committed], tv[:, :, :rest]], axis=2)
+        one = attention.decode_attention(
+            q, joined_k, joined_v, length, scale=D**-0.5, gate=gate, splits=splits
+        )
+    assert mx.array_equal(got, one).item()
     tol = 1e-5 if dtype == mx.float32 else 2e-2
     got, ref = got.astype(mx.float32), ref.astype(mx.float32)
     assert mx.allclose(got, ref, atol=tol, rtol=tol).item(), float(mx.abs(got - ref).max())
@@ -190,9 +199,13 @@ def test_gpu_with_a_tail_matches_reference(length, committed) -> None:
     q, k, v, gate = _case(1, 16, 4, 256, 8192, mx.bfloat16, gated=True)
     _, tk, tv, _ = _case(1, 16, 4, 256, 256, mx.bfloat16, seed=1)
     tail = {"tail": (tk, tv), "committed": committed}
-    got = attention.decode_attention(q, k, v, length, scale=1 / 16, gate=gate, **tail).astype(mx.float32)
+    got = attention.decode_attention(q, k, v, length, scale=1 / 16, gate=gate, **tail)
     ref = attention.decode_attention_reference(q, k, v, length, scale=1 / 16, gate=gate, **tail)
-    assert mx.allclose(got, ref.astype(mx.float32), atol=2e-2, rtol=2e-2).item()
+    assert mx.allclose(got.astype(mx.float32), ref.astype(mx.float32), atol=2e-2, rtol=2e-2).item()
+    joined_k = mx.concatenate([k[:, :, :committed], tk[:, :, : length - committed]], axis=2)
+    joined_v = mx.concatenate([v[:, :, :committed], tv[:, :, : length - committed]], axis=2)
+    one = attention.decode_attention(q, joined_k, joined_v, length, scale=1 / 16, gate=gate)
+    assert mx.array_equal(got, one).item()  # bit for bit: a verify reads the keys from one buffer
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_dense", "qwen3_5_moe"])
@@ -205,9 +218,11 @@ def test_models_attend_through_the_kernel_when_on(monkeypatch, arch) -> None:
 
     calls = []
 
-    def kernel(q, keys, values, length, *, scale, gate=None, splits=None):
-        calls.append(gate is not None)
-        return attention.decode_attention_reference(q, keys, values, length, scale=scale, gate=gate)
+    def kernel(q, keys, values, length, *, scale, gate=None, splits=None, tail=None, committed=None):
+        calls.append(gate is not None and tail is not None)  # the step's row went to the tail
+        return attention.decode_attention_reference(
+            q, keys, values, length, scale=scale, gate=gate, tail=tail, committed=committed
+        )
 
     monkeypatch.setattr(base, "decode_attention", kernel)
     monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)

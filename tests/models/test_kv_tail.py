@@ -78,12 +78,27 @@ def test_readers_see_the_tail_and_writers_replace_it() -> None:
     tailed.append_row(k, v, info)
     tail_bytes = 2 * HEADS * KV_STEP * DIM * 4
     assert tailed.nbytes == plain.nbytes + tail_bytes and tailed._tail is not None  # counting folds nothing
+    held = tailed.eval_arrays()  # what a forward evaluates: the buffers and the tail, as they are
+    assert len(held) == 4 and tailed._tail is not None and held[2] is tailed._tail.keys
     assert all(mx.array_equal(a, b).item() for a, b in zip(tailed.slots(), plain.slots(), strict=True))
     assert tailed._tail is None and tailed.nbytes == plain.nbytes
     tailed.append_row(*_rows(1, 1), StepInfo(1, [1], [11]))
-    tailed.set_slots(plain.slots())  # new contents: the pending row goes with the old ones
+    tailed.set_slots(plain.slots())  # new contents replace the old ones, the pending row included
     assert tailed._tail is None
     assert mx.array_equal(tailed.keys, plain.keys).item()
+    k, v = _rows(1, 2)
+    tailed.append_row(k, v, StepInfo(1, [1], [11]))
+    tailed.keys = plain.keys  # one side replaced: the other keeps the tail's row
+    assert mx.array_equal(tailed.values[:, :, 11:12], v).item()
+
+
+def test_the_tail_holds_rows_in_the_caches_dtype() -> None:
+    cache = KVCache(HEADS, DIM)
+    k = mx.zeros((1, HEADS, 4, DIM), mx.bfloat16)
+    cache.update(k, k, StepInfo(4, [4], [0]))
+    row = mx.ones((1, HEADS, 1, DIM), mx.float32)
+    _, _, _, tail_keys, tail_values = cache.append_row(row, row, StepInfo(1, [1], [4]))
+    assert tail_keys.dtype == tail_values.dtype == mx.bfloat16  # cast as `update` casts
 
 
 def test_a_row_into_an_empty_cache() -> None:
@@ -120,6 +135,8 @@ def test_decoding_through_the_tail_gives_the_plain_logits(monkeypatch: pytest.Mo
     tailed, tailed_cache = run()
     kv = [c for c in tailed_cache.layers if isinstance(c, KVCache)]
     assert kv and all(c._tail is not None for c in kv)  # the tail path ran
+    mx.eval(*tailed_cache.state_arrays())
+    assert all(c._tail is not None for c in kv)  # evaluating the cache folds nothing
     for a, b in zip(plain, tailed, strict=True):
         assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item(), float(mx.abs(a - b).max())
     for c, p in zip(kv, [c for c in plain_cache.layers if isinstance(c, KVCache)], strict=True):

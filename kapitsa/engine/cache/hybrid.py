@@ -269,8 +269,8 @@ class HybridCache:
         """Every array the cache holds (for `mx.eval`)."""
         out: list[mx.array] = []
         for c in self.layers:
-            if isinstance(c, KVCache) and c.keys is not None:
-                out += c.slots()
+            if isinstance(c, KVCache):
+                out += c.eval_arrays()  # as held: reading `keys` would fold a decode tail
             elif isinstance(c, RecurrentCache):
                 out += [a for a in (c.conv, c.state) if a is not None]
             elif isinstance(c, RotatingKVCache) and c.keys is not None:

@@ -138,7 +138,8 @@ class KVCache:
 
     @keys.setter
     def keys(self, array: mx.array | None) -> None:
-        self._tail, self._keys = None, array  # new contents replace whatever the tail held
+        self._fold()  # the tail's values still belong in `values`
+        self._keys = array
 
     @property
     def values(self) -> mx.array | None:
@@ -147,7 +148,8 @@ class KVCache:
 
     @values.setter
     def values(self, array: mx.array | None) -> None:
-        self._tail, self._values = None, array
+        self._fold()
+        self._values = array
 
     def update(self, k: mx.array, v: mx.array, info: StepInfo) -> tuple[mx.array, mx.array]:
         """Write `k, v [B, Hkv, T, D]` at each row's offset; return the keys/values to attend."""
@@ -174,8 +176,11 @@ class KVCache:
         if tail is None or position != tail.start + tail.count or tail.count == KV_STEP:
             self._fold()
             self._reserve(B, max(position, 1), k.dtype)
-            shape = (B, self.n_kv_heads, KV_STEP, self.head_dim)
-            tail = self._tail = _Tail(mx.zeros(shape, k.dtype), mx.zeros(shape, v.dtype), position)
+            shape, dtype = (
+                (B, self.n_kv_heads, KV_STEP, self.head_dim),
+                self._keys.dtype,
+            )  # rows cast as `update` casts them
+            tail = self._tail = _Tail(mx.zeros(shape, dtype), mx.zeros(shape, dtype), position)
         at = mx.array([tail.count])
         tail.keys = mx.slice_update(tail.keys, k, at, (2,))
         tail.values = mx.slice_update(tail.values, v, at, (2,))
@@ -185,6 +190,13 @@ class KVCache:
     def buffers(self) -> tuple[mx.array | None, mx.array | None]:
         """The cache's own buffers as they are (without the tail's rows): their shape and dtype."""
         return self._keys, self._values
+
+    def eval_arrays(self) -> tuple[mx.array, ...]:
+        """Every array this layer holds, tail included, for `mx.eval` (nothing folded: a forward
+        that evaluates its cache each step would otherwise copy the whole cache each step)."""
+        own = () if self._keys is None or self._values is None else (self._keys, self._values)
+        tail = self._tail
+        return own if tail is None else (*own, tail.keys, tail.values)
 
     def _fold(self) -> None:
         """Write the tail's rows into the cache's buffers (one copy of each) and drop the tail."""
@@ -211,8 +223,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        own = 0 if self._keys is None else self._keys.nbytes + self._values.nbytes
-        return own + (0 if self._tail is None else self._tail.keys.nbytes + self._tail.values.nbytes)
+        return sum(a.nbytes for a in self.eval_arrays())
 
     # The layer's arrays with the token axis at 2, for code that moves rows or positions without
     # knowing the storage (batching, tree commits, the prefix cache): (K, V) here; a quantized

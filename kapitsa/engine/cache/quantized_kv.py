@@ -70,6 +70,9 @@ class QuantizedKVCache(KVCache):
         arrays = tuple(arrays)
         self.keys, self.values = (arrays[:3], arrays[3:]) if arrays else (None, None)  # type: ignore[assignment]
 
+    def eval_arrays(self) -> tuple[mx.array, ...]:
+        return self.slots()
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.slots())

@@ -190,7 +190,7 @@ class Attention(nn.Module):
         kernel family "attn", one query token per row and a head size MLX's CUDA backend has no
         fast kernel for, attention is kapitsa's decode kernel (kernels/attention.py), which also
         applies the output gate, and the step's K/V row goes to the cache's tail (`append_row`)."""
-        if info.T == 1 and cache.has_tail and self._decode_kernel_takes(q, info, cache):
+        if info.T == 1 and getattr(cache, "has_tail", False) and self._decode_kernel_takes(q, info, cache):
             keys, values, committed, tail_keys, tail_values = cache.append_row(k, v, info)
             out = decode_attention(
                 q, keys, values, info.kv_len, scale=self.scale, gate=gate,
