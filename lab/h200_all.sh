@@ -46,6 +46,11 @@
 #                                       kapitsa with and without its attention kernels ("attn")
 #                                       beside mlx-lm (lab/decode_vs_mlxlm.py --kernels-ab): whether
 #                                       the 8k loss per attention layer is the kernel path's
+#   bash lab/h200_all.sh long-context one attention layer's decode pieces alone at 512-32k keys (the KV write:
+#                                       in place, static, into the tail; the kernel at 16/64/128 splits;
+#                                       MLX's attention; lab/kv_step_cost.py), then the 4B's step
+#                                       build / encode / wait after 512 and 8192 tokens, attention
+#                                       kernels on and off (lab/long_context_step.py)
 #   bash lab/h200_all.sh startup      a process's warm-up and first request on $STARTUP_SHAPES (default 4b
 #                                       nemotron-30b-a3b; lab/startup_compile.py): custom kernels
 #                                       compiled by MLX in-process, then over one fresh PTX cache
@@ -250,6 +255,13 @@ case "$part" in
     echo "modules on disk: $(ls "$MLX_PTX_CACHE_DIR" | grep -c '\.ptx$'), of them custom kernels:" \
       "$(ls "$MLX_PTX_CACHE_DIR" | grep '\.ptx$' | grep -c custom_kernel)" | tee -a "$out/compile.log"
     grep -E 'streams|first-request|Error' "$out/compile.log"
+    ;;
+  long-context)
+    : > "$out/long-context.log"
+    timeout 90 $py lab/kv_step_cost.py --lengths 512 8192 32768 --steps 32 >> "$out/long-context.log" 2>&1
+    timeout "${LONG_CONTEXT_TIMEOUT:-150}" $py lab/long_context_step.py --shape "${LONG_CONTEXT_SHAPE:-4b}" \
+      --prompts 512 8192 --steps 32 --rounds 3 >> "$out/long-context.log" 2>&1
+    grep -E '^\{' "$out/long-context.log" | cut -c1-260
     ;;
   attn-gap)
     # the table's 8k-decode loss per attention layer (docs/results.md): the same decode with the
