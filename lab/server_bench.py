@@ -61,7 +61,8 @@ def server(argv: list[str], ready_url: str, log: Path, timeout_s: float) -> Iter
         start = time.monotonic()
         _wait_ready(proc, ready_url, log, timeout_s)
         proc.ready_s = time.monotonic() - start  # from start to answering
-        _progress(f"{argv[1:4]} ready after {proc.ready_s:.1f} s")
+        label = f"kapitsa {argv[3]}" if argv[1] == "-c" else " ".join(argv[1:4])  # -c LOGGED_KAPITSA serve
+        _progress(f"{label} ready after {proc.ready_s:.1f} s")
         yield proc
     finally:
         proc.terminate()
