@@ -24,7 +24,7 @@ from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.ops.linear import route_quantized_linears
 from kapitsa.testing.tiny import tiny_config
-from lab.engine_timing import DEFAULTS, time_kapitsa
+from lab.engine_timing import DEFAULTS, rounded, time_kapitsa
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model
 
 OP_BY_OP = dataclasses.replace(DEFAULTS, compile_decode=False)
@@ -136,7 +136,7 @@ def main() -> None:
             record(name, "kapitsa fused+compiled+routed", _profile(*_kapitsa_step(model), prompt, args.steps))
         if args.engine:
             out = time_kapitsa(model, prompt, args.steps * 2)
-            record(name, "kapitsa engine", {k: round(v, 3) for k, v in out.items()})
+            record(name, "kapitsa engine", rounded(out, 3))
         del model
         gc.collect()
         mx.clear_cache()

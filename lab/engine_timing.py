@@ -80,6 +80,11 @@ def kapitsa_engine(
     )
 
 
+def rounded(result: dict, digits: int) -> dict:
+    """A timer's result with its plain numbers rounded (lists and None as they are)."""
+    return {k: round(v, digits) if isinstance(v, float) else v for k, v in result.items()}
+
+
 def step_times(arrivals: list[tuple[float, int]]) -> dict:
     """From (time, tokens) per arrival after the first token: the first three decode steps in ms
     (a delay that decoding pays once shows here) and tok/s over the run's second half (what every

@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from kapitsa.engine.loading.small import apply_small, plan_small
 from kapitsa.engine.models import get_model_module
 from kapitsa.testing.tiny_flint import flint_config
-from lab.engine_timing import emit, time_kapitsa, time_mlxlm
+from lab.engine_timing import emit, rounded, time_kapitsa, time_mlxlm
 from lab.models_under_test import DTYPE, materialize, prompt_ids
 
 GiB = 1 << 30
@@ -154,7 +154,7 @@ def _emit(tiny: bool, engine: str, quantization: str, budget: str, model, timing
             "quantization": quantization,
             "budget": budget,
             "weights_gb": weight_gb(model),
-            **{k: round(v, 2) for k, v in timing.items()},
+            **rounded(timing, 2),
         }
     )
 
