@@ -46,7 +46,8 @@
 #                                       kapitsa with and without its attention kernels ("attn")
 #                                       beside mlx-lm (lab/decode_vs_mlxlm.py --kernels-ab): whether
 #                                       the 8k loss per attention layer is the kernel path's
-#   bash lab/h200_all.sh long-context one attention layer's decode pieces alone at 512-32k keys (the KV write:
+#   bash lab/h200_all.sh long-context the attention kernel's and KV tail's GPU tests, then one attention layer's
+#                                       decode pieces alone at 512-32k keys (the KV write:
 #                                       in place, static, into the tail; the kernel at 16/64/128 splits;
 #                                       MLX's attention; lab/kv_step_cost.py), then the 4B's step
 #                                       build / encode / wait after 512 and 8192 tokens, attention
@@ -257,7 +258,10 @@ case "$part" in
     grep -E 'streams|first-request|Error' "$out/compile.log"
     ;;
   long-context)
-    : > "$out/long-context.log"
+    # the attention kernel's and the KV tail's GPU tests first (a wrong kernel makes timings moot)
+    timeout 120 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=short -m gpu \
+      tests/kernels/test_attention_kernel.py tests/models/test_kv_tail.py > "$out/long-context.log" 2>&1
+    tail -1 "$out/long-context.log"
     timeout 90 $py lab/kv_step_cost.py --lengths 512 8192 32768 --steps 32 >> "$out/long-context.log" 2>&1
     timeout "${LONG_CONTEXT_TIMEOUT:-150}" $py lab/long_context_step.py --shape "${LONG_CONTEXT_SHAPE:-4b}" \
       --prompts 512 8192 --steps 32 --rounds 3 >> "$out/long-context.log" 2>&1

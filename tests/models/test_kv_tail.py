@@ -10,7 +10,7 @@ import pytest
 
 import kapitsa.engine.models.base as base
 from kapitsa.engine.cache.layers import KV_STEP, KVCache, StepInfo
-from kapitsa.engine.kernels import attention
+from kapitsa.engine.kernels import attention, backend
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.options import KernelOptions
 from tests.models.builders import build_ours
@@ -142,3 +142,28 @@ def test_decoding_through_the_tail_gives_the_plain_logits(monkeypatch: pytest.Mo
     for c, p in zip(kv, [c for c in plain_cache.layers if isinstance(c, KVCache)], strict=True):
         length = len(prompts[0]) + steps
         assert mx.allclose(c.keys[:, :, :length], p.keys[:, :, :length]).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
+def test_gpu_decode_steps_through_the_tail_match_the_reference() -> None:
+    """The CUDA kernel over the cache and its tail, step by step across a fold, against MLX's
+    attention over what `update` writes: the 4B's attention shape, bf16."""
+    heads, kv_heads, dim, start = 16, 4, 256, 700
+    prefill = mx.random.normal((1, kv_heads, start, dim), key=mx.random.key(7)).astype(mx.bfloat16)
+    plain, tailed = KVCache(kv_heads, dim), KVCache(kv_heads, dim)
+    for cache in (plain, tailed):
+        cache.update(prefill, -prefill, StepInfo(start, [start], [0]))
+    for i in range(KV_STEP + 20):
+        keys = mx.random.split(mx.random.key(i), 3)
+        q = mx.random.normal((1, heads, 1, dim), key=keys[0]).astype(mx.bfloat16)
+        k = mx.random.normal((1, kv_heads, 1, dim), key=keys[1]).astype(mx.bfloat16)
+        v = mx.random.normal((1, kv_heads, 1, dim), key=keys[2]).astype(mx.bfloat16)
+        info = StepInfo(1, [1], [start + i])
+        want_k, want_v = plain.update(k, v, info)
+        want = attention.decode_attention_reference(q, want_k, want_v, info.kv_len, scale=dim**-0.5)
+        buf_k, buf_v, committed, tail_k, tail_v = tailed.append_row(k, v, info)
+        got = attention.decode_attention(
+            q, buf_k, buf_v, info.kv_len, scale=dim**-0.5, tail=(tail_k, tail_v), committed=committed
+        )
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=2e-2, rtol=2e-2).item(), i
