@@ -35,11 +35,11 @@ BUFFERS = 8  # distinct caches the timed calls cycle through: 8 x 33.5 MB at 8k 
 
 
 def per_call_us(fn, calls: int) -> float:
-    """`fn(i)` is call i's work, evaluated alone."""
+    """`fn(i)` is call i's work, evaluated alone: call 0 warms up, calls 1..`calls` are timed."""
     mx.eval(fn(0))  # compiles, allocates
     mx.synchronize()
     start = time.perf_counter()
-    for i in range(calls):
+    for i in range(1, calls + 1):
         mx.eval(fn(i))
     mx.synchronize()
     return (time.perf_counter() - start) / calls * 1e6

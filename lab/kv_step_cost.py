@@ -12,24 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import mlx.core as mx
 
 from kapitsa.engine.cache.layers import KVCache, StepInfo
 from kapitsa.engine.kernels import attention, backend
+from lab.kernels_attn import per_call_us
 
 B, HQ, HKV, D = 1, 16, 4, 256  # the 4B's attention layer
 
 
-def per_call_us(fn, steps: int) -> float:
-    mx.eval(fn(0))
-    mx.synchronize()
-    start = time.perf_counter()
-    for i in range(1, steps + 1):
-        mx.eval(fn(i))
-    mx.synchronize()
-    return round((time.perf_counter() - start) / steps * 1e6, 1)
+def _us(fn, steps: int) -> float:
+    return round(per_call_us(fn, steps), 1)
 
 
 def bench(length: int, steps: int) -> dict:
@@ -55,23 +49,23 @@ def bench(length: int, steps: int) -> dict:
         at = length + 2 * steps + 2 + i
         return cache.append_row(row, row, StepInfo(1, [1], [at]))[3:]
 
-    out = dict(length=length, write_us=per_call_us(write, steps))
-    out["write_static_us"] = per_call_us(write_static, steps)
-    out["write_tail_us"] = per_call_us(write_tail, steps)
+    out = dict(length=length, write_us=_us(write, steps))
+    out["write_static_us"] = _us(write_static, steps)
+    out["write_tail_us"] = _us(write_tail, steps)
     held = length + 3 * steps + 3  # every key written above (reading `keys` folds the tail)
     if attention.supports(q, cache.keys, cache.values) and attention.probe():
         for splits in (None, 64, 128):  # `splits_for`'s count, then more blocks for one call alone
-            out[f"kernel_{splits or 'default'}_us"] = per_call_us(
+            out[f"kernel_{splits or 'default'}_us"] = _us(
                 lambda i, s=splits: attention.decode_attention(
                     q, cache.keys, cache.values, held, scale=D**-0.5, splits=s
                 ),
                 steps,
             )
-    out["mlx_us"] = per_call_us(
+    out["mlx_us"] = _us(
         lambda i: attention.decode_attention_reference(q, cache.keys, cache.values, held, scale=D**-0.5),
         steps,
     )
-    out["empty_eval_us"] = per_call_us(lambda i: q + i, steps)  # what one evaluation costs alone
+    out["empty_eval_us"] = _us(lambda i: q + i, steps)  # what one evaluation costs alone
     return out
 
 

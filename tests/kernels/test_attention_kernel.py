@@ -166,9 +166,7 @@ def test_emulated_kernels_with_a_tail_match_reference(
         ref = attention.decode_attention_reference(q, k, v, length, scale=D**-0.5, gate=gate, **tail)
         # the same keys in one buffer: the same bits (a verify reads them so, the decode step
         # that wrote them through the tail so: KernelOptions.exact_verify's token-for-token rule)
-        rest = length - committed
-        joined_k = mx.concatenate([k[:, :, :committed], tk[:, :, :rest]], axis=2)
-        joined_v = mx.concatenate([v[:, :, :committed], tv[:, :, :rest]], axis=2)
+        joined_k, joined_v = attention.keys_read(k, v, length, **tail)
         one = attention.decode_attention(
             q, joined_k, joined_v, length, scale=D**-0.5, gate=gate, splits=splits
         )
@@ -202,8 +200,7 @@ def test_gpu_with_a_tail_matches_reference(length, committed) -> None:
     got = attention.decode_attention(q, k, v, length, scale=1 / 16, gate=gate, **tail)
     ref = attention.decode_attention_reference(q, k, v, length, scale=1 / 16, gate=gate, **tail)
     assert mx.allclose(got.astype(mx.float32), ref.astype(mx.float32), atol=2e-2, rtol=2e-2).item()
-    joined_k = mx.concatenate([k[:, :, :committed], tk[:, :, : length - committed]], axis=2)
-    joined_v = mx.concatenate([v[:, :, :committed], tv[:, :, : length - committed]], axis=2)
+    joined_k, joined_v = attention.keys_read(k, v, length, **tail)
     one = attention.decode_attention(q, joined_k, joined_v, length, scale=1 / 16, gate=gate)
     assert mx.array_equal(got, one).item()  # bit for bit: a verify reads the keys from one buffer
 

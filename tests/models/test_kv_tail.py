@@ -33,11 +33,7 @@ def _prefilled(batch: int, length: int) -> tuple[KVCache, KVCache]:
 
 def _attended(keys, values, committed, tail_keys, tail_values, length) -> tuple[mx.array, mx.array]:
     """The keys and values the decode kernel reads: the buffers' first rows, then the tail's."""
-    rest = length - committed
-    return (
-        mx.concatenate([keys[:, :, :committed], tail_keys[:, :, :rest]], axis=2),
-        mx.concatenate([values[:, :, :committed], tail_values[:, :, :rest]], axis=2),
-    )
+    return attention.keys_read(keys, values, length, tail=(tail_keys, tail_values), committed=committed)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -176,10 +176,8 @@ class KVCache:
         if tail is None or position != tail.start + tail.count or tail.count == KV_STEP:
             self._fold()
             self._reserve(B, max(position, 1), k.dtype)
-            shape, dtype = (
-                (B, self.n_kv_heads, KV_STEP, self.head_dim),
-                self._keys.dtype,
-            )  # rows cast as `update` casts them
+            shape = (B, self.n_kv_heads, KV_STEP, self.head_dim)
+            dtype = self._keys.dtype  # rows cast as `update` casts them
             tail = self._tail = _Tail(mx.zeros(shape, dtype), mx.zeros(shape, dtype), position)
         at = mx.array([tail.count])
         tail.keys = mx.slice_update(tail.keys, k, at, (2,))

@@ -212,12 +212,25 @@ def decode_attention_reference(
 ) -> mx.array:
     """What `decode_attention` computes, in MLX ops (the model's own path)."""
     B, hq, T, _ = q.shape
-    if tail is None:
-        keys, values = keys[:, :, :length], values[:, :, :length]
-    else:
-        rest = length - committed
-        keys = mx.concatenate([keys[:, :, :committed], tail[0][:, :, :rest]], axis=2)
-        values = mx.concatenate([values[:, :, :committed], tail[1][:, :, :rest]], axis=2)
+    keys, values = keys_read(keys, values, length, tail=tail, committed=committed)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=None)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
     return out if gate is None else out * mx.sigmoid(gate)
+
+
+def keys_read(
+    keys: mx.array,
+    values: mx.array,
+    length: int,
+    *,
+    tail: tuple[mx.array, mx.array] | None = None,
+    committed: int | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The `length` keys and values `decode_attention` reads, as one `[B, Hkv, length, D]` pair."""
+    if tail is None:
+        return keys[:, :, :length], values[:, :, :length]
+    rest = length - committed
+    return (
+        mx.concatenate([keys[:, :, :committed], tail[0][:, :, :rest]], axis=2),
+        mx.concatenate([values[:, :, :committed], tail[1][:, :, :rest]], axis=2),
+    )
