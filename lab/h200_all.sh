@@ -74,8 +74,8 @@
 #                                       test's tiny models, then 4-bit at widths the kernels take
 #   bash lab/h200_all.sh flint        lab/small_flint.py: Flint's :small recipe, plain 4-bit and
 #                                       mlx-vlm's Flint at the published shape
-#   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPE (default
-#                                       4b) as a streaming client sees them, beside the in-process
+#   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPES (default
+#                                       4b; one bench per shape) as a streaming client sees them, beside the in-process
 #                                       engine (lab/server_bench.py; $SERVER_ARGS more of its
 #                                       options, e.g. --long-words 1500); needs .gpu/serve carried
 #                                       (lab/stage_server_wheels.sh)
@@ -342,10 +342,14 @@ case "$part" in
   server)
     [ -f "$root/.gpu/serve/install.sh" ] && bash "$root/.gpu/serve/install.sh"
     # shellcheck disable=SC2086
-    timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "${SERVER_SHAPE:-4b}" \
-      --tokens "${TOKENS:-128}" --streams 8 --work /tmp/kapitsa-server-bench ${SERVER_ARGS:-} > "$out/server.log" 2>&1
-    cp /tmp/kapitsa-server-bench/*.log "$out/" 2>/dev/null  # each server's own log (kapitsa's at INFO)
-    tail -1 "$out/server.log"
+    # one bench per shape; each shape's servers' own logs (kapitsa's at INFO) under $out/server-<shape>/
+    for shape in ${SERVER_SHAPES:-${SERVER_SHAPE:-4b}}; do
+      timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "$shape" \
+        --tokens "${TOKENS:-128}" --streams 8 --work "/tmp/kapitsa-server-bench-$shape" ${SERVER_ARGS:-} \
+        > "$out/server-$shape.log" 2>&1 || echo "server $shape: exit $? (124: cut by its timeout)"
+      mkdir -p "$out/server-$shape" && cp /tmp/kapitsa-server-bench-"$shape"/*.log "$out/server-$shape/" 2>/dev/null
+      tail -1 "$out/server-$shape.log"
+    done
     ;;
   prediction)
     shape=${PREDICTION_SHAPE:-4b}
