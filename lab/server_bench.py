@@ -12,6 +12,11 @@ The engines run one after another, each alone on the machine: the in-process eng
 batch sizes, read from its /metrics, before its first request), then mlx_lm.server.
 Greedy decoding; `--speculative` (default: serve's own, `auto`) is kapitsa's mode in process and in
 its server.
+All three use this machine's one MLX JIT cache (`$MLX_PTX_CACHE_DIR`, else MLX's default folder),
+so a server does not compile again what the engine before it compiled: `kapitsa serve` otherwise
+keeps its own cache in kapitsa's state folder, empty on a fresh machine (a first start's compiles
+are `lab/startup_compile.py`'s to measure). Each server answers one short untimed request before
+the workloads (its time is reported), so its first workload does not carry one-time compiles.
 Prints the bench report's JSON, then one `summary` line: decode tok/s and time to first token per
 engine, kapitsa server / mlx_lm.server, and the server's overhead against the in-process engine.
 """
@@ -87,6 +92,30 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -
                 return
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def share_jit_cache() -> None:
+    """Point every process this bench starts at the one JIT cache MLX uses in this process."""
+    from kapitsa.engine.kernels.cuda_disk_cache import mlx_cache_dir
+
+    if "MLX_PTX_CACHE_DIR" not in os.environ:
+        os.environ["MLX_PTX_CACHE_DIR"] = str(mlx_cache_dir())
+
+
+def first_request_s(url: str) -> float:
+    """Seconds a server takes to stream an 8-token answer to a short prompt (its first request)."""
+    from kapitsa.bench.targets import HttpTarget
+
+    async def once() -> float:
+        target = HttpTarget(f"{url}/v1")
+        try:
+            await target.prepare()
+            result = await target.complete([{"role": "user", "content": "Say hello."}], max_tokens=8)
+            return round(result.total_s, 2)
+        finally:
+            await target.aclose()
+
+    return asyncio.run(once())
 
 
 def _metric(url: str, name: str) -> float | None:
@@ -197,6 +226,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kapitsa-server-bench")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    share_jit_cache()  # before this process's first compile: MLX reads the variable then
     folder = Path(args.model) if args.model and args.model != "demo" else None
     if args.shape:
         from lab.models_under_test import DTYPE
@@ -228,9 +258,11 @@ def main() -> None:
         start["kapitsa_serve_ready_s"] = round(proc.ready_s, 1)
         start["kapitsa_serve_warmup_s"] = wait_warm(kapitsa_url, args.ready_timeout)
         _progress(f"kapitsa serve warmed its batch sizes in {start['kapitsa_serve_warmup_s']} s")
+        start["kapitsa_serve_first_request_s"] = first_request_s(kapitsa_url)
         report["engines"] += run_bench(None, [kapitsa_url], args)["engines"]
     with server(mlx_argv, f"{mlx_url}/v1/models", args.work / "mlx_lm.log", args.ready_timeout) as proc:
         start["mlx_lm_server_ready_s"] = round(proc.ready_s, 1)
+        start["mlx_lm_server_first_request_s"] = first_request_s(mlx_url)
         report["engines"] += run_bench(None, [mlx_url], args)["engines"]
     totals = summary(report) | start
     print(json.dumps(report))
