@@ -103,6 +103,9 @@ def test_cuda_source_compiles(dtype, k, experts, rows, top_k, mode) -> None:
     for wd in {mx.float32, dtype}:  # weights as float32, or in the model's dtype (Qwen's SparseMoe)
         template = router._select_template(dtype, experts, rows, top_k, mode, True, 2.5, wd)
         sources.append(router._SELECT.render([mx.float32, mx.float32], [mx.uint32, wd, dtype], template))
+    gated = mode == "softmax" and rows > experts  # folded shared experts after the top k
+    template = router._select_template(dtype, experts, rows, top_k, mode, True, 2.5, dtype, (experts, 2), gated)
+    sources.append(router._SELECT.render([mx.float32, mx.float32], [mx.uint32, dtype, dtype], template))
     for source in sources:
         assert_compiles(source)
 
@@ -208,3 +211,43 @@ def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
     assert set(calls) == {"softmax" if arch.startswith("qwen") else "sigmoid"}
     for a, b in zip(plain, routed, strict=True):
         assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), float(mx.abs(a - b).max())
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,mode,extra,gated,count",
+    [
+        (mx.bfloat16, "softmax", 1, True, 2),  # Qwen: the shared expert's gate is the extra row
+        (mx.float32, "softmax", 1, True, 1),
+        (mx.bfloat16, "sigmoid", 0, False, 2),  # Nemotron: shared experts at weight 1
+    ],
+)
+def test_emulated_kernel_appends_folded_shared_experts(monkeypatch, tmp_path, dtype, mode, extra, gated, count) -> None:
+    """With `shared=(first, count)` every row's top k are followed by the shared experts in order,
+    at sigmoid(the gate row's logit) or 1, as the reference (the models' op path) appends them."""
+    monkeypatch.setattr(router, "_LOGITS", Emulated(router._LOGITS, cuda_host_translation, tmp_path))
+    monkeypatch.setattr(router, "_SELECT", Emulated(router._SELECT, cuda_host_translation, tmp_path))
+    experts, top_k = 40, 4
+    x, w, bias = _case(3, 64, experts, extra, dtype, seed=9)
+    kw = dict(
+        experts=experts, top_k=top_k, mode=mode, bias=bias if mode == "sigmoid" else None, scale=1.5,
+        weights_dtype=dtype, shared=(experts, count), shared_gate=gated,
+    )  # fmt: skip
+    with mx.stream(mx.cpu):
+        got = router.route_kernel(x, w, block=64, **kw)
+        ref = router.route_reference(x, w, **kw)
+    assert got[0].shape == got[1].shape == (1, 3, top_k + count)
+    want_slots = mx.broadcast_to(mx.arange(experts, experts + count, dtype=mx.uint32), (1, 3, count))
+    assert mx.array_equal(got[0][..., top_k:], want_slots)
+    if not gated:
+        assert mx.array_equal(got[1][..., top_k:], mx.ones((1, 3, count), dtype))
+    _same(got, ref, rtol=1e-2 if dtype == mx.bfloat16 else 2e-3)
+
+
+def test_supports_folded_slots_only_with_a_gate_row_where_gated() -> None:
+    x, w, _ = _case(1, 64, 16, 0, mx.float32)
+    if backend() != "cuda":
+        pytest.skip("supports() answers False off CUDA")
+    assert router.supports(x, w, experts=16, top_k=4, bias=None, shared=(16, 2))
+    assert not router.supports(x, w, experts=16, top_k=4, bias=None, shared=(16, 2), shared_gate=True)
+    assert not router.supports(x, w, experts=16, top_k=4, bias=None, shared=(16, router.MAX_SLOTS + 1))

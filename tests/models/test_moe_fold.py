@@ -103,3 +103,31 @@ def test_shared_slots_append_fixed_experts_to_every_row() -> None:
     assert got_scores.tolist() == [[[0.75, 0.25, 0.25, 0.25]], [[0.5, 0.5, 0.75, 0.75]]]
     _, ones = moe_fold.shared_slots(inds, scores, 8, 1, 1.0)
     assert ones[..., -1].tolist() == [[1.0], [1.0]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "nemotron_moe"])
+def test_a_folded_model_routes_its_shared_experts_through_the_router_kernel(monkeypatch, arch: str) -> None:
+    """With the "route" family on (the reference standing in for the kernel), a folded model's
+    router is asked for the shared slots, and its logits equal the op path's."""
+    from kapitsa.engine.kernels import router
+    from tests.models.builders import logits_under_families
+
+    asked = []
+
+    def kernel(x, weight, **kw):
+        asked.append(kw.get("shared"))
+        return router.route_reference(x, weight, **kw)
+
+    monkeypatch.setattr(router, "route_kernel", kernel)
+    monkeypatch.setattr(router, "supports", lambda *a, **k: True)
+    monkeypatch.setitem(router.WORKING, "router", True)
+    model = build_ours(arch, kernels=FOLDING)
+    _quantize(model)
+    fuse_model(model)
+    folds = {block.__dict__["shared_fold"] for block in _moe_blocks(model)}
+    plain = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba")
+    assert asked == []
+    routed = logits_under_families(model, monkeypatch, "gdn,moe,qmv,mamba,route")
+    assert asked and set(asked) == folds
+    for a, b in zip(plain, routed, strict=True):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item(), float(mx.abs(a - b).max())

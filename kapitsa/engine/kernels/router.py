@@ -16,6 +16,10 @@ Modes (the reference, `route_reference`, is each model's own routing math):
   fused shared-expert gate) come back as logits in x's dtype.
 - "sigmoid" (Nemotron-H, one expert group): scores = sigmoid(fp32 logits), the top-k of scores +
   bias, weights = their scores (/ (sum + 1e-20) with `normalize`) times `scale`.
+- `shared=(first, count)`: shared experts folded into the routed stacks (loading/moe_fold.py) come
+  after the top k in every row, at weight sigmoid(the first extra row's logit) where
+  `shared_gate` (Qwen's gated shared expert), else 1 (Nemotron's): the selecting kernel writes
+  them, where the op path takes four primitives a layer to append them.
 
 Opt-in (kernel family "route") until timed on the H200. `route` falls back to the reference off
 CUDA, for shapes it does not take, and unless `probe()` ran and passed: it evaluates, so it runs
@@ -33,6 +37,7 @@ import mlx.nn as nn
 
 from kapitsa.engine.kernels import backend, float_bits
 from kapitsa.engine.kernels.cuda import CudaKernel, read_cuda_source
+from kapitsa.engine.loading.moe_fold import shared_slots
 from kapitsa.engine.ops.moe import topk_indices
 
 MODES = ("softmax", "sigmoid")
@@ -40,6 +45,7 @@ MAX_TOKENS = 16  # one block per token: decode and verification; prefill keeps t
 MAX_EXPERTS = 1024  # 32 per lane of the selecting warp
 MAX_EXTRA = 32
 MAX_TOP_K = 32
+MAX_SLOTS = 32  # folded shared experts: one lane of the selecting warp each
 BLOCK = 256  # router_logits: 8 weight rows per block
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 _log = logging.getLogger(__name__)
@@ -71,9 +77,25 @@ def route_reference(
     normalize: bool = True,
     scale: float = 1.0,
     weights_dtype: mx.Dtype = mx.float32,
+    shared: tuple[int, int] | None = None,
+    shared_gate: bool = False,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """(indices [..., k] uint32, weights [..., k] in `weights_dtype`, extra logits [..., EW - E] or
-    None) in MLX ops: what Qwen's SparseMoe and Nemotron's Router compute."""
+    None) in MLX ops: what Qwen's SparseMoe and Nemotron's Router compute; with `shared`, its
+    experts appended to every row (k + count of each) as the models append them."""
+    inds, weights, extra = _route_ops(
+        x, weight, experts=experts, top_k=top_k, mode=mode, bias=bias, normalize=normalize, scale=scale,
+        weights_dtype=weights_dtype,
+    )  # fmt: skip
+    if shared is not None:
+        gate = mx.sigmoid(extra[..., :1]) if shared_gate else 1.0
+        inds, weights = shared_slots(inds, weights, *shared, gate)
+    return inds, weights, extra
+
+
+def _route_ops(
+    x: mx.array, weight: mx.array, *, experts, top_k, mode, bias, normalize, scale, weights_dtype
+) -> tuple[mx.array, mx.array, mx.array | None]:
     if mode == "softmax":
         logits = x @ weight.T
         extra = logits[..., experts:] if weight.shape[0] > experts else None
@@ -96,9 +118,20 @@ def route_reference(
     return inds, (picked * scale).astype(weights_dtype), extra
 
 
-def supports(x: mx.array, weight: mx.array, *, experts: int, top_k: int, bias: mx.array | None) -> bool:
+def supports(
+    x: mx.array,
+    weight: mx.array,
+    *,
+    experts: int,
+    top_k: int,
+    bias: mx.array | None,
+    shared: tuple[int, int] | None = None,
+    shared_gate: bool = False,
+) -> bool:
     """Whether the kernel takes this call here (CUDA, a short step, shapes within its limits)."""
     if backend() != "cuda" or x.ndim < 1 or weight.ndim != 2:
+        return False
+    if shared is not None and not (1 <= shared[1] <= MAX_SLOTS and (weight.shape[0] > experts or not shared_gate)):
         return False
     k = x.shape[-1]
     return (
@@ -121,7 +154,16 @@ def _logits_template(xd, wd, k: int, rows_w: int, block: int) -> tuple:
 
 @functools.cache
 def _select_template(
-    xd, experts: int, rows_w: int, top_k: int, mode: str, normalize: bool, scale: float, wd=mx.float32
+    xd,
+    experts: int,
+    rows_w: int,
+    top_k: int,
+    mode: str,
+    normalize: bool,
+    scale: float,
+    wd=mx.float32,
+    shared: tuple[int, int] = (0, 0),
+    shared_gate: bool = False,
 ) -> tuple:
     return (
         ("T", xd),
@@ -132,6 +174,9 @@ def _select_template(
         ("MODE", MODES.index(mode)),
         ("NORM", bool(normalize)),
         ("SCALE_BITS", float_bits(scale)),
+        ("SLOT0", shared[0]),
+        ("SLOTS", shared[1]),
+        ("GATED", bool(shared_gate)),
     )
 
 
@@ -146,6 +191,8 @@ def route_kernel(
     normalize: bool = True,
     scale: float = 1.0,
     weights_dtype: mx.Dtype = mx.float32,
+    shared: tuple[int, int] | None = None,
+    shared_gate: bool = False,
     block: int = BLOCK,
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """The kernel itself (callers check `supports`); the same results as `route_reference`. The
@@ -155,6 +202,7 @@ def route_kernel(
     tokens, rows_w = math.prod(lead), weight.shape[0]
     extra_rows = rows_w - experts
     blocks_per_token = math.ceil(rows_w / (block // 32))
+    width = top_k + (shared[1] if shared else 0)
     (logits,) = _LOGITS(
         [x, weight],
         template=_logits_template(x.dtype, weight.dtype, x.shape[-1], rows_w, block),
@@ -166,11 +214,12 @@ def route_kernel(
     inds, weights, extra = _SELECT(
         [logits, logits if bias is None else bias],  # the bias is unread in softmax mode
         template=_select_template(
-            x.dtype, experts, rows_w, top_k, mode, normalize, float(scale), weights_dtype
-        ),
+            x.dtype, experts, rows_w, top_k, mode, normalize, float(scale), weights_dtype,
+            shared or (0, 0), shared_gate,
+        ),  # fmt: skip
         grid=(tokens * 32, 1, 1),
         threadgroup=(32, 1, 1),
-        output_shapes=[(*lead, top_k), (*lead, top_k), (*lead, max(extra_rows, 1))],
+        output_shapes=[(*lead, width), (*lead, width), (*lead, max(extra_rows, 1))],
         output_dtypes=[mx.uint32, weights_dtype, x.dtype],
     )
     return inds, weights, (extra if extra_rows > 0 else None)
@@ -179,8 +228,9 @@ def route_kernel(
 def route(x: mx.array, weight: mx.array, **kw) -> tuple[mx.array, mx.array, mx.array | None]:
     """The kernel where it applies and passed its probe, else the reference."""
     if WORKING.get("router") and supports(
-        x, weight, experts=kw["experts"], top_k=kw["top_k"], bias=kw.get("bias")
-    ):
+        x, weight, experts=kw["experts"], top_k=kw["top_k"], bias=kw.get("bias"),
+        shared=kw.get("shared"), shared_gate=kw.get("shared_gate", False),
+    ):  # fmt: skip
         return route_kernel(x, weight, **kw)
     return route_reference(x, weight, **kw)
 

@@ -71,14 +71,22 @@ class Router(nn.Module):
         self.weight = mx.random.uniform(-scale, scale, (a.n_routed_experts, a.hidden_size))
         self.e_score_correction_bias = mx.zeros((a.n_routed_experts,))
 
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+    def __call__(self, x: mx.array, shared: tuple[int, int] | None = None) -> tuple[mx.array, mx.array]:
+        """(indices, weights); `shared`: folded shared experts (first, count) appended to every row
+        at weight 1."""
         a = self.a
         if (a.n_group <= 1 or a.topk_group >= a.n_group) and kernels.enabled("route", self.kernel_options):
             inds, weights, _ = route(
                 x, self.weight, experts=a.n_routed_experts, top_k=a.num_experts_per_tok, mode="sigmoid",
                 bias=self.e_score_correction_bias, normalize=a.norm_topk_prob, scale=a.routed_scaling_factor,
+                shared=shared,
             )  # fmt: skip
             return inds, weights
+        inds, weights = self._route_ops(x)
+        return (inds, weights) if shared is None else shared_slots(inds, weights, *shared, 1.0)
+
+    def _route_ops(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        a = self.a
         scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.astype(mx.float32).T)
         choice = scores + self.e_score_correction_bias.astype(mx.float32)
         if a.n_group > 1:
@@ -131,10 +139,8 @@ class MoE(nn.Module):
         return True
 
     def __call__(self, x: mx.array) -> mx.array:
-        inds, weights = self.gate(x)
-        folded = self.__dict__.get("shared_fold")
-        if folded is not None:  # the shared experts ride along as experts at score 1
-            inds, weights = shared_slots(inds, weights, *folded, 1.0)
+        folded = self.__dict__.get("shared_fold")  # the shared experts ride along as experts at score 1
+        inds, weights = self.gate(x, folded)
         routed_in = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
         if kernels.enabled(
             "moe", self.kernel_options

@@ -98,26 +98,29 @@ class SparseMoe(nn.Module):
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(expert indices, their weights in x's dtype, the shared expert's gate logit): through
-        the fused router kernel (kernels/router.py, family "route") where it applies."""
+        the fused router kernel (kernels/router.py, family "route") where it applies. A folded
+        shared expert rides along as expert(s) after the routed ones at its gate's score."""
+        folded = self.__dict__.get("shared_fold")
         weight = plain_weight(self.router_proj) if "router_proj" in self else None
         if weight is not None and kernels.enabled("route", self.kernel_options):
             kw = dict(
                 experts=self.num_experts, top_k=self.top_k, mode="softmax", normalize=self.norm_topk_prob
             )  # the weights in x's dtype from the kernel itself: no cast after it (a primitive a layer)
-            return route(x, weight, **kw, weights_dtype=x.dtype)
+            return route(x, weight, **kw, weights_dtype=x.dtype, shared=folded, shared_gate=True)
         logits, shared_logit = projections(self, x, self.ROUTER, "router_proj")
         probs = mx.softmax(logits.astype(mx.float32), axis=-1)
         inds = topk_indices(probs, self.top_k)
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        return inds, scores.astype(x.dtype), shared_logit
+        scores = scores.astype(x.dtype)
+        if folded is not None:
+            inds, scores = shared_slots(inds, scores, *folded, mx.sigmoid(shared_logit))
+        return inds, scores, shared_logit
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores, shared_logit = self.route(x)
         folded = self.__dict__.get("shared_fold")
-        if folded is not None:  # the shared expert rides along as expert(s) at its gate's score
-            inds, scores = shared_slots(inds, scores, *folded, mx.sigmoid(shared_logit))
         if kernels.enabled(
             "moe", self.kernel_options
         ):  # routed experts' weights read once per step (kernels/moe.py)

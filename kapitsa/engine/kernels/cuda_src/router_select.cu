@@ -6,6 +6,10 @@
   // MODE 1 (Nemotron-H): fp32 logits, score = sigmoid, choice = score + bias, weight = score,
   //   divided by (sum + 1e-20) when NORM, times the float whose bits are SCALE_BITS.
   // The weights are written as WD (float32, or the model's dtype: rounded as a cast rounds).
+  // SLOTS > 0: folded shared experts SLOT0 .. SLOT0 + SLOTS - 1 follow the TOPK in every row, at
+  //   weight sigmoid(the first extra row's logit rounded to T, the result rounded to T) when GATED
+  //   (Qwen's shared-expert gate), else 1.
+  constexpr int W = TOPK + SLOTS;  // indices and weights per token
   constexpr int PER = (E + 31) / 32;  // experts per lane
   const float NEG_INF = __int_as_float(-8388608);  // 0xff800000
   const int token = blockIdx.x;
@@ -77,12 +81,18 @@
     }
     picked[k] = bs;
     sum += bs;
-    if (lane == 0) inds[(size_t)token * TOPK + k] = (uint32_t)chosen;
+    if (lane == 0) inds[(size_t)token * W + k] = (uint32_t)chosen;
   }
   const float denom = NORM ? (MODE == 0 ? sum : sum + 1e-20f) : 1.f;
   const float scale = __int_as_float(SCALE_BITS);
   if (lane == 0) {
     #pragma unroll
-    for (int k = 0; k < TOPK; ++k) weights[(size_t)token * TOPK + k] = (WD)(picked[k] / denom * scale);
+    for (int k = 0; k < TOPK; ++k) weights[(size_t)token * W + k] = (WD)(picked[k] / denom * scale);
+  }
+  if (SLOTS > 0 && lane < SLOTS) {
+    float gate = 1.f;
+    if (GATED) gate = (float)(T)(1.f / (1.f + expf(-(float)(T)kr_logit[E])));
+    inds[(size_t)token * W + TOPK + lane] = (uint32_t)(SLOT0 + lane);
+    weights[(size_t)token * W + TOPK + lane] = (WD)gate;
   }
   for (int e = E + lane; e < EW; e += 32) extra[(size_t)token * (EW - E > 0 ? EW - E : 1) + e - E] = (T)kr_logit[e];
