@@ -104,7 +104,9 @@ def test_cuda_source_compiles(dtype, k, experts, rows, top_k, mode) -> None:
         template = router._select_template(dtype, experts, rows, top_k, mode, True, 2.5, wd)
         sources.append(router._SELECT.render([mx.float32, mx.float32], [mx.uint32, wd, dtype], template))
     gated = mode == "softmax" and rows > experts  # folded shared experts after the top k
-    template = router._select_template(dtype, experts, rows, top_k, mode, True, 2.5, dtype, (experts, 2), gated)
+    template = router._select_template(
+        dtype, experts, rows, top_k, mode, True, 2.5, dtype, (experts, 2), gated
+    )
     sources.append(router._SELECT.render([mx.float32, mx.float32], [mx.uint32, dtype, dtype], template))
     for source in sources:
         assert_compiles(source)
@@ -222,7 +224,9 @@ def test_models_route_through_the_kernel_when_on(monkeypatch, arch) -> None:
         (mx.bfloat16, "sigmoid", 0, False, 2),  # Nemotron: shared experts at weight 1
     ],
 )
-def test_emulated_kernel_appends_folded_shared_experts(monkeypatch, tmp_path, dtype, mode, extra, gated, count) -> None:
+def test_emulated_kernel_appends_folded_shared_experts(
+    monkeypatch, tmp_path, dtype, mode, extra, gated, count
+) -> None:
     """With `shared=(first, count)` every row's top k are followed by the shared experts in order,
     at sigmoid(the gate row's logit) or 1, as the reference (the models' op path) appends them."""
     monkeypatch.setattr(router, "_LOGITS", Emulated(router._LOGITS, cuda_host_translation, tmp_path))

@@ -131,7 +131,9 @@ def supports(
     """Whether the kernel takes this call here (CUDA, a short step, shapes within its limits)."""
     if backend() != "cuda" or x.ndim < 1 or weight.ndim != 2:
         return False
-    if shared is not None and not (1 <= shared[1] <= MAX_SLOTS and (weight.shape[0] > experts or not shared_gate)):
+    if shared is not None and not (
+        1 <= shared[1] <= MAX_SLOTS and (weight.shape[0] > experts or not shared_gate)
+    ):
         return False
     k = x.shape[-1]
     return (
@@ -214,8 +216,16 @@ def route_kernel(
     inds, weights, extra = _SELECT(
         [logits, logits if bias is None else bias],  # the bias is unread in softmax mode
         template=_select_template(
-            x.dtype, experts, rows_w, top_k, mode, normalize, float(scale), weights_dtype,
-            shared or (0, 0), shared_gate,
+            x.dtype,
+            experts,
+            rows_w,
+            top_k,
+            mode,
+            normalize,
+            float(scale),
+            weights_dtype,
+            shared or (0, 0),
+            shared_gate,
         ),  # fmt: skip
         grid=(tokens * 32, 1, 1),
         threadgroup=(32, 1, 1),
