@@ -226,7 +226,7 @@ def route_kernel(
             weights_dtype,
             shared or (0, 0),
             shared_gate,
-        ),  # fmt: skip
+        ),
         grid=(tokens * 32, 1, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(*lead, width), (*lead, width), (*lead, max(extra_rows, 1))],
