@@ -163,11 +163,21 @@ def test_emulated_kernel_writes_weights_in_the_asked_dtype(monkeypatch, tmp_path
 
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
-@pytest.mark.parametrize("mode,experts,extra,top_k", [("softmax", 256, 1, 8), ("sigmoid", 128, 0, 6)])
-def test_gpu_matches_reference(mode, experts, extra, top_k) -> None:
+@pytest.mark.parametrize(
+    "mode,experts,extra,top_k,shared",
+    [
+        ("softmax", 256, 1, 8, None),
+        ("sigmoid", 128, 0, 6, None),
+        ("softmax", 256, 1, 8, (256, 1)),  # Qwen3.5-35B-A3B with its shared expert folded
+        ("sigmoid", 128, 0, 6, (128, 2)),  # Nemotron-3-Nano: a shared MLP of two experts' width
+    ],
+)
+def test_gpu_matches_reference(mode, experts, extra, top_k, shared) -> None:
     x, w, bias = _case(4, 2048, experts, extra, mx.bfloat16)
     w = w / 10  # logits of ~1 (std 0.9), as a trained router's are, not ~10
     kw = dict(experts=experts, top_k=top_k, mode=mode, bias=bias if mode == "sigmoid" else None, scale=2.5)
+    if shared is not None:
+        kw.update(shared=shared, shared_gate=mode == "softmax", weights_dtype=mx.bfloat16)
     assert router.kernel_works()
     # Softmax mode rounds the logits to bf16 as the model's bf16 matmul does, but the kernel's
     # float32 sums run in another order than the matmul's, so a logit may round to the next bf16
