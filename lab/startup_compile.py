@@ -40,10 +40,13 @@ def measure(shape: str, dims_of: dict, prompt_len: int, tokens: int, streams: in
     model = kapitsa_model(config)
     built = time.perf_counter() - start
     client = engine(model, prompt_len, tokens, streams, warm=True)
-    warmup = wait_warm(client)
-    vocab = (config.get("text_config") or config)["vocab_size"]
-    request_start = time.perf_counter()
-    _, first, end, _ = asyncio.run(stream(client, prompt_ids(prompt_len, vocab), tokens))
+    try:  # closed before the next shape and before exit: a live engine thread at exit aborts
+        warmup = wait_warm(client)
+        vocab = (config.get("text_config") or config)["vocab_size"]
+        request_start = time.perf_counter()
+        _, first, end, _ = asyncio.run(stream(client, prompt_ids(prompt_len, vocab), tokens))
+    finally:
+        client.close()
     return dict(
         build_s=round(built, 2),
         warmup_s=round(warmup, 2),
