@@ -21,7 +21,7 @@ Modes (the reference, `route_reference`, is each model's own routing math):
   `shared_gate` (Qwen's gated shared expert), else 1 (Nemotron's): the selecting kernel writes
   them, where the op path takes four primitives a layer to append them.
 
-Opt-in (kernel family "route") until timed on the H200. `route` falls back to the reference off
+Kernel family "route" (on by default on CUDA). `route` falls back to the reference off
 CUDA, for shapes it does not take, and unless `probe()` ran and passed: it evaluates, so it runs
 before any compiled trace (the engine's ModelRunner calls it), never inside one.
 """
