@@ -158,7 +158,13 @@ async def _speculative(target: BenchTarget, seen: list[StreamResult]) -> Workloa
         )
     if mode == "none":
         return WorkloadResult(name="speculative", status="skipped", note="speculative decoding is off")
-    proposed = _sum_known([r.draft_proposed for r in seen]) or 0
+    proposed = _sum_known([r.draft_proposed for r in seen])
+    if proposed is None:  # an HTTP endpoint: no per-request counts, only the server's lifetime rate
+        rate = await target.acceptance_rate()
+        metrics = {"acceptance_pct": _round(None if rate is None else 100.0 * rate)}
+        return WorkloadResult(
+            name="speculative", metrics=metrics, note=f"mode: {mode}; acceptance over the server's lifetime"
+        )
     accepted = _sum_known([r.draft_accepted for r in seen]) or 0
     pct = 100.0 * accepted / proposed if proposed else None
     metrics = {

@@ -7,6 +7,7 @@ the first generated text, total time, and the token counts the engine itself rep
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,10 @@ class BenchTarget(Protocol):
         """The speculative mode in use, or None when the engine does not say."""
         ...
 
+    async def acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens in the engine's lifetime, or None when it does not say."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -93,6 +98,9 @@ class EngineTarget:
 
     def speculative(self) -> str | None:
         return self.client.stats().speculative
+
+    async def acceptance_rate(self) -> float | None:
+        return self.client.stats().draft_acceptance_rate
 
     async def aclose(self) -> None:
         return None
@@ -142,11 +150,13 @@ class HttpTarget:
         self.url, self.model = normalize_base_url(url)
         self.name = name or self.url
         self._stats = stats  # an in-process engine behind this URL can say more than HTTP does
+        self._served: ServedMetrics | None = None  # what a kapitsa server's /metrics says
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
 
     async def prepare(self) -> None:
         """Pick the model when the URL did not name one: the endpoint's only model, if it has one."""
+        self._served = await self._read_metrics()
         if self.model is not None:
             return
         try:
@@ -182,10 +192,49 @@ class HttpTarget:
             raise KapitsaError(f"cannot reach {self.url}: {err}") from err
 
     def speculative(self) -> str | None:
-        return self._stats().speculative if self._stats else None
+        if self._stats:
+            return self._stats().speculative
+        return self._served.speculative if self._served else None
+
+    async def acceptance_rate(self) -> float | None:
+        if self._stats:
+            return self._stats().draft_acceptance_rate
+        served = await self._read_metrics()
+        return served.draft_acceptance_rate if served else None
+
+    async def _read_metrics(self) -> ServedMetrics | None:
+        """`GET /metrics` beside `/v1`: a kapitsa server's mode and acceptance (None from other servers)."""
+        try:
+            response = await self._http.get(f"{self.url.removesuffix('/v1')}/metrics")
+        except httpx.HTTPError:
+            return None
+        return parse_kapitsa_metrics(response.text) if response.is_success else None
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+@dataclass(slots=True, frozen=True)
+class ServedMetrics:
+    speculative: str
+    draft_acceptance_rate: float | None
+
+
+_INFO_SPECULATIVE = re.compile(r'^kapitsa_info\{[^}]*\bspeculative="([^"]*)"', re.MULTILINE)
+_ACCEPTANCE = re.compile(r"^kapitsa_draft_acceptance_rate\s+(\S+)", re.MULTILINE)
+
+
+def parse_kapitsa_metrics(text: str) -> ServedMetrics | None:
+    """The speculative mode and draft acceptance from kapitsa's Prometheus text; None if it is not kapitsa's."""
+    mode = _INFO_SPECULATIVE.search(text)
+    if mode is None:
+        return None
+    rate = _ACCEPTANCE.search(text)
+    try:
+        acceptance = float(rate.group(1)) if rate else None
+    except ValueError:
+        acceptance = None
+    return ServedMetrics(speculative=mode.group(1), draft_acceptance_rate=acceptance)
 
 
 async def _read_sse(response: httpx.Response, *, started: float) -> StreamResult:
