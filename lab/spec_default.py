@@ -202,11 +202,12 @@ def main() -> None:
         table = TINY
     print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
     rows = []
-    for name in args.shapes:
-        rows += bench_shape(
+    for name in args.shapes:  # each shape's summary as soon as it is done: a cut run keeps them
+        shape_rows = bench_shape(
             name, table, args.rounds, args.tokens, tuple(args.workloads), not args.no_tree, args.edit_rounds
         )
-    summary(rows)
+        summary(shape_rows)
+        rows += shape_rows
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
