@@ -49,7 +49,7 @@ def test_reference_is_the_models_attention() -> None:
 def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
     partial, combine = attention._templates(dtype, D, nrep, 4 * nrep, D**-0.5, gated)
     sources = [
-        attention._PARTIAL.render([dtype] * 5 + [mx.int32], [mx.float32, mx.float32], partial),
+        attention._PARTIAL.render([dtype] * 5 + [mx.int32] * 2, [mx.float32, mx.float32], partial),
         attention._COMBINE.render([mx.float32, mx.float32, dtype], [dtype], combine),
     ]
     for source in sources:
@@ -176,6 +176,76 @@ def test_emulated_kernels_with_a_tail_match_reference(
     assert mx.allclose(got, ref, atol=tol, rtol=tol).item(), float(mx.abs(got - ref).max())
 
 
+def test_per_row_spans_are_checked() -> None:
+    q, k, v, _ = _case(2, 8, 2, 64, 16, mx.float32)
+    tail = (k[:, :, :8], v[:, :, :8])
+    with pytest.raises(ValueError, match="one value per row"):
+        attention.decode_attention(q, k, v, [5], scale=1.0)
+    with pytest.raises(ValueError, match="length"):
+        attention.decode_attention(q, k, v, [5, 17], scale=1.0)  # the second row past the buffer
+    with pytest.raises(ValueError, match="length"):
+        attention.decode_attention(q, k, v, [5, 13], scale=1.0, tail=tail, committed=[3, 4])
+
+
+def test_reference_rows_of_different_lengths_are_each_rows_own() -> None:
+    """Per-row lengths (and split points): each row as the reference computes it alone."""
+    q, k, v, gate = _case(3, 8, 2, 64, 24, mx.float32, gated=True)
+    tk, tv = k[:, :, 4:] * 2, v[:, :, 4:] * 3
+    lengths, committed = [19, 7, 12], [12, 7, 3]
+    got = attention.decode_attention_reference(
+        q, k, v, lengths, scale=0.125, gate=gate, tail=(tk, tv), committed=committed
+    )
+    for b in range(3):
+        alone = attention.decode_attention_reference(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], lengths[b], scale=0.125, gate=gate[b : b + 1],
+            tail=(tk[b : b + 1], tv[b : b + 1]), committed=committed[b],
+        )  # fmt: skip
+        assert mx.array_equal(got[b : b + 1], alone).item()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or nvcc() is None, reason="needs g++ and the CUDA headers")
+@pytest.mark.parametrize(
+    "dtype,hq,hkv,D,cap,lengths,committed,splits",
+    [
+        (mx.float32, 4, 2, 64, 48, [60, 33, 41], [40, 20, 41], 3),  # rows at three positions
+        (mx.bfloat16, 8, 2, 256, 32, [40, 1], [30, 0], None),  # one row's only key in the tail
+        (mx.float32, 4, 1, 32, 64, [9, 70], None, 4),  # no tail: most of one row's splits empty
+    ],
+)
+def test_emulated_kernels_with_rows_at_different_positions(
+    monkeypatch, tmp_path, dtype, hq, hkv, D, cap, lengths, committed, splits
+) -> None:
+    """A batch of conversations at different positions: each row over its own keys, the bits
+    the same as that row's keys in one buffer with the batch's split count."""
+    monkeypatch.setattr(attention, "_PARTIAL", Emulated(attention._PARTIAL, cuda_host_translation, tmp_path))
+    monkeypatch.setattr(attention, "_COMBINE", Emulated(attention._COMBINE, cuda_host_translation, tmp_path))
+    B = len(lengths)
+    q, k, v, gate = _case(B, hq, hkv, D, max(cap, *lengths), dtype, seed=B, gated=True)
+    extra = {}
+    if committed is not None:
+        _, tk, tv, _ = _case(B, hq, hkv, D, 32, dtype, seed=B + 1)
+        extra = {"tail": (tk, tv), "committed": committed}
+    with mx.stream(mx.cpu):
+        got = attention.decode_attention(q, k, v, lengths, scale=D**-0.5, gate=gate, splits=splits, **extra)
+        ref = attention.decode_attention_reference(q, k, v, lengths, scale=D**-0.5, gate=gate, **extra)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert mx.allclose(got.astype(mx.float32), ref.astype(mx.float32), atol=tol, rtol=tol).item()
+    batch_splits = splits or attention.splits_for(max(lengths), hkv)
+    for b in range(B):
+        keys, values = k[b : b + 1], v[b : b + 1]
+        if committed is not None:
+            row_tail = (extra["tail"][0][b : b + 1], extra["tail"][1][b : b + 1])
+            keys, values = attention.keys_read(
+                keys, values, lengths[b], tail=row_tail, committed=committed[b]
+            )
+        with mx.stream(mx.cpu):
+            alone = attention.decode_attention(
+                q[b : b + 1], keys, values, lengths[b], scale=D**-0.5, gate=gate[b : b + 1],
+                splits=batch_splits,
+            )  # fmt: skip
+        assert mx.array_equal(got[b : b + 1], alone).item(), b
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize(
@@ -245,3 +315,15 @@ def test_unprobed_kernel_is_never_used(monkeypatch) -> None:
     if backend() != "cuda":
         monkeypatch.setattr(attention, "WORKING", {})
         assert attention.probe() is False and "attn" not in attention.WORKING
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="needs CUDA")
+def test_gpu_rows_at_different_positions_match_reference() -> None:
+    q, k, v, gate = _case(3, 16, 4, 256, 8192, mx.bfloat16, gated=True)
+    _, tk, tv, _ = _case(3, 16, 4, 256, 256, mx.bfloat16, seed=1)
+    lengths, committed = [8300, 300, 4097], [8192, 250, 4000]
+    tail = {"tail": (tk, tv), "committed": committed}
+    got = attention.decode_attention(q, k, v, lengths, scale=1 / 16, gate=gate, **tail)
+    ref = attention.decode_attention_reference(q, k, v, lengths, scale=1 / 16, gate=gate, **tail)
+    assert mx.allclose(got.astype(mx.float32), ref.astype(mx.float32), atol=2e-2, rtol=2e-2).item()

@@ -53,6 +53,34 @@ def test_tail_rows_are_the_rows_update_writes(batch: int) -> None:
     assert mx.array_equal(tailed.values[:, :, :length], plain.values[:, :, :length]).item()
 
 
+def test_rows_at_different_positions_each_get_their_rows() -> None:
+    """A batch whose rows sit at different positions (a server's conversations): each row's keys
+    are the ones `update` writes at that row's offset, across a fold, and a row that moves on its
+    own (one rewound) starts a new tail."""
+    plain, tailed = _prefilled(3, 40)
+    starts = [40, 12, 33]
+    steps = KV_STEP + 5
+    for i in range(steps):
+        k, v = _rows(3, i)
+        info = StepInfo(1, [1] * 3, [s + i for s in starts])
+        want_k, want_v = plain.update(k, v, info)
+        keys, values, committed, tail_k, tail_v = tailed.append_row(k, v, info)
+        assert committed == (starts if i < KV_STEP else [s + KV_STEP for s in starts])
+        for b, offset in enumerate(info.offsets):
+            row = (keys[b : b + 1], values[b : b + 1], committed[b], tail_k[b : b + 1], tail_v[b : b + 1])
+            got_k, got_v = _attended(*row, offset + 1)
+            assert mx.array_equal(got_k, want_k[b : b + 1, :, : offset + 1]).item()
+            assert mx.array_equal(got_v, want_v[b : b + 1, :, : offset + 1]).item()
+    ends = [s + steps for s in starts]
+    for b, end in enumerate(ends):  # reading folds each row's rows at its own positions
+        assert mx.array_equal(tailed.keys[b, :, :end], plain.keys[b, :, :end]).item()
+    moved = [ends[0], ends[1] - 3, ends[2]]  # row 1 rewound by a rejected draft
+    k, v = _rows(3, 999)
+    tailed.append_row(k, v, StepInfo(1, [1] * 3, [end - 1 for end in ends]))
+    _, _, committed, _, _ = tailed.append_row(k, v, StepInfo(1, [1] * 3, moved))
+    assert committed == moved
+
+
 def test_a_rewound_position_starts_a_new_tail() -> None:
     """After a rollback (offsets back by a rejected draft's rows), the next row lands where
     `update` puts it; positions past it are scratch."""
@@ -138,6 +166,68 @@ def test_decoding_through_the_tail_gives_the_plain_logits(monkeypatch: pytest.Mo
     for c, p in zip(kv, [c for c in plain_cache.layers if isinstance(c, KVCache)], strict=True):
         length = len(prompts[0]) + steps
         assert mx.allclose(c.keys[:, :, :length], p.keys[:, :, :length]).item()
+
+
+def test_a_batch_at_different_positions_decodes_through_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of different lengths in one batch: every decode step takes the tail path (rows at
+    their own positions) and gives the plain path's logits, over more steps than one tail holds."""
+    model = build_ours("qwen3_5_dense", kernels=KernelOptions())
+    prompts = [[3, 17, 5, 9, 11, 2], [7, 8, 0, 0, 0, 0], [4, 4, 4, 4, 0, 0]]
+    lengths = [6, 2, 4]
+    steps = KV_STEP + 4
+
+    def run() -> list[mx.array]:
+        cache = model.make_cache(len(prompts))
+        hidden = model.forward(mx.array(prompts), cache, lengths=lengths).hidden
+        logits = model.logits(model.last_hidden(hidden, lengths))[:, -1]
+        out = [logits]
+        for _ in range(steps):
+            logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
+            out.append(logits)
+        mx.eval(out)
+        return out
+
+    plain = run()
+    calls = []
+
+    def kernel(q, keys, values, length, **kw):
+        calls.append(length)
+        return attention.decode_attention_reference(q, keys, values, length, **kw)
+
+    monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
+    monkeypatch.setattr(base, "decode_attention", kernel)
+    tailed = run()
+    assert calls and all(isinstance(c, list) and len(set(c)) == 3 for c in calls)  # three positions
+    for a, b in zip(plain, tailed, strict=True):
+        assert mx.allclose(a, b, atol=1e-5, rtol=1e-5).item(), float(mx.abs(a - b).max())
+
+
+def test_an_exact_verify_at_different_positions_reads_what_its_decode_steps_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KernelOptions.exact_verify over a batch whose rows sit at different positions: each draft
+    token's attention takes the decode kernel over its own row's keys, as the decode step at that
+    position does, and the verify's logits are the decode steps'."""
+    model = build_ours("qwen3_5_dense", kernels=KernelOptions(exact_verify=True))
+    prompts, lengths = [[3, 17, 5, 9, 11, 2], [7, 8, 0, 0, 0, 0]], [6, 2]
+    draft = mx.array([[5, 6, 7, 8], [9, 10, 11, 12]], dtype=mx.int32)
+    seen = []
+
+    def kernel(q, keys, values, length, **kw):
+        seen.append(length)
+        return attention.decode_attention_reference(q, keys, values, length, **kw)
+
+    monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
+    monkeypatch.setattr(base, "decode_attention", kernel)
+    stepped, verified = model.make_cache(2), model.make_cache(2)
+    for cache in (stepped, verified):
+        model.forward(mx.array(prompts), cache, lengths=lengths)
+    steps = [model(draft[:, t : t + 1], stepped)[:, 0] for t in range(4)]
+    seen.clear()
+    together = model(draft, verified, record=True)
+    assert seen and seen[:4] == [[6 + t + 1, 2 + t + 1] for t in range(4)]  # each row's own keys
+    for t, step in enumerate(steps):
+        assert mx.allclose(step, together[:, t], atol=1e-5, rtol=1e-5).item(), t
 
 
 @pytest.mark.gpu

@@ -167,23 +167,24 @@ class KVCache:
         return self._keys[:, :, : info.kv_len], self._values[:, :, : info.kv_len]
 
     def append_row(self, k: mx.array, v: mx.array, info: StepInfo) -> tuple[mx.array, ...]:
-        """A decode step's write (`k, v [B, Hkv, 1, D]`, one position for every row) into the tail
-        -> (keys, values, committed, tail keys, tail values): the cache's buffers, the rows of them
-        before the tail, and the tail's buffers, whose first `info.kv_len - committed` rows follow."""
+        """A decode step's write (`k, v [B, Hkv, 1, D]`, one position for every row, each at its
+        own offset) into the tail -> (keys, values, committed, tail keys, tail values): the cache's
+        buffers, the rows of them before the tail (one count, or one per row where rows differ),
+        and the tail's buffers, whose first rows follow: row b's up to its offset."""
         B = k.shape[0]
-        position = info.offsets[0]
+        positions = list(info.offsets)
         tail = self._tail
-        if tail is None or position != tail.start + tail.count or tail.count == KV_STEP:
+        if tail is None or not tail.continued_by(positions):
             self._fold()
-            self._reserve(B, max(position, 1), k.dtype)
+            self._reserve(B, max(*positions, 1), k.dtype)
             shape = (B, self.n_kv_heads, KV_STEP, self.head_dim)
             dtype = self._keys.dtype  # rows cast as `update` casts them
-            tail = self._tail = _Tail(mx.zeros(shape, dtype), mx.zeros(shape, dtype), position)
+            tail = self._tail = _Tail(mx.zeros(shape, dtype), mx.zeros(shape, dtype), positions)
         at = mx.array([tail.count])
         tail.keys = mx.slice_update(tail.keys, k, at, (2,))
         tail.values = mx.slice_update(tail.values, v, at, (2,))
         tail.count += 1
-        return self._keys, self._values, tail.start, tail.keys, tail.values
+        return self._keys, self._values, tail.committed, tail.keys, tail.values
 
     def buffers(self) -> tuple[mx.array | None, mx.array | None]:
         """The cache's own buffers as they are (without the tail's rows): their shape and dtype."""
@@ -201,10 +202,16 @@ class KVCache:
         tail, self._tail = self._tail, None
         if tail is None or tail.count == 0:
             return
-        self._reserve(tail.keys.shape[0], tail.start + tail.count, tail.keys.dtype)
-        at = mx.array([tail.start])
-        self._keys = mx.slice_update(self._keys, tail.keys[:, :, : tail.count], at, (2,))
-        self._values = mx.slice_update(self._values, tail.values[:, :, : tail.count], at, (2,))
+        self._reserve(tail.keys.shape[0], max(tail.starts) + tail.count, tail.keys.dtype)
+        rows_k, rows_v = tail.keys[:, :, : tail.count], tail.values[:, :, : tail.count]
+        if isinstance(tail.committed, int):
+            at = mx.array([tail.committed])
+            self._keys = mx.slice_update(self._keys, rows_k, at, (2,))
+            self._values = mx.slice_update(self._values, rows_v, at, (2,))
+        else:
+            pos = (mx.array(tail.starts)[:, None] + mx.arange(tail.count))[:, None, :, None]
+            self._keys = mx.put_along_axis(self._keys, pos, rows_k, axis=2)
+            self._values = mx.put_along_axis(self._values, pos, rows_v, axis=2)
 
     def _reserve(self, batch: int, needed: int, dtype: mx.Dtype) -> None:
         have = 0 if self._keys is None else self._keys.shape[2]
@@ -242,12 +249,24 @@ class KVCache:
 
 @dataclass
 class _Tail:
-    """Rows `start .. start + count - 1` of a KVCache, written since its buffers were last folded."""
+    """Row b's positions `starts[b] .. starts[b] + count - 1` of a KVCache, written since its
+    buffers were last folded."""
 
     keys: mx.array  # [B, Hkv, KV_STEP, D]
     values: mx.array
-    start: int
+    starts: list[int]
     count: int = 0
+
+    @property
+    def committed(self) -> int | list[int]:
+        """Each row's positions before the tail: one count when every row has the same."""
+        return self.starts[0] if len(set(self.starts)) == 1 else list(self.starts)
+
+    def continued_by(self, positions: list[int]) -> bool:
+        """Whether a step writing at `positions` appends to this tail (room left, no row moved)."""
+        if self.count == KV_STEP or len(positions) != len(self.starts):
+            return False
+        return all(p == s + self.count for p, s in zip(positions, self.starts, strict=True))
 
 
 @dataclass

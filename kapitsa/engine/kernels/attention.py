@@ -13,10 +13,11 @@ about ten primitives per attention layer, each ~3-5 us of host time on that back
    ready for the output projection.
 The keys come from two buffers: the cache's (its first `committed` rows) and a tail of the rows
 written since (cache/layers.py keeps one so that a decode step's write copies a few hundred rows,
-not the whole cache). The number of valid keys, the split point, the buffers' capacities and the
-split count are runtime inputs, so neither a growing KV cache nor another split count recompiles
-(`splits_for` picks the count; a caller may name one). `decode_attention_reference` is the same
-computation in MLX ops.
+not the whole cache). Each row has its own number of valid keys and split point (a server's batch
+holds conversations at different positions), and they, the buffers' capacities and the split count
+are runtime inputs, so neither a growing KV cache nor another split count recompiles (`splits_for`
+picks the count; a caller may name one). `decode_attention_reference` is the same computation in
+MLX ops.
 
 Kernel family "attn" (on by default on CUDA); used only after `probe()` passed (the layers run it
 before their first compiled decode step): a kernel's errors surface only when a graph is
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -54,7 +56,7 @@ _log = logging.getLogger(__name__)
 
 _PARTIAL = CudaKernel(
     name="kapitsa_attn_partial",
-    input_names=("q", "k", "v", "tk", "tv", "meta"),
+    input_names=("q", "k", "v", "tk", "tv", "meta", "spans"),
     output_names=("part_o", "part_ml"),
     source=read_cuda_source("attn_partial.cu"),
 )
@@ -130,36 +132,44 @@ def _templates(dtype, D: int, nrep: int, hq: int, scale: float, gated: bool) -> 
     return partial, combine
 
 
+Span = int | Sequence[int]  # one value for every row, or one per row
+
+
 def decode_attention(
     q: mx.array,
     keys: mx.array,
     values: mx.array,
-    length: int,
+    length: Span,
     *,
     scale: float,
     gate: mx.array | None = None,
     splits: int | None = None,
     tail: tuple[mx.array, mx.array] | None = None,
-    committed: int | None = None,
+    committed: Span | None = None,
 ) -> mx.array:
     """softmax(q K^T * scale) V over `length` keys, for one query token per row -> `[B, 1, Hq * D]`
     in q's dtype (times sigmoid(gate), gate `[B, 1, Hq * D]`). The keys are the first `length`
     positions of the buffers, or with `tail` (its keys and values, `[B, Hkv, capacity, D]`) the
-    buffers' first `committed` positions, then the tail's first `length - committed`.
-    `splits`: the key splits per (row, kv head), 1 to MAX_SPLITS (default: `splits_for`). Callers
-    check `supports`."""
+    buffers' first `committed` positions, then the tail's first `length - committed`. `length` and
+    `committed` are one count for every row or one per row.
+    `splits`: the key splits per (row, kv head), 1 to MAX_SPLITS (default: `splits_for` of the
+    longest row). Callers check `supports`."""
     B, hq, _, D = q.shape
     hkv, cap = keys.shape[1], keys.shape[2]
-    _check_span(length, committed, keys, tail)
+    lengths = per_row(length, B, "length")
+    commits = None if committed is None else per_row(committed, B, "committed")
+    for row_length, row_committed in zip(lengths, commits or [None] * B, strict=True):
+        _check_span(row_length, row_committed, keys, tail)
     tail_keys, tail_values = (keys, values) if tail is None else tail  # without one: unread
-    split_at = length if tail is None else committed
-    splits = splits_for(length, hkv) if splits is None else splits
+    split_at = lengths if commits is None else commits
+    splits = splits_for(max(lengths), hkv) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
-    meta = mx.array([length, cap, splits, split_at, tail_keys.shape[2]], dtype=mx.int32)
+    meta = mx.array([cap, splits, tail_keys.shape[2], hkv], dtype=mx.int32)
+    spans = mx.array([n for row in zip(lengths, split_at, strict=True) for n in row], dtype=mx.int32)
     part_o, part_ml = _PARTIAL(
-        [q, keys, values, tail_keys, tail_values, meta],
+        [q, keys, values, tail_keys, tail_values, meta, spans],
         template=partial,
         grid=(B * hkv * splits * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -174,6 +184,16 @@ def decode_attention(
         output_shapes=[(B, 1, hq * D)],
         output_dtypes=[q.dtype],
     )[0]
+
+
+def per_row(value: Span, rows: int, name: str) -> list[int]:
+    """`value` as one int per row."""
+    if isinstance(value, int):
+        return [value] * rows
+    values = [int(v) for v in value]
+    if len(values) != rows:
+        raise ValueError(f"{name}: one value per row ({rows}), got {len(values)}")
+    return values
 
 
 def _check_span(
@@ -203,16 +223,32 @@ def decode_attention_reference(
     q: mx.array,
     keys: mx.array,
     values: mx.array,
-    length: int,
+    length: Span,
     *,
     scale: float,
     gate: mx.array | None = None,
     tail: tuple[mx.array, mx.array] | None = None,
-    committed: int | None = None,
+    committed: Span | None = None,
 ) -> mx.array:
-    """What `decode_attention` computes, in MLX ops (the model's own path)."""
+    """What `decode_attention` computes, in MLX ops (the model's own path); rows of different
+    lengths one at a time."""
     B, hq, T, _ = q.shape
-    keys, values = keys_read(keys, values, length, tail=tail, committed=committed)
+    lengths = per_row(length, B, "length")
+    commits = None if committed is None else per_row(committed, B, "committed")
+    if len(set(lengths)) > 1 or (commits is not None and len(set(commits)) > 1):
+        rows = [
+            decode_attention_reference(
+                q[b : b + 1], keys[b : b + 1], values[b : b + 1], lengths[b], scale=scale,
+                gate=None if gate is None else gate[b : b + 1],
+                tail=None if tail is None else (tail[0][b : b + 1], tail[1][b : b + 1]),
+                committed=None if commits is None else commits[b],
+            )
+            for b in range(B)
+        ]  # fmt: skip
+        return mx.concatenate(rows, axis=0)
+    keys, values = keys_read(
+        keys, values, lengths[0], tail=tail, committed=None if commits is None else commits[0]
+    )
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=None)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
     return out if gate is None else out * mx.sigmoid(gate)

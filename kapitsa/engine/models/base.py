@@ -193,7 +193,7 @@ class Attention(nn.Module):
         if info.T == 1 and getattr(cache, "has_tail", False) and self._decode_kernel_takes(q, info, cache):
             keys, values, committed, tail_keys, tail_values = cache.append_row(k, v, info)
             out = decode_attention(
-                q, keys, values, info.kv_len, scale=self.scale, gate=gate,
+                q, keys, values, _row_lengths(info, 0), scale=self.scale, gate=gate,
                 tail=(tail_keys, tail_values), committed=committed,
             )  # fmt: skip
             return out, ()
@@ -212,7 +212,6 @@ class Attention(nn.Module):
         return (
             kernels.enabled("attn", self.kernel_options)
             and info.parents is None
-            and info.uniform_offsets
             and keys is not None
             and attention_usable(q_row, keys, values)
         )
@@ -224,19 +223,18 @@ class Attention(nn.Module):
         sees (the batch's step t: every row's offset + t, its mask where offsets differ) and
         through the call that step makes (KernelOptions.exact_verify): the same kernel on the same
         inputs, so the same bits. One attention call per token."""
-        T, before = info.T, info.kv_len - info.T
         rows = []
-        for t in range(T):
-            length = before + t + 1
+        for t in range(info.T):
             if decode_kernel:
                 rows.append(
                     decode_attention(
-                        q[:, :, t : t + 1], cache.keys, cache.values, length, scale=self.scale,
-                        gate=None if gate is None else gate[:, t : t + 1],
+                        q[:, :, t : t + 1], cache.keys, cache.values, _row_lengths(info, t),
+                        scale=self.scale, gate=None if gate is None else gate[:, t : t + 1],
                     )
                 )  # fmt: skip
             else:
                 step = StepInfo(1, [1] * q.shape[0], [offset + t for offset in info.offsets])
+                length = step.kv_len
                 rows.append(self._sdpa(q[:, :, t : t + 1], keys[:, :, :length], values[:, :, :length], step))
         out = mx.concatenate(rows, axis=1)
         return out, (() if decode_kernel or gate is None else (gate,))
@@ -265,6 +263,14 @@ class Attention(nn.Module):
         else:
             q, k = self.rotate(q, k, info.rope_offsets)
         return self.finish(self.attend(q, k, v, info, cache), gate)
+
+
+def _row_lengths(info: StepInfo, t: int) -> int | list[int]:
+    """The keys a decode step at token `t` of this forward attends over: one count for every row,
+    or one per row where the rows' offsets differ."""
+    if info.uniform_offsets:
+        return info.offsets[0] + t + 1
+    return [offset + t + 1 for offset in info.offsets]
 
 
 def _cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: object) -> mx.array | None:

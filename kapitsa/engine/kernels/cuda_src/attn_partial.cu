@@ -3,10 +3,10 @@
   // every WARPS-th key of the split and keeps, per query, the running max m, the sum l and the
   // weighted sum of values (DL = D / 32 values per lane); the block then merges its warps' through
   // shared memory and writes one partial per query, so the combine reads S partials, not S * WARPS.
-  // Keys 0..P-1 are rows of k/v (capacity cap), keys P..L-1 rows 0..L-P-1 of tk/tv (capacity
-  // tcap): the cache's buffer and the tail of rows written since it was last folded in.
-  // meta = (L, cap, S, P, tcap): runtime values, so neither a growing cache nor another split
-  // count recompiles.
+  // Row b's keys 0..P-1 are rows of k/v (capacity cap), keys P..L-1 rows 0..L-P-1 of tk/tv
+  // (capacity tcap): the cache's buffer and the tail of rows written since it was last folded in.
+  // meta = (cap, S, tcap, HKV) and spans = (L, P) per row: runtime values, so neither a growing
+  // cache, rows at different positions nor another split count recompiles.
   // The next key's row is loaded before the current one is used: a warp's loop is a chain of
   // dependent shuffles, and the load's latency hides behind it instead of adding to it. A lane's
   // slice of a row is loaded as 16-byte words where its size and the buffers' alignment allow.
@@ -15,9 +15,10 @@
   constexpr bool VEC = (DL * sizeof(T)) % 16 == 0;
   constexpr int WORDS = VEC ? DL * sizeof(T) / 16 : 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int L = meta[0], cap = meta[1], S = meta[2], P = meta[3], tcap = meta[4];
+  const int cap = meta[0], S = meta[1], tcap = meta[2], HKV = meta[3];
   const int split = blockIdx.x % S;
   const int bh = blockIdx.x / S;  // b * HKV + h
+  const int L = spans[bh / HKV * 2], P = spans[bh / HKV * 2 + 1];
   const int chunk = (L + S - 1) / S;
   const int start = split * chunk, stop = min(L, start + chunk);
   const float NEG_INF = __int_as_float(-8388608);
