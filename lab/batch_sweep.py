@@ -3,6 +3,10 @@ random-weight 4-bit models of the real shapes; and what a batch size costs the f
 
     python lab/batch_sweep.py --shapes 35b-a3b --streams 1,4,8,16 --tokens 64 --prompt 512
     python lab/batch_sweep.py --tiny --streams 1,2,4 --tokens 8 --prompt 32      # any machine
+    python lab/batch_sweep.py --shapes 4b --streams 8,16 --engines kapitsa --ragged
+
+`--ragged`: the streams' prompts differ in length (stream i's is 29 * i tokens shorter, wrapping at
+half the prompt), so the batch's rows decode at different positions, as a server's conversations do.
 
 Each burst sends N distinct prompts at once and waits for all N answers (greedy, fixed length).
 Aggregate decode is the tokens after each stream's first, over the span from the last stream's
@@ -88,16 +92,18 @@ def sweep(
     prompt_len: int,
     engines: set[str],
     warm: bool = False,
+    ragged: bool = False,
 ) -> None:
     kind, dims = dims_of[shape]
     from kapitsa.testing.tiny import tiny_config
 
     config = tiny_config(kind, **dims)
     if "kapitsa" in engines:
-        sweep_model(shape, "kapitsa", kapitsa_model(config), config, streams, tokens, prompt_len, warm)
+        model = kapitsa_model(config)
+        sweep_model(shape, "kapitsa", model, config, streams, tokens, prompt_len, warm, ragged)
         mx.clear_cache()
     if "mlx-lm" in engines:
-        sweep_model(shape, "mlx-lm", mlxlm_model(config), config, streams, tokens, prompt_len)
+        sweep_model(shape, "mlx-lm", mlxlm_model(config), config, streams, tokens, prompt_len, ragged=ragged)
         mx.clear_cache()
 
 
@@ -110,12 +116,16 @@ def sweep_model(
     tokens: int,
     prompt_len: int,
     warm: bool = False,
+    ragged: bool = False,
 ) -> None:
     """One engine's bursts at each stream count on an already built model ("kapitsa" wraps it in an
     engine for the sweep, `warm`: one that readies its batch sizes first and reports the seconds;
     "mlx-lm" runs `batch_generate` on it), one line per count."""
     vocab = (config.get("text_config") or config)["vocab_size"]
-    prompts = [prompt_ids(prompt_len, vocab, stride=7919 + 2 * i) for i in range(max(streams))]
+    lengths = [
+        prompt_len - (29 * i) % max(prompt_len // 2, 1) if ragged else prompt_len for i in range(max(streams))
+    ]
+    prompts = [prompt_ids(n, vocab, stride=7919 + 2 * i) for i, n in enumerate(lengths)]
     if engine_name == "kapitsa":
         client = engine(model, prompt_len, tokens, max(streams), warm)
         if warm:
@@ -130,13 +140,22 @@ def sweep_model(
             if engine_name == "kapitsa":
                 cold, warm = run(prompts[:n], tokens), run(prompts[:n], tokens)
                 extra = round(cold["wall_s"] - warm["wall_s"], 3)
-                emit(dict(shape=shape, engine=engine_name, streams=n, **warm, first_burst_extra_s=extra))
+                emit(
+                    dict(
+                        shape=shape,
+                        engine=engine_name,
+                        streams=n,
+                        ragged=ragged,
+                        **warm,
+                        first_burst_extra_s=extra,
+                    )
+                )
                 continue
             # mlx-lm's first burst of a size warms up on short prompts: its decode compiles, not
             # a second batch prefill of n x 512 tokens (up to ~45 s a burst on the Qwen shapes, at 180-500
             # tok/s); its generation rate leaves the prefill out
             run([p[:WARMUP_PROMPT] for p in prompts[:n]], 4)
-            emit(dict(shape=shape, engine=engine_name, streams=n, **run(prompts[:n], tokens)))
+            emit(dict(shape=shape, engine=engine_name, streams=n, ragged=ragged, **run(prompts[:n], tokens)))
     finally:
         if client is not None:
             client.close()
@@ -155,6 +174,7 @@ def main() -> None:
     parser.add_argument(
         "--warm", action="store_true", help="kapitsa readies its batch sizes first (serve's way)"
     )
+    parser.add_argument("--ragged", action="store_true", help="prompts of different lengths (see above)")
     args = parser.parse_args()
     if args.tiny:
         DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
@@ -168,6 +188,7 @@ def main() -> None:
             args.prompt,
             set(args.engines.split(",")),
             args.warm,
+            args.ragged,
         )
 
 
