@@ -63,6 +63,9 @@
 #   bash lab/h200_all.sh repeat       whether plain greedy decoding repeats itself on $REPEAT_SHAPE (default
 #                                       nemotron-30b-a3b): kernel families and compiled steps off in one
 #                                       process, then MLX's cuDNN attention off in a second (lab/repeat_decode.py)
+#   bash lab/h200_all.sh ragged       aggregate decode at $RAGGED_STREAMS (default 8,16) streams whose prompts
+#                                       differ in length ($RAGGED_PROMPT tokens at most, default 2048) on
+#                                       $RAGGED_SHAPES (default 4b), with and without the attention kernel
 #   bash lab/h200_all.sh gaps         the table's two open gaps on $GAPS_SHAPES (default 4b
 #                                       nemotron-30b-a3b; lab/decode_gaps.py): decode after 512 and
 #                                       8192 prompt tokens at 64 and 256 tokens, and batch-1 decode
@@ -309,6 +312,19 @@ case "$part" in
     MLX_CUDA_USE_CUDNN_SDPA=0 MLX_CUDA_USE_CUDNN_SPDA=0 timeout "${REPEAT_TIMEOUT:-270}" $py lab/repeat_decode.py \
       --shape "${REPEAT_SHAPE:-nemotron-30b-a3b}" --variants default >> "$out/repeat.log" 2>&1
     grep -E 'variant|summary|Error' "$out/repeat.log"
+    ;;
+  ragged)
+    # batches whose rows sit at different positions (lab/batch_sweep.py --ragged), kapitsa at its
+    # defaults and without the attention kernel ("attn"), one process each
+    : > "$out/ragged.log"
+    for families in default gdn,moe,qmv,mamba,route; do
+      setting=() && [ "$families" != default ] && setting=(KAPITSA_KERNELS="$families")
+      # shellcheck disable=SC2086
+      env "${setting[@]}" timeout "${RAGGED_TIMEOUT:-200}" $py lab/batch_sweep.py --shapes "${RAGGED_SHAPES:-4b}" \
+        --streams "${RAGGED_STREAMS:-8,16}" --engines kapitsa --ragged --warm --tokens "${TOKENS:-64}" \
+        --prompt "${RAGGED_PROMPT:-2048}" 2>&1 | sed "s/^{/{\"kernels\": \"$families\", /" >> "$out/ragged.log"
+    done
+    grep -E '"streams"|Error' "$out/ragged.log"
     ;;
   gaps)
     # shellcheck disable=SC2086
