@@ -49,7 +49,7 @@ def test_reference_is_the_models_attention() -> None:
 def test_cuda_sources_compile(dtype, D, nrep, gated) -> None:
     partial, combine = attention._templates(dtype, D, nrep, 4 * nrep, D**-0.5, gated)
     sources = [
-        attention._PARTIAL.render([dtype] * 5 + [mx.int32] * 2, [mx.float32, mx.float32], partial),
+        attention._PARTIAL.render([dtype] * 5 + [mx.int32], [mx.float32, mx.float32], partial),
         attention._COMBINE.render([mx.float32, mx.float32, dtype], [dtype], combine),
     ]
     for source in sources:

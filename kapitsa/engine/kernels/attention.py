@@ -56,7 +56,7 @@ _log = logging.getLogger(__name__)
 
 _PARTIAL = CudaKernel(
     name="kapitsa_attn_partial",
-    input_names=("q", "k", "v", "tk", "tv", "meta", "spans"),
+    input_names=("q", "k", "v", "tk", "tv", "meta"),
     output_names=("part_o", "part_ml"),
     source=read_cuda_source("attn_partial.cu"),
 )
@@ -166,10 +166,10 @@ def decode_attention(
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
-    meta = mx.array([cap, splits, tail_keys.shape[2], hkv], dtype=mx.int32)
-    spans = mx.array([n for row in zip(lengths, split_at, strict=True) for n in row], dtype=mx.int32)
+    spans = [n for row in zip(lengths, split_at, strict=True) for n in row]  # (L, P) per row
+    meta = mx.array([cap, splits, tail_keys.shape[2], hkv, *spans], dtype=mx.int32)  # one array a call
     part_o, part_ml = _PARTIAL(
-        [q, keys, values, tail_keys, tail_values, meta, spans],
+        [q, keys, values, tail_keys, tail_values, meta],
         template=partial,
         grid=(B * hkv * splits * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
