@@ -57,8 +57,8 @@ def test_rows_at_different_positions_each_get_their_rows() -> None:
     """A batch whose rows sit at different positions (a server's conversations): each row's keys
     are the ones `update` writes at that row's offset, across a fold, and a row that moves on its
     own (one rewound) starts a new tail."""
-    plain, tailed = _prefilled(3, 40)
-    starts = [40, 12, 33]
+    plain, tailed = _prefilled(3, 300)
+    starts = [240, 300, 280]  # the furthest row not the first: a fold must reserve for it
     steps = KV_STEP + 5
     for i in range(steps):
         k, v = _rows(3, i)

@@ -54,7 +54,7 @@ class StepInfo:
         """`[B]` int32 rope positions of each row's first token, one array per forward for every layer."""
         return mx.array(self.rope_base, dtype=mx.int32)
 
-    @property
+    @cached_property  # asked by every attention layer of a forward
     def uniform_offsets(self) -> bool:
         return len(set(self.offsets)) <= 1
 
@@ -172,14 +172,14 @@ class KVCache:
         buffers, the rows of them before the tail (one count, or one per row where rows differ),
         and the tail's buffers, whose first rows follow: row b's up to its offset."""
         B = k.shape[0]
-        positions = list(info.offsets)
+        positions = info.offsets
         tail = self._tail
         if tail is None or not tail.continued_by(positions):
             self._fold()
             self._reserve(B, max(*positions, 1), k.dtype)
             shape = (B, self.n_kv_heads, KV_STEP, self.head_dim)
             dtype = self._keys.dtype  # rows cast as `update` casts them
-            tail = self._tail = _Tail(mx.zeros(shape, dtype), mx.zeros(shape, dtype), positions)
+            tail = self._tail = _Tail(mx.zeros(shape, dtype), mx.zeros(shape, dtype), list(positions))
         at = mx.array([tail.count])
         tail.keys = mx.slice_update(tail.keys, k, at, (2,))
         tail.values = mx.slice_update(tail.values, v, at, (2,))
@@ -256,17 +256,19 @@ class _Tail:
     values: mx.array
     starts: list[int]
     count: int = 0
+    committed: int | list[int] = field(init=False)  # starts, one count when every row has the same
 
-    @property
-    def committed(self) -> int | list[int]:
-        """Each row's positions before the tail: one count when every row has the same."""
-        return self.starts[0] if len(set(self.starts)) == 1 else list(self.starts)
+    def __post_init__(self) -> None:
+        self.committed = self.starts[0] if len(set(self.starts)) == 1 else self.starts
 
     def continued_by(self, positions: list[int]) -> bool:
         """Whether a step writing at `positions` appends to this tail (room left, no row moved)."""
-        if self.count == KV_STEP or len(positions) != len(self.starts):
+        if self.count == KV_STEP:
             return False
-        return all(p == s + self.count for p, s in zip(positions, self.starts, strict=True))
+        if isinstance(self.committed, int):  # every row at one position: the common step
+            at = self.committed + self.count
+            return len(positions) == len(self.starts) and all(p == at for p in positions)
+        return positions == [s + self.count for s in self.starts]
 
 
 @dataclass

@@ -106,9 +106,18 @@ def probe() -> bool:
     tail = (k[:, :, 32:] + 1, v[:, :, 32:] - 1)  # keys 20..36 from a tail of its own
     try:
         ok = True
-        for extra in ({}, {"tail": tail, "committed": 20}):
-            got = decode_attention(q, k, v, 37, scale=1 / 16, gate=gate, **extra).astype(mx.float32)
-            ref = decode_attention_reference(q, k, v, 37, scale=1 / 16, gate=gate, **extra)
+        two_rows = (  # a batch at two positions: each row its own keys and split point
+            [mx.concatenate([a, b]) for a, b in ((q, -q), (k, v), (v, k), (gate, gate))],
+            {"tail": tuple(mx.concatenate([t, t[:, ::-1]]) for t in tail), "committed": [20, 9]},
+            [37, 25],
+        )
+        for (q_, k_, v_, g_), extra, length in (
+            ((q, k, v, gate), {}, 37),
+            ((q, k, v, gate), {"tail": tail, "committed": 20}, 37),
+            two_rows,
+        ):
+            got = decode_attention(q_, k_, v_, length, scale=1 / 16, gate=g_, **extra).astype(mx.float32)
+            ref = decode_attention_reference(q_, k_, v_, length, scale=1 / 16, gate=g_, **extra)
             ok = ok and bool(mx.allclose(got, ref.astype(mx.float32), atol=3e-2, rtol=3e-2).item())
         WORKING["attn"] = ok
     except (RuntimeError, ValueError) as exc:
@@ -156,18 +165,24 @@ def decode_attention(
     longest row). Callers check `supports`."""
     B, hq, _, D = q.shape
     hkv, cap = keys.shape[1], keys.shape[2]
-    lengths = per_row(length, B, "length")
-    commits = None if committed is None else per_row(committed, B, "committed")
-    for row_length, row_committed in zip(lengths, commits or [None] * B, strict=True):
-        _check_span(row_length, row_committed, keys, tail)
+    _check_tail(keys, tail, committed)
     tail_keys, tail_values = (keys, values) if tail is None else tail  # without one: unread
-    split_at = lengths if commits is None else commits
-    splits = splits_for(max(lengths), hkv) if splits is None else splits
+    split_at, tail_cap = (length, None) if tail is None else (committed, tail_keys.shape[2])
+    if isinstance(length, int) and isinstance(split_at, int):  # every row alike: the common step
+        _check_span(length, split_at, cap, tail_cap)
+        spans, longest = [0, length, split_at], length  # stride 0: one span for every row
+    else:
+        lengths, split_points = per_row(length, B, "length"), per_row(split_at, B, "committed")
+        _check_rows(lengths, split_points, cap, tail_cap)
+        spans = [2] + [0] * (2 * B)  # stride 2: (L, P) of each row
+        spans[1::2], spans[2::2] = lengths, split_points
+        longest = max(lengths)
+    splits = splits_for(longest, hkv) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must lie between 1 and {MAX_SPLITS}, got {splits}")
     partial, combine = _templates(q.dtype, D, hq // hkv, hq, float(scale), gate is not None)
-    spans = [n for row in zip(lengths, split_at, strict=True) for n in row]  # (L, P) per row
-    meta = mx.array([cap, splits, tail_keys.shape[2], hkv, *spans], dtype=mx.int32)  # one array a call
+    # (cap, S, tail cap, Hkv, span stride, then (L, P) per row or once): one array a call
+    meta = mx.array([cap, splits, tail_keys.shape[2], hkv, *spans], dtype=mx.int32)
     part_o, part_ml = _PARTIAL(
         [q, keys, values, tail_keys, tail_values, meta],
         template=partial,
@@ -196,27 +211,44 @@ def per_row(value: Span, rows: int, name: str) -> list[int]:
     return values
 
 
-def _check_span(
-    length: int, committed: int | None, keys: mx.array, tail: tuple[mx.array, mx.array] | None
-) -> None:
-    cap = keys.shape[2]
+def _check_tail(keys: mx.array, tail: tuple[mx.array, mx.array] | None, committed: Span | None) -> None:
     if tail is None:
-        if not 1 <= length <= cap:
-            raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
         return
     if committed is None:
         raise ValueError("a tail needs `committed`, the buffers' rows before it")
-    if not 0 <= committed <= min(length, cap):
-        raise ValueError(f"committed must lie between 0 and {min(length, cap)}, got {committed}")
     tail_keys = tail[0]
-    if not 1 <= length <= committed + tail_keys.shape[2]:
-        room = committed + tail_keys.shape[2]
-        raise ValueError(f"length must lie between 1 and the buffers' {room} positions, got {length}")
     same = tail_keys.shape[:2] == keys.shape[:2] and tail_keys.shape[3] == keys.shape[3]
     if not same or tail_keys.dtype != keys.dtype or tail[1].shape != tail_keys.shape:
         raise ValueError(
             f"the tail {tail_keys.shape} {tail_keys.dtype} does not match the buffers {keys.shape}"
         )
+
+
+def _check_rows(lengths: list[int], split_points: list[int], cap: int, tail_cap: int | None) -> None:
+    """`_check_span` for every row, in one pass where all are in bounds (a batch's every step)."""
+    if tail_cap is None:
+        if min(lengths) >= 1 and max(lengths) <= cap:
+            return
+    else:
+        rows = zip(lengths, split_points, strict=True)
+        if all(0 <= c <= cap and n >= 1 and c <= n <= c + tail_cap for n, c in rows):
+            return
+    for n, c in zip(lengths, split_points, strict=True):
+        _check_span(n, c, cap, tail_cap)  # raises for the first row out of bounds
+
+
+def _check_span(length: int, committed: int | None, cap: int, tail_cap: int | None) -> None:
+    """One row's keys: `length` of them from buffers of `cap` positions, or with a tail of
+    `tail_cap` positions, the buffers' first `committed` then the tail's."""
+    if tail_cap is None:
+        if not 1 <= length <= cap:
+            raise ValueError(f"length must lie between 1 and the buffer's {cap} positions, got {length}")
+        return
+    if not 0 <= committed <= min(length, cap):
+        raise ValueError(f"committed must lie between 0 and {min(length, cap)}, got {committed}")
+    if not 1 <= length <= committed + tail_cap:
+        room = committed + tail_cap
+        raise ValueError(f"length must lie between 1 and the buffers' {room} positions, got {length}")
 
 
 def decode_attention_reference(

@@ -5,8 +5,9 @@
   // shared memory and writes one partial per query, so the combine reads S partials, not S * WARPS.
   // Row b's keys 0..P-1 are rows of k/v (capacity cap), keys P..L-1 rows 0..L-P-1 of tk/tv
   // (capacity tcap): the cache's buffer and the tail of rows written since it was last folded in.
-  // meta = (cap, S, tcap, HKV, then L and P of each row): runtime values, so neither a growing
-  // cache, rows at different positions nor another split count recompiles.
+  // meta = (cap, S, tcap, HKV, stride, then L and P of each row, or once for every row with
+  // stride 0): runtime values, so neither a growing cache, rows at different positions nor
+  // another split count recompiles.
   // The next key's row is loaded before the current one is used: a warp's loop is a chain of
   // dependent shuffles, and the load's latency hides behind it instead of adding to it. A lane's
   // slice of a row is loaded as 16-byte words where its size and the buffers' alignment allow.
@@ -18,7 +19,8 @@
   const int cap = meta[0], S = meta[1], tcap = meta[2], HKV = meta[3];
   const int split = blockIdx.x % S;
   const int bh = blockIdx.x / S;  // b * HKV + h
-  const int L = meta[4 + bh / HKV * 2], P = meta[5 + bh / HKV * 2];
+  const int span = 5 + bh / HKV * meta[4];
+  const int L = meta[span], P = meta[span + 1];
   const int chunk = (L + S - 1) / S;
   const int start = split * chunk, stop = min(L, start + chunk);
   const float NEG_INF = __int_as_float(-8388608);
