@@ -205,7 +205,7 @@ class HttpTarget:
     async def _read_metrics(self) -> ServedMetrics | None:
         """`GET /metrics` beside `/v1`: a kapitsa server's mode and acceptance (None from other servers)."""
         try:
-            response = await self._http.get(f"{self.url.removesuffix('/v1')}/metrics")
+            response = await self._http.get(f"{self.url.removesuffix('/v1')}/metrics", timeout=10.0)
         except httpx.HTTPError:
             return None
         return parse_kapitsa_metrics(response.text) if response.is_success else None
