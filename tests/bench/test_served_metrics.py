@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kapitsa.bench.runner import run_bench
+from kapitsa.bench.schema import EngineResult
 from kapitsa.bench.targets import HttpTarget, ServedMetrics, parse_kapitsa_metrics
 from kapitsa.bench.workloads import BenchConfig
 from kapitsa.engine.types import EngineStats
@@ -39,14 +40,18 @@ def test_other_servers_metrics_are_not_kapitsas() -> None:
     assert parse_kapitsa_metrics("<html>not found</html>") is None
 
 
+async def _bench(url: str) -> EngineResult:
+    target = HttpTarget(url)
+    await target.prepare()
+    try:
+        return await run_bench(target, SMALL)
+    finally:
+        await target.aclose()
+
+
 async def test_speculation_measured_through_a_live_server() -> None:
     with live_server(SpeculatingFake()) as server:
-        target = HttpTarget(server.v1)
-        await target.prepare()
-        try:
-            result = await run_bench(target, SMALL)
-        finally:
-            await target.aclose()
+        result = await _bench(server.v1)
     spec = result.workload("speculative")
     assert result.speculative == "ngram"
     assert spec.status == "ok" and spec.metrics["acceptance_pct"] == 37.5
@@ -55,11 +60,6 @@ async def test_speculation_measured_through_a_live_server() -> None:
 
 async def test_a_server_that_does_not_speculate_is_reported_off() -> None:
     with live_server(FakeEngine()) as server:
-        target = HttpTarget(server.url)
-        await target.prepare()
-        try:
-            result = await run_bench(target, SMALL)
-        finally:
-            await target.aclose()
+        result = await _bench(server.url)
     assert result.workload("speculative").status == "skipped"
     assert result.workload("speculative").note == "speculative decoding is off"

@@ -42,7 +42,11 @@ def build_ours(arch: str, seed: int = 0, mtp: bool = False, *, kernels: KernelOp
 def greedy_logits(model, steps: int = 3, prompt=(3, 17, 5, 9)) -> list[mx.array]:  # noqa: ANN001
     """The last-position logits of a prompt and of `steps` greedy decode steps after it, evaluated."""
     cache = model.make_cache(1)
-    logits = model(mx.array([list(prompt)]), cache)[:, -1]
+    return greedy_steps(model, cache, model(mx.array([list(prompt)]), cache)[:, -1], steps)
+
+
+def greedy_steps(model, cache, logits: mx.array, steps: int) -> list[mx.array]:  # noqa: ANN001
+    """`logits` `[B, V]` and those of `steps` greedy decode steps after them through `cache`, evaluated."""
     out = [logits]
     for _ in range(steps):
         logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]

@@ -13,7 +13,7 @@ from kapitsa.engine.cache.layers import KV_STEP, KVCache, StepInfo
 from kapitsa.engine.kernels import attention, backend
 from kapitsa.engine.models.base import use_kernel_options
 from kapitsa.engine.options import KernelOptions
-from tests.models.builders import build_ours
+from tests.models.builders import build_ours, greedy_steps
 
 HEADS, DIM = 2, 16
 
@@ -144,13 +144,7 @@ def test_decoding_through_the_tail_gives_the_plain_logits(monkeypatch: pytest.Mo
 
     def run() -> tuple[list[mx.array], object]:
         cache = model.make_cache(len(prompts))
-        logits = model(mx.array(prompts), cache)[:, -1]
-        out = [logits]
-        for _ in range(steps):
-            logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
-            out.append(logits)
-        mx.eval(out)
-        return out, cache
+        return greedy_steps(model, cache, model(mx.array(prompts), cache)[:, -1], steps), cache
 
     plain, plain_cache = run()
     use_kernel_options(model, KernelOptions())
@@ -168,6 +162,19 @@ def test_decoding_through_the_tail_gives_the_plain_logits(monkeypatch: pytest.Mo
         assert mx.allclose(c.keys[:, :, :length], p.keys[:, :, :length]).item()
 
 
+def _kernel_by_its_reference(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The layers take the decode kernel, its reference standing in; returns the `length` of each call."""
+    lengths = []
+
+    def kernel(q, keys, values, length, **kw):  # noqa: ANN001, ANN003, ANN202
+        lengths.append(length)
+        return attention.decode_attention_reference(q, keys, values, length, **kw)
+
+    monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
+    monkeypatch.setattr(base, "decode_attention", kernel)
+    return lengths
+
+
 def test_a_batch_at_different_positions_decodes_through_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts of different lengths in one batch: every decode step takes the tail path (rows at
     their own positions) and gives the plain path's logits, over more steps than one tail holds."""
@@ -179,23 +186,10 @@ def test_a_batch_at_different_positions_decodes_through_the_tail(monkeypatch: py
     def run() -> list[mx.array]:
         cache = model.make_cache(len(prompts))
         hidden = model.forward(mx.array(prompts), cache, lengths=lengths).hidden
-        logits = model.logits(model.last_hidden(hidden, lengths))[:, -1]
-        out = [logits]
-        for _ in range(steps):
-            logits = model(mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), cache)[:, -1]
-            out.append(logits)
-        mx.eval(out)
-        return out
+        return greedy_steps(model, cache, model.logits(model.last_hidden(hidden, lengths))[:, -1], steps)
 
     plain = run()
-    calls = []
-
-    def kernel(q, keys, values, length, **kw):
-        calls.append(length)
-        return attention.decode_attention_reference(q, keys, values, length, **kw)
-
-    monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
-    monkeypatch.setattr(base, "decode_attention", kernel)
+    calls = _kernel_by_its_reference(monkeypatch)
     tailed = run()
     assert calls and all(isinstance(c, list) and len(set(c)) == 3 for c in calls)  # three positions
     for a, b in zip(plain, tailed, strict=True):
@@ -211,14 +205,7 @@ def test_an_exact_verify_at_different_positions_reads_what_its_decode_steps_read
     model = build_ours("qwen3_5_dense", kernels=KernelOptions(exact_verify=True))
     prompts, lengths = [[3, 17, 5, 9, 11, 2], [7, 8, 0, 0, 0, 0]], [6, 2]
     draft = mx.array([[5, 6, 7, 8], [9, 10, 11, 12]], dtype=mx.int32)
-    seen = []
-
-    def kernel(q, keys, values, length, **kw):
-        seen.append(length)
-        return attention.decode_attention_reference(q, keys, values, length, **kw)
-
-    monkeypatch.setattr(base, "attention_usable", lambda q, k, v: True)
-    monkeypatch.setattr(base, "decode_attention", kernel)
+    seen = _kernel_by_its_reference(monkeypatch)
     stepped, verified = model.make_cache(2), model.make_cache(2)
     for cache in (stepped, verified):
         model.forward(mx.array(prompts), cache, lengths=lengths)
