@@ -1,4 +1,5 @@
-"""Large products on MLX's CPU backend through NumPy's BLAS: linears at prefill, long attention.
+"""Large products on MLX's CPU backend through NumPy's BLAS: linears at prefill and in decode steps
+and verifies of several rows, long attention.
 
 MLX's Linux CPU build links the reference (netlib) BLAS and emulates bf16 arithmetic: on two
 cores a [2048, 256] x [256, 768] product runs at ~2 GFLOP/s in float32 and ~0.3 GFLOP/s as a bf16
@@ -8,13 +9,19 @@ through NumPy on float32 copies; everything else (and every product inside an `m
 trace, where nothing may be evaluated) stays on MLX's ops, which are the reference
 (tests/kernels/test_cpu_blas.py compares them).
 
-NumPy reads evaluated buffers, so only eager paths can use it: prefill chunks and long forwards.
+MLX's CPU quantized product also costs each row a full pass of scalar dequantizing (a 16-row
+product 16 one-row ones), so a decode step or verify of several rows (KernelOptions.cpu_blas_rows)
+runs op by op with its linears and tied head on the float32 copies, where every copy fits.
+
+NumPy reads evaluated buffers, so only eager paths can use it: prefill chunks, long forwards and
+those steps.
 Inside an `mx.compile` trace the read raises (`host_array` turns that into `Traced`) and the
 caller runs MLX's op instead, which the trace then records.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -22,6 +29,10 @@ import mlx.nn as nn
 import numpy as np
 
 MIN_ROWS = 17  # more tokens than any compiled step (models/base.py CHAIN_MAX_T) carries
+# Rows (batch x tokens) from which a decode step or verify on the CPU gains by running op by op
+# with BLAS products over keeping its compiled trace of MLX's quantized products: a single row loses
+# (the trace's saved dispatch outweighs the product), two rows already gain (lab/cpu_batch.py).
+STEP_MIN_ROWS = 2
 # query heads x rows x keys x head size (the QK product's multiply-adds) below which MLX's own attention
 # costs less than reading its arrays here: the read waits for the layers before it (lab/runs/cpu-attention.log)
 ATTENTION_MIN_WORK = 1 << 20
@@ -58,6 +69,17 @@ def takes_rows(x: mx.array) -> bool:
     return takes_tokens(x.shape[-2] if x.ndim >= 3 else x.shape[0])
 
 
+def takes_step_rows(x: mx.array, min_rows: int) -> bool:
+    """Whether a linear that keeps its float32 copy takes input x through BLAS in a step of few
+    rows: at least `min_rows` (KernelOptions.cpu_blas_rows; 0: never) rows in all, on the CPU."""
+    return 0 < min_rows <= math.prod(x.shape[:-1]) and on_cpu()
+
+
+def steps_by_blas(rows: int, min_rows: int) -> bool:
+    """Whether a step of `rows` rows (batch x tokens) runs op by op for `takes_step_rows`."""
+    return 0 < min_rows <= rows and on_cpu()
+
+
 @dataclass(slots=True)
 class DenseCopy:
     """A linear's weight as float32 `[in, out]` (what `x @ W.T` reads), kept beside its source."""
@@ -75,7 +97,7 @@ def dense_weight_t(layer: nn.Module, *, keep: bool) -> np.ndarray:
     held: DenseCopy | None = getattr(layer, "_blas_copy", None)
     if held is not None and held.source is weight:
         return held.weight_t
-    if isinstance(layer, nn.QuantizedLinear):
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         dense = mx.dequantize(
             weight,
             layer["scales"],
@@ -96,7 +118,7 @@ def dense_bytes(layer: nn.Module) -> int:
     """Bytes of `layer`'s float32 dense copy."""
     out_features = layer["weight"].shape[0]
     in_features = layer["weight"].shape[1] * (
-        32 // layer.bits if isinstance(layer, nn.QuantizedLinear) else 1
+        32 // layer.bits if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)) else 1
     )
     return 4 * out_features * in_features
 

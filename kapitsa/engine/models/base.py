@@ -300,9 +300,15 @@ def use_kernel_options(model: nn.Module, options: KernelOptions) -> None:
             module.kernel_options = options
 
 
+def _blas_step(info: StepInfo, options: KernelOptions) -> bool:
+    """A CPU step whose linears take BLAS (KernelOptions.cpu_blas_rows): op by op, as a compiled
+    trace cannot read its inputs on the host."""
+    return cpu_blas.steps_by_blas(len(info.lengths) * info.T, options.cpu_blas_rows)
+
+
 def fast_decode(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bool:
     """Whether this layer call may take the compiled decode path."""
-    if not options.compile_decode or not info.plain_decode:
+    if not options.compile_decode or not info.plain_decode or _blas_step(info, options):
         return False
     if isinstance(cache, RecurrentCache):
         return cache.conv is not None and cache.state is not None
@@ -339,6 +345,8 @@ def fast_chain(info: StepInfo, cache: LayerCache, options: KernelOptions) -> boo
     """Whether this layer call may take the compiled short-chain path (T > 1)."""
     if not options.compile_decode or info.parents is not None or info.ragged or not 1 < info.T <= CHAIN_MAX_T:
         return False
+    if _blas_step(info, options):
+        return False
     if info.positions is not None:  # multi-axis rope positions: the layer's plain path rotates them
         return False
     if isinstance(cache, RecurrentCache):
@@ -363,6 +371,12 @@ def compiled_attention(
     out, rest = attn.attend_step(parts[0], parts[1], parts[2], info, cache, gate)
     name = "post_gate_applied" if gate is not None and not rest else "post"  # one trace per arity
     return compiled(owner, name, post)(x, out, *rest)
+
+
+def tied_embedding(model: HybridLM) -> nn.Module | None:
+    """The embedding `model`'s head reads (tied word embeddings: `head()` is its `as_linear`), or None."""
+    owner = getattr(model.head(), "__self__", None)
+    return owner if isinstance(owner, (nn.Embedding, nn.QuantizedEmbedding)) else None
 
 
 class HybridLM(nn.Module):
@@ -445,6 +459,13 @@ class HybridLM(nn.Module):
         normed = self.final_norm(hidden)
         if self.kernel_options.exact_verify:
             return rows_apart(self.head(), normed)
+        tied = tied_embedding(self)
+        if getattr(tied, "keeps_dense_copy", False) and cpu_blas.takes_step_rows(
+            normed, self.kernel_options.cpu_blas_rows
+        ):  # a CPU step's rows through BLAS (KernelOptions.cpu_blas_rows), as its linears'
+            logits = cpu_blas.linear(tied, normed, keep=True)
+            if logits is not None:
+                return logits
         return self.head()(normed)
 
     def make_cache(self, batch_size: int = 1) -> HybridCache:

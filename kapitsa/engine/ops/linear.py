@@ -134,6 +134,14 @@ def route_for(rows: int, layer: RoutedQuantizedLinear, x: mx.array) -> str:
     return "stock"
 
 
+def _by_blas(layer: nn.Module, x: mx.array) -> bool:
+    """Whether a routed linear's product goes through CPU BLAS: a prefill's many tokens, or a
+    step of few rows when the layer keeps its float32 copy (no dequantizing per call)."""
+    if cpu_blas.takes_rows(x):
+        return True
+    return layer.keeps_dense_copy and cpu_blas.takes_step_rows(x, layer.kernel_options.cpu_blas_rows)
+
+
 class RoutedQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose product goes through the route measured fastest for its rows."""
 
@@ -141,7 +149,7 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
     kernel_options = KernelOptions()  # set per layer by route_quantized_linears
 
     def __call__(self, x: mx.array) -> mx.array:
-        if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
+        if _by_blas(self, x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
             return y
         rows = math.prod(x.shape[:-1])
         if not routes_enabled(self.kernel_options):
@@ -269,7 +277,7 @@ class RoutedLinear(nn.Linear):
     kernel_options = KernelOptions()  # set per layer by route_quantized_linears
 
     def __call__(self, x: mx.array) -> mx.array:
-        if cpu_blas.takes_rows(x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
+        if _by_blas(self, x) and (y := cpu_blas.linear(self, x, keep=self.keeps_dense_copy)) is not None:
             return y
         if self.kernel_options.exact_verify:
             return self.row_by_row(x)
@@ -322,3 +330,15 @@ def route_quantized_linears(model: nn.Module, options: KernelOptions, *, dense_c
         sub.keeps_dense_copy = kept + copy_bytes <= dense_copy_bytes
         kept += copy_bytes if sub.keeps_dense_copy else 0
     return count
+
+
+def keeps_every_dense_copy(model: nn.Module) -> bool:
+    """Whether every routed linear of `model` keeps its float32 copy (route_quantized_linears)."""
+    routed = [m for _, m in model.named_modules() if isinstance(m, (RoutedQuantizedLinear, RoutedLinear))]
+    return bool(routed) and all(m.keeps_dense_copy for m in routed)
+
+
+def kept_dense_bytes(model: nn.Module) -> int:
+    """Bytes of the float32 copies `model`'s routed linears keep."""
+    routed = [m for _, m in model.named_modules() if isinstance(m, (RoutedQuantizedLinear, RoutedLinear))]
+    return sum(cpu_blas.dense_bytes(m) for m in routed if m.keeps_dense_copy)

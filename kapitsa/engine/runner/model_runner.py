@@ -7,6 +7,7 @@ with a `HybridCache` (ragged, right-padded rows; `[B, Hkv, capacity, D]` KV buff
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -21,8 +22,8 @@ from kapitsa.engine.cache.snapshot import KV_AXIS
 from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.kernels.probes import probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
-from kapitsa.engine.models.base import ForwardOutput, use_kernel_options
-from kapitsa.engine.ops.linear import route_quantized_linears
+from kapitsa.engine.models.base import ForwardOutput, tied_embedding, use_kernel_options
+from kapitsa.engine.ops.linear import keeps_every_dense_copy, kept_dense_bytes, route_quantized_linears
 from kapitsa.engine.options import EngineConfig, KernelOptions
 from kapitsa.engine.runner.memory import StateSizes
 from kapitsa.engine.runner.prompt_tail import PromptTail
@@ -58,6 +59,11 @@ class ModelRunner:
         spare = _compute_in_float32(model, cpu_float32_bytes) if cpu_blas.on_cpu() else 0
         # per-row-count mat-muls on CUDA, BLAS prefill on the CPU (kapitsa.engine.ops.linear)
         route_quantized_linears(model, kernels, dense_copy_bytes=spare)
+        if cpu_blas.on_cpu() and not kernels.cpu_blas_rows and keeps_every_dense_copy(model):
+            kernels = dataclasses.replace(kernels, cpu_blas_rows=cpu_blas.STEP_MIN_ROWS)
+            use_kernel_options(model, kernels)
+            route_quantized_linears(model, kernels, dense_copy_bytes=spare)
+            _keep_head_copy(model, spare - kept_dense_bytes(model))
         probe_enabled(kernels)  # the opt-in kernels' one-time checks evaluate: before any trace
         probe = model.make_cache(1)
         self.kv_layers = snapshot.kv_layer_ids(probe)
@@ -211,6 +217,13 @@ class ModelRunner:
         # prefill scratch per chunk token: a few float32 rows of hidden size (residual, MLP widening)
         activation = 16 * hidden * 4
         return StateSizes(kv_per_token, cache.recurrent_nbytes, activation)
+
+
+def _keep_head_copy(model, budget: int) -> None:  # noqa: ANN001
+    """Let a tied head keep its float32 copy for CPU BLAS steps when it fits `budget` bytes."""
+    embedding = tied_embedding(model)
+    if embedding is not None:
+        embedding.keeps_dense_copy = cpu_blas.dense_bytes(embedding) <= budget
 
 
 def _compute_in_float32(model, budget: int) -> int:  # noqa: ANN001
