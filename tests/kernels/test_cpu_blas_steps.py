@@ -1,7 +1,8 @@
 """CPU decode steps of several rows through BLAS (KernelOptions.cpu_blas_rows): the model runner
 turns it on when every linear keeps its float32 copy; such a step then runs op by op with its
 linears and tied head on the copies, and its logits equal the compiled step's (MLX's quantized
-products); a single row keeps the compiled trace."""
+products); a single row and a verify's rows keep MLX's products (a verify's bits then equal the
+decode steps')."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.models.base import tied_embedding, use_kernel_options
 from kapitsa.engine.ops import linear as qlinear
+from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.runner.model_runner import ModelRunner
 
 DEMO = Path(str(resources.files("kapitsa").joinpath("demo")))
@@ -85,6 +87,27 @@ def test_step_rows_need_the_option_and_the_cpu(on_cpu) -> None:
     x = mx.zeros((2, 1, 8))
     assert cpu_blas.takes_step_rows(x, 2) and not cpu_blas.takes_step_rows(x, 3)
     assert not cpu_blas.takes_step_rows(x, 0)
-    assert (
-        cpu_blas.steps_by_blas(2, 2) and not cpu_blas.steps_by_blas(1, 2) and not cpu_blas.steps_by_blas(9, 0)
-    )
+    assert not cpu_blas.takes_step_rows(mx.zeros((1, 2, 8)), 2)  # a verify's rows
+    assert cpu_blas.steps_by_blas(2, 1, 2) and not cpu_blas.steps_by_blas(1, 1, 2)
+    assert not cpu_blas.steps_by_blas(9, 1, 0) and not cpu_blas.steps_by_blas(1, 4, 2)
+
+
+def test_a_verify_keeps_mlx_products_so_it_equals_decode_steps(on_cpu, blas_calls) -> None:
+    """Greedy speculation's promise on the CPU: a verify's rows get a one-row step's bits."""
+    runner = ModelRunner(load_model(DEMO).model, cpu_float32_bytes=1 << 30)
+    prompt = PROMPTS[0]
+    stepped = runner.model.make_cache(1)
+    runner.model(mx.array([prompt[:2]]), stepped)
+    rows = [runner.decode_lazy(stepped, mx.array([t], dtype=mx.int32)) for t in prompt[2:]]
+    verified = runner.model.make_cache(1)
+    runner.model(mx.array([prompt[:2]]), verified)
+    blas_calls.clear()
+    chain = runner.model(mx.array([prompt[2:]]), verified)[0]
+    assert blas_calls == []
+    assert mx.array_equal(mx.concatenate(rows, axis=0), chain)
+
+
+def test_exact_verify_leaves_it_off(on_cpu) -> None:
+    options = KernelOptions(exact_verify=True)
+    runner = ModelRunner(load_model(DEMO).model, cpu_float32_bytes=1 << 30, kernels=options)
+    assert runner.model.kernel_options.cpu_blas_rows == 0

@@ -1,5 +1,5 @@
 """Large products on MLX's CPU backend through NumPy's BLAS: linears at prefill and in decode steps
-and verifies of several rows, long attention.
+of several rows, long attention.
 
 MLX's Linux CPU build links the reference (netlib) BLAS and emulates bf16 arithmetic: on two
 cores a [2048, 256] x [256, 768] product runs at ~2 GFLOP/s in float32 and ~0.3 GFLOP/s as a bf16
@@ -10,8 +10,8 @@ trace, where nothing may be evaluated) stays on MLX's ops, which are the referen
 (tests/kernels/test_cpu_blas.py compares them).
 
 MLX's CPU quantized product also costs each row a full pass of scalar dequantizing (a 16-row
-product 16 one-row ones), so a decode step or verify of several rows (KernelOptions.cpu_blas_rows)
-runs op by op with its linears and tied head on the float32 copies, where every copy fits.
+product 16 one-row ones), so a decode step of several rows (KernelOptions.cpu_blas_rows) runs op
+by op with its linears and tied head on the float32 copies, where every copy fits.
 
 NumPy reads evaluated buffers, so only eager paths can use it: prefill chunks, long forwards and
 those steps.
@@ -29,9 +29,9 @@ import mlx.nn as nn
 import numpy as np
 
 MIN_ROWS = 17  # more tokens than any compiled step (models/base.py CHAIN_MAX_T) carries
-# Rows (batch x tokens) from which a decode step or verify on the CPU gains by running op by op
-# with BLAS products over keeping its compiled trace of MLX's quantized products: a single row loses
-# (the trace's saved dispatch outweighs the product), two rows already gain (lab/cpu_batch.py).
+# Rows from which a decode step on the CPU gains by running op by op with BLAS products over
+# keeping its compiled trace of MLX's quantized products: a single row loses (the trace's saved
+# dispatch outweighs the product), two rows already gain (lab/cpu_batch.py).
 STEP_MIN_ROWS = 2
 # query heads x rows x keys x head size (the QK product's multiply-adds) below which MLX's own attention
 # costs less than reading its arrays here: the read waits for the layers before it (lab/runs/cpu-attention.log)
@@ -70,14 +70,16 @@ def takes_rows(x: mx.array) -> bool:
 
 
 def takes_step_rows(x: mx.array, min_rows: int) -> bool:
-    """Whether a linear that keeps its float32 copy takes input x through BLAS in a step of few
-    rows: at least `min_rows` (KernelOptions.cpu_blas_rows; 0: never) rows in all, on the CPU."""
-    return 0 < min_rows <= math.prod(x.shape[:-1]) and on_cpu()
+    """Whether a linear that keeps its float32 copy takes input x `[batch, 1, features]` (a decode
+    step's) through BLAS: at least `min_rows` rows (KernelOptions.cpu_blas_rows; 0: never), on the
+    CPU. A verify's rows (T > 1) keep MLX's product, which gives each row the bits a one-row decode
+    step's gets: greedy speculation then writes plain decoding's tokens."""
+    return x.ndim >= 3 and x.shape[-2] == 1 and 0 < min_rows <= math.prod(x.shape[:-1]) and on_cpu()
 
 
-def steps_by_blas(rows: int, min_rows: int) -> bool:
-    """Whether a step of `rows` rows (batch x tokens) runs op by op for `takes_step_rows`."""
-    return 0 < min_rows <= rows and on_cpu()
+def steps_by_blas(batch: int, T: int, min_rows: int) -> bool:
+    """Whether a step of `batch` rows of `T` tokens runs op by op for `takes_step_rows`."""
+    return T == 1 and 0 < min_rows <= batch and on_cpu()
 
 
 @dataclass(slots=True)

@@ -303,7 +303,7 @@ def use_kernel_options(model: nn.Module, options: KernelOptions) -> None:
 def _blas_step(info: StepInfo, options: KernelOptions) -> bool:
     """A CPU step whose linears take BLAS (KernelOptions.cpu_blas_rows): op by op, as a compiled
     trace cannot read its inputs on the host."""
-    return cpu_blas.steps_by_blas(len(info.lengths) * info.T, options.cpu_blas_rows)
+    return cpu_blas.steps_by_blas(len(info.lengths), info.T, options.cpu_blas_rows)
 
 
 def fast_decode(info: StepInfo, cache: LayerCache, options: KernelOptions) -> bool:

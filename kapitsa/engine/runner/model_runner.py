@@ -59,7 +59,7 @@ class ModelRunner:
         spare = _compute_in_float32(model, cpu_float32_bytes) if cpu_blas.on_cpu() else 0
         # per-row-count mat-muls on CUDA, BLAS prefill on the CPU (kapitsa.engine.ops.linear)
         route_quantized_linears(model, kernels, dense_copy_bytes=spare)
-        if cpu_blas.on_cpu() and not kernels.cpu_blas_rows and keeps_every_dense_copy(model):
+        if blas_steps_apply(kernels) and keeps_every_dense_copy(model):
             kernels = dataclasses.replace(kernels, cpu_blas_rows=cpu_blas.STEP_MIN_ROWS)
             use_kernel_options(model, kernels)
             route_quantized_linears(model, kernels, dense_copy_bytes=spare)
@@ -217,6 +217,12 @@ class ModelRunner:
         # prefill scratch per chunk token: a few float32 rows of hidden size (residual, MLP widening)
         activation = 16 * hidden * 4
         return StateSizes(kv_per_token, cache.recurrent_nbytes, activation)
+
+
+def blas_steps_apply(kernels: KernelOptions) -> bool:
+    """Whether the runner may turn on CPU BLAS decode steps: on the CPU, not already set, and not
+    under exact_verify (whose promise is bits equal to the one-row step's across batch sizes)."""
+    return cpu_blas.on_cpu() and not kernels.cpu_blas_rows and not kernels.exact_verify
 
 
 def _keep_head_copy(model, budget: int) -> None:  # noqa: ANN001
