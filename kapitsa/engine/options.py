@@ -58,8 +58,8 @@ class KernelOptions:
     # it computes: greedy speculation then writes plain decoding's tokens in bf16 on CUDA too, where
     # the tensor-core kernel's verify rows round differently (ops/linear.py)
     exact_verify: bool = False
-    # CPU device: steps of at least this many rows (batch x tokens) run op by op, their linears
-    # through BLAS on the float32 copies (kernels/cpu_blas.py); 0: never. MLX's CPU quantized
+    # CPU device: decode steps of at least this many rows run op by op, their linears and tied
+    # head through BLAS on the float32 copies (kernels/cpu_blas.py); 0: never. MLX's CPU quantized
     # product costs each row a full pass over the weights, BLAS a fraction of one. The model
     # runner sets it when every linear keeps its copy.
     cpu_blas_rows: int = 0

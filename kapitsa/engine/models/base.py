@@ -345,8 +345,6 @@ def fast_chain(info: StepInfo, cache: LayerCache, options: KernelOptions) -> boo
     """Whether this layer call may take the compiled short-chain path (T > 1)."""
     if not options.compile_decode or info.parents is not None or info.ragged or not 1 < info.T <= CHAIN_MAX_T:
         return False
-    if _blas_step(info, options):
-        return False
     if info.positions is not None:  # multi-axis rope positions: the layer's plain path rotates them
         return False
     if isinstance(cache, RecurrentCache):
@@ -459,13 +457,13 @@ class HybridLM(nn.Module):
         normed = self.final_norm(hidden)
         if self.kernel_options.exact_verify:
             return rows_apart(self.head(), normed)
-        tied = tied_embedding(self)
-        if getattr(tied, "keeps_dense_copy", False) and cpu_blas.takes_step_rows(
-            normed, self.kernel_options.cpu_blas_rows
-        ):  # a CPU step's rows through BLAS (KernelOptions.cpu_blas_rows), as its linears'
-            logits = cpu_blas.linear(tied, normed, keep=True)
-            if logits is not None:
-                return logits
+        blas_rows = self.kernel_options.cpu_blas_rows  # 0 off the CPU: nothing more asked per step
+        if blas_rows and cpu_blas.takes_step_rows(normed, blas_rows):
+            tied = tied_embedding(self)  # a CPU step's rows through BLAS, as its linears'
+            if getattr(tied, "keeps_dense_copy", False):
+                logits = cpu_blas.linear(tied, normed, keep=True)
+                if logits is not None:
+                    return logits
         return self.head()(normed)
 
     def make_cache(self, batch_size: int = 1) -> HybridCache:

@@ -334,11 +334,14 @@ def route_quantized_linears(model: nn.Module, options: KernelOptions, *, dense_c
 
 def keeps_every_dense_copy(model: nn.Module) -> bool:
     """Whether every routed linear of `model` keeps its float32 copy (route_quantized_linears)."""
-    routed = [m for _, m in model.named_modules() if isinstance(m, (RoutedQuantizedLinear, RoutedLinear))]
+    routed = _routed_linears(model)
     return bool(routed) and all(m.keeps_dense_copy for m in routed)
 
 
 def kept_dense_bytes(model: nn.Module) -> int:
     """Bytes of the float32 copies `model`'s routed linears keep."""
-    routed = [m for _, m in model.named_modules() if isinstance(m, (RoutedQuantizedLinear, RoutedLinear))]
-    return sum(cpu_blas.dense_bytes(m) for m in routed if m.keeps_dense_copy)
+    return sum(cpu_blas.dense_bytes(m) for m in _routed_linears(model) if m.keeps_dense_copy)
+
+
+def _routed_linears(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if isinstance(m, (RoutedQuantizedLinear, RoutedLinear))]

@@ -61,8 +61,7 @@ class ModelRunner:
         route_quantized_linears(model, kernels, dense_copy_bytes=spare)
         if blas_steps_apply(kernels) and keeps_every_dense_copy(model):
             kernels = dataclasses.replace(kernels, cpu_blas_rows=cpu_blas.STEP_MIN_ROWS)
-            use_kernel_options(model, kernels)
-            route_quantized_linears(model, kernels, dense_copy_bytes=spare)
+            use_kernel_options(model, kernels)  # the routed linears' too
             _keep_head_copy(model, spare - kept_dense_bytes(model))
         probe_enabled(kernels)  # the opt-in kernels' one-time checks evaluate: before any trace
         probe = model.make_cache(1)
