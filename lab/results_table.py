@@ -1,8 +1,11 @@
 """The per-shape results table (issue #32's "one commit, all four shapes") from the JSON lines of
 `lab/decode_vs_mlxlm.py` (summary rows: decode and prefill per prompt length) and
-`lab/batch_sweep.py` (aggregate decode per stream count), as `bash lab/h200_all.sh table` writes them.
+`lab/batch_sweep.py` (aggregate decode per stream count), as `bash lab/h200_all.sh table` writes them,
+and the through-the-server table from `lab/server_bench.py`'s summary lines (`bash lab/h200_all.sh
+server` writes one `server-<shape>.log` per shape).
 
-    python lab/results_table.py table.log            # markdown on stdout
+    python lab/results_table.py table-*.log              # markdown on stdout
+    python lab/results_table.py table-*.log server-*.log # both tables
 """
 
 from __future__ import annotations
@@ -24,6 +27,65 @@ def rows(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+SERVER_ENGINES = ("kapitsa engine", "kapitsa serve", "mlx_lm.server")
+
+
+def server_shape(path: Path, records: list[dict]) -> str:
+    """The shape a server bench log is for: its report's model (`shape-<name>`), else its file name."""
+    for r in records:
+        for engine in r.get("engines", []):
+            model = str(engine.get("model") or "")
+            if model.startswith("shape-"):
+                return model.removeprefix("shape-")
+    return path.stem.removeprefix("server-")
+
+
+def server_rows(path: Path) -> tuple[str, dict] | None:
+    """(shape, the bench's summary line with its start-up seconds), or None for another log."""
+    records = rows(path)
+    for r in reversed(records):
+        if isinstance(r.get("summary"), dict) and "kapitsa serve" in r["summary"]:
+            return server_shape(path, records), r
+    return None
+
+
+def _three(summary: dict, key: str, digits: int) -> str:
+    """One metric of the three engines, in process / serve / mlx_lm.server."""
+    values = (summary.get(e, {}).get(key) for e in SERVER_ENGINES)
+    return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
+
+
+def server_table(benches: list[tuple[str, dict]]) -> str:
+    """Per shape: decode, time to first token, 8-stream aggregate and the agent replay's mean time
+    to first token, in process / kapitsa serve / mlx_lm.server, and serve against mlx_lm.server."""
+    head = [
+        "shape",
+        "decode tok/s: in process / serve / mlx_lm.server (serve/mlx_lm)",
+        "first token s",
+        "8 streams tok/s",
+        "replay mean first token s",
+        "serve overhead",
+        "serve ready / warm-up s",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for shape, r in benches:
+        s = r["summary"]
+
+        ratio = r.get("kapitsa_serve_vs_mlx_lm_server")
+        overhead = r.get("server_overhead")
+        cells = [
+            shape,
+            _three(s, "decode_tok_s", 1) + (f" ({ratio:.2f}x)" if ratio else ""),
+            _three(s, "ttft_s", 2),
+            _three(s, "concurrent_tok_s", 1),
+            _three(s, "replay_mean_ttft_s", 2),
+            "-" if overhead is None else f"{overhead * 100:.1f}%",
+            f"{r.get('kapitsa_serve_ready_s', '-')} / {r.get('kapitsa_serve_warmup_s', '-')}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(records: list[dict]) -> str:
@@ -80,7 +142,12 @@ def main() -> None:
     )
     parser.add_argument("logs", nargs="+", type=Path)
     args = parser.parse_args()
-    print(table([r for path in args.logs for r in rows(path)]))
+    benches = [b for path in args.logs if (b := server_rows(path))]
+    others = [p for p in args.logs if not server_rows(p)]
+    if others:
+        print(table([r for path in others for r in rows(path)]))
+    if benches:
+        print("\n" + server_table(benches))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""lab/results_table.py: the server bench's summary line becomes a row of the through-the-server table."""
+
+import json
+
+from lab.results_table import server_rows, server_table
+
+
+def _summary(decode: dict[str, float]) -> dict:
+    rows = {
+        n: {"decode_tok_s": v, "ttft_s": 0.5, "concurrent_tok_s": 2 * v, "replay_mean_ttft_s": 0.1}
+        for n, v in decode.items()
+    }
+    return {
+        "summary": rows,
+        "server_overhead": 0.02,
+        "kapitsa_serve_vs_mlx_lm_server": 3.1,
+        "kapitsa_serve_ready_s": 9.5,
+    }
+
+
+def test_server_log_gives_its_shape_and_row(tmp_path) -> None:
+    log = tmp_path / "server-whatever.log"
+    report = {"schema": "kapitsa-bench", "engines": [{"name": "x", "model": "shape-27b", "workloads": []}]}
+    line = _summary({"kapitsa engine": 100.0, "kapitsa serve": 98.0, "mlx_lm.server": 31.6})
+    log.write_text("progress line\n" + json.dumps(report) + "\n" + json.dumps(line) + "\n")
+    shape, row = server_rows(log)
+    assert shape == "27b"
+    text = server_table([(shape, row)])
+    assert "| 27b | 100.0 / 98.0 / 31.6 (3.10x) |" in text
+    assert "2.0%" in text and "9.5 / -" in text
+
+
+def test_table_log_is_not_a_server_log(tmp_path) -> None:
+    log = tmp_path / "table-4b.log"
+    log.write_text(json.dumps({"summary": "4b", "prompt": 512, "kapitsa_decode": 1.0}) + "\n")
+    assert server_rows(log) is None
+
+
+def test_missing_engine_reads_as_a_dash(tmp_path) -> None:
+    log = tmp_path / "server-4b.log"
+    log.write_text(json.dumps(_summary({"kapitsa serve": 50.0})) + "\n")
+    shape, row = server_rows(log)
+    assert shape == "4b"
+    assert "- / 50.0 / -" in server_table([(shape, row)])
