@@ -11,6 +11,7 @@ import pytest
 
 from kapitsa.engine.loading.loader import load_model
 from kapitsa.engine.loading.quantize import QUANT_SPECS
+from kapitsa.errors import UnsupportedModel
 from tests.loading.conftest import logits_of
 
 
@@ -214,3 +215,85 @@ def test_quantizing_on_load_never_holds_the_whole_float_model(tmp_path):
     held_before = mx.get_active_memory()  # arrays other tests keep cached count toward the peak
     load_model(folder, quantize="4bit")
     assert mx.get_peak_memory() - held_before < 0.9 * float_bytes
+
+
+def _per_expert(stored: dict, kind: str) -> dict:
+    """mlx-lm's stacked `switch_mlp` tensors written back one expert at a time under the published
+    names, quantized parts included, as AutoRound's MLX export stores MoE experts."""
+    names = {"fc1": "up_proj", "fc2": "down_proj"} if kind == "nemotron_h" else {}
+    out = {}
+    for key, value in stored.items():
+        head, sep, tail = key.partition(".switch_mlp.")
+        if not sep:
+            out[key] = value
+            continue
+        proj, part = tail.split(".")
+        for e in range(value.shape[0]):
+            out[f"{head}.experts.{e}.{names.get(proj, proj)}.{part}"] = value[e]
+    return out
+
+
+def _fused_gate_up(stored: dict) -> dict:
+    """The same experts fused as `experts.gate_up_proj.*` (gate rows first) and `experts.down_proj.*`."""
+    out = {}
+    for key, value in stored.items():
+        head, sep, tail = key.partition(".switch_mlp.")
+        if not sep:
+            out[key] = value
+        elif tail.startswith("gate_proj."):
+            part = tail.split(".")[1]
+            out[f"{head}.experts.gate_up_proj.{part}"] = mx.concatenate(
+                [value, stored[f"{head}.switch_mlp.up_proj.{part}"]], axis=-2
+            )
+        elif tail.startswith("down_proj."):
+            out[f"{head}.experts.{tail}"] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind, layout", [("qwen3_5_moe", "per_expert"), ("qwen3_5_moe", "fused"), ("nemotron_h", "per_expert")]
+)
+def test_autoround_mlx_export_with_quantized_experts(tiny, tmp_path, kind, layout):
+    """AutoRound's MLX export: MLX-packed tensors, experts stored quantized one Linear each (or
+    fused), and a `quantization_config` naming auto-round with `packing_format: mlx` beside the MLX
+    `quantization` block (top level and in `text_config`). mlx-lm loads it; so does kapitsa, exactly."""
+    from mlx_lm import convert
+
+    converted = tmp_path / "autoround"
+    convert(str(tiny(kind)), str(converted), quantize=True, q_bits=4, q_group_size=32)
+    reference = logits_of(load_model(converted))
+    for path in converted.glob("*.safetensors"):
+        stored = mx.load(str(path))
+        rewritten = _per_expert(stored, kind) if layout == "per_expert" else _fused_gate_up(stored)
+        assert rewritten.keys() != stored.keys()
+        mx.save_safetensors(str(path), rewritten, metadata={"format": "mlx"})
+    (converted / "model.safetensors.index.json").unlink(missing_ok=True)
+    config = json.loads((converted / "config.json").read_text())
+    autoround = {
+        "quant_method": "auto-round",
+        "packing_format": "mlx",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+    }
+    config["quantization_config"] = autoround
+    if "text_config" in config:
+        config["text_config"]["quantization_config"] = autoround
+    (converted / "config.json").write_text(json.dumps(config))
+    loaded = load_model(converted)
+    assert loaded.info.quantization == "4bit"
+    assert mx.array_equal(logits_of(loaded), reference).item()
+
+
+def test_autoround_in_another_packing_is_refused(tiny):
+    folder = tiny("qwen3_5")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "auto-round",
+        "packing_format": "auto_round:auto_gptq",
+        "bits": 4,
+        "group_size": 128,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="quantized with 'auto-round'"):
+        load_model(folder)

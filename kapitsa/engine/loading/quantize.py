@@ -60,14 +60,23 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> dict[str, Any] | None:
     if isinstance(block, dict) and "bits" in block:
         return block
     block = config.get("quantization_config")
-    if isinstance(block, dict) and "bits" in block and "group_size" in block and "quant_method" not in block:
-        return block
-    return None
+    if not (isinstance(block, dict) and "bits" in block and "group_size" in block):
+        return None
+    # AutoRound's MLX export names its quantizer and says its tensors are MLX-packed
+    mlx_packed = "quant_method" not in block or str(block.get("packing_format", "")).lower() == "mlx"
+    return block if mlx_packed else None
 
 
 def foreign_quantization(config: Mapping[str, Any]) -> str | None:
-    """The method of a non-MLX quantized checkpoint (fp8, gptq, awq, modelopt...), if any."""
-    for holder in (config, config.get("text_config") or {}):
+    """The method of a non-MLX quantized checkpoint (fp8, gptq, awq, modelopt...), if any.
+
+    A checkpoint whose tensors are MLX-packed is not foreign even when it names its quantizer:
+    AutoRound's MLX export writes `quantization_config: {quant_method: auto-round, packing_format:
+    mlx}` beside the MLX `quantization` block, which decides, as it does for mlx-lm."""
+    holders = (config, config.get("text_config") or {})
+    if any(checkpoint_quantization(h) is not None for h in holders):
+        return None
+    for holder in holders:
         block = holder.get("quantization_config")
         if isinstance(block, dict) and block.get("quant_method"):
             return str(block["quant_method"])

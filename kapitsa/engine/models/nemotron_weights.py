@@ -18,9 +18,14 @@ def _canonical(key: str) -> str:
     return key
 
 
+# An expert projection's stored tensors: its weight, and when stored MLX-quantized its scales and
+# biases (AutoRound's MLX export writes experts one Linear each, quantized).
+_PARTS = ("weight", "scales", "biases")
+
+
 def _stack_experts(w: dict[str, mx.array], num_experts: int) -> None:
-    """`mixer.experts.{e}.{up,down}_proj.weight` or 3-D `mixer.experts.{up,down}_proj` ->
-    `mixer.switch_mlp.{fc1,fc2}.weight` `[E, out, in]`."""
+    """`mixer.experts.{e}.{up,down}_proj.{weight,scales,biases}` or 3-D `mixer.experts.{up,down}_proj`
+    (bare, or with its MLX-quantized parts) -> `mixer.switch_mlp.{fc1,fc2}.*` `[E, out, in]`."""
     prefixes = {k[: k.index(".experts.")] for k in w if ".experts." in k}
     for p in sorted(prefixes):
         for name, fc in (("up_proj", "fc1"), ("down_proj", "fc2")):
@@ -28,10 +33,17 @@ def _stack_experts(w: dict[str, mx.array], num_experts: int) -> None:
             if stacked in w:
                 w[f"{p}.switch_mlp.{fc}.weight"] = w.pop(stacked)
                 continue
-            keys = [f"{p}.experts.{e}.{name}.weight" for e in range(num_experts)]
-            missing = [k for k in keys if k not in w]
-            require(not missing, f"checkpoint lacks expert tensors, e.g. {missing[:1]}")
-            w[f"{p}.switch_mlp.{fc}.weight"] = mx.stack([w.pop(k) for k in keys])
+            if f"{stacked}.weight" in w:
+                for part in _PARTS:
+                    if f"{stacked}.{part}" in w:
+                        w[f"{p}.switch_mlp.{fc}.{part}"] = w.pop(f"{stacked}.{part}")
+                continue
+            parts = [part for part in _PARTS if f"{p}.experts.0.{name}.{part}" in w] or ["weight"]
+            for part in parts:
+                keys = [f"{p}.experts.{e}.{name}.{part}" for e in range(num_experts)]
+                missing = [k for k in keys if k not in w]
+                require(not missing, f"checkpoint lacks expert tensors, e.g. {missing[:1]}")
+                w[f"{p}.switch_mlp.{fc}.{part}"] = mx.stack([w.pop(k) for k in keys])
 
 
 def sanitize_nemotron(weights: dict[str, mx.array], args) -> tuple[dict[str, mx.array], dict[str, mx.array]]:

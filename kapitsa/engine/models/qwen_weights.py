@@ -44,24 +44,43 @@ def _is_zero_centred(key: str) -> bool:
     )
 
 
+# An expert projection's stored tensors: its weight, and when stored MLX-quantized its scales and
+# biases (AutoRound's MLX export writes experts one Linear each, quantized).
+_PARTS = ("weight", "scales", "biases")
+
+
 def _stack_experts(w: dict[str, mx.array], num_experts: int) -> None:
-    """`*.mlp.experts.{e}.{gate,up,down}_proj.weight` or fused `experts.gate_up_proj` ->
-    `*.mlp.switch_mlp.{gate,up,down}_proj.weight` `[E, out, in]`."""
+    """`*.mlp.experts.{e}.{gate,up,down}_proj.{weight,scales,biases}` or fused
+    `experts.gate_up_proj[.weight|.scales|.biases]` -> `*.mlp.switch_mlp.{gate,up,down}_proj.*`
+    `[E, out, in]`."""
     prefixes = {k[: k.index(".experts.")] for k in w if ".mlp.experts." in k}
     for p in sorted(prefixes):
-        fused = f"{p}.experts.gate_up_proj"
-        if fused in w:
-            gate_up = w.pop(fused)
-            mid = gate_up.shape[-2] // 2
-            w[f"{p}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
-            w[f"{p}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
-            w[f"{p}.switch_mlp.down_proj.weight"] = w.pop(f"{p}.experts.down_proj")
+        if any(f"{p}.experts.gate_up_proj{s}" in w for s in ("", ".weight")):
+            _split_fused(w, p)
             continue
         for name in ("gate_proj", "up_proj", "down_proj"):
-            keys = [f"{p}.experts.{e}.{name}.weight" for e in range(num_experts)]
-            missing = [k for k in keys if k not in w]
-            require(not missing, f"checkpoint lacks expert tensors, e.g. {missing[:1]}")
-            w[f"{p}.switch_mlp.{name}.weight"] = mx.stack([w.pop(k) for k in keys])
+            parts = [part for part in _PARTS if f"{p}.experts.0.{name}.{part}" in w] or ["weight"]
+            for part in parts:
+                keys = [f"{p}.experts.{e}.{name}.{part}" for e in range(num_experts)]
+                missing = [k for k in keys if k not in w]
+                require(not missing, f"checkpoint lacks expert tensors, e.g. {missing[:1]}")
+                w[f"{p}.switch_mlp.{name}.{part}"] = mx.stack([w.pop(k) for k in keys])
+
+
+def _split_fused(w: dict[str, mx.array], p: str) -> None:
+    """Fused `[E, 2 * inter, in]` gate-and-up tensors (gate rows first), bare as transformers
+    stores them or with their MLX-quantized parts; packing runs along `in`, so rows split the same."""
+    for suffix in ("", *(f".{part}" for part in _PARTS)):
+        gate_up = w.pop(f"{p}.experts.gate_up_proj{suffix}", None)
+        if gate_up is None:
+            continue
+        down = w.pop(f"{p}.experts.down_proj{suffix}", None)
+        require(down is not None, f"checkpoint lacks {p}.experts.down_proj{suffix}")
+        part = suffix or ".weight"
+        mid = gate_up.shape[-2] // 2
+        w[f"{p}.switch_mlp.gate_proj{part}"] = gate_up[..., :mid, :]
+        w[f"{p}.switch_mlp.up_proj{part}"] = gate_up[..., mid:, :]
+        w[f"{p}.switch_mlp.down_proj{part}"] = down
 
 
 def sanitize_qwen(weights: dict[str, mx.array], args) -> dict[str, mx.array]:
