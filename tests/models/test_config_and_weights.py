@@ -63,6 +63,11 @@ def test_nemotron_null_fields_fall_back():
     assert (args.n_group, args.routed_scaling_factor, args.head_dim) == (1, 1.0, 16)
 
 
+def test_nemotron_absent_head_dim_is_transformers_default():
+    cfg = {k: v for k, v in nemotron_config("dense").items() if k != "head_dim"}
+    assert nemotron_h.ModelArgs.from_dict(cfg).head_dim == 128
+
+
 def test_nemotron_bad_patterns():
     base = {k: v for k, v in nemotron_config("dense").items() if k != "hybrid_override_pattern"}
     with pytest.raises(CheckpointError):

@@ -61,6 +61,9 @@ class ModelArgs:
         params = dict(config)
         params["pattern"] = _pattern(config)
         params["mtp_pattern"] = mtp_pattern(config)
+        # transformers' NemotronHConfig defaults an absent head_dim to 128, not hidden / heads
+        # (a Nano-class 2688 / 32 would be 84); a null one still falls back to hidden / heads.
+        params.setdefault("head_dim", 128)
         # Older configs spell some Mamba fields with a `mamba_` prefix.
         for old, new in (
             ("mamba_n_groups", "n_groups"),
