@@ -34,12 +34,32 @@ class OutputParser:
         self.tool_calls: list[ToolCall] = []
         self._truncated = False
         self.reasoning_tokens = 0
+        self._undecided_tokens = 0  # produced while nothing told reasoning from answer yet
 
     def feed(self, text: str, tokens: int = 0) -> list[Part]:
-        """Parts completed by `text`; `tokens` (how many produced it) count as reasoning while inside `<think>`."""
-        if self._think.channel == "reasoning" or self._think.at_start:
-            self.reasoning_tokens += tokens
-        return self._route(self._think.feed(text), final=False)
+        """Parts completed by `text`; `tokens` (how many produced it) count as reasoning inside `<think>`."""
+        watching = self._think.channel == "reasoning" or self._think.at_start
+        pieces = self._think.feed(text)
+        if watching:
+            self._count_reasoning(text, pieces, tokens)
+        return self._route(pieces, final=False)
+
+    def _count_reasoning(self, text: str, pieces: list[tuple[str, str]], tokens: int) -> None:
+        """Tokens stay undecided until the splitter routes text: all reasoning (or held inside
+        `<think>`) counts whole; an event that crosses `</think>` (several tokens under speculative
+        decoding) counts its share by characters (all but the answer's); an answer that opens without
+        `<think>` counts none."""
+        self._undecided_tokens += tokens
+        reasoning = any(channel == "reasoning" for channel, _ in pieces)
+        content = sum(len(t) for channel, t in pieces if channel == "content")
+        if content:  # the tags and the newlines after `</think>` are the reasoning's
+            share = round(self._undecided_tokens * max(0, len(text) - content) / max(len(text), 1))
+        elif reasoning or not self._think.at_start:  # reasoning, a held tag, or `</think>` itself
+            share = self._undecided_tokens
+        else:
+            return  # whitespace or a partial `<think>` at the start: still undecided
+        self.reasoning_tokens += share
+        self._undecided_tokens = 0
 
     def finish(self, *, truncated: bool = False) -> list[Part]:
         """The rest of the output; `truncated` when the token limit cut it."""

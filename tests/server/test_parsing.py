@@ -205,3 +205,21 @@ def test_one_call_keeps_the_first_call_only() -> None:
     assert shape(parts) == [("Bash", EXPECTED)]
     assert len(parser.tool_calls) == 1
     assert len(shape(parse(two))) == 2  # the default keeps both
+
+
+@pytest.mark.parametrize(
+    "thinking, events, expected",
+    [
+        (False, [("Let me check. ", 4), ("Done.", 2)], 0),  # an answer that opens without <think>
+        (False, [("  ", 1), ("Hi", 1)], 0),  # leading whitespace decides nothing
+        (False, [("<thi", 1), ("nk>a b", 2), ("</think>", 1), ("ok", 1)], 4),
+        (True, [("plan", 2), ("</think>\n\nok then", 4)], 4),  # crossing: 10 of 17 characters
+        (True, [("plan</th", 2), ("ink>x", 1)], 3),  # a held tag prefix stays reasoning; round(4/5)
+    ],
+)
+def test_reasoning_tokens_count_only_the_reasoning(thinking, events, expected):
+    parser = OutputParser(thinking=thinking, tools=None)
+    for text, tokens in events:
+        parser.feed(text, tokens)
+    parser.finish()
+    assert parser.reasoning_tokens == expected
