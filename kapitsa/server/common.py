@@ -141,9 +141,13 @@ def flatten_text(content: Any, *, allowed: tuple[str, ...] = ("text", "input_tex
         text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
         if kind in allowed and isinstance(text, str):
             texts.append(text)
-        elif kind in ("image", "image_url", "input_image", "input_audio", "file", "input_file", "document"):
+        elif kind in ("image", "image_url", "input_image"):
             raise InvalidRequest(
-                f"`{kind}` content is not supported here: images are read in user messages, by a model that reads images."
+                f"`{kind}` content is not supported here: images are read in user messages and tool results."
+            )
+        elif kind in ("input_audio", "file", "input_file", "document"):
+            raise InvalidRequest(
+                f"`{kind}` content is not supported: the served model reads text and images only."
             )
     return "\n".join(texts)
 

@@ -24,6 +24,7 @@ IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # per image, encoded (the Anthropic API's own limit is lower)
 MAX_IMAGES = 64  # per request
 _SOURCE = "_kapitsa_image"  # key of an unresolved part: (part type, "url" | "base64", value)
+TOOL_IMAGE_OMITTED = "[an image: the served model reads text only, so it is left out]"
 
 
 def is_image_part(part: Any) -> bool:
@@ -86,13 +87,25 @@ def take_images(
         parts = []
         for part in content:
             if isinstance(part, dict) and _SOURCE in part:
-                images.append(_resolve(*part[_SOURCE], model=model, index=len(images)))
-                part = {"type": "image"}
+                if message.get("role") == "tool" and not model.vision:
+                    # an agent's tool returned it (a screenshot, Codex's view_image): the turn goes on,
+                    # and the model reads that the image was there
+                    part = {"type": "text", "text": TOOL_IMAGE_OMITTED}
+                else:
+                    images.append(_resolve(*part[_SOURCE], model=model, index=len(images)))
+                    part = {"type": "image"}
             parts.append(part)
-        out.append({**message, "content": parts})
+        out.append({**message, "content": _joined_texts(parts)})
     if len(images) > MAX_IMAGES:
         raise InvalidRequest(f"A request may carry at most {MAX_IMAGES} images; this one has {len(images)}.")
     return out, tuple(images)
+
+
+def _joined_texts(parts: list[Any]) -> str | list[Any]:
+    """Parts that are all text again (a text-only model's tool images replaced) as one string."""
+    if all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+        return "\n".join(str(p.get("text", "")) for p in parts)
+    return parts
 
 
 def _resolve(kind: str, how: str, value: str, *, model: ModelInfo, index: int) -> bytes:

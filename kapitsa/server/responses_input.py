@@ -69,7 +69,8 @@ def _text(content: Any) -> str:
 
 
 def _user_content(content: Any) -> str | list[dict[str, Any]]:
-    """A user message's content: text, or text and `input_image` parts (resolved by server.images)."""
+    """A user message's or a tool output's content: text, or text and `input_image` parts (resolved
+    by server.images)."""
     if isinstance(content, list) and any(is_image_part(p) for p in content):
         return content_parts([p for p in content if isinstance(p, dict)], _text)
     return _text(content)
@@ -108,7 +109,7 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append(
                 {
                     "role": "tool",
-                    "content": _text(item.get("output")),
+                    "content": _user_content(item.get("output")),  # a string, or text and image items
                     "tool_call_id": str(item.get("call_id", "")),
                 }
             )

@@ -13,6 +13,8 @@ import pytest
 from PIL import Image
 from server_harness import live_server, open_tiny_engine
 
+from kapitsa.server.images import TOOL_IMAGE_OMITTED
+
 IMAGE_TOKENS = (24 // 4) * (40 // 4) // 4  # a 40x24 image: 6x10 patches of 4 px, merged 2x2
 QUESTION = "Describe it."
 MODEL = "qwen"  # the tiny checkpoint's folder name
@@ -175,3 +177,58 @@ def test_a_text_only_model_answers_a_clear_400() -> None:
 
 def _b64(image: bytes) -> str:
     return base64.b64encode(image).decode()
+
+
+def _view_image_turn(output: str | list[dict]) -> list[dict]:
+    """A Responses input where the model called a tool that returned `output` (Codex's view_image)."""
+    return [
+        {"role": "user", "content": [{"type": "input_text", "text": "Look at shot.png"}]},
+        {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": '{"path": "shot.png"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": output},
+    ]
+
+
+VIEW_IMAGE = [{"type": "function", "name": "view_image", "parameters": {"type": "object", "properties": {}}}]
+
+
+def test_a_responses_tool_output_image_reaches_the_model(oai) -> None:
+    def ask(output):  # noqa: ANN001, ANN202
+        return oai.responses.create(
+            model=MODEL,
+            input=_view_image_turn(output),
+            tools=VIEW_IMAGE,
+            max_output_tokens=8,
+            extra_body=NO_THINKING,
+        )
+
+    black = ask([{"type": "input_image", "image_url": data_url(BLACK)}])
+    white = ask([{"type": "input_image", "image_url": data_url(WHITE)}])
+    text = ask([{"type": "input_text", "text": ""}])
+    assert black.usage.input_tokens == white.usage.input_tokens
+    assert black.usage.input_tokens >= text.usage.input_tokens + IMAGE_TOKENS
+
+
+def test_a_text_only_model_reads_a_note_for_a_tool_output_image() -> None:
+    """An agent's tool result with an image does not end the session on a text-only model."""
+    with live_server() as server:
+        oai = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0, timeout=10)
+        claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=10)
+        output = [
+            {"type": "input_text", "text": "here:"},
+            {"type": "input_image", "image_url": data_url(BLACK)},
+        ]
+        oai.responses.create(model="fake", input=_view_image_turn(output), tools=VIEW_IMAGE)
+        tool = next(m for m in server.engine.requests[-1].messages if m["role"] == "tool")
+        assert tool["content"] == "here:\n" + TOOL_IMAGE_OMITTED
+        image = {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": _b64(BLACK)},
+        }
+        messages = [
+            {"role": "user", "content": "Take a screenshot"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}]},
+        ]
+        claude.messages.create(model="fake", messages=messages, max_tokens=4)
+        tool = next(m for m in server.engine.requests[-1].messages if m["role"] == "tool")
+        assert tool["content"] == TOOL_IMAGE_OMITTED
