@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kapitsa.engine.types import ModelInfo
 from kapitsa.errors import InvalidRequest
+from kapitsa.server.anthropic_client_tools import client_tool
 from kapitsa.server.errors import param_error
 from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, strip_attribution
@@ -195,37 +196,51 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
 
 
 def chat_tools(body: MessagesRequest) -> list[dict[str, Any]] | None:
+    """The function tools the model may call: custom tools, and Anthropic-defined client tools (bash,
+    text editor, memory, computer) with their documented schemas; after `tool_choice`."""
     choice = (body.tool_choice or {}).get("type", "auto")
     if choice == "none":
         return None
-    tools = []
+    tools, skipped = [], []
     for index, tool in enumerate(body.tools or []):
-        # Server tools (web_search_2025…, bash_2025…) have their own `type`; the local model cannot run them.
-        if tool.get("type") not in (None, "custom"):
-            continue
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise InvalidRequest(f"`tools[{index}].name` must be a non-empty string.")
-        schema = (
-            check_tool_schema(tool["input_schema"], f"tools[{index}].input_schema")
-            if "input_schema" in tool
-            else {"type": "object", "properties": {}}
+        function = _function(tool, index)
+        if function is None:
+            skipped.append(f"{tool.get('name')} ({tool.get('type')})")
+        else:
+            tools.append({"type": "function", "function": function})
+    if skipped:  # the client asked for them: the log says why the model never calls them
+        log.info(
+            "skipping tools that Anthropic's servers run (the local model cannot): %s", ", ".join(skipped)
         )
-        tools.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": tool["name"],
-                    "description": tool.get("description") or "",
-                    "parameters": schema,
-                },
-            }
-        )
+    server_only = "a tool that Anthropic's servers run, which the local model cannot call"
     if choice == "tool":
         name = (body.tool_choice or {}).get("name")
         tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools and any(t.get("name") == name for t in body.tools or []):
+            raise InvalidRequest(f"tool_choice names `{name}`, {server_only}.")
         if not tools:
             raise InvalidRequest(f"tool_choice names `{name}`, which is not among the tools.")
+    elif choice == "any" and skipped and not tools:
+        raise InvalidRequest(f"tool_choice `any` requires a call, but each tool is {server_only}.")
     return tools or None
+
+
+def _function(tool: dict[str, Any], index: int) -> dict[str, Any] | None:
+    """A tool as a chat-template function; None for a server tool (web search, code execution...)."""
+    custom = tool.get("type") in (None, "custom")
+    defined = None if custom else client_tool(tool)
+    if not custom and defined is None:
+        return None
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidRequest(f"`tools[{index}].name` must be a non-empty string.")
+    if defined is not None:
+        return {"name": tool["name"], **defined}
+    schema = (
+        check_tool_schema(tool["input_schema"], f"tools[{index}].input_schema")
+        if "input_schema" in tool
+        else {"type": "object", "properties": {}}
+    )
+    return {"name": tool["name"], "description": tool.get("description") or "", "parameters": schema}
 
 
 def thinking_choice(body: MessagesRequest) -> bool | None:
