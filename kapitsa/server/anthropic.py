@@ -45,6 +45,7 @@ from kapitsa.server.common import (
     state_of,
     steps,
     thinking_kwargs,
+    usage_cache_written,
     usage_cached,
 )
 from kapitsa.server.constraints import anthropic_constraint
@@ -64,7 +65,7 @@ def anthropic_usage(usage: Usage) -> dict[str, Any]:
     # Anthropic counts cache reads and writes apart from `input_tokens` (total input = input + cache read
     # + cache write); the engine's checkpoints during the prompt are its cache writes.
     cached = usage_cached(usage)
-    written = max(0, min(usage.cache_write_tokens, usage.prompt_tokens - cached))
+    written = usage_cache_written(usage)
     return {
         "input_tokens": usage.prompt_tokens - cached - written,
         "output_tokens": usage.completion_tokens,

@@ -15,6 +15,7 @@ from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, strip_attribution
 from kapitsa.server.settings import MAX_MESSAGES
 from kapitsa.server.tool_schema import check_tool_schema
+from kapitsa.server.wire import WireModel
 
 _UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload")
 log = logging.getLogger("kapitsa.server")
@@ -28,16 +29,14 @@ class AnthropicMessage(BaseModel):
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
+class MessagesRequest(WireModel):
     model: str | None = None
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[dict[str, Any]] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the most likely token only
     top_k: int | None = Field(None, ge=0)
     stop_sequences: list[str] | None = None
     tools: list[dict[str, Any]] | None = None

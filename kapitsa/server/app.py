@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kapitsa import __version__
 from kapitsa.engine.client import EngineClient
 from kapitsa.server import anthropic, openai_chat, openai_completions, openai_responses
-from kapitsa.server.common import ServerState, now, state_of
+from kapitsa.server.common import ServerState, now, resolve_model, state_of
 from kapitsa.server.errors import install_error_handlers
 from kapitsa.server.metrics import prometheus_text
 from kapitsa.server.response_store import ResponseStore
@@ -64,6 +64,13 @@ def _add_service_routes(app: FastAPI) -> None:
         # One body for both APIs: OpenAI reads `object`/`data`; Anthropic's pagination fields ride along.
         first, last = (models[0]["id"], models[-1]["id"]) if models else (None, None)
         return {"object": "list", "data": models, "has_more": False, "first_id": first, "last_id": last}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+        # Anthropic clients retrieve the Claude name they were configured with, which maps to the served model
+        anthropic = "anthropic-version" in request.headers
+        info = resolve_model(state_of(request).client, model_id, anthropic=anthropic)
+        return {**_model_entry(info), "id": model_id}
 
 
 _STARTED_AT = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

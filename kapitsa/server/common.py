@@ -75,6 +75,9 @@ def openai_sampling(
 def make_sampling(model: ModelInfo, **fields: Any) -> SamplingParams:
     """`SamplingParams` from request fields (None = default); out-of-range values become a 400."""
     given = {k: v for k, v in fields.items() if v is not None}
+    if given.get("top_p") == 0:  # a nucleus of no mass holds the most likely token alone: greedy
+        del given["top_p"]
+        given["temperature"] = 0.0
     if "stop" in given:
         given["stop"] = tuple(given["stop"])
     try:
@@ -126,6 +129,11 @@ def now() -> int:
 
 def usage_cached(usage: Usage) -> int:
     return min(usage.cached_tokens, usage.prompt_tokens)
+
+
+def usage_cache_written(usage: Usage) -> int:
+    """Prompt tokens the engine's checkpoints wrote to the prefix cache (none of them read from it)."""
+    return max(0, min(usage.cache_write_tokens, usage.prompt_tokens - usage_cached(usage)))
 
 
 def flatten_text(content: Any, *, allowed: tuple[str, ...] = ("text", "input_text", "output_text")) -> str:

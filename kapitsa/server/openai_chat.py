@@ -26,6 +26,7 @@ from kapitsa.server.common import (
     start_run,
     state_of,
     steps,
+    usage_cache_written,
     usage_cached,
 )
 from kapitsa.server.errors import api_error_from_kapitsa, openai_error_body
@@ -49,7 +50,10 @@ def openai_usage(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage_cached(usage)},
+        "prompt_tokens_details": {
+            "cached_tokens": usage_cached(usage),
+            "cache_write_tokens": usage_cache_written(usage),
+        },
         "completion_tokens_details": {
             "reasoning_tokens": min(reasoning_tokens, usage.completion_tokens),
             "accepted_prediction_tokens": usage.prediction_tokens_accepted,

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from kapitsa.server.settings import MAX_CHOICES, MAX_MESSAGES
+from kapitsa.server.wire import WireModel
 
-
-class _Lenient(BaseModel):
-    # Unknown fields are dropped for client compatibility; NaN/inf never pass as numbers.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+_Lenient = WireModel
 
 
 class ContentPart(_Lenient):
@@ -68,7 +66,7 @@ class SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the most likely token only
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)

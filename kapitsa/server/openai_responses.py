@@ -40,6 +40,7 @@ from kapitsa.server.prefill import starts_in_reasoning
 from kapitsa.server.response_store import (
     ResponseStore,
     deletion_body,
+    input_items_page,
     previous_conversation,
     stored_response,
 )
@@ -119,6 +120,14 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> dict[str, Any]:
     return stored_response(state_of(request).responses, response_id).response
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def get_input_items(
+    response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
+) -> dict[str, Any]:
+    stored = stored_response(state_of(request).responses, response_id)
+    return input_items_page(stored, limit=limit, order=order, after=after)
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -102,3 +102,46 @@ def stored_response(store: ResponseStore, response_id: str) -> StoredResponse:
 
 def deletion_body(response_id: str) -> dict[str, Any]:
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+def input_items_page(stored: StoredResponse, *, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: the input items the model saw (its predecessors'
+    included), each with an id, as a page of at most `limit` (1-100) in `order` ("asc" or "desc")
+    after the item `after`."""
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "`limit` must be between 1 and 100.", param="limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "`order` must be `asc` or `desc`.", param="order")
+    outputs = len(stored.response.get("output") or [])
+    inputs = stored.items[: len(stored.items) - outputs] if outputs else stored.items
+    items = [_listed_item(item, stored.response["id"], i) for i, item in enumerate(inputs)]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        position = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if position is None:
+            raise ApiError(
+                400, f"No input item `{after}` in response '{stored.response['id']}'.", param="after"
+            )
+        items = items[position + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+def _listed_item(item: dict[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """An input item as the API lists it: an id (the client's, else one derived from the response),
+    a message's string content as one `input_text` part, and a status."""
+    listed = dict(item)
+    listed.setdefault("id", f"{response_id.replace('resp_', 'item_', 1)}_{index}")
+    if listed.get("type", "message" if "role" in listed else None) == "message":
+        listed["type"] = "message"
+        if isinstance(listed.get("content"), str):
+            listed["content"] = [{"type": "input_text", "text": listed["content"]}]
+        listed.setdefault("status", "completed")
+    return listed

@@ -8,7 +8,7 @@ from typing import Any
 
 from kapitsa.engine.types import FinishEvent, TokenLogprob, Usage
 from kapitsa.errors import ContextOverflow, EngineBusy, EngineDead, KapitsaError
-from kapitsa.server.common import logprob_entries, now, sse, usage_cached
+from kapitsa.server.common import logprob_entries, now, sse, usage_cache_written, usage_cached
 from kapitsa.server.output import ReasoningPart, TextPart
 from kapitsa.server.tool_calls import ToolCall
 
@@ -16,7 +16,10 @@ from kapitsa.server.tool_calls import ToolCall
 def responses_usage(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage_cached(usage)},
+        "input_tokens_details": {
+            "cached_tokens": usage_cached(usage),
+            "cache_write_tokens": usage_cache_written(usage),
+        },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
         "total_tokens": usage.total_tokens,

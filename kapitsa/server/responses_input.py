@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.common import flatten_text
@@ -21,6 +21,7 @@ from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, parse_arguments
 from kapitsa.server.settings import MAX_MESSAGES
 from kapitsa.server.tool_schema import check_tool_schema
+from kapitsa.server.wire import WireModel
 
 log = logging.getLogger("kapitsa.server")
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
@@ -37,9 +38,7 @@ _IGNORED_ITEMS = (
 )
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
+class ResponsesRequest(WireModel):
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] = ""
     instructions: str | None = None
@@ -49,7 +48,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the most likely token only
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None

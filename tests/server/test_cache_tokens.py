@@ -27,7 +27,7 @@ def test_anthropic_input_tokens_exclude_cache_reads_and_writes() -> None:
         "cache_read_input_tokens": 60,
         "cache_creation_input_tokens": 30,
     }
-    assert openai_usage(usage)["prompt_tokens_details"] == {"cached_tokens": 60}
+    assert openai_usage(usage)["prompt_tokens_details"] == {"cached_tokens": 60, "cache_write_tokens": 30}
     assert openai_usage(usage)["prompt_tokens"] == 100  # OpenAI counts cached tokens inside the prompt
 
 
