@@ -10,7 +10,10 @@ grammar lets it close `</think>` first.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 from kapitsa.engine.types import Constraint, ModelInfo
 from kapitsa.server.anthropic_input import output_schema
@@ -22,6 +25,12 @@ _THINK = r"think[lazy]: /(?s:.*)<\/think>/"
 _WS = r"WS: /[ \t\n]{0,4}/"
 # JSON inside a grammar gets the engine's whitespace cap too (an endless run of blanks never closes).
 _JSON_WHITESPACE = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}"}
+# Keywords whose value maps names to subschemas, and keywords whose value is data, not a schema.
+_NAME_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_MAX_REF_HOPS = 16
 
 
 def json_constraint(schema: dict[str, Any] | None, *, reasoning: bool) -> Constraint:
@@ -115,19 +124,15 @@ def tool_call_constraint(
 
 def _hermes_rules(functions: list[dict[str, Any]]) -> list[str]:
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
-    call_schema = {"anyOf": [_named_call_schema(fn) for fn in functions]}
-    return _wrapped("<tool_call>", "</tool_call>", _embedded_json(call_schema))
+    calls, defs = _named_call_schemas(functions)
+    return _wrapped("<tool_call>", "</tool_call>", _embedded_json(_with_defs({"anyOf": calls}, defs)))
 
 
 def _nemotron_rules(functions: list[dict[str, Any]], max_calls: int) -> list[str]:
     """`<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>`: the calls of a turn in one list."""
-    calls = {
-        "type": "array",
-        "minItems": 1,
-        "maxItems": max_calls,
-        "items": {"anyOf": [_named_call_schema(fn) for fn in functions]},
-    }
-    return _wrapped("<TOOLCALL>", "</TOOLCALL>", _embedded_json(calls))
+    calls, defs = _named_call_schemas(functions)
+    schema = {"type": "array", "minItems": 1, "maxItems": max_calls, "items": {"anyOf": calls}}
+    return _wrapped("<TOOLCALL>", "</TOOLCALL>", _embedded_json(_with_defs(schema, defs)))
 
 
 def _wrapped(open_tag: str, close_tag: str, body: str) -> list[str]:
@@ -140,13 +145,82 @@ def _wrapped(open_tag: str, close_tag: str, body: str) -> list[str]:
     ]
 
 
-def _named_call_schema(fn: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or _ANY_OBJECT},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
+def _named_call_schemas(functions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One `{"name", "arguments"}` schema per tool, and the `$defs` the composed root carries for them."""
+    calls, defs = [], {}
+    for index, fn in enumerate(functions):
+        key, params = _hoisted(index, fn)
+        if key is not None:
+            defs[key] = params
+            params = {"$ref": f"#/$defs/{key}"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return calls, defs
+
+
+def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _hoisted(index: int, fn: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The tool's parameters ready to sit below a composed grammar's root: `(key, schema)`.
+
+    A tool's refs are relative to its own root, which a composed schema moves below a new one, so a
+    tool with local refs moves whole into the root's `$defs` under `key` (its own, so two tools'
+    `#/$defs/A` stay apart) and each pointer ref `#` / `#/...` is rebased onto `#/$defs/key` (a
+    recursive definition stays a ref, never an inlined copy). A tool without refs keeps its schema
+    as it is (`key` None). Anchor refs (`#name`) stay as written and resolve while anchor names are
+    unique across the request's tools; refs to other documents are refused (nothing is fetched)."""
+    params = fn.get("parameters") or _ANY_OBJECT
+    if not _has_local_refs(params, fn["name"]):
+        return None, params
+    key = f"tool{index}_{re.sub(r'[^A-Za-z0-9_]', '_', fn['name'])[:48]}"
+    rebased = json.loads(json.dumps(params))  # a copy: the request's own schema stays as sent
+    rebased.pop("$id", None)  # its refs now resolve against the composed root, not its old base
+    for node in _schema_nodes(rebased):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = f"#/$defs/{key}{ref[1:]}"
+    return key, rebased
+
+
+def _has_local_refs(params: dict[str, Any], name: str) -> bool:
+    """Whether the tool's schema holds a `$ref`; raises `InvalidRequest` on a ref to another document."""
+    found = False
+    for node in _schema_nodes(params):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise param_error(
+                "tools",
+                f"tool `{name}`: `$ref` {ref!r} points outside the tool's schema; only refs within it "
+                "(`#`, `#/$defs/...`, `#/definitions/...`, any `#/...` pointer, `#anchor`) are supported.",
+            )
+        found = found or isinstance(ref, str)
+    return found
+
+
+def _schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object in `schema` (iterative: depth is the tool checker's to cap), skipping data
+    keywords (a `const` holding `{"$ref": ...}` is data) and nested resources with their own `$id`
+    (their refs resolve against that `$id`, which the compiler honours)."""
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    while stack:
+        node, is_name_map = stack.pop()
+        if isinstance(node, list):
+            stack += [(item, False) for item in node]
+        elif isinstance(node, dict) and is_name_map:
+            stack += [(sub, False) for sub in node.values()]
+        elif isinstance(node, dict):
+            if node is not schema and isinstance(node.get("$id"), str) and not node["$id"].startswith("#"):
+                continue
+            yield node
+            stack += [(v, k in _NAME_MAPS) for k, v in node.items() if k not in _DATA_KEYWORDS]
 
 
 def _xml_rules(functions: list[dict[str, Any]]) -> list[str]:
@@ -155,38 +229,60 @@ def _xml_rules(functions: list[dict[str, Any]]) -> list[str]:
     rules = [_wrapped("<tool_call>", "</tool_call>", "")[0], 'call: "<tool_call>" call_body']
     names = [f"fn_{i}" for i in range(len(functions))]
     rules.append(f'call_body: "\\n" ({" | ".join(names)}) "</tool_call>"')
-    for name, fn in zip(names, functions, strict=True):
-        rules += _xml_function(name, fn)
+    for index, (name, fn) in enumerate(zip(names, functions, strict=True)):
+        rules += _xml_function(name, fn, index)
     return rules
 
 
-def _xml_function(rule: str, fn: dict[str, Any]) -> list[str]:
-    params = fn.get("parameters") or {}
+def _xml_function(rule: str, fn: dict[str, Any], index: int) -> list[str]:
+    key, params = _hoisted(index, fn)
+    # each value compiles as its own JSON schema, so each carries the tool's (rebased) whole schema
+    defs = {key: params} if key is not None else {}
     props: dict[str, Any] = params.get("properties") or {}
     required = set(params.get("required") or [])
     parts, rules = [], []
     for i, (pname, pschema) in enumerate(props.items()):
         prule = f"{rule}_p{i}"
         parts.append(prule if pname in required else f"{prule}?")
-        rules.append(f'{prule}: "<parameter={pname}>\\n" {_xml_value(f"{prule}_v", pschema, rules)}')
+        value = _xml_value(f"{prule}_v", pschema, rules, defs)
+        rules.append(f'{prule}: "<parameter={pname}>\\n" {value}')
     body = " ".join(parts)
     rules.insert(0, f'{rule}: "<function={fn["name"]}>\\n" {body} "</function>\\n"')
     return rules
 
 
-def _xml_value(lexeme: str, schema: Any, rules: list[str]) -> str:
-    """The value and its closing tag: raw text for a string, JSON for anything else."""
+def _xml_value(lexeme: str, schema: Any, rules: list[str], defs: dict[str, Any]) -> str:
+    """The value and its closing tag: raw text for a string (a ref to a string schema too, as a
+    Pydantic enum is), JSON for anything else."""
     schema = schema if isinstance(schema, dict) else {}
-    if schema.get("type") != "string":
-        return f'{_embedded_json(schema)} "\\n</parameter>\\n"'
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        choices = " | ".join(json.dumps(str(v)) for v in schema["enum"])
+    target = _ref_target(schema, {"$defs": defs})
+    if target.get("type") != "string":
+        # the value's own `$defs` are only a container: its refs now point into the hoisted copy
+        return f'{_embedded_json(_with_defs(schema, defs))} "\\n</parameter>\\n"'
+    if isinstance(target.get("enum"), list) and target["enum"]:
+        choices = " | ".join(json.dumps(str(v)) for v in target["enum"])
         return f'({choices}) "\\n</parameter>\\n"'
     length = (
-        f"{{{int(schema.get('minLength', 0))},{int(schema['maxLength'])}}}" if "maxLength" in schema else "*"
+        f"{{{int(target.get('minLength', 0))},{int(target['maxLength'])}}}" if "maxLength" in target else "*"
     )
     rules.append(f"{lexeme}[lazy]: /(?s:.{length})\\n<\\/parameter>\\n/")
     return lexeme
+
+
+def _ref_target(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    """The schema a bare pointer `$ref` chain in `root` ends at (`schema` itself without one)."""
+    for _ in range(_MAX_REF_HOPS):
+        ref = schema.get("$ref")
+        if not (isinstance(ref, str) and ref.startswith("#/")):
+            return schema
+        node: Any = root
+        for part in ref[2:].split("/"):
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return schema
+        schema = node
+    return schema
 
 
 def _regex_text(text: str) -> str:

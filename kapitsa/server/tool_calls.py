@@ -128,7 +128,7 @@ class ToolCallParser:
     def _make_call(self, name: str, args: dict[str, Any]) -> ToolCall:
         schema = self.schemas.get(name, {})
         props = schema.get("properties", {}) if isinstance(schema, dict) else {}
-        typed = {k: coerce(v, props.get(k)) for k, v in args.items()}
+        typed = {k: coerce(v, props.get(k), root=schema) for k, v in args.items()}
         return ToolCall(new_call_id(), name, json.dumps(typed, ensure_ascii=False))
 
 
@@ -168,7 +168,28 @@ def _parse_json_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
     return calls
 
 
-def _schema_types(schema: Any) -> list[str]:
+_MAX_REF_HOPS = 16
+
+
+def _resolved(schema: Any, root: Any) -> Any:
+    """`schema` with its local pointer `$ref` (`#`, `#/$defs/A`, any `#/...`) followed within the
+    tool's schema `root`, a few hops at most (a Pydantic nested model or enum is a ref)."""
+    for _ in range(_MAX_REF_HOPS):
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            return schema
+        node = root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return schema
+        schema = node
+    return schema
+
+
+def _schema_types(schema: Any, root: Any = None) -> list[str]:
+    schema = _resolved(schema, root)
     if not isinstance(schema, dict):
         return []
     declared = schema.get("type")
@@ -177,12 +198,13 @@ def _schema_types(schema: Any) -> list[str]:
     if isinstance(declared, list):
         return [t for t in declared if isinstance(t, str)]
     options = schema.get("anyOf") or schema.get("oneOf") or []
-    return [t for option in options for t in _schema_types(option)]
+    return [t for option in options for t in _schema_types(option, root)]
 
 
-def coerce(value: Any, schema: Any) -> Any:
-    """`value` converted to the first declared type it fits; unchanged when none fits or there is no schema."""
-    types = _schema_types(schema)
+def coerce(value: Any, schema: Any, *, root: Any = None) -> Any:
+    """`value` converted to the first declared type it fits; unchanged when none fits or there is no
+    schema. `root`: the tool's whole schema, which the property's refs point into."""
+    types = _schema_types(schema, root)
     if not types or (isinstance(value, str) and "string" in types):
         return value
     for kind in types:

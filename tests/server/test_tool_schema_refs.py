@@ -1,0 +1,289 @@
+"""Tool schemas with `$defs` / `definitions` and `$ref`s (what Pydantic models with nested models emit)
+under a call grammar: every tool's refs resolve to its own definitions in each tool-call format, and
+requests that force or strictly check a call answer 200 in all three APIs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_harness import live_server, open_tiny_engine
+
+from kapitsa.engine.text.constraint import GrammarCompiler
+from kapitsa.engine.text.tokenizer import Tokenizer
+from kapitsa.errors import InvalidRequest
+from kapitsa.server.constraints import tool_call_constraint
+from kapitsa.server.tool_calls import ToolCall, ToolCallParser
+from kapitsa.testing.tiny import write_tiny_checkpoint
+
+FORMATS = ["hermes", "nemotron", "qwen3_coder"]
+_ADDRESS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "zip": {"type": "integer", "maximum": 99}},
+    "required": ["city", "zip"],
+    "additionalProperties": False,
+}
+
+
+def _person(keyword: str) -> dict[str, Any]:
+    """A Pydantic-style model with a nested model under `keyword` ("$defs" or draft-07 "definitions")."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "address": {"$ref": f"#/{keyword}/Address"},
+        },
+        "required": ["name", "address"],
+        "additionalProperties": False,
+        keyword: {"Address": _ADDRESS},
+    }
+
+
+PERSON = _person("$defs")
+TREE = {
+    "type": "object",
+    "properties": {"root": {"$ref": "#/$defs/Node"}},
+    "required": ["root"],
+    "additionalProperties": False,
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "value": {"type": "integer"},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}, "maxItems": 2},
+            },
+            "required": ["value", "children"],
+            "additionalProperties": False,
+        }
+    },
+}
+LINKED = {  # a root self-reference and a pointer into the tool's own properties
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "maxLength": 8},
+        "size": {"type": "integer"},
+        "copy_size": {"$ref": "#/properties/size"},
+        "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    },
+    "required": ["label", "size", "copy_size", "next"],
+    "additionalProperties": False,
+}
+
+
+def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _with_a(a: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/A"}},
+        "required": ["a"],
+        "additionalProperties": False,
+        "$defs": {"A": a},
+    }
+
+
+PAINT = {  # a Pydantic str enum: a ref to a string schema (raw text in the XML format)
+    "type": "object",
+    "properties": {"color": {"$ref": "#/$defs/Color"}, "coats": {"type": "integer"}},
+    "required": ["color", "coats"],
+    "additionalProperties": False,
+    "$defs": {"Color": {"type": "string", "enum": ["red", "blue"]}},
+}
+TWO_AS = [  # both tools define `$defs/A`, with different shapes
+    _tool("first", _with_a({"type": "integer"})),
+    _tool("second", _with_a({"type": "object", "properties": {"s": {"type": "boolean"}}, "required": ["s"]})),
+]
+# (tools, (name, arguments) a valid call, (name, arguments) a call that breaks a nested definition)
+CASES = {
+    "defs": (
+        [_tool("save", _person("$defs"))],
+        ("save", {"name": "Ann", "address": {"city": "Paris", "zip": 7}}),
+        ("save", {"name": "Ann", "address": {"city": "Paris", "zip": "7"}}),
+    ),
+    "definitions": (
+        [_tool("save", _person("definitions"))],
+        ("save", {"name": "Ann", "address": {"city": "Paris", "zip": 7}}),
+        ("save", {"name": "Ann", "address": {"city": "Paris"}}),
+    ),
+    "recursive": (
+        [_tool("tree", TREE)],
+        (
+            "tree",
+            {"root": {"value": 1, "children": [{"value": 2, "children": [{"value": 3, "children": []}]}]}},
+        ),
+        ("tree", {"root": {"value": 1, "children": [{"value": 2, "children": [{"value": "x"}]}]}}),
+    ),
+    "string_enum": (
+        [_tool("paint", PAINT)],
+        ("paint", {"color": "red", "coats": 2}),
+        ("paint", {"color": "green", "coats": 2}),
+    ),
+    "same_name_first": (TWO_AS, ("first", {"a": 1}), ("first", {"a": {"s": True}})),
+    "same_name_second": (TWO_AS, ("second", {"a": {"s": True}}), ("second", {"a": 1})),
+    "root_and_property_pointers": (
+        [_tool("link", LINKED)],
+        (
+            "link",
+            {
+                "label": "a",
+                "size": 1,
+                "copy_size": 2,
+                "next": {"label": "b", "size": 3, "copy_size": 4, "next": None},
+            },
+        ),
+        (
+            "link",
+            {
+                "label": "a",
+                "size": 1,
+                "copy_size": 2,
+                "next": {"label": "b", "size": 3, "copy_size": "4", "next": None},
+            },
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory) -> tuple[GrammarCompiler, Tokenizer]:
+    tok = Tokenizer.from_folder(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3_5"))
+    return GrammarCompiler(tok.backend, vocab_size=tok.vocab_size, eos_ids=tok.eos_token_ids), tok
+
+
+def _accepts(compiler, constraint, text: str) -> bool:
+    grammars, tok = compiler
+    state = grammars.make(constraint)
+    try:
+        for token in tok.encode(text):
+            state.advance(token)
+    except Exception:  # noqa: BLE001 - the grammar refused a token
+        return False
+    return state.is_accepting
+
+
+def _call_text(tool_format: str, tools: list[dict[str, Any]], name: str, args: dict[str, Any]) -> str:
+    """One call as the model writes it in `tool_format` (XML parameters in the schema's order)."""
+    if tool_format == "hermes":
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+    if tool_format == "nemotron":
+        return f"<TOOLCALL>\n{json.dumps([{'name': name, 'arguments': args}])}\n</TOOLCALL>"
+    params = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+    parts = [
+        f"<parameter={key}>\n{args[key] if isinstance(args[key], str) else json.dumps(args[key])}\n</parameter>\n"
+        for key in params["properties"]
+        if key in args
+    ]
+    return f"<tool_call>\n<function={name}>\n{''.join(parts)}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("tool_format", FORMATS)
+@pytest.mark.parametrize("required", [True, False], ids=["forced", "strict"])
+def test_refs_resolve_to_the_tools_own_definitions(compiler, tool_format, case, required) -> None:
+    tools, good, bad = CASES[case]
+    constraint = tool_call_constraint(tools, tool_format=tool_format, reasoning=False, required=required)
+    prefix = "" if required else "Let me do it. "
+    assert _accepts(compiler, constraint, prefix + _call_text(tool_format, tools, *good))
+    assert not _accepts(compiler, constraint, prefix + _call_text(tool_format, tools, *bad))
+
+
+def test_an_xml_value_of_a_ref_to_a_string_is_raw_text_the_parser_reads(compiler) -> None:
+    tools = [_tool("paint", PAINT)]
+    text = _call_text("qwen3_coder", tools, "paint", {"color": "blue", "coats": 1})
+    constraint = tool_call_constraint(tools, tool_format="qwen3_coder", reasoning=False)
+    assert "<parameter=color>\nblue\n" in text and _accepts(compiler, constraint, text)
+    calls = [p for p in ToolCallParser(tools).feed(text) if isinstance(p, ToolCall)]
+    assert [json.loads(c.arguments) for c in calls] == [{"color": "blue", "coats": 1}]
+
+
+def test_an_xml_value_of_a_ref_to_an_object_is_read_as_an_object() -> None:
+    tools = [_tool("save", PERSON)]
+    args = {"name": "Ann", "address": {"city": "Paris", "zip": 7}}
+    calls = [p for p in ToolCallParser(tools).feed(_call_text("qwen3_coder", tools, "save", args))]
+    assert [json.loads(c.arguments) for c in calls if isinstance(c, ToolCall)] == [args]
+
+
+@pytest.mark.parametrize("tool_format", FORMATS)
+def test_a_ref_outside_the_tools_schema_is_a_clear_400(tool_format) -> None:
+    remote = {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}
+    with pytest.raises(InvalidRequest, match="fetch_it"):
+        tool_call_constraint([_tool("fetch_it", remote)], tool_format=tool_format, reasoning=False)
+
+
+def test_tools_without_refs_keep_their_grammar() -> None:
+    plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for tool_format in FORMATS:
+        constraint = tool_call_constraint([_tool("p", plain)], tool_format=tool_format, reasoning=False)
+        assert "$defs" not in constraint.value
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def http(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    engine = open_tiny_engine(tmp_path_factory.mktemp("tiny") / request.param, request.param)
+    try:
+        with live_server(engine) as live, httpx.Client(base_url=live.url, timeout=120) as client:
+            client.model_id = client.get("/v1/models").json()["data"][0]["id"]
+            yield client
+    finally:
+        engine.close()
+
+
+def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = http.post(path, json={**body, "model": http.model_id, "temperature": 0.0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chat_required_call_with_defs(http) -> None:
+    body = _post(
+        http,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "save Ann"}],
+            "max_tokens": 400,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "tools": [_tool("save", PERSON)],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+        },
+    )
+    choice = body["choices"][0]
+    if choice["finish_reason"] == "tool_calls":
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["save"]
+
+
+def test_anthropic_any_tool_with_defs(http) -> None:
+    body = _post(
+        http,
+        "/v1/messages",
+        {
+            "max_tokens": 400,
+            "messages": [{"role": "user", "content": "save Ann"}],
+            "thinking": {"type": "disabled"},
+            "tools": [{"name": "save", "input_schema": PERSON}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        },
+    )
+    if body["stop_reason"] == "tool_use":
+        assert [b["name"] for b in body["content"] if b["type"] == "tool_use"] == ["save"]
+
+
+def test_responses_strict_tool_with_defs(http) -> None:
+    body = _post(
+        http,
+        "/v1/responses",
+        {
+            "input": "save Ann",
+            "max_output_tokens": 400,
+            "reasoning": {"effort": "none"},
+            "tools": [{"type": "function", "name": "save", "parameters": PERSON, "strict": True}],
+            "store": False,
+        },
+    )
+    calls = [item for item in body["output"] if item["type"] == "function_call"]
+    assert all(call["name"] == "save" for call in calls), body
