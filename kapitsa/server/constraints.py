@@ -74,6 +74,10 @@ def output_constraint(
     if reasoning is None:
         reasoning = model.thinking_prompt.starts_in_reasoning(thinking)
     tool_format = model.tool_call_format
+    if tool_required and not tools:  # as OpenAI and Anthropic answer: no call could be made
+        raise param_error(
+            "tool_choice", "`tool_choice` requires a tool call, but the request declares no tools."
+        )
     if tools and tool_required:
         max_calls = MAX_PARALLEL_CALLS if parallel_calls else 1
         return tool_call_constraint(tools, tool_format=tool_format, reasoning=reasoning, max_calls=max_calls)

@@ -88,3 +88,15 @@ def test_usage_reports_cache_writes_as_the_sdks_type_them(live: LiveServer) -> N
     assert details.cache_write_tokens + details.cached_tokens <= usage.input_tokens
     chat = oai.chat.completions.create(model="fake", messages=USER).usage
     assert isinstance(chat.prompt_tokens_details.cache_write_tokens, int)
+
+
+def test_a_required_call_without_tools_is_a_400(http: httpx.Client) -> None:
+    chat = http.post(
+        "/v1/chat/completions", json={"model": "fake", "messages": USER, "tool_choice": "required"}
+    )
+    assert chat.status_code == 400 and "declares no tools" in chat.text
+    named = {"type": "function", "name": "f"}
+    responses = http.post("/v1/responses", json={"model": "fake", "input": "hi", "tool_choice": named})
+    assert responses.status_code == 400
+    body = {"model": "fake", "messages": USER, "max_tokens": 8, "tool_choice": {"type": "any"}}
+    assert http.post("/v1/messages", json=body).status_code == 400
