@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kapitsa.engine.types import ModelInfo
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.anthropic_client_tools import client_tool
+from kapitsa.server.anthropic_documents import readable_blocks
 from kapitsa.server.errors import param_error
 from kapitsa.server.images import content_parts, is_image_part
 from kapitsa.server.prompt import fold_system_messages, json_mode_instruction, strip_attribution
@@ -17,7 +18,8 @@ from kapitsa.server.settings import MAX_MESSAGES
 from kapitsa.server.tool_schema import check_tool_schema
 from kapitsa.server.wire import WireModel
 
-_UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload")
+_UNSUPPORTED_BLOCKS = ("container_upload",)
+_DOCUMENT_BLOCKS = ("document", "search_result")  # read as text (server.anthropic_documents)
 log = logging.getLogger("kapitsa.server")
 _SKIPPED_BLOCKS = ("redacted_thinking", "server_tool_use", "web_search_tool_result", "tool_reference")
 
@@ -84,6 +86,8 @@ def _result_content(content: Any) -> str | list[dict[str, Any]]:
             raise InvalidRequest("tool_result content blocks must be objects.")
         if block.get("type") in ("text", "image"):
             kept.append(block)
+        elif block.get("type") in _DOCUMENT_BLOCKS:
+            kept += readable_blocks(block)
         elif block.get("type") in _UNSUPPORTED_BLOCKS:
             raise InvalidRequest(
                 f"`{block.get('type')}` blocks are not supported: the served model reads text and images only."
@@ -111,6 +115,8 @@ def _user_messages(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(_tool_message(block))
         elif kind in ("text", "image"):
             kept.append(block)
+        elif kind in _DOCUMENT_BLOCKS:
+            kept += readable_blocks(block)
         elif kind in _UNSUPPORTED_BLOCKS:
             raise InvalidRequest(
                 f"`{kind}` blocks are not supported: the served model reads text and images only."
