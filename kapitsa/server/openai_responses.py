@@ -107,6 +107,11 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         instructions=body.instructions,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         truncation=body.truncation or "disabled",
+        tools=body.tools or [],  # as the request declared them
+        tool_choice=body.tool_choice or "auto",
+        max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
     )
     keep = _keeper(state.responses, [*history, *input_items(body)]) if body.store else _keep_nothing
     run = await start_run(request, gen)

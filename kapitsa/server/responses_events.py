@@ -147,7 +147,8 @@ class ResponseBuilder:
             ),
         ]
 
-    def _close_open(self) -> list[bytes]:
+    def _close_open(self, status: str = "completed") -> list[bytes]:
+        """Close the item being written; `status` "incomplete" when a length stop cut it."""
         item, self.open_item = self.open_item, None
         if item is None:
             return []
@@ -166,7 +167,7 @@ class ResponseBuilder:
         else:
             logprobs = item.pop("_logprobs")
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
-            item.update(status="completed", content=[part])
+            item.update(status=status, content=[part])
             frames = [
                 self.event(
                     "response.output_text.done",
@@ -254,7 +255,7 @@ class ResponseBuilder:
         return item
 
     def finish(self, finish: FinishEvent, reasoning_tokens: int = 0) -> dict[str, Any]:
-        self._close_open()  # events are produced by `closing`; this path is for the non-stream body
+        self._close_open(_last_item_status(finish))  # `closing` makes the events; this is the body
         return self._finished(finish, reasoning_tokens)
 
     def _finished(self, finish: FinishEvent, reasoning_tokens: int = 0) -> dict[str, Any]:
@@ -271,7 +272,7 @@ class ResponseBuilder:
         `response.incomplete`, as OpenAI's does; without one (the server's own limits cut it: the window,
         the model's longest answer) with `response.completed` + `status: "incomplete"`, since Codex, which
         sets no limit, fails the turn on `response.incomplete`."""
-        frames = self._close_open()
+        frames = self._close_open(_last_item_status(finish))
         response = self._finished(finish, reasoning_tokens)
         last = "response.incomplete" if self.client_limit and response["status"] == "incomplete" else None
         return frames + [self.event(last or "response.completed", response=response)]
@@ -280,6 +281,10 @@ class ResponseBuilder:
         message = str(error) if isinstance(error, KapitsaError) else f"Generation failed: {error}"
         self.response.update(status="failed", error={"code": failure_code(error), "message": message})
         return [self.event("response.failed", response=self.response)]
+
+
+def _last_item_status(finish: FinishEvent) -> str:
+    return "incomplete" if finish.finish_reason == "length" else "completed"
 
 
 def _public(item: dict[str, Any]) -> dict[str, Any]:

@@ -100,3 +100,18 @@ def test_a_required_call_without_tools_is_a_400(http: httpx.Client) -> None:
     assert responses.status_code == 400
     body = {"model": "fake", "messages": USER, "max_tokens": 8, "tool_choice": {"type": "any"}}
     assert http.post("/v1/messages", json=body).status_code == 400
+
+
+def test_a_response_echoes_its_tools_and_a_cut_message_is_incomplete(live: LiveServer) -> None:
+    oai = openai.OpenAI(base_url=live.v1, api_key="x", max_retries=0, timeout=10)
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+    live.engine.enqueue("a long answer", finish_reason="length")
+    cut = oai.responses.create(model="fake", input="hi", tools=tools, tool_choice="auto", max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.output[-1].status == "incomplete"
+    assert [t.name for t in cut.tools] == ["f"] and cut.tool_choice == "auto" and cut.max_output_tokens == 3
+    live.engine.enqueue("a long answer", finish_reason="length")
+    events = list(oai.responses.create(model="fake", input="hi", max_output_tokens=3, stream=True))
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[-1].status == "incomplete"
+    done = oai.responses.create(model="fake", input="hi")
+    assert done.output[-1].status == "completed"
