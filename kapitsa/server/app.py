@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kapitsa import __version__
 from kapitsa.engine.client import EngineClient
+from kapitsa.errors import ModelNotFound
 from kapitsa.server import anthropic, openai_chat, openai_completions, openai_responses
 from kapitsa.server.common import ServerState, now, resolve_model, state_of
 from kapitsa.server.errors import install_error_handlers
@@ -69,6 +70,8 @@ def _add_service_routes(app: FastAPI) -> None:
     async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
         # Anthropic clients retrieve the Claude name they were configured with, which maps to the served model
         anthropic = "anthropic-version" in request.headers
+        if not model_id:  # resolve_model reads an empty name as the default model
+            raise ModelNotFound("Name a model: GET /v1/models/{id}.")
         info = resolve_model(state_of(request).client, model_id, anthropic=anthropic)
         return {**_model_entry(info), "id": model_id}
 

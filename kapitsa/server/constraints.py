@@ -10,14 +10,12 @@ grammar lets it close `</think>` first.
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
 
 from kapitsa.engine.types import Constraint, ModelInfo
 from kapitsa.server.anthropic_input import output_schema
 from kapitsa.server.errors import param_error
+from kapitsa.server.schema_refs import hoisted, reachable_defs, ref_target
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_PARALLEL_CALLS = 8  # calls one required turn may hold: a grammar always ends, even a weak model's
@@ -25,12 +23,6 @@ _THINK = r"think[lazy]: /(?s:.*)<\/think>/"
 _WS = r"WS: /[ \t\n]{0,4}/"
 # JSON inside a grammar gets the engine's whitespace cap too (an endless run of blanks never closes).
 _JSON_WHITESPACE = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}"}
-# Keywords whose value maps names to subschemas, and keywords whose value is data, not a schema.
-_NAME_MAPS = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
-)
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-_MAX_REF_HOPS = 16
 
 
 def json_constraint(schema: dict[str, Any] | None, *, reasoning: bool) -> Constraint:
@@ -153,7 +145,7 @@ def _named_call_schemas(functions: list[dict[str, Any]]) -> tuple[list[dict[str,
     """One `{"name", "arguments"}` schema per tool, and the `$defs` the composed root carries for them."""
     calls, defs = [], {}
     for index, fn in enumerate(functions):
-        key, params = _hoisted(index, fn)
+        key, params = hoisted(index, fn["name"], fn.get("parameters") or _ANY_OBJECT)
         if key is not None:
             defs[key] = params
             params = {"$ref": f"#/$defs/{key}"}
@@ -172,61 +164,6 @@ def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "$defs": defs} if defs else schema
 
 
-def _hoisted(index: int, fn: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """The tool's parameters ready to sit below a composed grammar's root: `(key, schema)`.
-
-    A tool's refs are relative to its own root, which a composed schema moves below a new one, so a
-    tool with local refs moves whole into the root's `$defs` under `key` (its own, so two tools'
-    `#/$defs/A` stay apart) and each pointer ref `#` / `#/...` is rebased onto `#/$defs/key` (a
-    recursive definition stays a ref, never an inlined copy). A tool without refs keeps its schema
-    as it is (`key` None). Anchor refs (`#name`) stay as written and resolve while anchor names are
-    unique across the request's tools; refs to other documents are refused (nothing is fetched)."""
-    params = fn.get("parameters") or _ANY_OBJECT
-    if not _has_local_refs(params, fn["name"]):
-        return None, params
-    key = f"tool{index}_{re.sub(r'[^A-Za-z0-9_]', '_', fn['name'])[:48]}"
-    rebased = json.loads(json.dumps(params))  # a copy: the request's own schema stays as sent
-    rebased.pop("$id", None)  # its refs now resolve against the composed root, not its old base
-    for node in _schema_nodes(rebased):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-            node["$ref"] = f"#/$defs/{key}{ref[1:]}"
-    return key, rebased
-
-
-def _has_local_refs(params: dict[str, Any], name: str) -> bool:
-    """Whether the tool's schema holds a `$ref`; raises `InvalidRequest` on a ref to another document."""
-    found = False
-    for node in _schema_nodes(params):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and not ref.startswith("#"):
-            raise param_error(
-                "tools",
-                f"tool `{name}`: `$ref` {ref!r} points outside the tool's schema; only refs within it "
-                "(`#`, `#/$defs/...`, `#/definitions/...`, any `#/...` pointer, `#anchor`) are supported.",
-            )
-        found = found or isinstance(ref, str)
-    return found
-
-
-def _schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
-    """Every schema object in `schema` (iterative: depth is the tool checker's to cap), skipping data
-    keywords (a `const` holding `{"$ref": ...}` is data) and nested resources with their own `$id`
-    (their refs resolve against that `$id`, which the compiler honours)."""
-    stack: list[tuple[Any, bool]] = [(schema, False)]
-    while stack:
-        node, is_name_map = stack.pop()
-        if isinstance(node, list):
-            stack += [(item, False) for item in node]
-        elif isinstance(node, dict) and is_name_map:
-            stack += [(sub, False) for sub in node.values()]
-        elif isinstance(node, dict):
-            if node is not schema and isinstance(node.get("$id"), str) and not node["$id"].startswith("#"):
-                continue
-            yield node
-            stack += [(v, k in _NAME_MAPS) for k, v in node.items() if k not in _DATA_KEYWORDS]
-
-
 def _xml_rules(functions: list[dict[str, Any]]) -> list[str]:
     """Qwen3-coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`;
     string values are raw text, other values JSON."""
@@ -239,8 +176,8 @@ def _xml_rules(functions: list[dict[str, Any]]) -> list[str]:
 
 
 def _xml_function(rule: str, fn: dict[str, Any], index: int) -> list[str]:
-    key, params = _hoisted(index, fn)
-    # each value compiles as its own JSON schema, so each carries the tool's (rebased) whole schema
+    key, params = hoisted(index, fn["name"], fn.get("parameters") or {})
+    # each value compiles as its own JSON schema, so each carries the definitions its refs reach
     defs = {key: params} if key is not None else {}
     props: dict[str, Any] = params.get("properties") or {}
     required = set(params.get("required") or [])
@@ -259,10 +196,11 @@ def _xml_value(lexeme: str, schema: Any, rules: list[str], defs: dict[str, Any])
     """The value and its closing tag: raw text for a string (a ref to a string schema too, as a
     Pydantic enum is), JSON for anything else."""
     schema = schema if isinstance(schema, dict) else {}
-    target = _ref_target(schema, {"$defs": defs})
+    target = ref_target(schema, {"$defs": defs})
     if target.get("type") != "string":
         # the value's own `$defs` are only a container: its refs now point into the hoisted copy
-        return f'{_embedded_json(_with_defs(schema, defs))} "\\n</parameter>\\n"'
+        used = reachable_defs(schema, defs) if defs else {}
+        return f'{_embedded_json(_with_defs(schema, used))} "\\n</parameter>\\n"'
     if isinstance(target.get("enum"), list) and target["enum"]:
         choices = " | ".join(json.dumps(str(v)) for v in target["enum"])
         return f'({choices}) "\\n</parameter>\\n"'
@@ -271,22 +209,6 @@ def _xml_value(lexeme: str, schema: Any, rules: list[str], defs: dict[str, Any])
     )
     rules.append(f"{lexeme}[lazy]: /(?s:.{length})\\n<\\/parameter>\\n/")
     return lexeme
-
-
-def _ref_target(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
-    """The schema a bare pointer `$ref` chain in `root` ends at (`schema` itself without one)."""
-    for _ in range(_MAX_REF_HOPS):
-        ref = schema.get("$ref")
-        if not (isinstance(ref, str) and ref.startswith("#/")):
-            return schema
-        node: Any = root
-        for part in ref[2:].split("/"):
-            part = unquote(part).replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            return schema
-        schema = node
-    return schema
 
 
 def _regex_text(text: str) -> str:

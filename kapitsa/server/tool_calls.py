@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kapitsa.server.reasoning import held_suffix_length
+from kapitsa.server.schema_refs import schema_types
 
 _BLOCKS = {"<tool_call>": "</tool_call>", "<TOOLCALL>": "</TOOLCALL>", "<function=": "</function>"}
 _START_TAGS = tuple(_BLOCKS)
@@ -168,43 +169,10 @@ def _parse_json_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
     return calls
 
 
-_MAX_REF_HOPS = 16
-
-
-def _resolved(schema: Any, root: Any) -> Any:
-    """`schema` with its local pointer `$ref` (`#`, `#/$defs/A`, any `#/...`) followed within the
-    tool's schema `root`, a few hops at most (a Pydantic nested model or enum is a ref)."""
-    for _ in range(_MAX_REF_HOPS):
-        ref = schema.get("$ref") if isinstance(schema, dict) else None
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            return schema
-        node = root
-        for part in ref[2:].split("/") if ref != "#" else ():
-            part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            return schema
-        schema = node
-    return schema
-
-
-def _schema_types(schema: Any, root: Any = None) -> list[str]:
-    schema = _resolved(schema, root)
-    if not isinstance(schema, dict):
-        return []
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return [declared]
-    if isinstance(declared, list):
-        return [t for t in declared if isinstance(t, str)]
-    options = schema.get("anyOf") or schema.get("oneOf") or []
-    return [t for option in options for t in _schema_types(option, root)]
-
-
 def coerce(value: Any, schema: Any, *, root: Any = None) -> Any:
     """`value` converted to the first declared type it fits; unchanged when none fits or there is no
     schema. `root`: the tool's whole schema, which the property's refs point into."""
-    types = _schema_types(schema, root)
+    types = schema_types(schema, root)
     if not types or (isinstance(value, str) and "string" in types):
         return value
     for kind in types:

@@ -56,6 +56,8 @@ def test_a_model_is_retrieved_by_its_id_and_a_claude_name_maps_to_it(live: LiveS
         oai.models.retrieve("gpt-4o")
     claude = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0, timeout=10)
     assert claude.models.retrieve("claude-sonnet-4-5").id == "claude-sonnet-4-5"
+    with httpx.Client(base_url=live.url, timeout=10) as http:
+        assert http.get("/v1/models/").status_code == 404
 
 
 def test_input_items_list_what_the_model_saw(live: LiveServer) -> None:
@@ -95,9 +97,8 @@ def test_a_required_call_without_tools_is_a_400(http: httpx.Client) -> None:
         "/v1/chat/completions", json={"model": "fake", "messages": USER, "tool_choice": "required"}
     )
     assert chat.status_code == 400 and "declares no tools" in chat.text
-    named = {"type": "function", "name": "f"}
-    responses = http.post("/v1/responses", json={"model": "fake", "input": "hi", "tool_choice": named})
-    assert responses.status_code == 400
+    responses = http.post("/v1/responses", json={"model": "fake", "input": "hi", "tool_choice": "required"})
+    assert responses.status_code == 400 and "declares no tools" in responses.text
     body = {"model": "fake", "messages": USER, "max_tokens": 8, "tool_choice": {"type": "any"}}
     assert http.post("/v1/messages", json=body).status_code == 400
 

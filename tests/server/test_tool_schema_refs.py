@@ -287,3 +287,37 @@ def test_responses_strict_tool_with_defs(http) -> None:
     )
     calls = [item for item in body["output"] if item["type"] == "function_call"]
     assert all(call["name"] == "save" for call in calls), body
+
+
+def test_a_cyclic_or_fanned_out_ref_costs_its_size_when_a_call_is_typed() -> None:
+    """Reading a call's arguments follows each ref once: a cycle ends, and a ref fan-out nine levels
+    deep (8**9 paths unwalked) types its value at once."""
+    import time
+
+    cyclic = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/A"}},
+        "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "string"}]}},
+    }
+    fanned: dict[str, Any] = {"type": "object", "properties": {"a": {"$ref": "#/$defs/D0"}}, "$defs": {}}
+    for i in range(9):
+        fanned["$defs"][f"D{i}"] = {"anyOf": [{"$ref": f"#/$defs/D{i + 1}"}] * 8}
+    fanned["$defs"]["D9"] = {"type": "integer"}
+    start = time.monotonic()
+    for schema, want in ((cyclic, "7"), (fanned, 7)):
+        tools = [_tool("f", schema)]
+        (call,) = [c for c in ToolCallParser(tools).feed(_call_text("qwen3_coder", tools, "f", {"a": "7"}))]
+        assert json.loads(call.arguments) == {"a": want}
+    assert time.monotonic() - start < 2.0
+
+
+def test_an_xml_grammar_carries_each_value_only_the_definitions_it_reaches() -> None:
+    """The qwen3-coder format compiles each value alone; a value holds the definitions its refs reach,
+    so a tool of many properties and one large definition stays about one definition's size."""
+    big = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(300)}}
+    props: dict[str, Any] = {f"n{i}": {"type": "integer"} for i in range(200)}
+    props["big"] = {"$ref": "#/$defs/Big"}
+    schema = {"type": "object", "properties": props, "$defs": {"Big": big}}
+    grammar = tool_call_constraint([_tool("f", schema)], tool_format="qwen3_coder", reasoning=False).value
+    assert grammar.count('"k299"') == 1
+    assert len(grammar) < 3 * len(json.dumps(big)) + 200 * 200
