@@ -162,15 +162,35 @@ def test_nemotron_mtp_head_loads_every_tensor_and_predicts_from_the_fused_state(
     assert mx.abs(again[0, -1] - full[0, -1]).max().item() < 1e-4
 
 
-def test_nemotron_mtp_tensors_without_a_configured_step_are_kept_aside():
+def _nemotron_without_mtp_config(weights_edit=None):  # noqa: ANN001, ANN202
     from kapitsa.engine.models import get_model_module
     from tests.models.builders import config_and_weights
 
     cfg, weights = config_and_weights("nemotron_moe", mtp=True)
-    del cfg["mtp_hybrid_override_pattern"]
+    configured = cfg.pop("mtp_hybrid_override_pattern")
+    weights = dict(weights) if weights_edit is None else weights_edit(dict(weights))
     module = get_model_module(cfg["model_type"])
     model = module.Model(module.ModelArgs.from_dict(cfg))
-    model.load_weights(list(model.sanitize(dict(weights)).items()), strict=True)
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    return model, configured
+
+
+def test_nemotron_mtp_step_without_a_config_is_read_from_its_tensors():
+    model, configured = _nemotron_without_mtp_config()
+    assert model.mtp is not None and model.mtp_weights == {}
+    assert (
+        "".join("*" if hasattr(layer.block.mixer, "q_proj") else "E" for layer in model.mtp.layers)
+        == configured
+    )
+
+
+def test_nemotron_mtp_tensors_it_cannot_tell_are_kept_aside():
+    def unknown_mixer(w):  # noqa: ANN001, ANN202 - a layer with neither attention nor a router
+        return {
+            k.replace("mtp.layers.0.mixer.q_proj", "mtp.layers.0.mixer.odd_proj"): v for k, v in w.items()
+        }
+
+    model, _ = _nemotron_without_mtp_config(unknown_mixer)
     assert model.mtp is None and "mtp.layers.0.eh_proj.weight" in model.mtp_weights
     assert not any(k.startswith("mtp") for k, _ in tree_flatten(model.parameters()))
 

@@ -6,9 +6,10 @@ the router see the full hidden state). Dory-class dense models are patterns with
 The layer stack comes from `hybrid_override_pattern` (`M` Mamba-2, `*` attention, `-` MLP,
 `E` MoE) or `layers_block_type` / `layer_types`. Parameter paths match mlx-lm's.
 
-MTP: when the config names the MTP step's blocks and the checkpoint ships their `mtp.*` tensors,
-`sanitize` attaches `self.mtp` (nemotron_mtp.py) and returns its weights; without a config for
-them, the tensors are kept aside in `model.mtp_weights` (a dict of arrays, not parameters).
+MTP: when the checkpoint ships `mtp.*` tensors, `sanitize` attaches `self.mtp` (nemotron_mtp.py),
+its blocks as the config names them or as the tensors show (attention, MoE, MLP), and returns its
+weights; tensors of blocks it cannot tell are kept aside in `model.mtp_weights` (a dict of arrays,
+not parameters).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kapitsa.engine.models.base import (
 )
 from kapitsa.engine.models.mamba2 import Mamba2Mixer
 from kapitsa.engine.models.nemotron_h_args import ModelArgs
-from kapitsa.engine.models.nemotron_mtp import NemotronMTPHead, mtp_weight_names
+from kapitsa.engine.models.nemotron_mtp import NemotronMTPHead, mtp_weight_names, pattern_from_weights
 from kapitsa.engine.models.nemotron_weights import sanitize_nemotron
 from kapitsa.engine.ops.linear import act_linear_plus, normed_linear
 from kapitsa.engine.ops.moe import SwitchReluSquared, topk_indices
@@ -275,7 +276,7 @@ class Model(HybridLM):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         main, mtp = sanitize_nemotron(weights, self.args)
-        pattern = self.args.mtp_pattern
+        pattern = self.args.mtp_pattern or pattern_from_weights(mtp)
         if mtp and pattern and "mtp.layers.0.eh_proj.weight" in mtp:
             self.mtp = NemotronMTPHead(self.args, pattern, lambda ch: Block(self.args, ch))
             return main | mtp_weight_names(mtp)

@@ -32,6 +32,27 @@ def mtp_pattern(config: dict[str, Any]) -> str:
     return pattern
 
 
+def pattern_from_weights(mtp: dict[str, mx.array]) -> str:
+    """The MTP step's block kinds read from its tensors, for a config that names none (transformers
+    then assumes attention, then MoE): attention has `q_proj`, MoE a router `gate`, a dense MLP a bare
+    `up_proj`. "" when a layer is none of these (no head is built; the tensors stay aside)."""
+    layers = sorted(
+        {int(k.split(".")[2]) for k in mtp if k.startswith("mtp.layers.") and k.split(".")[2].isdigit()}
+    )
+    kinds = []
+    for i in layers:
+        mixer = f"mtp.layers.{i}.mixer."
+        if f"{mixer}q_proj.weight" in mtp:
+            kinds.append("*")
+        elif f"{mixer}gate.weight" in mtp:
+            kinds.append("E")
+        elif f"{mixer}up_proj.weight" in mtp:
+            kinds.append("-")
+        else:
+            return ""
+    return "".join(kinds) if layers == list(range(len(layers))) else ""
+
+
 class MTPBlock(nn.Module):
     """A Nemotron-H block, with the step's fusion in front (first block) or its norm behind (last)."""
 
