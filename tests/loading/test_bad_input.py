@@ -147,3 +147,21 @@ def test_checkpoint_quantized_by_another_tool_is_refused(tiny):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match="quantized with 'fp8'"):
         load_model(folder)
+
+
+def test_modelopt_side_file_names_the_quantizer(tiny):
+    """NVIDIA ModelOpt exports may name their method only in `hf_quant_config.json`."""
+    folder = tiny("qwen3_5")
+    side = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}
+    (folder / "hf_quant_config.json").write_text(json.dumps(side))
+    with pytest.raises(UnsupportedModel, match=r"quantized with 'modelopt \(NVFP4\)'"):
+        load_model(folder)
+
+
+def test_an_mlx_checkpoint_beside_a_leftover_side_file_loads(tiny, tmp_path):
+    from mlx_lm import convert
+
+    converted = tmp_path / "mlx-4bit"
+    convert(str(tiny("qwen3_5")), str(converted), quantize=True, q_bits=4, q_group_size=64)
+    (converted / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    assert load_model(converted).info.quantization == "4bit"

@@ -81,7 +81,7 @@ def _describe(
 def _build_lazily(config: dict[str, Any], path: Path, quantize: str | None) -> tuple[nn.Module, str | None]:
     """The whole model with every weight loaded lazily (nothing read yet), and its quantization."""
     get_model_module(str(config.get("model_type")))  # an unknown architecture fails before reading weights
-    if (method := foreign_quantization(config)) is not None:
+    if (method := foreign_quantization(config, path if path.is_dir() else None)) is not None:
         raise UnsupportedModel(f"{path.name} is quantized with {method!r}; kapitsa cannot load it")
     if (
         quantize == SMALL_TAG

@@ -176,7 +176,7 @@ def _load_folder(
 ) -> tuple[nn.Module, Tokenizer, dict[str, Any], str | None]:
     config = read_config(folder)
     get_model_module(str(config.get("model_type")))  # an unknown architecture fails before reading weights
-    if (method := foreign_quantization(config)) is not None:
+    if (method := foreign_quantization(config, folder)) is not None:
         raise UnsupportedModel(
             f"{folder.name} is quantized with {method!r}; kapitsa loads bf16/fp16 checkpoints (quantizing them "
             "on load), MLX-quantized checkpoints and GGUF files"

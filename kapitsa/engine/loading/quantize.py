@@ -8,8 +8,10 @@ each module's stored tensors give its width (`stored_quantization`), whatever na
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -67,8 +69,9 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> dict[str, Any] | None:
     return block if mlx_packed else None
 
 
-def foreign_quantization(config: Mapping[str, Any]) -> str | None:
-    """The method of a non-MLX quantized checkpoint (fp8, gptq, awq, modelopt...), if any.
+def foreign_quantization(config: Mapping[str, Any], folder: Path | None = None) -> str | None:
+    """The method of a non-MLX quantized checkpoint (fp8, gptq, awq, modelopt...), if any; with
+    `folder`, also one named only by NVIDIA ModelOpt's side file `hf_quant_config.json`.
 
     A checkpoint whose tensors are MLX-packed is not foreign even when it names its quantizer:
     AutoRound's MLX export writes `quantization_config: {quant_method: auto-round, packing_format:
@@ -80,7 +83,21 @@ def foreign_quantization(config: Mapping[str, Any]) -> str | None:
         block = holder.get("quantization_config")
         if isinstance(block, dict) and block.get("quant_method"):
             return str(block["quant_method"])
-    return None
+    return _modelopt_side_file(folder) if folder is not None else None
+
+
+def _modelopt_side_file(folder: Path) -> str | None:
+    """`modelopt (<quant_algo>)` when `folder` holds ModelOpt's `hf_quant_config.json`."""
+    path = folder / "hf_quant_config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "modelopt"
+    quant = data.get("quantization") if isinstance(data, dict) else None
+    algo = quant.get("quant_algo") if isinstance(quant, dict) else None
+    return f"modelopt ({algo})" if isinstance(algo, str) and algo else "modelopt"
 
 
 def describe_quantization(block: Mapping[str, Any]) -> str:
