@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kapitsa.engine.models.base import require
+from kapitsa.engine.models.expert_weights import EXPERT_PARTS, stack_per_expert
 
 
 def _canonical(key: str) -> str:
     if key.startswith("model."):
         return "backbone." + key[len("model.") :]
     return key
-
-
-# An expert projection's stored tensors: its weight, and when stored MLX-quantized its scales and
-# biases (AutoRound's MLX export writes experts one Linear each, quantized).
-_PARTS = ("weight", "scales", "biases")
 
 
 def _stack_experts(w: dict[str, mx.array], num_experts: int) -> None:
@@ -34,16 +29,11 @@ def _stack_experts(w: dict[str, mx.array], num_experts: int) -> None:
                 w[f"{p}.switch_mlp.{fc}.weight"] = w.pop(stacked)
                 continue
             if f"{stacked}.weight" in w:
-                for part in _PARTS:
+                for part in EXPERT_PARTS:
                     if f"{stacked}.{part}" in w:
                         w[f"{p}.switch_mlp.{fc}.{part}"] = w.pop(f"{stacked}.{part}")
                 continue
-            parts = [part for part in _PARTS if f"{p}.experts.0.{name}.{part}" in w] or ["weight"]
-            for part in parts:
-                keys = [f"{p}.experts.{e}.{name}.{part}" for e in range(num_experts)]
-                missing = [k for k in keys if k not in w]
-                require(not missing, f"checkpoint lacks expert tensors, e.g. {missing[:1]}")
-                w[f"{p}.switch_mlp.{fc}.{part}"] = mx.stack([w.pop(k) for k in keys])
+            stack_per_expert(w, f"{p}.experts.{{e}}.{name}", f"{p}.switch_mlp.{fc}", num_experts)
 
 
 def sanitize_nemotron(weights: dict[str, mx.array], args) -> tuple[dict[str, mx.array], dict[str, mx.array]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kapitsa.engine.models.base import require
+from kapitsa.engine.models.expert_weights import EXPERT_PARTS, stack_per_expert
 
 _DROP_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
 # RMS norms stored as `w` with output `x * (1 + w)` in Hugging Face checkpoints. The GDN output
@@ -44,11 +45,6 @@ def _is_zero_centred(key: str) -> bool:
     )
 
 
-# An expert projection's stored tensors: its weight, and when stored MLX-quantized its scales and
-# biases (AutoRound's MLX export writes experts one Linear each, quantized).
-_PARTS = ("weight", "scales", "biases")
-
-
 def _stack_experts(w: dict[str, mx.array], num_experts: int) -> None:
     """`*.mlp.experts.{e}.{gate,up,down}_proj.{weight,scales,biases}` or fused
     `experts.gate_up_proj[.weight|.scales|.biases]` -> `*.mlp.switch_mlp.{gate,up,down}_proj.*`
@@ -59,18 +55,13 @@ def _stack_experts(w: dict[str, mx.array], num_experts: int) -> None:
             _split_fused(w, p)
             continue
         for name in ("gate_proj", "up_proj", "down_proj"):
-            parts = [part for part in _PARTS if f"{p}.experts.0.{name}.{part}" in w] or ["weight"]
-            for part in parts:
-                keys = [f"{p}.experts.{e}.{name}.{part}" for e in range(num_experts)]
-                missing = [k for k in keys if k not in w]
-                require(not missing, f"checkpoint lacks expert tensors, e.g. {missing[:1]}")
-                w[f"{p}.switch_mlp.{name}.{part}"] = mx.stack([w.pop(k) for k in keys])
+            stack_per_expert(w, f"{p}.experts.{{e}}.{name}", f"{p}.switch_mlp.{name}", num_experts)
 
 
 def _split_fused(w: dict[str, mx.array], p: str) -> None:
     """Fused `[E, 2 * inter, in]` gate-and-up tensors (gate rows first), bare as transformers
     stores them or with their MLX-quantized parts; packing runs along `in`, so rows split the same."""
-    for suffix in ("", *(f".{part}" for part in _PARTS)):
+    for suffix in ("", *(f".{part}" for part in EXPERT_PARTS)):
         gate_up = w.pop(f"{p}.experts.gate_up_proj{suffix}", None)
         if gate_up is None:
             continue
