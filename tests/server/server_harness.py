@@ -81,3 +81,29 @@ def assert_error_shape(path: str, response: Any, status: int, param: str | None 
             assert body["error"]["param"] == param, body
     assert body["error"]["message"], body
     return body  # type: ignore[no-any-return]
+
+
+@contextmanager
+def tiny_engine_client(folder: Path, kind: str) -> Iterator[Any]:
+    """An `httpx.Client` on a live server over `open_tiny_engine(folder, kind)`, its `model_id` set."""
+    import httpx
+
+    engine = open_tiny_engine(folder, kind)
+    try:
+        with live_server(engine) as live, httpx.Client(base_url=live.url, timeout=120) as client:
+            client.model_id = client.get("/v1/models").json()["data"][0]["id"]
+            yield client
+    finally:
+        engine.close()
+
+
+def grammar_accepts(compiler: Any, constraint: Any, text: str) -> bool:
+    """Whether the grammar of `constraint` accepts `text` whole; `compiler`: conftest's (compiler, tokenizer)."""
+    grammars, tok = compiler
+    state = grammars.make(constraint)
+    try:
+        for token in tok.encode(text):
+            state.advance(token)
+    except Exception:  # noqa: BLE001 - the grammar refused a token
+        return False
+    return state.is_accepting

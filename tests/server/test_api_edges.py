@@ -3,27 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import anthropic
 import httpx
 import openai
 import pytest
-from server_harness import LiveServer, live_server
+from server_harness import LiveServer
 
 USER = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def live() -> Iterator[LiveServer]:
-    with live_server() as server:
-        yield server
-
-
-@pytest.fixture
-def http(live: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live.url, timeout=10) as client:
-        yield client
 
 
 def test_explicit_nulls_mean_the_defaults(live: LiveServer, http: httpx.Client) -> None:

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from server_harness import grammar_accepts
 
-from kapitsa.engine.text.constraint import GrammarCompiler
-from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.server.constraints import json_constraint, tool_call_constraint
 from kapitsa.server.tool_calls import ToolCall, ToolCallParser
-from kapitsa.testing.tiny import write_tiny_checkpoint
 
 WEATHER = {
     "type": "object",
@@ -28,29 +26,12 @@ CALLS = {
 }
 
 
-@pytest.fixture(scope="module")
-def compiler(tmp_path_factory) -> tuple[GrammarCompiler, Tokenizer]:
-    tok = Tokenizer.from_folder(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3_5"))
-    return GrammarCompiler(tok.backend, vocab_size=tok.vocab_size, eos_ids=tok.eos_token_ids), tok
-
-
-def _accepts(compiler, constraint, text: str) -> bool:
-    grammars, tok = compiler
-    state = grammars.make(constraint)
-    try:
-        for token in tok.encode(text):
-            state.advance(token)
-    except Exception:  # noqa: BLE001 - the grammar refused a token
-        return False
-    return state.is_accepting
-
-
 @pytest.mark.parametrize("tool_format", list(CALLS))
 def test_required_call_in_each_format_is_read_by_the_parser(compiler, tool_format) -> None:
     constraint = tool_call_constraint(TOOLS, tool_format=tool_format, reasoning=False)
-    assert _accepts(compiler, constraint, CALLS[tool_format])
-    assert not _accepts(compiler, constraint, "Sure, let me check.")
-    assert not _accepts(compiler, constraint, CALLS[tool_format].replace("3", '"three"'))
+    assert grammar_accepts(compiler, constraint, CALLS[tool_format])
+    assert not grammar_accepts(compiler, constraint, "Sure, let me check.")
+    assert not grammar_accepts(compiler, constraint, CALLS[tool_format].replace("3", '"three"'))
     parsed = ToolCallParser(TOOLS).feed(CALLS[tool_format])
     calls = [p for p in parsed if isinstance(p, ToolCall)]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
@@ -61,17 +42,17 @@ def test_required_call_in_each_format_is_read_by_the_parser(compiler, tool_forma
 @pytest.mark.parametrize("tool_format", list(CALLS))
 def test_strict_tools_leave_text_free_until_a_call_opens(compiler, tool_format) -> None:
     constraint = tool_call_constraint(TOOLS, tool_format=tool_format, reasoning=False, required=False)
-    assert _accepts(compiler, constraint, "Just an answer, no call.")
-    assert _accepts(compiler, constraint, "Let me look. " + CALLS[tool_format])
+    assert grammar_accepts(compiler, constraint, "Just an answer, no call.")
+    assert grammar_accepts(compiler, constraint, "Let me look. " + CALLS[tool_format])
     bad = (
         CALLS[tool_format]
         .replace('"days": 3', '"days": 3, "extra": 1')
         .replace("<parameter=days>", "<parameter=x>")
     )
-    assert not _accepts(compiler, constraint, "Let me look. " + bad)
+    assert not grammar_accepts(compiler, constraint, "Let me look. " + bad)
 
 
 def test_reasoning_prefix_is_closed_before_the_json(compiler) -> None:
     constraint = json_constraint({"type": "object"}, reasoning=True)
-    assert _accepts(compiler, constraint, 'thinking it over</think>\n{"a": 1}')
-    assert not _accepts(compiler, constraint, '{"a": 1}')
+    assert grammar_accepts(compiler, constraint, 'thinking it over</think>\n{"a": 1}')
+    assert not grammar_accepts(compiler, constraint, '{"a": 1}')

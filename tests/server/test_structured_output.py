@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import assert_error_shape, live_server, open_tiny_engine
+from server_harness import assert_error_shape, tiny_engine_client
 
 from kapitsa.testing.schema_check import schema_errors
 
@@ -49,13 +49,8 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
 def http(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    engine = open_tiny_engine(tmp_path_factory.mktemp("tiny") / request.param, request.param)
-    try:
-        with live_server(engine) as live, httpx.Client(base_url=live.url, timeout=120) as client:
-            client.model_id = client.get("/v1/models").json()["data"][0]["id"]
-            yield client
-    finally:
-        engine.close()
+    with tiny_engine_client(tmp_path_factory.mktemp("tiny") / request.param, request.param) as client:
+        yield client
 
 
 def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -10,14 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import live_server, open_tiny_engine
+from server_harness import grammar_accepts, tiny_engine_client
 
-from kapitsa.engine.text.constraint import GrammarCompiler
-from kapitsa.engine.text.tokenizer import Tokenizer
 from kapitsa.errors import InvalidRequest
 from kapitsa.server.constraints import tool_call_constraint
 from kapitsa.server.tool_calls import ToolCall, ToolCallParser
-from kapitsa.testing.tiny import write_tiny_checkpoint
 
 FORMATS = ["hermes", "nemotron", "qwen3_coder"]
 _ADDRESS = {
@@ -149,23 +146,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def compiler(tmp_path_factory) -> tuple[GrammarCompiler, Tokenizer]:
-    tok = Tokenizer.from_folder(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3_5"))
-    return GrammarCompiler(tok.backend, vocab_size=tok.vocab_size, eos_ids=tok.eos_token_ids), tok
-
-
-def _accepts(compiler, constraint, text: str) -> bool:
-    grammars, tok = compiler
-    state = grammars.make(constraint)
-    try:
-        for token in tok.encode(text):
-            state.advance(token)
-    except Exception:  # noqa: BLE001 - the grammar refused a token
-        return False
-    return state.is_accepting
-
-
 def _call_text(tool_format: str, tools: list[dict[str, Any]], name: str, args: dict[str, Any]) -> str:
     """One call as the model writes it in `tool_format` (XML parameters in the schema's order)."""
     if tool_format == "hermes":
@@ -188,15 +168,15 @@ def test_refs_resolve_to_the_tools_own_definitions(compiler, tool_format, case, 
     tools, good, bad = CASES[case]
     constraint = tool_call_constraint(tools, tool_format=tool_format, reasoning=False, required=required)
     prefix = "" if required else "Let me do it. "
-    assert _accepts(compiler, constraint, prefix + _call_text(tool_format, tools, *good))
-    assert not _accepts(compiler, constraint, prefix + _call_text(tool_format, tools, *bad))
+    assert grammar_accepts(compiler, constraint, prefix + _call_text(tool_format, tools, *good))
+    assert not grammar_accepts(compiler, constraint, prefix + _call_text(tool_format, tools, *bad))
 
 
 def test_an_xml_value_of_a_ref_to_a_string_is_raw_text_the_parser_reads(compiler) -> None:
     tools = [_tool("paint", PAINT)]
     text = _call_text("qwen3_coder", tools, "paint", {"color": "blue", "coats": 1})
     constraint = tool_call_constraint(tools, tool_format="qwen3_coder", reasoning=False)
-    assert "<parameter=color>\nblue\n" in text and _accepts(compiler, constraint, text)
+    assert "<parameter=color>\nblue\n" in text and grammar_accepts(compiler, constraint, text)
     calls = [p for p in ToolCallParser(tools).feed(text) if isinstance(p, ToolCall)]
     assert [json.loads(c.arguments) for c in calls] == [{"color": "blue", "coats": 1}]
 
@@ -224,13 +204,8 @@ def test_tools_without_refs_keep_their_grammar() -> None:
 
 @pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
 def http(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    engine = open_tiny_engine(tmp_path_factory.mktemp("tiny") / request.param, request.param)
-    try:
-        with live_server(engine) as live, httpx.Client(base_url=live.url, timeout=120) as client:
-            client.model_id = client.get("/v1/models").json()["data"][0]["id"]
-            yield client
-    finally:
-        engine.close()
+    with tiny_engine_client(tmp_path_factory.mktemp("tiny") / request.param, request.param) as client:
+        yield client
 
 
 def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
