@@ -9,27 +9,25 @@ from pydantic import Field, ValidationInfo, field_validator
 from kapitsa.server.settings import MAX_CHOICES, MAX_MESSAGES
 from kapitsa.server.wire import WireModel
 
-_Lenient = WireModel
 
-
-class ContentPart(_Lenient):
+class ContentPart(WireModel):
     type: str
     text: str | None = None
     image_url: str | dict[str, Any] | None = None  # `image_url` parts: {"url": "data:..." | "file://..."}
 
 
-class FunctionCallIn(_Lenient):
+class FunctionCallIn(WireModel):
     name: str
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(WireModel):
     id: str | None = None
     type: str = "function"
     function: FunctionCallIn
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -39,28 +37,28 @@ class ChatMessage(_Lenient):
     reasoning: str | None = None
 
 
-class FunctionDef(_Lenient):
+class FunctionDef(WireModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Lenient):
+class ToolDef(WireModel):
     type: str = "function"
     function: FunctionDef | None = None
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(WireModel):
     include_usage: bool = False
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(WireModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(WireModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,7 +77,7 @@ class SamplingFields(_Lenient):
     ignore_eos: bool | None = None  # vLLM's extension: decode past the end-of-sequence tokens (benchmarks)
 
 
-class Prediction(_Lenient):
+class Prediction(WireModel):
     """Predicted Outputs: text the answer is expected to repeat much of (drafted from, never forced)."""
 
     type: Literal["content"]
