@@ -148,7 +148,7 @@ class EngineConfig:
     prefix_cache_bytes: int | None = None  # None: a quarter of the memory left next to the weights
     checkpoint_interval: int | None = None  # None: from the checkpoint / KV-per-token size ratio
     disk_cache_dir: Path | None = None  # None: no disk tier
-    disk_cache_bytes: int = 8 * GIB
+    disk_cache_bytes: int = 8 * GIB  # the whole disk_cache_dir, every model's folder in it together
     disk_write_delay_s: float = 1.0  # a new system/turn checkpoint is on disk this long after it is made
     memory_limit_bytes: int | None = None  # None: the device's limit
     queue_timeout_s: float = 120.0  # a request waiting longer for memory gets EngineBusy

@@ -5,7 +5,8 @@ the recurrent state at its end and optionally the next-token logits; its metadat
 the prefix length and a checksum per array (file.py). Files live in a 0700 folder per model
 key, so a restart with the same model finds them again. A file that fails its checksum, does not
 match its name or does not fit the model is deleted, counted in `num_corrupt` and missed. The folder
-is kept under a byte budget by deleting the least recently used files.
+is kept under a byte budget, every model's folder together, by deleting the least recently used
+files (disk_budget.py).
 
 `save` writes at once (eviction, shutdown); `save_later` hands a checkpoint to a background writer
 that writes it `write_delay_s` later unless a newer turn of the same conversation supersedes it, so a
@@ -28,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from kapitsa.engine.cache.disk_budget import foreign_files
 from kapitsa.engine.cache.file import (
     SUFFIX,
     TMP_PREFIX,
@@ -146,7 +148,7 @@ class DiskTier:
     Args:
         root: the cache folder (created 0700 if missing).
         model_key: identifies model weights, dtype and template; entries of other models are ignored.
-        budget_bytes: the most the folder may hold.
+        budget_bytes: the most `root` may hold, every model's folder in it together.
         validate: raises ValueError for a loaded checkpoint whose arrays do not fit the model.
         write_delay_s: how long `save_later` waits before writing (a newer turn may supersede it).
         read_ahead_bytes: the most that files read ahead of their lookup may hold (read_ahead.py).
@@ -425,9 +427,19 @@ class DiskTier:
             os.utime(entry.path, (entry.last_used, entry.last_used))
 
     def _make_room(self, incoming: int) -> None:
-        while self._entries and self.nbytes + incoming > self.budget_bytes:
-            oldest = min(self._entries, key=lambda d: self._entries[d].last_used)
-            self._delete(oldest)
+        """Delete the least recently used files, this model's or another's (disk_budget.py), until
+        the whole cache folder and `incoming` bytes fit the budget."""
+        foreign = foreign_files(self.folder.parent, self.folder)
+        total = self.nbytes + sum(f.nbytes for f in foreign)
+        while (self._entries or foreign) and total + incoming > self.budget_bytes:
+            own = min(self._entries, key=lambda d: self._entries[d].last_used) if self._entries else None
+            if own is None or (foreign and foreign[0].last_used < self._entries[own].last_used):
+                gone = foreign.pop(0)
+                gone.path.unlink(missing_ok=True)
+                total -= gone.nbytes
+            else:
+                total -= self._entries[own].nbytes
+                self._delete(own)
 
     def _add(self, digest: str, entry: _Entry) -> None:
         old = self._entries.pop(digest, None)

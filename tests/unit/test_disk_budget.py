@@ -1,0 +1,92 @@
+"""The disk tier's budget holds for the whole cache folder: every model's subfolder counts, and the
+least recently used file of any model is the one that goes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from kapitsa.engine.cache.disk import DiskTier, StoredPrefix
+from kapitsa.engine.cache.disk_budget import foreign_files
+from kapitsa.engine.cache.file import SUFFIX, TMP_PREFIX
+
+
+def _stored(first: int) -> StoredPrefix:
+    """Ten tokens from `first` on: every such checkpoint has the same size on disk."""
+    tokens = list(range(first, first + 10))
+    kv = mx.array(tokens, dtype=mx.float32).reshape(1, 1, -1, 1)
+    return StoredPrefix(tuple(tokens), ((kv, kv * 2),), (mx.full((1, 64), 1.0),), None, "turn")
+
+
+def _file_bytes(tmp_path: Path) -> int:
+    probe = DiskTier(tmp_path / "probe", model_key="probe", budget_bytes=1 << 20)
+    probe.save(_stored(0))
+    (path,) = probe.folder.glob(f"*{SUFFIX}")
+    return path.stat().st_size
+
+
+def _root_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob(f"*{SUFFIX}"))
+
+
+def _age(disk: DiskTier, seconds: float) -> None:
+    """Make every file of `disk` look `seconds` older (last use is a file's modification time)."""
+    for path in disk.folder.glob(f"*{SUFFIX}"):
+        then = path.stat().st_mtime - seconds
+        os.utime(path, (then, then))
+
+
+def test_the_budget_covers_every_models_folder(tmp_path: Path) -> None:
+    size, root = _file_bytes(tmp_path), tmp_path / "cache"
+    old_model = DiskTier(root, model_key="old", budget_bytes=3 * size + size // 2)
+    for first in (0, 100):
+        old_model.save(_stored(first))
+    _age(old_model, 3600)
+    new_model = DiskTier(root, model_key="new", budget_bytes=3 * size + size // 2)
+    for first in (200, 300):
+        new_model.save(_stored(first))
+    assert _root_bytes(root) <= 3 * size + size // 2  # a budget per folder would hold 4 files here
+    assert len(list(old_model.folder.glob(f"*{SUFFIX}"))) == 1  # the older model's oldest file went
+    assert len(new_model) == 2
+
+
+def test_a_recently_used_file_of_another_model_outlives_an_older_own_file(tmp_path: Path) -> None:
+    size, root = _file_bytes(tmp_path), tmp_path / "cache"
+    budget = 2 * size + size // 2
+    mine = DiskTier(root, model_key="mine", budget_bytes=budget)
+    mine.save(_stored(0))
+    _age(mine, 3600)
+    mine = DiskTier(root, model_key="mine", budget_bytes=budget)  # a restart reads the aged time
+    other = DiskTier(root, model_key="other", budget_bytes=budget)
+    other.save(_stored(100))
+    mine.save(_stored(200))  # three files do not fit: the oldest is this model's own first one
+    assert mine.lookup(list(range(12))) is None
+    assert mine.lookup(list(range(200, 212))) is not None
+    assert other.lookup(list(range(100, 112))) is not None
+
+
+def test_files_being_written_elsewhere_are_neither_counted_nor_deleted(tmp_path: Path) -> None:
+    size, root = _file_bytes(tmp_path), tmp_path / "cache"
+    other = DiskTier(root, model_key="other", budget_bytes=1 << 20)
+    live = other.folder / f"{TMP_PREFIX}x{SUFFIX}"
+    live.write_bytes(b"\0" * (4 * size))  # another process's write in flight, larger than the budget
+    mine = DiskTier(root, model_key="mine", budget_bytes=2 * size)
+    mine.save(_stored(0))
+    assert live.exists() and len(mine) == 1
+    assert foreign_files(root, mine.folder) == []
+
+
+def test_foreign_files_are_listed_least_recently_used_first(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    a = DiskTier(root, model_key="a", budget_bytes=1 << 20)
+    b = DiskTier(root, model_key="b", budget_bytes=1 << 20)
+    a.save(_stored(0))
+    b.save(_stored(100))
+    _age(b, 60)
+    mine = DiskTier(root, model_key="mine", budget_bytes=1 << 20)
+    listed = foreign_files(root, mine.folder)
+    assert [f.path.parent for f in listed] == [b.folder, a.folder]
+    assert all(f.last_used <= time.time() for f in listed)
