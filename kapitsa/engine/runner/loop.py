@@ -14,7 +14,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence as TokenIds
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -23,7 +22,13 @@ from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.batch import DecodeBatch, can_pipeline
 from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
-from kapitsa.engine.runner.memory import MemoryBudget, device_memory_limit, periodic_checkpoint_interval
+from kapitsa.engine.runner.inbox import Abort, Prefetch, Stop
+from kapitsa.engine.runner.memory import (
+    MemoryBudget,
+    device_memory_limit,
+    failure_error,
+    periodic_checkpoint_interval,
+)
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens, usage_of
 from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, read_ahead
@@ -34,7 +39,7 @@ from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus, p
 from kapitsa.engine.runner.warmup import BatchWarmup
 from kapitsa.engine.stats import StatsCounter
 from kapitsa.engine.types import ErrorEvent, FinishEvent, FinishReason, PrefillProgressEvent
-from kapitsa.errors import EngineBusy, EngineDead, KapitsaError
+from kapitsa.errors import EngineBusy, EngineDead
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +47,6 @@ log = logging.getLogger(__name__)
 # boundary: with fixed-size state each ends a chunk, a forward worth ~30 chunk tokens on the CPU, for
 # a checkpoint that saves a later request at most that many. Message boundaries always stay.
 MIN_CHECKPOINT_GAP = 64
-
-
-@dataclass(eq=False)
-class _Abort:
-    request_id: str
-
-
-@dataclass(eq=False)
-class _Prefetch:
-    key_ids: TokenIds[int]
-
-
-@dataclass(eq=False)
-class _Stop:
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class Engine:
@@ -92,7 +82,7 @@ class Engine:
         self.scheduler = Scheduler(max_running=self.config.max_running)
         self.stats = StatsCounter()
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
-        self._inbox: queue.SimpleQueue[Sequence | _Abort | _Prefetch | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Sequence | Abort | Prefetch | Stop] = queue.SimpleQueue()
         self.warmup = BatchWarmup.for_config(self.config, self.memory, self.prefix, self._inbox)
         self._thread = threading.Thread(
             target=_thread_main, args=(weakref.ref(self),), name="kapitsa-engine", daemon=True
@@ -110,13 +100,13 @@ class Engine:
             self._fail_all(EngineDead("the engine has stopped"))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(Abort(request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish nothing further; abort what runs, flush the prefix cache to disk, stop the thread."""
         if not self.alive:
             return
-        stop = _Stop()
+        stop = Stop()
         self._inbox.put(stop)
         stop.done.wait(timeout)
 
@@ -124,7 +114,7 @@ class Engine:
         """Have the disk-tier checkpoint a coming prompt resumes from read ahead, unless memory holds
         one as deep (any thread; the engine thread decides between steps: cache/read_ahead.py)."""
         if self.prefix is not None and self.prefix.disk is not None and self.config.prefetch:
-            self._inbox.put(_Prefetch(key_ids))
+            self._inbox.put(Prefetch(key_ids))
 
     # --- the thread ----------------------------------------------------------------------
 
@@ -158,12 +148,12 @@ class Engine:
             except queue.Empty:
                 return True
             block = False
-            if isinstance(item, _Stop):
+            if isinstance(item, Stop):
                 self._stop(item)
                 return False
-            if isinstance(item, _Abort):
+            if isinstance(item, Abort):
                 self._abort(item.request_id)
-            elif isinstance(item, _Prefetch):
+            elif isinstance(item, Prefetch):
                 read_ahead(self.prefix, item.key_ids)
             elif len(self.scheduler.waiting) >= self.config.max_queued:
                 item.emit(
@@ -172,7 +162,7 @@ class Engine:
             else:
                 self.scheduler.add(item)
 
-    def _stop(self, stop: _Stop) -> None:
+    def _stop(self, stop: Stop) -> None:
         for seq in self.scheduler.all():
             self._finish(seq, "abort")
         self.batch = DecodeBatch()
@@ -471,7 +461,7 @@ class Engine:
         self.memory.release(seq.reserved_bytes)
         seq.reserved_bytes = 0
         self.stats.failed += 1
-        error = err if isinstance(err, KapitsaError) else KapitsaError(f"generation failed: {err}")
+        error = failure_error(err)
         seq.emit(ErrorEvent(seq.request_id, error))
 
     def _fail_all(self, err: Exception) -> None:
@@ -485,7 +475,7 @@ class Engine:
                 return
             if isinstance(item, Sequence):
                 item.emit(ErrorEvent(item.request_id, err))
-            elif isinstance(item, _Stop):
+            elif isinstance(item, Stop):
                 item.done.set()
 
 

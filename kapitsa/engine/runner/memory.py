@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kapitsa.errors import ContextOverflow
+from kapitsa.errors import ContextOverflow, EngineBusy, KapitsaError
 
 GIB = 1024**3
 # Tokens reserved for a request that did not set max_tokens; it may grow past them while memory lasts.
@@ -41,6 +41,26 @@ def device_memory_limit() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 * GIB
+
+
+# How MLX's backends word a failed device allocation (CUDA's allocator, Metal's command buffer, the
+# allocators' own check); a buffer over Metal's single-buffer limit is not among them: a retry
+# cannot fit it either.
+_OUT_OF_MEMORY = ("out of memory", "OutOfMemory", "Insufficient Memory", "Unable to allocate")
+
+
+def failure_error(err: Exception) -> KapitsaError:
+    """The error a request gets for a step that raised `err`. A device out of memory (the rows of a
+    batch together, or what other processes hold) is `EngineBusy`, after MLX's buffer cache goes
+    back to the device: the engine serves on, and a client's retry, alone or in a smaller batch,
+    finds the memory."""
+    if isinstance(err, KapitsaError):
+        return err
+    text = str(err)
+    if any(marker in text for marker in _OUT_OF_MEMORY):
+        mx.clear_cache()
+        return EngineBusy(f"the device ran out of memory for this request ({text}); retry it")
+    return KapitsaError(f"generation failed: {text}")
 
 
 def check_context(prompt_tokens: int, context_length: int) -> None:

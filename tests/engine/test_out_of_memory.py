@@ -1,0 +1,81 @@
+"""A step that runs the device out of memory fails its requests as EngineBusy (a 503 a client retries),
+hands MLX's buffer cache back, and the engine serves the next request; any other failure stays a
+plain generation error."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kapitsa.engine.runner.memory import failure_error
+from kapitsa.engine.types import ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
+from kapitsa.errors import EngineBusy, InvalidRequest, KapitsaError
+
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+METAL_OOM = "[METAL] Command buffer execution failed: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"
+
+
+def _request(max_tokens: int = 6) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+
+
+async def _tokens(client) -> list[int]:
+    """The request's tokens; its error event raised."""
+    tokens = []
+    async for event in client.generate(_request()):
+        if isinstance(event, ErrorEvent):
+            raise event.error
+        if isinstance(event, TokenEvent):
+            tokens += event.token_ids
+    return tokens
+
+
+def _fail_once(monkeypatch, runner, method: str, message: str) -> None:
+    real = getattr(runner, method)
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, method, failing)
+
+
+@pytest.mark.parametrize("method", ["decode_lazy", "prefill_at"])
+async def test_an_out_of_memory_step_is_engine_busy_and_the_engine_serves_on(
+    qwen_model, make_client, monkeypatch, method
+) -> None:
+    client = make_client(qwen_model)
+    expected = await _tokens(client)
+    _fail_once(monkeypatch, client.engine.runner, method, CUDA_OOM)
+    cleared = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(True))
+    with pytest.raises(EngineBusy, match="ran out of memory.*retry"):
+        await _tokens(client)
+    assert cleared  # the cache went back before the retry
+    assert await _tokens(client) == expected
+    assert client.stats().alive
+
+
+async def test_another_step_failure_stays_a_generation_error(qwen_model, make_client, monkeypatch) -> None:
+    client = make_client(qwen_model)
+    _fail_once(monkeypatch, client.engine.runner, "decode_lazy", "some kernel bug")
+    with pytest.raises(KapitsaError, match="generation failed: some kernel bug") as caught:
+        await _tokens(client)
+    assert not isinstance(caught.value, EngineBusy)
+    assert len(await _tokens(client)) == 6
+
+
+@pytest.mark.parametrize("message", [CUDA_OOM, METAL_OOM, "[malloc] Unable to allocate 1073741824 bytes."])
+def test_each_backends_wording_is_out_of_memory(message, monkeypatch) -> None:
+    monkeypatch.setattr(mx, "clear_cache", lambda: None)
+    assert isinstance(failure_error(RuntimeError(message)), EngineBusy)
+
+
+def test_a_kapitsa_error_passes_through_unchanged() -> None:
+    err = InvalidRequest("bad")
+    assert failure_error(err) is err
