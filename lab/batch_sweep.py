@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import time
 
 import mlx.core as mx
@@ -107,6 +108,16 @@ def sweep(
         mx.clear_cache()
 
 
+def _memory_gb() -> dict:
+    """MLX's memory after a burst: what arrays hold, its buffer cache, the process's peak."""
+    gb = 1024**3
+    return dict(
+        active_gb=round(mx.get_active_memory() / gb, 2),
+        cache_gb=round(mx.get_cache_memory() / gb, 2),
+        peak_gb=round(mx.get_peak_memory() / gb, 2),
+    )
+
+
 def sweep_model(
     shape: str,
     engine_name: str,
@@ -126,6 +137,8 @@ def sweep_model(
         prompt_len - (29 * i) % max(prompt_len // 2, 1) if ragged else prompt_len for i in range(max(streams))
     ]
     prompts = [prompt_ids(n, vocab, stride=7919 + 2 * i) for i, n in enumerate(lengths)]
+    gc.collect()
+    mx.clear_cache()  # buffers earlier rounds left in MLX's cache go back before the bursts
     if engine_name == "kapitsa":
         client = engine(model, prompt_len, tokens, max(streams), warm)
         if warm:
@@ -148,6 +161,7 @@ def sweep_model(
                         ragged=ragged,
                         **warm,
                         first_burst_extra_s=extra,
+                        **_memory_gb(),
                     )
                 )
                 continue
@@ -155,7 +169,16 @@ def sweep_model(
             # a second batch prefill of n x 512 tokens (up to ~45 s a burst on the Qwen shapes, at 180-500
             # tok/s); its generation rate leaves the prefill out
             run([p[:WARMUP_PROMPT] for p in prompts[:n]], 4)
-            emit(dict(shape=shape, engine=engine_name, streams=n, ragged=ragged, **run(prompts[:n], tokens)))
+            emit(
+                dict(
+                    shape=shape,
+                    engine=engine_name,
+                    streams=n,
+                    ragged=ragged,
+                    **run(prompts[:n], tokens),
+                    **_memory_gb(),
+                )
+            )
     finally:
         if client is not None:
             client.close()
