@@ -24,6 +24,7 @@ from kapitsa.engine.runner.prompt_tail import TailRequest
 from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.speculative.acceptance import accept_chain, accept_tree, is_plain_greedy
+from kapitsa.engine.speculative.batch_gate import batch_verify_pays
 from kapitsa.engine.speculative.controller import (
     DEFAULT_MAX_DRAFT,
     DraftLengthController,
@@ -155,26 +156,64 @@ class SpeculativeDecode:
             return False
         self._forget_finished(sequences)
         was_pipelined = self._pipelined
-        self._pipelined = not any(self._would_verify(self._state(seq)) for seq in sequences)
+        states = [self._state(seq) for seq in sequences]
+        lengths = [self._would_verify(state) for state in states]
+        verify = any(k is not None for k in lengths)
+        if verify and len(states) > 1 and self.adaptive and not any(st.needs_target for st in states):
+            expected = [
+                1.0 if k is None else st.controller.expected_tokens(k, _run(st))
+                for st, k in zip(states, lengths, strict=True)
+            ]
+            top = max(k or 0 for k in lengths)
+            exit_cost = states[0].exit_cost if self._pipelined else 0.0
+            verify = self._batch_pays(states, expected, 1 + top, exit_cost)
+        self._pipelined = not verify
         self.stats.pipeline_exits += was_pipelined and not self._pipelined
         return self._pipelined
 
-    def _would_verify(self, state: _SequenceState) -> bool:
-        drafter, seq = state.drafter, state.seq
+    def _would_verify(self, state: _SequenceState) -> int | None:
+        """The draft length `state`'s sequence would verify now (None: it would take a plain step)."""
+        drafter, seq, controller = state.drafter, state.seq, state.controller
         if state.needs_target:
-            return True
+            return self.max_draft
         if not state.on_host:
-            return not state.controller.resting(len(seq.output_ids))
+            return None if controller.resting(len(seq.output_ids)) else controller.best_length()
         context, shadow = seq.token_ids, state.shadow
-        shadow.score(context, state.controller)
+        shadow.score(context, controller)
         if seq.max_tokens - len(seq.output_ids) - 1 <= 0:
-            return False
+            return None
         exit_cost = state.exit_cost if self._pipelined else 0.0
-        if not self.adaptive or state.controller.best_length(shadow.current_run, exit_cost) > 0:
-            return bool(drafter.propose(context, 1).tokens)
+        k = controller.best_length(shadow.current_run, exit_cost) if self.adaptive else self.max_draft
+        if k > 0:
+            return k if drafter.propose(context, 1).tokens else None
         if not shadow.live:
             shadow.guess(drafter.propose(context, self.max_draft).tokens, len(context))
-        return False
+        return None
+
+    def _batch_pays(
+        self, states: list[_SequenceState], expected: list[float], width: int, extra_cost: float = 0.0
+    ) -> bool:
+        """Whether the rows' drafts together pay for a verify of the whole batch (batch_gate.py)."""
+        controller = states[0].controller
+        return batch_verify_pays(
+            expected, controller.cost, self._width_for(width), extra_cost=extra_cost, margin=controller.margin
+        )
+
+    def _drop_unpaid(self, states: list[_SequenceState], drafts: list[list[int]]) -> list[list[int]]:
+        """The batch's drafts, or none when together they do not pay for a verify of every row;
+        a host drafter's dropped draft is then scored as a guess against the tokens that arrive."""
+        if len(states) < 2 or not self.adaptive or not any(drafts):
+            return drafts
+        expected = [
+            st.controller.expected_tokens(len(d), _run(st)) if d else 1.0
+            for st, d in zip(states, drafts, strict=True)
+        ]
+        if self._batch_pays(states, expected, 1 + max(len(d) for d in drafts)):
+            return drafts
+        for state, draft in zip(states, drafts, strict=True):
+            if draft and state.on_host:
+                state.shadow.start(draft, len(state.seq.token_ids))
+        return [[] for _ in drafts]
 
     def step(
         self, runner: ModelRunner, cache: HybridCache, sequences: Seq[Sequence]
@@ -188,6 +227,8 @@ class SpeculativeDecode:
         drafts = [self._propose(state) for state in states]
         needs_hidden = any(getattr(st.drafter, "needs_hidden", False) for st in states)
         taps = tuple(sorted({i for st in states for i in getattr(st.drafter, "tap_layers", ())}))
+        if not needs_hidden and not taps:
+            drafts = self._drop_unpaid(states, drafts)
         if not any(drafts) and not needs_hidden and not taps:
             picks = self._plain.step(runner, cache, sequences)
             self._count(picks, [0] * len(picks), states)
