@@ -109,3 +109,136 @@ async def test_rows_that_all_draft_well_verify_together(model, plain) -> None:  
     assert await _outputs(model, strategy) == plain
     assert strategy.stats.rows > strategy.stats.steps  # verifies of several rows at once
     assert strategy.stats.tokens_per_step > 2
+
+
+class Staggered:
+    """Streams of `tokens` tokens each, the second submitted once the first has 24 (it decodes
+    alone first) unless `stagger` is off."""
+
+    def __init__(self, prompts: list[str], tokens: int = N, stagger: bool = True) -> None:
+        self.prompts, self.tokens, self.stagger = prompts, tokens, stagger
+
+    async def burst(self, client) -> list[list[int]]:  # noqa: ANN001
+        first_along = asyncio.Event()
+
+        async def one(i: int, prompt: str) -> list[int]:
+            if i == 1 and self.stagger:
+                await first_along.wait()
+            params = SamplingParams(max_tokens=self.tokens, ignore_eos=True)
+            request = GenerationRequest(prompt=prompt, sampling=params)
+            ids: list[int] = []
+            async for event in client.generate(request):
+                if isinstance(event, TokenEvent):
+                    ids += event.token_ids
+                    if len(ids) >= 24:
+                        first_along.set()
+            return ids
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(self.prompts))))
+
+    async def outputs(self, model, decode=None) -> list[list[int]]:  # noqa: ANN001
+        client = _client(model, decode)
+        try:
+            return await self.burst(client)
+        finally:
+            client.close()
+
+
+class FirstOnly(HostOracle):
+    """Right for the first prompt (drafts cut to `keep` tokens); no draft for the other."""
+
+    def __init__(self, references, keep: int) -> None:  # noqa: ANN001
+        super().__init__(references, right_from=0)
+        self.keep = keep
+
+    def propose(self, context, max_tokens: int):  # noqa: ANN001, ANN201
+        draft = super().propose(context, max_tokens)
+        return type(draft)(draft.tokens[: self.keep])
+
+
+def _first_only(plain: list[list[int]], keep: int) -> SpeculativeDecode:
+    references = {tuple(ByteTokenizer().encode(PROMPTS[0])): plain[0]}
+    return SpeculativeDecode(
+        lambda: FirstOnly(references, keep),
+        name="host",
+        max_draft=MAX_DRAFT,
+        cost_curve=gpu_cost_curve(MAX_DRAFT),
+    )
+
+
+async def test_a_row_whose_drafts_pay_for_the_batch_keeps_verifying_with_it(model) -> None:  # noqa: ANN001
+    """One row's full, always-right drafts are worth (7 + 1) / 2 tokens a row against a verify's
+    ~1.9 steps: the batch verifies, since the row's estimate learns while the batch waits."""
+    together = Staggered(PROMPTS[:2], stagger=False)
+    plain_together = await together.outputs(model)
+    strategy = _first_only(plain_together, keep=MAX_DRAFT)
+    assert await together.outputs(model, strategy) == plain_together
+    assert strategy.stats.rows > strategy.stats.steps  # verifies of both rows at once
+
+
+async def test_a_batch_never_leaves_the_pipeline_for_a_draft_it_then_drops(model) -> None:  # noqa: ANN001
+    """One-token drafts do not pay for a batch of two: the decoder stays pipelined, rather than
+    pricing a full-length draft, leaving the pipeline and then stepping plainly without it."""
+    staggered = Staggered(PROMPTS[:2], tokens=96)
+    plain_staggered = await staggered.outputs(model)
+    strategy = _first_only(plain_staggered, keep=1)
+    dropped = []
+    drop = strategy._drop_unpaid
+
+    def counting(states, drafts):  # noqa: ANN001, ANN202
+        kept = drop(states, drafts)
+        dropped.append(any(drafts) and not any(kept))
+        return kept
+
+    strategy._drop_unpaid = counting
+    assert await staggered.outputs(model, strategy) == plain_staggered
+    assert not any(dropped)
+
+
+class DeviceOracle(HostOracle):
+    """A drafter that drafts on the device (a draft model, an MTP head): it rests between probes."""
+
+    drafts_on_host = False
+
+
+async def test_a_resting_device_drafter_still_probes_in_a_batch(model) -> None:  # noqa: ANN001
+    """Wrong for the first 30 tokens, right after: its probes (one verify per 16 tokens) go on in
+    a batch, so speculation turns back on once drafts match."""
+    together = Staggered(PROMPTS[:2], tokens=120, stagger=False)
+    plain_long = await together.outputs(model)
+    references = dict(zip((tuple(ByteTokenizer().encode(p)) for p in PROMPTS[:2]), plain_long, strict=True))
+    strategy = SpeculativeDecode(
+        lambda: DeviceOracle(references, right_from=30),
+        name="draft",
+        max_draft=MAX_DRAFT,
+        cost_curve=gpu_cost_curve(MAX_DRAFT),
+    )
+    assert await together.outputs(model, strategy) == plain_long
+    assert strategy.stats.accepted >= 60  # speculation came back on
+
+
+def test_a_dropped_draft_from_the_prediction_is_not_counted_as_rejected() -> None:
+    """Predicted Outputs usage counts only drafts a verify scored."""
+    from types import SimpleNamespace
+
+    from kapitsa.engine.runner.sampler import SampledToken
+    from kapitsa.engine.speculative.ngram import NGramDrafter
+
+    def sequence(tokens: list[int], prediction: tuple[int, ...] = ()) -> SimpleNamespace:
+        return SimpleNamespace(
+            token_ids=list(tokens), output_ids=[tokens[-1]], max_tokens=100, is_finished=False,
+            prediction_ids=prediction, prompt_tail=None, num_prompt_tokens=len(tokens) - 1,
+            draft_proposed=0, draft_accepted=0, prediction_proposed=0, prediction_accepted=0, step_drafts=(0, 0),
+        )  # fmt: skip
+
+    strategy = SpeculativeDecode(NGramDrafter, max_draft=MAX_DRAFT, cost_curve=gpu_cost_curve(MAX_DRAFT))
+    predicted = sequence([10, 11, 12, 13], prediction=(12, 13, 40, 41, 42, 43, 44, 45))
+    states = [strategy._state(predicted), strategy._state(sequence([20, 21, 22, 23]))]
+    for state in states:
+        state.controller.alphas = [0.65] * MAX_DRAFT  # a draft of this row alone does not pay for two
+        state.controller._best.clear()
+    drafts = [strategy._propose(state) for state in states]
+    assert drafts[0] and states[0].from_prediction
+    assert strategy._drop_unpaid(states, drafts) == [[], []]
+    strategy._count([[SampledToken(40, 0.0)], [SampledToken(24, 0.0)]], [0, 0], states)
+    assert predicted.prediction_proposed == predicted.prediction_accepted == 0

@@ -17,6 +17,17 @@ plain step's expert reads, and the batch-1 price errs towards plain decoding.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class RowPlan:
+    """A row's verify as the decoder prices it before leaving pipelined steps."""
+
+    length: int  # draft tokens
+    expected: float  # tokens the verify is expected to give (the target's own included)
+    probe: bool = False  # a resting device drafter's periodic probe
+    draft: tuple[int, ...] = ()  # a host drafter's draft
 
 
 def batch_verify_pays(

@@ -24,7 +24,7 @@ from kapitsa.engine.runner.prompt_tail import TailRequest
 from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.speculative.acceptance import accept_chain, accept_tree, is_plain_greedy
-from kapitsa.engine.speculative.batch_gate import batch_verify_pays
+from kapitsa.engine.speculative.batch_gate import RowPlan, batch_verify_pays
 from kapitsa.engine.speculative.controller import (
     DEFAULT_MAX_DRAFT,
     DraftLengthController,
@@ -70,6 +70,7 @@ class _SequenceState:
     needs_target: bool = False  # reads the target's hidden states or taps: never pipelines
     # the draft being verified: its tokens copied from the request's predicted output (usage counts them)
     from_prediction: tuple[int, ...] = ()
+    probing: bool = False  # the draft being verified is the controller's probe while speculation rests
 
     def __post_init__(self) -> None:
         drafter = self.drafter
@@ -157,27 +158,24 @@ class SpeculativeDecode:
         self._forget_finished(sequences)
         was_pipelined = self._pipelined
         states = [self._state(seq) for seq in sequences]
-        lengths = [self._would_verify(state) for state in states]
-        verify = any(k is not None for k in lengths)
+        plans = [self._plan(state) for state in states]
+        verify = any(plan is not None for plan in plans)
         if verify and len(states) > 1 and self.adaptive and not any(st.needs_target for st in states):
-            expected = [
-                1.0 if k is None else st.controller.expected_tokens(k, _run(st))
-                for st, k in zip(states, lengths, strict=True)
-            ]
-            top = max(k or 0 for k in lengths)
-            exit_cost = states[0].exit_cost if self._pipelined else 0.0
-            verify = self._batch_pays(states, expected, 1 + top, exit_cost)
+            verify = self._plans_pay(states, plans)
         self._pipelined = not verify
         self.stats.pipeline_exits += was_pipelined and not self._pipelined
         return self._pipelined
 
-    def _would_verify(self, state: _SequenceState) -> int | None:
-        """The draft length `state`'s sequence would verify now (None: it would take a plain step)."""
+    def _plan(self, state: _SequenceState) -> RowPlan | None:
+        """What `state`'s sequence would verify now (None: it would take a plain step)."""
         drafter, seq, controller = state.drafter, state.seq, state.controller
         if state.needs_target:
-            return self.max_draft
+            return RowPlan(self.max_draft, float(self.max_draft + 1))
         if not state.on_host:
-            return None if controller.resting(len(seq.output_ids)) else controller.best_length()
+            if controller.resting(len(seq.output_ids)):
+                return None
+            k = controller.best_length()
+            return RowPlan(k, controller.expected_tokens(k), probe=k == 0)
         context, shadow = seq.token_ids, state.shadow
         shadow.score(context, controller)
         if seq.max_tokens - len(seq.output_ids) - 1 <= 0:
@@ -185,10 +183,28 @@ class SpeculativeDecode:
         exit_cost = state.exit_cost if self._pipelined else 0.0
         k = controller.best_length(shadow.current_run, exit_cost) if self.adaptive else self.max_draft
         if k > 0:
-            return k if drafter.propose(context, 1).tokens else None
+            draft = tuple(drafter.propose(context, k).tokens)
+            expected = controller.expected_tokens(len(draft), shadow.current_run)
+            return RowPlan(len(draft), expected, draft=draft) if draft else None
         if not shadow.live:
             shadow.guess(drafter.propose(context, self.max_draft).tokens, len(context))
         return None
+
+    def _plans_pay(self, states: list[_SequenceState], plans: list[RowPlan | None]) -> bool:
+        """Whether a batch's plans pay for leaving pipelined steps to verify every row. A device
+        drafter's due probe always does (one verify per `probe_every` tokens keeps its estimate
+        current); a host drafter's draft the batch does not verify is scored as a guess instead."""
+        if any(plan is not None and plan.probe for plan in plans):
+            return True
+        expected = [1.0 if plan is None else plan.expected for plan in plans]
+        width = 1 + max(0 if plan is None else plan.length for plan in plans)
+        exit_cost = states[0].exit_cost if self._pipelined else 0.0
+        if self._batch_pays(states, expected, width, exit_cost):
+            return True
+        for state, plan in zip(states, plans, strict=True):
+            if plan is not None and plan.draft and not state.shadow.live:
+                state.shadow.guess(plan.draft, len(state.seq.token_ids))
+        return False
 
     def _batch_pays(
         self, states: list[_SequenceState], expected: list[float], width: int, extra_cost: float = 0.0
@@ -204,6 +220,8 @@ class SpeculativeDecode:
         a host drafter's dropped draft is then scored as a guess against the tokens that arrive."""
         if len(states) < 2 or not self.adaptive or not any(drafts):
             return drafts
+        if any(st.probing for st, d in zip(states, drafts, strict=True) if d):
+            return drafts
         expected = [
             st.controller.expected_tokens(len(d), _run(st)) if d else 1.0
             for st, d in zip(states, drafts, strict=True)
@@ -211,6 +229,7 @@ class SpeculativeDecode:
         if self._batch_pays(states, expected, 1 + max(len(d) for d in drafts)):
             return drafts
         for state, draft in zip(states, drafts, strict=True):
+            state.from_prediction = ()  # no verify: none of it is proposed
             if draft and state.on_host:
                 state.shadow.start(draft, len(state.seq.token_ids))
         return [[] for _ in drafts]
@@ -401,6 +420,7 @@ class SpeculativeDecode:
         k = min(
             state.controller.choose(len(seq.output_ids), depth) if self.adaptive else self.max_draft, room
         )
+        state.probing = self.adaptive and k > 0 and state.controller.best_length(depth) == 0
         if k <= 0 and not getattr(state.drafter, "needs_hidden", False):
             return []
         if k > 0 and getattr(state.drafter, "extends_free", False):
