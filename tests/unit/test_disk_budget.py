@@ -76,7 +76,7 @@ def test_files_being_written_elsewhere_are_neither_counted_nor_deleted(tmp_path:
     mine = DiskTier(root, model_key="mine", budget_bytes=2 * size)
     mine.save(_stored(0))
     assert live.exists() and len(mine) == 1
-    assert foreign_files(root, mine.folder) == []
+    assert foreign_files(root, {mine.folder / p.name for p in mine.folder.iterdir()}) == []
 
 
 def test_foreign_files_are_listed_least_recently_used_first(tmp_path: Path) -> None:
@@ -86,7 +86,34 @@ def test_foreign_files_are_listed_least_recently_used_first(tmp_path: Path) -> N
     a.save(_stored(0))
     b.save(_stored(100))
     _age(b, 60)
-    mine = DiskTier(root, model_key="mine", budget_bytes=1 << 20)
-    listed = foreign_files(root, mine.folder)
+    listed = foreign_files(root)
     assert [f.path.parent for f in listed] == [b.folder, a.folder]
     assert all(f.last_used <= time.time() for f in listed)
+
+
+def test_files_the_tier_did_not_name_are_left_alone(tmp_path: Path) -> None:
+    """A cache folder set to a shared place keeps whatever else lives there."""
+    size, root = _file_bytes(tmp_path), tmp_path / "cache"
+    stranger = root / "my-model" / "model.safetensors"
+    stranger.parent.mkdir(parents=True)
+    stranger.write_bytes(b"\0" * (4 * size))
+    mine = DiskTier(root, model_key="mine", budget_bytes=2 * size + size // 2)
+    odd = mine.folder / f"notes{SUFFIX}"
+    odd.write_bytes(b"\0" * (4 * size))
+    for first in (0, 100, 200):
+        mine.save(_stored(first))
+    assert stranger.exists() and odd.exists()
+    assert len(mine) == 2  # its own files kept to the budget, the others not counted
+
+
+def test_two_processes_serving_one_model_keep_one_budget(tmp_path: Path) -> None:
+    """run, serve and the TUI share a model's folder: each counts the files the others wrote."""
+    size, root = _file_bytes(tmp_path), tmp_path / "cache"
+    budget = 3 * size + size // 2
+    first, second = (DiskTier(root, model_key="m", budget_bytes=budget) for _ in range(2))
+    for start in (0, 100, 200):
+        first.save(_stored(start))
+    for start in (300, 400, 500):
+        second.save(_stored(start))
+    assert _root_bytes(root) <= budget
+    assert second.lookup(list(range(500, 512))) is not None

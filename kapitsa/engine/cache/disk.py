@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kapitsa.engine.cache.disk_budget import foreign_files
+from kapitsa.engine.cache.disk_budget import ForeignFile, foreign_files
 from kapitsa.engine.cache.file import (
     SUFFIX,
     TMP_PREFIX,
@@ -310,15 +310,16 @@ class DiskTier:
             size = sum(a.nbytes for a in item.arrays)
             if size > self.budget_bytes:
                 return
+            foreign = self._foreign_files()
             with self._cond:
-                self._make_room(size)
+                self._make_room(size, foreign)
             path = write_prefix_file(self.folder, digest, item.arrays, item.metadata)
             entry = _Entry(path, len(item.stored.tokens), item.stored.next_logits is not None, 0, 0.0)
             entry.nbytes = path.stat().st_size
             with self._cond:
                 self._touch(entry)
                 self._add(digest, entry)
-                self._make_room(0)  # the header makes the file a little larger than its arrays
+                self._make_room(0, foreign)  # the header makes the file a little larger than its arrays
         except Exception as err:  # noqa: BLE001 - a failed write only loses a cache entry
             log.warning("could not write prefix-cache file: %s", err)
         finally:
@@ -426,10 +427,16 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(entry.path, (entry.last_used, entry.last_used))
 
-    def _make_room(self, incoming: int) -> None:
-        """Delete the least recently used files, this model's or another's (disk_budget.py), until
-        the whole cache folder and `incoming` bytes fit the budget."""
-        foreign = foreign_files(self.folder.parent, self.folder)
+    def _foreign_files(self) -> list[ForeignFile]:
+        """The cache folder's files outside this tier's index, listed without holding its lock."""
+        with self._cond:
+            known = {entry.path for entry in self._entries.values()}
+        return foreign_files(self.folder.parent, known)
+
+    def _make_room(self, incoming: int, foreign: list[ForeignFile]) -> None:
+        """Delete the least recently used files, this tier's or `foreign` ones (disk_budget.py:
+        other models', other processes'; those deleted leave the list), until the whole cache
+        folder and `incoming` bytes fit the budget."""
         total = self.nbytes + sum(f.nbytes for f in foreign)
         while (self._entries or foreign) and total + incoming > self.budget_bytes:
             own = min(self._entries, key=lambda d: self._entries[d].last_used) if self._entries else None
