@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.runner.memory import failure_error
+from kapitsa.engine.runner.memory import failure_error, release_after
 from kapitsa.engine.types import ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
 from kapitsa.errors import EngineBusy, InvalidRequest, KapitsaError
 
@@ -52,11 +52,12 @@ async def test_an_out_of_memory_step_is_engine_busy_and_the_engine_serves_on(
     client = make_client(qwen_model)
     expected = await _tokens(client)
     _fail_once(monkeypatch, client.engine.runner, method, CUDA_OOM)
-    cleared = []
-    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(True))
+    batch_size_when_cleared = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: batch_size_when_cleared.append(client.engine.batch.size))
     with pytest.raises(EngineBusy, match="ran out of memory.*retry"):
         await _tokens(client)
-    assert cleared  # the cache went back before the retry
+    # handed back after the failed batch was dropped (its buffers among them), never before
+    assert batch_size_when_cleared and set(batch_size_when_cleared) == {0}
     assert await _tokens(client) == expected
     assert client.stats().alive
 
@@ -70,12 +71,38 @@ async def test_another_step_failure_stays_a_generation_error(qwen_model, make_cl
     assert len(await _tokens(client)) == 6
 
 
-@pytest.mark.parametrize("message", [CUDA_OOM, METAL_OOM, "[malloc] Unable to allocate 1073741824 bytes."])
-def test_each_backends_wording_is_out_of_memory(message, monkeypatch) -> None:
-    monkeypatch.setattr(mx, "clear_cache", lambda: None)
+@pytest.mark.parametrize(
+    "message",
+    [
+        CUDA_OOM,
+        METAL_OOM,
+        "[malloc] Unable to allocate 1073741824 bytes.",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "cuBLAS error: CUBLAS_STATUS_ALLOC_FAILED",
+        "Out of memory",
+    ],
+)
+def test_each_backends_wording_is_out_of_memory(message) -> None:
     assert isinstance(failure_error(RuntimeError(message)), EngineBusy)
+
+
+@pytest.mark.parametrize(
+    "message", ["some kernel bug", "[metal::malloc] buffer larger than the maximum allowed"]
+)
+def test_other_failures_are_not_out_of_memory(message) -> None:
+    error = failure_error(RuntimeError(message))
+    assert not isinstance(error, EngineBusy) and "generation failed" in str(error)
 
 
 def test_a_kapitsa_error_passes_through_unchanged() -> None:
     err = InvalidRequest("bad")
     assert failure_error(err) is err
+
+
+def test_only_an_out_of_memory_failure_hands_the_cache_back(monkeypatch) -> None:
+    cleared = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(True))
+    release_after(RuntimeError("some kernel bug"))
+    assert not cleared
+    release_after(RuntimeError(CUDA_OOM))
+    assert cleared == [True]

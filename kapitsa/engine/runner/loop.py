@@ -28,6 +28,7 @@ from kapitsa.engine.runner.memory import (
     device_memory_limit,
     failure_error,
     periodic_checkpoint_interval,
+    release_after,
 )
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens, usage_of
@@ -218,6 +219,7 @@ class Engine:
                 for seq in list(self.scheduler.decoding):
                     self._fail(seq, err)
                 self.batch = DecodeBatch()
+                release_after(err)
         seq = self.scheduler.next_prefill()
         if seq is not None:
             try:
@@ -225,6 +227,7 @@ class Engine:
             except Exception as err:  # noqa: BLE001
                 log.exception("prefill failed")
                 self._fail(seq, err)
+                release_after(err)
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.cache is None:

@@ -43,24 +43,41 @@ def device_memory_limit() -> int:
         return 16 * GIB
 
 
-# How MLX's backends word a failed device allocation (CUDA's allocator, Metal's command buffer, the
-# allocators' own check); a buffer over Metal's single-buffer limit is not among them: a retry
-# cannot fit it either.
-_OUT_OF_MEMORY = ("out of memory", "OutOfMemory", "Insufficient Memory", "Unable to allocate")
+# How a failed device allocation reads (lower-cased): MLX's CUDA allocator and its CUDA, cuBLAS and
+# cuDNN calls, Metal's command buffer, the allocators' own check. A buffer over Metal's
+# single-buffer limit is not among them: a retry cannot fit it either.
+_OUT_OF_MEMORY = (
+    "out of memory",
+    "out_of_memory",
+    "outofmemory",
+    "insufficient memory",
+    "unable to allocate",
+    "alloc_failed",
+)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(marker in text for marker in _OUT_OF_MEMORY)
 
 
 def failure_error(err: Exception) -> KapitsaError:
     """The error a request gets for a step that raised `err`. A device out of memory (the rows of a
-    batch together, or what other processes hold) is `EngineBusy`, after MLX's buffer cache goes
-    back to the device: the engine serves on, and a client's retry, alone or in a smaller batch,
+    batch together, or what other processes hold) is `EngineBusy`: the engine serves on
+    (`release_after` hands MLX's cache back), and a client's retry, alone or in a smaller batch,
     finds the memory."""
     if isinstance(err, KapitsaError):
         return err
-    text = str(err)
-    if any(marker in text for marker in _OUT_OF_MEMORY):
+    if is_out_of_memory(err):
+        return EngineBusy(f"the device ran out of memory for this request ({err}); retry it")
+    return KapitsaError(f"generation failed: {err}")
+
+
+def release_after(err: BaseException) -> None:
+    """After a failed step's requests and batch are dropped: an out-of-memory failure hands MLX's
+    buffer cache, the failed step's buffers included, back to the device."""
+    if is_out_of_memory(err):
         mx.clear_cache()
-        return EngineBusy(f"the device ran out of memory for this request ({text}); retry it")
-    return KapitsaError(f"generation failed: {text}")
 
 
 def check_context(prompt_tokens: int, context_length: int) -> None:
