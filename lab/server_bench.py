@@ -260,6 +260,8 @@ def main() -> None:
         _progress(f"kapitsa serve warmed its batch sizes in {start['kapitsa_serve_warmup_s']} s")
         start["kapitsa_serve_first_request_s"] = first_request_s(kapitsa_url)
         report["engines"] += run_bench(None, [kapitsa_url], args)["engines"]
+        for name in ("speculative_verifies", "draft_tokens_proposed", "draft_tokens_accepted"):
+            start[f"kapitsa_serve_{name}"] = _metric(kapitsa_url, f"kapitsa_{name}_total")  # the whole bench
     with server(mlx_argv, f"{mlx_url}/v1/models", args.work / "mlx_lm.log", args.ready_timeout) as proc:
         start["mlx_lm_server_ready_s"] = round(proc.ready_s, 1)
         start["mlx_lm_server_first_request_s"] = first_request_s(mlx_url)

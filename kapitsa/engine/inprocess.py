@@ -26,6 +26,7 @@ from kapitsa.engine.runner.memory import check_context
 from kapitsa.engine.runner.output import threadsafe_put
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.runner.stop import StopMatcher
+from kapitsa.engine.stats import speculation_counts
 from kapitsa.engine.text.prepare import prediction_ids, prepare_prompt
 from kapitsa.engine.text.prompt_encoder import PromptEncoder
 from kapitsa.engine.text.token_checks import check_request_token_ids, model_vocab_size
@@ -170,6 +171,7 @@ class InProcessEngine:
             memory_limit_bytes=e.memory.limit_bytes,
             speculative=getattr(e.decode_strategy, "name", "custom"),
             draft_acceptance_rate=getattr(e.decode_strategy, "acceptance_rate", 0.0),
+            **speculation_counts(e.decode_strategy),
             tokens_per_step=getattr(e.decode_strategy, "tokens_per_step", s.tokens_per_step),
             requests_finished=s.finished,
             requests_failed=s.failed,

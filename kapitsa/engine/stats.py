@@ -34,3 +34,16 @@ class StatsCounter:
 
 def _ema(old: float, new: float) -> float:
     return new if old == 0.0 else (1 - _EMA) * old + _EMA * new
+
+
+def speculation_counts(strategy: object) -> dict[str, int]:
+    """A speculating decoder's running counts as `EngineStats` fields (none for plain decoding)."""
+    counts = getattr(strategy, "stats", None)
+    if counts is None:
+        return {}
+    return {
+        "speculative_verifies": int(getattr(counts, "steps", 0)),
+        "draft_tokens_proposed": int(getattr(counts, "proposed", 0)),
+        "draft_tokens_accepted": int(getattr(counts, "accepted", 0)),
+        "speculative_pipeline_exits": int(getattr(counts, "pipeline_exits", 0)),
+    }

@@ -261,6 +261,10 @@ class EngineStats:
     memory_limit_bytes: int = 0
     speculative: str = "none"
     draft_acceptance_rate: float = 0.0
+    speculative_verifies: int = 0  # verify forwards run (each for the whole batch)
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    speculative_pipeline_exits: int = 0  # times drafts took the engine out of pipelined plain steps
     tokens_per_step: float = 0.0
     requests_finished: int = 0
     requests_failed: int = 0

@@ -15,6 +15,10 @@ _COUNTERS = {
     "checkpoints_loaded_from_disk",
     "checkpoints_preloaded",
     "checkpoints_read_ahead",
+    "speculative_verifies",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "speculative_pipeline_exits",
 }
 
 

@@ -242,3 +242,33 @@ def test_a_dropped_draft_from_the_prediction_is_not_counted_as_rejected() -> Non
     assert strategy._drop_unpaid(states, drafts) == [[], []]
     strategy._count([[SampledToken(40, 0.0)], [SampledToken(24, 0.0)]], [0, 0], states)
     assert predicted.prediction_proposed == predicted.prediction_accepted == 0
+
+
+async def test_the_engine_reports_its_verifies_and_drafts(model) -> None:  # noqa: ANN001
+    """`EngineStats` (and /metrics) carry the decoder's verifies, drafted and accepted tokens and
+    pipeline exits: how an operator tells whether speculation pays on their traffic."""
+    from kapitsa.server.metrics import prometheus_text
+
+    together = Staggered(PROMPTS[:2], stagger=False)
+    plain_together = await together.outputs(model)
+    strategy = _first_only(plain_together, keep=MAX_DRAFT)
+    client = _client(model, strategy)
+    try:
+        await together.burst(client)
+        stats = client.stats()
+    finally:
+        client.close()
+    counts = strategy.stats
+    assert counts.steps > 0 and counts.accepted > 0
+    assert (stats.speculative_verifies, stats.draft_tokens_proposed, stats.draft_tokens_accepted) == (
+        counts.steps,
+        counts.proposed,
+        counts.accepted,
+    )
+    assert stats.speculative_pipeline_exits == counts.pipeline_exits
+    text = prometheus_text(stats)
+    assert (
+        f"# TYPE kapitsa_speculative_verifies_total counter\nkapitsa_speculative_verifies_total {counts.steps}\n"
+        in text
+    )
+    assert f"kapitsa_draft_tokens_accepted_total {counts.accepted}\n" in text

@@ -137,6 +137,8 @@ class GroupEngine:
         return EngineStats(
             speculative="none" if spec is None else spec.name,
             draft_acceptance_rate=0.0 if spec is None else spec.acceptance_rate,
+            draft_tokens_proposed=0 if spec is None else spec.stats.proposed,
+            draft_tokens_accepted=0 if spec is None else spec.stats.accepted,
             tokens_per_step=0.0 if spec is None else spec.tokens_per_step,
             alive=self.alive,
             model=self.info.id,
