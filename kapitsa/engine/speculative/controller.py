@@ -105,6 +105,12 @@ class DraftLengthController:
             return 1
         return best_k
 
+    def note_off(self, position: int) -> None:
+        """Record that speculation is off from `position` when no draft pays (as `choose` does) and
+        it is not already off."""
+        if self._off_since is None and self.best_length() == 0:
+            self._off_since = position
+
     def resting(self, position: int) -> bool:
         """Whether speculation is off and no probe is due at `position`: plain steps until then
         (which the engine can pipeline)."""

@@ -34,13 +34,7 @@ from kapitsa.engine.speculative.controller import (
 from kapitsa.engine.speculative.drafter import Drafter
 from kapitsa.engine.speculative.shadow import ShadowGuess
 from kapitsa.engine.speculative.tree import DraftTree
-
-# On a GPU every new verify width compiles kernels (templated on their row count) and a trace per
-# layer, which cost seconds on a large model's first requests. A verify of 2-8 tokens costs about
-# the same as one of 2 there (docs/results.md), so drafts are padded up to one of these widths
-# (capped at max_draft + 1): three shapes to compile instead of seven.
-GPU_VERIFY_WIDTHS = (2, 4, 8, 16)
-
+from kapitsa.engine.speculative.widths import GPU_VERIFY_WIDTHS, pad_drafts, verify_widths, width_for
 
 # The acceptance a host drafter's controller assumes before its first guess is scored: on a GPU
 # that is below what pays for a verify (its sequences start with pipelined plain steps and turn
@@ -125,6 +119,8 @@ class SpeculativeDecode:
     _plain: PlainDecode = field(default_factory=PlainDecode)
     _pipelined: bool = False  # the engine's last step ran pipelined (a verify must leave it)
     _tail_request: TailRequest | None | bool = False  # False: not read off a drafter yet
+    _step_count: int = 0  # decode steps the engine has asked `wants_pipeline` about
+    _probed_at: int = -(1 << 30)  # the step count of the batch's last probe step
 
     @property
     def acceptance_rate(self) -> float:
@@ -156,6 +152,7 @@ class SpeculativeDecode:
         if not sequences:
             return False
         self._forget_finished(sequences)
+        self._step_count += 1
         was_pipelined = self._pipelined
         states = [self._state(seq) for seq in sequences]
         plans = [self._plan(state) for state in states]
@@ -171,17 +168,26 @@ class SpeculativeDecode:
         drafter, seq, controller = state.drafter, state.seq, state.controller
         if state.needs_target:
             return RowPlan(self.max_draft, float(self.max_draft + 1))
+        position, room = len(seq.output_ids), seq.max_tokens - len(seq.output_ids) - 1
         if not state.on_host:
-            if controller.resting(len(seq.output_ids)):
+            if controller.resting(position):
                 return None
-            k = controller.best_length()
-            return RowPlan(k, controller.expected_tokens(k), probe=k == 0)
+            k = min(controller.best_length(), room)
+            if k > 0:
+                return RowPlan(k, controller.expected_tokens(k))
+            controller.note_off(position)  # as `choose` would: speculation rests from here
+            return (
+                None
+                if controller.resting(position)
+                else RowPlan(1, controller.expected_tokens(1), probe=True)
+            )
         context, shadow = seq.token_ids, state.shadow
         shadow.score(context, controller)
-        if seq.max_tokens - len(seq.output_ids) - 1 <= 0:
+        if room <= 0:
             return None
         exit_cost = state.exit_cost if self._pipelined else 0.0
         k = controller.best_length(shadow.current_run, exit_cost) if self.adaptive else self.max_draft
+        k = min(k, room)
         if k > 0:
             draft = tuple(drafter.propose(context, k).tokens)
             expected = controller.expected_tokens(len(draft), shadow.current_run)
@@ -192,9 +198,10 @@ class SpeculativeDecode:
 
     def _plans_pay(self, states: list[_SequenceState], plans: list[RowPlan | None]) -> bool:
         """Whether a batch's plans pay for leaving pipelined steps to verify every row. A device
-        drafter's due probe always does (one verify per `probe_every` tokens keeps its estimate
-        current); a host drafter's draft the batch does not verify is scored as a guess instead."""
-        if any(plan is not None and plan.probe for plan in plans):
+        drafter's due probe does, once per `probe_every` steps of the batch (its rows' probes due
+        by then go together: each keeps its estimate current); a host drafter's draft the batch
+        does not verify is scored as a guess instead."""
+        if any(plan is not None and plan.probe for plan in plans) and self._probe_window(states):
             return True
         expected = [1.0 if plan is None else plan.expected for plan in plans]
         width = 1 + max(0 if plan is None else plan.length for plan in plans)
@@ -205,6 +212,13 @@ class SpeculativeDecode:
             if plan is not None and plan.draft and not state.shadow.live:
                 state.shadow.guess(plan.draft, len(state.seq.token_ids))
         return False
+
+    def _probe_window(self, states: list[_SequenceState]) -> bool:
+        """Whether this step may be the batch's probe step (and make it so)."""
+        if self._step_count - self._probed_at < states[0].controller.probe_every:
+            return False
+        self._probed_at = self._step_count
+        return True
 
     def _batch_pays(
         self, states: list[_SequenceState], expected: list[float], width: int, extra_cost: float = 0.0
@@ -220,8 +234,10 @@ class SpeculativeDecode:
         a host drafter's dropped draft is then scored as a guess against the tokens that arrive."""
         if len(states) < 2 or not self.adaptive or not any(drafts):
             return drafts
-        if any(st.probing for st, d in zip(states, drafts, strict=True) if d):
-            return drafts
+        if self._probed_at == self._step_count and any(
+            st.probing for st, d in zip(states, drafts, strict=True) if d
+        ):
+            return drafts  # the batch's probe step (`_probe_window`)
         expected = [
             st.controller.expected_tokens(len(d), _run(st)) if d else 1.0
             for st, d in zip(states, drafts, strict=True)
@@ -420,7 +436,9 @@ class SpeculativeDecode:
         k = min(
             state.controller.choose(len(seq.output_ids), depth) if self.adaptive else self.max_draft, room
         )
-        state.probing = self.adaptive and k > 0 and state.controller.best_length(depth) == 0
+        state.probing = (
+            self.adaptive and not state.on_host and k > 0 and state.controller.best_length(depth) == 0
+        )
         if k <= 0 and not getattr(state.drafter, "needs_hidden", False):
             return []
         if k > 0 and getattr(state.drafter, "extends_free", False):
@@ -438,28 +456,14 @@ class SpeculativeDecode:
         widths = self.verify_widths
         if widths is None:
             widths = GPU_VERIFY_WIDTHS if backend() else ()
-        if not widths:
-            return ()
-        top = self.max_draft + 1
-        return tuple(sorted({w for w in widths if 1 < w < top} | {top}))
+        return verify_widths(widths, self.max_draft)
 
     def _width_for(self, width: int, widths: tuple[int, ...] | None = None) -> int:
         """The verify width a forward of `width` tokens is padded up to (`widths`: `_widths()`)."""
-        return next((w for w in (self._widths() if widths is None else widths) if w >= width), width)
+        return width_for(width, self._widths() if widths is None else widths)
 
     def _pad_drafts(self, sequences: Seq[Sequence], drafts: list[list[int]]) -> list[list[int]]:
-        """Every row's draft padded to the batch's verify width (repeating its last token) as far as
-        the row's max_tokens allows: equal rows take the compiled chain path, not the ragged one."""
-        widths = self._widths()
-        if not widths:
-            return drafts
-        width = self._width_for(1 + max(len(d) for d in drafts), widths)
-        padded = []
-        for seq, draft in zip(sequences, drafts, strict=True):
-            room = seq.max_tokens - len(seq.output_ids) - 1
-            fill = draft[-1] if draft else seq.output_ids[-1]
-            padded.append(draft + [fill] * max(0, min(width - 1, room) - len(draft)))
-        return padded
+        return pad_drafts(sequences, drafts, self._widths())
 
 
 def _hand_prompt_tail(seq: Sequence, drafter: Drafter) -> None:
