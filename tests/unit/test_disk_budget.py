@@ -117,3 +117,53 @@ def test_two_processes_serving_one_model_keep_one_budget(tmp_path: Path) -> None
         second.save(_stored(start))
     assert _root_bytes(root) <= budget
     assert second.lookup(list(range(500, 512))) is not None
+
+
+def test_a_restart_keeps_files_the_tier_did_not_name(tmp_path: Path) -> None:
+    mine = DiskTier(tmp_path / "cache", model_key="mine", budget_bytes=1 << 20)
+    odd = mine.folder / f"notes{SUFFIX}"
+    odd.write_bytes(b"\0" * 64)
+    again = DiskTier(tmp_path / "cache", model_key="mine", budget_bytes=1 << 20)
+    assert odd.exists() and again.num_corrupt == 0
+
+
+def test_a_file_renamed_into_place_but_not_yet_indexed_is_not_counted_twice(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two writes at once in one process (the writer thread, an eviction's save): the listing one
+    of them makes must not count the other's file as another process's."""
+    import threading
+
+    from kapitsa.engine.cache import disk as disk_module
+
+    size, root = _file_bytes(tmp_path), tmp_path / "cache"
+    tier = DiskTier(root, model_key="m", budget_bytes=4 * size + size // 2)  # room for 4 files
+    for first in (0, 100):
+        tier.save(_stored(first))
+    written, listed, second_done = threading.Event(), threading.Event(), threading.Event()
+    real_write, real_foreign = disk_module.write_prefix_file, tier._foreign_files
+
+    def write(*args, **kwargs):  # the second writer's file is in place, not yet in the index
+        path = real_write(*args, **kwargs)
+        if threading.current_thread().name == "second":
+            written.set()
+            listed.wait(10)
+        return path
+
+    def foreign():  # the first writer lists the folder meanwhile; the second then indexes its file
+        found = real_foreign()
+        if threading.current_thread().name == "first":
+            listed.set()
+            second_done.wait(10)
+        return found
+
+    monkeypatch.setattr(disk_module, "write_prefix_file", write)
+    monkeypatch.setattr(tier, "_foreign_files", foreign)
+    second = threading.Thread(target=lambda: (tier.save(_stored(200)), second_done.set()), name="second")
+    second.start()
+    written.wait(10)
+    first = threading.Thread(target=lambda: tier.save(_stored(300)), name="first")
+    first.start()
+    first.join(10)
+    second.join(10)
+    assert len(list(tier.folder.glob(f"*{SUFFIX}"))) == len(tier) == 4  # all four fit: none deleted

@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kapitsa.engine.cache.disk_budget import ForeignFile, foreign_files
+from kapitsa.engine.cache.disk_budget import ForeignFile, foreign_files, is_tier_file
 from kapitsa.engine.cache.file import (
     SUFFIX,
     TMP_PREFIX,
@@ -191,6 +191,8 @@ class DiskTier:
 
     def _scan(self) -> None:
         for path in self.folder.glob(f"*{SUFFIX}"):
+            if not path.name.startswith(TMP_PREFIX) and not is_tier_file(path.name):
+                continue  # not a name the tier gives its files: someone else's
             if path.name.startswith(TMP_PREFIX):
                 # a write that a crash interrupted; a recent one may be another process's live write
                 # (run, serve and the TUI share this folder), so only old ones go
@@ -431,6 +433,7 @@ class DiskTier:
         """The cache folder's files outside this tier's index, listed without holding its lock."""
         with self._cond:
             known = {entry.path for entry in self._entries.values()}
+            known |= {self.folder / f"{digest}{SUFFIX}" for digest in self._writing}  # not indexed yet
         return foreign_files(self.folder.parent, known)
 
     def _make_room(self, incoming: int, foreign: list[ForeignFile]) -> None:

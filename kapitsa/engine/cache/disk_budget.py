@@ -33,6 +33,11 @@ _FOLDER = re.compile(r"[0-9a-f]{16}")
 _FILE = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))
 
 
+def is_tier_file(name: str) -> bool:
+    """Whether a file name is one the tier gives a checkpoint (a prefix digest)."""
+    return _FILE.fullmatch(name) is not None
+
+
 def foreign_files(root: Path, known: Collection[Path] = ()) -> list[ForeignFile]:
     """The checkpoint files in `root`'s model folders other than `known` (the caller's own index:
     files another process wrote into the caller's folder count too), least recently used first.
@@ -46,7 +51,7 @@ def foreign_files(root: Path, known: Collection[Path] = ()) -> list[ForeignFile]
     skip = set(known)
     for folder in folders:
         try:
-            paths = [p for p in folder.iterdir() if _FILE.fullmatch(p.name) and p not in skip]
+            paths = [p for p in folder.iterdir() if is_tier_file(p.name) and p not in skip]
         except OSError:
             continue
         for path in paths:
