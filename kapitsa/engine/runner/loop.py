@@ -27,8 +27,8 @@ from kapitsa.engine.runner.memory import (
     MemoryBudget,
     device_memory_limit,
     failure_error,
+    is_out_of_memory,
     periodic_checkpoint_interval,
-    release_after,
 )
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens, usage_of
@@ -211,6 +211,7 @@ class Engine:
     # --- one step ----------------------------------------------------------------------------
 
     def _step(self) -> None:
+        out_of_memory = False  # the failed step's buffers are freed once its traceback is gone
         if self.scheduler.decoding:
             try:
                 self._decode_step()
@@ -219,7 +220,7 @@ class Engine:
                 for seq in list(self.scheduler.decoding):
                     self._fail(seq, err)
                 self.batch = DecodeBatch()
-                release_after(err)
+                out_of_memory = is_out_of_memory(err)
         seq = self.scheduler.next_prefill()
         if seq is not None:
             try:
@@ -227,7 +228,9 @@ class Engine:
             except Exception as err:  # noqa: BLE001
                 log.exception("prefill failed")
                 self._fail(seq, err)
-                release_after(err)
+                out_of_memory = out_of_memory or is_out_of_memory(err)
+        if out_of_memory:
+            mx.clear_cache()  # what the failed step held goes back to the device
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.cache is None:

@@ -64,20 +64,13 @@ def is_out_of_memory(err: BaseException) -> bool:
 def failure_error(err: Exception) -> KapitsaError:
     """The error a request gets for a step that raised `err`. A device out of memory (the rows of a
     batch together, or what other processes hold) is `EngineBusy`: the engine serves on
-    (`release_after` hands MLX's cache back), and a client's retry, alone or in a smaller batch,
+    (the engine loop hands MLX's cache back), and a client's retry, alone or in a smaller batch,
     finds the memory."""
     if isinstance(err, KapitsaError):
         return err
     if is_out_of_memory(err):
         return EngineBusy(f"the device ran out of memory for this request ({err}); retry it")
     return KapitsaError(f"generation failed: {err}")
-
-
-def release_after(err: BaseException) -> None:
-    """After a failed step's requests and batch are dropped: an out-of-memory failure hands MLX's
-    buffer cache, the failed step's buffers included, back to the device."""
-    if is_out_of_memory(err):
-        mx.clear_cache()
 
 
 def check_context(prompt_tokens: int, context_length: int) -> None:
