@@ -201,7 +201,7 @@ class SpeculativeDecode:
         drafter's due probe does, once per `probe_every` steps of the batch (its rows' probes due
         by then go together: each keeps its estimate current); a host drafter's draft the batch
         does not verify is scored as a guess instead."""
-        if any(plan is not None and plan.probe for plan in plans) and self._probe_window(states):
+        if any(plan is not None and plan.probe for plan in plans) and self._probe_window_open(states):
             return True
         expected = [1.0 if plan is None else plan.expected for plan in plans]
         width = 1 + max(0 if plan is None else plan.length for plan in plans)
@@ -213,12 +213,10 @@ class SpeculativeDecode:
                 state.shadow.guess(plan.draft, len(state.seq.token_ids))
         return False
 
-    def _probe_window(self, states: list[_SequenceState]) -> bool:
-        """Whether this step may be the batch's probe step (and make it so)."""
-        if self._step_count - self._probed_at < states[0].controller.probe_every:
-            return False
-        self._probed_at = self._step_count
-        return True
+    def _probe_window_open(self, states: list[_SequenceState]) -> bool:
+        """Whether the batch may probe now: `probe_every` steps since its last probe verified (the
+        step that leaves the pipeline may only drain it; the window stays open until a probe runs)."""
+        return self._step_count - self._probed_at >= states[0].controller.probe_every
 
     def _batch_pays(
         self, states: list[_SequenceState], expected: list[float], width: int, extra_cost: float = 0.0
@@ -234,10 +232,11 @@ class SpeculativeDecode:
         a host drafter's dropped draft is then scored as a guess against the tokens that arrive."""
         if len(states) < 2 or not self.adaptive or not any(drafts):
             return drafts
-        if self._probed_at == self._step_count and any(
-            st.probing for st, d in zip(states, drafts, strict=True) if d
+        if any(st.probing for st, d in zip(states, drafts, strict=True) if d) and self._probe_window_open(
+            states
         ):
-            return drafts  # the batch's probe step (`_probe_window`)
+            self._probed_at = self._step_count
+            return drafts  # the batch's probe step
         expected = [
             st.controller.expected_tokens(len(d), _run(st)) if d else 1.0
             for st, d in zip(states, drafts, strict=True)
