@@ -151,34 +151,15 @@ def sweep_model(
         run(prompts[:1], 8)  # the one-stream path's compiles, before anything is timed
         for n in streams:
             if engine_name == "kapitsa":
-                cold, warm = run(prompts[:n], tokens), run(prompts[:n], tokens)
-                extra = round(cold["wall_s"] - warm["wall_s"], 3)
-                emit(
-                    dict(
-                        shape=shape,
-                        engine=engine_name,
-                        streams=n,
-                        ragged=ragged,
-                        **warm,
-                        first_burst_extra_s=extra,
-                        **_memory_gb(),
-                    )
-                )
-                continue
-            # mlx-lm's first burst of a size warms up on short prompts: its decode compiles, not
-            # a second batch prefill of n x 512 tokens (up to ~45 s a burst on the Qwen shapes, at 180-500
-            # tok/s); its generation rate leaves the prefill out
-            run([p[:WARMUP_PROMPT] for p in prompts[:n]], 4)
-            emit(
-                dict(
-                    shape=shape,
-                    engine=engine_name,
-                    streams=n,
-                    ragged=ragged,
-                    **run(prompts[:n], tokens),
-                    **_memory_gb(),
-                )
-            )
+                cold, timed = run(prompts[:n], tokens), run(prompts[:n], tokens)
+                timed["first_burst_extra_s"] = round(cold["wall_s"] - timed["wall_s"], 3)
+            else:
+                # mlx-lm's first burst of a size warms up on short prompts: its decode compiles, not
+                # a second batch prefill of n x 512 tokens (up to ~45 s a burst on the Qwen shapes, at
+                # 180-500 tok/s); its generation rate leaves the prefill out
+                run([p[:WARMUP_PROMPT] for p in prompts[:n]], 4)
+                timed = run(prompts[:n], tokens)
+            emit(dict(shape=shape, engine=engine_name, streams=n, ragged=ragged, **timed, **_memory_gb()))
     finally:
         if client is not None:
             client.close()

@@ -191,14 +191,14 @@ class DiskTier:
 
     def _scan(self) -> None:
         for path in self.folder.glob(f"*{SUFFIX}"):
-            if not path.name.startswith(TMP_PREFIX) and not is_tier_file(path.name):
-                continue  # not a name the tier gives its files: someone else's
             if path.name.startswith(TMP_PREFIX):
                 # a write that a crash interrupted; a recent one may be another process's live write
                 # (run, serve and the TUI share this folder), so only old ones go
                 if _age_s(path) > STALE_TMP_S:
                     path.unlink(missing_ok=True)
                 continue
+            if not is_tier_file(path.name):
+                continue  # not a name the tier gives its files: someone else's
             try:
                 meta = read_metadata(path)
                 digest = path.name.removesuffix(SUFFIX)

@@ -176,11 +176,9 @@ class SpeculativeDecode:
             if k > 0:
                 return RowPlan(k, controller.expected_tokens(k))
             controller.note_off(position)  # as `choose` would: speculation rests from here
-            return (
-                None
-                if controller.resting(position)
-                else RowPlan(1, controller.expected_tokens(1), probe=True)
-            )
+            if controller.resting(position):
+                return None
+            return RowPlan(1, controller.expected_tokens(1), probe=True)
         context, shadow = seq.token_ids, state.shadow
         shadow.score(context, controller)
         if room <= 0:
@@ -232,9 +230,8 @@ class SpeculativeDecode:
         a host drafter's dropped draft is then scored as a guess against the tokens that arrive."""
         if len(states) < 2 or not self.adaptive or not any(drafts):
             return drafts
-        if any(st.probing for st, d in zip(states, drafts, strict=True) if d) and self._probe_window_open(
-            states
-        ):
+        probing = any(st.probing for st, d in zip(states, drafts, strict=True) if d)
+        if probing and self._probe_window_open(states):
             self._probed_at = self._step_count
             return drafts  # the batch's probe step
         expected = [
