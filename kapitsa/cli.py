@@ -281,6 +281,14 @@ def bench(
         ),
     ] = False,
     draft: DraftOpt = None,
+    workload: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--workload",
+            help="Run only this workload (repeat for more): decode_short, decode_long, prefill, "
+            "ttft_cold_warm, agent_replay, concurrent_4, speculative.",
+        ),
+    ] = None,
 ) -> None:
     """Measure decode/prefill speed, cache hits and concurrency; `bench compare URL...` sets it beside other servers."""
     from kapitsa.commands.bench import cmd_bench, cmd_tune_speculation
@@ -294,6 +302,13 @@ def bench(
     urls = [*(compare or []), *(words or [])[1:]]
     if not local and not urls:
         raise typer.BadParameter("--no-local needs at least one URL: `bench compare URL` or --compare URL")
+    if workload:
+        from kapitsa.bench.runner import check_workloads
+
+        try:
+            check_workloads(workload)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--workload") from err
     cmd_bench(
         model=model,
         json_out=json_out,
@@ -304,6 +319,7 @@ def bench(
         speculative=speculative,
         results_url=results_url,
         confirm=lambda question: typer.confirm(question, default=False, err=True),
+        workloads=workload,
     )
 
 

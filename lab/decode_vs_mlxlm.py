@@ -154,6 +154,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, nargs="+", default=[512])
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timings per engine")
+    ap.add_argument(
+        "--long-rounds",
+        type=int,
+        default=None,
+        help="rounds at prompts of 4096+ tokens (default: --rounds); mlx-lm prefills each at 200-400 tok/s",
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run on CPU")
     ap.add_argument("--json", default=None)
     ap.add_argument("--verify-shapes", nargs="*", default=[], help="also time T-token verify forwards")
@@ -218,7 +224,8 @@ def main() -> None:
         emit(dict(shape=name, built_s=round(time.perf_counter() - built_from, 1)))
         for plen in args.prompts:
             prompt = prompt_ids(plen, vocab)
-            for rnd in range(args.rounds):
+            rounds = args.long_rounds if args.long_rounds and plen >= 4096 else args.rounds
+            for rnd in range(rounds):
                 # round 0's warm-up runs the prompt itself (its prefill shapes compile); later rounds
                 # warm up on a short one, as those shapes are ready: mlx-lm's 8k prefill on the
                 # Qwen shapes takes 30-50 s on a GPU, and a second one per round does not fit the table

@@ -30,6 +30,7 @@ def rows(path: Path) -> list[dict]:
 
 
 SERVER_ENGINES = ("kapitsa engine", "kapitsa serve", "mlx_lm.server")
+PLAIN_SERVE = "kapitsa serve --speculative none"  # lab/server_bench.py --plain-serve
 
 
 def server_shape(path: Path, records: list[dict]) -> str:
@@ -57,35 +58,51 @@ def _three(summary: dict, key: str, digits: int) -> str:
     return " / ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
 
 
-def server_table(benches: list[tuple[str, dict]]) -> str:
+def server_table(benches: list[tuple[str, dict]], engine_decode: dict[str, float] | None = None) -> str:
     """Per shape: decode, time to first token, 8-stream aggregate and the agent replay's mean time
-    to first token, in process / kapitsa serve / mlx_lm.server, and serve against mlx_lm.server."""
+    to first token, in process / kapitsa serve / mlx_lm.server, and serve against mlx_lm.server;
+    serve's decode without speculation where the bench ran it (`--plain-serve`). The overhead is
+    serve's decode against the engine's in process: the bench's own, else the table's batch-1
+    decode of the shape (`engine_decode`; a 512-token prompt there, ~200 here)."""
     head = [
         "shape",
         "decode tok/s: in process / serve / mlx_lm.server (serve/mlx_lm)",
         "first token s",
-        "8 streams tok/s",
+        "8 streams tok/s (serve/mlx_lm)",
         "replay mean first token s",
+        "serve without speculation: decode / 8 streams",
         "serve overhead",
         "serve ready / warm-up s",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for shape, r in benches:
         s = r["summary"]
-
-        ratio = r.get("kapitsa_serve_vs_mlx_lm_server")
-        overhead = r.get("server_overhead")
+        ratio, streams_ratio = (
+            r.get("kapitsa_serve_vs_mlx_lm_server"),
+            r.get("streams_serve_vs_mlx_lm_server"),
+        )
+        plain = s.get(PLAIN_SERVE, {})
         cells = [
             shape,
             _three(s, "decode_tok_s", 1) + (f" ({ratio:.2f}x)" if ratio else ""),
             _three(s, "ttft_s", 2),
-            _three(s, "concurrent_tok_s", 1),
+            _three(s, "concurrent_tok_s", 1) + (f" ({streams_ratio:.2f}x)" if streams_ratio else ""),
             _three(s, "replay_mean_ttft_s", 2),
-            "-" if overhead is None else f"{overhead * 100:.1f}%",
+            f"{_num(plain, 'decode_tok_s')} / {_num(plain, 'concurrent_tok_s')}" if plain else "-",
+            _overhead(r, (engine_decode or {}).get(shape)),
             f"{r.get('kapitsa_serve_ready_s', '-')} / {r.get('kapitsa_serve_warmup_s', '-')}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _overhead(bench: dict, table_decode: float | None) -> str:
+    if bench.get("server_overhead") is not None:
+        return f"{bench['server_overhead'] * 100:.1f}%"
+    serve = bench["summary"].get("kapitsa serve", {}).get("decode_tok_s")
+    if serve and table_decode:
+        return f"{(1 - serve / table_decode) * 100:.1f}% (vs the table)"
+    return "-"
 
 
 def table(records: list[dict]) -> str:
@@ -121,6 +138,15 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def engine_decode(records: list[dict]) -> dict[str, float]:
+    """Each shape's kapitsa batch-1 decode after 512 prompt tokens, from the table's summary rows."""
+    return {
+        r["summary"]: r["kapitsa_decode"]
+        for r in records
+        if "summary" in r and r.get("prompt") == 512 and r.get("kapitsa_decode")
+    }
+
+
 def _decode(r: dict | None) -> str:
     if r is None:
         return "-"
@@ -144,10 +170,11 @@ def main() -> None:
     args = parser.parse_args()
     benches = [b for path in args.logs if (b := server_rows(path))]
     others = [p for p in args.logs if not server_rows(p)]
+    records = [r for path in others for r in rows(path)]
     if others:
-        print(table([r for path in others for r in rows(path)]))
+        print(table(records))
     if benches:
-        print("\n" + server_table(benches))
+        print("\n" + server_table(benches, engine_decode(records)))
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ beside kapitsa's engine in process (what the server adds), with `kapitsa bench`'
 
 Each server runs as its own process, started as a user starts it (`python -m kapitsa serve`,
 `python -m mlx_lm.server`), on the same folder (lab/shape_checkpoint.py writes one both load).
-The engines run one after another, each alone on the machine: the in-process engine, then
-`kapitsa serve` (timed from start to listening, then to the end of its idle warm-up of decode
-batch sizes, read from its /metrics, before its first request), then mlx_lm.server.
-Greedy decoding; `--speculative` (default: serve's own, `auto`) is kapitsa's mode in process and in
-its server.
+The engines run one after another, each alone on the machine: the in-process engine (not with
+`--no-local`), then `kapitsa serve` (timed from start to listening, then to the end of its idle
+warm-up of decode batch sizes, read from its /metrics, before its first request), with
+`--plain-serve` a second one without speculation, then mlx_lm.server. The checkpoint is written by
+a process of its own first. Greedy decoding; `--speculative` (default: serve's own, `auto`) is
+kapitsa's mode in process and in its server; `--workloads` picks the bench's workloads.
 All three use this machine's one MLX JIT cache (`$MLX_PTX_CACHE_DIR`, else MLX's default folder),
 so a server does not compile again what the engine before it compiled: `kapitsa serve` otherwise
 keeps its own cache in kapitsa's state folder, empty on a fresh machine (a first start's compiles
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from kapitsa.bench.runner import WORKLOAD_NAMES
 from kapitsa.engine.options import DEFAULT_SPECULATIVE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +156,11 @@ def run_bench(model: str | None, urls: list[str], args: argparse.Namespace) -> d
     from kapitsa.bench.submit import report_json
 
     options = BenchOptions(
-        model=model, compare=tuple(urls), local=model is not None, speculative=args.speculative
+        model=model,
+        compare=tuple(urls),
+        local=model is not None,
+        speculative=args.speculative,
+        workloads=tuple(args.workloads),
     )
     report = asyncio.run(collect_report(options, bench_config(args)))
     return json.loads(report_json(report))
@@ -179,12 +185,18 @@ LOGGED_KAPITSA = (
     "runpy.run_module('kapitsa', run_name='__main__')"
 )
 
-ENGINE_NAMES = ("kapitsa engine", "kapitsa serve", "mlx_lm.server")  # in process, then the two URLs
+SERVE, PLAIN_SERVE, MLX_LM = "kapitsa serve", "kapitsa serve --speculative none", "mlx_lm.server"
+LOCAL = "kapitsa engine"  # in process
+
+
+def named(report: dict, name: str) -> dict:
+    """`report` with its engines (one each run) called `name`."""
+    for engine in report["engines"]:
+        engine["name"] = name
+    return report
 
 
 def summary(report: dict) -> dict:
-    for engine, name in zip(report["engines"], ENGINE_NAMES, strict=False):
-        engine["name"] = name
     names = [e["name"] for e in report["engines"]]
     rows = {
         n: {
@@ -193,17 +205,52 @@ def summary(report: dict) -> dict:
             "concurrent_tok_s": metric(report, n, "concurrent_4", "aggregate_tok_s"),
             "replay_mean_ttft_s": metric(report, n, "agent_replay", "mean_ttft_s"),
             "replay_cache_hit_pct": metric(report, n, "agent_replay", "cache_hit_pct"),
+            "ttft_cold_s": metric(report, n, "ttft_cold_warm", "ttft_cold_s"),
             "prefill_tok_s": metric(report, n, "prefill", "prefill_tok_s"),
         }
         for n in names
     }
-    local, ours, theirs = (rows.get(n, {}).get("decode_tok_s") for n in ENGINE_NAMES)
+    local, ours, theirs = (rows.get(n, {}).get("decode_tok_s") for n in (LOCAL, SERVE, MLX_LM))
     out = {"summary": rows}
     if local and ours:
         out["server_overhead"] = round(1 - ours / local, 4)
     if ours and theirs:
         out["kapitsa_serve_vs_mlx_lm_server"] = round(ours / theirs, 3)
+    ours8, theirs8 = (rows.get(n, {}).get("concurrent_tok_s") for n in (SERVE, MLX_LM))
+    if ours8 and theirs8:
+        out["streams_serve_vs_mlx_lm_server"] = round(ours8 / theirs8, 3)
     return out
+
+
+def write_checkpoint(shape: str, folder: Path, tiny: bool) -> Path:
+    """The shape's random-weight folder, written by its own process: this one keeps no buffers of
+    it, and the engine in process starts as a user's would."""
+    start = time.monotonic()
+    argv = [sys.executable, "-m", "lab.shape_checkpoint", shape, str(folder), *(["--tiny"] if tiny else [])]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
+    }
+    subprocess.run(argv, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    _progress(f"checkpoint {folder} written in {time.monotonic() - start:.1f} s")
+    return folder
+
+
+def serve_and_bench(
+    argv: list[str], url: str, log: Path, name: str, args: argparse.Namespace
+) -> tuple[dict, dict]:
+    """One `kapitsa serve`'s start, warm-up and bench; its report and its start-up figures."""
+    key = name.replace("kapitsa serve", "kapitsa_serve").replace(" --speculative none", "_plain")
+    start = {}
+    with server(argv, f"{url}/health", log, args.ready_timeout) as proc:
+        start[f"{key}_ready_s"] = round(proc.ready_s, 1)
+        start[f"{key}_warmup_s"] = wait_warm(url, args.ready_timeout)
+        _progress(f"{name} warmed its batch sizes in {start[f'{key}_warmup_s']} s")
+        start[f"{key}_first_request_s"] = first_request_s(url)
+        report = named(run_bench(None, [url], args), name)
+        for counter in ("speculative_verifies", "draft_tokens_proposed", "draft_tokens_accepted"):
+            start[f"{key}_{counter}"] = _metric(url, f"kapitsa_{counter}_total")  # the whole bench
+    return report, start
 
 
 def main() -> None:
@@ -224,48 +271,57 @@ def main() -> None:
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kapitsa-server-bench")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(WORKLOAD_NAMES),
+        help="the bench's workloads to run (default: all; `kapitsa bench --workload`)",
+    )
+    parser.add_argument("--no-local", action="store_true", help="leave out the engine in process")
+    parser.add_argument(
+        "--plain-serve", action="store_true", help="also a `kapitsa serve --speculative none`, after serve"
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     share_jit_cache()  # before this process's first compile: MLX reads the variable then
     folder = Path(args.model) if args.model and args.model != "demo" else None
     if args.shape:
-        from lab.models_under_test import DTYPE
-        from lab.shape_checkpoint import write_shape_checkpoint
-
-        if args.tiny:
-            import mlx.core as mx
-
-            DTYPE["value"] = mx.float32  # MLX's CPU gather_mm (MoE) is float32-only
-        start = time.monotonic()
-        folder = write_shape_checkpoint(args.shape, args.work / f"shape-{args.shape}", tiny=args.tiny)
-        _progress(f"checkpoint {folder} written in {time.monotonic() - start:.1f} s")
+        folder = write_checkpoint(args.shape, args.work / f"shape-{args.shape}", args.tiny)
     if folder is None:  # the embedded demo checkpoint (the package's demo/ folder), which mlx-lm also loads
         import kapitsa
 
         folder = Path(kapitsa.__file__).parent / "demo"
-    ours, theirs = free_port(), free_port()
     py = sys.executable
-    kapitsa_argv = [py, "-c", LOGGED_KAPITSA, "serve", "--model", str(folder), "--port", str(ours)]
-    kapitsa_argv += ["--speculative", args.speculative]
     from lab.cpu_vs_mlxlm import _mlxlm_folder  # the demo's model_type as mlx-lm names it
 
     mlx_folder = _mlxlm_folder(folder, Path(tempfile.mkdtemp(dir=args.work)))
-    mlx_argv = [py, "-m", "mlx_lm.server", "--model", str(mlx_folder), "--port", str(theirs)]
-    report = run_bench(str(folder), [], args)  # the in-process engine, alone
-    kapitsa_url, mlx_url = f"http://127.0.0.1:{ours}", f"http://127.0.0.1:{theirs}"
+    report = {"engines": []} if args.no_local else named(run_bench(str(folder), [], args), LOCAL)
     start = {}
-    with server(kapitsa_argv, f"{kapitsa_url}/health", args.work / "kapitsa.log", args.ready_timeout) as proc:
-        start["kapitsa_serve_ready_s"] = round(proc.ready_s, 1)
-        start["kapitsa_serve_warmup_s"] = wait_warm(kapitsa_url, args.ready_timeout)
-        _progress(f"kapitsa serve warmed its batch sizes in {start['kapitsa_serve_warmup_s']} s")
-        start["kapitsa_serve_first_request_s"] = first_request_s(kapitsa_url)
-        report["engines"] += run_bench(None, [kapitsa_url], args)["engines"]
-        for name in ("speculative_verifies", "draft_tokens_proposed", "draft_tokens_accepted"):
-            start[f"kapitsa_serve_{name}"] = _metric(kapitsa_url, f"kapitsa_{name}_total")  # the whole bench
+    for name, mode in ((SERVE, args.speculative), *([(PLAIN_SERVE, "none")] if args.plain_serve else [])):
+        port = free_port()
+        argv = [
+            py,
+            "-c",
+            LOGGED_KAPITSA,
+            "serve",
+            "--model",
+            str(folder),
+            "--port",
+            str(port),
+            "--speculative",
+            mode,
+        ]
+        log = args.work / ("kapitsa-plain.log" if name == PLAIN_SERVE else "kapitsa.log")
+        served, figures = serve_and_bench(argv, f"http://127.0.0.1:{port}", log, name, args)
+        report["engines"] += served["engines"]
+        start |= figures
+    port = free_port()
+    mlx_argv = [py, "-m", "mlx_lm.server", "--model", str(mlx_folder), "--port", str(port)]
+    mlx_url = f"http://127.0.0.1:{port}"
     with server(mlx_argv, f"{mlx_url}/v1/models", args.work / "mlx_lm.log", args.ready_timeout) as proc:
         start["mlx_lm_server_ready_s"] = round(proc.ready_s, 1)
         start["mlx_lm_server_first_request_s"] = first_request_s(mlx_url)
-        report["engines"] += run_bench(None, [mlx_url], args)["engines"]
+        report["engines"] += named(run_bench(None, [mlx_url], args), MLX_LM)["engines"]
     totals = summary(report) | start
     print(json.dumps(report))
     print(json.dumps(totals))

@@ -12,7 +12,7 @@ from kapitsa.bench.local import open_local_engine
 from kapitsa.bench.machine import machine_info
 from kapitsa.bench.progress import BenchProgress
 from kapitsa.bench.render import notes, render_text, rich_table
-from kapitsa.bench.runner import WORKLOAD_NAMES, run_bench
+from kapitsa.bench.runner import WORKLOAD_NAMES, check_workloads, run_bench
 from kapitsa.bench.schema import BenchReport, EngineResult
 from kapitsa.bench.submit import report_json, resolve_results_url, save_report, submit_report
 from kapitsa.bench.targets import BenchTarget, EngineTarget, HttpTarget
@@ -40,6 +40,10 @@ class BenchOptions:
     speculative: str = DEFAULT_SPECULATIVE
     results_url: str | None = None
     config: BenchConfig = field(default_factory=BenchConfig)
+    workloads: tuple[str, ...] = WORKLOAD_NAMES  # a subset runs in the standard order
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workloads", check_workloads(self.workloads))
 
 
 def bench_main(options: BenchOptions, *, confirm: Callable[[str], bool]) -> BenchReport:
@@ -70,22 +74,26 @@ def print_report(report: BenchReport, *, json_out: bool) -> None:
 
 
 async def collect_report(options: BenchOptions, config: BenchConfig) -> BenchReport:
-    report = BenchReport(machine=machine_info(), config=config.to_dict())
+    report = BenchReport(
+        machine=machine_info(), config=config.to_dict() | {"workloads": list(options.workloads)}
+    )
     num_engines = int(options.local) + len(options.compare)
-    progress = BenchProgress(num_engines * len(WORKLOAD_NAMES))
+    progress = BenchProgress(num_engines * len(options.workloads))
     try:
         if options.local:
             with open_local_engine(options.model, speculative=options.speculative) as client:
                 target = EngineTarget(client, name="kapitsa")
-                report.engines.append(await _run_one(target, config, progress))
+                report.engines.append(await _run_one(target, config, progress, options.workloads))
         for url in options.compare:
-            report.engines.append(await _run_one(HttpTarget(url), config, progress))
+            report.engines.append(await _run_one(HttpTarget(url), config, progress, options.workloads))
     finally:
         progress.close()
     return report
 
 
-async def _run_one(target: BenchTarget, config: BenchConfig, progress: BenchProgress) -> EngineResult:
+async def _run_one(
+    target: BenchTarget, config: BenchConfig, progress: BenchProgress, workloads: tuple[str, ...]
+) -> EngineResult:
     try:
         await target.prepare()
         return await run_bench(
@@ -93,6 +101,7 @@ async def _run_one(target: BenchTarget, config: BenchConfig, progress: BenchProg
             config,
             on_progress=lambda name, index, total: progress.started(target.name, name, index, total),
             on_result=lambda result, _index, _total: progress.finished(target.name, result),
+            workloads=workloads,
         )
     finally:
         await target.aclose()

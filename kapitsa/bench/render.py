@@ -59,9 +59,10 @@ def cell(engine: EngineResult, workload: str, metric: str) -> str:
 
 
 def table_rows(report: BenchReport) -> list[list[str]]:
-    """Header row then one row per headline metric."""
+    """Header row then one row per headline metric of a workload that ran (`bench --workload` picks)."""
     header = ["metric", *[_engine_label(e) for e in report.engines]]
-    rows = [[label, *[cell(e, w, m) for e in report.engines]] for w, m, label in HEADLINE]
+    ran = {w.name for e in report.engines for w in e.workloads}
+    rows = [[label, *[cell(e, w, m) for e in report.engines]] for w, m, label in HEADLINE if w in ran]
     return [header, *rows]
 
 

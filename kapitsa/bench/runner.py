@@ -33,8 +33,11 @@ async def run_bench(
     *,
     on_progress: ProgressCallback | None = None,
     on_result: ResultCallback | None = None,
+    workloads: tuple[str, ...] = WORKLOAD_NAMES,
 ) -> EngineResult:
-    """Run every workload in order against `target`; `on_progress` before each, `on_result` after."""
+    """Run `workloads` (default: every one) in their standard order against `target`;
+    `on_progress` before each, `on_result` after."""
+    chosen = check_workloads(workloads)
     seen: list[StreamResult] = []  # every completion, for the speculative totals
     steps: dict[str, Callable[[], Awaitable[WorkloadResult]]] = {
         "decode_short": lambda: _decode(
@@ -49,6 +52,7 @@ async def run_bench(
         "concurrent_4": lambda: _concurrent(target, config, seen),
         "speculative": lambda: _speculative(target, seen),
     }
+    steps = {name: step for name, step in steps.items() if name in chosen}
     result = EngineResult(name=target.name, kind=target.kind, model=target.model, url=target.url)
     for index, (name, step) in enumerate(steps.items()):
         if on_progress:
@@ -58,6 +62,16 @@ async def run_bench(
             on_result(result.workloads[-1], index, len(steps))
     result.speculative = target.speculative()
     return result
+
+
+def check_workloads(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`names` in the standard order, without repeats; ValueError names any unknown one."""
+    unknown = [n for n in names if n not in WORKLOAD_NAMES]
+    if unknown:
+        raise ValueError(f"unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}")
+    if not names:
+        raise ValueError(f"no workload chosen; choose from {', '.join(WORKLOAD_NAMES)}")
+    return tuple(n for n in WORKLOAD_NAMES if n in names)
 
 
 async def _guarded(name: str, step: Callable[[], Awaitable[WorkloadResult]]) -> WorkloadResult:

@@ -18,6 +18,7 @@ def cmd_bench(
     speculative: str | None,
     results_url: str | None,
     confirm: Callable[[str], bool],
+    workloads: list[str] | None = None,
 ) -> None:
     from kapitsa.bench.command import BenchOptions, bench_main
 
@@ -30,6 +31,7 @@ def cmd_bench(
         quick=quick,
         speculative=speculative or DEFAULT_SPECULATIVE,
         results_url=results_url,
+        **({"workloads": tuple(workloads)} if workloads else {}),
     )
     bench_main(options, confirm=confirm)
 

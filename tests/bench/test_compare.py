@@ -134,3 +134,19 @@ def test_cli_bench_words_other_than_compare_are_refused() -> None:
     for args in (["bench", "frobnicate"], ["bench", "compare"]):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and "bench compare URL" in result.output, result.output
+
+
+def test_cli_bench_runs_only_the_chosen_workloads(kapitsa_server: str) -> None:
+    args = ["bench", "compare", kapitsa_server, "--no-local", "--quick", "--json"]
+    args += ["--workload", "concurrent_4", "--workload", "decode_short"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["config"]["workloads"] == ["decode_short", "concurrent_4"]
+    assert [w["name"] for w in report["engines"][0]["workloads"]] == ["decode_short", "concurrent_4"]
+    assert all(w["status"] == "ok" for w in report["engines"][0]["workloads"])
+
+
+def test_cli_bench_refuses_an_unknown_workload_before_loading_anything() -> None:
+    result = CliRunner().invoke(app, ["bench", "--workload", "decode_fast"])
+    assert result.exit_code == 2 and "unknown workload decode_fast" in result.output, result.output

@@ -46,4 +46,6 @@ async def test_every_workload_measures_the_real_engine(tiny_qwen: Path) -> None:
     assert by_name["agent_replay"].metrics["cache_hit_pct"] > 20
     assert by_name["concurrent_4"].metrics["completion_tokens"] == 4 * TINY.concurrent_tokens
     assert by_name["speculative"].metrics["draft_tokens_proposed"] >= 0
-    assert report.machine["cpu_count"] and report.config == TINY.to_dict()
+    assert report.machine["cpu_count"] and report.config == TINY.to_dict() | {
+        "workloads": list(WORKLOAD_NAMES)
+    }

@@ -144,3 +144,11 @@ async def test_terminal_progress_is_a_rich_bar_that_still_prints_each_result() -
     text = "\n".join(await _run_with_progress(_Terminal()))
     assert "[fake] decode_short: decode_tok_s=" in text and "[fake] concurrent_4: aggregate_tok_s=" in text
     assert "\x1b[" in text  # cursor control of the live bar
+
+
+def test_the_table_leaves_out_rows_of_workloads_no_engine_ran() -> None:
+    engine = EngineResult(name="kapitsa", kind="in-process", model="m", url=None)
+    engine.workloads.append(WorkloadResult(name="decode_short", metrics={"decode_tok_s": 12.0}))
+    report = BenchReport(machine={}, config={}, engines=[engine])
+    labels = [row[0] for row in table_rows(report)[1:]]
+    assert labels == ["decode tok/s (short prompt)"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kapitsa.bench.runner import WORKLOAD_NAMES, decode_rate, prefill_rate, run_bench
+import pytest
+
+from kapitsa.bench.runner import WORKLOAD_NAMES, check_workloads, decode_rate, prefill_rate, run_bench
 from kapitsa.bench.schema import WORKLOAD_METRICS
 from kapitsa.bench.targets import EngineTarget, StreamResult
 from kapitsa.bench.workloads import BenchConfig, agent_replay_prefixes
@@ -95,3 +97,22 @@ def _req(messages):
     from kapitsa.engine.types import GenerationRequest
 
     return GenerationRequest(messages=tuple(messages))
+
+
+async def test_a_chosen_subset_runs_in_the_standard_order() -> None:
+    seen: list[str] = []
+    result = await run_bench(
+        EngineTarget(FakeEngine()),
+        SMALL,
+        on_progress=lambda name, i, n: seen.append((name, i, n)),
+        workloads=("concurrent_4", "decode_short", "decode_short"),
+    )
+    assert seen == [("decode_short", 0, 2), ("concurrent_4", 1, 2)]
+    assert [w.name for w in result.workloads] == ["decode_short", "concurrent_4"]
+
+
+def test_unknown_or_no_workloads_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown workload decode_fast; choose from decode_short"):
+        check_workloads(["decode_fast"])
+    with pytest.raises(ValueError, match="no workload chosen"):
+        check_workloads([])

@@ -336,3 +336,39 @@ def test_startup_compile_reports_each_phase_and_the_cache_folder(tmp_path) -> No
     assert [r["shape"] for r in rows] == ["4b", "nemotron-30b-a3b"]
     assert all(r["first_request_s"] >= r["first_ttft_s"] > 0 and r["build_s"] > 0 for r in rows)
     assert all(r["disk_cache"] == "on" and r["added"] == 0 for r in rows)  # no CUDA here: nothing compiled
+
+
+def test_decode_vs_mlxlm_long_rounds_apply_from_4096_tokens(tmp_path: Path) -> None:
+    rows = _run(
+        [
+            "lab/decode_vs_mlxlm.py", "--shapes", "4b", "--tokens", "2", "--prompts", "8", "4096",
+            "--rounds", "2", "--long-rounds", "1",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert [(r["prompt"], r["round"]) for r in rows if r["engine"] == "kapitsa"] == [
+        (8, 0),
+        (8, 1),
+        (4096, 0),
+    ]
+
+
+def test_server_bench_runs_both_servers_on_the_chosen_workloads(tmp_path: Path) -> None:
+    """serve, serve without speculation and mlx_lm.server on a tiny shape's folder, two workloads."""
+    done = subprocess.run(
+        [
+            sys.executable, "lab/server_bench.py", "--shape", "4b", "--tiny", "--tokens", "4", "--streams", "2",
+            "--workloads", "concurrent_4", "decode_short", "--no-local", "--plain-serve", "--work", str(tmp_path),
+        ],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    report, totals = (json.loads(line) for line in done.stdout.splitlines()[-2:])
+    names = [e["name"] for e in report["engines"]]
+    assert names == ["kapitsa serve", "kapitsa serve --speculative none", "mlx_lm.server"]
+    assert all(
+        [w["name"] for w in e["workloads"]] == ["decode_short", "concurrent_4"] for e in report["engines"]
+    )
+    assert all(row["decode_tok_s"] > 0 and row["concurrent_tok_s"] > 0 for row in totals["summary"].values())
+    assert totals["kapitsa_serve_vs_mlx_lm_server"] > 0 and "server_overhead" not in totals
+    assert totals["kapitsa_serve_plain_ready_s"] > 0 and (tmp_path / "kapitsa-plain.log").exists()

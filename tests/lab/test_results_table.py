@@ -2,7 +2,7 @@
 
 import json
 
-from lab.results_table import server_rows, server_table
+from lab.results_table import PLAIN_SERVE, engine_decode, server_rows, server_table
 
 
 def _summary(decode: dict[str, float]) -> dict:
@@ -42,3 +42,19 @@ def test_missing_engine_reads_as_a_dash(tmp_path) -> None:
     shape, row = server_rows(log)
     assert shape == "4b"
     assert "- / 50.0 / -" in server_table([(shape, row)])
+
+
+def test_without_the_engine_in_process_the_overhead_comes_from_the_table(tmp_path) -> None:
+    """`--no-local`: serve's decode against the table's batch-1 decode of the shape; `--plain-serve`
+    gets its own column."""
+    line = _summary({"kapitsa serve": 90.0, PLAIN_SERVE: 95.0, "mlx_lm.server": 30.0})
+    del line["server_overhead"]
+    line["streams_serve_vs_mlx_lm_server"] = 3.0
+    table_row = {"summary": "27b", "prompt": 512, "kapitsa_decode": 100.0}
+    assert engine_decode([table_row, {"summary": "27b", "prompt": 8192, "kapitsa_decode": 80.0}]) == {
+        "27b": 100.0
+    }
+    text = server_table([("27b", line)], {"27b": 100.0})
+    assert "| 27b | - / 90.0 / 30.0 (3.10x) |" in text
+    assert "| - / 180.0 / 60.0 (3.00x) |" in text
+    assert "| 95.0 / 190.0 | 10.0% (vs the table) |" in text
