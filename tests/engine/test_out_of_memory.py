@@ -4,13 +4,14 @@ plain generation error."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import weakref
 
 import mlx.core as mx
 import pytest
 
-from kapitsa.engine.runner.memory import failure_error
+from kapitsa.engine.runner.memory import AloneFailures, DoesNotFit, failure_error
 from kapitsa.engine.types import ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
 from kapitsa.errors import EngineBusy, InvalidRequest, KapitsaError
 
@@ -24,10 +25,10 @@ def _request(max_tokens: int = 6) -> GenerationRequest:
     )
 
 
-async def _tokens(client) -> list[int]:
+async def _tokens(client, max_tokens: int = 6) -> list[int]:
     """The request's tokens; its error event raised."""
     tokens = []
-    async for event in client.generate(_request()):
+    async for event in client.generate(_request(max_tokens)):
         if isinstance(event, ErrorEvent):
             raise event.error
         if isinstance(event, TokenEvent):
@@ -35,15 +36,15 @@ async def _tokens(client) -> list[int]:
     return tokens
 
 
-def _fail_once(monkeypatch, runner, method: str, message: str) -> list:
-    """Make `runner.method` raise once; the returned list gets a weak reference to the cache it
-    was called with (the failed step's state)."""
+def _fail_once(monkeypatch, runner, method: str, message: str, times: int = 1) -> list:
+    """Make `runner.method` raise (its first `times` calls); the returned list gets a weak
+    reference to the cache it was first called with (the failed step's state)."""
     real = getattr(runner, method)
     calls, failed_cache = {"n": 0}, []
 
     def failing(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] <= times:
             failed_cache.append(weakref.ref(args[0]))
             raise RuntimeError(message)
         return real(*args, **kwargs)
@@ -111,3 +112,42 @@ def test_other_failures_are_not_out_of_memory(message) -> None:
 def test_a_kapitsa_error_passes_through_unchanged() -> None:
     err = InvalidRequest("bad")
     assert failure_error(err) is err
+
+
+async def test_a_request_alone_out_of_memory_twice_does_not_fit(qwen_model, make_client, monkeypatch) -> None:
+    """The first failure alone may be other processes' memory (retry); the same request failing
+    alone again is a 400 that says what to change; a smaller request still gets its retry."""
+    client = make_client(qwen_model)
+    _fail_once(monkeypatch, client.engine.runner, "prefill_at", CUDA_OOM, times=3)
+    monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+    with pytest.raises(EngineBusy):
+        await _tokens(client)
+    with pytest.raises(DoesNotFit, match="twice with no other request running.*shorter prompt") as caught:
+        await _tokens(client)
+    assert caught.value.http_status == 400
+    with pytest.raises(EngineBusy):  # fewer tokens than the one that failed: a retry may fit
+        await _tokens(client, max_tokens=3)
+    assert len(await _tokens(client, max_tokens=3)) == 3
+
+
+async def test_requests_side_by_side_out_of_memory_stay_busy(qwen_model, make_client, monkeypatch) -> None:
+    """A step that ran out of memory with another request running: alone, each may fit, so the
+    failure is a 503 and leaves no record that a second one would turn into a 400."""
+    client = make_client(qwen_model)
+    await _tokens(client)
+    _fail_once(monkeypatch, client.engine.runner, "decode_lazy", CUDA_OOM)
+    monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+    results = await asyncio.gather(_tokens(client, 40), _tokens(client, 40), return_exceptions=True)
+    assert any(isinstance(r, EngineBusy) for r in results), results
+    assert not any(isinstance(r, Exception) and not isinstance(r, EngineBusy) for r in results), results
+    assert client.engine.alone_failures.tokens is None
+
+
+def test_a_finished_request_as_large_clears_the_record() -> None:
+    failures, oom = AloneFailures(), RuntimeError(CUDA_OOM)
+    assert isinstance(failures.error_for(oom, tokens=100, alone=True), EngineBusy)
+    failures.note_finished(99)
+    assert isinstance(failures.error_for(oom, tokens=100, alone=True), DoesNotFit)
+    failures.note_finished(100)
+    assert isinstance(failures.error_for(oom, tokens=120, alone=True), EngineBusy)
+    assert isinstance(failures.error_for(oom, tokens=500, alone=False), EngineBusy)

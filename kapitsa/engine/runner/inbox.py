@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kapitsa.engine.types import ErrorEvent
 
 
 @dataclass(eq=False)
@@ -20,3 +23,17 @@ class Prefetch:
 @dataclass(eq=False)
 class Stop:
     done: threading.Event = field(default_factory=threading.Event)  # set once the engine has stopped
+
+
+def fail_queued(inbox: queue.SimpleQueue, err: Exception) -> None:
+    """Answer whatever still waits in a stopped engine's inbox: new sequences get `err`, a stop
+    request is released."""
+    while True:
+        try:
+            item = inbox.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(item, Stop):
+            item.done.set()
+        elif not isinstance(item, (Abort, Prefetch)):  # a sequence (runner/sequence.py)
+            item.emit(ErrorEvent(item.request_id, err))

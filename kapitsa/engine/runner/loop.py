@@ -22,11 +22,11 @@ from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.batch import DecodeBatch, can_pipeline
 from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
-from kapitsa.engine.runner.inbox import Abort, Prefetch, Stop
+from kapitsa.engine.runner.inbox import Abort, Prefetch, Stop, fail_queued
 from kapitsa.engine.runner.memory import (
+    AloneFailures,
     MemoryBudget,
     device_memory_limit,
-    failure_error,
     is_out_of_memory,
     periodic_checkpoint_interval,
 )
@@ -82,6 +82,7 @@ class Engine:
         )
         self.scheduler = Scheduler(max_running=self.config.max_running)
         self.stats = StatsCounter()
+        self.alone_failures = AloneFailures()
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
         self._inbox: queue.SimpleQueue[Sequence | Abort | Prefetch | Stop] = queue.SimpleQueue()
         self.warmup = BatchWarmup.for_config(self.config, self.memory, self.prefix, self._inbox)
@@ -217,8 +218,9 @@ class Engine:
                 self._decode_step()
             except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("decode step failed")
+                alone = self._running() == 1
                 for seq in list(self.scheduler.decoding):
-                    self._fail(seq, err)
+                    self._fail(seq, err, alone=alone)
                 self.batch = DecodeBatch()
                 out_of_memory = is_out_of_memory(err)
         seq = self.scheduler.next_prefill()
@@ -227,10 +229,13 @@ class Engine:
                 self._prefill_chunk(seq)
             except Exception as err:  # noqa: BLE001
                 log.exception("prefill failed")
-                self._fail(seq, err)
+                self._fail(seq, err, alone=self._running() == 1)
                 out_of_memory = out_of_memory or is_out_of_memory(err)
         if out_of_memory:
             mx.clear_cache()  # what the failed step held goes back to the device
+
+    def _running(self) -> int:
+        return len(self.scheduler.prefilling) + len(self.scheduler.decoding)
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.cache is None:
@@ -438,6 +443,8 @@ class Engine:
         self.memory.release(seq.reserved_bytes)
         seq.reserved_bytes = 0
         self.stats.finished += 1
+        if reason != "abort":
+            self.alone_failures.note_finished(seq.reserved_tokens)
         seq.emit(
             FinishEvent(
                 seq.request_id, reason, usage_of(seq), stop_sequence=seq.stop_sequence, index=seq.choice_index
@@ -458,31 +465,23 @@ class Engine:
             else:
                 self._finish(seq, "abort")
 
-    def _fail(self, seq: Sequence, err: Exception) -> None:
+    def _fail(self, seq: Sequence, err: Exception, *, alone: bool = False) -> None:
         if seq.is_finished:
             return
+        error = self.alone_failures.error_for(err, tokens=seq.reserved_tokens, alone=alone)
         self.scheduler.remove(seq)
         seq.cache = seq.prompt_tail = None
         seq.status = SequenceStatus.FINISHED
         self.memory.release(seq.reserved_bytes)
         seq.reserved_bytes = 0
         self.stats.failed += 1
-        error = failure_error(err)
         seq.emit(ErrorEvent(seq.request_id, error))
 
     def _fail_all(self, err: Exception) -> None:
         for seq in self.scheduler.all():
             self._fail(seq, err)
         self.batch = DecodeBatch()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, Sequence):
-                item.emit(ErrorEvent(item.request_id, err))
-            elif isinstance(item, Stop):
-                item.done.set()
+        fail_queued(self._inbox, err)
 
 
 def _thread_main(engine_ref: weakref.ref[Engine]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kapitsa.errors import ContextOverflow, EngineBusy, KapitsaError
+from kapitsa.errors import ContextOverflow, EngineBusy, InvalidRequest, KapitsaError
 
 GIB = 1024**3
 # Tokens reserved for a request that did not set max_tokens; it may grow past them while memory lasts.
@@ -71,6 +71,38 @@ def failure_error(err: Exception) -> KapitsaError:
     if is_out_of_memory(err):
         return EngineBusy(f"the device ran out of memory for this request ({err}); retry it")
     return KapitsaError(f"generation failed: {err}")
+
+
+class DoesNotFit(InvalidRequest):
+    """The device ran out of memory for a request that ran alone, a second time: a retry cannot help."""
+
+
+class AloneFailures:
+    """Out-of-memory steps of a request that was the only one running. The first is taken for
+    memory that other processes held (`EngineBusy`: retry); a second, for a request that reserves
+    at least as many tokens, means the request does not fit next to the model here: a 400 with what
+    to change, so an agent stops retrying it. A request at least that large finishing clears it."""
+
+    def __init__(self) -> None:
+        self.tokens: int | None = None  # the smallest reservation that ran out of memory alone
+
+    def error_for(self, err: Exception, *, tokens: int, alone: bool) -> KapitsaError:
+        error = failure_error(err)
+        if not (alone and isinstance(error, EngineBusy) and is_out_of_memory(err)):
+            return error
+        if self.tokens is not None and tokens >= self.tokens:
+            return DoesNotFit(
+                f"the device ran out of memory for this request twice with no other request running "
+                f"({tokens} tokens of prompt and output; {err}): it does not fit next to the model on "
+                "this machine; use a shorter prompt, a lower max_tokens, --kv-bits 8 or a smaller "
+                "quantization"
+            )
+        self.tokens = tokens if self.tokens is None else min(self.tokens, tokens)
+        return error
+
+    def note_finished(self, tokens: int) -> None:
+        if self.tokens is not None and tokens >= self.tokens:
+            self.tokens = None
 
 
 def check_context(prompt_tokens: int, context_length: int) -> None:
