@@ -81,7 +81,8 @@
 #   bash lab/h200_all.sh server       kapitsa serve against mlx_lm.server on $SERVER_SHAPES (default
 #                                       4b; one bench per shape) as a streaming client sees them, beside the in-process
 #                                       engine (lab/server_bench.py; $SERVER_ARGS more of its
-#                                       options, e.g. --long-words 1500); needs .gpu/serve carried
+#                                       options, e.g. --long-words 1500); the servers' logs (kapitsa's at
+#                                       INFO) end in server-<shape>-servers.txt; needs .gpu/serve carried
 #                                       (lab/stage_server_wheels.sh)
 #   bash lab/h200_all.sh prediction   Predicted Outputs on $PREDICTION_SHAPE (default 4b, a random-weight
 #                                       folder from lab/shape_checkpoint.py): the edit request without a
@@ -360,12 +361,13 @@ case "$part" in
   server)
     [ -f "$root/.gpu/serve/install.sh" ] && bash "$root/.gpu/serve/install.sh"
     # shellcheck disable=SC2086
-    # one bench per shape; each shape's servers' own logs (kapitsa's at INFO) under $out/server-<shape>/
+    # one bench per shape; the servers' own logs (kapitsa's at INFO) in $out/server-<shape>-servers.txt
     for shape in ${SERVER_SHAPES:-${SERVER_SHAPE:-4b}}; do
       timeout "${SERVER_TIMEOUT:-560}" $py lab/server_bench.py --shape "$shape" \
         --tokens "${TOKENS:-128}" --streams 8 --work "/tmp/kapitsa-server-bench-$shape" ${SERVER_ARGS:-} \
         > "$out/server-$shape.log" 2>&1 || echo "server $shape: exit $? (124: cut by its timeout)"
-      mkdir -p "$out/server-$shape" && cp /tmp/kapitsa-server-bench-"$shape"/*.log "$out/server-$shape/" 2>/dev/null
+      # the servers' own logs in one file (a device call returns at most 8 files)
+      tail -n 300 /tmp/kapitsa-server-bench-"$shape"/*.log > "$out/server-$shape-servers.txt" 2>/dev/null
       # the shape's checkpoint (2.5-19 GB) goes: the four together pass the machine's 64 GB disk
       rm -rf /tmp/kapitsa-server-bench-"$shape"
       tail -1 "$out/server-$shape.log"
