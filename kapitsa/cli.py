@@ -294,6 +294,8 @@ def bench(
     from kapitsa.commands.bench import cmd_bench, cmd_tune_speculation
 
     if tune_speculation:
+        if workload:
+            raise typer.BadParameter("--tune-speculation times its own workload", param_hint="--workload")
         cmd_tune_speculation(model=model, draft=draft, json_out=json_out)
         return
 

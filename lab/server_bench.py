@@ -274,6 +274,7 @@ def main() -> None:
     parser.add_argument(
         "--workloads",
         nargs="+",
+        choices=WORKLOAD_NAMES,
         default=list(WORKLOAD_NAMES),
         help="the bench's workloads to run (default: all; `kapitsa bench --workload`)",
     )

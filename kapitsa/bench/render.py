@@ -59,10 +59,11 @@ def cell(engine: EngineResult, workload: str, metric: str) -> str:
 
 
 def table_rows(report: BenchReport) -> list[list[str]]:
-    """Header row then one row per headline metric of a workload that ran (`bench --workload` picks)."""
+    """Header row then one row per headline metric of the report's workloads (`bench --workload`
+    picks them; a report that does not say has them all), a row of "-" until a workload runs."""
     header = ["metric", *[_engine_label(e) for e in report.engines]]
-    ran = {w.name for e in report.engines for w in e.workloads}
-    rows = [[label, *[cell(e, w, m) for e in report.engines]] for w, m, label in HEADLINE if w in ran]
+    chosen = report.config.get("workloads") or [w for w, _, _ in HEADLINE]
+    rows = [[label, *[cell(e, w, m) for e in report.engines]] for w, m, label in HEADLINE if w in chosen]
     return [header, *rows]
 
 

@@ -150,3 +150,10 @@ def test_cli_bench_runs_only_the_chosen_workloads(kapitsa_server: str) -> None:
 def test_cli_bench_refuses_an_unknown_workload_before_loading_anything() -> None:
     result = CliRunner().invoke(app, ["bench", "--workload", "decode_fast"])
     assert result.exit_code == 2 and "unknown workload decode_fast" in result.output, result.output
+
+
+def test_cli_bench_workload_and_tune_speculation_do_not_mix() -> None:
+    result = CliRunner().invoke(app, ["bench", "--tune-speculation", "--workload", "decode_short"])
+    assert result.exit_code == 2 and "--tune-speculation times its own workload" in result.output, (
+        result.output
+    )

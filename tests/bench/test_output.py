@@ -11,7 +11,7 @@ import pytest
 
 from kapitsa.bench.command import print_report
 from kapitsa.bench.progress import BenchProgress, EtaClock, format_eta
-from kapitsa.bench.render import format_metric, render_text, table_rows
+from kapitsa.bench.render import HEADLINE, format_metric, render_text, table_rows
 from kapitsa.bench.runner import WORKLOAD_NAMES, run_bench
 from kapitsa.bench.schema import BenchReport, EngineResult, WorkloadResult
 from kapitsa.bench.targets import EngineTarget
@@ -146,9 +146,10 @@ async def test_terminal_progress_is_a_rich_bar_that_still_prints_each_result() -
     assert "\x1b[" in text  # cursor control of the live bar
 
 
-def test_the_table_leaves_out_rows_of_workloads_no_engine_ran() -> None:
+def test_the_table_has_rows_for_the_chosen_workloads_only() -> None:
     engine = EngineResult(name="kapitsa", kind="in-process", model="m", url=None)
     engine.workloads.append(WorkloadResult(name="decode_short", metrics={"decode_tok_s": 12.0}))
-    report = BenchReport(machine={}, config={}, engines=[engine])
-    labels = [row[0] for row in table_rows(report)[1:]]
-    assert labels == ["decode tok/s (short prompt)"]
+    chosen = BenchReport(machine={}, config={"workloads": ["decode_short", "agent_replay"]}, engines=[engine])
+    assert [row[1:] for row in table_rows(chosen)[1:]] == [["12.0"], ["-"]]  # the replay has not run yet
+    unsaid = BenchReport(machine={}, config={}, engines=[engine])
+    assert len(table_rows(unsaid)) == 1 + len(HEADLINE)

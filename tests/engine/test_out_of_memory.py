@@ -19,16 +19,16 @@ CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
 METAL_OOM = "[METAL] Command buffer execution failed: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"
 
 
-def _request(max_tokens: int = 6) -> GenerationRequest:
+def _request(max_tokens: int = 6, prompt: tuple[int, ...] = (5, 6, 7)) -> GenerationRequest:
     return GenerationRequest(
-        prompt_token_ids=(5, 6, 7), sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     )
 
 
-async def _tokens(client, max_tokens: int = 6) -> list[int]:
+async def _tokens(client, max_tokens: int = 6, prompt: tuple[int, ...] = (5, 6, 7)) -> list[int]:
     """The request's tokens; its error event raised."""
     tokens = []
-    async for event in client.generate(_request(max_tokens)):
+    async for event in client.generate(_request(max_tokens, prompt)):
         if isinstance(event, ErrorEvent):
             raise event.error
         if isinstance(event, TokenEvent):
@@ -115,39 +115,78 @@ def test_a_kapitsa_error_passes_through_unchanged() -> None:
 
 
 async def test_a_request_alone_out_of_memory_twice_does_not_fit(qwen_model, make_client, monkeypatch) -> None:
-    """The first failure alone may be other processes' memory (retry); the same request failing
-    alone again is a 400 that says what to change; a smaller request still gets its retry."""
+    """The first failure alone may be other processes' memory (retry); the same prompt failing
+    alone again is a 400 that says what to change; another prompt still gets its retry, and the
+    prompt finishing once clears its record."""
     client = make_client(qwen_model)
-    _fail_once(monkeypatch, client.engine.runner, "prefill_at", CUDA_OOM, times=3)
+    _fail_once(monkeypatch, client.engine.runner, "prefill_at", CUDA_OOM, times=4)
     monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
     with pytest.raises(EngineBusy):
         await _tokens(client)
     with pytest.raises(DoesNotFit, match="twice with no other request running.*shorter prompt") as caught:
         await _tokens(client)
-    assert caught.value.http_status == 400
-    with pytest.raises(EngineBusy):  # fewer tokens than the one that failed: a retry may fit
-        await _tokens(client, max_tokens=3)
-    assert len(await _tokens(client, max_tokens=3)) == 3
+    assert caught.value.http_status == 400 and caught.value.prompt_tokens == 3
+    assert caught.value.max_context < caught.value.prompt_tokens  # clients read it as the window's
+    with pytest.raises(EngineBusy):  # another prompt: its first failure alone
+        await _tokens(client, prompt=(8, 9, 10))
+    with pytest.raises(EngineBusy):  # the prefill works again after 4 failures; this is the 4th
+        await _tokens(client, prompt=(11, 12))
+    assert len(await _tokens(client, prompt=(8, 9, 10))) == 6  # finished: its record goes
+    assert client.engine.alone_failures.failed.keys() == {hash((5, 6, 7)), hash((11, 12))}
 
 
 async def test_requests_side_by_side_out_of_memory_stay_busy(qwen_model, make_client, monkeypatch) -> None:
-    """A step that ran out of memory with another request running: alone, each may fit, so the
-    failure is a 503 and leaves no record that a second one would turn into a 400."""
+    """A decode batch and another request's prefill run out of memory in one step: none of them
+    ran alone, so each gets a 503 and no record that a second time would turn into a 400."""
     client = make_client(qwen_model)
-    await _tokens(client)
-    _fail_once(monkeypatch, client.engine.runner, "decode_lazy", CUDA_OOM)
+    engine, runner = client.engine, client.engine.runner
+    real_decode, real_prefill = runner.decode_lazy, runner.prefill_at
+    state = {"armed": False, "decode_failed": False}
+
+    def decode_lazy(*args, **kwargs):
+        if state["armed"] and engine.scheduler.prefilling:
+            state["decode_failed"] = True
+            raise RuntimeError(CUDA_OOM)
+        return real_decode(*args, **kwargs)
+
+    def prefill_at(*args, **kwargs):
+        if state["decode_failed"]:
+            state["decode_failed"] = False
+            raise RuntimeError(CUDA_OOM)
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "decode_lazy", decode_lazy)
+    monkeypatch.setattr(runner, "prefill_at", prefill_at)
     monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
-    results = await asyncio.gather(_tokens(client, 40), _tokens(client, 40), return_exceptions=True)
-    assert any(isinstance(r, EngineBusy) for r in results), results
-    assert not any(isinstance(r, Exception) and not isinstance(r, EngineBusy) for r in results), results
-    assert client.engine.alone_failures.tokens is None
+
+    async def started(prompt: tuple[int, ...], begun: asyncio.Event):
+        async for event in client.generate(_request(300, prompt)):
+            if isinstance(event, ErrorEvent):
+                return event.error
+            begun.set()
+        return None
+
+    for _ in range(2):
+        begun = [asyncio.Event(), asyncio.Event()]
+        batch = [asyncio.create_task(started(p, e)) for p, e in zip([(5, 6, 7), (8, 9)], begun, strict=True)]
+        await asyncio.gather(*(e.wait() for e in begun))
+        state["armed"] = True
+        third = await asyncio.gather(_tokens(client, prompt=(11, 12, 13)), return_exceptions=True)
+        state["armed"] = False
+        results = [*await asyncio.gather(*batch), *third]
+        assert all(isinstance(r, EngineBusy) for r in results), results
+    assert not engine.alone_failures.failed
 
 
-def test_a_finished_request_as_large_clears_the_record() -> None:
-    failures, oom = AloneFailures(), RuntimeError(CUDA_OOM)
-    assert isinstance(failures.error_for(oom, tokens=100, alone=True), EngineBusy)
-    failures.note_finished(99)
-    assert isinstance(failures.error_for(oom, tokens=100, alone=True), DoesNotFit)
-    failures.note_finished(100)
-    assert isinstance(failures.error_for(oom, tokens=120, alone=True), EngineBusy)
-    assert isinstance(failures.error_for(oom, tokens=500, alone=False), EngineBusy)
+def test_a_record_expires_and_stays_bounded() -> None:
+    failures, oom = AloneFailures(window_s=0.0, keep=2), RuntimeError(CUDA_OOM)
+    assert isinstance(failures.error_for(oom, [1, 2], processed=0, alone=True), EngineBusy)
+    assert isinstance(failures.error_for(oom, [1, 2], processed=0, alone=True), EngineBusy)  # expired
+    failures.window_s = 60.0
+    for prompt in ([1], [2], [3]):
+        failures.error_for(oom, prompt, processed=0, alone=True)
+    assert len(failures.failed) == 2 and hash((1,)) not in failures.failed
+    assert isinstance(failures.error_for(oom, [3], processed=0, alone=False), EngineBusy)
+    assert isinstance(
+        failures.error_for(RuntimeError("kernel bug"), [3], processed=0, alone=True), KapitsaError
+    )

@@ -213,12 +213,12 @@ class Engine:
 
     def _step(self) -> None:
         out_of_memory = False  # the failed step's buffers are freed once its traceback is gone
+        alone = self._running() == 1  # before a failure below takes rows out
         if self.scheduler.decoding:
             try:
                 self._decode_step()
             except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("decode step failed")
-                alone = self._running() == 1
                 for seq in list(self.scheduler.decoding):
                     self._fail(seq, err, alone=alone)
                 self.batch = DecodeBatch()
@@ -229,7 +229,7 @@ class Engine:
                 self._prefill_chunk(seq)
             except Exception as err:  # noqa: BLE001
                 log.exception("prefill failed")
-                self._fail(seq, err, alone=self._running() == 1)
+                self._fail(seq, err, alone=alone)
                 out_of_memory = out_of_memory or is_out_of_memory(err)
         if out_of_memory:
             mx.clear_cache()  # what the failed step held goes back to the device
@@ -444,7 +444,7 @@ class Engine:
         seq.reserved_bytes = 0
         self.stats.finished += 1
         if reason != "abort":
-            self.alone_failures.note_finished(seq.reserved_tokens)
+            self.alone_failures.note_finished(seq.prompt_key_ids or seq.prompt_ids)
         seq.emit(
             FinishEvent(
                 seq.request_id, reason, usage_of(seq), stop_sequence=seq.stop_sequence, index=seq.choice_index
@@ -468,7 +468,9 @@ class Engine:
     def _fail(self, seq: Sequence, err: Exception, *, alone: bool = False) -> None:
         if seq.is_finished:
             return
-        error = self.alone_failures.error_for(err, tokens=seq.reserved_tokens, alone=alone)
+        error = self.alone_failures.error_for(
+            err, seq.prompt_key_ids or seq.prompt_ids, processed=seq.num_processed, alone=alone
+        )
         self.scheduler.remove(seq)
         seq.cache = seq.prompt_tail = None
         seq.status = SequenceStatus.FINISHED

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kapitsa.errors import ContextOverflow, EngineBusy, InvalidRequest, KapitsaError
+from kapitsa.errors import ContextOverflow, EngineBusy, KapitsaError
 
 GIB = 1024**3
 # Tokens reserved for a request that did not set max_tokens; it may grow past them while memory lasts.
@@ -73,36 +75,48 @@ def failure_error(err: Exception) -> KapitsaError:
     return KapitsaError(f"generation failed: {err}")
 
 
-class DoesNotFit(InvalidRequest):
-    """The device ran out of memory for a request that ran alone, a second time: a retry cannot help."""
+class DoesNotFit(ContextOverflow):
+    """The device ran out of memory for a request that ran alone, a second time: a retry cannot help.
+    A `ContextOverflow`, so clients shorten or compact their conversation as they do for the window."""
 
 
 class AloneFailures:
     """Out-of-memory steps of a request that was the only one running. The first is taken for
-    memory that other processes held (`EngineBusy`: retry); a second, for a request that reserves
-    at least as many tokens, means the request does not fit next to the model here: a 400 with what
-    to change, so an agent stops retrying it. A request at least that large finishing clears it."""
+    memory that other processes held (`EngineBusy`: retry); the same prompt failing alone again
+    within `window_s` does not fit next to the model here: a 400 that says what to change, so an
+    agent stops retrying it. The prompt finishing once clears it."""
 
-    def __init__(self) -> None:
-        self.tokens: int | None = None  # the smallest reservation that ran out of memory alone
+    def __init__(self, *, window_s: float = 600.0, keep: int = 16) -> None:
+        self.window_s, self.keep = window_s, keep
+        self.failed: dict[int, float] = {}  # the prompt's hash -> when it last failed alone
 
-    def error_for(self, err: Exception, *, tokens: int, alone: bool) -> KapitsaError:
+    def error_for(
+        self, err: Exception, prompt_ids: Sequence[int], *, processed: int, alone: bool
+    ) -> KapitsaError:
+        """The error for a request whose step raised `err`, after `processed` tokens were in its cache."""
         error = failure_error(err)
         if not (alone and isinstance(error, EngineBusy) and is_out_of_memory(err)):
             return error
-        if self.tokens is not None and tokens >= self.tokens:
+        now, key = time.monotonic(), hash(tuple(prompt_ids))
+        self.failed = {k: t for k, t in self.failed.items() if now - t < self.window_s}
+        if key in self.failed:
+            prompt = len(prompt_ids)
             return DoesNotFit(
+                prompt,
+                max(1, min(processed, prompt - 1)),
                 f"the device ran out of memory for this request twice with no other request running "
-                f"({tokens} tokens of prompt and output; {err}): it does not fit next to the model on "
-                "this machine; use a shorter prompt, a lower max_tokens, --kv-bits 8 or a smaller "
-                "quantization"
+                f"({prompt} prompt tokens, {processed} in its cache when it failed; {err}): it does not "
+                "fit next to the model on this machine; use a shorter prompt, a lower max_tokens, "
+                "--kv-bits 8 or a smaller quantization",
             )
-        self.tokens = tokens if self.tokens is None else min(self.tokens, tokens)
+        self.failed[key] = now
+        while len(self.failed) > self.keep:
+            self.failed.pop(next(iter(self.failed)))
         return error
 
-    def note_finished(self, tokens: int) -> None:
-        if self.tokens is not None and tokens >= self.tokens:
-            self.tokens = None
+    def note_finished(self, prompt_ids: Sequence[int]) -> None:
+        if self.failed:
+            self.failed.pop(hash(tuple(prompt_ids)), None)
 
 
 def check_context(prompt_tokens: int, context_length: int) -> None:
