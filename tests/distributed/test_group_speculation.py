@@ -88,6 +88,9 @@ def test_one_rank_verifies_drafts_and_keeps_the_greedy_tokens(kind: str, tied, r
     stats = engine.stats()
     assert stats.speculative == "ngram" and stats.tokens_per_step > 1
     assert engine.speculation.stats.accepted > 0
+    # verifies, not every step: each verify proposes at least one token
+    assert 0 < stats.speculative_verifies <= stats.draft_tokens_proposed
+    assert stats.speculative_verifies < engine.speculation.stats.steps
 
 
 def _corrupting_oracle(reference: list[int], vocab: int):  # noqa: ANN202 - a GroupSpeculation

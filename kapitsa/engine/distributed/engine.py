@@ -137,6 +137,7 @@ class GroupEngine:
         return EngineStats(
             speculative="none" if spec is None else spec.name,
             draft_acceptance_rate=0.0 if spec is None else spec.acceptance_rate,
+            speculative_verifies=0 if spec is None else spec.verifies,
             draft_tokens_proposed=0 if spec is None else spec.stats.proposed,
             draft_tokens_accepted=0 if spec is None else spec.stats.accepted,
             tokens_per_step=0.0 if spec is None else spec.tokens_per_step,

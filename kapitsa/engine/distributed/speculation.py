@@ -65,7 +65,8 @@ class GroupSpeculation:
 
     def __init__(self, max_draft: int | None = None) -> None:
         self.max_draft = max_draft or DEFAULT_MAX_DRAFT
-        self.stats = SpeculativeStats()
+        self.stats = SpeculativeStats()  # its `steps` counts plain steps too (a group has no pipeline)
+        self.verifies = 0  # forwards that verified a draft
         self._states: dict[int, _Drafting] = {}  # by id() of the sequence
 
     @property
@@ -133,6 +134,7 @@ class GroupSpeculation:
         """One decode step of `rows` rows (a plain one: a token a row, nothing proposed)."""
         s = self.stats
         s.steps += 1
+        self.verifies += proposed > 0
         s.rows += rows
         s.emitted += emitted
         s.proposed += proposed
