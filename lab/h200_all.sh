@@ -15,7 +15,7 @@
 #   bash lab/h200_all.sh compiled     the compiled decode/verify paths against op by op, sharded
 #                                       the same way (~4 minutes fresh; its own call: with
 #                                       the GPU set it passes a call's 10 minutes)
-#   bash lab/h200_all.sh ptx-save     MLX's JIT cache (/tmp/mlx) as $OUT/ptx.tgz, for $PTX_TGZ next time
+#   bash lab/h200_all.sh ptx-save     MLX's JIT cache (/tmp/mlx) as $OUT/ptx.tgz.part-NN, for $PTX_TGZ next time
 #   bash lab/h200_all.sh qmv          the one-row mat-vec's launch shapes over the 27B chain
 #                                       (persistent grids included); with MATVEC_TESTS=1 their GPU
 #                                       tests first
@@ -122,12 +122,14 @@ py=${PY:-python3}
 part=${1:?which part: knobs, tests, compiled, cache, or shapes (27b 35b-a3b 4b nemotron-30b-a3b)}
 knobs_file=/tmp/kapitsa-knobs.env
 # MLX keeps its NVRTC output in /tmp/mlx/<version>/ptx; a fresh machine compiles every kernel again
-# (kapitsa's ~300 launches a step are a few dozen kernels, each template a compile). The ptx-save
-# part returns that cache as $OUT/ptx.tgz; kept at $PTX_TGZ (default .gpu-ptx/ptx.tgz, an ignored
-# path the device call carries) it is unpacked here before any part runs on a fresh machine.
+# (kapitsa's ~300 launches a step are a few dozen kernels, each template a compile: a fresh 4B
+# `kapitsa serve` took 85 s to listen). The ptx-save part returns that cache as $OUT/ptx.tgz.part-NN,
+# 15 MiB pieces (a call returns files of at most 16 MiB); kept beside $PTX_TGZ (default
+# .gpu-ptx/ptx.tgz, an ignored folder a call carries) they are unpacked here before any part runs
+# on a fresh machine (one whole ptx.tgz too).
 ptx_tgz=${PTX_TGZ:-$root/.gpu-ptx/ptx.tgz}
-if [ -f "$ptx_tgz" ] && [ ! -d /tmp/mlx ]; then
-  tar xzf "$ptx_tgz" -C /tmp && echo "ptx cache: $(du -sh /tmp/mlx | cut -f1) from $ptx_tgz"
+if [ ! -d /tmp/mlx ] && compgen -G "$ptx_tgz*" > /dev/null; then
+  cat "$ptx_tgz"* | tar xzf - -C /tmp && echo "ptx cache: $(du -sh /tmp/mlx | cut -f1) from $ptx_tgz*"
 fi
 # shellcheck disable=SC1090
 [ -f "$knobs_file" ] && [ "$part" != knobs ] && . "$knobs_file" && echo "settings: $(cat "$knobs_file")"
@@ -148,7 +150,7 @@ case "$part" in
     echo "kept: $(cat "$knobs_file")"
     ;;
   ptx-save)
-    tar czf "$out/ptx.tgz" -C /tmp mlx && ls -l "$out/ptx.tgz"
+    tar czf - -C /tmp mlx | split -b 15m -d - "$out/ptx.tgz.part-" && ls -l "$out"/ptx.tgz.part-*
     ;;
   qmv)
     : > "$out/qmv.log"
