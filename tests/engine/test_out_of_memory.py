@@ -190,3 +190,39 @@ def test_a_record_expires_and_stays_bounded() -> None:
     assert isinstance(
         failures.error_for(RuntimeError("kernel bug"), [3], processed=0, alone=True), KapitsaError
     )
+
+
+async def test_an_out_of_memory_step_hands_the_prefix_cache_back(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    """The memory estimate let the request in next to the cached checkpoints; its retry gets theirs too."""
+    client = make_client(qwen_model)
+    prefix = client.engine.prefix
+    await _tokens(client, prompt=tuple(range(5, 200)))
+    assert await _soon(lambda: prefix.nbytes > 0)  # stored as the request ends, on the engine thread
+    _fail_once(monkeypatch, client.engine.runner, "prefill_at", CUDA_OOM)
+    monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+    with pytest.raises(EngineBusy):
+        await _tokens(client, prompt=(300, 301, 302))
+    assert await _soon(lambda: prefix.nbytes == 0)
+
+
+async def _soon(condition, timeout_s: float = 5.0) -> bool:
+    """Whether `condition()` holds within `timeout_s` (the engine thread acts after its events)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return condition()
+
+
+def test_a_prompt_that_keeps_failing_stays_refused_and_says_a_smaller_size() -> None:
+    failures, oom = AloneFailures(window_s=60.0), RuntimeError(CUDA_OOM)
+    failures.error_for(oom, [7], processed=0, alone=True)
+    first = failures.failed[hash((7,))]
+    refused = failures.error_for(oom, [7], processed=0, alone=True)
+    assert isinstance(refused, DoesNotFit) and failures.failed[hash((7,))] >= first
+    assert refused.max_context < refused.prompt_tokens
+    failures.error_for(oom, [1, 2, 3], processed=0, alone=True)
+    during_decode = failures.error_for(oom, [1, 2, 3], processed=9, alone=True)
+    assert (during_decode.prompt_tokens, during_decode.max_context) == (3, 2)

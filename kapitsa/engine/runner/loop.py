@@ -213,7 +213,7 @@ class Engine:
 
     def _step(self) -> None:
         out_of_memory = False  # the failed step's buffers are freed once its traceback is gone
-        alone = self._running() == 1  # before a failure below takes rows out
+        alone = self.scheduler.num_running == 1  # before a failure below takes rows out
         if self.scheduler.decoding:
             try:
                 self._decode_step()
@@ -232,10 +232,9 @@ class Engine:
                 self._fail(seq, err, alone=alone)
                 out_of_memory = out_of_memory or is_out_of_memory(err)
         if out_of_memory:
+            if self.prefix is not None:  # a retry gets the cache's memory too (spilled to a disk tier)
+                self.prefix.enforce_budget(0)
             mx.clear_cache()  # what the failed step held goes back to the device
-
-    def _running(self) -> int:
-        return len(self.scheduler.prefilling) + len(self.scheduler.decoding)
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.cache is None:

@@ -100,10 +100,11 @@ class AloneFailures:
         now, key = time.monotonic(), hash(tuple(prompt_ids))
         self.failed = {k: t for k, t in self.failed.items() if now - t < self.window_s}
         if key in self.failed:
+            self.failed[key] = now  # failing on: it stays refused
             prompt = len(prompt_ids)
             return DoesNotFit(
                 prompt,
-                max(1, min(processed, prompt - 1)),
+                max(0, min(processed, prompt - 1)),  # what ran before the failure, below the prompt
                 f"the device ran out of memory for this request twice with no other request running "
                 f"({prompt} prompt tokens, {processed} in its cache when it failed; {err}): it does not "
                 "fit next to the model on this machine; use a shorter prompt, a lower max_tokens, "
