@@ -21,6 +21,7 @@ def cmd_bench(
     workloads: list[str] | None = None,
 ) -> None:
     from kapitsa.bench.command import BenchOptions, bench_main
+    from kapitsa.bench.runner import WORKLOAD_NAMES
 
     options = BenchOptions(
         model=model,
@@ -31,7 +32,7 @@ def cmd_bench(
         quick=quick,
         speculative=speculative or DEFAULT_SPECULATIVE,
         results_url=results_url,
-        **({"workloads": tuple(workloads)} if workloads else {}),
+        workloads=tuple(workloads or WORKLOAD_NAMES),
     )
     bench_main(options, confirm=confirm)
 

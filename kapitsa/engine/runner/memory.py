@@ -94,9 +94,8 @@ class AloneFailures:
         self, err: Exception, prompt_ids: Sequence[int], *, processed: int, alone: bool
     ) -> KapitsaError:
         """The error for a request whose step raised `err`, after `processed` tokens were in its cache."""
-        error = failure_error(err)
-        if not (alone and isinstance(error, EngineBusy) and is_out_of_memory(err)):
-            return error
+        if not alone or isinstance(err, KapitsaError) or not is_out_of_memory(err):
+            return failure_error(err)
         now, key = time.monotonic(), hash(tuple(prompt_ids))
         self.failed = {k: t for k, t in self.failed.items() if now - t < self.window_s}
         if key in self.failed:
@@ -113,7 +112,7 @@ class AloneFailures:
         self.failed[key] = now
         while len(self.failed) > self.keep:
             self.failed.pop(next(iter(self.failed)))
-        return error
+        return failure_error(err)
 
     def note_finished(self, prompt_ids: Sequence[int]) -> None:
         if self.failed:
