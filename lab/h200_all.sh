@@ -122,8 +122,8 @@ py=${PY:-python3}
 part=${1:?which part: knobs, tests, compiled, cache, or shapes (27b 35b-a3b 4b nemotron-30b-a3b)}
 knobs_file=/tmp/kapitsa-knobs.env
 # MLX keeps its NVRTC output in /tmp/mlx/<version>/ptx; a fresh machine compiles every kernel again
-# (kapitsa's ~300 launches a step are a few dozen kernels, each template a compile: a fresh 4B
-# `kapitsa serve` took 85 s to listen). The ptx-save part returns that cache as $OUT/ptx.tgz.part-NN,
+# (kapitsa's ~300 launches a step are a few dozen kernels, each template a compile: minutes
+# on a fresh machine, docs/results.md). The ptx-save part returns that cache as $OUT/ptx.tgz.part-NN,
 # 15 MiB pieces (a call returns files of at most 16 MiB); kept beside $PTX_TGZ (default
 # .gpu-ptx/ptx.tgz, an ignored folder a call carries) they are unpacked here before any part runs
 # on a fresh machine (one whole ptx.tgz too).
