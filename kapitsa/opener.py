@@ -79,6 +79,18 @@ def open_engine(
     )
 
 
+def hand_back_memory() -> None:
+    """After an engine closed and its client is out of reach: free what its model, caches and
+    steps held (their reference cycles) and empty MLX's buffer cache, so the device memory goes
+    back to other processes, such as a server a bench times next on the same device."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+
+
 def draft_source(draft: str | None, settings: KapitsaSettings) -> str | None:
     """`--draft` as the loader takes it: a catalog alias (`4b`, `demo`) becomes its folder or repo id;
     a folder, file or repo id stays as given."""

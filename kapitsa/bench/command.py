@@ -81,14 +81,22 @@ async def collect_report(options: BenchOptions, config: BenchConfig) -> BenchRep
     progress = BenchProgress(num_engines * len(options.workloads))
     try:
         if options.local:
-            with open_local_engine(options.model, speculative=options.speculative) as client:
-                target = EngineTarget(client, name="kapitsa")
-                report.engines.append(await _run_one(target, config, progress, options.workloads))
+            from kapitsa.opener import hand_back_memory
+
+            report.engines.append(await _run_local(options, config, progress))
+            hand_back_memory()  # the servers compared next may share this device
         for url in options.compare:
             report.engines.append(await _run_one(HttpTarget(url), config, progress, options.workloads))
     finally:
         progress.close()
     return report
+
+
+async def _run_local(options: BenchOptions, config: BenchConfig, progress: BenchProgress) -> EngineResult:
+    """The in-process engine's results; the engine is closed and out of reach when this returns."""
+    with open_local_engine(options.model, speculative=options.speculative) as client:
+        target = EngineTarget(client, name="kapitsa")
+        return await _run_one(target, config, progress, options.workloads)
 
 
 async def _run_one(

@@ -6,6 +6,7 @@ the first generated text, total time, and the token counts the engine itself rep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -87,13 +88,15 @@ class EngineTarget:
         request = GenerationRequest(messages=tuple(messages), sampling=sampling)
         started = time.perf_counter()
         first: float | None = None
-        async for event in self.client.generate(request):
-            if isinstance(event, TokenEvent) and first is None and event.token_ids:
-                first = time.perf_counter()
-            elif isinstance(event, ErrorEvent):
-                raise event.error
-            elif isinstance(event, FinishEvent):
-                return _from_usage(event, started=started, first=first)
+        # closed on the way out, not later by the event loop: the stream holds the engine
+        async with contextlib.aclosing(self.client.generate(request)) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent) and first is None and event.token_ids:
+                    first = time.perf_counter()
+                elif isinstance(event, ErrorEvent):
+                    raise event.error
+                elif isinstance(event, FinishEvent):
+                    return _from_usage(event, started=started, first=first)
         raise KapitsaError("the engine stream ended without a finish event")
 
     def speculative(self) -> str | None:

@@ -49,3 +49,15 @@ async def test_every_workload_measures_the_real_engine(tiny_qwen: Path) -> None:
     assert report.machine["cpu_count"] and report.config == TINY.to_dict() | {
         "workloads": list(WORKLOAD_NAMES)
     }
+
+
+async def test_the_closed_engine_hands_its_memory_back(tiny_qwen: Path) -> None:
+    """A bench that times servers after its own engine shares the device with them: once the
+    in-process engine's workloads end, its model and caches are freed and MLX's cache is empty."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    await collect_report(BenchOptions(model=str(tiny_qwen), workloads=("decode_short",)), TINY)
+    assert mx.get_cache_memory() == 0
+    assert mx.get_active_memory() <= before + 64 * 1024  # the tiny model alone holds ~1 MB

@@ -4,6 +4,7 @@ least recently used file of any model is the one that goes."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -167,3 +168,16 @@ def test_a_file_renamed_into_place_but_not_yet_indexed_is_not_counted_twice(
     first.join(10)
     second.join(10)
     assert len(list(tier.folder.glob(f"*{SUFFIX}"))) == len(tier) == 4  # all four fit: none deleted
+
+
+def test_closing_writes_what_is_queued_and_ends_the_writer_at_once(tmp_path: Path) -> None:
+    """The writer thread holds the tier and, through `validate`, a stopped engine's model: closing
+    ends it without its idle wait, so that memory can be freed."""
+    disk = DiskTier(tmp_path, model_key="m", budget_bytes=1 << 20, write_delay_s=30.0)
+    disk.save_later(_stored(1))
+    disk.close(timeout=10.0)
+    assert len(disk) == 1
+    deadline = time.monotonic() + 2.0
+    while any(t.name == "kapitsa-disk-writer" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the writer outlived the close by 2 s (its idle wait is 30 s)"
+        time.sleep(0.01)

@@ -180,6 +180,7 @@ class DiskTier:
         self._writing: set[str] = set()
         self._writer: threading.Thread | None = None
         self._flushing = False
+        self._closed = False  # the engine stopped: the writer ends once the queue is empty
         self._scan()
 
     @property
@@ -261,6 +262,14 @@ class DiskTier:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
             self._flushing = False
 
+    def close(self, timeout: float = 60.0) -> None:
+        """`flush`, then have the writer thread end at once rather than after its idle wait: it
+        holds this tier and, through `validate`, the model, whose memory a stopped engine frees."""
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def _prepare(self, stored: StoredPrefix, digest: str, *, due: float) -> _Pending:
         return _Pending(stored, prepare_arrays(_file_arrays(stored)), _file_metadata(stored, digest), due)
 
@@ -283,7 +292,7 @@ class DiskTier:
         idle_since = time.monotonic()
         while True:
             if not self._queue:
-                if time.monotonic() - idle_since >= _WRITER_IDLE_S:
+                if self._closed or time.monotonic() - idle_since >= _WRITER_IDLE_S:
                     return None
                 self._cond.wait(_WRITER_IDLE_S)
                 continue

@@ -404,14 +404,15 @@ class PrefixCache:
         return StoredPrefix(tokens, tuple(n.kv for n in path), ck.recurrent, ck.next_logits, ck.kind)
 
     def flush_to_disk(self) -> None:
-        """Write every leaf, system and turn checkpoint to the disk tier and wait for its writer."""
+        """Write every leaf, system and turn checkpoint to the disk tier, wait for its writer and
+        let it end (the engine is stopping)."""
         if self.disk is None:
             return
         for node in list(self._iter_nodes()):
             ck = node.checkpoint
             if ck is not None and (not node.children or ck.kind in WRITE_BEHIND_KINDS):
                 self._spill(node, ck)
-        self.disk.flush()
+        self.disk.close()
 
     def conversations(self) -> list[Conversation]:
         """The tree's conversations, most important first (resident.py)."""
