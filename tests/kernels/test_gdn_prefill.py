@@ -15,14 +15,8 @@ from tests.kernels.test_gdn_reference import make_inputs
 
 def test_padded_length_is_exact_up_to_max_t_then_a_power_of_two() -> None:
     assert [padded_length(t) for t in (1, 7, gdn_plan.MAX_T)] == [1, 7, gdn_plan.MAX_T]
-    assert [padded_length(t) for t in (gdn_plan.MAX_T + 1, 100, 128, 129, 512, 513)] == [
-        128,
-        128,
-        128,
-        256,
-        512,
-        1024,
-    ]
+    longer = (gdn_plan.MAX_T + 1, 40, 100, 128, 129, 513)
+    assert [padded_length(t) for t in longer] == [32, 64, 128, 128, 256, 1024]
 
 
 def _fake_kernel(monkeypatch) -> list:

@@ -19,7 +19,8 @@ from kapitsa.engine.kernels.gdn_reference import (
     validate_shape_keys,
 )
 
-MAX_T = 64  # token counts compiled exactly (decode, verification); gdn_prefill pads longer calls
+MAX_T = 16  # token counts compiled exactly: decode and verification chains (models/base.py CHAIN_MAX_T);
+# gdn_prefill pads longer calls to a power of two, so prompts of any length share a few compiles
 MAX_KERNEL_T = 8192  # one block per (row, head) walks the tokens: longer calls take the op path
 MAX_HEAD_DIM = 256
 MAX_CONV_KERNEL = 8
