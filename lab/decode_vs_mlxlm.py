@@ -245,6 +245,7 @@ def main() -> None:
                     emit(result)
         for plen in args.prefill_prompts:
             rows += _prefill_rows(name, models, timers, plen, vocab, sizes)
+        _summary([r for r in rows if r["shape"] == name])  # before the parts that may still fail
         if name in args.verify_shapes:
             verify = dict(
                 shape=name, engine="kapitsa", **_verify_cost(models["kapitsa"], prompt, args.verify_sizes)
@@ -273,7 +274,6 @@ def main() -> None:
         del models
         gc.collect()
         mx.clear_cache()
-    _summary(rows)
     if spec:
         spec_summary(spec)
     if args.json:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -105,14 +106,28 @@ def _overhead(bench: dict, table_decode: float | None) -> str:
     return "-"
 
 
-def table(records: list[dict]) -> str:
+def decode_summaries(records: list[dict]) -> dict[str, dict[int, dict]]:
+    """Per shape and prompt length, the summary line; where a process ended before writing it,
+    the same figures from its timed rounds (`summary_of`)."""
     decode: dict[str, dict[int, dict]] = defaultdict(dict)
-    batch: dict[str, dict[tuple[str, int], dict]] = defaultdict(dict)
-    warmup: dict[str, float] = {}  # the idle warm-up's seconds, where the sweep's engine ran one
+    rounds: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in records:
         if "summary" in r and "prompt" in r:
             decode[r["summary"]][r["prompt"]] = r
-        elif "streams" in r and "engine" in r and "aggregate_tok_s" in r:
+        elif "decode_tok_s" in r and r.get("engine") in ("kapitsa", "mlx-lm") and "prompt" in r:
+            rounds[(r["shape"], r["prompt"])].append(r)
+    for (shape, prompt), timed in rounds.items():
+        if prompt not in decode[shape]:
+            decode[shape][prompt] = summary_of(timed)
+    return decode
+
+
+def table(records: list[dict]) -> str:
+    decode = decode_summaries(records)
+    batch: dict[str, dict[tuple[str, int], dict]] = defaultdict(dict)
+    warmup: dict[str, float] = {}  # the idle warm-up's seconds, where the sweep's engine ran one
+    for r in records:
+        if "streams" in r and "engine" in r and "aggregate_tok_s" in r:
             batch[r["shape"]][(r["engine"], r["streams"])] = r
         elif "warmup_s" in r:
             warmup[r["shape"]] = r["warmup_s"]
@@ -138,12 +153,29 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary_of(timed: list[dict]) -> dict:
+    """A (shape, prompt) summary line's decode and prefill figures from its timed rounds: the medians
+    `lab/decode_vs_mlxlm.py` writes (older runs wrote them only after every part had finished)."""
+
+    def median(engine: str, key: str) -> float:
+        return statistics.median(r[key] for r in timed if r["engine"] == engine)
+
+    kapitsa, mlxlm = median("kapitsa", "decode_tok_s"), median("mlx-lm", "decode_tok_s")
+    return dict(
+        kapitsa_decode=round(kapitsa, 1),
+        mlxlm_decode=round(mlxlm, 1),
+        decode_ratio=round(kapitsa / mlxlm, 2),
+        kapitsa_prefill=median("kapitsa", "prefill_tok_s"),
+        mlxlm_prefill=median("mlx-lm", "prefill_tok_s"),
+    )
+
+
 def engine_decode(records: list[dict]) -> dict[str, float]:
     """Each shape's kapitsa batch-1 decode after 512 prompt tokens, from the table's summary rows."""
     return {
-        r["summary"]: r["kapitsa_decode"]
-        for r in records
-        if "summary" in r and r.get("prompt") == 512 and r.get("kapitsa_decode")
+        shape: by_prompt[512]["kapitsa_decode"]
+        for shape, by_prompt in decode_summaries(records).items()
+        if by_prompt.get(512, {}).get("kapitsa_decode")
     }
 
 

@@ -58,3 +58,21 @@ def test_without_the_engine_in_process_the_overhead_comes_from_the_table(tmp_pat
     assert "| 27b | - / 90.0 / 30.0 (3.10x) |" in text
     assert "| - / 180.0 / 60.0 (3.00x) |" in text
     assert "| 95.0 / 190.0 | 10.0% (vs the table) |" in text
+
+
+def test_a_process_cut_before_its_summary_lines_gets_its_row_from_the_timed_rounds() -> None:
+    """A stream sweep that ran out of memory ended the 27B's process before it wrote summaries."""
+    from lab.results_table import table
+
+    def timed(engine: str, decode: float, prefill: float) -> dict:
+        return dict(shape="27b", engine=engine, prompt=512, decode_tok_s=decode, prefill_tok_s=prefill)
+
+    records = [
+        timed("mlx-lm", 50.0, 270.0),
+        timed("kapitsa", 95.0, 3400.0),
+        timed("mlx-lm", 54.0, 260.0),
+        timed("kapitsa", 97.0, 3600.0),
+        dict(shape="27b", engine="kapitsa", streams=1, aggregate_tok_s=94.1, first_burst_extra_s=0.0),
+    ]
+    text = table(records)
+    assert "| 27b | 96.0 (52.0, 1.85x) | 3500 (265) | 94.1 (-) |" in text
