@@ -135,17 +135,20 @@ async def test_a_request_alone_out_of_memory_twice_does_not_fit(qwen_model, make
     assert client.engine.alone_failures.failed.keys() == {hash((5, 6, 7)), hash((11, 12))}
 
 
-async def test_requests_side_by_side_out_of_memory_stay_busy(qwen_model, make_client, monkeypatch) -> None:
-    """A decode batch and another request's prefill run out of memory in one step: none of them
-    ran alone, so each gets a 503 and no record that a second time would turn into a 400."""
+async def test_a_batch_and_a_prefill_out_of_memory_together(qwen_model, make_client, monkeypatch) -> None:
+    """A decode batch and another request's prefill run out of memory in one step: the batch's rows
+    go back to the queue and finish with the tokens they would have had (engine/runner/send_back.py);
+    the prefill's request did not run alone, so it gets a 503 and no record that a second time
+    would turn into a 400."""
     client = make_client(qwen_model)
+    expected = [await _tokens(client, 40, prompt=p) for p in [(5, 6, 7), (8, 9)]]
     engine, runner = client.engine, client.engine.runner
     real_decode, real_prefill = runner.decode_lazy, runner.prefill_at
     state = {"armed": False, "decode_failed": False}
 
     def decode_lazy(*args, **kwargs):
-        if state["armed"] and engine.scheduler.prefilling:
-            state["decode_failed"] = True
+        if state["armed"] and engine.scheduler.prefilling and engine.scheduler.decoding:
+            state["armed"], state["decode_failed"] = False, True
             raise RuntimeError(CUDA_OOM)
         return real_decode(*args, **kwargs)
 
@@ -160,22 +163,23 @@ async def test_requests_side_by_side_out_of_memory_stay_busy(qwen_model, make_cl
     monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
 
     async def started(prompt: tuple[int, ...], begun: asyncio.Event):
-        async for event in client.generate(_request(300, prompt)):
+        tokens = []
+        async for event in client.generate(_request(40, prompt)):
             if isinstance(event, ErrorEvent):
                 return event.error
-            begun.set()
-        return None
+            if isinstance(event, TokenEvent):
+                tokens += event.token_ids
+                begun.set()
+        return tokens
 
-    for _ in range(2):
-        begun = [asyncio.Event(), asyncio.Event()]
-        batch = [asyncio.create_task(started(p, e)) for p, e in zip([(5, 6, 7), (8, 9)], begun, strict=True)]
-        await asyncio.gather(*(e.wait() for e in begun))
-        state["armed"] = True
-        third = await asyncio.gather(_tokens(client, prompt=(11, 12, 13)), return_exceptions=True)
-        state["armed"] = False
-        results = [*await asyncio.gather(*batch), *third]
-        assert all(isinstance(r, EngineBusy) for r in results), results
-    assert not engine.alone_failures.failed
+    begun = [asyncio.Event(), asyncio.Event()]
+    batch = [asyncio.create_task(started(p, e)) for p, e in zip([(5, 6, 7), (8, 9)], begun, strict=True)]
+    await asyncio.gather(*(e.wait() for e in begun))
+    state["armed"] = True
+    third = await asyncio.gather(_tokens(client, prompt=(11, 12, 13)), return_exceptions=True)
+    assert isinstance(third[0], EngineBusy), third
+    assert await asyncio.gather(*batch) == expected
+    assert engine.stats.failed == 1 and not engine.alone_failures.failed
 
 
 def test_a_record_expires_and_stays_bounded() -> None:

@@ -55,23 +55,20 @@ def test_max_running_must_be_positive() -> None:
 def _planned(
     seq: Sequence, *, shared: int, interval: int = 4096, recurrent: bool = True
 ) -> list[tuple[int, str]]:
-    """The boundaries `Engine._plan_checkpoints` leaves when the prefix tree holds `shared` tokens
+    """The boundaries `plan_checkpoints` leaves when the prefix tree holds `shared` tokens
     of the prompt as K/V (a branch boundary there, past the deepest checkpoint)."""
     from types import SimpleNamespace
 
-    from kapitsa.engine.runner.loop import Engine
+    from kapitsa.engine.runner.checkpoints import plan_checkpoints
 
-    engine = SimpleNamespace(
-        prefix=SimpleNamespace(match_length=lambda ids: shared),
-        checkpoint_interval=interval,
-        runner=SimpleNamespace(recurrent_layers=[0] if recurrent else []),
-    )
-    Engine._plan_checkpoints(engine, seq)
+    prefix = SimpleNamespace(match_length=lambda ids: shared)
+    runner = SimpleNamespace(recurrent_layers=[0] if recurrent else [])
+    plan_checkpoints(seq, prefix, runner, interval)
     return [(b.pos, b.kind) for b in seq.boundaries]
 
 
 def test_a_branch_boundary_close_to_the_resume_position_is_not_a_chunk_end() -> None:
-    from kapitsa.engine.runner.loop import MIN_CHECKPOINT_GAP
+    from kapitsa.engine.runner.checkpoints import MIN_CHECKPOINT_GAP
 
     # resumed at 3136 with the tree's K/V 7 tokens further (turn N+1 of an agent conversation)
     seq = _seq(3235, [Boundary(3226, "turn")])

@@ -17,8 +17,8 @@ from collections.abc import Sequence as TokenIds
 
 import mlx.core as mx
 
-from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.options import EngineConfig
+from kapitsa.engine.runner import checkpoints
 from kapitsa.engine.runner.batch import DecodeBatch, can_pipeline
 from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
@@ -36,18 +36,14 @@ from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, re
 from kapitsa.engine.runner.prompt_tail import tail_for
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
-from kapitsa.engine.runner.sequence import Boundary, Sequence, SequenceStatus, plan_boundaries
+from kapitsa.engine.runner.send_back import BatchLimit, can_send_back, log_send_back, prepare_resume
+from kapitsa.engine.runner.sequence import Sequence, SequenceStatus
 from kapitsa.engine.runner.warmup import BatchWarmup
 from kapitsa.engine.stats import StatsCounter
 from kapitsa.engine.types import ErrorEvent, FinishEvent, FinishReason, PrefillProgressEvent
 from kapitsa.errors import EngineBusy, EngineDead
 
 log = logging.getLogger(__name__)
-
-# Fewest tokens from where prefill resumes, or the last boundary kept, to a "branch" or "periodic"
-# boundary: with fixed-size state each ends a chunk, a forward worth ~30 chunk tokens on the CPU, for
-# a checkpoint that saves a later request at most that many. Message boundaries always stay.
-MIN_CHECKPOINT_GAP = 64
 
 
 class Engine:
@@ -81,6 +77,7 @@ class Engine:
             sizes.recurrent_bytes, sizes.kv_bytes_per_token
         )
         self.scheduler = Scheduler(max_running=self.config.max_running)
+        self.batch_limit = BatchLimit(self.config.max_running)
         self.stats = StatsCounter()
         self.alone_failures = AloneFailures()
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
@@ -180,6 +177,7 @@ class Engine:
     # --- admission -------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        self.scheduler.max_running = self.batch_limit.current(time.perf_counter())
         for seq in list(self.scheduler.waiting):
             if not self.scheduler.has_free_slot:
                 return
@@ -218,11 +216,14 @@ class Engine:
             try:
                 self._decode_step()
             except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
-                log.exception("decode step failed")
-                for seq in list(self.scheduler.decoding):
-                    self._fail(seq, err, alone=alone)
+                out_of_memory, seqs = is_out_of_memory(err), list(self.scheduler.decoding)
+                if out_of_memory and can_send_back(seqs, alone=alone):
+                    self._send_back(seqs, err)
+                else:
+                    log.exception("decode step failed")
+                    for seq in seqs:
+                        self._fail(seq, err, alone=alone)
                 self.batch = DecodeBatch()
-                out_of_memory = is_out_of_memory(err)
         seq = self.scheduler.next_prefill()
         if seq is not None:
             try:
@@ -239,12 +240,12 @@ class Engine:
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.cache is None:
             self._start_prefill(seq)
-        start, n = seq.num_processed, self.config.prefill_chunk
+        start, n, feed = seq.num_processed, self.config.prefill_chunk, seq.feed_ids
         # K/V is positional: without fixed-size state a chunk checkpoints the boundaries inside it too
-        end = seq.next_chunk_end(n) if self.runner.recurrent_layers else min(start + n, seq.num_prompt_tokens)
+        end = seq.next_chunk_end(n) if self.runner.recurrent_layers else min(start + n, len(feed))
         inside, t0 = [b.pos for b in seq.boundaries if start < b.pos < end], time.perf_counter()
         if end > start:
-            ids, ends = seq.prompt_ids[start:end], [*inside, end]
+            ids, ends = feed[start:end], [*inside, end]
             *marked, logits = self.runner.prefill_at(
                 seq.cache, ids, ends, media=seq.media, start=start, tail=seq.prompt_tail
             )
@@ -254,16 +255,19 @@ class Engine:
         self.stats.add_prefill(end - start, time.perf_counter() - t0)
         seq.num_processed = end
         for pos, at in [*zip(inside, marked, strict=True), (end, logits)]:
-            self._maybe_checkpoint(seq, pos, at)
-        if end < seq.num_prompt_tokens:
-            seq.emit(PrefillProgressEvent(seq.request_id, end, seq.num_prompt_tokens))
+            checkpoints.at_boundary(seq, pos, at, self.prefix, self.runner)
+        if end < len(feed):
+            if not seq.resuming:
+                seq.emit(PrefillProgressEvent(seq.request_id, end, seq.num_prompt_tokens))
             return
-        seq.prefill_done_at = time.perf_counter()
-        seq.last_checkpoint_pos = end
-        for choice in [seq, *self._fork(seq)]:
+        if not seq.resuming:
+            seq.prefill_done_at = time.perf_counter()
+            seq.last_checkpoint_pos = end
+        choices, seq.resuming = ([seq] if seq.resuming else [seq, *self._fork(seq)]), False
+        for choice in choices:
             self._accept(choice, [choice.sampler.sample(logits)])
             if choice.is_finished:
-                self._checkpoint_final(choice, choice.cache)
+                checkpoints.at_end(choice, choice.cache, self.prefix, self.runner)
                 choice.cache = None
             else:
                 self._join_batch(choice)
@@ -275,6 +279,9 @@ class Engine:
         return forks
 
     def _start_prefill(self, seq: Sequence) -> None:
+        if seq.resuming:
+            self._start_resume(seq)
+            return
         seq.prefill_started = time.perf_counter()
         seq.sampler = SequenceSampler(
             seq.request.sampling, seq.prompt_ids, eos_ids=seq.eos_ids, constraint=seq.constraint
@@ -288,60 +295,36 @@ class Engine:
             seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
         self.stats.prompt_cached += seq.num_cached_tokens
         seq.prompt_tail = tail_for(self.decode_strategy, seq.num_prompt_tokens)
-        self._plan_checkpoints(seq)
+        checkpoints.plan_checkpoints(seq, self.prefix, self.runner, self.checkpoint_interval)
         seq.emit(
             PrefillProgressEvent(
                 seq.request_id, seq.num_processed, seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens
             )
         )
 
-    def _plan_checkpoints(self, seq: Sequence) -> None:
-        """Add a branch boundary where the tree's K/V runs past its checkpoints, and periodic ones
-        (`plan_boundaries`: none closer than `MIN_CHECKPOINT_GAP` where chunks end at them)."""
-        extra: list[Boundary] = []
-        if self.prefix is not None:
-            shared = self.prefix.match_length(seq.key_ids)
-            if seq.num_processed < shared < seq.num_prompt_tokens:
-                extra.append(Boundary(shared, "branch"))
-        step = self.checkpoint_interval
-        for pos in range((seq.num_processed // step + 1) * step, seq.num_prompt_tokens, step):
-            extra.append(Boundary(pos, "periodic"))
-        gap = MIN_CHECKPOINT_GAP if self.runner.recurrent_layers else 1  # else checkpoints cost no chunk
-        seq.boundaries = plan_boundaries(
-            seq.boundaries, extra, resume=seq.num_processed, end=seq.num_prompt_tokens, min_gap=gap
+    def _start_resume(self, seq: Sequence) -> None:
+        """A sequence sent back from a failed batch: from the prefix cache's deepest state of its
+        prompt and output, if any; its sampler, counts and boundaries stay as they were."""
+        feed = seq.num_tokens
+        match = self.prefix.lookup(seq.all_key_ids) if self.prefix is not None else None
+        seq.cache = (
+            self.runner.new_cache()
+            if match is None
+            else self.runner.restore(match, seq.media, room=feed - match.pos)
         )
+        if match is not None:
+            seq.num_processed = match.pos
+            seq.pending_logits = match.next_logits if match.pos == feed else None
+        seq.prompt_tail = tail_for(self.decode_strategy, feed)
 
-    def _maybe_checkpoint(self, seq: Sequence, pos: int, logits: mx.array | None) -> None:
-        boundary = seq.boundary_at(pos)
-        if boundary is None or self.prefix is None or pos <= seq.num_cached_tokens:
-            return
-        cache = seq.cache
-        is_new = self.prefix.insert(
-            seq.key_ids[:pos],
-            recurrent=self.runner.recurrent_state(cache),
-            kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
-            conversation=seq.continues_conversation,
-            kind=boundary.kind,
-            next_logits=logits,
-        )
-        if is_new:  # a checkpoint another request made meanwhile is a cache hit, not this one's write
-            seq.num_checkpointed_tokens = max(seq.num_checkpointed_tokens, pos)
-
-    def _checkpoint_final(self, seq: Sequence, cache: HybridCache | None) -> None:
-        """Keep the state at the end of a response hot: the agent's next request extends it."""
-        if self.prefix is None or cache is None or seq.finish_reason == "abort":
-            return
-        pos = cache.offsets[0]
-        tokens = seq.all_key_ids
-        if pos <= seq.num_cached_tokens or pos > len(tokens):
-            return
-        self.prefix.insert(
-            tokens[:pos],
-            recurrent=self.runner.recurrent_state(cache),
-            kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
-            conversation=seq.continues_conversation,
-            kind="final",
-        )
+    def _send_back(self, seqs: list[Sequence], err: Exception) -> None:
+        for seq in seqs:
+            prepare_resume(seq, self.memory)
+        if hasattr(self.decode_strategy, "forget"):  # drafters' state may hold the failed step's arrays
+            self.decode_strategy.forget(seqs)
+        self.scheduler.send_back(seqs)
+        self.scheduler.max_running = self.batch_limit.after_failure(len(seqs), time.perf_counter())
+        log_send_back(len(seqs), self.scheduler.max_running, err)
 
     def _join_batch(self, seq: Sequence) -> None:
         self.scheduler.start_decoding(seq)
@@ -367,7 +350,9 @@ class Engine:
         for row, (seq, tokens) in enumerate(zip(seqs, picks, strict=True)):
             if tokens and not seq.is_finished:
                 self._accept(seq, tokens)
-                self._maybe_checkpoint_output(seq, row)
+                checkpoints.in_output(
+                    seq, row, self.batch, self.prefix, self.runner, self.checkpoint_interval
+                )
         self._leave_batch([i for i, s in enumerate(seqs) if s.is_finished], checkpoint=True)
 
     def _pipeline_now(self, seqs: list[Sequence]) -> bool:
@@ -376,24 +361,6 @@ class Engine:
         if wants is not None:
             return wants(seqs)
         return getattr(self.decode_strategy, "pipelined", False)
-
-    def _maybe_checkpoint_output(self, seq: Sequence, row: int) -> None:
-        """A periodic checkpoint inside a long generation (a later request may resume mid-way)."""
-        if self.prefix is None or seq.is_finished or self.batch.cache is None:
-            return
-        pos = self.batch.cache.offsets[row]
-        step = self.checkpoint_interval
-        if pos // step <= seq.last_checkpoint_pos // step or pos > seq.num_tokens:
-            return
-        seq.last_checkpoint_pos = pos
-        cache = self.batch.extract(row)
-        self.prefix.insert(
-            seq.all_key_ids[:pos],
-            recurrent=self.runner.recurrent_state(cache),
-            kv_source=lambda a, b: self.runner.kv_span(cache, a, b),
-            conversation=seq.continues_conversation,
-            kind="periodic",
-        )
 
     def _grow_reservation(self, seq: Sequence) -> None:
         """A request without max_tokens may outgrow its reservation while memory lasts."""
@@ -413,7 +380,7 @@ class Engine:
         seqs = list(self.scheduler.decoding)
         for row in rows:
             if checkpoint:
-                self._checkpoint_final(seqs[row], self.batch.extract(row))
+                checkpoints.at_end(seqs[row], self.batch.extract(row), self.prefix, self.runner)
         for row in rows:
             self.scheduler.remove(seqs[row])
         self.batch.leave(rows)

@@ -156,6 +156,18 @@ class SequenceSampler:
         logits = filter_logits(logits / p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
         return mx.random.categorical(logits, key=key)
 
+    def forget_queued(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Drop the picks queued lazily that were never read back (their step failed and its rows
+        go back to the queue): the penalties count the tokens observed, `output_ids`, again."""
+        if not self._unobserved:
+            return
+        self._unobserved = 0
+        self._queued_picks.clear()
+        if self._penalties.active:
+            self._penalties = Penalties(self.params, prompt_ids)
+            for token_id in output_ids:
+                self._penalties.count(token_id)
+
     def lazy_pick(self, logits: mx.array) -> mx.array:
         """The pick from a float32 [V] logits row (processed here), left lazy (pipelined decoding):
         its token is observed when read back, and the picks queued after it count it already.

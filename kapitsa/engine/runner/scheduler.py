@@ -47,6 +47,13 @@ class Scheduler:
         seq.status = SequenceStatus.PREFILLING
         self.prefilling.append(seq)
 
+    def send_back(self, seqs: list[Sequence]) -> None:
+        """Decoding sequences return to the front of the queue, in their order, ahead of new ones."""
+        for seq in reversed(seqs):
+            self.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
     def next_prefill(self) -> Sequence | None:
         """The sequence whose prompt gets the next chunk (rotating, so short prompts are not stuck
         behind a long one)."""

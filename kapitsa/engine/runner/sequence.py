@@ -142,6 +142,10 @@ class Sequence:
     # the latest verify's kept drafts, and of them the prediction's: the first tokens it returned
     # (a stop among its tokens leaves those after it out of the output, and out of the counts)
     step_drafts: tuple[int, int] = (0, 0)
+    # An out-of-memory batch step sent it back to the queue (runner/send_back.py): its next prefill
+    # runs over its prompt and output so far (`feed_ids`), then it decodes on where it stopped.
+    resuming: bool = False
+    times_sent_back: int = 0
 
     @property
     def request_id(self) -> str:
@@ -189,9 +193,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def feed_ids(self) -> list[int]:
+        """What its prefill runs over: the prompt, or prompt and output when it resumes."""
+        return self.prompt_ids + self.output_ids if self.resuming else self.prompt_ids
+
     def next_chunk_end(self, chunk: int) -> int:
         """Where the next prefill chunk ends: `chunk` tokens on, or the next checkpoint boundary."""
-        end = min(self.num_processed + chunk, len(self.prompt_ids))
+        end = min(self.num_processed + chunk, len(self.feed_ids))
         for boundary in self.boundaries:
             if self.num_processed < boundary.pos < end:
                 return boundary.pos

@@ -414,6 +414,11 @@ class SpeculativeDecode:
             return list(self.cost_curve)
         return (gpu_cost_curve if backend() else default_cost_curve)(self.max_draft)
 
+    def forget(self, sequences: Seq[Sequence]) -> None:
+        """Drop these sequences' drafters (their batch step failed; each resumes with a new one)."""
+        for seq in sequences:
+            self._states.pop(id(seq), None)
+
     def _forget_finished(self, sequences: Seq[Sequence]) -> None:
         states = self._states
         if len(states) == len(sequences) and all(states.get(id(s)) is not None for s in sequences):

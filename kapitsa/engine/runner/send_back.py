@@ -1,0 +1,68 @@
+"""A batch that runs out of memory: its rows go back to the queue instead of failing.
+
+A decode step of several rows can run the device out of memory (the rows together, or memory another
+process took meanwhile). That step is lost, not the requests: each row goes back to the front of the
+queue with what it has streamed, keeps its sampler and its place, and its next prefill runs over its
+prompt and output so far (the prefix cache usually holds most of it), after which it decodes on. The
+engine then runs at most half as many sequences at once for `HOLD_S`, so the retry fits. A request
+sent back `MAX_SEND_BACKS` times, or one that ran alone, fails as before (`memory.AloneFailures`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kapitsa.engine.runner.memory import MemoryBudget
+from kapitsa.engine.runner.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+MAX_SEND_BACKS = 3
+HOLD_S = 120.0  # how long a halved limit stays after the last out-of-memory batch step
+
+
+class BatchLimit:
+    """How many sequences run at once: the configured number, halved for `hold_s` seconds after
+    each out-of-memory batch step (down to one)."""
+
+    def __init__(self, configured: int, *, hold_s: float = HOLD_S) -> None:
+        self.configured, self.hold_s = configured, hold_s
+        self.limit, self.until = configured, 0.0
+
+    def after_failure(self, rows: int, now: float) -> int:
+        self.limit = max(1, min(self.limit, rows) // 2)
+        self.until = now + self.hold_s
+        return self.limit
+
+    def current(self, now: float) -> int:
+        if self.limit < self.configured and now >= self.until:
+            self.limit = self.configured
+        return self.limit
+
+
+def can_send_back(seqs: list[Sequence], *, alone: bool) -> bool:
+    return not alone and bool(seqs) and all(seq.times_sent_back < MAX_SEND_BACKS for seq in seqs)
+
+
+def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
+    """A sequence taken out of a failed batch keeps its output, sampler and stop state; it drops its
+    cache and its reservation (admission reserves again) and is marked to resume."""
+    if seq.sampler is not None:
+        seq.sampler.forget_queued(seq.prompt_ids, seq.output_ids)
+    seq.cache = seq.prompt_tail = seq.pending_logits = None
+    memory.release(seq.reserved_bytes)
+    seq.reserved_bytes = 0
+    seq.num_processed = 0
+    seq.resuming = True
+    seq.times_sent_back += 1
+
+
+def log_send_back(rows: int, limit: int, err: Exception) -> None:
+    log.warning(
+        "a decode step of %d rows ran out of memory (%s): they resume from the queue, "
+        "at most %d running at once for %.0f s",
+        rows,
+        str(err)[:200],
+        limit,
+        HOLD_S,
+    )

@@ -1,0 +1,190 @@
+"""A decode batch that runs out of memory sends its rows back to the queue (runner/send_back.py):
+they resume from their prompt and output, finish with the tokens they would have had, and the
+engine runs fewer at once for a while; a request sent back too often, or one alone, fails as 503."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import mlx.core as mx
+import pytest
+
+from kapitsa.engine.runner.sampler import SequenceSampler
+from kapitsa.engine.runner.send_back import MAX_SEND_BACKS, BatchLimit
+from kapitsa.engine.types import ErrorEvent, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from kapitsa.errors import EngineBusy
+
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+PROMPTS = [(5, 6, 7, 8), (9, 10), (11, 12, 13)]
+
+
+def _request(prompt, max_tokens: int = 24, **sampling) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return GenerationRequest(prompt_token_ids=prompt, sampling=params)
+
+
+async def _run(client, prompt, max_tokens: int = 24, **sampling):
+    """(tokens, finish event) of one request; its error event raised."""
+    tokens, finish = [], None
+    async for event in client.generate(_request(prompt, max_tokens, **sampling)):
+        if isinstance(event, ErrorEvent):
+            raise event.error
+        if isinstance(event, TokenEvent):
+            tokens += event.token_ids
+        if isinstance(event, FinishEvent):
+            finish = event
+    return tokens, finish
+
+
+def _fail_batch_steps(monkeypatch, engine, *, times: int, rows: int = 2, after_tokens: int = 6) -> dict:
+    """The first `times` decode steps of at least `rows` rows, once every row has `after_tokens`
+    tokens, raise CUDA's out-of-memory error."""
+    real = engine.runner.decode_lazy
+    state = {"failed": 0}
+
+    def decode_lazy(*args, **kwargs):
+        decoding = engine.scheduler.decoding
+        ready = len(decoding) >= rows and all(len(s.output_ids) >= after_tokens for s in decoding)
+        if ready and state["failed"] < times:
+            state["failed"] += 1
+            raise RuntimeError(CUDA_OOM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "decode_lazy", decode_lazy)
+    monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+    return state
+
+
+async def test_rows_sent_back_finish_with_the_tokens_they_would_have_had(
+    family_model, make_client, monkeypatch
+) -> None:
+    client = make_client(family_model)
+    expected = [await _run(client, p) for p in PROMPTS]
+    engine = client.engine
+    state = _fail_batch_steps(monkeypatch, engine, times=1, rows=3)
+    got = await asyncio.gather(*(_run(client, p) for p in PROMPTS))
+    assert state["failed"] == 1
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, finish), (_, before) in zip(got, expected, strict=True):
+        assert finish.finish_reason == "length"
+        assert finish.usage.prompt_tokens == before.usage.prompt_tokens
+        assert finish.usage.completion_tokens == 24
+    assert engine.stats.failed == 0
+    assert engine.scheduler.max_running == 1  # three rows failed: half of them, at least one
+    assert engine.memory.reserved_bytes == 0  # every reservation released, none twice
+
+
+async def test_the_limit_comes_back_after_its_hold(qwen_model, make_client, monkeypatch) -> None:
+    client = make_client(qwen_model, max_running=4)
+    engine = client.engine
+    engine.batch_limit.hold_s = 0.0
+    _fail_batch_steps(monkeypatch, engine, times=1)
+    await asyncio.gather(*(_run(client, p, 12) for p in PROMPTS[:2]))
+    await _run(client, PROMPTS[2], 4)  # admitted after the hold: the configured limit again
+    assert engine.scheduler.max_running == 4
+
+
+async def test_sampled_rows_with_penalties_resume(qwen_model, make_client, monkeypatch) -> None:
+    """Rows that sample lazily (pipelined, penalties counted on the device) lose the picks of the
+    failed step and count only what they streamed; each still ends with its max_tokens."""
+    client = make_client(qwen_model)
+    _fail_batch_steps(monkeypatch, client.engine, times=1)
+    sampling = dict(temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.3)
+    got = await asyncio.gather(*(_run(client, p, 20, **sampling) for p in PROMPTS[:2]))
+    assert [len(tokens) for tokens, _ in got] == [20, 20]
+    assert client.engine.stats.failed == 0
+
+
+async def test_sent_back_too_often_it_fails_as_busy(qwen_model, make_client, monkeypatch) -> None:
+    """Every batch step runs out of memory: the rows come back, run with a lower limit, and once
+    alone (or sent back MAX_SEND_BACKS times) fail as a 503; the engine serves on."""
+    client = make_client(qwen_model, max_running=8)
+    engine = client.engine
+    engine.batch_limit.hold_s = 0.0  # the limit restores at once, so the rows keep meeting
+    state = _fail_batch_steps(monkeypatch, engine, times=100, after_tokens=2)
+    results = await asyncio.gather(*(_run(client, p) for p in PROMPTS[:2]), return_exceptions=True)
+    assert all(isinstance(r, EngineBusy) for r in results), results
+    assert state["failed"] == MAX_SEND_BACKS + 1
+    assert engine.memory.reserved_bytes == 0
+    state["failed"] = 100  # no more failures
+    tokens, _ = await _run(client, PROMPTS[0])
+    assert len(tokens) == 24
+
+
+def test_the_limit_halves_and_holds() -> None:
+    limit = BatchLimit(16, hold_s=60.0)
+    assert limit.after_failure(16, now=0.0) == 8
+    assert limit.current(now=30.0) == 8
+    assert limit.after_failure(3, now=40.0) == 1  # the rows that failed, halved
+    assert limit.current(now=99.0) == 1
+    assert limit.current(now=100.0) == 16
+
+
+def test_forgetting_queued_picks_counts_only_what_was_observed() -> None:
+    params = SamplingParams(temperature=1.0, seed=1, frequency_penalty=1.0)
+    sampler = SequenceSampler(params, [1, 2, 3])
+    logits = mx.zeros((16,), mx.float32)
+    first = sampler.sample(logits).token_id  # makes the penalty arrays
+    for _ in range(2):
+        sampler.lazy_pick(logits)  # queued, never read back
+    sampler.forget_queued([1, 2, 3], [first])
+    fresh = SequenceSampler(params, [1, 2, 3])
+    fresh.sample(logits)
+    assert mx.array_equal(sampler.process(logits), fresh.process(logits)).item()
+    sampler.observe(4)  # a token read back after the forget: counted once, as a host token
+    assert mx.array_equal(sampler._penalties._counts, fresh._penalties._counts.at[4].add(1.0)).item()
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_only_a_batch_of_others_is_sent_back(alone: bool) -> None:
+    from kapitsa.engine.runner.send_back import can_send_back
+
+    class Seq:
+        times_sent_back = 0
+
+    assert can_send_back([Seq(), Seq()], alone=alone) is not alone
+
+
+async def test_a_speculative_batch_resumes_with_new_drafters(qwen_model, make_client, monkeypatch) -> None:
+    """A verify of several rows runs out of memory: the rows resume, each with a new drafter, and
+    write plain decoding's tokens."""
+    from engine_standins import EOS, ByteTokenizer
+    from test_speculation_at_rest import HostOracle
+
+    from kapitsa.engine.inprocess import InProcessEngine
+    from kapitsa.engine.options import EngineConfig
+    from kapitsa.engine.speculative.decoder import SpeculativeDecode
+    from kapitsa.engine.types import ModelInfo
+
+    plain = make_client(qwen_model)
+    expected = [(await _run(plain, p, 30))[0] for p in PROMPTS[:2]]
+    made = []
+
+    def drafter() -> HostOracle:
+        made.append(HostOracle({p: e for p, e in zip(PROMPTS[:2], expected, strict=True)}, right_from=0))
+        return made[-1]
+
+    strategy = SpeculativeDecode(drafter, name="host", max_draft=4, cost_curve=[1.0] * 5)
+    info = ModelInfo(id="tiny", family="test", context_length=4096, max_output_tokens=1024)
+    client = InProcessEngine(
+        qwen_model, ByteTokenizer(), info, eos_token_ids={EOS}, config=EngineConfig(prefill_chunk=64),
+        decode=strategy,
+    )  # fmt: skip
+    try:
+        real, failed = strategy.step, []
+
+        def step(runner, cache, sequences):  # noqa: ANN001, ANN202
+            if len(sequences) == 2 and not failed and all(len(s.output_ids) > 4 for s in sequences):
+                failed.append(True)
+                raise RuntimeError(CUDA_OOM)
+            return real(runner, cache, sequences)
+
+        monkeypatch.setattr(strategy, "step", step)
+        monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+        got = await asyncio.gather(*(_run(client, p, 30) for p in PROMPTS[:2]))
+        assert failed and [tokens for tokens, _ in got] == expected
+        assert len(made) >= 4  # two drafters before the failure, two after
+        assert strategy.stats.accepted > 0
+    finally:
+        client.close()
