@@ -48,7 +48,8 @@ def open_engine(
         kv_bits: the `--kv-bits` flag: 8 or 4 (quantized attention K/V), "auto" (doctor's fit
             picks for this machine) or None (the activation dtype).
         warm_batches: have the idle engine make every decode batch size ready on a GPU before a
-            burst of concurrent requests first forms it (a server; runner/warmup.py).
+            burst of concurrent requests first forms it, and its prefill chunk lengths before a
+            first prompt needs them (a server; runner/warmup.py).
     Returns:
         The running engine, an `EngineClient` with a `close()`.
     Raises:
@@ -61,7 +62,10 @@ def open_engine(
     config = engine_config(settings)
     loaded = load_for_ref(ref, settings=settings)
     config = dataclasses.replace(
-        config, kv_bits=resolve_kv_bits(kv_choice, loaded.path), warm_batches=None if warm_batches else ()
+        config,
+        kv_bits=resolve_kv_bits(kv_choice, loaded.path),
+        warm_batches=None if warm_batches else (),
+        warm_prefill=None if warm_batches else (),
     )
     if tree is None and draft_tokens is None and speculative != "none":
         tuned = read_tuned(loaded, settings)

@@ -164,12 +164,20 @@ class EngineConfig:
     # decode batch sizes traced and compiled while idle (runner/warmup.py): () none (a one-user
     # engine forms no batches), None every size on a GPU (a server: `open_engine(warm_batches=True)`)
     warm_batches: tuple[int, ...] | None = ()
+    # prefill chunk lengths run once while idle, from an empty cache and after a first chunk, so a
+    # first request's prompt compiles nothing (runner/warmup.py): () none, None this device's default
+    # (on a GPU the lengths the recurrent kernels compile for, up to prefill_chunk; none on the CPU)
+    warm_prefill: tuple[int, ...] | None = ()
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1 or self.max_running < 1:
             raise ValueError("prefill_chunk and max_running must be >= 1")
         if self.warm_batches is not None and not all(1 <= n <= self.max_running for n in self.warm_batches):
             raise ValueError(f"warm_batches must lie between 1 and max_running ({self.max_running})")
+        if self.warm_prefill is not None and not all(1 <= n <= self.prefill_chunk for n in self.warm_prefill):
+            raise ValueError(
+                f"warm_prefill lengths must lie between 1 and prefill_chunk ({self.prefill_chunk})"
+            )
         if self.resident_conversations < 0:
             raise ValueError("resident_conversations must be >= 0")
         if self.kv_bits not in KV_BITS_CHOICES:

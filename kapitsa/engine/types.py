@@ -268,7 +268,9 @@ class EngineStats:
     tokens_per_step: float = 0.0
     requests_finished: int = 0
     requests_failed: int = 0
-    warm_batches_pending: int = 0  # decode batch sizes the idle engine has still to warm (runner/warmup.py)
+    warm_batches_pending: int = (
+        0  # decode batch sizes and prefill chunks the idle engine has still to warm (runner/warmup.py)
+    )
     warmup_seconds: float = 0.0  # spent warming them so far
 
     @property

@@ -163,3 +163,52 @@ def test_default_sizes_are_every_batch_on_a_gpu_and_none_on_the_cpu() -> None:
 def test_warm_sizes_outside_the_batch_are_refused(sizes) -> None:
     with pytest.raises(ValueError, match="warm_batches"):
         EngineConfig(max_running=8, warm_batches=sizes)
+
+
+def test_default_prefill_lengths_are_the_padded_lengths_on_a_gpu_and_none_on_the_cpu() -> None:
+    assert warmup.default_warm_prefill(512, on_gpu=True) == (31, 63, 127, 255, 511, 512)
+    assert warmup.default_warm_prefill(100, on_gpu=True) == (31, 63, 100)
+    assert warmup.default_warm_prefill(512, on_gpu=False) == ()
+    assert EngineConfig().warm_prefill == ()
+
+
+@pytest.mark.parametrize("lengths", [(0,), (65,)])
+def test_prefill_lengths_past_the_chunk_are_refused(lengths) -> None:
+    with pytest.raises(ValueError, match="warm_prefill"):
+        EngineConfig(prefill_chunk=64, warm_prefill=lengths)
+
+
+async def test_the_idle_engine_prefills_each_length_fresh_and_continued(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    """The throwaway chunks run after the decode sizes, each from an empty cache and after a first
+    chunk; the requests after them write what an engine without the warm-up writes."""
+    real, seen = ModelRunner.prefill_at, []
+
+    def spy(self, cache, tokens, ends, **kwargs):
+        seen.append((kwargs.get("start", 0), len(tokens)))
+        return real(self, cache, tokens, ends, **kwargs)
+
+    plain = make_client(qwen_model, max_running=4)
+    expected = await _burst(plain)
+    monkeypatch.setattr(ModelRunner, "prefill_at", spy)
+    client = make_client(qwen_model, max_running=4, warm_batches=(1, 2), warm_prefill=(31, 64))
+    assert client.stats().warm_batches_pending == 6  # 2 sizes, 2 lengths x (fresh, continued)
+    await _until_warm(client)
+    first = warmup.FIRST_CHUNK
+    assert seen == [(0, 31), (0, first), (first, 31), (0, 64), (0, first), (first, 64)]
+    assert await _burst(client) == expected
+
+
+async def test_a_failing_prefill_warm_up_is_skipped_and_the_engine_serves(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    def broken(self, cache, tokens, **kwargs):
+        raise RuntimeError("no kernel for this length")
+
+    monkeypatch.setattr(ModelRunner, "prefill", broken)
+    client = make_client(qwen_model, max_running=4, warm_prefill=(31, 64))
+    await _until_warm(client)
+    assert client.engine.alive and client.engine.warmup.prefill_pending == []
+    monkeypatch.undo()
+    assert all(len(ids) == 6 for ids in await _burst(client))

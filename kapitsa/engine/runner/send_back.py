@@ -11,6 +11,7 @@ sent back `MAX_SEND_BACKS` times, or one that ran alone, fails as before (`memor
 from __future__ import annotations
 
 import logging
+import time
 
 from kapitsa.engine.runner.memory import MemoryBudget
 from kapitsa.engine.runner.sequence import Sequence
@@ -53,6 +54,7 @@ def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
     memory.release(seq.reserved_bytes)
     seq.reserved_bytes = 0
     seq.num_processed = 0
+    seq.arrival = time.perf_counter()  # its wait for memory (`queue_timeout_s`) starts again
     seq.resuming = True
     seq.times_sent_back += 1
 

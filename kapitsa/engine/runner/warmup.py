@@ -7,9 +7,13 @@ past a few rows; on Metal, the kernels that take the row count as a template): o
 server's first burst of 4 or 16 streams stalls 30-80 s on them. The engine instead runs throwaway
 steps at each size of `EngineConfig.warm_batches` whenever it has nothing else to do, smallest
 first, so a burst finds them ready. It covers plain decode steps (what serve's default `auto`
-speculation runs while drafts do not pay), not speculative verifies. A request, abort or stop that
-arrives meanwhile waits at most for one throwaway step: the warm-up checks between steps and
-resumes later.
+speculation runs while drafts do not pay), not speculative verifies. Then, where
+`EngineConfig.warm_prefill` asks, it prefills throwaway chunks of the lengths a prompt's chunks
+compile kernels for (the recurrent kernels' token counts: gdn_prefill.py pads a chunk past 16
+tokens to a power of two, masked when it was shorter), from an empty cache and after a first
+chunk, so a first request's prompt finds them compiled. A request, abort or stop that arrives
+meanwhile waits at most for one throwaway step: the warm-up checks between steps and resumes
+later.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ log = logging.getLogger(__name__)
 # choices are), each built by one-row decode steps: longer chains would trace and compile the
 # short-chain (verify) paths, which are not what the warm-up is for.
 WARM_LENGTHS = 4
+FIRST_CHUNK = 20  # a first chunk's tokens before a throwaway "continued" one (past any exact-length compile)
 
 
 def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
@@ -40,6 +45,20 @@ def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
     largest batch on a GPU (a burst of N streams forms each size below N as its streams join and
     leave); none on the CPU, where a new size costs only its traces (milliseconds for the demo)."""
     return tuple(range(1, max_running + 1)) if on_gpu else ()
+
+
+def default_warm_prefill(prefill_chunk: int, on_gpu: bool) -> tuple[int, ...]:
+    """On a GPU: one token short of each power of two from 32 up to the chunk (a padded, masked
+    call at that length) and the chunk itself (a long prompt's full chunks); none on the CPU, whose
+    reference path compiles nothing per length."""
+    if not on_gpu:
+        return ()
+    lengths = {prefill_chunk}
+    power = 32
+    while power <= prefill_chunk:
+        lengths.add(power - 1)
+        power *= 2
+    return tuple(sorted(lengths))
 
 
 class BatchWarmup:
@@ -53,8 +72,11 @@ class BatchWarmup:
         memory: MemoryBudget | None = None,
         prefix=None,  # noqa: ANN001
         busy: Callable[[], bool] = lambda: False,
+        prefill_lengths: Sequence[int] = (),
     ) -> None:
         self.pending = sorted(set(sizes))
+        # (tokens, after a first chunk) of each throwaway prefill still to run, after the sizes
+        self.prefill_pending = [(n, after) for n in sorted(set(prefill_lengths)) for after in (False, True)]
         self.seconds = 0.0  # spent warming so far
         self.memory, self.prefix, self.busy = memory, prefix, busy
         self._bases: list[HybridCache] = []  # one-row caches of 1..WARM_LENGTHS tokens, while warming
@@ -63,10 +85,17 @@ class BatchWarmup:
     def for_config(cls, config: EngineConfig, memory: MemoryBudget, prefix, inbox) -> BatchWarmup:  # noqa: ANN001
         """The config's `warm_batches` (where unset, this device's defaults), yielding to anything
         that arrives in the engine's `inbox` (a queue)."""
-        sizes = config.warm_batches
+        on_gpu = mx.default_device().type == mx.gpu
+        sizes, lengths = config.warm_batches, config.warm_prefill
         if sizes is None:
-            sizes = default_warm_batches(config.max_running, mx.default_device().type == mx.gpu)
-        return cls(sizes, memory, prefix, busy=lambda: not inbox.empty())
+            sizes = default_warm_batches(config.max_running, on_gpu)
+        if lengths is None:
+            lengths = default_warm_prefill(config.prefill_chunk, on_gpu)
+        return cls(sizes, memory, prefix, busy=lambda: not inbox.empty(), prefill_lengths=lengths)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending) + len(self.prefill_pending)
 
     def run_one(self, runner: ModelRunner) -> bool:
         """Warm (some of) the next size; False when none is left or work has arrived. A size whose
@@ -74,7 +103,7 @@ class BatchWarmup:
         would have without it. A size leaves `pending` once it is ready."""
         if not self.pending:
             self._bases = []
-            return False
+            return self._prefill_one(runner)
         if self.busy():
             return False
         rows = self.pending[0]
@@ -96,6 +125,35 @@ class BatchWarmup:
             log.info("decode batches of %d rows ready (%.1f s)", rows, elapsed)
         return True
 
+    def _prefill_one(self, runner: ModelRunner) -> bool:
+        """The next throwaway prefill chunk; False when none is left or work has arrived."""
+        if not self.prefill_pending or self.busy():
+            return False
+        tokens, after = self.prefill_pending[0]
+        first = FIRST_CHUNK if after else 0
+        if self.memory is not None and not self.memory.fits_now(
+            self.memory.sequence_bytes(first + tokens), other_bytes=self.prefix.nbytes if self.prefix else 0
+        ):
+            self.prefill_pending.pop(0)  # not now: this one is left out, the smaller ones ran already
+            return True
+        started, cache = time.perf_counter(), None
+        try:
+            cache = runner.new_cache()
+            if after:
+                runner.prefill(cache, [0] * first)
+            runner.prefill(cache, [0] * tokens, start=first)
+        except Exception:  # noqa: BLE001 - an optional speed-up must never stop the engine
+            log.exception("warming prefill chunks of %d tokens failed; skipping the rest", tokens)
+            self.prefill_pending.clear()
+        else:
+            self.prefill_pending.pop(0)  # pending until done: a client waiting on the count sees it end
+        del cache
+        mx.clear_cache()
+        self.seconds += time.perf_counter() - started
+        if not self.prefill_pending:
+            log.info("prefill chunks ready (%.1f s of warm-up in all)", self.seconds)
+        return True
+
     def _base_caches(self, runner: ModelRunner) -> list[HybridCache]:
         if not self._bases:
             for length in range(1, WARM_LENGTHS + 1):
@@ -107,6 +165,7 @@ class BatchWarmup:
 
     def _give_up(self) -> None:
         self.pending.clear()
+        self.prefill_pending.clear()
         self._bases = []
         mx.clear_cache()
 
