@@ -212,3 +212,25 @@ async def test_a_failing_prefill_warm_up_is_skipped_and_the_engine_serves(
     assert client.engine.alive and client.engine.warmup.prefill_pending == []
     monkeypatch.undo()
     assert all(len(ids) == 6 for ids in await _burst(client))
+
+
+def test_every_size_is_built_before_the_first_runs(monkeypatch) -> None:
+    """Building a step hands its custom kernels to the compile workers; building every pending size
+    first lets a fresh GPU compile them side by side. The built steps trace what the run then uses."""
+    runner = ModelRunner(tiny_model("qwen3_5"))
+    order: list[tuple[str, int]] = []
+    real_build, real_step = warmup.build_decode_step, warmup.warm_decode_step
+    monkeypatch.setattr(
+        warmup,
+        "build_decode_step",
+        lambda r, rows, b: order.append(("build", rows)) or real_build(r, rows, b),
+    )
+    monkeypatch.setattr(
+        warmup,
+        "warm_decode_step",
+        lambda r, rows, b, busy: order.append(("run", rows)) or real_step(r, rows, b, busy),
+    )
+    warm = warmup.BatchWarmup((1, 2, 3))
+    while warm.run_one(runner):
+        pass
+    assert order == [("build", 1), ("build", 2), ("build", 3), ("run", 1), ("run", 2), ("run", 3)]

@@ -122,3 +122,31 @@ def test_the_served_strategy_on_a_gpu_picks_the_draft_length_from_its_timings(mo
     fixed = factory.strategy_for("auto", target_model=model, draft_tokens=5)
     assert fixed.max_draft == 5 and len(fixed.cost_curve) == 6
     assert cost.LONG_DRAFT == 15
+
+
+def test_every_width_is_built_before_any_is_timed(monkeypatch) -> None:  # noqa: ANN001
+    """gpu_width_timings builds each width's forward before it evaluates anything: building hands a
+    forward's custom kernels to the compile workers, so on a fresh GPU they compile side by side
+    instead of one width after another. The timings themselves are unchanged."""
+    import mlx.core as mx
+
+    from kapitsa.engine.speculative import cost
+
+    model = build_ours("qwen3_5_dense")
+    calls: list[str] = []
+    real_forward, real_eval = model.forward, mx.eval
+
+    def forward(inputs, cache, **kwargs):  # noqa: ANN001, ANN202
+        calls.append(f"build {inputs.shape[1]}")
+        return real_forward(inputs, cache, **kwargs)
+
+    def evaluate(*arrays):  # noqa: ANN202
+        calls.append("eval")
+        return real_eval(*arrays)
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(cost.mx, "eval", evaluate)
+    timed = cost.gpu_width_timings(model, (2, 4))
+    assert sorted(timed) == [1, 2, 4] and all(t > 0 for t in timed.values())
+    built = calls[: calls.index("eval")]
+    assert [c for c in built if c != f"build {cost.CONTEXT_TOKENS}"] == ["build 1", "build 2", "build 4"]

@@ -80,6 +80,7 @@ class BatchWarmup:
         self.seconds = 0.0  # spent warming so far
         self.memory, self.prefix, self.busy = memory, prefix, busy
         self._bases: list[HybridCache] = []  # one-row caches of 1..WARM_LENGTHS tokens, while warming
+        self._built = False  # whether the pending sizes' steps were built (`build_decode_step`)
 
     @classmethod
     def for_config(cls, config: EngineConfig, memory: MemoryBudget, prefix, inbox) -> BatchWarmup:  # noqa: ANN001
@@ -113,7 +114,12 @@ class BatchWarmup:
             return True
         started = time.perf_counter()
         try:
-            done = warm_decode_step(runner, rows, self._base_caches(runner), self.busy)
+            bases = self._base_caches(runner)
+            if not self._built and bases:  # every pending size's step, built before the first runs
+                self._built = True
+                for size in filter(self._fits, self.pending):
+                    build_decode_step(runner, size, bases)
+            done = warm_decode_step(runner, rows, bases, self.busy)
         except Exception:  # noqa: BLE001 - an optional speed-up must never stop the engine
             log.exception("warming decode batches of %d rows failed; skipping the rest", rows)
             self._give_up()
@@ -175,6 +181,14 @@ class BatchWarmup:
         cached = self.prefix.nbytes if self.prefix is not None else 0
         held = (rows + WARM_LENGTHS) * self.memory.sequence_bytes(KV_STEP)  # the step's rows and the bases
         return self.memory.fits_now(held, other_bytes=cached)
+
+
+def build_decode_step(runner: ModelRunner, rows: int, bases: Sequence[HybridCache]) -> None:
+    """A decode step of `rows` throwaway rows, built and never run: building hands each custom kernel
+    it launches to the compile workers (kernels/cuda_disk_cache.py), so the sizes' kernels compile
+    side by side instead of one size after another as their steps run."""
+    batch = HybridCache.merge([bases[r % len(bases)] for r in range(rows)])
+    runner.decode_lazy(batch, mx.zeros((rows,), dtype=mx.int32))
 
 
 def warm_decode_step(
