@@ -8,7 +8,6 @@ import asyncio
 import logging
 
 import mlx.core as mx
-import pytest
 
 from kapitsa.engine.runner.sampler import SequenceSampler
 from kapitsa.engine.runner.send_back import MAX_SEND_BACKS, BatchLimit
@@ -79,10 +78,79 @@ async def test_the_limit_comes_back_after_its_hold(qwen_model, make_client, monk
     client = make_client(qwen_model, max_running=4)
     engine = client.engine
     engine.batch_limit.hold_s = 0.0
+    lowered = []
+    real = engine.batch_limit.after_failure
+    monkeypatch.setattr(
+        engine.batch_limit, "after_failure", lambda *a: lowered.append(real(*a)) or lowered[-1]
+    )
     _fail_batch_steps(monkeypatch, engine, times=1)
     await asyncio.gather(*(_run(client, p, 12) for p in PROMPTS[:2]))
+    assert lowered == [1]
     await _run(client, PROMPTS[2], 4)  # admitted after the hold: the configured limit again
     assert engine.scheduler.max_running == 4
+
+
+async def test_a_row_that_finished_in_the_failed_step_is_not_sent_back(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    """The failure comes after a row finished in the step (copying its state for the prefix cache):
+    that row's request has its one finish; the other row resumes."""
+    from kapitsa.engine.runner.batch import DecodeBatch
+
+    client = make_client(qwen_model)
+    engine = client.engine
+    expected = (await _run(client, PROMPTS[1], 30))[0]
+    real, failed = DecodeBatch.extract, []
+
+    def extract(self, row):  # noqa: ANN001, ANN202
+        seqs = engine.scheduler.decoding
+        if not failed and len(seqs) >= 2 and seqs[row].is_finished:
+            failed.append(row)
+            raise RuntimeError(CUDA_OOM)
+        return real(self, row)
+
+    monkeypatch.setattr(DecodeBatch, "extract", extract)
+    monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+
+    async def events(prompt, max_tokens):  # noqa: ANN001, ANN202
+        request = _request(prompt, max_tokens)
+        return [e async for e in client.generate(request)]
+
+    short, long = await asyncio.gather(events(PROMPTS[0], 8), events(PROMPTS[1], 30))
+    assert failed
+    assert [type(e).__name__ for e in short].count("FinishEvent") == 1
+    assert sum(len(e.token_ids) for e in short if isinstance(e, TokenEvent)) == 8
+    assert [t for e in long if isinstance(e, TokenEvent) for t in e.token_ids] == expected
+    assert engine.stats.finished == 3  # the reference request and these two, each once
+
+
+async def test_a_row_whose_sampler_read_a_lost_pick_fails_and_the_others_resume(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    """A synchronous step (logprobs) reads row 0's pick back, then runs out of memory in row 1: row 0
+    would resume with its penalties ahead of its output, so it fails as a 503; row 1 resumes."""
+    sampling = dict(frequency_penalty=1.5, logprobs=1)
+    client = make_client(qwen_model)
+    engine = client.engine
+    expected = (await _run(client, PROMPTS[1], 24, **sampling))[0]
+    real, failed = SequenceSampler.sample, []
+
+    def sample(self, logits):  # noqa: ANN001, ANN202
+        seqs = engine.scheduler.decoding
+        if not failed and len(seqs) == 2 and self is seqs[1].sampler and len(seqs[1].output_ids) >= 6:
+            failed.append(True)
+            raise RuntimeError(CUDA_OOM)
+        return real(self, logits)
+
+    monkeypatch.setattr(SequenceSampler, "sample", sample)
+    monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+    first, second = await asyncio.gather(
+        _run(client, PROMPTS[0], 24, **sampling),
+        _run(client, PROMPTS[1], 24, **sampling),
+        return_exceptions=True,
+    )
+    assert failed and isinstance(first, EngineBusy)
+    assert second[0] == expected
 
 
 async def test_sampled_rows_with_penalties_resume(qwen_model, make_client, monkeypatch) -> None:
@@ -136,14 +204,20 @@ def test_forgetting_queued_picks_counts_only_what_was_observed() -> None:
     assert mx.array_equal(sampler._penalties._counts, fresh._penalties._counts.at[4].add(1.0)).item()
 
 
-@pytest.mark.parametrize("alone", [True, False])
-def test_only_a_batch_of_others_is_sent_back(alone: bool) -> None:
-    from kapitsa.engine.runner.send_back import can_send_back
+def test_rows_with_images_or_sent_back_too_often_do_not_resume() -> None:
+    from types import SimpleNamespace
 
-    class Seq:
-        times_sent_back = 0
+    from kapitsa.engine.runner.send_back import resumable
 
-    assert can_send_back([Seq(), Seq()], alone=alone) is not alone
+    def row(**fields):  # noqa: ANN202
+        base = dict(times_sent_back=0, media=None, sampler=None, output_ids=[1, 2])
+        return SimpleNamespace(**(base | fields))
+
+    assert resumable(row())
+    assert not resumable(row(times_sent_back=MAX_SEND_BACKS))
+    assert not resumable(row(media=object()))  # image positions cover the prompt only
+    assert not resumable(row(sampler=SimpleNamespace(observed=3)))
+    assert resumable(row(sampler=SimpleNamespace(observed=2)))
 
 
 async def test_a_speculative_batch_resumes_with_new_drafters(qwen_model, make_client, monkeypatch) -> None:

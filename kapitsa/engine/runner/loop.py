@@ -36,7 +36,7 @@ from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, re
 from kapitsa.engine.runner.prompt_tail import tail_for
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
-from kapitsa.engine.runner.send_back import BatchLimit, can_send_back, log_send_back, prepare_resume
+from kapitsa.engine.runner.send_back import BatchLimit, log_send_back, prepare_resume, resumable
 from kapitsa.engine.runner.sequence import Sequence, SequenceStatus
 from kapitsa.engine.runner.warmup import BatchWarmup
 from kapitsa.engine.stats import StatsCounter
@@ -216,12 +216,17 @@ class Engine:
             try:
                 self._decode_step()
             except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
-                out_of_memory, seqs = is_out_of_memory(err), list(self.scheduler.decoding)
-                if out_of_memory and can_send_back(seqs, alone=alone):
-                    self._send_back(seqs, err)
-                else:
+                out_of_memory = is_out_of_memory(err)
+                for seq in [s for s in self.scheduler.decoding if s.is_finished]:
+                    self.scheduler.remove(seq)  # finished in this step, before the failure
+                seqs = list(self.scheduler.decoding)
+                back = [s for s in seqs if resumable(s)] if out_of_memory and not alone else []
+                if back:
+                    self._send_back(back, err)
+                if len(back) < len(seqs):
                     log.exception("decode step failed")
-                    for seq in seqs:
+                for seq in seqs:
+                    if seq not in back:
                         self._fail(seq, err, alone=alone)
                 self.batch = DecodeBatch()
         seq = self.scheduler.next_prefill()
@@ -304,7 +309,8 @@ class Engine:
 
     def _start_resume(self, seq: Sequence) -> None:
         """A sequence sent back from a failed batch: from the prefix cache's deepest state of its
-        prompt and output, if any; its sampler, counts and boundaries stay as they were."""
+        prompt and output, if any; its sampler, counts and boundaries stay as they were. (Its new
+        drafter starts without the prompt's tail, which lines up with a first output token only.)"""
         feed = seq.num_tokens
         match = self.prefix.lookup(seq.all_key_ids) if self.prefix is not None else None
         seq.cache = (
@@ -315,7 +321,6 @@ class Engine:
         if match is not None:
             seq.num_processed = match.pos
             seq.pending_logits = match.next_logits if match.pos == feed else None
-        seq.prompt_tail = tail_for(self.decode_strategy, feed)
 
     def _send_back(self, seqs: list[Sequence], err: Exception) -> None:
         for seq in seqs:

@@ -156,6 +156,11 @@ class SequenceSampler:
         logits = filter_logits(logits / p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
         return mx.random.categorical(logits, key=key)
 
+    @property
+    def observed(self) -> int:
+        """Tokens picked and read back (each counted by the penalties, stepped by a grammar)."""
+        return self._generated
+
     def forget_queued(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Drop the picks queued lazily that were never read back (their step failed and its rows
         go back to the queue): the penalties count the tokens observed, `output_ids`, again."""

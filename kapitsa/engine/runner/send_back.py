@@ -5,7 +5,8 @@ process took meanwhile). That step is lost, not the requests: each row goes back
 queue with what it has streamed, keeps its sampler and its place, and its next prefill runs over its
 prompt and output so far (the prefix cache usually holds most of it), after which it decodes on. The
 engine then runs at most half as many sequences at once for `HOLD_S`, so the retry fits. A request
-sent back `MAX_SEND_BACKS` times, or one that ran alone, fails as before (`memory.AloneFailures`).
+sent back `MAX_SEND_BACKS` times, one that ran alone, and the rows `resumable` turns down fail as
+before (`memory.AloneFailures`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,13 @@ class BatchLimit:
         return self.limit
 
 
-def can_send_back(seqs: list[Sequence], *, alone: bool) -> bool:
-    return not alone and bool(seqs) and all(seq.times_sent_back < MAX_SEND_BACKS for seq in seqs)
+def resumable(seq: Sequence) -> bool:
+    """Whether a row of a failed batch can resume: not sent back too often, without images (their
+    positions cover the prompt only), and with a sampler that has read back no pick the failed step
+    left out of its output (a row of a synchronous or speculative step that the failure cut short
+    would resume with a grammar or penalties ahead of its output)."""
+    in_step = seq.sampler is not None and seq.sampler.observed != len(seq.output_ids)
+    return seq.times_sent_back < MAX_SEND_BACKS and seq.media is None and not in_step
 
 
 def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
