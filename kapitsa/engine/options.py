@@ -166,7 +166,7 @@ class EngineConfig:
     warm_batches: tuple[int, ...] | None = ()
     # prefill chunk lengths run once while idle, from an empty cache and after a first chunk, so a
     # first request's prompt compiles nothing (runner/warmup.py): () none, None this device's default
-    # (on a GPU the lengths the recurrent kernels compile for, up to prefill_chunk; none on the CPU)
+    # (on CUDA the lengths the recurrent kernels compile for, up to prefill_chunk; none elsewhere)
     warm_prefill: tuple[int, ...] | None = ()
 
     def __post_init__(self) -> None:

@@ -103,9 +103,11 @@ def test_arriving_work_interrupts_a_size_which_is_warmed_later() -> None:
     runner = ModelRunner(tiny_model("qwen3_5"))
     asked = [0]
 
-    def busy() -> bool:  # asked once per run_one and once per layout: work arrives just before the
-        asked[0] += 1  # 3-row size's second layout (equal lengths), the 8th question
-        return asked[0] == 8
+    # asked once per run_one, once per size built ahead (on the first turn) and once per layout:
+    # work arrives just before the 3-row size's second layout (equal lengths), the 11th question
+    def busy() -> bool:
+        asked[0] += 1
+        return asked[0] == 11
 
     warm = warmup.BatchWarmup((1, 2, 3), busy=busy)
     assert warm.run_one(runner) and warm.run_one(runner)  # 1 row; 2 rows (both layouts)
@@ -165,10 +167,10 @@ def test_warm_sizes_outside_the_batch_are_refused(sizes) -> None:
         EngineConfig(max_running=8, warm_batches=sizes)
 
 
-def test_default_prefill_lengths_are_the_padded_lengths_on_a_gpu_and_none_on_the_cpu() -> None:
-    assert warmup.default_warm_prefill(512, on_gpu=True) == (31, 63, 127, 255, 511, 512)
-    assert warmup.default_warm_prefill(100, on_gpu=True) == (31, 63, 100)
-    assert warmup.default_warm_prefill(512, on_gpu=False) == ()
+def test_default_prefill_lengths_are_the_padded_lengths_on_cuda_and_none_elsewhere() -> None:
+    assert warmup.default_warm_prefill(512, on_cuda=True) == (31, 63, 127, 255, 511, 512)
+    assert warmup.default_warm_prefill(100, on_cuda=True) == (31, 63, 100)
+    assert warmup.default_warm_prefill(512, on_cuda=False) == ()
     assert EngineConfig().warm_prefill == ()
 
 
@@ -214,6 +216,22 @@ async def test_a_failing_prefill_warm_up_is_skipped_and_the_engine_serves(
     assert all(len(ids) == 6 for ids in await _burst(client))
 
 
+def test_work_arriving_between_builds_ends_the_turn_and_the_rest_are_built_later() -> None:
+    runner = ModelRunner(tiny_model("qwen3_5"))
+    asked = [0]
+
+    def busy() -> bool:  # the first turn's question, then one before each size's build: the third
+        asked[0] += 1
+        return asked[0] == 3
+
+    warm = warmup.BatchWarmup((1, 2, 3), busy=busy)
+    assert not warm.run_one(runner)  # size 1 built, then work arrived
+    assert warm._built == {1} and warm.pending == [1, 2, 3]
+    while warm.run_one(runner):
+        pass
+    assert warm._built == {1, 2, 3} and warm.pending == []
+
+
 def test_every_size_is_built_before_the_first_runs(monkeypatch) -> None:
     """Building a step hands its custom kernels to the compile workers; building every pending size
     first lets a fresh GPU compile them side by side. The built steps trace what the run then uses."""
@@ -234,3 +252,19 @@ def test_every_size_is_built_before_the_first_runs(monkeypatch) -> None:
     while warm.run_one(runner):
         pass
     assert order == [("build", 1), ("build", 2), ("build", 3), ("run", 1), ("run", 2), ("run", 3)]
+
+
+def test_a_decode_size_that_does_not_fit_leaves_the_prefill_chunks_to_run(monkeypatch) -> None:
+    runner = ModelRunner(tiny_model("qwen3_5"))
+    monkeypatch.setattr(warmup.BatchWarmup, "_fits", lambda self, rows: False)
+    prefilled = []
+    real = ModelRunner.prefill
+    monkeypatch.setattr(
+        ModelRunner,
+        "prefill",
+        lambda self, cache, tokens, **kw: prefilled.append(len(tokens)) or real(self, cache, tokens, **kw),
+    )
+    warm = warmup.BatchWarmup((1, 2), prefill_lengths=(31,))
+    while warm.run_one(runner):
+        pass
+    assert warm.pending == [] and prefilled == [31, warmup.FIRST_CHUNK, 31]

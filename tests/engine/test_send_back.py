@@ -262,3 +262,22 @@ async def test_a_speculative_batch_resumes_with_new_drafters(qwen_model, make_cl
         assert strategy.stats.accepted > 0
     finally:
         client.close()
+
+
+def test_a_row_sent_back_waits_for_memory_afresh() -> None:
+    """Its wait for memory (`queue_timeout_s`) counts from when it was sent back, not from its
+    arrival minutes earlier: a row that has streamed output is not refused for an old arrival."""
+    from types import SimpleNamespace
+
+    from kapitsa.engine.runner.send_back import prepare_resume
+
+    memory = SimpleNamespace(released=[], release=lambda n: memory.released.append(n))
+    seq = SimpleNamespace(
+        sampler=None, cache=object(), prompt_tail=None, pending_logits=None, reserved_bytes=100,
+        num_processed=50, arrival=0.0, resuming=False, times_sent_back=0, prompt_ids=[1], output_ids=[2],
+    )  # fmt: skip
+    prepare_resume(seq, memory)
+    assert seq.arrival > 0.0 and seq.resuming and seq.times_sent_back == 1
+    assert (
+        memory.released == [100] and seq.reserved_bytes == 0 and seq.cache is None and seq.num_processed == 0
+    )

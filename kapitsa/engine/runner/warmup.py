@@ -7,7 +7,8 @@ past a few rows; on Metal, the kernels that take the row count as a template): o
 server's first burst of 4 or 16 streams stalls 30-80 s on them. The engine instead runs throwaway
 steps at each size of `EngineConfig.warm_batches` whenever it has nothing else to do, smallest
 first, so a burst finds them ready. It covers plain decode steps (what serve's default `auto`
-speculation runs while drafts do not pay), not speculative verifies. Then, where
+speculation runs while drafts do not pay), not speculative verifies; every size's step is built
+before the first runs, so on CUDA their kernels compile side by side. Then, where
 `EngineConfig.warm_prefill` asks, it prefills throwaway chunks of the lengths a prompt's chunks
 compile kernels for (the recurrent kernels' token counts: gdn_prefill.py pads a chunk past 16
 tokens to a power of two, masked when it was shorter), from an empty cache and after a first
@@ -37,7 +38,9 @@ log = logging.getLogger(__name__)
 # choices are), each built by one-row decode steps: longer chains would trace and compile the
 # short-chain (verify) paths, which are not what the warm-up is for.
 WARM_LENGTHS = 4
-FIRST_CHUNK = 20  # a first chunk's tokens before a throwaway "continued" one (past any exact-length compile)
+# A first chunk's tokens before a throwaway "continued" one: the fresh 31-token chunk's length, whose
+# kernels are compiled by then (at most the engine's chunk)
+FIRST_CHUNK = 31
 
 
 def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
@@ -47,11 +50,11 @@ def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
     return tuple(range(1, max_running + 1)) if on_gpu else ()
 
 
-def default_warm_prefill(prefill_chunk: int, on_gpu: bool) -> tuple[int, ...]:
-    """On a GPU: one token short of each power of two from 32 up to the chunk (a padded, masked
-    call at that length) and the chunk itself (a long prompt's full chunks); none on the CPU, whose
-    reference path compiles nothing per length."""
-    if not on_gpu:
+def default_warm_prefill(prefill_chunk: int, on_cuda: bool) -> tuple[int, ...]:
+    """On CUDA: one token short of each power of two from 32 up to the chunk (a padded, masked call
+    at that length) and the chunk itself (a long prompt's full chunks); none elsewhere (the CPU's
+    reference path compiles nothing per length, and Metal runs no custom kernels by default)."""
+    if not on_cuda:
         return ()
     lengths = {prefill_chunk}
     power = 32
@@ -80,7 +83,7 @@ class BatchWarmup:
         self.seconds = 0.0  # spent warming so far
         self.memory, self.prefix, self.busy = memory, prefix, busy
         self._bases: list[HybridCache] = []  # one-row caches of 1..WARM_LENGTHS tokens, while warming
-        self._built = False  # whether the pending sizes' steps were built (`build_decode_step`)
+        self._built: set[int] = set()  # sizes whose steps were built ahead (`build_decode_step`)
 
     @classmethod
     def for_config(cls, config: EngineConfig, memory: MemoryBudget, prefix, inbox) -> BatchWarmup:  # noqa: ANN001
@@ -90,8 +93,8 @@ class BatchWarmup:
         sizes, lengths = config.warm_batches, config.warm_prefill
         if sizes is None:
             sizes = default_warm_batches(config.max_running, on_gpu)
-        if lengths is None:
-            lengths = default_warm_prefill(config.prefill_chunk, on_gpu)
+        if lengths is None:  # only CUDA's custom kernels compile per prefill length by default
+            lengths = default_warm_prefill(config.prefill_chunk, on_gpu and mx.cuda.is_available())
         return cls(sizes, memory, prefix, busy=lambda: not inbox.empty(), prefill_lengths=lengths)
 
     @property
@@ -115,10 +118,8 @@ class BatchWarmup:
         started = time.perf_counter()
         try:
             bases = self._base_caches(runner)
-            if not self._built and bases:  # every pending size's step, built before the first runs
-                self._built = True
-                for size in filter(self._fits, self.pending):
-                    build_decode_step(runner, size, bases)
+            if bases and not self._build_ahead(runner, bases):
+                return False  # work arrived between two builds
             done = warm_decode_step(runner, rows, bases, self.busy)
         except Exception:  # noqa: BLE001 - an optional speed-up must never stop the engine
             log.exception("warming decode batches of %d rows failed; skipping the rest", rows)
@@ -131,12 +132,23 @@ class BatchWarmup:
             log.info("decode batches of %d rows ready (%.1f s)", rows, elapsed)
         return True
 
+    def _build_ahead(self, runner: ModelRunner, bases: list[HybridCache]) -> bool:
+        """Build every pending size's step that fits before the first runs (`build_decode_step`);
+        False if `busy()` cut it short (the rest are built on a later turn)."""
+        for size in filter(self._fits, self.pending):
+            if size not in self._built:
+                if self.busy():
+                    return False
+                build_decode_step(runner, size, bases)
+                self._built.add(size)
+        return True
+
     def _prefill_one(self, runner: ModelRunner) -> bool:
         """The next throwaway prefill chunk; False when none is left or work has arrived."""
         if not self.prefill_pending or self.busy():
             return False
         tokens, after = self.prefill_pending[0]
-        first = FIRST_CHUNK if after else 0
+        first = min(FIRST_CHUNK, tokens) if after else 0
         if self.memory is not None and not self.memory.fits_now(
             self.memory.sequence_bytes(first + tokens), other_bytes=self.prefix.nbytes if self.prefix else 0
         ):
@@ -170,8 +182,8 @@ class BatchWarmup:
         return self._bases
 
     def _give_up(self) -> None:
+        """No more decode sizes (the prefill chunks, one sequence each, may still fit)."""
         self.pending.clear()
-        self.prefill_pending.clear()
         self._bases = []
         mx.clear_cache()
 
