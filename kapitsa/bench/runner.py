@@ -6,6 +6,7 @@ A failing workload becomes an "error" entry with the message; the other workload
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -54,6 +55,7 @@ async def run_bench(
     }
     steps = {name: step for name, step in steps.items() if name in chosen}
     result = EngineResult(name=target.name, kind=target.kind, model=target.model, url=target.url)
+    await _warm_up(target, config.warmup_tokens)
     for index, (name, step) in enumerate(steps.items()):
         if on_progress:
             on_progress(name, index, len(steps))
@@ -72,6 +74,13 @@ def check_workloads(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if not names:
         raise ValueError(f"no workload chosen; choose from {', '.join(WORKLOAD_NAMES)}")
     return tuple(n for n in WORKLOAD_NAMES if n in names)
+
+
+async def _warm_up(target: BenchTarget, tokens: int) -> None:
+    """One untimed short request. A failure is left to the workloads, which report their own."""
+    if tokens:
+        with contextlib.suppress(Exception):  # the timed workloads meet the same failure and say so
+            await target.complete(single_turn(8, seed=0, run_nonce=nonce()), max_tokens=tokens)
 
 
 async def _guarded(name: str, step: Callable[[], Awaitable[WorkloadResult]]) -> WorkloadResult:

@@ -63,11 +63,14 @@ class BenchConfig:
     replay_context_words: int = 1500
     concurrent_streams: int = 4
     concurrent_tokens: int = 64
+    # one untimed request of this many tokens before the workloads (0: none), so no workload times a
+    # target's first-use work (traces, kernel compiles, lazy loading)
+    warmup_tokens: int = 8
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1")
+            if value < (0 if name == "warmup_tokens" else 1):
+                raise ValueError(f"{name} must be >= {0 if name == 'warmup_tokens' else 1}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

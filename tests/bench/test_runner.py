@@ -47,7 +47,7 @@ async def test_agent_replay_hit_rate_comes_from_reported_cached_tokens(monkeypat
         SMALL.replay_turns, context_words=SMALL.replay_context_words, run_nonce="[n]"
     )
     sizes = [await engine.count_tokens(_req(p)) for p in prefixes]
-    for _ in range(6):  # decode_short, decode_long, prefill, cold, warm: no cache; replay turn 1: none
+    for _ in range(7):  # the warm-up, decode_short, decode_long, prefill, cold, warm; replay turn 1: none
         engine.enqueue("x y")
     for size in sizes[1:]:
         engine.enqueue("x y", cached_tokens=size // 2)
@@ -61,6 +61,7 @@ async def test_agent_replay_hit_rate_comes_from_reported_cached_tokens(monkeypat
 
 async def test_a_failing_workload_is_reported_and_the_rest_still_run() -> None:
     engine = FakeEngine()
+    engine.enqueue("hello")  # the untimed warm-up's
     engine.enqueue_error(EngineBusy("out of memory for this prompt"))
     result = await run_bench(EngineTarget(engine), SMALL)
     first = result.workload("decode_short")
@@ -116,3 +117,16 @@ def test_unknown_or_no_workloads_are_refused_by_name() -> None:
         check_workloads(["decode_fast"])
     with pytest.raises(ValueError, match="no workload chosen"):
         check_workloads([])
+
+
+async def test_an_untimed_warm_up_request_comes_before_the_workloads() -> None:
+    """The first workload must not time a target's first-use work: one short request goes first,
+    and none when `warmup_tokens` is 0."""
+    engine = FakeEngine()
+    engine.enqueue_error(EngineBusy("the warm-up's failure is left to the workloads"))
+    result = await run_bench(EngineTarget(engine), SMALL)
+    assert result.workload("decode_short").status == "ok"
+    cold = FakeEngine()
+    cold.enqueue_error(EngineBusy("first request"))
+    result = await run_bench(EngineTarget(cold), replace(SMALL, warmup_tokens=0))
+    assert result.workload("decode_short").status == "error"
