@@ -66,13 +66,17 @@ def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dic
     async def run() -> list[tuple[float, float, float, list[int]]]:
         return await asyncio.gather(*(stream(client, p, tokens) for p in prompts))
 
-    start = time.perf_counter()
+    start, sent_back = time.perf_counter(), client.stats().requests_sent_back
     results = asyncio.run(run())
     wall = time.perf_counter() - start
     all_decoding = max(r[1] for r in results)
     span = max(r[2] for r in results) - all_decoding
     after_first = sum(len(r[3]) - 1 for r in results)
-    return dict(wall_s=round(wall, 3), aggregate_tok_s=round(after_first / max(span, 1e-9), 2))
+    # rows an out-of-memory step sent back: the burst ran, but not all of it at this batch size
+    resent = client.stats().requests_sent_back - sent_back
+    return dict(
+        wall_s=round(wall, 3), aggregate_tok_s=round(after_first / max(span, 1e-9), 2), sent_back=resent
+    )
 
 
 def mlxlm_burst(model, prompts: list[list[int]], tokens: int) -> dict:

@@ -145,7 +145,8 @@ def table(records: list[dict]) -> str:
         b = batch.get(shape, {})
         for n in streams:
             k, m = b.get(("kapitsa", n)), b.get(("mlx-lm", n))
-            cells.append(f"{_num(k, 'aggregate_tok_s')} ({_num(m, 'aggregate_tok_s')})")
+            resent = f", {k['sent_back']} rows sent back" if k and k.get("sent_back") else ""
+            cells.append(f"{_num(k, 'aggregate_tok_s')} ({_num(m, 'aggregate_tok_s')}){resent}")
         extras = [_num(b.get(("kapitsa", n)), "first_burst_extra_s") for n in streams]
         cells.append(" / ".join(extras))
         cells.append(f"{warmup[shape]:.1f}" if shape in warmup else "-")

@@ -175,6 +175,7 @@ class InProcessEngine:
             tokens_per_step=getattr(e.decode_strategy, "tokens_per_step", s.tokens_per_step),
             requests_finished=s.finished,
             requests_failed=s.failed,
+            requests_sent_back=s.sent_back,
             warm_batches_pending=e.warmup.num_pending,
             warmup_seconds=round(e.warmup.seconds, 3),
         )

@@ -15,6 +15,7 @@ class StatsCounter:
     generated: int = 0
     finished: int = 0
     failed: int = 0
+    sent_back: int = 0
     prefill_tok_s: float = 0.0
     decode_tok_s: float = 0.0
     tokens_per_step: float = 0.0

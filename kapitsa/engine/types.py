@@ -268,9 +268,8 @@ class EngineStats:
     tokens_per_step: float = 0.0
     requests_finished: int = 0
     requests_failed: int = 0
-    warm_batches_pending: int = (
-        0  # decode batch sizes and prefill chunks the idle engine has still to warm (runner/warmup.py)
-    )
+    requests_sent_back: int = 0  # rows an out-of-memory batch sent back to the queue (send_back.py)
+    warm_batches_pending: int = 0  # batch sizes and prefill chunks still to warm (runner/warmup.py)
     warmup_seconds: float = 0.0  # spent warming them so far
 
     @property

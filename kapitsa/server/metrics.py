@@ -12,6 +12,7 @@ _COUNTERS = {
     "generated_tokens",
     "requests_finished",
     "requests_failed",
+    "requests_sent_back",
     "checkpoints_loaded_from_disk",
     "checkpoints_preloaded",
     "checkpoints_read_ahead",

@@ -69,7 +69,7 @@ async def test_rows_sent_back_finish_with_the_tokens_they_would_have_had(
         assert finish.finish_reason == "length"
         assert finish.usage.prompt_tokens == before.usage.prompt_tokens
         assert finish.usage.completion_tokens == 24
-    assert engine.stats.failed == 0
+    assert engine.stats.failed == 0 and client.stats().requests_sent_back == 3
     assert engine.scheduler.max_running == 1  # three rows failed: half of them, at least one
     assert engine.memory.reserved_bytes == 0  # every reservation released, none twice
 

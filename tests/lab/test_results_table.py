@@ -76,3 +76,28 @@ def test_a_process_cut_before_its_summary_lines_gets_its_row_from_the_timed_roun
     ]
     text = table(records)
     assert "| 27b | 96.0 (52.0, 1.85x) | 3500 (265) | 94.1 (-) |" in text
+
+
+def test_a_burst_with_rows_sent_back_says_so() -> None:
+    from lab.results_table import table
+
+    rows = [
+        dict(
+            shape="27b",
+            engine="kapitsa",
+            streams=16,
+            aggregate_tok_s=500.0,
+            first_burst_extra_s=0.0,
+            sent_back=16,
+        ),
+        dict(
+            shape="27b",
+            engine="kapitsa",
+            streams=8,
+            aggregate_tok_s=400.0,
+            first_burst_extra_s=0.0,
+            sent_back=0,
+        ),
+    ]
+    text = table(rows)
+    assert "| 400.0 (-) | 500.0 (-), 16 rows sent back |" in text

@@ -328,6 +328,7 @@ class Engine:
         if hasattr(self.decode_strategy, "forget"):  # drafters' state may hold the failed step's arrays
             self.decode_strategy.forget(seqs)
         self.scheduler.send_back(seqs)
+        self.stats.sent_back += len(seqs)
         self.scheduler.max_running = self.batch_limit.after_failure(len(seqs), time.perf_counter())
         log_send_back(len(seqs), self.scheduler.max_running, err)
 
