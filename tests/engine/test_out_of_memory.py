@@ -230,3 +230,15 @@ def test_a_prompt_that_keeps_failing_stays_refused_and_says_a_smaller_size() -> 
     failures.error_for(oom, [1, 2, 3], processed=0, alone=True)
     during_decode = failures.error_for(oom, [1, 2, 3], processed=9, alone=True)
     assert (during_decode.prompt_tokens, during_decode.max_context) == (3, 2)
+
+
+def test_the_memory_limit_is_capped_by_mlxs_allocator(monkeypatch) -> None:
+    """On CUDA MLX's allocator stops at 95% of the device: admission plans within that, not the
+    device's whole size; a limit MLX does not report (0) leaves the device's size."""
+    from kapitsa.engine.runner import memory
+
+    monkeypatch.setattr(mx, "device_info", lambda: {"memory_size": 80 * 2**30})
+    monkeypatch.setattr(mx, "get_memory_limit", lambda: 76 * 2**30)
+    assert memory.device_memory_limit() == 76 * 2**30
+    monkeypatch.setattr(mx, "get_memory_limit", lambda: 0)
+    assert memory.device_memory_limit() == 80 * 2**30

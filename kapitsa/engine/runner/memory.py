@@ -33,7 +33,15 @@ class StateSizes:
 
 
 def device_memory_limit() -> int:
-    """The memory MLX may use on this device: Metal's recommended working set, else system RAM."""
+    """The memory MLX may use on this device: its size (Metal's recommended working set, else the
+    device's or the system's memory), capped by MLX's allocator limit (on CUDA 95% of the device,
+    the rest left to the CUDA context and libraries)."""
+    size = _device_size()
+    allocator = mx.get_memory_limit()
+    return min(size, allocator) if allocator > 0 else size
+
+
+def _device_size() -> int:
     info = mx.device_info()
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
         value = info.get(key)
