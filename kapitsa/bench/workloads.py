@@ -69,8 +69,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value < (0 if name == "warmup_tokens" else 1):
-                raise ValueError(f"{name} must be >= {0 if name == 'warmup_tokens' else 1}")
+            least = 0 if name == "warmup_tokens" else 1
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -81,23 +81,12 @@ def test_a_process_cut_before_its_summary_lines_gets_its_row_from_the_timed_roun
 def test_a_burst_with_rows_sent_back_says_so() -> None:
     from lab.results_table import table
 
-    rows = [
-        dict(
-            shape="27b",
-            engine="kapitsa",
-            streams=16,
-            aggregate_tok_s=500.0,
-            first_burst_extra_s=0.0,
-            sent_back=16,
-        ),
-        dict(
-            shape="27b",
-            engine="kapitsa",
-            streams=8,
-            aggregate_tok_s=400.0,
-            first_burst_extra_s=0.0,
-            sent_back=0,
-        ),
-    ]
+    def burst(streams: int, tok_s: float, sent_back: int) -> dict:
+        return dict(
+            shape="27b", engine="kapitsa", streams=streams, aggregate_tok_s=tok_s,
+            first_burst_extra_s=0.0, sent_back=sent_back,
+        )  # fmt: skip
+
+    rows = [burst(16, 500.0, 16), burst(8, 400.0, 0)]
     text = table(rows)
     assert "| 400.0 (-) | 500.0 (-), 16 rows sent back |" in text

@@ -200,7 +200,8 @@ class Sequence:
 
     def next_chunk_end(self, chunk: int) -> int:
         """Where the next prefill chunk ends: `chunk` tokens on, or the next checkpoint boundary."""
-        end = min(self.num_processed + chunk, len(self.feed_ids))
+        feed = len(self.prompt_ids) + (len(self.output_ids) if self.resuming else 0)  # len(feed_ids)
+        end = min(self.num_processed + chunk, feed)
         for boundary in self.boundaries:
             if self.num_processed < boundary.pos < end:
                 return boundary.pos
