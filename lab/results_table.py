@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -35,22 +36,91 @@ PLAIN_SERVE = "kapitsa serve --speculative none"  # lab/server_bench.py --plain-
 
 
 def server_shape(path: Path, records: list[dict]) -> str:
-    """The shape a server bench log is for: its report's model (`shape-<name>`), else its file name."""
+    """The shape a server bench log is for: its report's model (`shape-<name>`), else the checkpoint
+    it wrote, else its file name."""
     for r in records:
         for engine in r.get("engines", []):
             model = str(engine.get("model") or "")
             if model.startswith("shape-"):
                 return model.removeprefix("shape-")
-    return path.stem.removeprefix("server-")
+    written = re.search(r"/shape-(\S+) written in ", path.read_text())  # lab/server_bench.py's first line
+    return written[1] if written else path.stem.removeprefix("server-")
 
 
 def server_rows(path: Path) -> tuple[str, dict] | None:
-    """(shape, the bench's summary line with its start-up seconds), or None for another log."""
+    """(shape, the bench's summary line with its start-up seconds), or None for another log. A bench
+    cut before its summary (by its timeout) gets one from its progress lines (`cut_summary`)."""
     records = rows(path)
     for r in reversed(records):
         if isinstance(r.get("summary"), dict) and "kapitsa serve" in r["summary"]:
             return server_shape(path, records), r
-    return None
+    cut = cut_summary(path.read_text())
+    return (server_shape(path, records), cut) if cut else None
+
+
+# a workload's progress line: "[kapitsa] decode_short: decode_tok_s=145.4 ttft_s=0.42 ..."
+_WORKLOAD_LINE = re.compile(r"^\[(?P<who>[^\]]+)\] (?P<workload>\w+): (?P<metrics>\w+=.*)$")
+# the bench's metrics per summary key (lab/server_bench.py `summary`)
+_SUMMARY_METRICS = {
+    "decode_tok_s": ("decode_short", "decode_tok_s"),
+    "ttft_s": ("decode_short", "ttft_s"),
+    "concurrent_tok_s": ("concurrent_4", "aggregate_tok_s"),
+    "replay_mean_ttft_s": ("agent_replay", "mean_ttft_s"),
+    "replay_cache_hit_pct": ("agent_replay", "cache_hit_pct"),
+    "ttft_cold_s": ("ttft_cold_warm", "ttft_cold_s"),
+    "prefill_tok_s": ("prefill", "prefill_tok_s"),
+}
+
+
+def cut_summary(text: str) -> dict | None:
+    """The summary line a cut bench would have printed, from what it logged as it went: each
+    workload's line, named by the engine running then (`[kapitsa]`: the engine in process; a URL:
+    the server that last said it was ready or warmed), with `cut: True`. None without a server's
+    workload line (not a server bench, or cut before any server answered)."""
+    metrics: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
+    start: dict[str, float] = {}
+    server = None
+    for line in text.splitlines():
+        if " warmed its batch sizes in " in line:  # "kapitsa serve[ --speculative none] warmed ..."
+            server, _, seconds = line.partition(" warmed its batch sizes in ")
+            key = server.replace("kapitsa serve", "kapitsa_serve").replace(" --speculative none", "_plain")
+            start[f"{key}_warmup_s"] = _float(seconds.removesuffix(" s"))
+        elif "mlx_lm.server" in line and " ready after " in line:
+            server = "mlx_lm.server"
+            start["mlx_lm_server_ready_s"] = _float(line.rpartition(" ready after ")[2].removesuffix(" s"))
+        elif line.startswith("kapitsa serve ready after "):
+            ready = _float(line.removeprefix("kapitsa serve ready after ").removesuffix(" s"))
+            start.setdefault("kapitsa_serve_ready_s", ready)  # a --plain-serve's comes second
+        elif match := _WORKLOAD_LINE.match(line):
+            who = "kapitsa engine" if match["who"] == "kapitsa" else server
+            if who is not None:
+                for pair in match["metrics"].split():
+                    name, _, value = pair.partition("=")
+                    if (number := _float(value)) is not None:
+                        metrics[who][(match["workload"], name)] = number
+    if not any(name != "kapitsa engine" for name in metrics):
+        return None
+    summary = {
+        who: {key: got.get(source) for key, source in _SUMMARY_METRICS.items()}
+        for who, got in metrics.items()
+    }
+    out: dict = {"summary": summary, "cut": True, **{k: v for k, v in start.items() if v is not None}}
+    decode = {who: s["decode_tok_s"] for who, s in summary.items()}
+    streams = {who: s["concurrent_tok_s"] for who, s in summary.items()}
+    if decode.get("kapitsa engine") and decode.get("kapitsa serve"):
+        out["server_overhead"] = round(1 - decode["kapitsa serve"] / decode["kapitsa engine"], 4)
+    if decode.get("kapitsa serve") and decode.get("mlx_lm.server"):
+        out["kapitsa_serve_vs_mlx_lm_server"] = round(decode["kapitsa serve"] / decode["mlx_lm.server"], 3)
+    if streams.get("kapitsa serve") and streams.get("mlx_lm.server"):
+        out["streams_serve_vs_mlx_lm_server"] = round(streams["kapitsa serve"] / streams["mlx_lm.server"], 3)
+    return out
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None  # "n/a"
 
 
 def _three(summary: dict, key: str, digits: int) -> str:
@@ -84,7 +154,7 @@ def server_table(benches: list[tuple[str, dict]], engine_decode: dict[str, float
         )
         plain = s.get(PLAIN_SERVE, {})
         cells = [
-            shape,
+            shape + (" (cut by its timeout)" if r.get("cut") else ""),
             _three(s, "decode_tok_s", 1) + (f" ({ratio:.2f}x)" if ratio else ""),
             _three(s, "ttft_s", 2),
             _three(s, "concurrent_tok_s", 1) + (f" ({streams_ratio:.2f}x)" if streams_ratio else ""),

@@ -90,3 +90,43 @@ def test_a_burst_with_rows_sent_back_says_so() -> None:
     rows = [burst(16, 500.0, 16), burst(8, 400.0, 0)]
     text = table(rows)
     assert "| 400.0 (-) | 500.0 (-), 16 rows sent back |" in text
+
+
+CUT_LOG = """checkpoint /tmp/x/shape-27b written in 20.1 s
+[kapitsa] 1/2 decode_short · ETA …
+[kapitsa] decode_short: decode_tok_s=150.0 ttft_s=0.42 prompt_tokens=199 completion_tokens=128
+[kapitsa] concurrent_4: aggregate_tok_s=215.0 streams=8 completion_tokens=1024 wall_s=4.76
+kapitsa serve ready after 10.0 s
+kapitsa serve warmed its batch sizes in 3.7 s
+[http://127.0.0.1:5/v1] decode_short: decode_tok_s=240.0 ttft_s=0.44 prompt_tokens=197 completion_tokens=128
+[http://127.0.0.1:5/v1] agent_replay: cache_hit_pct=72.3 turns=4 mean_ttft_s=0.67
+[http://127.0.0.1:5/v1] speculative: acceptance_pct=n/a
+-m mlx_lm.server --model ready after 12.7 s
+[http://127.0.0.1:6/v1] decode_short: decode_tok_s=60.0 ttft_s=1.68 prompt_tokens=191 completion_tokens=128
+[http://127.0.0.1:6/v1] 2/2 ttft_cold_warm · ETA 23s
+"""
+
+
+def test_a_bench_cut_before_its_summary_gets_its_row_from_the_workload_lines(tmp_path) -> None:
+    log = tmp_path / "server-bench-27b-h100.log"  # the shape comes from the checkpoint line
+    log.write_text(CUT_LOG)
+    shape, row = server_rows(log)
+    assert shape == "27b" and row["cut"] is True
+    engine, serve, mlx = (row["summary"][n] for n in ("kapitsa engine", "kapitsa serve", "mlx_lm.server"))
+    assert (engine["decode_tok_s"], serve["decode_tok_s"], mlx["decode_tok_s"]) == (150.0, 240.0, 60.0)
+    assert engine["concurrent_tok_s"] == 215.0 and serve["concurrent_tok_s"] is None
+    assert serve["replay_mean_ttft_s"] == 0.67 and mlx["ttft_s"] == 1.68
+    assert row["kapitsa_serve_vs_mlx_lm_server"] == 4.0 and row["server_overhead"] == -0.6
+    assert "streams_serve_vs_mlx_lm_server" not in row  # mlx_lm.server's streams never ran
+    assert (row["kapitsa_serve_ready_s"], row["kapitsa_serve_warmup_s"], row["mlx_lm_server_ready_s"]) == (
+        10.0,
+        3.7,
+        12.7,
+    )
+    assert "27b (cut by its timeout) | 150.0 / 240.0 / 60.0 (4.00x)" in server_table([(shape, row)])
+
+
+def test_a_log_with_only_the_engine_in_process_has_no_server_row(tmp_path) -> None:
+    log = tmp_path / "server-4b.log"
+    log.write_text(CUT_LOG.split("kapitsa serve ready")[0])
+    assert server_rows(log) is None
