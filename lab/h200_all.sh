@@ -53,6 +53,9 @@
 #                                       MLX's attention; lab/kv_step_cost.py), then the 4B's step
 #                                       build / encode / wait after 512 and 8192 tokens, attention
 #                                       kernels on and off (lab/long_context_step.py)
+#   bash lab/h200_all.sh nvrtc        $NVRTC_COUNT (default 16) distinct GDN kernel sources compiled one after another,
+#                                       on 8 threads in-process, and on 8 threads each running a child
+#                                       process (what the disk cache does; lab/nvrtc_parallel.py)
 #   bash lab/h200_all.sh startup      a process's warm-up and first request on $STARTUP_SHAPES (default 4b
 #                                       nemotron-30b-a3b; lab/startup_compile.py): custom kernels
 #                                       compiled by MLX in-process, then over one fresh PTX cache
@@ -232,6 +235,10 @@ case "$part" in
         || echo "table $shape: exit $? (124: cut by its timeout)"
       $py lab/results_table.py "$out/table-$shape.log"
     done
+    ;;
+  nvrtc)
+    # whether the start's kernel compiles run side by side with MLX's NVRTC on this machine
+    $py lab/nvrtc_parallel.py --count "${NVRTC_COUNT:-16}" --workers 8 2>&1 | tee "$out/nvrtc.log" | tail -1
     ;;
   moe-pairs)
     # the kernels against gather_qmm per call (also a T-token verify's MoE cost at batch 1), then

@@ -254,6 +254,34 @@ def test_every_size_is_built_before_the_first_runs(monkeypatch) -> None:
     assert order == [("build", 1), ("build", 2), ("build", 3), ("run", 1), ("run", 2), ("run", 3)]
 
 
+def test_built_steps_run_only_once_their_kernels_have_compiled(monkeypatch) -> None:
+    """While the compile workers still hold kernels the builds handed them, an idle turn waits a
+    moment and gives the thread back (True: more to do) without running a step; once they are
+    on disk the steps run, and MLX finds every module there instead of compiling it in line."""
+    runner = ModelRunner(tiny_model("qwen3_5"))
+    still_compiling = [True, True, False]
+    waits: list[float] = []
+    ran: list[int] = []
+
+    def compiles_running(wait_s: float = 0.0) -> bool:
+        waits.append(wait_s)
+        return still_compiling.pop(0) if still_compiling else False
+
+    real_step = warmup.warm_decode_step
+    monkeypatch.setattr(warmup.cuda_disk_cache, "compiles_running", compiles_running)
+    monkeypatch.setattr(
+        warmup, "warm_decode_step", lambda r, rows, b, busy: ran.append(rows) or real_step(r, rows, b, busy)
+    )
+    warm = warmup.BatchWarmup((1, 2))
+    assert warm.run_one(runner) and warm.run_one(runner)
+    assert ran == [] and warm._built == {1, 2} and warm.pending == [1, 2]
+    assert warm.run_one(runner) and ran == [1]
+    while warm.run_one(runner):
+        pass
+    assert ran == [1, 2] and warm.pending == []
+    assert waits[:2] == [warmup.COMPILE_WAIT_S] * 2 and warmup.COMPILE_WAIT_S <= 0.1
+
+
 def test_a_decode_size_that_does_not_fit_leaves_the_prefill_chunks_to_run(monkeypatch) -> None:
     runner = ModelRunner(tiny_model("qwen3_5"))
     monkeypatch.setattr(warmup.BatchWarmup, "_fits", lambda self, rows: False)

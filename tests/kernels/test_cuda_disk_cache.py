@@ -11,6 +11,8 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
+import threading
 
 import mlx.core as mx
 import pytest
@@ -330,7 +332,7 @@ def test_nvrtc_builds_real_kernels_against_the_stand_in(tmp_path: pathlib.Path) 
     partial, combine = attention._templates(mx.bfloat16, 256, 4, 16, 256**-0.5, True)
     dtype = mx.bfloat16
     for kernel, inputs, outputs, template in (
-        (attention._PARTIAL, [dtype, dtype, dtype, mx.int32], [mx.float32, mx.float32], partial),
+        (attention._PARTIAL, [dtype] * 5 + [mx.int32], [mx.float32, mx.float32], partial),
         (attention._COMBINE, [mx.float32, mx.float32, dtype], [dtype], combine),
     ):
         source = kernel.render(inputs, outputs, template, [4] * len(inputs))
@@ -349,3 +351,52 @@ def test_nvrtc_builds_real_kernels_against_the_stand_in(tmp_path: pathlib.Path) 
                 [mx.float32], [mx.float32], []
             ),
         )
+
+
+@pytest.mark.skipif(_nvrtc_library() is None or _include_dirs() is None, reason="no libnvrtc or CUDA headers")
+def test_a_child_process_compiles_what_this_process_does() -> None:
+    """nvrtc.IsolatedNvrtc (what the disk cache compiles with) returns this process's NVRTC
+    output: the same cubin and lowered name for one of kapitsa's kernels, wrapped as MLX wraps it."""
+    from kapitsa.engine.kernels import attention
+
+    here = nvrtc.Nvrtc(_nvrtc_library())
+    options = cuda_disk_cache.compile_options(here, (9, 0), _include_dirs())
+    _, combine = attention._templates(mx.bfloat16, 256, 4, 16, 256**-0.5, True)
+    source = attention._COMBINE.render([mx.float32, mx.float32, mx.bfloat16], [mx.bfloat16], combine, [4] * 3)
+    names = [f"mlx::core::cu::{attention._COMBINE.jit_name(combine)}"]
+    arguments = {"filename": "combine.cu", "name_expressions": names, "options": options}
+    headers = {"headers": dict(cuda_disk_cache._HEADERS)}
+    child = nvrtc.IsolatedNvrtc(_nvrtc_library()).compile(source, **arguments, **headers)
+    assert child == here.compile(source, **arguments, **headers)
+    assert child.binary[:4] == b"\x7fELF"
+
+
+def test_compiles_run_in_child_processes_where_an_interpreter_can_start_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    compiler = FakeCompiler()
+    compiler.path = "/lib/libnvrtc.so.13"
+    isolated = cuda_disk_cache._side_by_side(compiler)
+    assert isinstance(isolated, nvrtc.IsolatedNvrtc) and isolated.path == "/lib/libnvrtc.so.13"
+    assert isolated.python == sys.executable
+    monkeypatch.setattr(cuda_disk_cache.sys, "executable", "")  # an embedded interpreter: none to run
+    assert cuda_disk_cache._side_by_side(compiler) is compiler
+
+
+def test_compiles_running_says_when_the_workers_are_done(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+
+    class Slow(FakeCompiler):
+        def compile(self, source, **kwargs):
+            release.wait(10)
+            return super().compile(source, **kwargs)
+
+    cache = cuda_disk_cache.DiskCache(tmp_path, Slow(), [])
+    monkeypatch.setattr(cuda_disk_cache, "default_cache", lambda: cache)
+    cuda_disk_cache.prepare("custom_kernel_probe", "src")
+    assert cuda_disk_cache.compiles_running() and cuda_disk_cache.compiles_running(0.05)
+    release.set()
+    assert not cuda_disk_cache.compiles_running(5.0)
+    assert cache.has("custom_kernel_probe", "src")

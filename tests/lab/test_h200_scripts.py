@@ -372,3 +372,27 @@ def test_server_bench_runs_both_servers_on_the_chosen_workloads(tmp_path: Path) 
     assert all(row["decode_tok_s"] > 0 and row["concurrent_tok_s"] > 0 for row in totals["summary"].values())
     assert totals["kapitsa_serve_vs_mlx_lm_server"] > 0 and "server_overhead" not in totals
     assert totals["kapitsa_serve_plain_ready_s"] > 0 and (tmp_path / "kapitsa-plain.log").exists()
+
+
+def test_nvrtc_parallel_compiles_distinct_programs_each_way() -> None:
+    """Each way compiles programs no other way compiled (a token count each), so no way is timed
+    over another's work; with an NVRTC and CUDA headers at hand (KAPITSA_TEST_NVRTC, CUDA_HOME)
+    the script runs all three ways."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from lab.nvrtc_parallel import source
+    finally:
+        sys.path.remove(str(ROOT))
+    names = {source(tokens)[0] for tokens in range(1, 7)}
+    texts = {source(tokens)[1] for tokens in range(1, 7)}
+    assert len(names) == len(texts) == 6
+    library = os.environ.get("KAPITSA_TEST_NVRTC")
+    home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+    if not library or not (home / "cuda_bf16.h").exists() or not (home / "cccl").exists():
+        return
+    args = ["lab/nvrtc_parallel.py", "--library", library, "--count", "2", "--workers", "2", "--arch", "9.0"]
+    row = _json_lines(args)[-1]
+    assert row["count"] == 2 and len(row["threads_with_child_processes_each_s"]) == 2
+    assert all(
+        row[f"{way}_s"] > 0 for way in ("one_after_another", "threads", "threads_with_child_processes")
+    )

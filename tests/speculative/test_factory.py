@@ -127,7 +127,8 @@ def test_the_served_strategy_on_a_gpu_picks_the_draft_length_from_its_timings(mo
 def test_every_width_is_built_before_any_is_timed(monkeypatch) -> None:  # noqa: ANN001
     """gpu_width_timings builds each width's forward before it evaluates anything: building hands a
     forward's custom kernels to the compile workers, so on a fresh GPU they compile side by side
-    instead of one width after another. The timings themselves are unchanged."""
+    instead of one width after another, and none runs before they are on disk (`drain`): MLX would
+    otherwise compile the first it reaches itself. The timings themselves are unchanged."""
     import mlx.core as mx
 
     from kapitsa.engine.speculative import cost
@@ -146,7 +147,13 @@ def test_every_width_is_built_before_any_is_timed(monkeypatch) -> None:  # noqa:
 
     monkeypatch.setattr(model, "forward", forward)
     monkeypatch.setattr(cost.mx, "eval", evaluate)
+    monkeypatch.setattr(cost.cuda_disk_cache, "drain", lambda: calls.append("drain"))
     timed = cost.gpu_width_timings(model, (2, 4))
     assert sorted(timed) == [1, 2, 4] and all(t > 0 for t in timed.values())
     built = calls[: calls.index("eval")]
-    assert [c for c in built if c != f"build {cost.CONTEXT_TOKENS}"] == ["build 1", "build 2", "build 4"]
+    assert [c for c in built if c != f"build {cost.CONTEXT_TOKENS}"] == [
+        "build 1",
+        "build 2",
+        "build 4",
+        "drain",
+    ]

@@ -8,8 +8,8 @@ found there as `<module>.ptx` (a cubin or PTX) plus `<module>.txt` (name, tab, l
 loaded, not compiled. So before an instantiation's first launch in a process, `prepare` works out
 the module name MLX will look for (`<jit name>_<std::hash of the generated source, hex>`), and
 when the file is missing (or was not built for this MLX and GPU: `build_tag`) it compiles that
-same source with NVRTC on worker threads and writes it there: several at once, where MLX would
-compile one after another.
+same source with NVRTC and writes it there: each compile in a child process, up to eight at once,
+where MLX would compile one after another (one process's NVRTC does too: nvrtc.py).
 
 The source is MLX's, byte for byte (`CudaKernel.render`). The header it includes,
 `mlx/backend/cuda/device/utils.cuh`, is embedded in libmlx and not shipped, so NVRTC gets a
@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import sys
 import tempfile
 import threading
 import time
@@ -218,15 +219,25 @@ def default_cache() -> DiskCache | None:
             return None
         directory.mkdir(parents=True, exist_ok=True)
         dirs = include_dirs(mlx_root, compiler.version()[0])
-        return DiskCache(directory, compiler, compile_options(compiler, nvrtc.compute_capability(), dirs))
+        options = compile_options(compiler, nvrtc.compute_capability(), dirs)
+        return DiskCache(directory, _side_by_side(compiler), options)
     except Exception as error:  # noqa: BLE001 - the cache only saves time; inference goes on without it
         log.warning("custom kernels compile in every process: %s", error)
         return None
 
 
+def _side_by_side(compiler: nvrtc.Nvrtc) -> nvrtc.Nvrtc | nvrtc.IsolatedNvrtc:
+    """Compiles that run side by side: each in a child process (nvrtc.IsolatedNvrtc), where this
+    process was started from a Python interpreter a child can run; else in this process."""
+    python = sys.executable
+    if python and os.access(python, os.X_OK):
+        return nvrtc.IsolatedNvrtc(compiler.path, python=python)
+    return compiler
+
+
 def prepare(jit_name: str, source: str) -> None:
     """Before a first launch in this process: a module already on disk is left to MLX to load; a
-    missing one is compiled on a worker thread (`_compilers`), so the new kernels of one graph
+    missing one is compiled by a worker (`_compilers`), so the new kernels of one graph
     compile side by side while MLX's JIT, which compiles one module at a time, works down the
     graph and loads each that is ready when it gets there (one it reaches first, it compiles
     itself). A failure is logged once per kernel and leaves the compile to MLX."""
@@ -242,6 +253,17 @@ def prepare(jit_name: str, source: str) -> None:
     with _PENDING_LOCK:
         _PENDING[:] = [f for f in _PENDING if not f.done()]  # a server runs for days: keep only live ones
         _PENDING.append(_compilers().submit(_ensure, cache, jit_name, source))
+
+
+def compiles_running(wait_s: float = 0.0) -> bool:
+    """Whether compiles that `prepare` started are still running, after waiting up to `wait_s` for
+    them. A warm-up that built its steps ahead runs them once none is: MLX then finds every module
+    on disk instead of compiling the first it reaches itself, one after another."""
+    with _PENDING_LOCK:
+        running = [f for f in _PENDING if not f.done()]
+    if running and wait_s > 0:
+        concurrent.futures.wait(running, timeout=wait_s)
+    return any(not f.done() for f in running)
 
 
 def drain() -> None:
@@ -270,7 +292,7 @@ _PENDING_LOCK = threading.Lock()
 
 @functools.cache
 def _compilers() -> concurrent.futures.ThreadPoolExecutor:
-    """NVRTC compiles distinct programs concurrently and ctypes lets go of the GIL during a call;
-    2 to 8 at once by the cores (each holds a few hundred MB while it compiles)."""
+    """Threads that each wait on one compile's child process (nvrtc.IsolatedNvrtc): 2 to 8 at once
+    by the cores (each child holds a few hundred MB while it compiles)."""
     workers = max(2, min(8, os.cpu_count() or 1))
     return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="nvrtc")

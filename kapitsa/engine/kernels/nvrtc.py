@@ -4,17 +4,30 @@ lowered names, as MLX's JIT does (mlx/backend/cuda/jit_module.cpp, `compile`).
 The library is the one this process already loaded for MLX (read from /proc/self/maps), so the
 compiler and its headers match MLX's; `Nvrtc(path)` names another one. The GPU's compute capability
 comes from the CUDA driver (libcuda, which MLX has loaded too).
+
+`IsolatedNvrtc` runs each compile in a child process of its own (this file, run as a script with
+the standard library only). One process's NVRTC compiles programs that include headers one after
+another, whatever the threads calling it: eight of kapitsa's kernels wrapped as MLX wraps them
+took 8.6-9.4 s on two threads against 9.7-9.8 s on one, and 6.6-6.9 s in two child processes
+(NVRTC 13.5, a 2-core CPU; lab/nvrtc_parallel.py). So children are what let a start's compiles
+run side by side, and a compiler that crashes takes only its child down.
 """
 
 from __future__ import annotations
 
+import base64
 import ctypes
+import json
 import pathlib
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 _SUCCESS = 0
 _CC_MAJOR, _CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_{MAJOR,MINOR}
+# One compile in a child takes 1-15 s on an H100's host; past this the child is taken for hung
+CHILD_TIMEOUT_S = 300.0
 
 
 class NvrtcError(RuntimeError):
@@ -42,6 +55,7 @@ def loaded_library(stem: str) -> str | None:
 
 class Nvrtc:
     def __init__(self, path: str) -> None:
+        self.path = path
         self._lib = ctypes.CDLL(path)
         self._lib.nvrtcGetErrorString.restype = ctypes.c_char_p
 
@@ -131,6 +145,75 @@ class Nvrtc:
             raise NvrtcError(f"{call}: {self._error(result)}")
 
 
+class IsolatedNvrtc:
+    """`Nvrtc(path).compile` in a child process per call (see the module's docstring): `python` runs
+    this file with `-I`, so the child imports neither kapitsa nor MLX and touches no GPU. The request
+    goes in on stdin and the cubin comes back on stdout, as JSON."""
+
+    def __init__(
+        self, path: str, *, python: str = sys.executable, timeout_s: float = CHILD_TIMEOUT_S
+    ) -> None:
+        self.path, self.python, self.timeout_s = path, python, timeout_s
+
+    def compile(
+        self,
+        source: str,
+        *,
+        filename: str,
+        name_expressions: Sequence[str],
+        options: Sequence[str],
+        headers: dict[str, str] | None = None,
+    ) -> Compiled:
+        request = {
+            "library": self.path,
+            "source": source,
+            "filename": filename,
+            "name_expressions": list(name_expressions),
+            "options": list(options),
+            "headers": dict(headers or {}),
+        }
+        try:
+            done = subprocess.run(
+                [self.python, "-I", __file__],
+                input=json.dumps(request).encode(),
+                capture_output=True,
+                timeout=self.timeout_s,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError) as err:  # no interpreter to start, or a hung compile
+            raise NvrtcError(f"NVRTC's child process: {err}") from err
+        reply = _json_object(done.stdout)
+        if done.returncode == 0 and "binary" in reply:
+            return Compiled(base64.b64decode(reply["binary"]), dict(reply["lowered_names"]))
+        stderr = done.stderr.decode(errors="replace").strip()[-2000:]
+        raise NvrtcError(
+            reply.get("error") or f"NVRTC's child process exited with status {done.returncode}: {stderr}"
+        )
+
+
+def _json_object(data: bytes) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _compile_request(request: dict) -> dict:
+    """A child's work: the request's program compiled, or the error that stopped it, as JSON-ready."""
+    try:
+        compiled = Nvrtc(request["library"]).compile(
+            request["source"],
+            filename=request["filename"],
+            name_expressions=request["name_expressions"],
+            options=request["options"],
+            headers=request["headers"],
+        )
+    except (NvrtcError, OSError, AttributeError) as err:  # AttributeError: a library without NVRTC's API
+        return {"error": str(err)}
+    return {"binary": base64.b64encode(compiled.binary).decode(), "lowered_names": compiled.lowered_names}
+
+
 def compute_capability(device: int = 0) -> tuple[int, int]:
     """(major, minor) of CUDA device `device`, from the driver MLX loaded."""
     driver = ctypes.CDLL(loaded_library("libcuda.so") or "libcuda.so.1")
@@ -150,3 +233,9 @@ def _driver_ok(result: int, call: str) -> None:
 def _strings(values) -> ctypes.Array:
     encoded = [v.encode() for v in values]
     return (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
+
+
+if __name__ == "__main__":  # IsolatedNvrtc's child
+    reply = _compile_request(json.load(sys.stdin))
+    json.dump(reply, sys.stdout)
+    sys.exit(1 if "error" in reply else 0)

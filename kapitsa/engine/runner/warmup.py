@@ -8,7 +8,8 @@ server's first burst of 4 or 16 streams stalls 30-80 s on them. The engine inste
 steps at each size of `EngineConfig.warm_batches` whenever it has nothing else to do, smallest
 first, so a burst finds them ready. It covers plain decode steps (what serve's default `auto`
 speculation runs while drafts do not pay), not speculative verifies; every size's step is built
-before the first runs, so on CUDA their kernels compile side by side. Then, where
+before the first runs, and none runs until the kernels those builds handed to the compile workers
+are on disk (kernels/cuda_disk_cache.py), so on CUDA they compile side by side. Then, where
 `EngineConfig.warm_prefill` asks, it prefills throwaway chunks of the lengths a prompt's chunks
 compile kernels for (the recurrent kernels' token counts: gdn_prefill.py pads a chunk past 16
 tokens to a power of two, masked when it was shorter), from an empty cache and after a first
@@ -27,6 +28,7 @@ import mlx.core as mx
 
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.layers import KV_STEP
+from kapitsa.engine.kernels import cuda_disk_cache
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.memory import MemoryBudget
 from kapitsa.engine.runner.model_runner import ModelRunner
@@ -41,6 +43,9 @@ WARM_LENGTHS = 4
 # A first chunk's tokens before a throwaway "continued" one: the fresh 31-token chunk's length, whose
 # kernels are compiled by then (at most the engine's chunk)
 FIRST_CHUNK = 31
+# How long one idle turn waits for the built steps' kernels to compile before it hands the engine
+# thread back to its inbox (a request that arrives meanwhile waits at most this long)
+COMPILE_WAIT_S = 0.05
 
 
 def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
@@ -120,6 +125,9 @@ class BatchWarmup:
             bases = self._base_caches(runner)
             if bases and not self._build_ahead(runner, bases):
                 return False  # work arrived between two builds
+            if cuda_disk_cache.compiles_running(COMPILE_WAIT_S):
+                self.seconds += time.perf_counter() - started
+                return True  # the built steps' kernels are still compiling: run them once on disk
             done = warm_decode_step(runner, rows, bases, self.busy)
         except Exception:  # noqa: BLE001 - an optional speed-up must never stop the engine
             log.exception("warming decode batches of %d rows failed; skipping the rest", rows)

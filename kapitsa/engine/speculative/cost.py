@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
+from kapitsa.engine.kernels import cuda_disk_cache
 from kapitsa.engine.speculative.controller import DEFAULT_MAX_DRAFT, gpu_cost_curve
 
 CONTEXT_TOKENS = 32  # a short context, so the timing reads the forward and not the attention
@@ -79,6 +80,7 @@ def gpu_width_timings(model, widths: Sequence[int]) -> dict[int, float]:  # noqa
     sizes = sorted({1, *(w for w in widths if w > 1)})
     for width in sizes:
         _build_forward(model, width)
+    cuda_disk_cache.drain()  # every width's kernels on disk before the first runs (none on a CPU)
     cache = model.make_cache(1)
     mx.eval(model(mx.array([[1] * CONTEXT_TOKENS], dtype=mx.int32), cache))
     for width in sizes:
@@ -89,7 +91,7 @@ def gpu_width_timings(model, widths: Sequence[int]) -> dict[int, float]:  # noqa
 def _build_forward(model, width: int) -> None:  # noqa: ANN001 - a kapitsa HybridLM
     """A timed forward of `width` tokens built on a throwaway cache and never run: building it hands
     each custom kernel it launches to the compile workers (kernels/cuda_disk_cache.py), so every
-    width's kernels compile side by side before the timings run them one width at a time."""
+    width's kernels compile side by side, and are on disk, before the timings run them."""
     cache = model.make_cache(1)
     model(mx.array([[1] * CONTEXT_TOKENS], dtype=mx.int32), cache)
     out = model.forward(mx.array([[1] * width], dtype=mx.int32), cache, lengths=[width], record=True)
