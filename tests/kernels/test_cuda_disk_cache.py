@@ -379,7 +379,9 @@ def test_compiles_run_in_child_processes_where_an_interpreter_can_start_one(
     isolated = cuda_disk_cache._side_by_side(compiler)
     assert isinstance(isolated, nvrtc.IsolatedNvrtc) and isolated.path == "/lib/libnvrtc.so.13"
     assert isolated.python == sys.executable
-    monkeypatch.setattr(cuda_disk_cache.sys, "executable", "")  # an embedded interpreter: none to run
+    monkeypatch.setattr(nvrtc, "runs_children", lambda python: False)  # e.g. the host of an embedded one
+    assert cuda_disk_cache._side_by_side(compiler) is compiler
+    monkeypatch.setattr(cuda_disk_cache.sys, "executable", "")  # no interpreter named at all
     assert cuda_disk_cache._side_by_side(compiler) is compiler
 
 

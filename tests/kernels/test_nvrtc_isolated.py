@@ -62,3 +62,16 @@ def test_the_child_imports_only_the_standard_library() -> None:
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.decode().splitlines() if "|" in line]
     assert "ctypes" in imported
     assert not [m for m in imported if m.split(".")[0] in ("kapitsa", "mlx", "numpy")]
+
+
+def test_children_run_only_from_an_interpreter_of_this_python(tmp_path: pathlib.Path, monkeypatch) -> None:
+    """`sys.executable` names the host program of an embedded or frozen Python: a child started
+    from it would not run this file, so compiles stay in the process there."""
+    assert nvrtc.runs_children(sys.executable)
+    other = tmp_path / "python-other"
+    other.write_text("#!/bin/sh\necho 50859248\n")  # another Python's hexversion
+    other.chmod(0o755)
+    assert not nvrtc.runs_children(str(other))
+    assert not nvrtc.runs_children("/bin/false") and not nvrtc.runs_children("/nonexistent/python3")
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    assert not nvrtc.runs_children(sys.executable)

@@ -147,7 +147,7 @@ def test_every_width_is_built_before_any_is_timed(monkeypatch) -> None:  # noqa:
 
     monkeypatch.setattr(model, "forward", forward)
     monkeypatch.setattr(cost.mx, "eval", evaluate)
-    monkeypatch.setattr(cost.cuda_disk_cache, "drain", lambda: calls.append("drain"))
+    monkeypatch.setattr(cost.cuda_disk_cache, "drain", lambda timeout_s=None: calls.append("drain"))
     timed = cost.gpu_width_timings(model, (2, 4))
     assert sorted(timed) == [1, 2, 4] and all(t > 0 for t in timed.values())
     built = calls[: calls.index("eval")]

@@ -227,11 +227,11 @@ def default_cache() -> DiskCache | None:
 
 
 def _side_by_side(compiler: nvrtc.Nvrtc) -> nvrtc.Nvrtc | nvrtc.IsolatedNvrtc:
-    """Compiles that run side by side: each in a child process (nvrtc.IsolatedNvrtc), where this
-    process was started from a Python interpreter a child can run; else in this process."""
-    python = sys.executable
-    if python and os.access(python, os.X_OK):
-        return nvrtc.IsolatedNvrtc(compiler.path, python=python)
+    """Compiles that run side by side: each in a child process (nvrtc.IsolatedNvrtc) where this
+    Python's interpreter can run one (`nvrtc.runs_children`); else in this process."""
+    if sys.executable and nvrtc.runs_children(sys.executable):
+        return nvrtc.IsolatedNvrtc(compiler.path, python=sys.executable)
+    log.info("custom kernels compile in this process, one at a time: no interpreter for child compiles")
     return compiler
 
 
@@ -266,13 +266,12 @@ def compiles_running(wait_s: float = 0.0) -> bool:
     return any(not f.done() for f in running)
 
 
-def drain() -> None:
-    """Wait for the compiles `prepare` started (tests and benchmarks that count modules)."""
+def drain(timeout_s: float | None = None) -> None:
+    """Wait for the compiles `prepare` started, at most `timeout_s` in all (None: until done)."""
     with _PENDING_LOCK:
         pending = list(_PENDING)
         _PENDING.clear()
-    for future in pending:
-        future.result()
+    concurrent.futures.wait(pending, timeout=timeout_s)  # `_ensure` raises nothing: no result to read
 
 
 def _ensure(cache: DiskCache, jit_name: str, source: str) -> None:

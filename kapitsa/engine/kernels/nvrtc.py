@@ -147,8 +147,8 @@ class Nvrtc:
 
 class IsolatedNvrtc:
     """`Nvrtc(path).compile` in a child process per call (see the module's docstring): `python` runs
-    this file with `-I`, so the child imports neither kapitsa nor MLX and touches no GPU. The request
-    goes in on stdin and the cubin comes back on stdout, as JSON."""
+    this file with `-I -S`, so the child imports neither kapitsa, MLX nor site-packages and touches
+    no GPU. The request goes in on stdin and the cubin comes back on stdout, as JSON."""
 
     def __init__(
         self, path: str, *, python: str = sys.executable, timeout_s: float = CHILD_TIMEOUT_S
@@ -174,7 +174,7 @@ class IsolatedNvrtc:
         }
         try:
             done = subprocess.run(
-                [self.python, "-I", __file__],
+                [self.python, "-I", "-S", __file__],
                 input=json.dumps(request).encode(),
                 capture_output=True,
                 timeout=self.timeout_s,
@@ -235,7 +235,28 @@ def _strings(values) -> ctypes.Array:
     return (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
 
 
+def runs_children(python: str) -> bool:
+    """Whether `python` can run this file as `IsolatedNvrtc`'s child: a file on disk (not inside a
+    zip or a frozen app) and an interpreter of this Python's version (not the host program of an
+    embedded one, which `sys.executable` names there)."""
+    if getattr(sys, "frozen", False) or not pathlib.Path(__file__).is_file():
+        return False
+    try:
+        done = subprocess.run(
+            [python, "-I", "-S", "-c", "import sys; print(sys.hexversion)"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and done.stdout.strip() == str(sys.hexversion).encode()
+
+
 if __name__ == "__main__":  # IsolatedNvrtc's child
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ctrl-C to the server ends a compile quietly
     reply = _compile_request(json.load(sys.stdin))
     json.dump(reply, sys.stdout)
     sys.exit(1 if "error" in reply else 0)
