@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import mlx.core as mx
 
@@ -281,3 +282,117 @@ def test_a_row_sent_back_waits_for_memory_afresh() -> None:
     assert (
         memory.released == [100] and seq.reserved_bytes == 0 and seq.cache is None and seq.num_processed == 0
     )
+
+
+def _fail_prefills_beside_a_batch(monkeypatch, engine, *, times: int, after_chunks: int = 0) -> dict:
+    """The first `times` prefill chunks that run while other sequences decode, each after its
+    sequence's first `after_chunks` chunks went through, raise CUDA's out-of-memory error."""
+    real = engine.runner.prefill_at
+    state = {"failed": 0, "chunks": {}}
+
+    def prefill_at(cache, tokens, ends, **kwargs):
+        seq = engine.scheduler.prefilling[0] if engine.scheduler.prefilling else None
+        if seq is not None and engine.scheduler.decoding and state["failed"] < times:
+            done = state["chunks"].get(id(seq), 0)
+            if done >= after_chunks:
+                state["failed"] += 1
+                state["chunks"][id(seq)] = 0
+                raise RuntimeError(CUDA_OOM)
+            state["chunks"][id(seq)] = done + 1
+        return real(cache, tokens, ends, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "prefill_at", prefill_at)
+    monkeypatch.setattr(logging.getLogger("kapitsa.engine.runner.loop"), "propagate", False)
+    return state
+
+
+async def _beside_a_batch(client, request_coro):
+    """Run `request_coro` once two other requests are decoding; (its result, theirs)."""
+    begun = [asyncio.Event(), asyncio.Event()]
+
+    async def decoding(prompt, begun_event):  # noqa: ANN001, ANN202
+        tokens = []
+        async for event in client.generate(_request(prompt, 40)):
+            if isinstance(event, ErrorEvent):
+                raise event.error
+            if isinstance(event, TokenEvent):
+                tokens += event.token_ids
+                begun_event.set()
+        return tokens
+
+    others = [asyncio.create_task(decoding(p, e)) for p, e in zip(PROMPTS[:2], begun, strict=True)]
+    await asyncio.gather(*(e.wait() for e in begun))
+    result = await request_coro
+    return result, await asyncio.gather(*others)
+
+
+async def test_a_prefill_out_of_memory_beside_a_batch_starts_over_and_finishes(
+    family_model, make_client, monkeypatch
+) -> None:
+    """A prompt of several chunks runs out of memory in its second chunk while two rows decode: it
+    goes back to the queue, starts its prompt over and writes the tokens it would have had; the
+    rows decode on undisturbed, and the engine runs fewer sequences at once for a while."""
+    client = make_client(family_model, prefill_chunk=8)
+    long_prompt = tuple(range(20, 44))  # 3 chunks of 8
+    expected = (await _run(client, long_prompt))[0]
+    others_expected = [(await _run(client, p, 40))[0] for p in PROMPTS[:2]]
+    engine = client.engine
+    state = _fail_prefills_beside_a_batch(monkeypatch, engine, times=1, after_chunks=1)
+    (tokens, finish), others = await _beside_a_batch(client, _run(client, long_prompt))
+    assert state["failed"] == 1
+    assert tokens == expected and finish.finish_reason == "length"
+    assert finish.usage.prompt_tokens == len(long_prompt) and finish.usage.completion_tokens == 24
+    assert others == others_expected
+    assert engine.stats.failed == 0 and client.stats().requests_sent_back == 1
+    assert engine.scheduler.max_running == 1  # three were running: half, at least one
+    assert engine.memory.reserved_bytes == 0
+
+
+async def test_a_restarted_prefill_of_several_choices_gives_every_choice(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    """The request's other choices fork when its prefill ends, so a prefill sent back before that
+    still streams all of them."""
+    client = make_client(qwen_model, prefill_chunk=8)
+    prompt = tuple(range(30, 50))
+
+    async def choices() -> dict[int, list[int]]:
+        request = GenerationRequest(
+            prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=10, ignore_eos=True), n=2
+        )
+        got: dict[int, list[int]] = {}
+        async for event in client.generate(request):
+            if isinstance(event, ErrorEvent):
+                raise event.error
+            if isinstance(event, TokenEvent):
+                got.setdefault(event.index, []).extend(event.token_ids)
+        return got
+
+    expected = await choices()
+    state = _fail_prefills_beside_a_batch(monkeypatch, client.engine, times=1, after_chunks=1)
+    got, _ = await _beside_a_batch(client, choices())
+    assert state["failed"] == 1 and sorted(got) == [0, 1] and got == expected
+
+
+async def test_a_prefill_sent_back_too_often_fails_as_busy(qwen_model, make_client, monkeypatch) -> None:
+    client = make_client(qwen_model, max_running=8)
+    engine = client.engine
+    engine.batch_limit.hold_s = 0.0  # the limit restores at once, so the prefill keeps meeting the rows
+    state = _fail_prefills_beside_a_batch(monkeypatch, engine, times=100)
+    result, others = await _beside_a_batch(
+        client, asyncio.gather(_run(client, PROMPTS[2]), return_exceptions=True)
+    )
+    assert isinstance(result[0], EngineBusy), result
+    assert state["failed"] == MAX_SEND_BACKS + 1 and engine.stats.sent_back == MAX_SEND_BACKS
+    assert [len(t) for t in others] == [40, 40] and engine.memory.reserved_bytes == 0
+
+
+def test_a_prefill_restarts_only_before_its_first_token_is_sampled() -> None:
+    from kapitsa.engine.runner.send_back import restartable
+
+    seq = SimpleNamespace(times_sent_back=0, num_processed=8, feed_ids=list(range(24)), resuming=False)
+    assert restartable(seq)
+    seq.num_processed = 24  # the last chunk ran: the failure came while sampling or forking
+    assert not restartable(seq)
+    seq.num_processed, seq.times_sent_back = 8, MAX_SEND_BACKS
+    assert not restartable(seq)

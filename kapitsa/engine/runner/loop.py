@@ -36,7 +36,14 @@ from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, re
 from kapitsa.engine.runner.prompt_tail import tail_for
 from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
 from kapitsa.engine.runner.scheduler import Scheduler
-from kapitsa.engine.runner.send_back import BatchLimit, log_send_back, prepare_resume, resumable
+from kapitsa.engine.runner.send_back import (
+    BatchLimit,
+    log_send_back,
+    prepare_restart,
+    prepare_resume,
+    restartable,
+    resumable,
+)
 from kapitsa.engine.runner.sequence import Sequence, SequenceStatus
 from kapitsa.engine.runner.warmup import BatchWarmup
 from kapitsa.engine.stats import StatsCounter
@@ -211,7 +218,8 @@ class Engine:
 
     def _step(self) -> None:
         out_of_memory = False  # the failed step's buffers are freed once its traceback is gone
-        alone = self.scheduler.num_running == 1  # before a failure below takes rows out
+        running = self.scheduler.num_running  # before a failure below takes rows out
+        alone = running == 1
         if self.scheduler.decoding:
             try:
                 self._decode_step()
@@ -222,7 +230,7 @@ class Engine:
                 seqs = list(self.scheduler.decoding)
                 back = [s for s in seqs if resumable(s)] if out_of_memory and not alone else []
                 if back:
-                    self._send_back(back, err)
+                    self._send_back(back, err, f"a decode step of {len(seqs)} rows")
                 if len(back) < len(seqs):
                     log.exception("decode step failed")
                 for seq in seqs:
@@ -234,9 +242,15 @@ class Engine:
             try:
                 self._prefill_chunk(seq)
             except Exception as err:  # noqa: BLE001
-                log.exception("prefill failed")
-                self._fail(seq, err, alone=alone)
-                out_of_memory = out_of_memory or is_out_of_memory(err)
+                oom = is_out_of_memory(err)
+                out_of_memory = out_of_memory or oom
+                if oom and not alone and restartable(seq):
+                    self._send_back(
+                        [seq], err, f"a prefill chunk beside {running - 1} sequences", rows=running
+                    )
+                else:
+                    log.exception("prefill failed")
+                    self._fail(seq, err, alone=alone)
         if out_of_memory:
             if self.prefix is not None:  # a retry gets the cache's memory too (spilled to a disk tier)
                 self.prefix.enforce_budget(0)
@@ -322,15 +336,21 @@ class Engine:
             seq.num_processed = match.pos
             seq.pending_logits = match.next_logits if match.pos == feed else None
 
-    def _send_back(self, seqs: list[Sequence], err: Exception) -> None:
+    def _send_back(self, seqs: list[Sequence], err: Exception, what: str, *, rows: int | None = None) -> None:
+        """`seqs` back to the queue after `what` failed; the limit halves from `rows` running
+        (default: `seqs`, a failed batch's rows)."""
         for seq in seqs:
-            prepare_resume(seq, self.memory)
+            if seq.resuming or seq.output_ids:
+                prepare_resume(seq, self.memory)
+            else:  # a first prefill: it starts over
+                prepare_restart(seq, self.memory)
         if hasattr(self.decode_strategy, "forget"):  # drafters' state may hold the failed step's arrays
             self.decode_strategy.forget(seqs)
         self.scheduler.send_back(seqs)
         self.stats.sent_back += len(seqs)
-        self.scheduler.max_running = self.batch_limit.after_failure(len(seqs), time.perf_counter())
-        log_send_back(len(seqs), self.scheduler.max_running, err)
+        limit = self.batch_limit.after_failure(rows or len(seqs), time.perf_counter())
+        self.scheduler.max_running = limit
+        log_send_back(what, limit, err)
 
     def _join_batch(self, seq: Sequence) -> None:
         self.scheduler.start_decoding(seq)

@@ -4,9 +4,11 @@ A decode step of several rows can run the device out of memory (the rows togethe
 process took meanwhile). That step is lost, not the requests: each row goes back to the front of the
 queue with what it has streamed, keeps its sampler and its place, and its next prefill runs over its
 prompt and output so far (the prefix cache usually holds most of it), after which it decodes on. The
-engine then runs at most half as many sequences at once for `HOLD_S`, so the retry fits. A request
-sent back `MAX_SEND_BACKS` times, one that ran alone, and the rows `resumable` turns down fail as
-before (`memory.AloneFailures`).
+engine then runs at most half as many sequences at once for `HOLD_S`, so the retry fits. A prefill
+chunk that runs out of memory beside other sequences sends its own sequence back the same way
+(`restartable`): one with no output yet starts its prompt over, from what the prefix cache
+checkpointed of it. A request sent back `MAX_SEND_BACKS` times, one that ran alone, and those
+`resumable` and `restartable` turn down fail as before (`memory.AloneFailures`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,27 @@ def resumable(seq: Sequence) -> bool:
     return seq.times_sent_back < MAX_SEND_BACKS and seq.media is None and not in_step
 
 
+def restartable(seq: Sequence) -> bool:
+    """Whether a sequence whose prefill chunk failed can go back to the queue: its prefill has not
+    reached the step that samples its first token (and forks its other choices), and it is not
+    sent back too often; one resuming a failed batch's row also as `resumable` says."""
+    if seq.times_sent_back >= MAX_SEND_BACKS or seq.num_processed >= len(seq.feed_ids):
+        return False
+    return resumable(seq) if seq.resuming else True
+
+
+def prepare_restart(seq: Sequence, memory: MemoryBudget) -> None:
+    """A sequence whose first prefill failed (it has no output) starts that prefill over from the
+    queue: it drops its cache, sampler and reservation; admission and `_start_prefill` make them
+    again, from the prefix cache's deepest checkpoint of its prompt."""
+    seq.cache = seq.prompt_tail = seq.pending_logits = seq.sampler = None
+    memory.release(seq.reserved_bytes)
+    seq.reserved_bytes = 0
+    seq.num_processed = seq.num_cached_tokens = 0
+    seq.arrival = time.perf_counter()  # its wait for memory (`queue_timeout_s`) starts again
+    seq.times_sent_back += 1
+
+
 def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
     """A sequence taken out of a failed batch keeps its output, sampler and stop state; it drops its
     cache and its reservation (admission reserves again) and is marked to resume."""
@@ -65,11 +88,11 @@ def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
     seq.times_sent_back += 1
 
 
-def log_send_back(rows: int, limit: int, err: Exception) -> None:
+def log_send_back(what: str, limit: int, err: Exception) -> None:
+    """`what`: the step that failed and what went back, e.g. "a decode step of 3 rows"."""
     log.warning(
-        "a decode step of %d rows ran out of memory (%s): they resume from the queue, "
-        "at most %d running at once for %.0f s",
-        rows,
+        "%s ran out of memory (%s): back to the queue, at most %d running at once for %.0f s",
+        what,
         str(err)[:200],
         limit,
         HOLD_S,
