@@ -53,6 +53,10 @@
 #                                       MLX's attention; lab/kv_step_cost.py), then the 4B's step
 #                                       build / encode / wait after 512 and 8192 tokens, attention
 #                                       kernels on and off (lab/long_context_step.py)
+#   bash lab/h200_all.sh overhead     one stream's decode in process (opened as the bench does, then as serve
+#                                       does) and through `kapitsa serve`, with each thread's CPU per
+#                                       token, on $OVERHEAD_SHAPE (default nemotron-30b-a3b;
+#                                       lab/server_overhead.py)
 #   bash lab/h200_all.sh nvrtc        $NVRTC_COUNT (default 16) distinct GDN kernel sources compiled one after another,
 #                                       on 8 threads in-process, and on 8 threads each running a child
 #                                       process (what the disk cache does; lab/nvrtc_parallel.py)
@@ -235,6 +239,11 @@ case "$part" in
         || echo "table $shape: exit $? (124: cut by its timeout)"
       $py lab/results_table.py "$out/table-$shape.log"
     done
+    ;;
+  overhead)
+    [ -f "$root/.gpu/serve/install.sh" ] && bash "$root/.gpu/serve/install.sh"
+    timeout "${OVERHEAD_TIMEOUT:-400}" $py lab/server_overhead.py --shape "${OVERHEAD_SHAPE:-nemotron-30b-a3b}" \
+      --speculative auto --ignore-eos --tokens "${TOKENS:-128}" --rounds "${ROUNDS:-3}" 2>&1 | tee "$out/overhead.log" | grep '^{'
     ;;
   nvrtc)
     # whether the start's kernel compiles run side by side with MLX's NVRTC on this machine

@@ -4,6 +4,13 @@ with the sampling the server uses (the checkpoint's defaults, its EOS decay incl
 `ignore_eos`, which the OpenAI API does not have).
 
     python lab/server_overhead.py --model demo --tokens 128 --rounds 4
+    python lab/server_overhead.py --shape nemotron-30b-a3b --speculative auto --ignore-eos   # GPU
+
+The engine in process runs as `--in-process` says, each its own engine one after the other:
+`plain` as `kapitsa bench` opens it (no idle warm-up), `warm` as `kapitsa serve` opens it (its
+decode batch sizes and prefill lengths readied while idle, waited for before the rounds). On the
+H100 the bench's plain engine decoded Nemotron at about half of serve's speed; the two show
+whether the warm-up is what differs.
 
 Where the time goes on a small machine: CPU milliseconds per token of the client (this process,
 reading the stream) and of each of the server's threads (from /proc, Linux only; the busiest
@@ -25,8 +32,8 @@ from pathlib import Path
 import httpx
 
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from kapitsa.opener import open_engine
-from lab.server_bench import free_port, server
+from kapitsa.opener import hand_back_memory, open_engine
+from lab.server_bench import free_port, server, write_checkpoint
 
 MESSAGES = [
     {"role": "user", "content": "Write a long Python module with many small functions and docstrings."}
@@ -81,11 +88,31 @@ def _over_http(url: str, tokens: int, ignore_eos: bool = False) -> tuple[float, 
     return (count - 1) / (time.perf_counter() - first), count
 
 
+def _until_warm(engine, timeout_s: float = 600.0) -> float:  # noqa: ANN001 - an InProcessEngine
+    """Seconds until the engine's idle warm-up has nothing pending (none: at once)."""
+    started = time.monotonic()
+    while engine.stats().warm_batches_pending and time.monotonic() - started < timeout_s:
+        time.sleep(0.1)
+    return round(time.monotonic() - started, 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="demo")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", default="demo")
+    which.add_argument(
+        "--shape", help="a lab shape (lab/models_under_test.py), written as a checkpoint first"
+    )
+    parser.add_argument("--tiny", action="store_true", help="with --shape: small widths")
+    parser.add_argument(
+        "--in-process",
+        nargs="+",
+        choices=("plain", "warm"),
+        default=["plain", "warm"],
+        help="the engines in process: as the bench opens one, as serve does",
+    )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--speculative", default="none", help="both sides' mode (serve's default: auto)")
@@ -93,12 +120,28 @@ def main() -> None:
         "--ignore-eos", action="store_true", help="decode all --tokens (a random-weight model)"
     )
     args = parser.parse_args()
-    engine = open_engine(args.model, speculative=args.speculative)
-    with contextlib.closing(engine):
-        asyncio.run(_in_process(engine, 8))  # one-time costs outside the timing, as for the server
-        threads = _thread_cpu_s(os.getpid())
-        local = [asyncio.run(_in_process(engine, args.tokens, args.ignore_eos)) for _ in range(args.rounds)]
-        local_ms = _cpu_ms_per_token(threads, _thread_cpu_s(os.getpid()), sum(n for _, n in local))
+    if args.shape:
+        work = Path(tempfile.gettempdir()) / "kapitsa-server-overhead"
+        args.model = str(write_checkpoint(args.shape, work / f"shape-{args.shape}", args.tiny))
+    rows = {}
+    for variant in args.in_process:
+        engine = open_engine(args.model, speculative=args.speculative, warm_batches=variant == "warm")
+        with contextlib.closing(engine):
+            warm_s = _until_warm(engine)
+            asyncio.run(_in_process(engine, 8))  # one-time costs outside the timing, as for the server
+            threads = _thread_cpu_s(os.getpid())
+            local = [
+                asyncio.run(_in_process(engine, args.tokens, args.ignore_eos)) for _ in range(args.rounds)
+            ]
+            local_ms = _cpu_ms_per_token(threads, _thread_cpu_s(os.getpid()), sum(n for _, n in local))
+        hand_back_memory()  # the next engine and the server may share this device
+        rows[variant] = dict(
+            tok_s=[round(x, 1) for x, _ in local],
+            tokens=[n for _, n in local],
+            thread_cpu_ms_per_token=local_ms,
+            warm_up_s=warm_s,
+        )
+        print(json.dumps({"in_process": variant, **rows[variant]}), flush=True)
     port = free_port()
     argv = [sys.executable, "-m", "kapitsa", "serve", "--model", args.model, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
@@ -113,9 +156,7 @@ def main() -> None:
     print(
         json.dumps(
             dict(
-                in_process_tok_s=[round(x, 1) for x, _ in local],
-                tokens=[n for _, n in local],
-                in_process_thread_cpu_ms_per_token=local_ms,
+                in_process={variant: row["tok_s"] for variant, row in rows.items()},
                 served_tok_s=[round(x, 1) for x, _ in served],
                 served_tokens=[n for _, n in served],
                 client_cpu_ms_per_token=round(client_ms, 2),

@@ -396,3 +396,23 @@ def test_nvrtc_parallel_compiles_distinct_programs_each_way() -> None:
     assert all(
         row[f"{way}_s"] > 0 for way in ("one_after_another", "threads", "threads_with_child_processes")
     )
+
+
+def test_server_overhead_times_both_in_process_engines_and_the_server() -> None:
+    rows = _json_lines(
+        [
+            "lab/server_overhead.py",
+            "--shape",
+            "4b",
+            "--tiny",
+            "--tokens",
+            "6",
+            "--rounds",
+            "1",
+            "--ignore-eos",
+        ]
+    )
+    assert [r["in_process"] for r in rows[:2]] == ["plain", "warm"]
+    assert all(r["tokens"] == [6] and r["tok_s"][0] > 0 for r in rows[:2])
+    totals = rows[-1]
+    assert sorted(totals["in_process"]) == ["plain", "warm"] and totals["served_tokens"] == [6]
