@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from kapitsa.engine.cache.turn_hints import TurnHints
+from kapitsa.engine.kernels import cuda_disk_cache
 from kapitsa.engine.loading.loader import LoadedModel
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.decode import DecodeStrategy
@@ -184,8 +185,10 @@ class InProcessEngine:
         return [self.info]
 
     def close(self) -> None:
-        """Stop the engine thread (flushing the prefix cache to its disk tier)."""
+        """Stop the engine thread (flushing the prefix cache to its disk tier) and the kernel
+        compiles it queued that have not started."""
         self.engine.shutdown()
+        cuda_disk_cache.cancel_queued()
 
     # helpers
 

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -402,3 +403,32 @@ def test_compiles_running_says_when_the_workers_are_done(
     release.set()
     assert not cuda_disk_cache.compiles_running(5.0)
     assert cache.has("custom_kernel_probe", "src")
+
+
+def test_an_engine_that_stops_cancels_the_compiles_no_worker_started(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More compiles queued than workers: those not started are cancelled (MLX compiles any still
+    needed itself), the running ones finish, and nothing is left pending."""
+    release, entered = threading.Event(), []
+
+    class Slow(FakeCompiler):
+        def compile(self, source, **kwargs):
+            entered.append(source)
+            release.wait(10)
+            return super().compile(source, **kwargs)
+
+    compiler = Slow()
+    cache = cuda_disk_cache.DiskCache(tmp_path, compiler, [])
+    monkeypatch.setattr(cuda_disk_cache, "default_cache", lambda: cache)
+    workers = cuda_disk_cache._compilers()._max_workers
+    for i in range(workers + 3):
+        cuda_disk_cache.prepare(f"custom_kernel_probe_{i}", f"src {i}")
+    for _ in range(500):  # every worker busy with one
+        if len(entered) == workers:
+            break
+        time.sleep(0.01)
+    assert len(entered) == workers and cuda_disk_cache.cancel_queued() == 3
+    release.set()
+    assert not cuda_disk_cache.compiles_running(5.0)
+    assert len(compiler.calls) == workers

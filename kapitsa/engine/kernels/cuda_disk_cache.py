@@ -266,6 +266,16 @@ def compiles_running(wait_s: float = 0.0) -> bool:
     return any(not f.done() for f in running)
 
 
+def cancel_queued() -> int:
+    """Cancel the compiles no worker has started (an engine that stops: a process exiting would
+    otherwise wait for each, a child process apiece); MLX compiles any still needed itself.
+    Returns how many were cancelled."""
+    with _PENDING_LOCK:
+        cancelled = sum(f.cancel() for f in _PENDING)
+        _PENDING[:] = [f for f in _PENDING if not f.done()]
+    return cancelled
+
+
 def drain(timeout_s: float | None = None) -> None:
     """Wait for the compiles `prepare` started, at most `timeout_s` in all (None: until done)."""
     with _PENDING_LOCK:
