@@ -176,9 +176,13 @@ async def test_a_batch_and_a_prefill_out_of_memory_together(qwen_model, make_cli
     batch = [asyncio.create_task(started(p, e)) for p, e in zip([(5, 6, 7), (8, 9)], begun, strict=True)]
     await asyncio.gather(*(e.wait() for e in begun))
     state["armed"] = True
+    halved = []
+    real_halve = engine.batch_limit.after_failure
+    monkeypatch.setattr(engine.batch_limit, "after_failure", lambda *a: halved.append(a[0]) or real_halve(*a))
     assert await _tokens(client, prompt=(11, 12, 13)) == third_expected
     assert await asyncio.gather(*batch) == expected
     assert engine.stats.failed == 0 and engine.stats.sent_back == 3 and not engine.alone_failures.failed
+    assert halved == [3]  # one step failed: the limit halves once, from the three running
 
 
 def test_a_record_expires_and_stays_bounded() -> None:

@@ -284,21 +284,21 @@ def test_a_row_sent_back_waits_for_memory_afresh() -> None:
     )
 
 
-def _fail_prefills_beside_a_batch(monkeypatch, engine, *, times: int, after_chunks: int = 0) -> dict:
-    """The first `times` prefill chunks that run while other sequences decode, each after its
-    sequence's first `after_chunks` chunks went through, raise CUDA's out-of-memory error."""
+def _fail_prefills_beside_a_batch(
+    monkeypatch, engine, prompt: tuple[int, ...], *, times: int, after_chunks: int = 0
+) -> dict:
+    """The first `times` prefill chunks of `prompt` that run while other sequences decode, each
+    after `after_chunks` chunks of its attempt went through, raise CUDA's out-of-memory error."""
     real = engine.runner.prefill_at
-    state = {"failed": 0, "chunks": {}}
+    state = {"failed": 0, "chunks": 0}
 
     def prefill_at(cache, tokens, ends, **kwargs):
-        seq = engine.scheduler.prefilling[0] if engine.scheduler.prefilling else None
-        if seq is not None and engine.scheduler.decoding and state["failed"] < times:
-            done = state["chunks"].get(id(seq), 0)
-            if done >= after_chunks:
-                state["failed"] += 1
-                state["chunks"][id(seq)] = 0
+        ours = [s for s in engine.scheduler.prefilling if s.prompt_ids == list(prompt)]
+        if ours and ours[0].cache is cache and engine.scheduler.decoding and state["failed"] < times:
+            if state["chunks"] >= after_chunks:
+                state["failed"], state["chunks"] = state["failed"] + 1, 0
                 raise RuntimeError(CUDA_OOM)
-            state["chunks"][id(seq)] = done + 1
+            state["chunks"] += 1
         return real(cache, tokens, ends, **kwargs)
 
     monkeypatch.setattr(engine.runner, "prefill_at", prefill_at)
@@ -306,13 +306,16 @@ def _fail_prefills_beside_a_batch(monkeypatch, engine, *, times: int, after_chun
     return state
 
 
+BESIDE_TOKENS = 120  # the decoding requests outlast the one whose prefill fails
+
+
 async def _beside_a_batch(client, request_coro):
-    """Run `request_coro` once two other requests are decoding; (its result, theirs)."""
-    begun = [asyncio.Event(), asyncio.Event()]
+    """Run `request_coro` once three other requests are decoding; (its result, theirs)."""
+    begun = [asyncio.Event() for _ in PROMPTS]
 
     async def decoding(prompt, begun_event):  # noqa: ANN001, ANN202
         tokens = []
-        async for event in client.generate(_request(prompt, 40)):
+        async for event in client.generate(_request(prompt, BESIDE_TOKENS)):
             if isinstance(event, ErrorEvent):
                 raise event.error
             if isinstance(event, TokenEvent):
@@ -320,7 +323,7 @@ async def _beside_a_batch(client, request_coro):
                 begun_event.set()
         return tokens
 
-    others = [asyncio.create_task(decoding(p, e)) for p, e in zip(PROMPTS[:2], begun, strict=True)]
+    others = [asyncio.create_task(decoding(p, e)) for p, e in zip(PROMPTS, begun, strict=True)]
     await asyncio.gather(*(e.wait() for e in begun))
     result = await request_coro
     return result, await asyncio.gather(*others)
@@ -329,22 +332,25 @@ async def _beside_a_batch(client, request_coro):
 async def test_a_prefill_out_of_memory_beside_a_batch_starts_over_and_finishes(
     family_model, make_client, monkeypatch
 ) -> None:
-    """A prompt of several chunks runs out of memory in its second chunk while two rows decode: it
-    goes back to the queue, starts its prompt over and writes the tokens it would have had; the
-    rows decode on undisturbed, and the engine runs fewer sequences at once for a while."""
+    """A prompt of several chunks runs out of memory in its second chunk while three rows decode:
+    it goes back to the queue, starts its prompt over and writes the tokens it would have had; the
+    rows decode on undisturbed, and the engine runs half as many sequences at once for a while."""
     client = make_client(family_model, prefill_chunk=8)
     long_prompt = tuple(range(20, 44))  # 3 chunks of 8
     expected = (await _run(client, long_prompt))[0]
-    others_expected = [(await _run(client, p, 40))[0] for p in PROMPTS[:2]]
+    others_expected = [(await _run(client, p, BESIDE_TOKENS))[0] for p in PROMPTS]
     engine = client.engine
-    state = _fail_prefills_beside_a_batch(monkeypatch, engine, times=1, after_chunks=1)
+    halved = []
+    real_halve = engine.batch_limit.after_failure
+    monkeypatch.setattr(engine.batch_limit, "after_failure", lambda *a: halved.append(a[0]) or real_halve(*a))
+    state = _fail_prefills_beside_a_batch(monkeypatch, engine, long_prompt, times=1, after_chunks=1)
     (tokens, finish), others = await _beside_a_batch(client, _run(client, long_prompt))
     assert state["failed"] == 1
     assert tokens == expected and finish.finish_reason == "length"
     assert finish.usage.prompt_tokens == len(long_prompt) and finish.usage.completion_tokens == 24
     assert others == others_expected
     assert engine.stats.failed == 0 and client.stats().requests_sent_back == 1
-    assert engine.scheduler.max_running == 1  # three were running: half, at least one
+    assert halved == [4] and engine.scheduler.max_running == 2  # four were running: half
     assert engine.memory.reserved_bytes == 0
 
 
@@ -369,7 +375,7 @@ async def test_a_restarted_prefill_of_several_choices_gives_every_choice(
         return got
 
     expected = await choices()
-    state = _fail_prefills_beside_a_batch(monkeypatch, client.engine, times=1, after_chunks=1)
+    state = _fail_prefills_beside_a_batch(monkeypatch, client.engine, prompt, times=1, after_chunks=1)
     got, _ = await _beside_a_batch(client, choices())
     assert state["failed"] == 1 and sorted(got) == [0, 1] and got == expected
 
@@ -378,13 +384,75 @@ async def test_a_prefill_sent_back_too_often_fails_as_busy(qwen_model, make_clie
     client = make_client(qwen_model, max_running=8)
     engine = client.engine
     engine.batch_limit.hold_s = 0.0  # the limit restores at once, so the prefill keeps meeting the rows
-    state = _fail_prefills_beside_a_batch(monkeypatch, engine, times=100)
-    result, others = await _beside_a_batch(
-        client, asyncio.gather(_run(client, PROMPTS[2]), return_exceptions=True)
-    )
-    assert isinstance(result[0], EngineBusy), result
+    state = _fail_prefills_beside_a_batch(monkeypatch, engine, (40, 41, 42), times=100)
+
+    async def attempt():  # started once the others decode (a gather would start it at once)
+        try:
+            return await _run(client, (40, 41, 42))
+        except EngineBusy as err:
+            return err
+
+    result, others = await _beside_a_batch(client, attempt())
+    assert isinstance(result, EngineBusy), result
     assert state["failed"] == MAX_SEND_BACKS + 1 and engine.stats.sent_back == MAX_SEND_BACKS
-    assert [len(t) for t in others] == [40, 40] and engine.memory.reserved_bytes == 0
+    assert [len(t) for t in others] == [BESIDE_TOKENS] * 3 and engine.memory.reserved_bytes == 0
+
+
+async def test_a_restarted_prefill_resumes_from_its_own_checkpoint(
+    qwen_model, make_client, monkeypatch, tmp_path
+) -> None:
+    """The first attempt checkpointed its prompt at 64 tokens before its third chunk ran out of
+    memory: the failure spills the prefix cache to its disk tier, the restart prefills from that
+    checkpoint, and the request's figures are its first attempt's."""
+    client = make_client(qwen_model, prefill_chunk=32, checkpoint_interval=64, disk_cache_dir=tmp_path)
+    prompt = tuple(range(60, 210))  # 150 tokens: chunks end at 32, 64 (a checkpoint), 96, 128, 150
+    expected = (await _run(client, prompt))[0]
+    engine = client.engine
+    engine.prefix.clear()  # the first attempt finds nothing; the restart finds what it wrote
+    starts: list[int] = []
+    real = engine.runner.prefill_at
+
+    def recording(cache, tokens, ends, **kwargs):
+        if engine.scheduler.prefilling and engine.scheduler.prefilling[0].prompt_ids == list(prompt):
+            starts.append(kwargs.get("start", 0))
+        return real(cache, tokens, ends, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "prefill_at", recording)
+    state = _fail_prefills_beside_a_batch(monkeypatch, engine, prompt, times=1, after_chunks=2)
+    (tokens, finish), _ = await _beside_a_batch(client, _run(client, prompt))
+    assert state["failed"] == 1 and tokens == expected
+    assert starts == [0, 32, 64, 96, 128]  # the chunk from 64 failed; the restart began at 64
+    assert finish.usage.cached_tokens == 0  # as its first attempt found the cache
+
+
+def test_a_restart_keeps_its_message_boundaries_and_first_figures() -> None:
+    from kapitsa.engine.runner.send_back import prepare_restart
+    from kapitsa.engine.runner.sequence import Boundary
+
+    boundaries = [
+        Boundary(10, "system"),
+        Boundary(100, "turn"),
+        Boundary(300, "branch"),
+        Boundary(2048, "periodic"),
+    ]
+    seq = SimpleNamespace(
+        cache=object(),
+        prompt_tail=None,
+        pending_logits=None,
+        sampler=object(),
+        reserved_bytes=4096,
+        num_processed=2048,
+        num_cached_tokens=100,
+        boundaries=boundaries,
+        arrival=0.0,
+        times_sent_back=0,
+    )
+    released: list[int] = []
+    prepare_restart(seq, SimpleNamespace(release=released.append))
+    assert released == [4096] and seq.reserved_bytes == 0
+    assert [b.pos for b in seq.boundaries] == [10, 100]
+    assert seq.num_processed == 0 and seq.num_cached_tokens == 100 and seq.times_sent_back == 1
+    assert seq.cache is None and seq.sampler is None
 
 
 def test_a_prefill_restarts_only_before_its_first_token_is_sampled() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence as TokenIds
 import mlx.core as mx
 
 from kapitsa.engine.options import EngineConfig
-from kapitsa.engine.runner import checkpoints
+from kapitsa.engine.runner import checkpoints, prefill_start
 from kapitsa.engine.runner.batch import DecodeBatch, can_pipeline
 from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
@@ -34,7 +34,7 @@ from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens, usage_of
 from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, read_ahead
 from kapitsa.engine.runner.prompt_tail import tail_for
-from kapitsa.engine.runner.sampler import SampledToken, SequenceSampler
+from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.scheduler import Scheduler
 from kapitsa.engine.runner.send_back import (
     BatchLimit,
@@ -217,44 +217,53 @@ class Engine:
     # --- one step ----------------------------------------------------------------------------
 
     def _step(self) -> None:
-        out_of_memory = False  # the failed step's buffers are freed once its traceback is gone
         running = self.scheduler.num_running  # before a failure below takes rows out
-        alone = running == 1
+        alone, back = running == 1, []  # `back`: sent back to the queue
+        # what failed, kept as text: the exception's frames hold the failed step's buffers
+        out_of_memory, failure = False, ""
         if self.scheduler.decoding:
             try:
                 self._decode_step()
             except Exception as err:  # noqa: BLE001 - fail the batch, keep serving
-                out_of_memory = is_out_of_memory(err)
-                for seq in [s for s in self.scheduler.decoding if s.is_finished]:
-                    self.scheduler.remove(seq)  # finished in this step, before the failure
-                seqs = list(self.scheduler.decoding)
-                back = [s for s in seqs if resumable(s)] if out_of_memory and not alone else []
-                if back:
-                    self._send_back(back, err, f"a decode step of {len(seqs)} rows")
-                if len(back) < len(seqs):
-                    log.exception("decode step failed")
-                for seq in seqs:
-                    if seq not in back:
-                        self._fail(seq, err, alone=alone)
-                self.batch = DecodeBatch()
+                out_of_memory, failure = is_out_of_memory(err), str(err)
+                back += self._decode_failed(err, alone=alone)
         seq = self.scheduler.next_prefill()
         if seq is not None:
             try:
                 self._prefill_chunk(seq)
             except Exception as err:  # noqa: BLE001
-                oom = is_out_of_memory(err)
+                oom, failure = is_out_of_memory(err), str(err)
                 out_of_memory = out_of_memory or oom
                 if oom and not alone and restartable(seq):
-                    self._send_back(
-                        [seq], err, f"a prefill chunk beside {running - 1} sequences", rows=running
-                    )
+                    self.scheduler.remove(seq)
+                    back.append(seq)  # after the batch's rows, which had streamed already
                 else:
                     log.exception("prefill failed")
                     self._fail(seq, err, alone=alone)
-        if out_of_memory:
+        if back:
+            self._send_back(back, failure, running=running)
+        if out_of_memory:  # the failed step's buffers are freed once its traceback is gone
             if self.prefix is not None:  # a retry gets the cache's memory too (spilled to a disk tier)
                 self.prefix.enforce_budget(0)
             mx.clear_cache()  # what the failed step held goes back to the device
+
+    def _decode_failed(self, err: Exception, *, alone: bool) -> list[Sequence]:
+        """After a failed decode step: rows that finished in it leave; of an out-of-memory step that
+        did not run alone, the `resumable` rows are taken out and returned (to be sent back); the
+        rest fail."""
+        for seq in [s for s in self.scheduler.decoding if s.is_finished]:
+            self.scheduler.remove(seq)  # finished in this step, before the failure
+        seqs = list(self.scheduler.decoding)
+        back = [s for s in seqs if resumable(s)] if is_out_of_memory(err) and not alone else []
+        if len(back) < len(seqs):
+            log.exception("decode step failed")
+        for seq in seqs:
+            if seq in back:
+                self.scheduler.remove(seq)
+            else:
+                self._fail(seq, err, alone=alone)
+        self.batch = DecodeBatch()
+        return back
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         if seq.cache is None:
@@ -299,21 +308,10 @@ class Engine:
 
     def _start_prefill(self, seq: Sequence) -> None:
         if seq.resuming:
-            self._start_resume(seq)
+            prefill_start.resume(seq, self.prefix, self.runner)
             return
-        seq.prefill_started = time.perf_counter()
-        seq.sampler = SequenceSampler(
-            seq.request.sampling, seq.prompt_ids, eos_ids=seq.eos_ids, constraint=seq.constraint
-        )
-        match = self.prefix.lookup(seq.key_ids) if self.prefix is not None else None
-        if match is None:
-            seq.cache = self.runner.new_cache()
-        else:
-            seq.cache = self.runner.restore(match, seq.media, room=seq.num_prompt_tokens - match.pos)
-            seq.num_processed = seq.num_cached_tokens = match.pos
-            seq.pending_logits = match.next_logits if match.pos == seq.num_prompt_tokens else None
-        self.stats.prompt_cached += seq.num_cached_tokens
-        seq.prompt_tail = tail_for(self.decode_strategy, seq.num_prompt_tokens)
+        tail = tail_for(self.decode_strategy, seq.num_prompt_tokens)
+        self.stats.prompt_cached += prefill_start.start(seq, self.prefix, self.runner, tail)
         checkpoints.plan_checkpoints(seq, self.prefix, self.runner, self.checkpoint_interval)
         seq.emit(
             PrefillProgressEvent(
@@ -321,24 +319,9 @@ class Engine:
             )
         )
 
-    def _start_resume(self, seq: Sequence) -> None:
-        """A sequence sent back from a failed batch: from the prefix cache's deepest state of its
-        prompt and output, if any; its sampler, counts and boundaries stay as they were. (Its new
-        drafter starts without the prompt's tail, which lines up with a first output token only.)"""
-        feed = seq.num_tokens
-        match = self.prefix.lookup(seq.all_key_ids) if self.prefix is not None else None
-        seq.cache = (
-            self.runner.new_cache()
-            if match is None
-            else self.runner.restore(match, seq.media, room=feed - match.pos)
-        )
-        if match is not None:
-            seq.num_processed = match.pos
-            seq.pending_logits = match.next_logits if match.pos == feed else None
-
-    def _send_back(self, seqs: list[Sequence], err: Exception, what: str, *, rows: int | None = None) -> None:
-        """`seqs` back to the queue after `what` failed; the limit halves from `rows` running
-        (default: `seqs`, a failed batch's rows)."""
+    def _send_back(self, seqs: list[Sequence], failure: str, *, running: int) -> None:
+        """`seqs` back to the front of the queue after a step ran out of memory with `running`
+        sequences; the engine then runs at most half as many at once for a while."""
         for seq in seqs:
             if seq.resuming or seq.output_ids:
                 prepare_resume(seq, self.memory)
@@ -348,9 +331,8 @@ class Engine:
             self.decode_strategy.forget(seqs)
         self.scheduler.send_back(seqs)
         self.stats.sent_back += len(seqs)
-        limit = self.batch_limit.after_failure(rows or len(seqs), time.perf_counter())
-        self.scheduler.max_running = limit
-        log_send_back(what, limit, err)
+        self.scheduler.max_running = self.batch_limit.after_failure(running, time.perf_counter())
+        log_send_back(len(seqs), running, self.scheduler.max_running, failure)
 
     def _join_batch(self, seq: Sequence) -> None:
         self.scheduler.start_decoding(seq)

@@ -3,11 +3,12 @@
 A decode step of several rows can run the device out of memory (the rows together, or memory another
 process took meanwhile). That step is lost, not the requests: each row goes back to the front of the
 queue with what it has streamed, keeps its sampler and its place, and its next prefill runs over its
-prompt and output so far (the prefix cache usually holds most of it), after which it decodes on. The
+prompt and output so far, after which it decodes on. The
 engine then runs at most half as many sequences at once for `HOLD_S`, so the retry fits. A prefill
 chunk that runs out of memory beside other sequences sends its own sequence back the same way
-(`restartable`): one with no output yet starts its prompt over, from what the prefix cache
-checkpointed of it. A request sent back `MAX_SEND_BACKS` times, one that ran alone, and those
+(`restartable`): one with no output yet starts its prompt over. Either starts from the prefix
+cache's deepest checkpoint of what it feeds: a failed step empties the cache's memory into its
+disk tier (serve keeps one), where the checkpoints its chunks wrote stay. A request sent back `MAX_SEND_BACKS` times, one that ran alone, and those
 `resumable` and `restartable` turn down fail as before (`memory.AloneFailures`).
 """
 
@@ -17,7 +18,7 @@ import logging
 import time
 
 from kapitsa.engine.runner.memory import MemoryBudget
-from kapitsa.engine.runner.sequence import Sequence
+from kapitsa.engine.runner.sequence import MESSAGE_KINDS, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,14 @@ def restartable(seq: Sequence) -> bool:
 
 def prepare_restart(seq: Sequence, memory: MemoryBudget) -> None:
     """A sequence whose first prefill failed (it has no output) starts that prefill over from the
-    queue: it drops its cache, sampler and reservation; admission and `_start_prefill` make them
-    again, from the prefix cache's deepest checkpoint of its prompt."""
+    queue: it drops its cache, sampler and reservation, and the checkpoint boundaries its start
+    planned beside its messages' (the new start plans them again); admission and
+    `prefill_start.start` make the rest again, from the prefix cache's deepest checkpoint."""
     seq.cache = seq.prompt_tail = seq.pending_logits = seq.sampler = None
     memory.release(seq.reserved_bytes)
     seq.reserved_bytes = 0
-    seq.num_processed = seq.num_cached_tokens = 0
+    seq.num_processed = 0
+    seq.boundaries = [b for b in seq.boundaries if b.kind in MESSAGE_KINDS]
     seq.arrival = time.perf_counter()  # its wait for memory (`queue_timeout_s`) starts again
     seq.times_sent_back += 1
 
@@ -88,12 +91,13 @@ def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
     seq.times_sent_back += 1
 
 
-def log_send_back(what: str, limit: int, err: Exception) -> None:
-    """`what`: the step that failed and what went back, e.g. "a decode step of 3 rows"."""
+def log_send_back(sent: int, running: int, limit: int, failure: str) -> None:
     log.warning(
-        "%s ran out of memory (%s): back to the queue, at most %d running at once for %.0f s",
-        what,
-        str(err)[:200],
+        "a step of %d sequences ran out of memory (%s): %d back to the queue, at most %d running "
+        "at once for %.0f s",
+        running,
+        failure[:200],
+        sent,
         limit,
         HOLD_S,
     )
