@@ -232,11 +232,11 @@ class Engine:
             try:
                 self._prefill_chunk(seq)
             except Exception as err:  # noqa: BLE001
-                oom, failure = is_out_of_memory(err), str(err)
+                oom = is_out_of_memory(err)
                 out_of_memory = out_of_memory or oom
                 if oom and not alone and restartable(seq):
-                    self.scheduler.remove(seq)
                     back.append(seq)  # after the batch's rows, which had streamed already
+                    failure = str(err)
                 else:
                     log.exception("prefill failed")
                     self._fail(seq, err, alone=alone)
@@ -249,18 +249,17 @@ class Engine:
 
     def _decode_failed(self, err: Exception, *, alone: bool) -> list[Sequence]:
         """After a failed decode step: rows that finished in it leave; of an out-of-memory step that
-        did not run alone, the `resumable` rows are taken out and returned (to be sent back); the
-        rest fail."""
+        did not run alone, the `resumable` rows go to the queue and are returned (`_send_back`
+        prepares them); the rest fail."""
         for seq in [s for s in self.scheduler.decoding if s.is_finished]:
             self.scheduler.remove(seq)  # finished in this step, before the failure
         seqs = list(self.scheduler.decoding)
         back = [s for s in seqs if resumable(s)] if is_out_of_memory(err) and not alone else []
         if len(back) < len(seqs):
             log.exception("decode step failed")
+        self.scheduler.send_back(back)  # queued at once: were anything below to raise, `_fail_all` finds them
         for seq in seqs:
-            if seq in back:
-                self.scheduler.remove(seq)
-            else:
+            if seq not in back:
                 self._fail(seq, err, alone=alone)
         self.batch = DecodeBatch()
         return back
@@ -320,8 +319,8 @@ class Engine:
         )
 
     def _send_back(self, seqs: list[Sequence], failure: str, *, running: int) -> None:
-        """`seqs` back to the front of the queue after a step ran out of memory with `running`
-        sequences; the engine then runs at most half as many at once for a while."""
+        """`seqs` back to the front of the queue, in their order, after a step ran out of memory
+        with `running` sequences; the engine then runs at most half as many at once for a while."""
         for seq in seqs:
             if seq.resuming or seq.output_ids:
                 prepare_resume(seq, self.memory)

@@ -48,7 +48,8 @@ class Scheduler:
         self.prefilling.append(seq)
 
     def send_back(self, seqs: list[Sequence]) -> None:
-        """Decoding sequences return to the front of the queue, in their order, ahead of new ones."""
+        """Sequences (decoding, prefilling or queued) go to the front of the queue, in their order,
+        ahead of new ones."""
         for seq in reversed(seqs):
             self.remove(seq)
             seq.status = SequenceStatus.WAITING
