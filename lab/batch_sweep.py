@@ -67,6 +67,9 @@ def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dic
         return await asyncio.gather(*(stream(client, p, tokens) for p in prompts))
 
     start, sent_back = time.perf_counter(), client.stats().requests_sent_back
+    # at most this many run at once: the configured batch, halved for a while after an
+    # out-of-memory step sent rows back (runner/send_back.py), when a burst runs in waves
+    limit = client.engine.batch_limit.current(start)
     results = asyncio.run(run())
     wall = time.perf_counter() - start
     all_decoding = max(r[1] for r in results)
@@ -75,7 +78,10 @@ def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dic
     # rows an out-of-memory step sent back: the burst ran, but not all of it at this batch size
     resent = client.stats().requests_sent_back - sent_back
     return dict(
-        wall_s=round(wall, 3), aggregate_tok_s=round(after_first / max(span, 1e-9), 2), sent_back=resent
+        wall_s=round(wall, 3),
+        aggregate_tok_s=round(after_first / max(span, 1e-9), 2),
+        sent_back=resent,
+        limit=limit,
     )
 
 
@@ -157,6 +163,7 @@ def sweep_model(
             if engine_name == "kapitsa":
                 cold, timed = run(prompts[:n], tokens), run(prompts[:n], tokens)
                 timed["first_burst_extra_s"] = round(cold["wall_s"] - timed["wall_s"], 3)
+                timed["first_burst_sent_back"] = cold["sent_back"]
             else:
                 # mlx-lm's first burst of a size warms up on short prompts: its decode compiles, not
                 # a second batch prefill of n x 512 tokens (up to ~45 s a burst on the Qwen shapes, at

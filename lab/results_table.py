@@ -215,13 +215,29 @@ def table(records: list[dict]) -> str:
         b = batch.get(shape, {})
         for n in streams:
             k, m = b.get(("kapitsa", n)), b.get(("mlx-lm", n))
-            resent = f", {k['sent_back']} rows sent back" if k and k.get("sent_back") else ""
-            cells.append(f"{_num(k, 'aggregate_tok_s')} ({_num(m, 'aggregate_tok_s')}){resent}")
+            cells.append(_streams_cell(k, m, n))
         extras = [_num(b.get(("kapitsa", n)), "first_burst_extra_s") for n in streams]
         cells.append(" / ".join(extras))
         cells.append(f"{warmup[shape]:.1f}" if shape in warmup else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _streams_cell(kapitsa: dict | None, mlxlm: dict | None, streams: int) -> str:
+    """kapitsa's aggregate at `streams` (mlx-lm's), and what the bursts' rows met: rows sent back
+    by an out-of-memory step, in the timed burst or the first one. A burst that ran under a limit
+    below `streams` (halved after such a step) ran in waves, and its rate is no `streams` figure."""
+    k = kapitsa or {}
+    limit = k.get("limit")
+    if limit is not None and limit < streams:
+        cell = f"not measured: ran at most {limit} at once ({_num(mlxlm, 'aggregate_tok_s')})"
+    else:
+        cell = f"{_num(kapitsa, 'aggregate_tok_s')} ({_num(mlxlm, 'aggregate_tok_s')})"
+    if k.get("sent_back"):
+        cell += f", {k['sent_back']} rows sent back"
+    if k.get("first_burst_sent_back"):
+        cell += f", its first burst sent {k['first_burst_sent_back']} rows back"
+    return cell
 
 
 def summary_of(timed: list[dict]) -> dict:

@@ -270,6 +270,11 @@ def test_batch_sweep_times_both_engines_per_stream_count() -> None:
     assert all(r["aggregate_tok_s"] > 0 and r["wall_s"] > 0 for r in rows)
     # kapitsa's first burst of a size is timed against a second one; mlx-lm's warms up on short prompts
     assert all(("first_burst_extra_s" in r) == (r["engine"] == "kapitsa") for r in rows)
+    # nothing ran out of memory: the full batch was allowed, and no row of either burst went back
+    kapitsa = [r for r in rows if r["engine"] == "kapitsa"]
+    assert all(
+        r["limit"] >= r["streams"] and r["sent_back"] == r["first_burst_sent_back"] == 0 for r in kapitsa
+    )
 
 
 def test_decode_gaps_times_every_case_and_sums_them_up() -> None:

@@ -92,6 +92,24 @@ def test_a_burst_with_rows_sent_back_says_so() -> None:
     assert "| 400.0 (-) | 500.0 (-), 16 rows sent back |" in text
 
 
+def test_a_burst_run_under_a_halved_limit_is_no_figure_of_its_streams() -> None:
+    """The first 16-stream burst ran out of memory and sent its rows back, halving the limit; the
+    timed burst then ran 8 at a time, in two waves: its rate is not a 16-stream rate."""
+    from lab.results_table import table
+
+    rows = [
+        dict(shape="27b", engine="kapitsa", streams=8, aggregate_tok_s=389.4, sent_back=0, limit=16),
+        dict(
+            shape="27b", engine="kapitsa", streams=16, aggregate_tok_s=767.9, sent_back=0, limit=8,
+            first_burst_sent_back=16, first_burst_extra_s=4.3,
+        ),
+        dict(shape="27b", engine="mlx-lm", streams=16, aggregate_tok_s=80.3),
+    ]  # fmt: skip
+    text = table(rows)
+    assert "| 389.4 (-) |" in text and "767.9" not in text
+    assert "not measured: ran at most 8 at once (80.3), its first burst sent 16 rows back |" in text
+
+
 CUT_LOG = """checkpoint /tmp/x/shape-27b written in 20.1 s
 [kapitsa] 1/2 decode_short · ETA …
 [kapitsa] decode_short: decode_tok_s=150.0 ttft_s=0.42 prompt_tokens=199 completion_tokens=128
