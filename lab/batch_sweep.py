@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import shutil
+import subprocess
 import time
 
 import mlx.core as mx
@@ -119,13 +121,37 @@ def sweep(
 
 
 def _memory_gb() -> dict:
-    """MLX's memory after a burst: what arrays hold, its buffer cache, the process's peak."""
+    """MLX's memory after a burst: what arrays hold, its buffer cache, the process's peak; on an
+    NVIDIA GPU also what the device has in use in all (`device_used_gb`, from nvidia-smi): the gap
+    is memory outside MLX's count (its allocator's pool, CUDA graphs, cuDNN and cuBLAS workspaces),
+    where the 27B's 16-row step ran out."""
     gb = 1024**3
-    return dict(
+    out = dict(
         active_gb=round(mx.get_active_memory() / gb, 2),
         cache_gb=round(mx.get_cache_memory() / gb, 2),
         peak_gb=round(mx.get_peak_memory() / gb, 2),
     )
+    used = _device_used_mib()
+    if used is not None:
+        out["device_used_gb"] = round(used * 1024**2 / gb, 2)
+    return out
+
+
+def _device_used_mib() -> float | None:
+    """The first GPU's memory in use by every process, MiB; None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        return float(done.stdout.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def sweep_model(

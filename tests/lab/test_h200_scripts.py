@@ -421,3 +421,19 @@ def test_server_overhead_times_both_in_process_engines_and_the_server() -> None:
     assert all(r["tokens"] == [6] and r["tok_s"][0] > 0 for r in rows[:2])
     totals = rows[-1]
     assert sorted(totals["in_process"]) == ["plain", "warm"] and totals["served_tokens"] == [6]
+
+
+def test_batch_sweep_reads_the_devices_memory_in_use_from_nvidia_smi(tmp_path, monkeypatch) -> None:
+    """The gap between MLX's count and the device's is what an out-of-memory step ran into."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from lab import batch_sweep
+    finally:
+        sys.path.remove(str(ROOT))
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 40960\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert batch_sweep._memory_gb()["device_used_gb"] == 40.0
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert "device_used_gb" not in batch_sweep._memory_gb()
