@@ -3,13 +3,13 @@
 A decode step of several rows can run the device out of memory (the rows together, or memory another
 process took meanwhile). That step is lost, not the requests: each row goes back to the front of the
 queue with what it has streamed, keeps its sampler and its place, and its next prefill runs over its
-prompt and output so far, after which it decodes on. The
-engine then runs at most half as many sequences at once for `HOLD_S`, so the retry fits. A prefill
-chunk that runs out of memory beside other sequences sends its own sequence back the same way
-(`restartable`): one with no output yet starts its prompt over. Either starts from the prefix
-cache's deepest checkpoint of what it feeds: a failed step empties the cache's memory into its
-disk tier (serve keeps one), where the checkpoints its chunks wrote stay. A request sent back `MAX_SEND_BACKS` times, one that ran alone, and those
-`resumable` and `restartable` turn down fail as before (`memory.AloneFailures`).
+prompt and output so far, after which it decodes on. The engine then runs at most half as many
+sequences at once for `HOLD_S`, so the retry fits. A prefill chunk that runs out of memory beside
+other sequences sends its own sequence back the same way (`restartable`): one with no output yet
+starts its prompt over. Either starts from the prefix cache's deepest checkpoint of what it feeds:
+a failed step empties the cache's memory into its disk tier (serve keeps one), where the
+checkpoints its chunks wrote stay. A request sent back `MAX_SEND_BACKS` times, one that ran alone,
+and those `resumable` and `restartable` turn down fail as before (`memory.AloneFailures`).
 """
 
 from __future__ import annotations
@@ -68,13 +68,9 @@ def prepare_restart(seq: Sequence, memory: MemoryBudget) -> None:
     queue: it drops its cache, sampler and reservation, and the checkpoint boundaries its start
     planned beside its messages' (the new start plans them again); admission and
     `prefill_start.start` make the rest again, from the prefix cache's deepest checkpoint."""
-    seq.cache = seq.prompt_tail = seq.pending_logits = seq.sampler = None
-    memory.release(seq.reserved_bytes)
-    seq.reserved_bytes = 0
-    seq.num_processed = 0
+    seq.sampler = None
     seq.boundaries = [b for b in seq.boundaries if b.kind in MESSAGE_KINDS]
-    seq.arrival = time.perf_counter()  # its wait for memory (`queue_timeout_s`) starts again
-    seq.times_sent_back += 1
+    _drop_step_state(seq, memory)
 
 
 def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
@@ -82,12 +78,18 @@ def prepare_resume(seq: Sequence, memory: MemoryBudget) -> None:
     cache and its reservation (admission reserves again) and is marked to resume."""
     if seq.sampler is not None:
         seq.sampler.forget_queued(seq.prompt_ids, seq.output_ids)
+    seq.resuming = True
+    _drop_step_state(seq, memory)
+
+
+def _drop_step_state(seq: Sequence, memory: MemoryBudget) -> None:
+    """What a sequence sent back gives up either way: its cache and reservation (admission reserves
+    again), its place in its prefill; and its wait for memory starts again."""
     seq.cache = seq.prompt_tail = seq.pending_logits = None
     memory.release(seq.reserved_bytes)
     seq.reserved_bytes = 0
     seq.num_processed = 0
-    seq.arrival = time.perf_counter()  # its wait for memory (`queue_timeout_s`) starts again
-    seq.resuming = True
+    seq.arrival = time.perf_counter()  # (`queue_timeout_s`)
     seq.times_sent_back += 1
 
 
