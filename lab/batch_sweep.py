@@ -32,6 +32,7 @@ from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.types import (
     ModelInfo,
 )
+from lab.device_memory import DeviceProbe, Sampler
 from lab.engine_timing import DEFAULTS, _Tokenizer, emit, stream
 from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_model, prompt_ids
 
@@ -72,8 +73,11 @@ def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dic
     # at most this many run at once: the configured batch, halved for a while after an
     # out-of-memory step sent rows back (runner/send_back.py), when a burst runs in waves
     limit = client.engine.batch_limit.current(start)
+    sampler = Sampler(DeviceProbe(), interval_s=0.05)  # a read every 50 ms: no weight on the timing
+    sampler.start()
     results = asyncio.run(run())
     wall = time.perf_counter() - start
+    during = sampler.stop()
     all_decoding = max(r[1] for r in results)
     span = max(r[2] for r in results) - all_decoding
     after_first = sum(len(r[3]) - 1 for r in results)
@@ -84,7 +88,18 @@ def burst(client: InProcessEngine, prompts: list[list[int]], tokens: int) -> dic
         aggregate_tok_s=round(after_first / max(span, 1e-9), 2),
         sent_back=resent,
         limit=limit,
+        **_highest_gb(during),
     )
+
+
+def _highest_gb(samples: list[dict]) -> dict:
+    """The burst's highest device use (NVML) and MLX buffer cache: the sweep's memory lines come
+    after the burst, when the engine has handed its cache back."""
+    out = {"burst_max_cache_gb": round(max(s["cache"] for s in samples), 2)} if samples else {}
+    used = [s["device_used"] for s in samples if s.get("device_used") is not None]
+    if used:
+        out["burst_max_device_used_gb"] = round(max(used), 2)
+    return out
 
 
 def mlxlm_burst(model, prompts: list[list[int]], tokens: int) -> dict:

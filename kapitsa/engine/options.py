@@ -151,6 +151,9 @@ class EngineConfig:
     disk_cache_bytes: int = 8 * GIB  # the whole disk_cache_dir, every model's folder in it together
     disk_write_delay_s: float = 1.0  # a new system/turn checkpoint is on disk this long after it is made
     memory_limit_bytes: int | None = None  # None: the device's limit
+    # freed buffers MLX keeps for reuse while the engine runs; None: an eighth of the memory limit
+    # (runner/memory.py, at least 1 GiB), 0: none kept
+    buffer_cache_bytes: int | None = None
     queue_timeout_s: float = 120.0  # a request waiting longer for memory gets EngineBusy
     max_queued: int = 256
     model_key: str = "model"  # names the disk-tier folder: weights + dtype + template identity
@@ -178,6 +181,8 @@ class EngineConfig:
             raise ValueError(
                 f"warm_prefill lengths must lie between 1 and prefill_chunk ({self.prefill_chunk})"
             )
+        if self.buffer_cache_bytes is not None and self.buffer_cache_bytes < 0:
+            raise ValueError("buffer_cache_bytes must be >= 0 (0: keep no freed buffers)")
         if self.resident_conversations < 0:
             raise ValueError("resident_conversations must be >= 0")
         if self.kv_bits not in KV_BITS_CHOICES:

@@ -11,6 +11,7 @@ import weakref
 import mlx.core as mx
 import pytest
 
+from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.memory import AloneFailures, DoesNotFit, failure_error
 from kapitsa.engine.types import ErrorEvent, GenerationRequest, SamplingParams, TokenEvent
 from kapitsa.errors import EngineBusy, InvalidRequest, KapitsaError
@@ -245,3 +246,31 @@ def test_the_memory_limit_is_capped_by_mlxs_allocator(monkeypatch) -> None:
     assert memory.device_memory_limit() == 76 * 2**30
     monkeypatch.setattr(mx, "get_memory_limit", lambda: 0)
     assert memory.device_memory_limit() == 80 * 2**30
+
+
+def test_the_engine_bounds_mlxs_buffer_cache_and_gives_the_bound_back(qwen_model, make_client) -> None:
+    """MLX would keep freed buffers up to its memory limit; the engine keeps an eighth of the limit
+    (at least 1 GiB) or what its options say while it runs, and restores the process's bound when
+    it closes."""
+    from kapitsa.engine.runner import memory
+
+    assert memory.buffer_cache_limit(80 * 2**30) == 10 * 2**30
+    assert memory.buffer_cache_limit(4 * 2**30) == 2**30
+    outer = 7 * 2**30 + 12345
+    before = mx.set_cache_limit(outer)
+    try:
+        client = make_client(qwen_model, memory_limit_bytes=24 * 2**30)
+        assert mx.set_cache_limit(client.engine._outer_cache_limit) == 3 * 2**30
+        client.close()
+        assert mx.set_cache_limit(outer) == outer
+        chosen = make_client(qwen_model, buffer_cache_bytes=5 * 2**20)
+        assert mx.set_cache_limit(chosen.engine._outer_cache_limit) == 5 * 2**20
+        chosen.close()
+        assert mx.set_cache_limit(outer) == outer
+    finally:
+        mx.set_cache_limit(before)
+
+
+def test_a_negative_buffer_cache_is_refused() -> None:
+    with pytest.raises(ValueError, match="buffer_cache_bytes"):
+        EngineConfig(buffer_cache_bytes=-1)

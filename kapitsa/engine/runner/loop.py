@@ -26,6 +26,7 @@ from kapitsa.engine.runner.inbox import Abort, Prefetch, Stop, fail_queued
 from kapitsa.engine.runner.memory import (
     AloneFailures,
     MemoryBudget,
+    buffer_cache_limit,
     device_memory_limit,
     is_out_of_memory,
     periodic_checkpoint_interval,
@@ -78,6 +79,11 @@ class Engine:
             limit_bytes=limit,
             weights_bytes=mx.get_active_memory(),
             prefill_chunk=self.config.prefill_chunk,
+        )
+        cache_bytes = self.config.buffer_cache_bytes
+        # process-wide in MLX: the previous limit comes back when the engine thread ends
+        self._outer_cache_limit = mx.set_cache_limit(
+            buffer_cache_limit(limit) if cache_bytes is None else cache_bytes
         )
         self.prefix = make_prefix_cache(self.config, self.memory, self.runner)
         self.checkpoint_interval = self.config.checkpoint_interval or periodic_checkpoint_interval(
@@ -145,6 +151,7 @@ class Engine:
             self._fail_all(EngineDead(f"the engine stopped after an internal error: {err}"))
         finally:
             self.alive = False
+            mx.set_cache_limit(self._outer_cache_limit)
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Apply queued submissions and aborts; False once asked to stop."""
@@ -179,6 +186,7 @@ class Engine:
                 self.prefix.flush_to_disk()
             except Exception:  # noqa: BLE001 - a failed flush only loses cache entries
                 log.exception("could not flush the prefix cache to disk")
+        mx.set_cache_limit(self._outer_cache_limit)  # before the closer goes on
         stop.done.set()
 
     # --- admission -------------------------------------------------------------------------

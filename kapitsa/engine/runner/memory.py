@@ -41,6 +41,20 @@ def device_memory_limit() -> int:
     return min(size, allocator) if allocator > 0 else size
 
 
+# MLX keeps freed buffers for reuse up to its memory limit unless told otherwise. A batch that
+# grows row by row leaves buffers of every row count behind (recurrent states and caches per
+# size), and on CUDA the allocator trims its cache only at the limit, where stream-ordered frees
+# may not have landed when the next allocation needs them. An eighth of the limit holds what a
+# step frees for the next one to reuse and keeps the cache far from that edge.
+BUFFER_CACHE_SHARE = 8
+MIN_BUFFER_CACHE = 1 * GIB
+
+
+def buffer_cache_limit(limit_bytes: int) -> int:
+    """Bytes of freed buffers MLX keeps for reuse under a memory limit of `limit_bytes`."""
+    return max(MIN_BUFFER_CACHE, limit_bytes // BUFFER_CACHE_SHARE)
+
+
 def _device_size() -> int:
     info = mx.device_info()
     for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
