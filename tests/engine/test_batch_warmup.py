@@ -202,6 +202,68 @@ async def test_the_idle_engine_prefills_each_length_fresh_and_continued(
     assert await _burst(client) == expected
 
 
+def test_every_prefill_chunk_is_built_before_the_first_runs(monkeypatch) -> None:
+    """Building a chunk hands its kernels to the compile workers (on CUDA): all of them are built
+    before the first throwaway chunk runs, so the lengths compile side by side, and the chunks
+    wait for those compiles before they run."""
+    from tests.models.builders import build_ours
+
+    runner = ModelRunner.for_config(build_ours("qwen3_5_dense"), EngineConfig())
+    calls: list[tuple[str, int]] = []
+    real_build, real_prefill = ModelRunner.build_prefill, ModelRunner.prefill
+    monkeypatch.setattr(
+        ModelRunner,
+        "build_prefill",
+        lambda self, cache, tokens: calls.append(("build", len(tokens))) or real_build(self, cache, tokens),
+    )
+    monkeypatch.setattr(
+        ModelRunner,
+        "prefill",
+        lambda self, cache, tokens, **kw: (
+            calls.append(("run", len(tokens))) or real_prefill(self, cache, tokens, **kw)
+        ),
+    )
+    compiling = [True]  # the first idle turn finds the built chunks' kernels still compiling
+    monkeypatch.setattr(
+        warmup.cuda_disk_cache, "compiles_running", lambda wait_s=0.0: compiling.pop() if compiling else False
+    )
+    warm = warmup.BatchWarmup((), prefill_lengths=(31, 64))
+    assert warm.run_one(runner) and calls == [
+        ("build", 31),
+        ("build", warmup.FIRST_CHUNK),
+        ("build", 31),
+        ("build", 64),
+        ("build", warmup.FIRST_CHUNK),
+        ("build", 64),
+    ]
+    while warm.run_one(runner):
+        pass
+    first = warmup.FIRST_CHUNK
+    assert [c for c in calls if c[0] == "run"] == [("run", n) for n in (31, first, 31, 64, first, 64)]
+    assert warm.prefill_pending == [] and ("build", 31) not in calls[6:]
+
+
+def test_a_failing_prefill_build_leaves_the_chunks_to_run(monkeypatch) -> None:
+    from tests.models.builders import build_ours
+
+    runner = ModelRunner.for_config(build_ours("qwen3_5_dense"), EngineConfig())
+
+    def broken(self, cache, tokens):
+        raise RuntimeError("cannot build")
+
+    ran, real_prefill = [], ModelRunner.prefill
+    monkeypatch.setattr(ModelRunner, "build_prefill", broken)
+    monkeypatch.setattr(
+        ModelRunner,
+        "prefill",
+        lambda self, cache, tokens, **kw: ran.append(len(tokens)) or real_prefill(self, cache, tokens, **kw),
+    )
+    warm = warmup.BatchWarmup((), prefill_lengths=(31,))
+    while warm.run_one(runner):
+        pass
+    assert warm.prefill_pending == [] and ran == [31, warmup.FIRST_CHUNK, 31]
+
+
 async def test_a_failing_prefill_warm_up_is_skipped_and_the_engine_serves(
     qwen_model, make_client, monkeypatch
 ) -> None:

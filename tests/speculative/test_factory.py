@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.options import KernelOptions
 from kapitsa.engine.speculative.factory import make_decode_strategy
 from tests.models.builders import build_ours
@@ -145,15 +146,27 @@ def test_every_width_is_built_before_any_is_timed(monkeypatch) -> None:  # noqa:
         calls.append("eval")
         return real_eval(*arrays)
 
+    real_rollback = HybridCache.rollback
+
+    def rollback(self, n):  # noqa: ANN001, ANN202
+        calls.append(f"rollback {n}")
+        return real_rollback(self, n)
+
     monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(HybridCache, "rollback", rollback)
     monkeypatch.setattr(cost.mx, "eval", evaluate)
     monkeypatch.setattr(cost.cuda_disk_cache, "drain", lambda timeout_s=None: calls.append("drain"))
     timed = cost.gpu_width_timings(model, (2, 4))
     assert sorted(timed) == [1, 2, 4] and all(t > 0 for t in timed.values())
     built = calls[: calls.index("eval")]
+    # each width's forward and the rollback a timing runs after it (its masked replay): built
+    # before anything is evaluated
     assert [c for c in built if c != f"build {cost.CONTEXT_TOKENS}"] == [
         "build 1",
+        "rollback [1]",
         "build 2",
+        "rollback [2]",
         "build 4",
+        "rollback [4]",
         "drain",
     ]

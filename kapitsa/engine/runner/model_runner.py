@@ -126,6 +126,12 @@ class ModelRunner:
         mx.eval(logits, *cache.state_arrays(), *([] if tail is None else tail.arrays()))
         return list(logits)
 
+    def build_prefill(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
+        """`prefill`'s graph for a batch-1 cache, built and not evaluated: building it hands the
+        custom kernels it launches to the compile workers (kernels/cuda_disk_cache.py)."""
+        out = self.model.forward(mx.array([list(tokens)], dtype=mx.int32), cache)
+        return self.model.logits(out.hidden[:, mx.array([len(tokens) - 1], dtype=mx.int32), :])[0, 0]
+
     def _keep_tail(self, tail: PromptTail, out: ForwardOutput, end: int) -> None:
         """Hand `tail` the last rows of a batch-1 chunk forward that ends at prompt position `end`."""
         first = max(0, out.hidden.shape[1] - tail.request.window)

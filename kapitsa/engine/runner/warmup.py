@@ -13,7 +13,8 @@ are on disk (kernels/cuda_disk_cache.py), so on CUDA they compile side by side. 
 `EngineConfig.warm_prefill` asks, it prefills throwaway chunks of the lengths a prompt's chunks
 compile kernels for (the recurrent kernels' token counts: gdn_prefill.py pads a chunk past 16
 tokens to a power of two, masked when it was shorter), from an empty cache and after a first
-chunk, so a first request's prompt finds them compiled. A request, abort or stop that arrives
+chunk, so a first request's prompt finds them compiled; every chunk is built before the first
+runs, so their kernels also compile side by side. A request, abort or stop that arrives
 meanwhile waits at most for one throwaway step: the warm-up checks between steps and resumes
 later.
 """
@@ -89,6 +90,7 @@ class BatchWarmup:
         self.memory, self.prefix, self.busy = memory, prefix, busy
         self._bases: list[HybridCache] = []  # one-row caches of 1..WARM_LENGTHS tokens, while warming
         self._built: set[int] = set()  # sizes whose steps were built ahead (`build_decode_step`)
+        self._prefills_built = False  # the pending prefill chunks built ahead (`build_prefill`)
 
     @classmethod
     def for_config(cls, config: EngineConfig, memory: MemoryBudget, prefix, inbox) -> BatchWarmup:  # noqa: ANN001
@@ -155,6 +157,16 @@ class BatchWarmup:
         """The next throwaway prefill chunk; False when none is left or work has arrived."""
         if not self.prefill_pending or self.busy():
             return False
+        started, cache = time.perf_counter(), None
+        if not self._prefills_built:
+            try:
+                self._build_prefills(runner)
+            except Exception:  # noqa: BLE001 - an optional speed-up must never stop the engine
+                log.exception("building the prefill chunks ahead failed; they compile as they run")
+            self._prefills_built = True
+        if cuda_disk_cache.compiles_running(COMPILE_WAIT_S):
+            self.seconds += time.perf_counter() - started
+            return True  # the chunks' kernels are still compiling: run them once on disk
         tokens, after = self.prefill_pending[0]
         first = min(FIRST_CHUNK, tokens) if after else 0
         if self.memory is not None and not self.memory.fits_now(
@@ -162,7 +174,6 @@ class BatchWarmup:
         ):
             self.prefill_pending.pop(0)  # not now: this one is left out, the smaller ones ran already
             return True
-        started, cache = time.perf_counter(), None
         try:
             cache = runner.new_cache()
             if after:
@@ -179,6 +190,16 @@ class BatchWarmup:
         if not self.prefill_pending:
             log.info("prefill chunks ready (%.1f s of warm-up in all)", self.seconds)
         return True
+
+    def _build_prefills(self, runner: ModelRunner) -> None:
+        """Build every pending throwaway chunk (never run) before the first runs: building hands
+        their kernels to the compile workers, so the lengths compile side by side."""
+        for tokens, after in self.prefill_pending:
+            cache = runner.new_cache()
+            first = min(FIRST_CHUNK, tokens) if after else 0
+            if first:
+                runner.build_prefill(cache, [0] * first)
+            runner.build_prefill(cache, [0] * tokens)
 
     def _base_caches(self, runner: ModelRunner) -> list[HybridCache]:
         if not self._bases:

@@ -92,13 +92,16 @@ def gpu_width_timings(model, widths: Sequence[int]) -> dict[int, float]:  # noqa
 
 
 def _build_forward(model, width: int) -> None:  # noqa: ANN001 - a kapitsa HybridLM
-    """A timed forward of `width` tokens built on a throwaway cache and never run: building it hands
-    each custom kernel it launches to the compile workers (kernels/cuda_disk_cache.py), so every
-    width's kernels compile side by side, and are on disk, before the timings run them."""
+    """A timed forward of `width` tokens and its rollback, built on a throwaway cache and never run:
+    building them hands each custom kernel they launch to the compile workers
+    (kernels/cuda_disk_cache.py), so every width's kernels (the rollback's masked replay is a
+    recurrent kernel of its own) compile side by side, and are on disk, before the timings run them."""
     cache = model.make_cache(1)
     model(mx.array([[1] * CONTEXT_TOKENS], dtype=mx.int32), cache)
     out = model.forward(mx.array([[1] * width], dtype=mx.int32), cache, lengths=[width], record=True)
     model.logits(out.hidden)
+    cache.rollback([width])
+    cache.state_arrays()
 
 
 def takes_long_drafts(timed: dict[int, float]) -> bool:
