@@ -53,10 +53,10 @@
 #                                       MLX's attention; lab/kv_step_cost.py), then the 4B's step
 #                                       build / encode / wait after 512 and 8192 tokens, attention
 #                                       kernels on and off (lab/long_context_step.py)
-#   bash lab/h200_all.sh overhead     one stream's decode in process (opened as the bench does, then as serve
-#                                       does) and through `kapitsa serve`, with each thread's CPU per
-#                                       token, on $OVERHEAD_SHAPE (default nemotron-30b-a3b;
-#                                       lab/server_overhead.py)
+#   bash lab/h200_all.sh overhead     one stream's decode in process (opened as the bench does, and as serve
+#                                       does) and through `kapitsa serve`, rounds interleaved, with each
+#                                       thread's CPU per token, on $OVERHEAD_SHAPES (default
+#                                       nemotron-30b-a3b; lab/server_overhead.py)
 #   bash lab/h200_all.sh nvrtc        $NVRTC_COUNT (default 16) distinct GDN kernel sources compiled one after another,
 #                                       on 8 threads in-process, and on 8 threads each running a child
 #                                       process (what the disk cache does; lab/nvrtc_parallel.py)
@@ -242,8 +242,14 @@ case "$part" in
     ;;
   overhead)
     [ -f "$root/.gpu/serve/install.sh" ] && bash "$root/.gpu/serve/install.sh"
-    timeout "${OVERHEAD_TIMEOUT:-400}" $py lab/server_overhead.py --shape "${OVERHEAD_SHAPE:-nemotron-30b-a3b}" \
-      --speculative auto --ignore-eos --tokens "${TOKENS:-128}" --rounds "${ROUNDS:-3}" 2>&1 | tee "$out/overhead.log" | grep '^{'
+    # per shape: serve and two engines in this process (as the bench opens one, as serve does),
+    # their rounds interleaved; three copies of the weights on the device at once
+    : > "$out/overhead.log"
+    for shape in ${OVERHEAD_SHAPES:-nemotron-30b-a3b}; do
+      timeout "${OVERHEAD_TIMEOUT:-400}" $py lab/server_overhead.py --shape "$shape" --speculative auto \
+        --ignore-eos --tokens "${TOKENS:-128}" --rounds "${ROUNDS:-5}" 2>&1 | sed "s/^{/{\"shape\": \"$shape\", /" \
+        | tee -a "$out/overhead.log" | grep '^{'
+    done
     ;;
   nvrtc)
     # whether the start's kernel compiles run side by side with MLX's NVRTC on this machine

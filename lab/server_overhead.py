@@ -6,15 +6,17 @@ with the sampling the server uses (the checkpoint's defaults, its EOS decay incl
     python lab/server_overhead.py --model demo --tokens 128 --rounds 4
     python lab/server_overhead.py --shape nemotron-30b-a3b --speculative auto --ignore-eos   # GPU
 
-The engine in process runs as `--in-process` says, each its own engine one after the other:
-`plain` as `kapitsa bench` opens it (no idle warm-up), `warm` as `kapitsa serve` opens it (its
+The engines in process are as `--in-process` says, all open beside the server at once:
+`plain` as `kapitsa bench` opens one (no idle warm-up), `warm` as `kapitsa serve` opens one (its
 decode batch sizes and prefill lengths readied while idle, waited for before the rounds). On the
 H100 the bench's plain engine decoded Nemotron at about half of serve's speed; the two show
-whether the warm-up is what differs.
+whether the warm-up is what differs. Each round times one request on every side, in an order
+that turns from round to round, so a host whose speed drifts over minutes weighs on all sides
+alike; the overhead is one minus served over in-process, medians of the rounds.
 
-Where the time goes on a small machine: CPU milliseconds per token of the client (this process,
-reading the stream) and of each of the server's threads (from /proc, Linux only; the busiest
-first: the engine thread, the event loop, MLX's and BLAS's workers), over the served rounds.
+Where the time goes: CPU milliseconds per token of each thread of the side's process (from /proc,
+Linux only; the busiest first: the engine thread, the event loop, MLX's and BLAS's workers), and
+for the server the client's (this process, reading the stream), over the side's rounds.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -32,8 +36,8 @@ from pathlib import Path
 import httpx
 
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from kapitsa.opener import hand_back_memory, open_engine
-from lab.server_bench import free_port, server, write_checkpoint
+from kapitsa.opener import open_engine
+from lab.server_bench import free_port, server, wait_warm, write_checkpoint
 
 MESSAGES = [
     {"role": "user", "content": "Write a long Python module with many small functions and docstrings."}
@@ -64,12 +68,6 @@ def _thread_cpu_s(pid: int) -> dict[int, float]:
     return out
 
 
-def _cpu_ms_per_token(before: dict[int, float], after: dict[int, float], tokens: int) -> list[float]:
-    """Each thread's CPU milliseconds per token over the interval, busiest first (idle ones left out)."""
-    used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
-    return [round(1e3 * s / tokens, 2) for s in used if s > 0]
-
-
 def _over_http(url: str, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:
     """(tok/s after the first text chunk, completion tokens by the final usage chunk)."""
     body = {"messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True}
@@ -94,6 +92,36 @@ def _until_warm(engine, timeout_s: float = 600.0) -> float:  # noqa: ANN001 - an
     while engine.stats().warm_batches_pending and time.monotonic() - started < timeout_s:
         time.sleep(0.1)
     return round(time.monotonic() - started, 1)
+
+
+class Side:
+    """One way of running the request (an engine in this process, or the server over HTTP), its
+    rounds' tok/s and the CPU its threads spent on them."""
+
+    def __init__(self, name: str, run, pid: int) -> None:  # noqa: ANN001 - run(tokens) -> (tok/s, tokens)
+        self.name, self.run, self.pid = name, run, pid
+        self.tok_s: list[float] = []
+        self.tokens = 0
+        self.thread_cpu: dict[int, float] = {}  # CPU seconds per thread over the timed rounds
+        self.client_cpu_s = 0.0  # this process's CPU over the served rounds (the HTTP client)
+
+    def round(self, tokens: int) -> None:
+        before, client = _thread_cpu_s(self.pid), time.process_time()
+        rate, count = self.run(tokens)
+        after = _thread_cpu_s(self.pid)
+        for thread, cpu in after.items():
+            self.thread_cpu[thread] = self.thread_cpu.get(thread, 0.0) + cpu - before.get(thread, 0.0)
+        self.client_cpu_s += time.process_time() - client
+        self.tok_s.append(round(rate, 1))
+        self.tokens += count
+
+    def row(self) -> dict:
+        per_token = sorted((1e3 * s / max(self.tokens, 1) for s in self.thread_cpu.values()), reverse=True)
+        out = dict(side=self.name, tok_s=self.tok_s, median_tok_s=round(statistics.median(self.tok_s), 1))
+        out["thread_cpu_ms_per_token"] = [round(ms, 2) for ms in per_token if ms > 0]
+        if self.pid != os.getpid():
+            out["client_cpu_ms_per_token"] = round(1e3 * self.client_cpu_s / max(self.tokens, 1), 2)
+        return out
 
 
 def main() -> None:
@@ -123,47 +151,41 @@ def main() -> None:
     if args.shape:
         work = Path(tempfile.gettempdir()) / "kapitsa-server-overhead"
         args.model = str(write_checkpoint(args.shape, work / f"shape-{args.shape}", args.tiny))
-    rows = {}
-    for variant in args.in_process:
-        engine = open_engine(args.model, speculative=args.speculative, warm_batches=variant == "warm")
-        with contextlib.closing(engine):
-            warm_s = _until_warm(engine)
-            asyncio.run(_in_process(engine, 8))  # one-time costs outside the timing, as for the server
-            threads = _thread_cpu_s(os.getpid())
-            local = [
-                asyncio.run(_in_process(engine, args.tokens, args.ignore_eos)) for _ in range(args.rounds)
-            ]
-            local_ms = _cpu_ms_per_token(threads, _thread_cpu_s(os.getpid()), sum(n for _, n in local))
-        hand_back_memory()  # the next engine and the server may share this device
-        rows[variant] = dict(
-            tok_s=[round(x, 1) for x, _ in local],
-            tokens=[n for _, n in local],
-            thread_cpu_ms_per_token=local_ms,
-            warm_up_s=warm_s,
-        )
-        print(json.dumps({"in_process": variant, **rows[variant]}), flush=True)
     port = free_port()
     argv = [sys.executable, "-m", "kapitsa", "serve", "--model", args.model, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.gettempdir()) / "kapitsa-server-overhead.log"
-    with server([*argv, "--speculative", args.speculative], f"{url}/health", log, timeout_s=120) as proc:
-        _over_http(url, 8)  # the server's first request pays its one-time costs outside the timing
-        threads, client = _thread_cpu_s(proc.pid), time.process_time()
-        served = [_over_http(url, args.tokens, args.ignore_eos) for _ in range(args.rounds)]
-        tokens = sum(n for _, n in served)
-        client_ms = 1e3 * (time.process_time() - client) / tokens
-        server_ms = _cpu_ms_per_token(threads, _thread_cpu_s(proc.pid), tokens)
-    print(
-        json.dumps(
-            dict(
-                in_process={variant: row["tok_s"] for variant, row in rows.items()},
-                served_tok_s=[round(x, 1) for x, _ in served],
-                served_tokens=[n for _, n in served],
-                client_cpu_ms_per_token=round(client_ms, 2),
-                server_thread_cpu_ms_per_token=server_ms,
-            )
+    with contextlib.ExitStack() as stack:
+        proc = stack.enter_context(
+            server([*argv, "--speculative", args.speculative], f"{url}/health", log, 300)
         )
+        sides = []
+        for variant in args.in_process:
+            engine = open_engine(args.model, speculative=args.speculative, warm_batches=variant == "warm")
+            stack.callback(engine.close)
+            print(json.dumps({"in_process": variant, "warm_up_s": _until_warm(engine)}), flush=True)
+            run = functools.partial(_run_in_process, engine, ignore_eos=args.ignore_eos)
+            sides.append(Side(f"in process, {variant}", run, os.getpid()))
+        print(json.dumps({"served": True, "warm_up_s": wait_warm(url, 600)}), flush=True)
+        sides.append(Side("served", functools.partial(_over_http, url, ignore_eos=args.ignore_eos), proc.pid))
+        for side in sides:
+            side.run(8)  # one-time costs outside the timing
+        # every side's rounds interleaved, the order turned each round: the host's speed drifts
+        # over minutes (a fifth between rounds on one machine), more than the overhead to resolve
+        for r in range(args.rounds):
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                side.round(args.tokens)
+        rows = [side.row() for side in sides]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    served = rows[-1]["median_tok_s"]
+    print(
+        json.dumps({f"overhead_vs_{r['side']}": round(1 - served / r["median_tok_s"], 4) for r in rows[:-1]})
     )
+
+
+def _run_in_process(engine, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:  # noqa: ANN001
+    return asyncio.run(_in_process(engine, tokens, ignore_eos))
 
 
 if __name__ == "__main__":
