@@ -5,6 +5,7 @@ each figure None where its library is absent (the CPU). `Sampler` reads them on 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -63,9 +64,15 @@ def _open_nvml():
     except OSError:
         return None, None
     handle = ctypes.c_void_p()
-    if nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)):
+    if nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(_physical_index(), ctypes.byref(handle)):
         return None, None
     return nvml, handle
+
+
+def _physical_index() -> int:
+    """NVML's index of MLX's device 0: NVML ignores CUDA_VISIBLE_DEVICES, MLX does not."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
 
 
 def _loaded_cudart():

@@ -28,6 +28,8 @@ from lab.models_under_test import DTYPE, SHAPES, TINY, kapitsa_model, mlxlm_mode
 
 def summary(samples: list[dict], start: float) -> dict:
     """Each figure's maximum, and the samples (rounded) around the device's highest use."""
+    if not samples:
+        return {"samples": 0}
     keys = [k for k in samples[0] if k != "t"]
     out = {f"max_{k}_gb": round(max(s[k] or 0.0 for s in samples), 2) for k in keys}
     focus = "device_used" if "device_used" in keys else "active"

@@ -243,6 +243,43 @@ def test_every_prefill_chunk_is_built_before_the_first_runs(monkeypatch) -> None
     assert warm.prefill_pending == [] and ("build", 31) not in calls[6:]
 
 
+def test_a_long_chunk_is_built_without_running_any_of_it(monkeypatch) -> None:
+    """On a GPU a chunk of 256 rows or more sends its layers to the device one by one as it builds
+    them (models/base.py LAYER_QUEUE_ROWS); a chunk built only for its kernels evaluates nothing."""
+    from kapitsa.engine.models import base
+    from kapitsa.engine.ops import device_queue
+    from tests.models.builders import build_ours
+
+    runner = ModelRunner.for_config(build_ours("qwen3_5_dense"), EngineConfig())
+    monkeypatch.setattr(base, "_on_gpu", lambda: True)
+    evaluated = []
+    monkeypatch.setattr(device_queue.mx, "async_eval", lambda *a: evaluated.append("async_eval"))
+    monkeypatch.setattr(device_queue.mx, "eval", lambda *a: evaluated.append("eval"))
+    runner.build_prefill(runner.new_cache(), [0] * (base.LAYER_QUEUE_ROWS + 40))
+    assert evaluated == []
+    device_queue.send(mx.zeros((2,)), mx.zeros((2,)))  # outside the build, the queue sends again
+    assert evaluated == ["async_eval", "eval"]
+
+
+def test_the_warm_up_stops_waiting_for_compiles_after_its_limit(monkeypatch) -> None:
+    """A compile that never ends (a stuck worker) holds the throwaway chunks back for at most
+    COMPILE_WAIT_LIMIT_S; then they run, and MLX compiles what is missing itself."""
+    from tests.models.builders import build_ours
+
+    runner = ModelRunner.for_config(build_ours("qwen3_5_dense"), EngineConfig())
+    clock = [0.0]
+    monkeypatch.setattr(warmup.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(warmup.cuda_disk_cache, "compiles_running", lambda wait_s=0.0: True)
+    warm = warmup.BatchWarmup((), prefill_lengths=(31,))
+    for _ in range(3):
+        assert warm.run_one(runner) and len(warm.prefill_pending) == 2
+        clock[0] += warmup.COMPILE_WAIT_LIMIT_S / 4
+    clock[0] += warmup.COMPILE_WAIT_LIMIT_S
+    while warm.run_one(runner):
+        pass
+    assert warm.prefill_pending == []
+
+
 def test_a_failing_prefill_build_leaves_the_chunks_to_run(monkeypatch) -> None:
     from tests.models.builders import build_ours
 

@@ -248,7 +248,24 @@ def test_the_memory_limit_is_capped_by_mlxs_allocator(monkeypatch) -> None:
     assert memory.device_memory_limit() == 80 * 2**30
 
 
-def test_the_engine_bounds_mlxs_buffer_cache_and_gives_the_bound_back(qwen_model, make_client) -> None:
+def _cache_limit() -> int:
+    """MLX's buffer-cache limit now (MLX reads it only by setting another)."""
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit
+
+
+@pytest.fixture
+def outer_cache_limit():
+    outer = 7 * 2**30 + 12345
+    before = mx.set_cache_limit(outer)
+    yield outer
+    mx.set_cache_limit(before)
+
+
+def test_the_engine_bounds_mlxs_buffer_cache_and_gives_the_bound_back(
+    qwen_model, make_client, outer_cache_limit
+) -> None:
     """MLX would keep freed buffers up to its memory limit; the engine keeps an eighth of the limit
     (at least 1 GiB) or what its options say while it runs, and restores the process's bound when
     it closes."""
@@ -256,19 +273,45 @@ def test_the_engine_bounds_mlxs_buffer_cache_and_gives_the_bound_back(qwen_model
 
     assert memory.buffer_cache_limit(80 * 2**30) == 10 * 2**30
     assert memory.buffer_cache_limit(4 * 2**30) == 2**30
-    outer = 7 * 2**30 + 12345
-    before = mx.set_cache_limit(outer)
-    try:
-        client = make_client(qwen_model, memory_limit_bytes=24 * 2**30)
-        assert mx.set_cache_limit(client.engine._outer_cache_limit) == 3 * 2**30
-        client.close()
-        assert mx.set_cache_limit(outer) == outer
-        chosen = make_client(qwen_model, buffer_cache_bytes=5 * 2**20)
-        assert mx.set_cache_limit(chosen.engine._outer_cache_limit) == 5 * 2**20
-        chosen.close()
-        assert mx.set_cache_limit(outer) == outer
-    finally:
-        mx.set_cache_limit(before)
+    client = make_client(qwen_model, memory_limit_bytes=24 * 2**30)
+    assert _cache_limit() == 3 * 2**30
+    client.close()
+    assert _cache_limit() == outer_cache_limit
+    chosen = make_client(qwen_model, buffer_cache_bytes=5 * 2**20)
+    assert _cache_limit() == 5 * 2**20
+    chosen.close()
+    assert _cache_limit() == outer_cache_limit
+
+
+def test_engines_that_overlap_hold_the_smallest_bound_and_the_last_restores(
+    qwen_model, make_client, outer_cache_limit
+) -> None:
+    a = make_client(qwen_model, buffer_cache_bytes=2**30)
+    b = make_client(qwen_model, buffer_cache_bytes=2 * 2**30)
+    assert _cache_limit() == 2**30
+    a.close()  # not the last opened: b's bound stays
+    assert _cache_limit() == 2 * 2**30
+    late = a.engine._cache_holder  # a's engine thread letting go again after b took over
+    from kapitsa.engine.runner.memory import BUFFER_CACHE
+
+    BUFFER_CACHE.release(late)
+    assert _cache_limit() == 2 * 2**30
+    b.close()
+    assert _cache_limit() == outer_cache_limit
+
+
+def test_an_engine_that_fails_to_open_leaves_the_bound_alone(
+    qwen_model, make_client, outer_cache_limit, monkeypatch
+) -> None:
+    from kapitsa.engine.runner import loop
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no warm-up today")
+
+    monkeypatch.setattr(loop.BatchWarmup, "for_config", refuse)
+    with pytest.raises(RuntimeError, match="no warm-up"):
+        make_client(qwen_model)
+    assert _cache_limit() == outer_cache_limit
 
 
 def test_a_negative_buffer_cache_is_refused() -> None:

@@ -24,6 +24,7 @@ from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.runner.inbox import Abort, Prefetch, Stop, fail_queued
 from kapitsa.engine.runner.memory import (
+    BUFFER_CACHE,
     AloneFailures,
     MemoryBudget,
     buffer_cache_limit,
@@ -81,10 +82,8 @@ class Engine:
             prefill_chunk=self.config.prefill_chunk,
         )
         cache_bytes = self.config.buffer_cache_bytes
-        # process-wide in MLX: the previous limit comes back when the engine thread ends
-        self._outer_cache_limit = mx.set_cache_limit(
-            buffer_cache_limit(limit) if cache_bytes is None else cache_bytes
-        )
+        self._cache_bound = buffer_cache_limit(limit) if cache_bytes is None else cache_bytes
+        self._cache_holder = object()  # this engine's hold on the bound (not the engine: no cycle)
         self.prefix = make_prefix_cache(self.config, self.memory, self.runner)
         self.checkpoint_interval = self.config.checkpoint_interval or periodic_checkpoint_interval(
             sizes.recurrent_bytes, sizes.kv_bytes_per_token
@@ -100,7 +99,12 @@ class Engine:
             target=_thread_main, args=(weakref.ref(self),), name="kapitsa-engine", daemon=True
         )
         self.alive = True
-        self._thread.start()
+        BUFFER_CACHE.hold(self._cache_holder, self._cache_bound)  # let go when the engine stops
+        try:
+            self._thread.start()
+        except BaseException:
+            BUFFER_CACHE.release(self._cache_holder)
+            raise
 
     # --- API used from other threads ---------------------------------------------------
 
@@ -151,7 +155,7 @@ class Engine:
             self._fail_all(EngineDead(f"the engine stopped after an internal error: {err}"))
         finally:
             self.alive = False
-            mx.set_cache_limit(self._outer_cache_limit)
+            BUFFER_CACHE.release(self._cache_holder)
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Apply queued submissions and aborts; False once asked to stop."""
@@ -186,7 +190,7 @@ class Engine:
                 self.prefix.flush_to_disk()
             except Exception:  # noqa: BLE001 - a failed flush only loses cache entries
                 log.exception("could not flush the prefix cache to disk")
-        mx.set_cache_limit(self._outer_cache_limit)  # before the closer goes on
+        BUFFER_CACHE.release(self._cache_holder)  # before the closer goes on
         stop.done.set()
 
     # --- admission -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from kapitsa.engine.kernels import cpu_blas
 from kapitsa.engine.kernels.probes import probe_enabled
 from kapitsa.engine.loading.fuse import fuse_model
 from kapitsa.engine.models.base import ForwardOutput, tied_embedding, use_kernel_options
+from kapitsa.engine.ops import device_queue
 from kapitsa.engine.ops.linear import keeps_every_dense_copy, kept_dense_bytes, route_quantized_linears
 from kapitsa.engine.options import EngineConfig, KernelOptions
 from kapitsa.engine.runner.memory import StateSizes
@@ -127,10 +128,12 @@ class ModelRunner:
         return list(logits)
 
     def build_prefill(self, cache: HybridCache, tokens: Sequence[int]) -> mx.array:
-        """`prefill`'s graph for a batch-1 cache, built and not evaluated: building it hands the
+        """`prefill`'s graph for a batch-1 cache, built and not evaluated (a long chunk's layers are
+        not sent to the device one by one either: `device_queue.building`): building it hands the
         custom kernels it launches to the compile workers (kernels/cuda_disk_cache.py)."""
-        out = self.model.forward(mx.array([list(tokens)], dtype=mx.int32), cache)
-        return self.model.logits(out.hidden[:, mx.array([len(tokens) - 1], dtype=mx.int32), :])[0, 0]
+        with device_queue.building():
+            out = self.model.forward(mx.array([list(tokens)], dtype=mx.int32), cache)
+            return self.model.logits(out.hidden[:, mx.array([len(tokens) - 1], dtype=mx.int32), :])[0, 0]
 
     def _keep_tail(self, tail: PromptTail, out: ForwardOutput, end: int) -> None:
         """Hand `tail` the last rows of a batch-1 chunk forward that ends at prompt position `end`."""

@@ -47,6 +47,9 @@ FIRST_CHUNK = 31
 # How long one idle turn waits for the built steps' kernels to compile before it hands the engine
 # thread back to its inbox (a request that arrives meanwhile waits at most this long)
 COMPILE_WAIT_S = 0.05
+# The longest the turns wait for one round of compiles (a fresh machine's take seconds to a minute;
+# each child compile stops at nvrtc.CHILD_TIMEOUT_S)
+COMPILE_WAIT_LIMIT_S = 300.0
 
 
 def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
@@ -90,7 +93,8 @@ class BatchWarmup:
         self.memory, self.prefix, self.busy = memory, prefix, busy
         self._bases: list[HybridCache] = []  # one-row caches of 1..WARM_LENGTHS tokens, while warming
         self._built: set[int] = set()  # sizes whose steps were built ahead (`build_decode_step`)
-        self._prefills_built = False  # the pending prefill chunks built ahead (`build_prefill`)
+        self._prefills_built: set[tuple[int, bool]] = set()  # chunks built ahead (`build_prefill`)
+        self._waiting_since: float | None = None  # when the turns began to wait for compiles
 
     @classmethod
     def for_config(cls, config: EngineConfig, memory: MemoryBudget, prefix, inbox) -> BatchWarmup:  # noqa: ANN001
@@ -127,7 +131,7 @@ class BatchWarmup:
             bases = self._base_caches(runner)
             if bases and not self._build_ahead(runner, bases):
                 return False  # work arrived between two builds
-            if cuda_disk_cache.compiles_running(COMPILE_WAIT_S):
+            if self._compiling():
                 self.seconds += time.perf_counter() - started
                 return True  # the built steps' kernels are still compiling: run them once on disk
             done = warm_decode_step(runner, rows, bases, self.busy)
@@ -158,22 +162,20 @@ class BatchWarmup:
         if not self.prefill_pending or self.busy():
             return False
         started, cache = time.perf_counter(), None
-        if not self._prefills_built:
-            try:
-                self._build_prefills(runner)
-            except Exception:  # noqa: BLE001 - an optional speed-up must never stop the engine
-                log.exception("building the prefill chunks ahead failed; they compile as they run")
-            self._prefills_built = True
-        if cuda_disk_cache.compiles_running(COMPILE_WAIT_S):
+        try:
+            if not self._build_prefills(runner):
+                return False  # work arrived between two builds (the rest are built on a later turn)
+        except Exception:  # noqa: BLE001 - an optional speed-up must never stop the engine
+            log.exception("building the prefill chunks ahead failed; they compile as they run")
+            self._prefills_built.update(self.prefill_pending)
+        if self._compiling():
             self.seconds += time.perf_counter() - started
             return True  # the chunks' kernels are still compiling: run them once on disk
         tokens, after = self.prefill_pending[0]
-        first = min(FIRST_CHUNK, tokens) if after else 0
-        if self.memory is not None and not self.memory.fits_now(
-            self.memory.sequence_bytes(first + tokens), other_bytes=self.prefix.nbytes if self.prefix else 0
-        ):
+        if not self._prefill_fits(tokens, after):
             self.prefill_pending.pop(0)  # not now: this one is left out, the smaller ones ran already
             return True
+        first = min(FIRST_CHUNK, tokens) if after else 0
         try:
             cache = runner.new_cache()
             if after:
@@ -191,15 +193,43 @@ class BatchWarmup:
             log.info("prefill chunks ready (%.1f s of warm-up in all)", self.seconds)
         return True
 
-    def _build_prefills(self, runner: ModelRunner) -> None:
-        """Build every pending throwaway chunk (never run) before the first runs: building hands
-        their kernels to the compile workers, so the lengths compile side by side."""
-        for tokens, after in self.prefill_pending:
+    def _build_prefills(self, runner: ModelRunner) -> bool:
+        """Build every pending throwaway chunk that fits (never run) before the first runs:
+        building hands their kernels to the compile workers, so the lengths compile side by side.
+        False if `busy()` cut it short."""
+        for chunk in self.prefill_pending:
+            if chunk in self._prefills_built:
+                continue
+            if self.busy():
+                return False
+            self._prefills_built.add(chunk)
+            tokens, after = chunk
+            if not self._prefill_fits(tokens, after):
+                continue
             cache = runner.new_cache()
             first = min(FIRST_CHUNK, tokens) if after else 0
             if first:
                 runner.build_prefill(cache, [0] * first)
             runner.build_prefill(cache, [0] * tokens)
+        return True
+
+    def _prefill_fits(self, tokens: int, after: bool) -> bool:
+        if self.memory is None:
+            return True
+        first = min(FIRST_CHUNK, tokens) if after else 0
+        cached = self.prefix.nbytes if self.prefix else 0
+        return self.memory.fits_now(self.memory.sequence_bytes(first + tokens), other_bytes=cached)
+
+    def _compiling(self) -> bool:
+        """Whether kernels handed to the compile workers are still compiling, for at most
+        COMPILE_WAIT_LIMIT_S of waiting turns in all: past that the steps run anyway (MLX then
+        compiles what is missing itself)."""
+        if not cuda_disk_cache.compiles_running(COMPILE_WAIT_S):
+            self._waiting_since = None
+            return False
+        now = time.perf_counter()
+        self._waiting_since = self._waiting_since or now
+        return now - self._waiting_since < COMPILE_WAIT_LIMIT_S
 
     def _base_caches(self, runner: ModelRunner) -> list[HybridCache]:
         if not self._bases:

@@ -101,7 +101,6 @@ def _build_forward(model, width: int) -> None:  # noqa: ANN001 - a kapitsa Hybri
     out = model.forward(mx.array([[1] * width], dtype=mx.int32), cache, lengths=[width], record=True)
     model.logits(out.hidden)
     cache.rollback([width])
-    cache.state_arrays()
 
 
 def takes_long_drafts(timed: dict[int, float]) -> bool:
