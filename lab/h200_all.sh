@@ -28,7 +28,9 @@
 #                                       cache, so a fresh machine's timed parts skip those compiles
 #   bash lab/h200_all.sh table        #32's table rows, one process per shape ($TABLE_SHAPES, default
 #                                       4b; each shape's process under $TABLE_TIMEOUT, default 540;
-#                                       $TABLE_LONG_ROUNDS rounds at 8k, default 2):
+#                                       $TABLE_ROUNDS interleaved rounds after 512 tokens, default 4:
+#                                       a host's batch-1 speed drifts by up to a fifth between two;
+#                                       $TABLE_LONG_ROUNDS rounds at 8k, default 1):
 #                                       decode and 512/8192-token prefill against mlx-lm, then aggregate
 #                                       decode at 1/4/8/16 streams on the same two models, kapitsa's
 #                                       engine warming its batch sizes first as serve's does (its
@@ -234,7 +236,7 @@ case "$part" in
     for shape in ${TABLE_SHAPES:-${TABLE_SHAPE:-4b}}; do
       : > "$out/table-$shape.log"
       timeout "${TABLE_TIMEOUT:-540}" $py lab/decode_vs_mlxlm.py --shapes "$shape" --tokens 64 --prompts 512 8192 \
-        --rounds 2 ${TABLE_LONG_ROUNDS:+--long-rounds "$TABLE_LONG_ROUNDS"} --streams 1,4,8,16 --stream-tokens 48 \
+        --rounds "${TABLE_ROUNDS:-4}" --long-rounds "${TABLE_LONG_ROUNDS:-1}" --streams 1,4,8,16 --stream-tokens 48 \
         --stream-warm >> "$out/table-$shape.log" 2>&1 \
         || echo "table $shape: exit $? (124: cut by its timeout)"
       $py lab/results_table.py "$out/table-$shape.log"
