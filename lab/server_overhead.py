@@ -117,7 +117,8 @@ class Side:
 
     def row(self) -> dict:
         per_token = sorted((1e3 * s / max(self.tokens, 1) for s in self.thread_cpu.values()), reverse=True)
-        out = dict(side=self.name, tok_s=self.tok_s, median_tok_s=round(statistics.median(self.tok_s), 1))
+        out = dict(side=self.name, tok_s=self.tok_s, tokens=self.tokens)
+        out["median_tok_s"] = round(statistics.median(self.tok_s), 1)
         out["thread_cpu_ms_per_token"] = [round(ms, 2) for ms in per_token if ms > 0]
         if self.pid != os.getpid():
             out["client_cpu_ms_per_token"] = round(1e3 * self.client_cpu_s / max(self.tokens, 1), 2)

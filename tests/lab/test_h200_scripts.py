@@ -417,10 +417,12 @@ def test_server_overhead_times_both_in_process_engines_and_the_server() -> None:
             "--ignore-eos",
         ]
     )
-    assert [r["in_process"] for r in rows[:2]] == ["plain", "warm"]
-    assert all(r["tokens"] == [6] and r["tok_s"][0] > 0 for r in rows[:2])
-    totals = rows[-1]
-    assert sorted(totals["in_process"]) == ["plain", "warm"] and totals["served_tokens"] == [6]
+    assert [r["in_process"] for r in rows[:2]] == ["plain", "warm"] and rows[2]["served"]
+    sides = rows[3:6]
+    assert [r["side"] for r in sides] == ["in process, plain", "in process, warm", "served"]
+    assert all(r["tokens"] == 6 and len(r["tok_s"]) == 1 and r["median_tok_s"] > 0 for r in sides)
+    assert "client_cpu_ms_per_token" in sides[2] and sides[0]["thread_cpu_ms_per_token"]
+    assert sorted(rows[-1]) == ["overhead_vs_in process, plain", "overhead_vs_in process, warm"]
 
 
 def test_batch_sweep_reads_the_devices_memory_in_use_from_nvidia_smi(tmp_path, monkeypatch) -> None:
