@@ -243,14 +243,15 @@ def test_every_prefill_chunk_is_built_before_the_first_runs(monkeypatch) -> None
     assert warm.prefill_pending == [] and ("build", 31) not in calls[6:]
 
 
-def test_a_long_chunk_is_built_without_running_any_of_it(monkeypatch) -> None:
+@pytest.mark.parametrize("family", ["qwen3_5_dense", "qwen3_5_moe", "nemotron_moe"])
+def test_a_long_chunk_is_built_without_running_any_of_it(monkeypatch, family) -> None:
     """On a GPU a chunk of 256 rows or more sends its layers to the device one by one as it builds
     them (models/base.py LAYER_QUEUE_ROWS); a chunk built only for its kernels evaluates nothing."""
     from kapitsa.engine.models import base
     from kapitsa.engine.ops import device_queue
     from tests.models.builders import build_ours
 
-    runner = ModelRunner.for_config(build_ours("qwen3_5_dense"), EngineConfig())
+    runner = ModelRunner.for_config(build_ours(family), EngineConfig())
     monkeypatch.setattr(base, "_on_gpu", lambda: True)
     evaluated = []
     monkeypatch.setattr(device_queue.mx, "async_eval", lambda *a: evaluated.append("async_eval"))
