@@ -3,9 +3,10 @@
 #   bash lab/h200_all.sh knobs        4B decode (kapitsa default and with fused norms, mlx-lm) under
 #                                       MLX's CUDA-graph settings; the fastest kapitsa setting is kept in
 #                                       /tmp/kapitsa-knobs.env for the parts after it on this machine
-#   bash lab/h200_all.sh prefill      Nemotron's 8k prefill per layer kind ($PREFILL_KINDS, default moe
-#                                       attention), kapitsa beside mlx-lm; kapitsa's MoE layers without
-#                                       the dequantized grouped GEMM, its Mamba layers at SSD chunk
+#   bash lab/h200_all.sh prefill      Nemotron's prefill per layer kind ($PREFILL_KINDS, default moe
+#                                       attention) at each of $PREFILL_PROMPTS (default 8192) tokens,
+#                                       kapitsa beside mlx-lm; kapitsa's MoE layers without the
+#                                       dequantized grouped GEMM, its Mamba layers at SSD chunk
 #                                       lengths $SSD_CHUNKS
 #   bash lab/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
 #                                       default 27b; after a $TIMELINE_PROMPT-token prompt, default
@@ -196,9 +197,13 @@ case "$part" in
     timeout 120 $py -m pytest -p no:cacheprovider -o addopts="" -q -rf --tb=line -m gpu \
       tests/kernels/test_router_kernel.py >> "$out/prefill.log" 2>&1
     tail -1 "$out/prefill.log"
-    # shellcheck disable=SC2086
-    timeout "${PREFILL_TIMEOUT:-300}" $py lab/prefill_parts.py --prompt 8192 --kinds ${PREFILL_KINDS:-moe attention} \
-      --moe-dequant-ab --ssd-chunks ${SSD_CHUNKS:-} >> "$out/prefill.log" 2>&1
+    # per prompt length ($PREFILL_PROMPTS): short prompts place the dequantize route's threshold
+    # (ops/moe.py), whose cost per chunk does not shrink with the chunk
+    for prompt in ${PREFILL_PROMPTS:-8192}; do
+      # shellcheck disable=SC2086
+      timeout "${PREFILL_TIMEOUT:-300}" $py lab/prefill_parts.py --prompt "$prompt" --kinds ${PREFILL_KINDS:-moe attention} \
+        --moe-dequant-ab --ssd-chunks ${SSD_CHUNKS:-} >> "$out/prefill.log" 2>&1
+    done
     grep -E 'prefill_part|Error' "$out/prefill.log"
     ;;
   batch)
