@@ -14,6 +14,9 @@ whether the warm-up is what differs. Each round times one request on every side,
 that turns from round to round, so a host whose speed drifts over minutes weighs on all sides
 alike; the overhead is one minus served over in-process, medians of the rounds.
 
+A side's round that made MLX's JIT compile (`jit_modules`: new modules in the disk cache all
+these processes share) pays that compile, once, in whichever process reaches the shape first.
+
 Where the time goes: CPU milliseconds per token of each thread of the side's process (from /proc,
 Linux only; the busiest first: the engine thread, the event loop, MLX's and BLAS's workers), and
 for the server the client's (this process, reading the stream), over the side's rounds.
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from kapitsa.engine.kernels.cuda_disk_cache import mlx_cache_dir
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from kapitsa.opener import open_engine
 from lab.server_bench import free_port, server, wait_warm, write_checkpoint
@@ -104,11 +108,16 @@ class Side:
         self.tokens = 0
         self.thread_cpu: dict[int, float] = {}  # CPU seconds per thread over the timed rounds
         self.client_cpu_s = 0.0  # this process's CPU over the served rounds (the HTTP client)
+        # modules MLX's JIT wrote to its disk cache (every process here shares it) during each
+        # round: a round that compiles pays for it once, in whichever process reaches it first
+        self.jit_modules: list[int] = []
 
     def round(self, tokens: int) -> None:
+        modules = _jit_modules()
         before, client = _thread_cpu_s(self.pid), time.process_time()
         rate, count = self.run(tokens)
         after = _thread_cpu_s(self.pid)
+        self.jit_modules.append(_jit_modules() - modules)
         for thread, cpu in after.items():
             self.thread_cpu[thread] = self.thread_cpu.get(thread, 0.0) + cpu - before.get(thread, 0.0)
         self.client_cpu_s += time.process_time() - client
@@ -117,12 +126,18 @@ class Side:
 
     def row(self) -> dict:
         per_token = sorted((1e3 * s / max(self.tokens, 1) for s in self.thread_cpu.values()), reverse=True)
-        out = dict(side=self.name, tok_s=self.tok_s, tokens=self.tokens)
+        out = dict(side=self.name, tok_s=self.tok_s, tokens=self.tokens, jit_modules=self.jit_modules)
         out["median_tok_s"] = round(statistics.median(self.tok_s), 1)
         out["thread_cpu_ms_per_token"] = [round(ms, 2) for ms in per_token if ms > 0]
         if self.pid != os.getpid():
             out["client_cpu_ms_per_token"] = round(1e3 * self.client_cpu_s / max(self.tokens, 1), 2)
         return out
+
+
+def _jit_modules() -> int:
+    """Modules in MLX's JIT disk cache (0 where it has none: the CPU)."""
+    folder = mlx_cache_dir()
+    return sum(1 for _ in folder.rglob("*.ptx")) if folder is not None and folder.is_dir() else 0
 
 
 def main() -> None:
