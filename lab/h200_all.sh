@@ -56,7 +56,7 @@
 #                                       MLX's attention; lab/kv_step_cost.py), then the 4B's step
 #                                       build / encode / wait after 512 and 8192 tokens, attention
 #                                       kernels on and off (lab/long_context_step.py)
-#   bash lab/h200_all.sh overhead     one stream's decode in process (opened as the bench does, and as serve
+#   bash lab/h200_all.sh overhead     one stream's decode in process (opened as `kapitsa run` does, and as serve
 #                                       does) and through `kapitsa serve`, rounds interleaved, with each
 #                                       thread's CPU per token, on $OVERHEAD_SHAPES (default
 #                                       nemotron-30b-a3b; lab/server_overhead.py)
@@ -249,7 +249,7 @@ case "$part" in
     ;;
   overhead)
     [ -f "$root/.gpu/serve/install.sh" ] && bash "$root/.gpu/serve/install.sh"
-    # per shape: serve and two engines in this process (as the bench opens one, as serve does),
+    # per shape: serve and two engines in this process (without the idle warm-up, and with it as serve does),
     # their rounds interleaved; three copies of the weights on the device at once
     : > "$out/overhead.log"
     for shape in ${OVERHEAD_SHAPES:-nemotron-30b-a3b}; do

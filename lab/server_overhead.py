@@ -7,10 +7,10 @@ with the sampling the server uses (the checkpoint's defaults, its EOS decay incl
     python lab/server_overhead.py --shape nemotron-30b-a3b --speculative auto --ignore-eos   # GPU
 
 The engines in process are as `--in-process` says, all open beside the server at once:
-`plain` as `kapitsa bench` opens one (no idle warm-up), `warm` as `kapitsa serve` opens one (its
-decode batch sizes and prefill lengths readied while idle, waited for before the rounds). On the
-H100 the bench's plain engine decoded Nemotron at about half of serve's speed; the two show
-whether the warm-up is what differs. Each round times one request on every side, in an order
+`plain` as `kapitsa run` and the TUI open one (no idle warm-up), `warm` as `kapitsa serve` and
+`kapitsa bench` open one (decode batch sizes and prefill lengths readied while idle, waited for
+before the rounds). On the H100 the bench's engine, then opened plain, decoded Nemotron at about
+half of serve's speed in its first workload; the two show whether the warm-up is what differs. Each round times one request on every side, in an order
 that turns from round to round, so a host whose speed drifts over minutes weighs on all sides
 alike; the overhead is one minus served over in-process, medians of the rounds.
 
@@ -155,7 +155,7 @@ def main() -> None:
         nargs="+",
         choices=("plain", "warm"),
         default=["plain", "warm"],
-        help="the engines in process: as the bench opens one, as serve does",
+        help="the engines in process: without the idle warm-up, with it (as serve and the bench)",
     )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)

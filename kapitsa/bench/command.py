@@ -94,7 +94,7 @@ async def collect_report(options: BenchOptions, config: BenchConfig) -> BenchRep
 
 async def _run_local(options: BenchOptions, config: BenchConfig, progress: BenchProgress) -> EngineResult:
     """The in-process engine's results; the engine is closed and out of reach when this returns."""
-    with open_local_engine(options.model, speculative=options.speculative) as client:
+    async with open_local_engine(options.model, speculative=options.speculative) as client:
         target = EngineTarget(client, name="kapitsa")
         return await _run_one(target, config, progress, options.workloads)
 

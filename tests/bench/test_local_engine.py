@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,41 @@ async def test_the_closed_engine_hands_its_memory_back(tiny_qwen: Path) -> None:
     in-process engine's workloads end, its model and caches are freed and MLX's cache is empty."""
     import mlx.core as mx
 
+    options = BenchOptions(model=str(tiny_qwen), workloads=("decode_short",))
+    await collect_report(options, TINY)  # what a process keeps after its first engine (kernel probes)
     mx.clear_cache()
     before = mx.get_active_memory()
-    await collect_report(BenchOptions(model=str(tiny_qwen), workloads=("decode_short",)), TINY)
+    await collect_report(options, TINY)
     assert mx.get_cache_memory() == 0
     assert mx.get_active_memory() <= before + 64 * 1024  # the tiny model alone holds ~1 MB
+
+
+async def test_the_local_engine_is_opened_warmed_as_serve_opens_one(tiny_qwen: Path, monkeypatch) -> None:
+    """The bench times what a server's clients get: its engine is opened with serve's idle warm-up
+    and the workloads wait for it, not the one-time compiles a first process would pay."""
+    from kapitsa import opener
+    from kapitsa.bench import local
+
+    asked, pending = [], [2, 1, 0]
+
+    real = opener.open_engine
+
+    def spy(ref, **kwargs):
+        asked.append(kwargs.get("warm_batches"))
+        return real(ref, **kwargs)
+
+    monkeypatch.setattr(opener, "open_engine", spy)
+    async with local.open_local_engine(str(tiny_qwen)) as client:
+        assert asked == [True]
+        stats = type(client).stats
+        monkeypatch.setattr(
+            type(client),
+            "stats",
+            lambda self: dataclasses.replace(stats(self), warm_batches_pending=pending.pop(0)),
+        )
+        monkeypatch.setattr(local, "POLL_S", 0.001)
+        assert await local.until_warm(client) >= 0 and pending == []
+        monkeypatch.setattr(  # a warm-up that never ends holds the workloads back for its limit only
+            type(client), "stats", lambda self: dataclasses.replace(stats(self), warm_batches_pending=1)
+        )
+        assert 0.02 <= await local.until_warm(client, limit_s=0.02) < 5

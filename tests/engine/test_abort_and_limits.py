@@ -187,3 +187,21 @@ async def test_abort_while_the_prompt_is_prepared_never_starts_it(qwen_model) ->
         assert client.stats().prompt_tokens_computed == 0 and client.stats().generated_tokens == 0
     finally:
         client.close()
+
+
+def test_close_returns_once_the_engine_thread_has_let_go_of_the_engine(qwen_model) -> None:
+    """A bench hands the device's memory to the servers it times right after its engine closes:
+    by then the engine thread holds no reference, so dropping the client frees the engine."""
+    import weakref
+
+    info = ModelInfo(id="tiny", family="test", context_length=512, max_output_tokens=64)
+    client = InProcessEngine(
+        qwen_model, ByteTokenizer(), info, eos_token_ids={EOS}, config=EngineConfig(prefill_chunk=64)
+    )
+    engine = weakref.ref(client.engine)
+    client.close()
+    assert client.engine._let_go.is_set()
+    client.close()  # a second close returns at once
+    del client
+    gc.collect()
+    assert engine() is None

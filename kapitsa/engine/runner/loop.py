@@ -95,8 +95,12 @@ class Engine:
         self.batch = DecodeBatch()  # rows in scheduler.decoding order
         self._inbox: queue.SimpleQueue[Sequence | Abort | Prefetch | Stop] = queue.SimpleQueue()
         self.warmup = BatchWarmup.for_config(self.config, self.memory, self.prefix, self._inbox)
+        self._let_go = threading.Event()  # the thread holds the engine no longer (it can be freed)
         self._thread = threading.Thread(
-            target=_thread_main, args=(weakref.ref(self),), name="kapitsa-engine", daemon=True
+            target=_thread_main,
+            args=(weakref.ref(self), self._let_go),
+            name="kapitsa-engine",
+            daemon=True,
         )
         self.alive = True
         BUFFER_CACHE.hold(self._cache_holder, self._cache_bound)  # let go when the engine stops
@@ -119,12 +123,19 @@ class Engine:
         self._inbox.put(Abort(request_id))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Finish nothing further; abort what runs, flush the prefix cache to disk, stop the thread."""
+        """Finish nothing further; abort what runs, flush the prefix cache to disk, stop the thread;
+        return once the thread holds the engine no longer, so dropping the last reference frees
+        the model and its caches at once (a bench hands that memory to the servers it times next)."""
+        if threading.current_thread() is self._thread:
+            timeout = 0.0  # from the engine's own thread (a callback): it cannot wait for itself
         if not self.alive:
+            self._let_go.wait(timeout)
             return
         stop = Stop()
         self._inbox.put(stop)
-        stop.done.wait(timeout)
+        started = time.monotonic()
+        if stop.done.wait(timeout):
+            self._let_go.wait(max(0.0, timeout - (time.monotonic() - started)))
 
     def prefetch(self, key_ids: TokenIds[int]) -> None:
         """Have the disk-tier checkpoint a coming prompt resumes from read ahead, unless memory holds
@@ -471,11 +482,12 @@ class Engine:
         fail_queued(self._inbox, err)
 
 
-def _thread_main(engine_ref: weakref.ref[Engine]) -> None:
+def _thread_main(engine_ref: weakref.ref[Engine], let_go: threading.Event) -> None:
     engine = engine_ref()
     if engine is not None:
         engine._run()
     del engine  # only the weak reference stays: a stopped engine can be freed
+    let_go.set()
     # Park rather than return: a finishing thread runs MLX's thread-local destructors (its compile
     # cache), which take the GIL; if the interpreter is exiting at that moment, the process aborts.
     threading.Event().wait()
