@@ -40,7 +40,7 @@ async def open_local_engine(
 async def until_warm(client: EngineClient, limit_s: float = WARM_UP_LIMIT_S) -> float:
     """Wait until `client`'s idle warm-up has nothing pending (at most `limit_s`); its seconds."""
     started = time.monotonic()
-    while client.stats().warm_batches_pending and client.stats().alive:
+    while (stats := client.stats()).warm_batches_pending and stats.alive:
         if time.monotonic() - started > limit_s:
             break
         await asyncio.sleep(POLL_S)

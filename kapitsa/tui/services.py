@@ -219,10 +219,11 @@ class TuiServices:
 
 
 def _default_engine_factory(ref: str) -> EngineClient:
-    """The engine `kapitsa serve` runs (the same opener): alias, folder, .gguf or cached repo id."""
+    """The engine `kapitsa serve` runs (the same opener, its batch sizes and prefill lengths
+    readied while idle for the agents it serves): alias, folder, .gguf or cached repo id."""
     from kapitsa.opener import open_engine
 
-    return open_engine(ref)
+    return open_engine(ref, warm_batches=True)
 
 
 def _reserve_free_port(preferred: int, tries: int = 20) -> socket.socket:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -205,3 +206,23 @@ def test_close_returns_once_the_engine_thread_has_let_go_of_the_engine(qwen_mode
     del client
     gc.collect()
     assert engine() is None
+
+
+async def test_an_engine_thread_ended_by_a_base_exception_still_lets_close_return(
+    qwen_model, make_client, monkeypatch
+) -> None:
+    """SystemExit and the like pass the engine loop's own handler; its thread still lets go of the
+    engine, so close returns at once rather than after its whole timeout."""
+    from kapitsa.engine.runner.loop import Engine
+
+    client = make_client(qwen_model)
+
+    def exits(self):
+        raise SystemExit("gone")
+
+    monkeypatch.setattr(Engine, "_admit", exits)
+    _, events = await asyncio.wait_for(collect(client, _req("hello", 4)), timeout=5)
+    assert isinstance(events[-1], ErrorEvent) and "stopped" in str(events[-1].error)
+    started = time.monotonic()
+    client.engine.shutdown(timeout=10)
+    assert time.monotonic() - started < 2 and client.engine._let_go.is_set()

@@ -8,6 +8,7 @@ goes out through the sequence's own `emit` callback; errors travel as `ErrorEven
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -131,11 +132,9 @@ class Engine:
         if not self.alive:
             self._let_go.wait(timeout)
             return
-        stop = Stop()
-        self._inbox.put(stop)
-        started = time.monotonic()
-        if stop.done.wait(timeout):
-            self._let_go.wait(max(0.0, timeout - (time.monotonic() - started)))
+        self._inbox.put(Stop())
+        # the thread lets go after any end of its loop: this Stop, an earlier one, a failure
+        self._let_go.wait(timeout)
 
     def prefetch(self, key_ids: TokenIds[int]) -> None:
         """Have the disk-tier checkpoint a coming prompt resumes from read ahead, unless memory holds
@@ -484,8 +483,13 @@ class Engine:
 
 def _thread_main(engine_ref: weakref.ref[Engine], let_go: threading.Event) -> None:
     engine = engine_ref()
-    if engine is not None:
-        engine._run()
+    try:
+        if engine is not None:
+            engine._run()
+    except BaseException as err:  # noqa: BLE001 - SystemExit and the like: answer, let go, park
+        log.exception("engine thread stopped")
+        with contextlib.suppress(Exception):
+            engine._fail_all(EngineDead(f"the engine thread stopped: {err!r}"))
     del engine  # only the weak reference stays: a stopped engine can be freed
     let_go.set()
     # Park rather than return: a finishing thread runs MLX's thread-local destructors (its compile
