@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from kapitsa.bench.local import until_warm
 from kapitsa.engine.kernels.cuda_disk_cache import mlx_cache_dir
 from kapitsa.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from kapitsa.opener import open_engine
@@ -88,14 +89,6 @@ def _over_http(url: str, tokens: int, ignore_eos: bool = False) -> tuple[float, 
             if first is None and any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")):
                 first = time.perf_counter()
     return (count - 1) / (time.perf_counter() - first), count
-
-
-def _until_warm(engine, timeout_s: float = 600.0) -> float:  # noqa: ANN001 - an InProcessEngine
-    """Seconds until the engine's idle warm-up has nothing pending (none: at once)."""
-    started = time.monotonic()
-    while engine.stats().warm_batches_pending and time.monotonic() - started < timeout_s:
-        time.sleep(0.1)
-    return round(time.monotonic() - started, 1)
 
 
 class Side:
@@ -179,7 +172,8 @@ def main() -> None:
         for variant in args.in_process:
             engine = open_engine(args.model, speculative=args.speculative, warm_batches=variant == "warm")
             stack.callback(engine.close)
-            print(json.dumps({"in_process": variant, "warm_up_s": _until_warm(engine)}), flush=True)
+            warm_s = round(asyncio.run(until_warm(engine)), 1)  # the bench waits the same way
+            print(json.dumps({"in_process": variant, "warm_up_s": warm_s}), flush=True)
             run = functools.partial(_run_in_process, engine, ignore_eos=args.ignore_eos)
             sides.append(Side(f"in process, {variant}", run, os.getpid()))
         print(json.dumps({"served": True, "warm_up_s": wait_warm(url, 600)}), flush=True)

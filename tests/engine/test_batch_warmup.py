@@ -264,7 +264,7 @@ def test_a_long_chunk_is_built_without_running_any_of_it(monkeypatch, family) ->
 
 def test_the_warm_up_stops_waiting_for_compiles_after_its_limit(monkeypatch) -> None:
     """A compile that never ends (a stuck worker) holds the throwaway chunks back for at most
-    COMPILE_WAIT_LIMIT_S; then they run, and MLX compiles what is missing itself."""
+    cuda_disk_cache.WAIT_LIMIT_S; then they run, and MLX compiles what is missing itself."""
     from tests.models.builders import build_ours
 
     runner = ModelRunner.for_config(build_ours("qwen3_5_dense"), EngineConfig())
@@ -274,8 +274,8 @@ def test_the_warm_up_stops_waiting_for_compiles_after_its_limit(monkeypatch) -> 
     warm = warmup.BatchWarmup((), prefill_lengths=(31,))
     for _ in range(3):
         assert warm.run_one(runner) and len(warm.prefill_pending) == 2
-        clock[0] += warmup.COMPILE_WAIT_LIMIT_S / 4
-    clock[0] += warmup.COMPILE_WAIT_LIMIT_S
+        clock[0] += warmup.cuda_disk_cache.WAIT_LIMIT_S / 4
+    clock[0] += warmup.cuda_disk_cache.WAIT_LIMIT_S
     while warm.run_one(runner):
         pass
     assert warm.prefill_pending == []

@@ -255,6 +255,11 @@ def prepare(jit_name: str, source: str) -> None:
         _PENDING.append(_compilers().submit(_ensure, cache, jit_name, source))
 
 
+# The longest a caller waits for the compiles it handed over before it runs their kernels anyway
+# (MLX then compiles what is missing itself): a fresh machine's take seconds to a minute
+WAIT_LIMIT_S = 300.0
+
+
 def compiles_running(wait_s: float = 0.0) -> bool:
     """Whether compiles that `prepare` started are still running, after waiting up to `wait_s` for
     them. A warm-up that built its steps ahead runs them once none is: MLX then finds every module

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import queue
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kapitsa.engine.types import ErrorEvent
 
@@ -22,18 +21,15 @@ class Prefetch:
 
 @dataclass(eq=False)
 class Stop:
-    done: threading.Event = field(default_factory=threading.Event)  # set once the engine has stopped
+    """Stop the engine: the closer waits for the thread to let go of it (runner/loop.py)."""
 
 
 def fail_queued(inbox: queue.SimpleQueue, err: Exception) -> None:
-    """Answer whatever still waits in a stopped engine's inbox: new sequences get `err`, a stop
-    request is released."""
+    """Answer whatever still waits in a stopped engine's inbox: new sequences get `err`."""
     while True:
         try:
             item = inbox.get_nowait()
         except queue.Empty:
             return
-        if isinstance(item, Stop):
-            item.done.set()
-        elif not isinstance(item, (Abort, Prefetch)):  # a sequence (runner/sequence.py)
+        if not isinstance(item, (Abort, Prefetch, Stop)):  # a sequence (runner/sequence.py)
             item.emit(ErrorEvent(item.request_id, err))

@@ -165,7 +165,7 @@ class Engine:
             self._fail_all(EngineDead(f"the engine stopped after an internal error: {err}"))
         finally:
             self.alive = False
-            BUFFER_CACHE.release(self._cache_holder)
+            BUFFER_CACHE.release(self._cache_holder)  # before the thread lets go (the closer waits)
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Apply queued submissions and aborts; False once asked to stop."""
@@ -176,7 +176,7 @@ class Engine:
                 return True
             block = False
             if isinstance(item, Stop):
-                self._stop(item)
+                self._stop()
                 return False
             if isinstance(item, Abort):
                 self._abort(item.request_id)
@@ -189,7 +189,7 @@ class Engine:
             else:
                 self.scheduler.add(item)
 
-    def _stop(self, stop: Stop) -> None:
+    def _stop(self) -> None:
         for seq in self.scheduler.all():
             self._finish(seq, "abort")
         self.batch = DecodeBatch()
@@ -200,8 +200,6 @@ class Engine:
                 self.prefix.flush_to_disk()
             except Exception:  # noqa: BLE001 - a failed flush only loses cache entries
                 log.exception("could not flush the prefix cache to disk")
-        BUFFER_CACHE.release(self._cache_holder)  # before the closer goes on
-        stop.done.set()
 
     # --- admission -------------------------------------------------------------------------
 

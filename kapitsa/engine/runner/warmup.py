@@ -47,9 +47,11 @@ FIRST_CHUNK = 31
 # How long one idle turn waits for the built steps' kernels to compile before it hands the engine
 # thread back to its inbox (a request that arrives meanwhile waits at most this long)
 COMPILE_WAIT_S = 0.05
-# The longest the turns wait for one round of compiles (a fresh machine's take seconds to a minute;
-# each child compile stops at nvrtc.CHILD_TIMEOUT_S)
-COMPILE_WAIT_LIMIT_S = 300.0
+
+
+def _first_chunk(tokens: int, after: bool) -> int:
+    """Tokens a throwaway chunk of `tokens` follows: a first chunk's when it is a continued one."""
+    return min(FIRST_CHUNK, tokens) if after else 0
 
 
 def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
@@ -175,7 +177,7 @@ class BatchWarmup:
         if not self._prefill_fits(tokens, after):
             self.prefill_pending.pop(0)  # not now: this one is left out, the smaller ones ran already
             return True
-        first = min(FIRST_CHUNK, tokens) if after else 0
+        first = _first_chunk(tokens, after)
         try:
             cache = runner.new_cache()
             if after:
@@ -207,7 +209,7 @@ class BatchWarmup:
             if not self._prefill_fits(tokens, after):
                 continue
             cache = runner.new_cache()
-            first = min(FIRST_CHUNK, tokens) if after else 0
+            first = _first_chunk(tokens, after)
             if first:
                 runner.build_prefill(cache, [0] * first)
             runner.build_prefill(cache, [0] * tokens)
@@ -216,20 +218,20 @@ class BatchWarmup:
     def _prefill_fits(self, tokens: int, after: bool) -> bool:
         if self.memory is None:
             return True
-        first = min(FIRST_CHUNK, tokens) if after else 0
+        first = _first_chunk(tokens, after)
         cached = self.prefix.nbytes if self.prefix else 0
         return self.memory.fits_now(self.memory.sequence_bytes(first + tokens), other_bytes=cached)
 
     def _compiling(self) -> bool:
         """Whether kernels handed to the compile workers are still compiling, for at most
-        COMPILE_WAIT_LIMIT_S of waiting turns in all: past that the steps run anyway (MLX then
+        `cuda_disk_cache.WAIT_LIMIT_S` of waiting turns in all: past that the steps run anyway (MLX then
         compiles what is missing itself)."""
         if not cuda_disk_cache.compiles_running(COMPILE_WAIT_S):
             self._waiting_since = None
             return False
         now = time.perf_counter()
         self._waiting_since = self._waiting_since or now
-        return now - self._waiting_since < COMPILE_WAIT_LIMIT_S
+        return now - self._waiting_since < cuda_disk_cache.WAIT_LIMIT_S
 
     def _base_caches(self, runner: ModelRunner) -> list[HybridCache]:
         if not self._bases:

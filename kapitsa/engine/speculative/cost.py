@@ -28,9 +28,6 @@ REPEATS = 5
 # H200's 27B: 25.2 against 20.7 ms, 1.22); the controller still picks each draft's length.
 LONG_DRAFT = 15
 LONG_DRAFT_COST_RATIO = 1.3
-# The longest a start waits for the widths' kernels to compile before it times them anyway (MLX
-# then compiles what is missing itself): a fresh machine's compiles take seconds to a minute
-DRAIN_S = 300.0
 
 
 def _median_forward_s(model, cache, width: int) -> float:  # noqa: ANN001 - a kapitsa HybridLM
@@ -83,7 +80,9 @@ def gpu_width_timings(model, widths: Sequence[int]) -> dict[int, float]:  # noqa
     sizes = sorted({1, *(w for w in widths if w > 1)})
     for width in sizes:
         _build_forward(model, width)
-    cuda_disk_cache.drain(DRAIN_S)  # every width's kernels on disk before the first runs (none on a CPU)
+    cuda_disk_cache.drain(
+        cuda_disk_cache.WAIT_LIMIT_S
+    )  # every width's kernels on disk before the first runs (none on a CPU)
     cache = model.make_cache(1)
     mx.eval(model(mx.array([[1] * CONTEXT_TOKENS], dtype=mx.int32), cache))
     for width in sizes:
