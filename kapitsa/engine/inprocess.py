@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
@@ -42,6 +44,8 @@ from kapitsa.engine.types import (
     Usage,
 )
 from kapitsa.errors import ContextOverflow, EngineDead, InvalidRequest
+
+PREPARE_THREADS = 4  # prompts rendered and tokenized at once (the engine thread runs one batch)
 
 
 class InProcessEngine:
@@ -80,6 +84,10 @@ class InProcessEngine:
         self._grammars: Any = None  # a GrammarCompiler, built at the first constrained request
         self._grammars_lock = threading.Lock()
         self._hints = TurnHints()
+        # Prompts are rendered and tokenized off the event loop, in threads this engine owns and joins
+        # at close: a pool's worker drops its last task (and the engine it names) only when next
+        # scheduled, so a shared pool could keep a closed engine's model alive for a while
+        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kapitsa-prepare")
 
     @classmethod
     def from_loaded(
@@ -105,7 +113,10 @@ class InProcessEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         self._preparing[request.request_id] = False
         try:
-            seq = await asyncio.to_thread(self._make_sequence, request)
+            seq = await self._off_loop(self._make_sequence, request)
+        except EngineDead as err:  # closed: answered as a closed engine answers a submission
+            yield ErrorEvent(request.request_id, err)
+            return
         finally:
             aborted_early = self._preparing.pop(request.request_id, False)
         if aborted_early:
@@ -141,9 +152,8 @@ class InProcessEngine:
         self.engine.abort(request_id)
 
     async def count_tokens(self, request: GenerationRequest) -> int:
-        prepared = await asyncio.to_thread(
-            prepare_prompt, self.tokenizer, request, encode=self.encoder.encode, images=self.images
-        )
+        render = functools.partial(prepare_prompt, encode=self.encoder.encode, images=self.images)
+        prepared = await self._off_loop(render, self.tokenizer, request)
         return len(prepared.ids)
 
     def stats(self) -> EngineStats:
@@ -189,6 +199,15 @@ class InProcessEngine:
         compiles it queued that have not started."""
         self.engine.shutdown()
         cuda_disk_cache.cancel_queued()
+        self._prepare.shutdown(wait=True, cancel_futures=True)
+
+    async def _off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(*args)` in one of the engine's preparing threads."""
+        try:
+            future = self._prepare.submit(work, *args)
+        except RuntimeError as err:  # the pool is shut down: the engine was closed
+            raise EngineDead("the engine has stopped") from err
+        return await asyncio.wrap_future(future)
 
     # helpers
 

@@ -208,6 +208,33 @@ def test_close_returns_once_the_engine_thread_has_let_go_of_the_engine(qwen_mode
     assert engine() is None
 
 
+async def test_prompts_are_prepared_in_threads_that_close_joins(qwen_model, monkeypatch) -> None:
+    """A worker of a shared pool drops its finished task, and the engine the task names, only when it
+    is next scheduled: on a loaded machine, after the bench has read the device's memory. The engine's
+    own preparing threads are joined by close, so the engine is freed as the client is dropped."""
+    import weakref
+
+    prepared_in = []
+    make_sequence = InProcessEngine._make_sequence
+
+    def recorded(self, request):
+        prepared_in.append(threading.current_thread().name)
+        return make_sequence(self, request)
+
+    monkeypatch.setattr(InProcessEngine, "_make_sequence", recorded)
+    info = ModelInfo(id="tiny", family="test", context_length=512, max_output_tokens=64)
+    client = InProcessEngine(qwen_model, ByteTokenizer(), info, eos_token_ids={EOS})
+    ids, _ = await collect(client, _req("hello", 3))
+    assert len(ids) == 3 and prepared_in[0].startswith("kapitsa-prepare")
+    engine = weakref.ref(client.engine)
+    client.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kapitsa-prepare")]
+    _, events = await collect(client, _req("hello", 3))  # closed: answered, not raised
+    assert isinstance(events[-1], ErrorEvent) and "stopped" in str(events[-1].error)
+    del client, events  # an error event holds its traceback
+    assert engine() is None  # no collection needed: nothing else holds it
+
+
 async def test_an_engine_thread_ended_by_a_base_exception_still_lets_close_return(
     qwen_model, make_client, monkeypatch
 ) -> None:
