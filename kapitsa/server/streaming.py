@@ -87,7 +87,7 @@ class GenerationRun:
                 return
         while True:
             try:
-                item = await asyncio.wait_for(self._queue.get(), self.keepalive_s)
+                item = await self._next_item()
             except TimeoutError:
                 yield KEEPALIVE
                 continue
@@ -95,6 +95,15 @@ class GenerationRun:
             yield event
             if self._is_final(event):
                 return
+
+    async def _next_item(self) -> Event | BaseException:
+        """The next queued item, or TimeoutError after a quiet `keepalive_s`. A queued item is taken at
+        once and a wait needs no task of its own: this runs once per streamed token, on the event
+        loop that shares the GIL with the engine thread."""
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        async with asyncio.timeout(self.keepalive_s):
+            return await self._queue.get()
 
     async def collect(self) -> tuple[list[Event], Event]:
         """All events of a non-streaming request: the token events and the final event."""
@@ -140,9 +149,9 @@ class GenerationRun:
         events = self.client.generate(self.request)
         try:
             async for event in events:
-                await self._queue.put(event)
+                self._queue.put_nowait(event)  # unbounded: never waits
         except Exception as exc:  # validation errors are raised by `generate`; others travel as events
-            await self._queue.put(exc)
+            self._queue.put_nowait(exc)
         finally:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
