@@ -6,9 +6,12 @@ class Kapitsa < Formula
   desc "Local LLM engine and coding-agent launcher for Apple silicon"
   homepage "https://pypi.org/project/kapitsa/"
   url "https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-0.1.0.tar.gz"
-  sha256 "f4d064570c4d33cb229fb88c79d058411aae3fd7aeea0b0b7ecbcfb7db5dd1ca"
+  sha256 "51cebcf0f68f028852ebd02e7d3c8b7a61b0b306b5672827e60fd45e9b8b38c9"
   license "Apache-2.0"
 
+  depends_on "autoconf" => :build
+  depends_on "automake" => :build
+  depends_on "libtool" => :build
   depends_on "rust" => :build
   depends_on arch: :arm64
   depends_on "certifi"
@@ -279,6 +282,11 @@ class Kapitsa < Formula
   resource "uvicorn" do
     url "https://files.pythonhosted.org/packages/da/34/30e9280707135d2cfc589dfff3cb796bd07a3aeb1a3e415ba09dd89d7bb4/uvicorn-0.54.0.tar.gz"
     sha256 "a2e33cbfaa0306f8e6b0c13e0cb89d7d7a2da3e62b90c66e18c33d9807b28620"
+  end
+
+  resource "uvloop" do
+    url "https://files.pythonhosted.org/packages/fa/42/02c739ce85fb2ee8d99212c61417da8140c6b87e9d97c430bea520d76044/uvloop-0.23.0.tar.gz"
+    sha256 "28d160f51ab4da3b187063652e643dea6831072add4adc1e6d62afbe73b6be27"
   end
 
   def install

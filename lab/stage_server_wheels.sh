@@ -15,7 +15,7 @@ rm -rf .gpu/serve && mkdir -p .gpu/serve
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform any --platform manylinux2014_x86_64)
 for v in 35 34 31 28 27 24 17; do plat+=(--platform "manylinux_2_${v}_x86_64"); done
 python3 -m pip download -q "${plat[@]}" -d .gpu/serve \
-  "fastapi>=0.115" "uvicorn>=0.30" "pydantic-settings>=2.4" "typer>=0.15" "rich>=13" "httpx>=0.27" \
+  "fastapi>=0.115" "uvicorn>=0.30" "uvloop>=0.19" "pydantic-settings>=2.4" "typer>=0.15" "rich>=13" "httpx>=0.27" \
   "llguidance>=1.9,<2" "gguf>=0.17" "keyring>=25" "textual==8.2.8"
 # numpy (the H200 has it; 16 MB), and keyring's Secret Service
 # backend (cryptography alone is 5 MB; without it keyring falls back, and a loopback server needs no key)

@@ -63,6 +63,9 @@ RUST_BUILT = {
     "tokenizers",
     "watchfiles",
 }
+# Resources whose sdists build a vendored C library with autotools (uvloop's libuv: autogen.sh, configure).
+AUTOTOOLS_BUILT = {"uvloop"}
+AUTOTOOLS = ("autoconf", "automake", "libtool")
 PURE_WHEEL = re.compile(r"-py3(\.py\d)?-none-any\.whl$|-py2\.py3-none-any\.whl$")
 
 
@@ -289,7 +292,9 @@ def sdist_sha256(version: str, sdist: Path | None) -> str:
 def _depends_on(packages: list[dict], resources: list[Resource]) -> list[str]:
     """Build dependencies first, then the rest sorted by name, as homebrew-core orders them."""
     names = {p["name"] for p in packages}
-    build = ['"rust" => :build'] if RUST_BUILT & {r.name for r in resources} else []
+    built = {r.name for r in resources}
+    build = [f'"{tool}" => :build' for tool in AUTOTOOLS] if AUTOTOOLS_BUILT & built else []
+    build += ['"rust" => :build'] if RUST_BUILT & built else []
     formulae = {FROM_FORMULAE[n] for n in names if n in FROM_FORMULAE} | {
         LIBRARY_FORMULAE[n] for n in names if n in LIBRARY_FORMULAE
     }

@@ -18,7 +18,7 @@ from kapitsa.server.security import is_loopback_host
 from kapitsa.server.settings import ServerSettings
 from kapitsa.server_state import http_url
 
-_HEADER_LIMIT = 64 * 1024  # uvicorn's h11 header cap, in bytes (431 above it)
+_HEADER_LIMIT = 64 * 1024  # the most of an incomplete request head h11 buffers (refused above it)
 
 
 def check_bind(settings: ServerSettings) -> None:
@@ -69,6 +69,8 @@ def make_server(client: EngineClient, settings: ServerSettings) -> uvicorn.Serve
         access_log=False,
         timeout_graceful_shutdown=int(settings.drain_s) or None,
         h11_max_incomplete_event_size=_HEADER_LIMIT,
+        http="h11",  # its header cap answers oversized headers; httptools, if installed, has none
+        loop="auto",  # uvloop where installed (a dependency off Windows): less loop work per token
         server_header=False,
         lifespan="off",
     )

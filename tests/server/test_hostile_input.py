@@ -218,3 +218,19 @@ def test_an_api_key_is_compared_without_surrounding_whitespace(live: LiveServer)
     with live_server(live.engine, api_key=" secret\n") as keyed, httpx.Client(base_url=keyed.url) as http:
         assert http.get("/v1/models").status_code == 401
         assert http.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+
+
+def test_oversized_headers_are_refused_and_the_server_keeps_answering(
+    live: LiveServer, http: httpx.Client
+) -> None:
+    """Headers past the server's cap (64 KiB buffered) are refused before any route reads them, whichever
+    HTTP parsers are installed (httptools, which uvicorn prefers, has no cap); the server answers the next
+    request."""
+    huge = {"X-Padding": "a" * (1024 * 1024)}  # more than one read: the cap applies to what is buffered
+    with httpx.Client(base_url=live.url, timeout=30) as fresh:
+        try:  # the refusal may close the connection while the client still writes
+            refused = fresh.get("/v1/models", headers=huge).status_code in (400, 431)
+        except httpx.TransportError:
+            refused = True
+    assert refused
+    assert http.get("/v1/models").status_code == 200

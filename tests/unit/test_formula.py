@@ -80,6 +80,17 @@ def test_formula_shape() -> None:
     assert {"textual", "fastapi", "typer", "tokenizers", "huggingface-hub"} <= set(names)
 
 
+def test_resources_built_from_source_bring_their_build_tools() -> None:
+    """Homebrew builds each resource from its sdist: Rust for the Rust-built ones, autotools for
+    uvloop's vendored libuv; neither without such a resource."""
+    res = gen.Resource
+    with_uvloop = gen._depends_on([], [res("uvloop", "u", "h"), res("tokenizers", "u", "h")])
+    assert with_uvloop[:4] == [
+        f'  depends_on "{tool}" => :build' for tool in ("autoconf", "automake", "libtool", "rust")
+    ]
+    assert not [line for line in gen._depends_on([], [res("rich", "u", "h")]) if ":build" in line]
+
+
 def _package(name: str, version: str = "1.0", **fields) -> dict:
     sdist = {"url": f"https://files.example/{name}-{version}.tar.gz", "hash": "sha256:" + "a" * 64}
     return {"name": name, "version": version, "source": {"registry": "x"}, "sdist": sdist, **fields}
