@@ -15,7 +15,7 @@ interleaved rounds:
 The overhead is one minus served over in-process tok/s (medians of the rounds); with it, the
 server's event-loop CPU per token (from /proc, Linux).
 
-    python lab/server_gil_cost.py --step-ms 4 --tokens 256 --rounds 5
+    python lab/server_gil_cost.py --step-ms 4 --tokens 256 --rounds 6 [--wait-ms 1] [--loop asyncio]
 """
 
 from __future__ import annotations
@@ -113,11 +113,13 @@ def _thread_cpu_s(pid: int) -> dict[str, float]:
     return out
 
 
-def _serve(port: int, step_s: float, wait_s: float) -> None:
+def _serve(port: int, step_s: float, wait_s: float, loop: str) -> None:
     from kapitsa.server.runner import make_server
     from kapitsa.server.settings import ServerSettings
 
-    make_server(PacedEngine(step_s, wait_s), ServerSettings(port=port)).run()
+    server = make_server(PacedEngine(step_s, wait_s), ServerSettings(port=port))
+    server.config.loop = loop  # serve's own choice unless asked ("auto": uvloop where installed)
+    server.run()
 
 
 def main() -> None:
@@ -128,13 +130,14 @@ def main() -> None:
     parser.add_argument(
         "--wait-ms", type=float, default=0.0, help="then its wait for the device per token (GIL released)"
     )
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the child: serve on this port
     args = parser.parse_args()
     step_s, wait_s = args.step_ms / 1e3, args.wait_ms / 1e3
     if args.serve:
-        return _serve(args.serve, step_s, wait_s)
+        return _serve(args.serve, step_s, wait_s, args.loop)
     from lab.server_bench import free_port
 
     port = free_port()
@@ -148,6 +151,8 @@ def main() -> None:
         str(args.step_ms),
         "--wait-ms",
         str(args.wait_ms),
+        "--loop",
+        args.loop,
     ]
     child = subprocess.Popen(argv, env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])})
     try:
@@ -173,6 +178,7 @@ def main() -> None:
         row = {
             "step_ms": args.step_ms,
             "wait_ms": args.wait_ms,
+            "loop": args.loop,
             "in_process_tok_s": round(statistics.median(local), 1),
             "served_tok_s": round(statistics.median(served), 1),
             "ideal_tok_s": round(1 / (step_s + wait_s), 1),
