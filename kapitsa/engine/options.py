@@ -154,6 +154,9 @@ class EngineConfig:
     # freed buffers MLX keeps for reuse while the engine runs; None: an eighth of the memory limit
     # (runner/memory.py, at least 1 GiB), 0: none kept
     buffer_cache_bytes: int | None = None
+    # Python's GIL switch interval while the engine runs (runner/process_settings.py): how long the
+    # engine thread may wait for the GIL from a busy neighbour thread; None: the process's own
+    gil_switch_interval_s: float | None = 0.001
     queue_timeout_s: float = 120.0  # a request waiting longer for memory gets EngineBusy
     max_queued: int = 256
     model_key: str = "model"  # names the disk-tier folder: weights + dtype + template identity
@@ -183,6 +186,8 @@ class EngineConfig:
             )
         if self.buffer_cache_bytes is not None and self.buffer_cache_bytes < 0:
             raise ValueError("buffer_cache_bytes must be >= 0 (0: keep no freed buffers)")
+        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
+            raise ValueError("gil_switch_interval_s must be > 0 (None: leave the process's)")
         if self.resident_conversations < 0:
             raise ValueError("resident_conversations must be >= 0")
         if self.kv_bits not in KV_BITS_CHOICES:

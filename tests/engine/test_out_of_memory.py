@@ -291,10 +291,7 @@ def test_engines_that_overlap_hold_the_smallest_bound_and_the_last_restores(
     assert _cache_limit() == 2**30
     a.close()  # not the last opened: b's bound stays
     assert _cache_limit() == 2 * 2**30
-    late = a.engine._cache_holder  # a's engine thread letting go again after b took over
-    from kapitsa.engine.runner.memory import BUFFER_CACHE
-
-    BUFFER_CACHE.release(late)
+    a.engine._holds.release()  # a's engine thread letting go again after b took over
     assert _cache_limit() == 2 * 2**30
     b.close()
     assert _cache_limit() == outer_cache_limit
@@ -317,3 +314,35 @@ def test_an_engine_that_fails_to_open_leaves_the_bound_alone(
 def test_a_negative_buffer_cache_is_refused() -> None:
     with pytest.raises(ValueError, match="buffer_cache_bytes"):
         EngineConfig(buffer_cache_bytes=-1)
+
+
+@pytest.fixture
+def outer_switch_interval():
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.0042)
+    yield 0.0042
+    sys.setswitchinterval(before)
+
+
+def test_engines_hold_the_gil_switch_interval_while_they_run(
+    qwen_model, make_client, outer_switch_interval
+) -> None:
+    """A running engine shortens how long its thread waits for the GIL from a busy neighbour; the
+    shortest of overlapping engines applies, and the process's own comes back after the last."""
+    import sys
+
+    a = make_client(qwen_model)  # the default: 1 ms
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    b = make_client(qwen_model, gil_switch_interval_s=0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    b.close()
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    a.close()
+    assert sys.getswitchinterval() == pytest.approx(outer_switch_interval)
+    left_alone = make_client(qwen_model, gil_switch_interval_s=None)
+    assert sys.getswitchinterval() == pytest.approx(outer_switch_interval)
+    left_alone.close()
+    with pytest.raises(ValueError, match="gil_switch_interval_s"):
+        EngineConfig(gil_switch_interval_s=0)

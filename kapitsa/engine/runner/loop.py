@@ -25,7 +25,6 @@ from kapitsa.engine.runner.choices import fork_choices
 from kapitsa.engine.runner.decode import DecodeStrategy, PlainDecode
 from kapitsa.engine.runner.inbox import Abort, Prefetch, Stop, fail_queued
 from kapitsa.engine.runner.memory import (
-    BUFFER_CACHE,
     AloneFailures,
     MemoryBudget,
     buffer_cache_limit,
@@ -36,6 +35,7 @@ from kapitsa.engine.runner.memory import (
 from kapitsa.engine.runner.model_runner import ModelRunner
 from kapitsa.engine.runner.output import emit_tokens, usage_of
 from kapitsa.engine.runner.prefix_tier import make_prefix_cache, preload_one, read_ahead
+from kapitsa.engine.runner.process_settings import EngineHolds
 from kapitsa.engine.runner.prompt_tail import tail_for
 from kapitsa.engine.runner.sampler import SampledToken
 from kapitsa.engine.runner.scheduler import Scheduler
@@ -83,8 +83,9 @@ class Engine:
             prefill_chunk=self.config.prefill_chunk,
         )
         cache_bytes = self.config.buffer_cache_bytes
-        self._cache_bound = buffer_cache_limit(limit) if cache_bytes is None else cache_bytes
-        self._cache_holder = object()  # this engine's hold on the bound (not the engine: no cycle)
+        cache_bound = buffer_cache_limit(limit) if cache_bytes is None else cache_bytes
+        # this engine's holds on process-wide settings (not the engine itself: no cycle)
+        self._holds = EngineHolds(cache_bound, self.config.gil_switch_interval_s)
         self.prefix = make_prefix_cache(self.config, self.memory, self.runner)
         self.checkpoint_interval = self.config.checkpoint_interval or periodic_checkpoint_interval(
             sizes.recurrent_bytes, sizes.kv_bytes_per_token
@@ -104,11 +105,11 @@ class Engine:
             daemon=True,
         )
         self.alive = True
-        BUFFER_CACHE.hold(self._cache_holder, self._cache_bound)  # let go when the engine stops
+        self._holds.take()  # let go when the engine stops
         try:
             self._thread.start()
         except BaseException:
-            BUFFER_CACHE.release(self._cache_holder)
+            self._holds.release()
             raise
 
     # --- API used from other threads ---------------------------------------------------
@@ -165,7 +166,7 @@ class Engine:
             self._fail_all(EngineDead(f"the engine stopped after an internal error: {err}"))
         finally:
             self.alive = False
-            BUFFER_CACHE.release(self._cache_holder)  # before the thread lets go (the closer waits)
+            self._holds.release()  # before the thread lets go (the closer waits)
 
     def _drain_inbox(self, *, block: bool) -> bool:
         """Apply queued submissions and aborts; False once asked to stop."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,33 +53,6 @@ MIN_BUFFER_CACHE = 1 * GIB
 def buffer_cache_limit(limit_bytes: int) -> int:
     """Bytes of freed buffers MLX keeps for reuse under a memory limit of `limit_bytes`."""
     return max(MIN_BUFFER_CACHE, limit_bytes // BUFFER_CACHE_SHARE)
-
-
-class BufferCacheBound:
-    """MLX's buffer-cache limit is one per process. Engines running together hold the smallest of
-    their bounds; the limit from before the first comes back when the last lets go, whatever order
-    they close in. Letting go twice (a stop, then the engine thread's end) is harmless."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: dict[object, int] = {}
-        self._outer = 0  # the process's limit before the first hold
-
-    def hold(self, holder: object, limit_bytes: int) -> None:
-        with self._lock:
-            if not self._held:
-                self._outer = mx.set_cache_limit(limit_bytes)
-            self._held[holder] = limit_bytes
-            mx.set_cache_limit(min(self._held.values()))
-
-    def release(self, holder: object) -> None:
-        with self._lock:
-            if self._held.pop(holder, None) is None:
-                return
-            mx.set_cache_limit(min(self._held.values()) if self._held else self._outer)
-
-
-BUFFER_CACHE = BufferCacheBound()
 
 
 def _device_size() -> int:
