@@ -6,7 +6,7 @@ class Kapitsa < Formula
   desc "Local LLM engine and coding-agent launcher for Apple silicon"
   homepage "https://pypi.org/project/kapitsa/"
   url "https://files.pythonhosted.org/packages/source/k/kapitsa/kapitsa-0.1.0.tar.gz"
-  sha256 "51cebcf0f68f028852ebd02e7d3c8b7a61b0b306b5672827e60fd45e9b8b38c9"
+  sha256 "91554ca4ee3bab3185671e52267ef188acbeac2faac5ddcd6d076366f0cf849c"
   license "Apache-2.0"
 
   depends_on "autoconf" => :build

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,8 @@ from kapitsa.engine.types import (
 )
 from kapitsa.errors import ContextOverflow, EngineDead, InvalidRequest
 
-PREPARE_THREADS = 4  # prompts rendered and tokenized at once (the engine thread runs one batch)
+# prompts rendered and tokenized at once, as many as asyncio's default pool runs (made as needed)
+PREPARE_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
 class InProcessEngine:
@@ -87,7 +89,8 @@ class InProcessEngine:
         # Prompts are rendered and tokenized off the event loop, in threads this engine owns and joins
         # at close: a pool's worker drops its last task (and the engine it names) only when next
         # scheduled, so a shared pool could keep a closed engine's model alive for a while
-        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kapitsa-prepare")
+        self._prepare_name = f"kapitsa-prepare-{id(self):x}"
+        self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix=self._prepare_name)
 
     @classmethod
     def from_loaded(
@@ -199,15 +202,24 @@ class InProcessEngine:
         compiles it queued that have not started."""
         self.engine.shutdown()
         cuda_disk_cache.cancel_queued()
-        self._prepare.shutdown(wait=True, cancel_futures=True)
+        # preparations not started are dropped (their requests get EngineDead); from one of the
+        # pool's own threads (a callback) it cannot wait for itself
+        on_own_thread = threading.current_thread().name.startswith(f"{self._prepare_name}_")
+        self._prepare.shutdown(wait=not on_own_thread, cancel_futures=True)
 
     async def _off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
-        """`work(*args)` in one of the engine's preparing threads."""
+        """`work(*args)` in one of the engine's preparing threads; EngineDead once it is closed."""
         try:
             future = self._prepare.submit(work, *args)
         except RuntimeError as err:  # the pool is shut down: the engine was closed
             raise EngineDead("the engine has stopped") from err
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if future.cancelled() and task is not None and not task.cancelling():
+                raise EngineDead("the engine has stopped") from None  # dropped by close, not our caller
+            raise
 
     # helpers
 

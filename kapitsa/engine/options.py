@@ -186,8 +186,8 @@ class EngineConfig:
             )
         if self.buffer_cache_bytes is not None and self.buffer_cache_bytes < 0:
             raise ValueError("buffer_cache_bytes must be >= 0 (0: keep no freed buffers)")
-        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
-            raise ValueError("gil_switch_interval_s must be > 0 (None: leave the process's)")
+        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s >= 1e-6:
+            raise ValueError("gil_switch_interval_s must be >= 1e-6 s (None: leave the process's)")
         if self.resident_conversations < 0:
             raise ValueError("resident_conversations must be >= 0")
         if self.kv_bits not in KV_BITS_CHOICES:

@@ -228,11 +228,35 @@ async def test_prompts_are_prepared_in_threads_that_close_joins(qwen_model, monk
     assert len(ids) == 3 and prepared_in[0].startswith("kapitsa-prepare")
     engine = weakref.ref(client.engine)
     client.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("kapitsa-prepare")]
+    assert not [t for t in threading.enumerate() if t.name.startswith(f"{client._prepare_name}_")]
     _, events = await collect(client, _req("hello", 3))  # closed: answered, not raised
     assert isinstance(events[-1], ErrorEvent) and "stopped" in str(events[-1].error)
     del client, events  # an error event holds its traceback
     assert engine() is None  # no collection needed: nothing else holds it
+
+
+async def test_requests_still_being_prepared_when_the_engine_closes_get_engine_dead(
+    qwen_model, monkeypatch
+) -> None:
+    """Closing drops the preparations that have not started and waits for the running ones: every
+    request, running or dropped, ends with an EngineDead event, none with a cancellation."""
+    from kapitsa.engine import inprocess
+
+    monkeypatch.setattr(inprocess, "PREPARE_THREADS", 1)
+    tokenizer = GatedTokenizer()
+    info = ModelInfo(id="tiny", family="test", context_length=512, max_output_tokens=64)
+    client = InProcessEngine(qwen_model, tokenizer, info, eos_token_ids={EOS})
+    running = asyncio.create_task(collect(client, _req("first", 3)))
+    await asyncio.to_thread(tokenizer.entered.wait, 10)
+    queued = asyncio.create_task(collect(client, _req("second", 3)))
+    await asyncio.sleep(0.05)  # the second waits for the pool's one thread
+    closing = asyncio.create_task(asyncio.to_thread(client.close))
+    await asyncio.sleep(0.2)
+    tokenizer.gate.set()
+    await closing
+    for task in (running, queued):
+        ids, events = await asyncio.wait_for(task, 10)
+        assert ids == [] and isinstance(events[-1], ErrorEvent) and "stopped" in str(events[-1].error)
 
 
 async def test_an_engine_thread_ended_by_a_base_exception_still_lets_close_return(

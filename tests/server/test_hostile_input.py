@@ -234,3 +234,4 @@ def test_oversized_headers_are_refused_and_the_server_keeps_answering(
             refused = True
     assert refused
     assert http.get("/v1/models").status_code == 200
+    assert live.server.config.http == "h11"  # the parser with the cap, even where httptools is installed

@@ -2,8 +2,8 @@
 
 MLX's buffer-cache limit and Python's GIL switch interval are one per process. Engines running
 together hold the smallest of their values; the value from before the first comes back when the
-last lets go, whatever order they close in. Letting go twice (a stop, then the engine thread's end)
-is harmless.
+last lets go, whatever order they close in (a change made meanwhile by someone else is undone).
+Letting go twice (a stop, then the engine thread's end) is harmless.
 
 The switch interval is how long a thread waiting for the GIL lets its holder run before asking for
 it. The engine thread gives the GIL up whenever MLX waits on the device; while another thread of the
