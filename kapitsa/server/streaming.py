@@ -152,6 +152,13 @@ class GenerationRun:
                 self._queue.put_nowait(event)  # unbounded: never waits
         except Exception as exc:  # validation errors are raised by `generate`; others travel as events
             self._queue.put_nowait(exc)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # `close` stops this producer
+                raise
+            # a cancellation from inside the engine client ends the stream as an error rather than
+            # leaving `events` to send keep-alives for a generation that is gone
+            self._queue.put_nowait(RuntimeError("the generation was cancelled inside the engine"))
         finally:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:

@@ -245,6 +245,30 @@ class FailsMidway(FakeEngine):
         self.error = error
 
 
+class CancelledInside(FakeEngine):
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:  # type: ignore[override]
+        yield TokenEvent(request.request_id, (1,), "partial ")
+        await asyncio.sleep(0)
+        raise asyncio.CancelledError  # an engine client's own future cancelled under it
+
+
+def test_a_cancellation_inside_the_engine_client_ends_the_stream_with_an_error() -> None:
+    """Not a stream of keep-alives for a generation that is gone: the client gets the API's error."""
+    with (
+        live_server(CancelledInside(), keepalive_s=0.1) as live,
+        httpx.Client(base_url=live.url, timeout=10) as http,
+    ):
+        path, body = body_for("chat", "go")
+        deadline, lines = time.monotonic() + 10, []
+        with http.stream("POST", path, json=body) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                assert time.monotonic() < deadline, "the stream did not end"
+        data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert "cancelled" in data[-1]["error"]["message"] and "data: [DONE]" in lines
+        assert http.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("error", [RuntimeError("device lost"), ContextOverflow(9000, 8192)])
 def test_mid_stream_failures_use_each_api_shape(error: Exception) -> None:
     with live_server(FailsMidway(error)) as live, httpx.Client(base_url=live.url, timeout=10) as http:
