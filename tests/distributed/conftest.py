@@ -70,9 +70,25 @@ def launch_cases(
          "--", sys.executable, str(script), *cases],
         capture_output=True, text=True, env=env, timeout=240, start_new_session=True,
     )  # fmt: skip
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lines = rank_lines(done.stdout)
     assert len(lines) == num_lines, done.stderr[-3000:]
     return lines
+
+
+def rank_lines(stdout: str) -> list[dict]:
+    """The ranks' JSON objects in the launcher's merged output. mlx.launch forwards each rank's output
+    as it reads it, so under an unbuffered Python (PYTHONUNBUFFERED) one rank's newline may follow
+    another rank's line: objects are read wherever they start, not line by line."""
+    decoder, found, start = json.JSONDecoder(), [], stdout.find('{"')
+    while start != -1:
+        try:
+            obj, end = decoder.raw_decode(stdout, start)
+        except json.JSONDecodeError:
+            end = start + 1
+        else:
+            found.append(obj)
+        start = stdout.find('{"', end)
+    return found
 
 
 def run_json(args: list[str], env: dict[str, str], timeout: float = 120) -> dict:

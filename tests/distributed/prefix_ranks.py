@@ -75,7 +75,8 @@ def main() -> None:
         else:
             follow(shard, group)
             line["ids"] = shard.saved.ids()
-        print(json.dumps(line), flush=True)
+        sys.stdout.write(json.dumps(line) + "\n")  # one write: ranks share the launcher's stdout
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
