@@ -179,3 +179,21 @@ def test_two_ranks_resume_evict_alike_and_keep_the_tokens(
     assert driver["other"]["bytes"] <= driver["budget"] and driver["again"]["cached"] == 0
     assert driver["again"]["tokens"] == second["tokens"]
     assert driver["index"] == driver["ids"] == follower["ids"] != []
+
+
+def test_the_groups_engine_holds_the_gil_switch_interval_while_it_runs(checkpoints) -> None:
+    """As a local engine does: its thread waits for the GIL from busy neighbours at most 1 ms, and
+    the process's own interval comes back when it stops."""
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.0042)
+    try:
+        engine = one_rank_engine(checkpoints["qwen3_5"], prefix_cache_bytes=0)
+        try:
+            assert sys.getswitchinterval() == pytest.approx(0.001)
+        finally:
+            engine.close()
+        assert sys.getswitchinterval() == pytest.approx(0.0042)
+    finally:
+        sys.setswitchinterval(before)
