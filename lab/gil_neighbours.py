@@ -21,10 +21,9 @@ import sys
 import threading
 import time
 
-from kapitsa.engine.types import GenerationRequest, SamplingParams, TokenEvent
+from kapitsa.engine.types import GenerationRequest, SamplingParams
 from kapitsa.opener import open_engine
-
-PROMPT = ({"role": "user", "content": "Write a long story about a lighthouse keeper."},)
+from lab.server_overhead import time_in_process
 
 
 def agent_conversation(turns: int) -> tuple[dict, ...]:
@@ -36,16 +35,6 @@ def agent_conversation(turns: int) -> tuple[dict, ...]:
         messages.append({"role": "assistant", "content": f"Done with turn {turn}. {text}"})
     messages.append({"role": "user", "content": "Now run the tests."})
     return tuple(messages)
-
-
-async def _decode(client, tokens: int) -> float:  # noqa: ANN001 - an EngineClient
-    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    first, count = None, 0
-    async for event in client.generate(GenerationRequest(messages=PROMPT, sampling=sampling)):
-        if isinstance(event, TokenEvent) and event.token_ids:
-            count += len(event.token_ids)
-            first = first or time.perf_counter()
-    return (count - 1) / (time.perf_counter() - first)
 
 
 class Neighbour:
@@ -93,7 +82,7 @@ def main() -> None:
     client = open_engine(args.model, speculative="none")
     conversation = agent_conversation(args.turns)
     try:
-        asyncio.run(_decode(client, 8))
+        asyncio.run(time_in_process(client, 8, ignore_eos=True))
         started = time.perf_counter()
         prompt_tokens = asyncio.run(
             client.count_tokens(GenerationRequest(messages=conversation, sampling=SamplingParams()))
@@ -107,10 +96,10 @@ def main() -> None:
                 for kind in ("none", "prepare", "spin"):
                     key = f"interval {interval * 1e3:g} ms, neighbour {kind}"
                     if kind == "none":
-                        rate = asyncio.run(_decode(client, args.tokens))
+                        rate, _ = asyncio.run(time_in_process(client, args.tokens, ignore_eos=True))
                     else:
                         with Neighbour(kind, client, conversation):
-                            rate = asyncio.run(_decode(client, args.tokens))
+                            rate, _ = asyncio.run(time_in_process(client, args.tokens, ignore_eos=True))
                     rates.setdefault(key, []).append(round(rate, 1))
         for key, values in rates.items():
             print(json.dumps({"case": key, "tok_s": values, "median_tok_s": statistics.median(values)}))

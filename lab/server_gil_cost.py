@@ -22,22 +22,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
-
 from kapitsa.engine.runner.output import threadsafe_put
-from kapitsa.engine.types import Event, FinishEvent, GenerationRequest, SamplingParams, TokenEvent, Usage
+from kapitsa.engine.types import Event, FinishEvent, GenerationRequest, TokenEvent, Usage
 from kapitsa.testing.fake_engine import FakeEngine
+from lab.server_bench import free_port, server
+from lab.server_overhead import thread_cpu_s, time_in_process, time_over_http
 
 WORD = "tok "
 
@@ -80,39 +78,6 @@ class PacedEngine(FakeEngine):
             stop.set()
 
 
-async def _in_process(engine: PacedEngine, tokens: int) -> float:
-    request = GenerationRequest(
-        messages=({"role": "user", "content": "hi"},), sampling=SamplingParams(max_tokens=tokens)
-    )
-    first, count = None, 0
-    async for event in engine.generate(request):
-        if isinstance(event, TokenEvent):
-            count += 1
-            first = first or time.perf_counter()
-    return (count - 1) / (time.perf_counter() - first)
-
-
-def _served(url: str, tokens: int) -> float:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
-    first, count = None, 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
-        for line in response.iter_lines():
-            if line.startswith("data:") and '"content"' in line:
-                count += 1
-                first = first or time.perf_counter()
-    return (count - 1) / (time.perf_counter() - first)
-
-
-def _thread_cpu_s(pid: int) -> dict[str, float]:
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            out[task.name] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def _serve(port: int, step_s: float, wait_s: float, loop: str) -> None:
     from kapitsa.server.runner import make_server
     from kapitsa.server.settings import ServerSettings
@@ -138,41 +103,24 @@ def main() -> None:
     step_s, wait_s = args.step_ms / 1e3, args.wait_ms / 1e3
     if args.serve:
         return _serve(args.serve, step_s, wait_s, args.loop)
-    from lab.server_bench import free_port
-
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [
-        sys.executable,
-        __file__,
-        "--serve",
-        str(port),
-        "--step-ms",
-        str(args.step_ms),
-        "--wait-ms",
-        str(args.wait_ms),
-        "--loop",
-        args.loop,
-    ]
-    child = subprocess.Popen(argv, env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])})
-    try:
-        for _ in range(300):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
+    argv = [sys.executable, __file__, "--serve", str(port), "--step-ms", str(args.step_ms)]
+    argv += ["--wait-ms", str(args.wait_ms), "--loop", args.loop]
+    log = Path(tempfile.gettempdir()) / "kapitsa-server-gil-cost.log"
+    with server(argv, f"{url}/health", log, 60) as child:
         engine = PacedEngine(step_s, wait_s)
-        _served(url, 8)
+        time_over_http(url, 8)
         served, local, server_cpu = [], [], 0.0
         for r in range(args.rounds):
             order = [0, 1] if r % 2 == 0 else [1, 0]
             for side in order:
                 if side == 0:
-                    local.append(asyncio.run(_in_process(engine, args.tokens)))
+                    local.append(asyncio.run(time_in_process(engine, args.tokens))[0])
                     continue
-                before = _thread_cpu_s(child.pid)
-                served.append(_served(url, args.tokens))
-                after = _thread_cpu_s(child.pid)
+                before = thread_cpu_s(child.pid)
+                served.append(time_over_http(url, args.tokens)[0])
+                after = thread_cpu_s(child.pid)
                 # the child's threads other than its paced engine threads (one per request, gone by now)
                 server_cpu += sum(cpu - before.get(tid, 0.0) for tid, cpu in after.items() if tid in before)
         row = {
@@ -186,9 +134,6 @@ def main() -> None:
         }
         row["overhead"] = round(1 - row["served_tok_s"] / row["in_process_tok_s"], 4)
         print(json.dumps(row), flush=True)
-    finally:
-        child.terminate()
-        child.wait(10)
 
 
 if __name__ == "__main__":

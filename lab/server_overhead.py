@@ -49,7 +49,7 @@ MESSAGES = [
 ]
 
 
-async def _in_process(client, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:  # noqa: ANN001
+async def time_in_process(client, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:  # noqa: ANN001
     # as the server builds it; ignore_eos only where asked (vLLM's extension, which the server takes)
     sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=ignore_eos)
     first, count = None, 0
@@ -62,7 +62,7 @@ async def _in_process(client, tokens: int, ignore_eos: bool = False) -> tuple[fl
     raise RuntimeError("no finish event")
 
 
-def _thread_cpu_s(pid: int) -> dict[int, float]:
+def thread_cpu_s(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of each thread of process `pid`, by thread id."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
@@ -73,7 +73,7 @@ def _thread_cpu_s(pid: int) -> dict[int, float]:
     return out
 
 
-def _over_http(url: str, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:
+def time_over_http(url: str, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:
     """(tok/s after the first text chunk, completion tokens by the final usage chunk)."""
     body = {"messages": MESSAGES, "max_tokens": tokens, "temperature": 0, "stream": True}
     body |= {"stream_options": {"include_usage": True}} | ({"ignore_eos": True} if ignore_eos else {})
@@ -107,9 +107,9 @@ class Side:
 
     def round(self, tokens: int) -> None:
         modules = _jit_modules()
-        before, client = _thread_cpu_s(self.pid), time.process_time()
+        before, client = thread_cpu_s(self.pid), time.process_time()
         rate, count = self.run(tokens)
-        after = _thread_cpu_s(self.pid)
+        after = thread_cpu_s(self.pid)
         self.jit_modules.append(_jit_modules() - modules)
         for thread, cpu in after.items():
             self.thread_cpu[thread] = self.thread_cpu.get(thread, 0.0) + cpu - before.get(thread, 0.0)
@@ -177,7 +177,9 @@ def main() -> None:
             run = functools.partial(_run_in_process, engine, ignore_eos=args.ignore_eos)
             sides.append(Side(f"in process, {variant}", run, os.getpid()))
         print(json.dumps({"served": True, "warm_up_s": wait_warm(url, 600)}), flush=True)
-        sides.append(Side("served", functools.partial(_over_http, url, ignore_eos=args.ignore_eos), proc.pid))
+        sides.append(
+            Side("served", functools.partial(time_over_http, url, ignore_eos=args.ignore_eos), proc.pid)
+        )
         for side in sides:
             side.run(8)  # one-time costs outside the timing
         # every side's rounds interleaved, the order turned each round: the host's speed drifts
@@ -195,7 +197,7 @@ def main() -> None:
 
 
 def _run_in_process(engine, tokens: int, ignore_eos: bool = False) -> tuple[float, int]:  # noqa: ANN001
-    return asyncio.run(_in_process(engine, tokens, ignore_eos))
+    return asyncio.run(time_in_process(engine, tokens, ignore_eos))
 
 
 if __name__ == "__main__":
