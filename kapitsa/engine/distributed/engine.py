@@ -31,7 +31,7 @@ from kapitsa.engine.distributed.speculation import GroupSpeculation
 from kapitsa.engine.distributed.watchdog import StepClock, Watchdog
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.output import threadsafe_put
-from kapitsa.engine.runner.process_settings import GIL_SWITCH
+from kapitsa.engine.runner.process_settings import EngineHolds
 from kapitsa.engine.runner.sequence import Sequence
 from kapitsa.engine.text.prepare import prepare_prompt
 from kapitsa.engine.text.prompt_encoder import PromptEncoder
@@ -91,13 +91,12 @@ class GroupEngine:
         )
         self._thread = threading.Thread(target=self._run, name="kapitsa-group", daemon=True)
         # the engine thread waits for the GIL from busy neighbours as briefly as a local engine's
-        self._gil_hold = object()
-        if (switch_interval_s := EngineConfig().gil_switch_interval_s) is not None:
-            GIL_SWITCH.hold(self._gil_hold, switch_interval_s)
+        self._holds = EngineHolds(None, EngineConfig().gil_switch_interval_s)
+        self._holds.take()
         try:
             self._thread.start()
         except BaseException:
-            GIL_SWITCH.release(self._gil_hold)
+            self._holds.release()
             raise
 
     @property
@@ -188,7 +187,7 @@ class GroupEngine:
         except Exception as err:  # noqa: BLE001 - a step that failed half-way leaves the ranks out of step
             self._lost(PeerLost(f"the group's engine failed: {err!r}"))
         finally:
-            GIL_SWITCH.release(self._gil_hold)
+            self._holds.release()
 
     @property
     def _busy(self) -> bool:

@@ -56,14 +56,15 @@ GIL_SWITCH = ProcessBound(_swap_switch_interval)
 
 
 class EngineHolds:
-    """One engine's holds: its buffer-cache bound and, unless None, its GIL switch interval."""
+    """One engine's holds: its buffer-cache bound and its GIL switch interval, each unless None."""
 
-    def __init__(self, cache_bytes: int, switch_interval_s: float | None) -> None:
+    def __init__(self, cache_bytes: int | None, switch_interval_s: float | None) -> None:
         self.cache_bytes = cache_bytes
         self.switch_interval_s = switch_interval_s
 
     def take(self) -> None:
-        BUFFER_CACHE.hold(self, self.cache_bytes)
+        if self.cache_bytes is not None:
+            BUFFER_CACHE.hold(self, self.cache_bytes)
         if self.switch_interval_s is not None:
             GIL_SWITCH.hold(self, self.switch_interval_s)
 
