@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from engine_standins import tiny_model
 
+from kapitsa.engine.models.base import CHAIN_MAX_T
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner import warmup
 from kapitsa.engine.runner.model_runner import ModelRunner
@@ -167,11 +168,36 @@ def test_warm_sizes_outside_the_batch_are_refused(sizes) -> None:
         EngineConfig(max_running=8, warm_batches=sizes)
 
 
-def test_default_prefill_lengths_are_the_padded_lengths_on_cuda_and_none_elsewhere() -> None:
-    assert warmup.default_warm_prefill(512, on_cuda=True) == (31, 63, 127, 255, 511, 512)
-    assert warmup.default_warm_prefill(100, on_cuda=True) == (31, 63, 100)
+def test_default_prefill_lengths_are_the_exact_and_padded_lengths_on_cuda_and_none_elsewhere() -> None:
+    short = tuple(range(1, CHAIN_MAX_T + 1))  # run at their own token count
+    assert warmup.default_warm_prefill(512, on_cuda=True) == (*short, 31, 63, 127, 255, 511, 512)
+    assert warmup.default_warm_prefill(100, on_cuda=True) == (*short, 31, 63, 100)
+    assert warmup.default_warm_prefill(8, on_cuda=True) == tuple(range(1, 9))
     assert warmup.default_warm_prefill(512, on_cuda=False) == ()
     assert EngineConfig().warm_prefill == ()
+
+
+def _prompt_with_a_short_remainder(runner: ModelRunner) -> None:
+    """A 40-token prompt in a 31-token chunk and a continued 9-token one (the compiled short-chain
+    step: the remainder after a prefix-cache hit, a chat's short next turn)."""
+    cache = runner.new_cache()
+    runner.prefill(cache, list(range(5, 36)))
+    mx.eval(runner.prefill(cache, list(range(36, 45)), start=31))
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_warmed_short_chunk_traces_nothing_new(kind, monkeypatch) -> None:
+    traced = _count_traces(monkeypatch)
+    _prompt_with_a_short_remainder(ModelRunner(tiny_model(kind)))
+    assert traced[0] > 0  # the control: the continued short chunk traces its step
+
+    runner = ModelRunner(tiny_model(kind))
+    warm = warmup.BatchWarmup((), prefill_lengths=(9,))
+    while warm.run_one(runner):
+        pass
+    before = traced[0]
+    _prompt_with_a_short_remainder(runner)
+    assert traced[0] == before
 
 
 @pytest.mark.parametrize("lengths", [(0,), (65,)])

@@ -12,7 +12,8 @@ before the first runs, and none runs until the kernels those builds handed to th
 are on disk (kernels/cuda_disk_cache.py), so on CUDA they compile side by side. Then, where
 `EngineConfig.warm_prefill` asks, it prefills throwaway chunks of the lengths a prompt's chunks
 compile kernels for (the recurrent kernels' token counts: gdn_prefill.py pads a chunk past 16
-tokens to a power of two, masked when it was shorter), from an empty cache and after a first
+tokens to a power of two, masked when it was shorter, and runs shorter ones at their own count),
+from an empty cache and after a first
 chunk, so a first request's prompt finds them compiled; every chunk is built before the first
 runs, so their kernels also compile side by side. A request, abort or stop that arrives
 meanwhile waits at most for one throwaway step: the warm-up checks between steps and resumes
@@ -30,6 +31,7 @@ import mlx.core as mx
 from kapitsa.engine.cache.hybrid import HybridCache
 from kapitsa.engine.cache.layers import KV_STEP
 from kapitsa.engine.kernels import cuda_disk_cache
+from kapitsa.engine.models.base import CHAIN_MAX_T
 from kapitsa.engine.options import EngineConfig
 from kapitsa.engine.runner.memory import MemoryBudget
 from kapitsa.engine.runner.model_runner import ModelRunner
@@ -62,12 +64,15 @@ def default_warm_batches(max_running: int, on_gpu: bool) -> tuple[int, ...]:
 
 
 def default_warm_prefill(prefill_chunk: int, on_cuda: bool) -> tuple[int, ...]:
-    """On CUDA: one token short of each power of two from 32 up to the chunk (a padded, masked call
-    at that length) and the chunk itself (a long prompt's full chunks); none elsewhere (the CPU's
-    reference path compiles nothing per length, and Metal runs no custom kernels by default)."""
+    """On CUDA: every length up to CHAIN_MAX_T (short chunks run the recurrent kernels at their
+    exact token count, and a continued one the compiled short-chain step of that count: a prompt's
+    remainder after a prefix-cache hit, a chat's short next turn), one token short of each power of
+    two from 32 up to the chunk (a padded, masked call at that length) and the chunk itself (a long
+    prompt's full chunks); none elsewhere (the CPU's reference path compiles nothing per length,
+    and Metal runs no custom kernels by default)."""
     if not on_cuda:
         return ()
-    lengths = {prefill_chunk}
+    lengths = {prefill_chunk, *range(1, min(CHAIN_MAX_T, prefill_chunk) + 1)}
     power = 32
     while power <= prefill_chunk:
         lengths.add(power - 1)
