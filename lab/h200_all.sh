@@ -8,6 +8,10 @@
 #                                       kapitsa beside mlx-lm; kapitsa's MoE layers without the
 #                                       dequantized grouped GEMM, its Mamba layers at SSD chunk
 #                                       lengths $SSD_CHUNKS
+#   bash lab/h200_all.sh moe-cold     whether a MoE prefill pays ~0.25 s when the dequantize route runs after its
+#                                       dense expert buffers left MLX's cache ($MOE_COLD_SHAPES, default
+#                                       nemotron-30b-a3b 35b-a3b; $MOE_COLD_PROMPT tokens, default 512;
+#                                       lab/moe_route_cold.py)
 #   bash lab/h200_all.sh timeline     GPU time of kapitsa's decode step by kernel ($TIMELINE_SHAPES,
 #                                       default 27b; after a $TIMELINE_PROMPT-token prompt, default
 #                                       512) under Nsight Systems (lab/decode_kernels.py)
@@ -234,6 +238,14 @@ case "$part" in
     wait
     for folder in /tmp/kapitsa-prime-*; do cp -rn "$folder/." "$cache/"; done
     echo "MLX's cache: $(ls "$cache" | wc -l) files in $cache, primed in $(($(date +%s) - started)) s ($jobs at a time)"
+    ;;
+  moe-cold)
+    : > "$out/moe-cold.log"
+    # one process per shape (both MoE shapes' weights at once are 36 GB)
+    for shape in ${MOE_COLD_SHAPES:-nemotron-30b-a3b 35b-a3b}; do
+      timeout "${MOE_COLD_TIMEOUT:-200}" $py lab/moe_route_cold.py --shapes "$shape" \
+        --prompt "${MOE_COLD_PROMPT:-512}" --rounds "${ROUNDS:-3}" 2>&1 | tee -a "$out/moe-cold.log" | grep '^{'
+    done
     ;;
   table)
     # #32's table rows: one process per shape builds both models once and compiles kapitsa's kernels

@@ -439,3 +439,23 @@ def test_batch_sweep_reads_the_devices_memory_in_use_from_nvidia_smi(tmp_path, m
     assert batch_sweep._memory_gb()["device_used_gb"] == 40.0
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert "device_used_gb" not in batch_sweep._memory_gb()
+
+
+def test_moe_route_cold_times_each_case_per_round() -> None:
+    """Every case of lab/moe_route_cold.py, in order each round, with the warm-up it names: under
+    the route's token-expert pairs only in no-route-warm."""
+    done = subprocess.run(
+        [sys.executable, "lab/moe_route_cold.py", "--tiny", "--shapes", "nemotron-30b-a3b", "--prompt", "300",
+         "--rounds", "2"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    head, cases = rows[0], rows[1:]
+    assert head["prompt_pairs"] == 300 * head["top_k"]
+    assert [(r["round"], r["case"]) for r in cases] == [(n, c) for n in (0, 1) for c in
+                                                        ("route-warm", "no-route-warm", "cleared", "again")]  # fmt: skip
+    under = [r["warmup_tokens"] for r in cases if r["case"] == "no-route-warm"]
+    assert all(n * head["top_k"] < head["route_min_pairs"] for n in under)
+    assert all(r["warmup_tokens"] == 300 for r in cases if r["case"] != "no-route-warm")
+    assert all(r["ttft_s"] > 0 and r["prefill_tok_s"] > 0 for r in cases)
