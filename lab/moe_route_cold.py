@@ -35,8 +35,7 @@ CASES = ("route-warm", "no-route-warm", "cleared", "again")
 
 def top_k(config: dict) -> int:
     """Experts a token picks (the route's pairs are tokens x this)."""
-    text = config.get("text_config") or config
-    return int(text.get("num_experts_per_tok") or text.get("moe_topk") or 1)
+    return int((config.get("text_config") or config)["num_experts_per_tok"])
 
 
 def warmup_prompt(case: str, prompt: list[int], k: int, vocab: int) -> list[int]:

@@ -13,9 +13,8 @@ are on disk (kernels/cuda_disk_cache.py), so on CUDA they compile side by side. 
 `EngineConfig.warm_prefill` asks, it prefills throwaway chunks of the lengths a prompt's chunks
 compile kernels for (the recurrent kernels' token counts: gdn_prefill.py pads a chunk past 16
 tokens to a power of two, masked when it was shorter, and runs shorter ones at their own count),
-from an empty cache and after a first
-chunk, so a first request's prompt finds them compiled; every chunk is built before the first
-runs, so their kernels also compile side by side. A request, abort or stop that arrives
+from an empty cache and after a first chunk, so a first request's prompt finds them compiled;
+every chunk is built before the first runs, so their kernels also compile side by side. A request, abort or stop that arrives
 meanwhile waits at most for one throwaway step: the warm-up checks between steps and resumes
 later.
 """
